@@ -1,0 +1,45 @@
+# fitserve: every target does its own setup (a venv at .venv with pinned deps, the default model).
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+WHEELS  := $(wildcard /opt/wheels)
+PIPOPTS := $(if $(WHEELS),--find-links $(WHEELS),)
+PROMPT  ?= Write a haiku about paged attention.
+
+.PHONY: setup pull serve generate test test-fast lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first and exactly pinned: an unpinned torch would pull a multi-GB CUDA build
+	$(BIN)/pip install -q $(PIPOPTS) torch==2.13.0
+	$(BIN)/pip install -q $(PIPOPTS) -e ".[test]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+pull: setup
+	$(BIN)/fitserve pull smollm2-135m
+
+serve: pull
+	$(BIN)/fitserve serve
+
+generate: pull
+	$(BIN)/fitserve generate --chat "$(PROMPT)"
+
+lint: setup
+	$(BIN)/ruff check fitserve tests benchmarks
+	$(BIN)/mypy fitserve/plan fitserve/kv fitserve/sched
+
+test: pull lint
+	$(BIN)/pytest -q
+
+test-fast: setup
+	$(BIN)/pytest -q -m "not slow"
+
+bench: pull
+	$(BIN)/python benchmarks/bench_engine.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,140 @@
+"""fitserve command line: plan | pull | generate | serve | kernels."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="a .gguf file, a Hugging Face folder, or a known name")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--kv-cache-memory", type=_parse_bytes, default=None, help="KV pool size, e.g. 512M or 2G")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+
+
+def _parse_bytes(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 2G)") from None
+
+
+def engine_config_from_args(args: argparse.Namespace) -> object:
+    from fitserve.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_bytes=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+    )
+
+
+def _cmd_pull(args: argparse.Namespace) -> int:
+    from fitserve.loading.pull import pull
+
+    path = pull(args.name, progress=True)
+    print(path)
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from fitserve.engine import Engine
+    from fitserve.sampling import SamplingParams
+
+    engine = Engine(engine_config_from_args(args))  # type: ignore[arg-type]
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos,
+    )
+    prompt: str | list[int] = args.prompt
+    if args.chat:
+        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+    last = None
+    for out in engine.stream(prompt, params):
+        sys.stdout.write(out.delta_text)
+        sys.stdout.flush()
+        last = out
+    sys.stdout.write("\n")
+    if last is not None and args.verbose:
+        print(f"[{len(last.token_ids)} tokens, finish_reason={last.finish_reason.value if last.finish_reason else None}]",
+              file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fitserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("pull", help="fetch a known model into the local cache")
+    p.add_argument("name", nargs="?", default="smollm2-135m")
+    p.set_defaults(func=_cmd_pull)
+
+    p = sub.add_parser("generate", help="generate text for one prompt, streaming tokens")
+    _add_engine_args(p)
+    p.add_argument("prompt")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.set_defaults(func=_cmd_generate)
+
+    for adder in _optional_parsers():
+        adder(sub)
+    return parser
+
+
+def _optional_parsers() -> list:  # type: ignore[type-arg]
+    adders = []
+    try:
+        from fitserve.plan.cli_plan import add_plan_parser
+
+        adders.append(add_plan_parser)
+    except ImportError:
+        pass
+    try:
+        from fitserve.kernels.cli_kernels import add_kernels_parser
+
+        adders.append(add_kernels_parser)
+    except ImportError:
+        pass
+    try:
+        from fitserve.server.cli_serve import add_serve_parser
+
+        adders.append(add_serve_parser)
+    except ImportError:
+        pass
+    return adders
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"fitserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""LLM: offline batch generation over an Engine, with a progress bar."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tqdm.auto import tqdm
+
+from fitserve.config import EngineConfig
+from fitserve.engine import Engine
+from fitserve.sampling import SamplingParams
+from fitserve.types import FinishReason, TokenLogprobs
+
+Prompt = str | Sequence[int]
+
+
+@dataclass(slots=True)
+class Completion:
+    """One of the n outputs of a prompt."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None
+    stop_reason: str | int | None
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    """The result for one prompt, in the order the prompts were given."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[Completion]
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+
+class LLM:
+    """``LLM(model).generate(prompts, params)``: batch generation with continuous batching.
+
+    Keyword arguments are EngineConfig fields (dtype, max_model_len, num_kv_blocks, ...).
+    """
+
+    def __init__(self, model: str = "smollm2-135m", **engine_kwargs: object) -> None:
+        self.engine = Engine(EngineConfig(model=model, **engine_kwargs))  # type: ignore[arg-type]
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+    ) -> list[GenerationResult]:
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list = list(prompts)  # type: ignore[arg-type]
+        if params is None or isinstance(params, SamplingParams):
+            param_list = [params or SamplingParams()] * len(prompt_list)
+        else:
+            param_list = list(params)
+            if len(param_list) != len(prompt_list):
+                raise ValueError(f"{len(param_list)} sampling params for {len(prompt_list)} prompts")
+        # Validate and queue every sub-request first; on a bad one, withdraw what was queued.
+        keys: dict[str, tuple[int, int]] = {}
+        try:
+            for i, (prompt, p) in enumerate(zip(prompt_list, param_list, strict=True)):
+                for j in range(p.n):
+                    child = dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + j)
+                    rid = self.engine.add_request(prompt, child, request_id=f"llm-{id(self)}-{i}-{j}")
+                    keys[rid] = (i, j)
+        except Exception:
+            for rid in keys:
+                self.engine.abort(rid)
+            raise
+        results: list[GenerationResult] = []
+        for prompt, p in zip(prompt_list, param_list, strict=True):
+            results.append(GenerationResult(prompt if isinstance(prompt, str) else None, [], [None] * p.n))  # type: ignore[list-item]
+        show = use_tqdm if use_tqdm is not None else len(keys) > 8
+        bar = tqdm(total=len(keys), desc="generate", unit="req", disable=not show)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if not out.finished or out.request_id not in keys:
+                        continue
+                    i, j = keys[out.request_id]
+                    results[i].prompt_token_ids = out.prompt_token_ids
+                    results[i].outputs[j] = Completion(
+                        index=j, text=out.text, token_ids=out.token_ids, logprobs=out.logprobs,
+                        finish_reason=_reason(out.finish_reason), stop_reason=out.stop_reason,
+                    )
+                    bar.update(1)
+        finally:
+            bar.close()
+            for rid in keys:
+                self.engine.abort(rid)
+        return results
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
+        params: SamplingParams | None = None,
+        **kwargs: object,
+    ) -> list[GenerationResult]:
+        """Apply the model's chat template to one conversation (or a list of them), then generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        # The template writes its own special tokens, so none are added when encoding.
+        prompts = [
+            self.tokenizer.encode(
+                self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True),  # type: ignore[arg-type]
+                add_special_tokens=False,
+            )
+            for c in convs
+        ]
+        return self.generate(prompts, params, **kwargs)  # type: ignore[arg-type]
+
+
+def _reason(reason: FinishReason | None) -> str | None:
+    return None if reason is None else reason.value

@@ -1,0 +1,92 @@
+"""Chat templates rendered in jinja2's immutable sandbox, with Hugging Face's helpers.
+
+Templates come from model files (untrusted), so they run in
+:class:`jinja2.sandbox.ImmutableSandboxedEnvironment` with the globals transformers exposes:
+``raise_exception``, ``strftime_now`` and a ``tojson`` filter that does not HTML-escape.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class ChatTemplateError(ValueError):
+    """The template is missing, malformed, or raised an error while rendering."""
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=32)
+def _compile(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ChatTemplateError(f"chat template does not parse: {exc}") from exc
+
+
+def select_template(template: str | list[Any] | None, name: str = "default") -> str | None:
+    """Pick one template from ``tokenizer_config.json``'s string or list-of-named-templates form."""
+    if template is None or isinstance(template, str):
+        return template
+    named = {t["name"]: t["template"] for t in template if isinstance(t, Mapping)}
+    return named.get(name) or next(iter(named.values()), None)
+
+
+def render_chat_template(
+    template: str,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    special_tokens: Mapping[str, str | None] | None = None,
+    **kwargs: Any,
+) -> str:
+    """Render ``messages`` with ``template`` the way transformers' ``apply_chat_template`` does.
+
+    ``special_tokens`` (``bos_token``, ``eos_token``...) are visible to the template, as are any
+    extra ``kwargs`` (``tools``, ``documents``, ``enable_thinking``...).
+    """
+    for message in messages:
+        if not isinstance(message, Mapping):
+            raise ChatTemplateError(f"chat messages must be dicts, got {message!r}")
+    context: dict[str, Any] = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+    context.update(kwargs)
+    try:
+        return _compile(template).render(
+            messages=[dict(m) for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            **context,
+        )
+    except jinja2.TemplateError as exc:
+        raise ChatTemplateError(f"chat template failed: {exc}") from exc

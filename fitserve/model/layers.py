@@ -1,0 +1,102 @@
+"""Building blocks shared by the decoder architectures: RMSNorm, rotary embedding, SwiGLU MLP."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from fitserve.config import ModelSpec, RopeScaling
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with the mean of squares taken in fp32 (a long sum in bf16 loses bits)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # NOTE: cast back before the weight multiply, as the Hugging Face reference does.
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies (fp32) for split-half RoPE, with optional llama3 / linear scaling."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    if scaling.kind != "llama3":
+        raise ValueError(f"unsupported rope scaling type {scaling.kind!r} (supported: llama3, linear)")
+    old_ctx = scaling.original_max_position_embeddings
+    low_wavelen = old_ctx / scaling.low_freq_factor
+    high_wavelen = old_ctx / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_ctx / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables indexed by absolute position.
+
+    Angles are position * inv_freq computed in fp32 (a bf16 angle at position 100k is off by
+    hundreds of radians' worth of ulps), then cast to the activation dtype like the reference.
+    """
+
+    def __init__(self, spec: ModelSpec, max_positions: int) -> None:
+        super().__init__()
+        self.head_dim = spec.head_dim
+        self.interleaved = spec.rope_interleaved
+        inv_freq = rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+        pos = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)  # [P, D/2]
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [N, Hq, D] and k [N, Hk, D] by their tokens' absolute positions [N]."""
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [N, 1, D/2]
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.interleaved:
+            # pairs (x0, x1), (x2, x3), ...
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+            return out.flatten(-2)
+        # split halves: pairs (x_i, x_{i+D/2}), the Hugging Face rotate_half convention
+        half = self.head_dim // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        cos2 = torch.cat((cos, cos), dim=-1)
+        sin2 = torch.cat((sin, sin), dim=-1)
+        return x * cos2 + torch.cat((-x2, x1), dim=-1) * sin2
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP with the gate and up projections fused into one matmul."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)

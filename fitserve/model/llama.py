@@ -1,0 +1,180 @@
+"""One decoder for the Llama family: Llama 1/2/3, Mistral (sliding window), Qwen2 (qkv bias),
+Qwen3 (per-head q/k RMSNorm). Weights use Hugging Face names; q/k/v and gate/up are fused."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fitserve.config import SUPPORTED_ARCHITECTURES, ModelSpec
+from fitserve.model.attention import AttentionBatch, paged_attention, write_kv
+from fitserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+
+class UnsupportedModelError(ValueError):
+    """The spec asks for something this engine does not run."""
+
+
+def check_supported(spec: ModelSpec) -> None:
+    if spec.architecture not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"architecture {spec.architecture!r} is not supported by the engine "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    if spec.num_experts:
+        raise UnsupportedModelError("mixture-of-experts models are not supported by the engine")
+    if spec.hidden_act != "silu":
+        raise UnsupportedModelError(f"activation {spec.hidden_act!r} is not supported (only silu)")
+    if spec.num_heads % spec.num_kv_heads:
+        raise UnsupportedModelError(
+            f"num_heads={spec.num_heads} is not a multiple of num_kv_heads={spec.num_kv_heads}"
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size, self.kv_size = spec.q_size, spec.kv_size
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.rotary = rotary
+        self.scale = spec.head_dim**-0.5
+        self.layer_idx = layer_idx
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv, self.head_dim)
+        v = v.view(n, self.num_kv, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(q, k, positions)
+        k_cache, v_cache = kv_cache
+        write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, batch, self.scale)
+        return self.o_proj(out.reshape(n, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Attention(spec, layer_idx, rotary)
+        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, batch, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """Packed-token decoder: forward takes N tokens of many sequences at once."""
+
+    def __init__(self, spec: ModelSpec, max_positions: int) -> None:
+        super().__init__()
+        check_supported(spec)
+        self.spec = spec
+        self.rotary = RotaryEmbedding(spec, max_positions)
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, self.rotary) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """input_ids, positions [N] -> final hidden states [N, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, positions, batch, kv)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+
+def fuse_hf_weights(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Map Hugging Face parameter names onto this module's fused q/k/v and gate/up weights."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in weights.items():
+        if name.startswith("model."):
+            name = name[len("model.") :]
+        out[name] = tensor
+    missing: list[str] = []
+
+    def take(key: str) -> torch.Tensor:
+        if key not in out:
+            missing.append(key)
+            return torch.empty(0)
+        return out.pop(key)
+
+    for i in range(spec.num_layers):
+        p = f"layers.{i}."
+        a = p + "self_attn."
+        out[a + "qkv_proj.weight"] = torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"])
+        if spec.attention_bias:
+            out[a + "qkv_proj.bias"] = torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"])
+        m = p + "mlp."
+        out[m + "gate_up_proj.weight"] = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
+    if spec.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in out:
+        missing.append("lm_head.weight")
+    if missing:
+        raise UnsupportedModelError(f"model weights are missing tensors: {', '.join(missing[:8])}")
+    return out
+
+
+def build_model(
+    spec: ModelSpec,
+    weights: dict[str, torch.Tensor],
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    max_positions: int,
+) -> CausalLM:
+    """Instantiate the decoder on ``device`` without random init, then load ``weights``."""
+    with torch.device("meta"):
+        model = CausalLM(spec, max_positions)
+    model = model.to_empty(device=device).to(dtype=dtype)
+    state = fuse_hf_weights(spec, weights)
+    expected = {k for k in model.state_dict() if not k.endswith(("rotary.cos", "rotary.sin"))}
+    if spec.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    unexpected = sorted(set(state) - expected)
+    absent = sorted(expected - set(state))
+    if absent:
+        raise UnsupportedModelError(f"model weights are missing tensors: {', '.join(absent[:8])}")
+    if unexpected:
+        raise UnsupportedModelError(f"model weights have unexpected tensors: {', '.join(unexpected[:8])}")
+    model.load_state_dict(state, strict=False)  # copies, casting into the model dtype
+    if spec.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    # The rotary tables stay fp32 whatever the model dtype (angles at long positions).
+    model.rotary = RotaryEmbedding(spec, max_positions).to(device)
+    for layer in model.layers:
+        layer.self_attn.rotary = model.rotary
+    return model.eval().requires_grad_(False)

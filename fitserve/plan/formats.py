@@ -1,0 +1,187 @@
+"""The one table of formats: bytes per element, block layouts and scale overhead.
+
+Shared by the loader, the quantization code and the planner. Every weight format is a block:
+``block_elements`` weights stored in ``block_bits`` bits (scales and zero points included),
+plus optional per-row and per-tensor scales. Plain dtypes are blocks of one element.
+
+    int4-g128 (asymmetric, AWQ/GPTQ style), one group of 128 weights along a row:
+    +---------------- 64 bytes ----------------+-- 2 bytes --+-- 4 bits --+
+    | 128 x 4-bit codes                         | f16 scale   | int4 zero  |  = 532 bits
+    +-------------------------------------------+-------------+------------+
+
+    GGUF Q4_K super-block of 256 weights (ggml block_q4_K): d, dmin (2 x f16) + 12 bytes of
+    6-bit sub-block scales/mins + 128 bytes of 4-bit codes = 144 bytes = 4.5 bits/weight.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from fitserve.plan.errors import PlanError
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """A weight storage format: ``block_bits`` bits hold ``block_elements`` weights."""
+
+    name: str
+    block_elements: int
+    block_bits: int
+    row_scale_bytes: int = 0  # per output row (per-channel scales), e.g. int8 W8A16
+    tensor_scale_bytes: int = 0  # per tensor (per-tensor scale), e.g. fp8
+    gguf: bool = False  # a ggml type (GGUF files)
+    note: str = ""
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Bits per weight from the block layout alone (row/tensor scales excluded)."""
+        return self.block_bits / self.block_elements
+
+
+def _gguf(name: str, block: int, nbytes: int, layout: str) -> WeightFormat:
+    return WeightFormat(name, block, nbytes * 8, gguf=True, note=f"ggml {layout}")
+
+
+WEIGHT_FORMATS: dict[str, WeightFormat] = {
+    f.name: f
+    for f in (
+        WeightFormat("f32", 1, 32, note="IEEE float32"),
+        WeightFormat("bf16", 1, 16, note="bfloat16"),
+        WeightFormat("f16", 1, 16, note="IEEE float16"),
+        WeightFormat("fp8", 1, 8, tensor_scale_bytes=4,
+                     note="float8 e4m3, one f32 scale per tensor"),
+        WeightFormat("fp8-block", 128 * 128, 128 * 128 * 8 + 32,
+                     note="float8 e4m3, one f32 scale per 128x128 tile (DeepSeek-V3)"),
+        WeightFormat("int8", 1, 8, row_scale_bytes=4,
+                     note="int8 symmetric, one f32 scale per output channel"),
+        WeightFormat("mxfp4", 32, 32 * 4 + 8,
+                     note="OCP MX fp4 e2m1, one e8m0 scale byte per 32 (gpt-oss experts)"),
+        _gguf("Q4_0", 32, 18, "block_q4_0: f16 d + 16 B of 4-bit codes"),
+        _gguf("Q4_1", 32, 20, "block_q4_1: f16 d, f16 m + 16 B of 4-bit codes"),
+        _gguf("Q5_0", 32, 22, "block_q5_0: f16 d + 4 B high bits + 16 B codes"),
+        _gguf("Q5_1", 32, 24, "block_q5_1: f16 d, m + 4 B high bits + 16 B codes"),
+        _gguf("Q8_0", 32, 34, "block_q8_0: f16 d + 32 int8 codes"),
+        _gguf("Q2_K", 256, 84, "block_q2_K: 16 B scales + 64 B codes + f16 d, dmin"),
+        _gguf("Q3_K", 256, 110, "block_q3_K: 32 B hmask + 64 B codes + 12 B scales + f16 d"),
+        _gguf("Q4_K", 256, 144, "block_q4_K: f16 d, dmin + 12 B scales + 128 B codes"),
+        _gguf("Q5_K", 256, 176, "block_q5_K: f16 d, dmin + 12 B scales + 32 B qh + 128 B"),
+        _gguf("Q6_K", 256, 210, "block_q6_K: 128 B ql + 64 B qh + 16 B scales + f16 d"),
+        _gguf("Q8_K", 256, 292, "block_q8_K: f32 d + 256 int8 + 16 int16 bsums"),
+    )
+}
+
+# Spellings accepted for the same format (config.json torch_dtype, ggml names, CLI habits).
+ALIASES: dict[str, str] = {
+    "float32": "f32", "fp32": "f32", "F32": "f32",
+    "bfloat16": "bf16", "BF16": "bf16",
+    "float16": "f16", "fp16": "f16", "half": "f16", "F16": "f16",
+    "fp8_e4m3": "fp8", "float8_e4m3fn": "fp8", "e4m3": "fp8", "fp8-e4m3": "fp8",
+    "w8a16": "int8", "int4": "int4-g128", "w4a16": "int4-g128", "MXFP4": "mxfp4",
+}
+
+_INT4_RE = re.compile(r"^int4-g(\d+)(-sym)?$")
+
+
+def int4_format(group: int, *, symmetric: bool = False) -> WeightFormat:
+    """int4 weights in groups of ``group`` along a row: f16 scale (+ 4-bit zero point) each."""
+    if group <= 0 or group % 2:
+        raise PlanError(f"int4 group size must be a positive even number, got {group}")
+    zero_bits = 0 if symmetric else 4
+    name = f"int4-g{group}" + ("-sym" if symmetric else "")
+    zero = "" if symmetric else " + int4 zero point"
+    return WeightFormat(name, group, group * 4 + 16 + zero_bits,
+                        note=f"int4 codes, per group of {group}: f16 scale{zero}")
+
+
+def weight_format(fmt: str) -> WeightFormat:
+    """Look a weight format up by name or alias ("bf16", "fp8", "int4-g64", "Q4_K", ...)."""
+    name = ALIASES.get(fmt, fmt)
+    if name in WEIGHT_FORMATS:
+        return WEIGHT_FORMATS[name]
+    upper = name.upper()
+    if upper in WEIGHT_FORMATS:
+        return WEIGHT_FORMATS[upper]
+    m = _INT4_RE.match(name.lower())
+    if m:
+        return int4_format(int(m.group(1)), symmetric=m.group(2) is not None)
+    known = ", ".join([*WEIGHT_FORMATS, "int4-g<N>[-sym]"])
+    raise PlanError(f"unknown weight format {fmt!r}; known: {known}")
+
+
+def weight_bytes(num_elements: int, fmt: str, *, rows: int = 0) -> int:
+    """Bytes to store one tensor of ``num_elements`` weights in ``fmt``.
+
+    ``ceil(num_elements / block_elements)`` blocks of ``block_bits``, rounded up to a byte, plus
+    ``rows x row_scale_bytes`` (per-channel formats: ``rows`` = output channels, required) plus
+    ``tensor_scale_bytes`` once. A mix such as Q4_K_M is not one format: see ``plan.mixes``.
+    """
+    if num_elements < 0:
+        raise PlanError(f"negative element count {num_elements}")
+    f = weight_format(fmt)
+    if f.row_scale_bytes and rows <= 0:
+        raise PlanError(f"{f.name} has per-channel scales: pass rows= (output channels)")
+    blocks = -(-num_elements // f.block_elements)
+    return -(-blocks * f.block_bits // 8) + rows * f.row_scale_bytes + f.tensor_scale_bytes
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """A KV-cache element format and where its scales live.
+
+    ``scale_bytes_per_head``: bytes of scale per token per KV head, for K and for V each.
+    ``scale_bytes_per_layer``: fixed per-layer scales (K and V together), not per token.
+    """
+
+    name: str
+    element_bytes: int
+    scale_bytes_per_head: int = 0
+    scale_bytes_per_layer: int = 0
+    note: str = ""
+
+
+KV_FORMATS: dict[str, KVFormat] = {
+    f.name: f
+    for f in (
+        KVFormat("f32", 4, note="float32"),
+        KVFormat("bf16", 2, note="bfloat16"),
+        KVFormat("f16", 2, note="float16"),
+        KVFormat("fp8", 1, scale_bytes_per_layer=8,
+                 note="float8 e4m3; one f32 scale for K and one for V per layer"),
+        KVFormat("int8", 1, scale_bytes_per_head=4,
+                 note="int8 symmetric; one f32 scale per token per KV head, for K and V each"),
+    )
+}
+
+
+def kv_format(kv_dtype: str) -> KVFormat:
+    """Look a KV format up by name or alias; "auto" must be resolved first (resolve_kv_dtype)."""
+    name = ALIASES.get(kv_dtype, kv_dtype)
+    if name in KV_FORMATS:
+        return KV_FORMATS[name]
+    if name == "auto":
+        raise PlanError('kv dtype "auto" must be resolved to the model dtype first')
+    raise PlanError(f"unknown KV format {kv_dtype!r}; known: {', '.join(KV_FORMATS)}")
+
+
+def resolve_kv_dtype(kv_dtype: str, model_dtype: str) -> str:
+    """"auto" -> the model (activation) dtype, else the canonical name of ``kv_dtype``."""
+    return kv_format(model_dtype if kv_dtype == "auto" else kv_dtype).name
+
+
+def kv_element_bytes(kv_dtype: str) -> float:
+    """Bytes per stored K or V element, scales excluded (see ``kv_scale_bytes_per_head``)."""
+    return float(kv_format(kv_dtype).element_bytes)
+
+
+def kv_scale_bytes_per_head(kv_dtype: str) -> int:
+    """Scale bytes per token per KV head, for K and for V each (0 for unscaled formats)."""
+    return kv_format(kv_dtype).scale_bytes_per_head
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes of a plain activation dtype (f32/bf16/f16)."""
+    f = weight_format(dtype)
+    if f.block_elements != 1 or f.row_scale_bytes or f.tensor_scale_bytes:
+        raise PlanError(f"{dtype!r} is not a plain activation dtype")
+    return f.block_bits // 8

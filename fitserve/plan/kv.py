@@ -1,0 +1,124 @@
+"""KV-cache bytes per token, per block and per request, per tensor-parallel rank.
+
+Per layer and token, one rank stores:
+
+    full / sliding attention (GQA):  2 (K and V) x h_r x (head_dim x e + s)
+    MLA latent (DeepSeek):           1 x ((kv_lora_rank + qk_rope_head_dim) x e + s)
+
+where e = bytes per element of the KV format, s = its per-token-per-head scale bytes, and
+h_r = ceil(num_kv_heads / tp): KV heads divide across ranks until tp exceeds the KV-head count;
+past it every rank still holds one whole head, so each head is stored tp / num_kv_heads times.
+The MLA latent is shared by all heads and cannot be split by head: every rank holds all of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fitserve.config import ModelSpec
+from fitserve.plan.errors import PlanError
+from fitserve.plan.formats import kv_format
+from fitserve.plan.params import is_mla
+
+
+def check_tp(spec: ModelSpec, tp: int) -> None:
+    """Raise PlanError unless ``tp`` splits the attention heads (and KV heads) evenly."""
+    if tp < 1:
+        raise PlanError(f"tensor parallel size must be >= 1, got {tp}")
+    if spec.num_heads % tp:
+        raise PlanError(f"--tp {tp} does not divide the {spec.num_heads} attention heads of "
+                        f"{spec.name or spec.architecture}; use a divisor of {spec.num_heads}")
+    kv = spec.num_kv_heads
+    if not is_mla(spec) and kv % tp and tp % kv:
+        raise PlanError(f"--tp {tp} neither divides nor is a multiple of the {kv} KV heads")
+
+
+def kv_heads_per_rank(spec: ModelSpec, tp: int = 1) -> int:
+    """KV heads one rank stores: ceil(num_kv_heads / tp) (1 head = the MLA latent)."""
+    check_tp(spec, tp)
+    return 1 if is_mla(spec) else -(-spec.num_kv_heads // tp)
+
+
+def kv_replication(spec: ModelSpec, tp: int = 1) -> float:
+    """How many copies of each KV head the TP group stores (1.0 = no duplication)."""
+    if is_mla(spec):
+        return float(tp)
+    return tp * kv_heads_per_rank(spec, tp) / spec.num_kv_heads
+
+
+def kv_layer_bytes_per_token(spec: ModelSpec, kv_dtype: str, *, tp: int = 1) -> int:
+    """Bytes one rank stores per token for ONE layer (K and V, or the MLA latent)."""
+    f = kv_format(kv_dtype)
+    if is_mla(spec):
+        width = spec.kv_lora_rank + spec.qk_rope_head_dim
+        check_tp(spec, tp)
+        return width * f.element_bytes + f.scale_bytes_per_head
+    heads = kv_heads_per_rank(spec, tp)
+    return 2 * heads * (spec.head_dim * f.element_bytes + f.scale_bytes_per_head)
+
+
+def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str, *, tp: int = 1) -> int:
+    """Bytes one rank stores per token across ALL layers, K and V, no window cap.
+
+    This is what a paged cache that allocates every layer for every token (one block = all
+    layers) spends per token; window savings need an allocator that reclaims (see below).
+    """
+    return spec.num_layers * kv_layer_bytes_per_token(spec, kv_dtype, tp=tp)
+
+
+def kv_block_bytes(spec: ModelSpec, block_size: int, kv_dtype: str, *, tp: int = 1) -> int:
+    """Bytes of one KV block (``block_size`` token slots, all layers) on one rank."""
+    if block_size < 1:
+        raise PlanError(f"block size must be >= 1, got {block_size}")
+    return block_size * kv_bytes_per_token(spec, kv_dtype, tp=tp)
+
+
+def kv_fixed_bytes(spec: ModelSpec, kv_dtype: str) -> int:
+    """Per-layer scales that do not grow with tokens (fp8: one f32 for K and V per layer)."""
+    return spec.num_layers * kv_format(kv_dtype).scale_bytes_per_layer
+
+
+def layer_kinds(spec: ModelSpec) -> tuple[str, ...]:
+    """"full" or "sliding" per layer (Mistral's window applies to every layer)."""
+    if spec.layer_types is not None:
+        if len(spec.layer_types) != spec.num_layers:
+            raise PlanError(f"layer_types has {len(spec.layer_types)} entries for "
+                            f"{spec.num_layers} layers")
+        return spec.layer_types
+    kind = "sliding" if spec.sliding_window else "full"
+    return (kind,) * spec.num_layers
+
+
+@dataclass(frozen=True)
+class RequestKV:
+    """KV bytes one rank stores for one request at ``context`` tokens.
+
+    ``bytes_all_layers``: every layer keeps every token (no reclaiming allocator).
+    ``bytes_reclaimed``: sliding layers keep only their last ``window`` tokens.
+    """
+
+    context: int
+    full_layers: int
+    sliding_layers: int
+    window: int | None
+    bytes_all_layers: int
+    bytes_reclaimed: int
+
+    @property
+    def window_saving(self) -> float:
+        """Fraction saved by reclaiming: (sliding/layers) x (1 - window/context)."""
+        return 1.0 - self.bytes_reclaimed / self.bytes_all_layers if self.bytes_all_layers else 0.0
+
+
+def request_kv(spec: ModelSpec, context: int, kv_dtype: str, *, tp: int = 1) -> RequestKV:
+    """KV bytes for one request of ``context`` tokens, with and without window reclaiming."""
+    kinds = layer_kinds(spec)
+    per_layer = kv_layer_bytes_per_token(spec, kv_dtype, tp=tp)
+    sliding = sum(k == "sliding" for k in kinds)
+    window = spec.sliding_window if sliding else None
+    if sliding and not window:
+        raise PlanError("sliding layers need a sliding_window")
+    capped = min(context, window) if window else context
+    all_layers = spec.num_layers * per_layer * context
+    reclaimed = (spec.num_layers - sliding) * per_layer * context + sliding * per_layer * capped
+    return RequestKV(context, spec.num_layers - sliding, sliding, window, all_layers, reclaimed)

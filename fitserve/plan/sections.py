@@ -1,0 +1,110 @@
+"""The model, weight and KV sections of a plan (memory/speed ones are in sections_run.py)."""
+
+from __future__ import annotations
+
+from fitserve.plan.formats import kv_format
+from fitserve.plan.kv import (
+    kv_bytes_per_token,
+    kv_heads_per_rank,
+    kv_layer_bytes_per_token,
+    kv_replication,
+    layer_kinds,
+    request_kv,
+)
+from fitserve.plan.params import count_params, is_mla
+from fitserve.plan.report import Line, Resolved, Section
+from fitserve.plan.units import fmt_bytes, fmt_count
+from fitserve.plan.weights import model_weight_bytes
+
+
+def weight_bytes_per_gpu(r: Resolved) -> int:
+    """Weights on one GPU: the GGUF file's own bytes, or the ledger's for the format."""
+    if r.entry.file_weight_bytes is not None and r.req.weights is None:
+        return -(-r.entry.file_weight_bytes // r.req.tp)
+    return model_weight_bytes(r.entry.spec, r.weights, tp=r.req.tp).total
+
+
+def model_section(r: Resolved) -> Section:
+    s, p = r.entry.spec, count_params(r.entry.spec)
+    h, v = s.hidden_size, s.vocab_size
+    lines = [
+        Line("parameters", "count_params.total", p.total, fmt_count(p.total),
+             f"matmul {p.matmul:,} + lookup {p.lookup:,} + other {p.other:,} = {p.total:,}"),
+        Line("matmul parameters", "count_params.matmul", p.matmul, fmt_count(p.matmul),
+             f"projections, MLP/experts, router, lm_head ({v:,} x {h:,} = {v * h:,}"
+             + (", tied: counted here once)" if s.tie_word_embeddings else ")")),
+        Line("lookup-only parameters", "count_params.lookup", p.lookup, fmt_count(p.lookup),
+             "tied: the embedding IS the lm_head (0 extra)" if s.tie_word_embeddings
+             else f"embedding {v:,} x {h:,}"),
+        Line("other (norms, biases)", "count_params.other", p.other, fmt_count(p.other)),
+    ]
+    if s.num_experts:
+        lines.append(Line("active matmul per token", "count_params.active_matmul",
+                          p.active_matmul, fmt_count(p.active_matmul),
+                          f"{s.num_experts_per_token} of {s.num_experts} routed experts"))
+    if r.entry.published_params:
+        ratio = p.total / r.entry.published_params
+        lines.append(Line("published size", "catalog", r.entry.published_params,
+                          fmt_count(r.entry.published_params), f"counted / published = {ratio:.4f}"))
+    return Section(f"Model {s.name} ({s.architecture})", tuple(lines), (r.entry.source,))
+
+
+def weights_section(r: Resolved) -> Section:
+    s, tp = r.entry.spec, r.req.tp
+    per_gpu = weight_bytes_per_gpu(r)
+    wb = model_weight_bytes(s, r.weights, tp=1)
+    fmts = sorted({line.fmt for line in wb.lines})
+    lines = [
+        Line("format", "formats.weight_format", r.weights, r.weights, "per tensor: " + ", ".join(fmts)),
+        Line("bits per weight", "weight_bytes x 8 / params", wb.bits_per_weight,
+             f"{wb.bits_per_weight:.3f}", f"{wb.total:,} B x 8 / {wb.num_params:,}"),
+        Line("weights, whole model", "model_weight_bytes(tp=1)", wb.total, fmt_bytes(wb.total)),
+        Line("weights per GPU", "gguf file tensor bytes / tp" if r.entry.file_weight_bytes
+             is not None and r.req.weights is None else f"model_weight_bytes(tp={tp})",
+             per_gpu, fmt_bytes(per_gpu),
+             "column/row splits divide by tp; norms, routers and MLA down-projections "
+             "replicate; KV projections replicate past the KV-head count"),
+    ]
+    return Section("Weights", tuple(lines))
+
+
+def kv_section(r: Resolved) -> Section:
+    s, tp, kv, ctx = r.entry.spec, r.req.tp, r.kv_dtype, r.req.context
+    f = kv_format(kv)
+    layer = kv_layer_bytes_per_token(s, kv, tp=tp)
+    if is_mla(s):
+        how = (f"MLA latent: ({s.kv_lora_rank} + {s.qk_rope_head_dim}) x {f.element_bytes} B"
+               f" + {f.scale_bytes_per_head} B scale = {layer} B, replicated on each of {tp} ranks")
+    else:
+        hr = kv_heads_per_rank(s, tp)
+        how = (f"2 x ceil({s.num_kv_heads}/{tp})={hr} heads x ({s.head_dim} x {f.element_bytes} B"
+               f" + {f.scale_bytes_per_head} B scale) = {layer} B")
+    per_tok = kv_bytes_per_token(s, kv, tp=tp)
+    unsharded = kv_bytes_per_token(s, kv, tp=1)
+    dup = per_tok * tp - unsharded
+    req = request_kv(s, ctx, kv, tp=tp)
+    kinds = layer_kinds(s)
+    lines = [
+        Line("KV per token per layer", "kv_layer_bytes_per_token", layer, fmt_bytes(layer), how),
+        Line("KV per token, all layers", "kv_bytes_per_token", per_tok, fmt_bytes(per_tok),
+             f"{s.num_layers} layers x {layer} B (per GPU, tp={tp})"),
+        Line("TP replication", "kv_replication", kv_replication(s, tp),
+             f"x{kv_replication(s, tp):g}",
+             f"duplicate KV per token across the {tp} GPUs: {per_tok} x {tp} - {unsharded} = "
+             f"{dup} B"),
+        Line(f"KV per request @ {ctx} tokens", "request_kv.bytes_all_layers",
+             req.bytes_all_layers, fmt_bytes(req.bytes_all_layers),
+             f"{s.num_layers} layers x {layer} B x {ctx} tokens (per GPU)"),
+    ]
+    notes = [f"KV format {kv}: {f.note}"]
+    if req.sliding_layers:
+        lines.append(Line("KV per request, windows reclaimed", "request_kv.bytes_reclaimed",
+                          req.bytes_reclaimed, fmt_bytes(req.bytes_reclaimed),
+                          f"{req.full_layers} full x {ctx} + {req.sliding_layers} sliding x "
+                          f"min({ctx}, {req.window}) tokens x {layer} B; saving "
+                          f"{req.window_saving:.1%} = ({req.sliding_layers}/{s.num_layers}) x "
+                          f"(1 - {min(ctx, req.window or ctx)}/{ctx})"))
+        notes.append(f"{kinds.count('sliding')} of {len(kinds)} layers use a {req.window}-token "
+                     "window: the saving is real only if the allocator frees windowed blocks; "
+                     "the engine lines below assume it does not")
+    return Section("KV cache", tuple(lines), tuple(notes))

@@ -1,0 +1,166 @@
+"""The engine-memory, speed, energy and layout sections of a plan, and the whole plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fitserve.plan.energy import best_point, energy_curve
+from fitserve.plan.flops import attention_crossover_context, flops_per_token
+from fitserve.plan.layouts import LayoutChoice, LayoutQuery, recommend_layout
+from fitserve.plan.memory import EngineMemoryPlan, engine_memory_plan
+from fitserve.plan.parallel import tp_allreduce
+from fitserve.plan.report import Line, PlanRequest, Resolved, Section, resolve
+from fitserve.plan.sections import kv_section, model_section, weight_bytes_per_gpu, weights_section
+from fitserve.plan.speed import compute_bound_batch, decode_step, prefill_time, quant_crossover
+from fitserve.plan.units import fmt_bytes, fmt_count, fmt_seconds
+from fitserve.plan.weights import model_weight_bytes
+
+
+def memory_plan(r: Resolved) -> EngineMemoryPlan:
+    q = r.req
+    return engine_memory_plan(
+        r.entry.spec, weight_bytes=weight_bytes_per_gpu(r), total_memory_bytes=r.hw.memory_bytes,
+        memory_utilization=q.memory_utilization, max_num_batched_tokens=q.max_num_batched_tokens,
+        max_num_seqs=r.max_num_seqs, block_size=q.block_size, kv_dtype=r.kv_dtype,
+        act_dtype_bytes=r.act_bytes, workspace_bytes=r.workspace_bytes, tp=q.tp)
+
+
+def memory_section(r: Resolved, mp: EngineMemoryPlan) -> Section:
+    lines = [Line(m.name, m.formula, m.bytes, fmt_bytes(m.bytes), m.note) for m in mp.lines]
+    ceil = mp.max_concurrent_sequences(r.req.context)
+    per_seq = -(-r.req.context // mp.block_size)
+    lines += [
+        Line("KV blocks", "num_kv_blocks", mp.num_kv_blocks, f"{mp.num_kv_blocks:,}",
+             f"floor({mp.kv_pool_bytes:,} / {mp.block_bytes:,} B per block)"),
+        Line(f"max concurrent @ {r.req.context} (ceiling)", "max_concurrent_sequences",
+             ceil.value, f"<= {ceil.value:,}",
+             f"min({mp.num_kv_blocks:,} // {per_seq} blocks per sequence, max_num_seqs="
+             f"{mp.max_num_seqs}); limited by {ceil.limited_by}"),
+    ]
+    notes = [f"per GPU of {fmt_bytes(r.hw.memory_bytes)} ({r.hw.name}); ceiling because: "
+             + "; ".join(ceil.reasons)]
+    if ceil.value < r.req.concurrency:
+        notes.append(f"DOES NOT FIT: {r.req.concurrency} sequences of {r.req.context} tokens "
+                     f"asked, at most {ceil.value} fit")
+    return Section("Engine memory, in reservation order (one GPU)", tuple(lines), tuple(notes))
+
+
+def speed_section(r: Resolved, batch: int) -> Section:
+    s, hw, q = r.entry.spec, r.hw, r.req
+    wb = model_weight_bytes(s, r.weights, tp=q.tp)
+    tf = flops_per_token(s, q.context)
+    cross = attention_crossover_context(s)
+    ctx, kvd, wf = q.context, r.kv_dtype, r.weights
+    one = decode_step(s, hw, wb, batch=1, context=ctx, kv_dtype=kvd, weights_fmt=wf)
+    many = decode_step(s, hw, wb, batch=batch, context=ctx, kv_dtype=kvd, weights_fmt=wf)
+    cb = compute_bound_batch(s, hw, wb, context=ctx, kv_dtype=kvd, weights_fmt=wf)
+    pf = prefill_time(s, hw, wb, prompt_len=ctx, kv_dtype=kvd, weights_fmt=wf)
+    ar = tp_allreduce(s, hw, tp=q.tp, tokens=batch, act_dtype_bytes=r.act_bytes)
+    lines = [
+        Line(f"FLOPs per token @ {q.context}", "flops_per_token", tf.total, fmt_count(tf.total),
+             f"2 x active matmul = {tf.matmul:,} + attention {tf.attention:,} "
+             f"({tf.attention_share:.1%})"),
+        Line("attention = rest at context", "attention_crossover_context", cross,
+             "never (windows cap it)" if cross is None else f"{cross:,} tokens"),
+    ]
+    for label, st in (("decode, batch 1", one), (f"decode, batch {batch}", many)):
+        lines.append(Line(label, "decode_step (roofline)", st.seconds,
+                          f"{fmt_seconds(st.seconds)}/token, {st.tokens_per_s:,.1f} tok/s, "
+                          f"{st.bound}-bound",
+                          f"max(({st.weight_bytes:,.0f} + {st.kv_bytes:,.0f}) B / "
+                          f"{hw.mem_bytes_per_s:.3g} B/s, {st.flops:.4g} / "
+                          f"{hw.peak_flops(r.weights):.3g} FLOP/s) + comm {fmt_seconds(st.t_comm)}"))
+    lines += [
+        Line("compute-bound from batch", "compute_bound_batch", cb,
+             "never (KV reads dominate)" if cb is None else f"{cb:,}"),
+        Line(f"prefill {q.context} tokens (TTFT floor)", "prefill_time", pf.seconds,
+             fmt_seconds(pf.seconds),
+             f"max({pf.weight_bytes + pf.kv_bytes:,.0f} B / {hw.mem_bytes_per_s:.3g}, "
+             f"{pf.flops:.4g} FLOPs / {hw.peak_flops(r.weights):.3g}) + comm "
+             f"{fmt_seconds(pf.t_comm)}"),
+    ]
+    if q.tp > 1:
+        lines.append(Line("TP all-reduces per step", "tp_allreduce", ar.calls_per_step,
+                          f"{ar.calls_per_step} x {fmt_bytes(ar.bytes_per_call)} = "
+                          f"{fmt_seconds(ar.seconds_per_step)}",
+                          f"2 x {s.num_layers} layers; each {batch} tokens x {s.hidden_size} x "
+                          f"{r.act_bytes} B; {hw.link_latency_s * 1e6:.0f} us + 2 x "
+                          f"({q.tp}-1)/{q.tp} x bytes / {hw.link_bytes_per_s:.3g} B/s"))
+    if not r.weights.startswith("int4"):
+        i4 = model_weight_bytes(s, "int4-g128", tp=q.tp)
+        bf = model_weight_bytes(s, "bf16", tp=q.tp)
+        x = quant_crossover(s, hw, i4, bf, context=q.context, kv_dtype=r.kv_dtype)
+        table = ", ".join(f"B={b}: x{v:.2f}" for b, v in x.speedups)
+        lines.append(Line("int4-g128 vs bf16 stops paying at batch", "quant_crossover",
+                          x.stops_paying_at, str(x.stops_paying_at or "never"),
+                          f"speedup of W4A16 over bf16 (< 1.05 = stops): {table}"))
+    return Section(f"Speed (roofline on {hw.name}, per TP group of {q.tp})", tuple(lines),
+                   ("floors: kernels reach a fraction of peak bandwidth and FLOP/s",))
+
+
+def energy_section(r: Resolved, max_batch: int) -> Section | None:
+    s, hw, q = r.entry.spec, r.hw, r.req
+    if hw.power_w is None:
+        return Section("Energy", (), (f"{hw.name} has no power figure: energy not estimated",))
+    wb = model_weight_bytes(s, r.weights, tp=q.tp)
+    batches = [1]
+    while batches[-1] * 2 <= max(1, max_batch):
+        batches.append(batches[-1] * 2)
+    if batches[-1] != max_batch and max_batch > 1:
+        batches.append(max_batch)
+    steps = [decode_step(s, hw, wb, batch=b, context=q.context, kv_dtype=r.kv_dtype,
+                         weights_fmt=r.weights) for b in batches]
+    pts = energy_curve(steps, hw.power_w, q.tp)
+    best = best_point(pts)
+    lines = [Line(f"J/token, batch {p.batch}", "power / throughput", p.joules_per_token,
+                  f"{p.joules_per_token:.4g} J", f"{p.watts:.0f} W / {p.tokens_per_s:,.1f} tok/s")
+             for p in (pts[0], best)]
+    return Section("Energy per token", tuple(lines),
+                   (f"{q.tp} x {hw.power_w:.0f} W power limit at every batch: batch-1 figure is "
+                    f"an upper bound; batches up to the KV ceiling {max_batch}",))
+
+
+def layouts_section(r: Resolved) -> tuple[Section, LayoutChoice]:
+    q = r.req
+    lq = LayoutQuery(q.gpus, q.context, q.concurrency, r.weights, r.kv_dtype,
+                     memory_utilization=q.memory_utilization, act_dtype_bytes=r.act_bytes,
+                     step_tokens=q.max_num_batched_tokens)
+    choice = recommend_layout(r.entry.spec, r.hw, lq)
+    lines = tuple(
+        Line(x.name, "layout", x.tokens_per_s,
+             f"{'fits' if x.fits else 'NO FIT'}; W {fmt_bytes(x.weight_bytes_per_gpu)} + KV "
+             f"{fmt_bytes(x.kv_bytes_per_gpu)}/GPU; dup KV {fmt_bytes(x.duplicated_kv_bytes)}; "
+             f"comm {fmt_bytes(x.comm_bytes_per_token)}/tok; bubble {x.bubble:.0%}; "
+             f"{x.tokens_per_s:,.0f} tok/s")
+        for x in choice.layouts)
+    return Section(f"Layouts on {q.gpus} x {r.hw.name} for {q.concurrency} x {q.context} tokens",
+                   lines, (choice.reason,)), choice
+
+
+@dataclass(frozen=True)
+class Plan:
+    title: str
+    warnings: tuple[str, ...]
+    sections: tuple[Section, ...]
+    recommended_layout: str | None
+
+
+def build_plan(req: PlanRequest) -> Plan:
+    """Resolve the request and compute every section (raises PlanError on bad input)."""
+    r = resolve(req)
+    mp = memory_plan(r)
+    ceiling = mp.max_concurrent_sequences(req.context).value
+    batch = max(1, min(req.concurrency, ceiling))
+    sections = [model_section(r), weights_section(r), kv_section(r), memory_section(r, mp),
+                speed_section(r, batch)]
+    energy = energy_section(r, max(1, ceiling))
+    if energy is not None:
+        sections.append(energy)
+    lay, choice = layouts_section(r)
+    sections.append(lay)
+    hyp = " [HYPOTHETICAL]" if r.hypothetical else ""
+    title = (f"fitserve plan: {r.entry.spec.name} on {req.gpus} x {r.hw.name}, tp={req.tp}, "
+             f"context {req.context_text} = {req.context:,} tokens (k = x1024), weights "
+             f"{r.weights}, KV {r.kv_dtype}, concurrency {req.concurrency}{hyp}")
+    return Plan(title, r.warnings, tuple(sections),
+                choice.recommended.name if choice.recommended else None)

@@ -1,0 +1,137 @@
+"""Roofline times: a decode step at batch B, a prefill (TTFT floor), and where they turn.
+
+    t_memory  = (weight bytes read + KV bytes read) / memory bandwidth
+    t_compute = FLOPs / peak FLOP/s
+    step      = max(t_memory, t_compute) + t_allreduce      (collectives not overlapped)
+
+Per rank under tensor parallelism. MoE: a step reads the experts its batch touches, expected
+E x (1 - (1 - k/E)^B) of E per layer. Attention reads only the window on sliding layers.
+These are floors: real kernels reach some fraction of both peaks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fitserve.config import ModelSpec
+from fitserve.plan.flops import flops_per_token, prefill_flops
+from fitserve.plan.hardware import Hardware
+from fitserve.plan.kv import request_kv
+from fitserve.plan.parallel import tp_allreduce
+from fitserve.plan.weights import WeightBytes
+
+MAX_BATCH = 1 << 16
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One forward step on one rank: bytes, FLOPs and the roofline time."""
+
+    batch: int
+    context: int
+    weight_bytes: float
+    kv_bytes: float
+    flops: float
+    t_memory: float
+    t_compute: float
+    t_comm: float
+
+    @property
+    def seconds(self) -> float:
+        return max(self.t_memory, self.t_compute) + self.t_comm
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.t_compute >= self.t_memory else "memory"
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode throughput of the whole TP group: batch tokens per step."""
+        return self.batch / self.seconds
+
+
+def experts_touched_fraction(spec: ModelSpec, batch: int) -> float:
+    """Expected share of routed experts a batch of ``batch`` tokens uses in one layer."""
+    if not spec.num_experts:
+        return 1.0
+    return 1.0 - (1.0 - spec.num_experts_per_token / spec.num_experts) ** batch
+
+
+def weight_bytes_read(spec: ModelSpec, wb: WeightBytes, batch: int) -> float:
+    expert = sum(line.bytes for line in wb.lines if line.name.startswith("expert_"))
+    return wb.total - expert + expert * experts_touched_fraction(spec, batch)
+
+
+def decode_step(spec: ModelSpec, hw: Hardware, wb: WeightBytes, *, batch: int, context: int,
+                kv_dtype: str, weights_fmt: str, act_dtype_bytes: int = 2) -> StepTime:
+    """A decode step of ``batch`` sequences each at ``context`` tokens, on one of wb.tp ranks."""
+    tp = wb.tp
+    w = weight_bytes_read(spec, wb, batch)
+    kv = batch * request_kv(spec, context, kv_dtype, tp=tp).bytes_reclaimed
+    flops = batch * flops_per_token(spec, context).total / tp
+    comm = tp_allreduce(spec, hw, tp=tp, tokens=batch, act_dtype_bytes=act_dtype_bytes)
+    return StepTime(batch, context, w, kv, flops, (w + kv) / hw.mem_bytes_per_s,
+                    flops / hw.peak_flops(weights_fmt), comm.seconds_per_step)
+
+
+def prefill_time(spec: ModelSpec, hw: Hardware, wb: WeightBytes, *, prompt_len: int,
+                 kv_dtype: str, weights_fmt: str, act_dtype_bytes: int = 2) -> StepTime:
+    """The TTFT floor: one prefill of ``prompt_len`` tokens (weights read once, KV written)."""
+    tp = wb.tp
+    kv = request_kv(spec, prompt_len, kv_dtype, tp=tp).bytes_reclaimed
+    w = weight_bytes_read(spec, wb, prompt_len)
+    flops = prefill_flops(spec, prompt_len).total / tp
+    comm = tp_allreduce(spec, hw, tp=tp, tokens=prompt_len, act_dtype_bytes=act_dtype_bytes)
+    return StepTime(1, prompt_len, w, kv, flops, (w + kv) / hw.mem_bytes_per_s,
+                    flops / hw.peak_flops(weights_fmt), comm.seconds_per_step)
+
+
+def compute_bound_batch(spec: ModelSpec, hw: Hardware, wb: WeightBytes, *, context: int,
+                        kv_dtype: str, weights_fmt: str) -> int | None:
+    """Smallest batch whose decode step is compute-bound (None: KV reads keep it memory-bound)."""
+    def bound(b: int) -> bool:
+        s = decode_step(spec, hw, wb, batch=b, context=context, kv_dtype=kv_dtype,
+                        weights_fmt=weights_fmt)
+        return s.t_compute >= s.t_memory
+
+    hi = 1
+    while not bound(hi):
+        hi *= 2
+        if hi > MAX_BATCH:
+            return None
+    lo = hi // 2
+    while hi - lo > 1:  # invariant: not bound(lo) (or lo == 0), bound(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if bound(mid) else (mid, hi)
+    return hi
+
+
+@dataclass(frozen=True)
+class Crossover:
+    """Weight-only quantized vs reference weights: speedup per batch and where it stops."""
+
+    quant_fmt: str
+    ref_fmt: str
+    speedups: tuple[tuple[int, float], ...]  # (batch, t_ref / t_quant)
+    stops_paying_at: int | None  # smallest batch with speedup < 1 + threshold
+
+
+def quant_crossover(spec: ModelSpec, hw: Hardware, quant: WeightBytes, ref: WeightBytes, *,
+                    context: int, kv_dtype: str, threshold: float = 0.05) -> Crossover:
+    """Where weight-only int4 (W4A16) stops beating bf16: both run at the bf16 peak, so once
+    both steps are compute-bound the bandwidth saving buys nothing."""
+    speedups: list[tuple[int, float]] = []
+    stop: int | None = None
+    b = 1
+    while b <= MAX_BATCH:
+        t_ref = decode_step(spec, hw, ref, batch=b, context=context, kv_dtype=kv_dtype,
+                            weights_fmt="bf16").seconds
+        t_quant = decode_step(spec, hw, quant, batch=b, context=context, kv_dtype=kv_dtype,
+                              weights_fmt="bf16").seconds
+        s = t_ref / t_quant
+        speedups.append((b, s))
+        if stop is None and s < 1 + threshold:
+            stop = b
+            break
+        b *= 2
+    return Crossover(quant.mix, ref.mix, tuple(speedups), stop)

@@ -1,0 +1,153 @@
+"""Weight bytes of a whole model in a format or a per-tensor mix, per tensor-parallel rank.
+
+A plain format (``bf16``, ``fp8``, ``int8``, ``int4-g128``, ``Q4_0`` ...) applies to the
+decoder's linear layers; the embedding, lm_head, router and vectors stay in the base dtype, as in
+the published fp8/AWQ/GPTQ checkpoints. A mix (``Q4_K_M``, ``gpt-oss-mxfp4``) is data: rules
+that pick a format per tensor, as llama.cpp's quantizer does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fitserve.config import ModelSpec
+from fitserve.plan.errors import PlanError
+from fitserve.plan.formats import weight_bytes, weight_format
+from fitserve.plan.params import Tensor, rank_elements, tensors
+
+
+@dataclass(frozen=True)
+class MixRule:
+    """Tensors named in ``names`` get ``fmt``; on ``layers`` = "more_bits" only in the layers
+    llama.cpp's ``use_more_bits`` picks (first n/8, last n/8, every third between), and on
+    "first_eighth" only in layers i < n/8; elsewhere the mix's default."""
+
+    names: tuple[str, ...]
+    fmt: str
+    layers: str = "all"
+
+
+@dataclass(frozen=True)
+class WeightMix:
+    name: str
+    default: str  # every matrix not matched by a rule
+    vectors: str  # norms, biases
+    rules: tuple[MixRule, ...]
+    source: str
+
+
+_DOWN = ("ffn_down", "expert_down", "shared_down")
+_OUT = MixRule(("lm_head",), "Q6_K")
+# Source for the GGUF mixes: llama.cpp src/llama-quant.cpp, llama_tensor_get_type (simplified:
+# the GQA and MoE special cases and the fallbacks for rows not divisible by 256 are left out).
+_LLAMA_CPP = "llama.cpp llama-quant.cpp llama_tensor_get_type (simplified)"
+MIXES: dict[str, WeightMix] = {
+    m.name: m
+    for m in (
+        WeightMix("Q4_K_M", "Q4_K", "f32", (
+            _OUT, MixRule(("attn_v", *_DOWN), "Q6_K", "more_bits")), _LLAMA_CPP),
+        WeightMix("Q4_K_S", "Q4_K", "f32", (
+            _OUT, MixRule(_DOWN, "Q5_K", "first_eighth")), _LLAMA_CPP),
+        WeightMix("Q5_K_M", "Q5_K", "f32", (
+            _OUT, MixRule(("attn_v", *_DOWN), "Q6_K", "more_bits")), _LLAMA_CPP),
+        WeightMix("Q6_K", "Q6_K", "f32", (_OUT,), _LLAMA_CPP),
+        WeightMix("Q8_0", "Q8_0", "f32", (), _LLAMA_CPP),
+        WeightMix("Q4_0", "Q4_0", "f32", (_OUT,), _LLAMA_CPP),
+        WeightMix("Q4_1", "Q4_1", "f32", (_OUT,), _LLAMA_CPP),
+        WeightMix("gpt-oss-mxfp4", "bf16", "bf16", (
+            MixRule(("expert_gate", "expert_up", "expert_down"), "mxfp4"),),
+            "openai/gpt-oss model card: MoE weights in MXFP4, everything else bf16"),
+    )
+}
+
+
+def use_more_bits(i_layer: int, n_layers: int) -> bool:
+    """llama.cpp's pick of layers that get more bits in *_M mixes."""
+    return (i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8
+            or (i_layer - n_layers // 8) % 3 == 2)
+
+
+def _layers_matching(rule: MixRule, n_layers: int) -> int:
+    if rule.layers == "all":
+        return n_layers
+    if rule.layers == "more_bits":
+        return sum(use_more_bits(i, n_layers) for i in range(n_layers))
+    if rule.layers == "first_eighth":
+        return n_layers // 8
+    raise PlanError(f"unknown mix layer selection {rule.layers!r}")
+
+
+def plain_mix(fmt: str, base_dtype: str = "bf16") -> WeightMix:
+    """A plain format as a mix: decoder linear layers in ``fmt``, the rest in ``base_dtype``."""
+    f = weight_format(fmt)
+    if f.gguf:  # a GGUF file quantizes the embedding too and keeps vectors in f32
+        return WeightMix(f.name, f.name, "f32", (), "GGUF: every matrix in one type")
+    keep = MixRule(("embedding", "lm_head", "router"), base_dtype)
+    return WeightMix(f.name, f.name, base_dtype, (keep,), "decoder linear layers quantized")
+
+
+def resolve_mix(fmt: str, base_dtype: str = "bf16") -> WeightMix:
+    if fmt in MIXES:
+        return MIXES[fmt]
+    upper = fmt.upper()
+    if upper in MIXES:
+        return MIXES[upper]
+    return plain_mix(fmt, base_dtype)
+
+
+@dataclass(frozen=True)
+class TensorBytes:
+    name: str
+    fmt: str
+    copies: int  # copies held by one rank (layers x experts)
+    bytes: int  # all copies, one rank
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """Weight bytes held by ONE tensor-parallel rank, tensor by tensor."""
+
+    mix: str
+    tp: int
+    lines: tuple[TensorBytes, ...]
+    num_params: int  # all parameters of the model (not per rank)
+
+    @property
+    def total(self) -> int:
+        return sum(line.bytes for line in self.lines)
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Effective bits per weight, for tp=1 (all the model's weights on one device)."""
+        return self.total * 8 * self.tp / self.num_params
+
+
+def _tensor_bytes(t: Tensor, spec: ModelSpec, fmt: str, copies: int, tp: int) -> int:
+    elements = rank_elements(t, spec, tp)
+    rows = elements // t.cols if t.cols else 0
+    return copies * weight_bytes(elements, fmt, rows=rows)
+
+
+def model_weight_bytes(spec: ModelSpec, fmt: str, *, tp: int = 1,
+                       base_dtype: str = "bf16") -> WeightBytes:
+    """Bytes of all weights on one of ``tp`` ranks, for a format or a mix name."""
+    mix = resolve_mix(fmt, base_dtype)
+    lines: list[TensorBytes] = []
+    for t in tensors(spec):
+        if t.kind == "other":
+            lines.append(TensorBytes(t.name, mix.vectors, t.count,
+                                     _tensor_bytes(t, spec, mix.vectors, t.count, tp)))
+            continue
+        rule = next((r for r in mix.rules if t.name in r.names), None)
+        if rule is None or t.layers == 1 and rule.layers != "all":
+            lines.append(TensorBytes(t.name, mix.default, t.count,
+                                     _tensor_bytes(t, spec, mix.default, t.count, tp)))
+            continue
+        hit = _layers_matching(rule, t.layers) * t.per_layer
+        lines.append(TensorBytes(t.name, rule.fmt, hit, _tensor_bytes(t, spec, rule.fmt, hit, tp)))
+        if hit < t.count:
+            rest = t.count - hit
+            lines.append(TensorBytes(t.name, mix.default, rest,
+                                     _tensor_bytes(t, spec, mix.default, rest, tp)))
+    total_params = sum(t.elements * t.count for t in tensors(spec))
+    return WeightBytes(mix.name, tp, tuple(lines), total_params)

@@ -1,0 +1,134 @@
+"""SchedulerOutput -> tensors -> forward -> sampled tokens.
+
+The runner owns the per-layer KV cache tensors ([num_blocks, block_size, num_kv_heads, head_dim]
+each; one tensor per layer so a compiled step never rewrites a stacked cache) and turns the
+scheduler's block tables into the flat cache slots each new token writes::
+
+    slot(p) = block_table[p // block_size] * block_size + p % block_size
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fitserve.config import ModelSpec
+from fitserve.model.attention import AttentionBatch, DecodeBatch, PrefillSeq, visible_mask
+from fitserve.model.llama import CausalLM
+from fitserve.sampling import RequestSamplingState, Sampler
+from fitserve.types import RunnerOutput, ScheduledChunk, SchedulerOutput
+
+
+class ModelRunner:
+    """Runs one scheduler step on the model and samples the chunks that end a request's tokens."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        spec: ModelSpec,
+        *,
+        num_blocks: int,
+        block_size: int,
+        kv_dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.spec = spec
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.device = device
+        self.sliding_window = spec.sliding_window
+        shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
+            for _ in range(spec.num_layers)
+        ]
+        self.sampler = Sampler()
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv_caches)
+
+    @torch.inference_mode()
+    def execute(
+        self, out: SchedulerOutput, states: dict[str, RequestSamplingState]
+    ) -> RunnerOutput:
+        # Decodes first: they form one contiguous, batched slice of the packed tokens.
+        chunks = sorted(out.chunks, key=lambda c: len(c.token_ids) != 1)
+        input_ids, positions, batch = self._prepare(chunks)
+        hidden = self.model(input_ids, positions, batch, self.kv_caches)
+        sample_rows: list[int] = []
+        sample_ids: list[str] = []
+        offset = 0
+        for chunk in chunks:
+            offset += len(chunk.token_ids)
+            if chunk.sample:
+                sample_rows.append(offset - 1)
+                sample_ids.append(chunk.request_id)
+        if not sample_rows:
+            return RunnerOutput(sampled={})
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        tokens, logprobs = self.sampler(logits, [states[r] for r in sample_ids])
+        result = RunnerOutput(sampled=dict(zip(sample_ids, tokens, strict=True)))
+        for rid, lp in zip(sample_ids, logprobs, strict=True):
+            if lp is not None:
+                result.logprobs[rid] = lp
+        return result
+
+    def _prepare(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSeq] = []
+        for chunk in chunks:
+            start, t = chunk.start_pos, len(chunk.token_ids)
+            table = chunk.block_table
+            ids.extend(chunk.token_ids)
+            rng = range(start, start + t)
+            pos.extend(rng)
+            slots.extend(table[p // bs] * bs + p % bs for p in rng)
+            if t == 1:
+                decode_tables.append(table)
+                decode_lens.append(start + 1)
+            else:
+                n_blocks = -(-(start + t) // bs)
+                window = self.sliding_window
+                plain_causal = start == 0 and (window is None or window >= t)
+                prefills.append(
+                    PrefillSeq(
+                        start=len(ids) - t,
+                        end=len(ids),
+                        cached=start,
+                        block_ids=torch.tensor(table[:n_blocks], dtype=torch.long, device=self.device),
+                        mask=None if plain_causal else visible_mask(t, start, window, self.device),
+                    )
+                )
+        decode = self._decode_batch(decode_tables, decode_lens) if decode_tables else None
+        batch = AttentionBatch(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            decode=decode,
+            prefills=prefills,
+        )
+        dev = self.device
+        return (
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(pos, dtype=torch.long, device=dev),
+            batch,
+        )
+
+    def _decode_batch(self, tables: list[list[int]], seq_lens: list[int]) -> DecodeBatch:
+        bs = self.block_size
+        width = max(-(-n // bs) for n in seq_lens)
+        padded = [t[:width] + [0] * (width - min(len(t), width)) for t in tables]
+        block_tables = torch.tensor(padded, dtype=torch.long, device=self.device)
+        lens = torch.tensor(seq_lens, dtype=torch.long, device=self.device).unsqueeze(1)
+        key_pos = torch.arange(width * bs, device=self.device).unsqueeze(0)
+        visible = key_pos < lens
+        if self.sliding_window is not None:
+            # the query sits at position len-1 and sees keys with (len-1) - key < window
+            visible &= (lens - 1 - key_pos) < self.sliding_window
+        return DecodeBatch(num=len(tables), block_tables=block_tables, visible=visible[:, None, None, :])

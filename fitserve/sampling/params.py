@@ -1,0 +1,144 @@
+"""Per-request sampling parameters with OpenAI/vLLM semantics and defaults.
+
+Torch-free on purpose: the scheduler reads ``max_tokens``, ``stop_token_ids`` and ``ignore_eos``
+and must not import torch. Every value is checked once, in ``__post_init__``, so a bad request
+fails at ``add_request`` with a message naming the field, never inside a batched step where it
+would disturb other requests.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+
+# NOTE: vLLM's _SAMPLING_EPS: a temperature below this is treated as greedy, because dividing
+# logits by it would overflow or make sampling numerically indistinguishable from argmax.
+GREEDY_TEMPERATURE_EPS = 1e-5
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+
+
+def _as_int(name: str, value: object) -> int:
+    # bool is an Integral in Python; `n=True` is a caller bug, not 1.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _as_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    result = float(value)
+    if not math.isfinite(result):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return result
+
+
+def _as_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick each next token of one request, and when to stop.
+
+    Defaults follow the OpenAI API / vLLM: plain sampling at temperature 1, 16 new tokens.
+    ``top_k`` of 0 or -1 disables top-k; ``logprobs=0`` returns only the chosen token's logprob,
+    ``logprobs=N`` also the N most likely tokens. ``stop`` may be given as one string or a list;
+    it is stored as a list.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16  # None: up to max_model_len
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self.n = _as_int("n", self.n)
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.max_tokens is not None:
+            self.max_tokens = _as_int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be >= 1 (or None), got {self.max_tokens}")
+        self.temperature = _as_float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        self.top_p = _as_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        self.top_k = _as_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or >= 0 (0 and -1 disable it), got {self.top_k}")
+        self.min_p = _as_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        self.repetition_penalty = _as_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _as_float(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            setattr(self, name, value)
+        if self.seed is not None:
+            self.seed = _as_int("seed", self.seed)
+        self.stop = self._normalise_stop(self.stop)
+        self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+        if self.logprobs is not None:
+            self.logprobs = _as_int("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ValueError(
+                    f"logprobs must be in [0, {MAX_LOGPROBS}] (or None), got {self.logprobs}"
+                )
+        self.ignore_eos = _as_bool("ignore_eos", self.ignore_eos)
+        self.skip_special_tokens = _as_bool("skip_special_tokens", self.skip_special_tokens)
+        self.include_stop_str_in_output = _as_bool(
+            "include_stop_str_in_output", self.include_stop_str_in_output
+        )
+
+    @staticmethod
+    def _normalise_stop(stop: object) -> list[str]:
+        if stop is None:
+            return []
+        items = [stop] if isinstance(stop, str) else stop
+        if not isinstance(items, list | tuple):
+            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        for s in items:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must contain non-empty strings, got {s!r}")
+        return list(items)  # a copy: the caller's list stays theirs
+
+    @staticmethod
+    def _normalise_stop_token_ids(ids: object) -> list[int]:
+        if not isinstance(ids, list | tuple):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {ids!r}")
+        result = [_as_int("stop_token_ids", i) for i in ids]
+        for i in result:
+            if i < 0:
+                raise ValueError(f"stop_token_ids must be non-negative, got {i}")
+        return result
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request takes the argmax (temperature 0, up to vLLM's epsilon)."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def top_k_enabled(self) -> bool:
+        """True when top-k filtering applies (0 and -1 both mean disabled)."""
+        return self.top_k > 0

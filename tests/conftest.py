@@ -1,0 +1,97 @@
+"""Project-wide fixtures: the default model file and random-weight tiny Hugging Face folders."""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fitserve.loading.pull import pull
+
+TINY_SIZES: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=320,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The default model's GGUF file, pulled once into FITSERVE_HOME (~/.cache/fitserve)."""
+    return pull("smollm2-135m", progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_dir(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """transformers' own tokenizer of the SmolLM2 GGUF, saved as tokenizer.json & co."""
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(
+        str(smollm2_path.parent), gguf_file=smollm2_path.name
+    )
+    folder = tmp_path_factory.mktemp("smollm2-tokenizer")
+    tok.save_pretrained(folder)
+    return folder
+
+
+def tiny_hf_config(arch: str, **overrides: Any) -> Any:
+    """A small transformers config of ``arch`` (llama3 rope scaling, sliding window, ...)."""
+    import transformers as tf
+
+    sizes = {**TINY_SIZES, **overrides}
+    if arch == "llama":
+        sizes.setdefault(
+            "rope_parameters",
+            {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
+        return tf.LlamaConfig(**sizes)
+    if arch == "mistral":
+        return tf.MistralConfig(**{"sliding_window": 16, "head_dim": 32, **sizes})
+    if arch == "qwen2":
+        return tf.Qwen2Config(**{"tie_word_embeddings": True, **sizes})
+    if arch == "qwen3":
+        return tf.Qwen3Config(**{"head_dim": 24, **sizes})
+    raise ValueError(f"no tiny config for {arch!r}")
+
+
+@pytest.fixture()
+def tiny_hf_model_dir(tmp_path: Path, smollm2_tokenizer_dir: Path) -> Callable[..., Any]:
+    """Factory: ``make(arch, shard=False, return_model=False, **config_overrides)``.
+
+    Saves a random-weight model of ``arch`` with save_pretrained (sharded into many small
+    files with ``shard=True``) plus SmolLM2's tokenizer files, and returns the folder (and the
+    transformers model, with ``return_model=True``).
+    """
+    import transformers as tf
+
+    counter = itertools.count()
+
+    def make(arch: str, shard: bool = False, return_model: bool = False, **overrides: Any) -> Any:
+        torch.manual_seed(1234)
+        model = tf.AutoModelForCausalLM.from_config(
+            tiny_hf_config(arch, **overrides), dtype=torch.float32
+        )
+        folder = tmp_path / f"{arch}-{next(counter)}"
+        model.save_pretrained(folder, max_shard_size="100KB" if shard else "2GB")
+        for f in smollm2_tokenizer_dir.iterdir():
+            shutil.copy(f, folder / f.name)
+        return (folder, model.eval()) if return_model else folder
+
+    return make

@@ -1,0 +1,47 @@
+"""Every catalog model plans end to end; the plan package never imports torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fitserve.plan.errors import PlanError
+from fitserve.plan.kv import check_tp
+from fitserve.plan.model_source import catalog_entry, load_catalog, resolve_model
+from fitserve.plan.report import PlanRequest
+from fitserve.plan.sections_run import build_plan
+
+SMOL_GGUF = Path.home() / ".cache/fitserve/models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.mark.parametrize("name", [m["name"] for m in load_catalog()])
+def test_every_catalog_model_plans(name: str) -> None:
+    try:
+        check_tp(catalog_entry(name).spec, 8)
+        tp = 8
+    except PlanError:
+        tp = 1  # SmolLM2 (9 heads), Qwen2.5-7B (28 heads)
+    plan = build_plan(PlanRequest(model=name, gpu="mi300x", gpus=8, tp=tp, context=4096,
+                                  concurrency=8))
+    titles = [s.title for s in plan.sections]
+    assert titles[0].startswith("Model") and titles[-1].startswith("Layouts")
+    assert plan.recommended_layout is not None
+
+
+def test_no_torch_import() -> None:
+    code = ("import sys, fitserve.plan.cli_plan, fitserve.plan.memory, fitserve.plan.kv; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SMOL_GGUF.is_file(), reason="the default model is not pulled here")
+def test_real_smollm2_gguf() -> None:
+    e = resolve_model(str(SMOL_GGUF))
+    assert (e.spec.num_layers, e.spec.num_heads, e.spec.num_kv_heads) == (30, 9, 3)
+    assert e.spec.vocab_size == 49152 and e.spec.tie_word_embeddings
+    assert e.file_weight_bytes is not None and 50e6 < e.file_weight_bytes < 150e6
+    assert e.native_weights.startswith("gguf-file:")
