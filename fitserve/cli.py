@@ -1,10 +1,11 @@
-"""fitserve command line: plan | pull | generate | serve | kernels."""
+"""fitserve command line: plan | pull | generate | serve | bench | kernels."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -101,24 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _optional_parsers() -> list:  # type: ignore[type-arg]
-    adders = []
-    try:
-        from fitserve.plan.cli_plan import add_plan_parser
+def _optional_parsers() -> list[Callable[[Any], object]]:
+    from fitserve.kernels.cli_kernels import add_kernels_parser
+    from fitserve.plan.cli_plan import add_plan_parser
 
-        adders.append(add_plan_parser)
-    except ImportError:
-        pass
-    try:
-        from fitserve.kernels.cli_kernels import add_kernels_parser
-
-        adders.append(add_kernels_parser)
-    except ImportError:
-        pass
-    try:
+    adders: list[Callable[[Any], object]] = [add_plan_parser, add_kernels_parser]
+    try:  # the server and bench land with their own issue
+        from fitserve.bench.cli_bench import add_bench_parser
         from fitserve.server.cli_serve import add_serve_parser
 
-        adders.append(add_serve_parser)
+        adders += [add_serve_parser, add_bench_parser]
     except ImportError:
         pass
     return adders

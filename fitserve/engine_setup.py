@@ -1,14 +1,40 @@
-"""Resolve an EngineConfig's "auto" values and size the KV pool through the planner's ledger."""
+"""Resolve an EngineConfig's "auto" values and size the KV pool through the planner's ledger.
+
+The KV pool is sized by the same functions `fitserve plan` prints: ``cpu_engine_memory_plan``
+on a CPU (a fixed budget, default ``DEFAULT_CPU_KV_BYTES``) and ``engine_memory_plan`` on CUDA
+(what total x utilization leaves after weights, activations, logits, workspace and whatever is
+already in use on the device). The engine never carries a rule of its own.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from dataclasses import dataclass
 
 import torch
 
 from fitserve.config import EngineConfig, ModelSpec
+from fitserve.plan.hardware import cpu_has_fast_bf16
+from fitserve.plan.memory import (
+    DEFAULT_CPU_KV_BYTES,
+    DEFAULT_GPU_WORKSPACE_BYTES,
+    EngineMemoryPlan,
+    cpu_engine_memory_plan,
+    engine_memory_plan,
+)
 
-DEFAULT_CPU_KV_BYTES = 1 << 30  # like vLLM's CPU backend: a fixed KV space (1 GiB here)
+__all__ = [
+    "DEFAULT_CPU_KV_BYTES",
+    "KVPoolSize",
+    "check_pool_fits",
+    "cpu_has_fast_bf16",
+    "dtype_name",
+    "release_freed_host_memory",
+    "resolve_device",
+    "resolve_dtype",
+    "size_kv_pool",
+]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -24,17 +50,9 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def cpu_has_fast_bf16() -> bool:
-    """True where the CPU has native bf16 dot products (AVX512-BF16 or AMX)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """"auto": bf16 on CUDA; on CPU bf16 where it has AVX512-BF16/AMX, else f32 (the same rule
+    as the planner's ``cpu_engine_dtype``)."""
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16
@@ -45,37 +63,81 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+    """The planner's name of a torch dtype: "f32", "bf16" or "f16"."""
     return {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
 
 
 @dataclass(frozen=True, slots=True)
 class KVPoolSize:
+    """The KV pool the engine allocates, and the ledger it was sized from."""
+
     num_blocks: int
     block_size: int
     bytes_per_token: int
-    budget_bytes: int | None
+    budget_bytes: int | None  # the KV budget the blocks were cut from (None: blocks given)
+    block_bytes: int = 0  # bytes of one block, all layers, K and V
+    memory_plan: EngineMemoryPlan | None = None  # every line, as `fitserve plan` prints it
+
+    @property
+    def allocated_bytes(self) -> int:
+        """What the runner's KV tensors take: num_blocks x block_bytes."""
+        return self.num_blocks * self.block_bytes
 
 
 def size_kv_pool(
     cfg: EngineConfig, spec: ModelSpec, kv_dtype: torch.dtype, device: torch.device, weight_bytes: int
 ) -> KVPoolSize:
-    """Number of KV blocks, from the same ledger functions `fitserve plan` prints."""
-    from fitserve.plan.kv import kv_bytes_per_token
-    from fitserve.plan.memory import num_kv_blocks
+    """Number of KV blocks, from the same ledger functions `fitserve plan` prints.
 
+    On CPU this is called once the loader's copies are gone and right before the runner
+    allocates the pool, so it first hands the freed loading memory back to the OS.
+    """
     kv_name = dtype_name(kv_dtype)
-    per_token = kv_bytes_per_token(spec, kv_name)
-    if cfg.num_kv_blocks is not None:
-        return KVPoolSize(cfg.num_kv_blocks, cfg.block_size, per_token, None)
-    budget = cfg.kv_cache_memory_bytes
-    if budget is None:
-        if device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
-            budget = int(total * cfg.gpu_memory_utilization) - weight_bytes - (total - free)
-        else:
-            budget = DEFAULT_CPU_KV_BYTES
-    blocks = num_kv_blocks(max(budget, 0), spec, cfg.block_size, kv_name)
-    return KVPoolSize(blocks, cfg.block_size, per_token, budget)
+    act_bytes = torch.finfo(kv_dtype).bits // 8
+    plan: EngineMemoryPlan
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        # NOTE: the weights are already on the device, so "in use" excludes them.
+        plan = engine_memory_plan(
+            spec, weight_bytes=weight_bytes, total_memory_bytes=total,
+            memory_utilization=cfg.gpu_memory_utilization,
+            max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+            block_size=cfg.block_size, kv_dtype=kv_name, act_dtype_bytes=act_bytes,
+            workspace_bytes=DEFAULT_GPU_WORKSPACE_BYTES,
+            kv_cache_memory_bytes=cfg.kv_cache_memory_bytes, kv_blocks=cfg.num_kv_blocks,
+            in_use_bytes=max(0, total - free - weight_bytes))
+    else:
+        release_freed_host_memory()
+        plan = cpu_engine_memory_plan(
+            spec, weight_bytes=weight_bytes, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_num_seqs=cfg.max_num_seqs, block_size=cfg.block_size, kv_dtype=kv_name,
+            act_dtype_bytes=act_bytes, kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
+            kv_blocks=cfg.num_kv_blocks)
+    budget = None if cfg.num_kv_blocks is not None else plan.kv_pool_bytes
+    return KVPoolSize(plan.num_kv_blocks, cfg.block_size, plan.kv_bytes_per_token, budget,
+                      plan.block_bytes, plan)
+
+
+def release_freed_host_memory() -> bool:
+    """Return memory that the C allocator holds but no longer uses to the OS (glibc's
+    ``malloc_trim(0)``); False where there is no glibc.
+
+    NOTE: loading dequantizes every tensor through f32 scratch and keeps a second copy of the
+    weights until the model has copied them; glibc keeps those freed chunks resident (they sit
+    between live tensors on the heap), ~340 MiB for SmolLM2 in bf16. Trimming before the KV
+    pool is allocated makes the process's peak RSS what the ledger says it is.
+    """
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    trim(0)
+    return True
 
 
 def check_pool_fits(pool: KVPoolSize, max_model_len: int) -> None:

@@ -1,6 +1,6 @@
 """SchedulerOutput -> tensors -> forward -> sampled tokens.
 
-The runner owns the per-layer KV cache tensors ([num_blocks, block_size, num_kv_heads, head_dim]
+The runner owns the per-layer KV cache tensors ([num_kv_heads, num_blocks, block_size, head_dim]
 each; one tensor per layer so a compiled step never rewrites a stacked cache) and turns the
 scheduler's block tables into the flat cache slots each new token writes::
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from fitserve.config import ModelSpec
+from fitserve.kernels.dispatch import choose_attention_impl, classify
 from fitserve.model.attention import AttentionBatch, DecodeBatch, PrefillSeq, visible_mask
 from fitserve.model.llama import CausalLM
 from fitserve.sampling import RequestSamplingState, Sampler
@@ -37,12 +38,16 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.device = device
         self.sliding_window = spec.sliding_window
-        shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (spec.num_kv_heads, num_blocks, block_size, spec.head_dim)  # head-major
         self.kv_caches = [
             (torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
             for _ in range(spec.num_layers)
         ]
         self.sampler = Sampler()
+        self.use_triton = device.type == "cuda" and _triton_importable()
+
+    def _impl(self, q_lens: list[int], k_lens: list[int]) -> str:
+        return choose_attention_impl(classify(self.device.type, q_lens, k_lens, triton=self.use_triton))
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -55,7 +60,12 @@ class ModelRunner:
         # Decodes first: they form one contiguous, batched slice of the packed tokens.
         chunks = sorted(out.chunks, key=lambda c: len(c.token_ids) != 1)
         input_ids, positions, batch = self._prepare(chunks)
-        hidden = self.model(input_ids, positions, batch, self.kv_caches)
+        onednn_before = torch.backends.mkldnn.enabled
+        torch.backends.mkldnn.enabled = self._use_onednn(len(input_ids))
+        try:
+            hidden = self.model(input_ids, positions, batch, self.kv_caches)
+        finally:
+            torch.backends.mkldnn.enabled = onednn_before
         sample_rows: list[int] = []
         sample_ids: list[str] = []
         offset = 0
@@ -73,6 +83,12 @@ class ModelRunner:
             if lp is not None:
                 result.logprobs[rid] = lp
         return result
+
+    def _use_onednn(self, num_tokens: int) -> bool:
+        # NOTE: measured on AVX512-BF16 CPUs: oneDNN's bf16 matmul is several times slower than
+        # torch's own kernel for a single row (batch-1 decode) and several times faster from a
+        # few rows up. fp32 is indifferent.
+        return not (self.device.type == "cpu" and num_tokens <= 1)
 
     def _prepare(
         self, chunks: list[ScheduledChunk]
@@ -105,6 +121,8 @@ class ModelRunner:
                         cached=start,
                         block_ids=torch.tensor(table[:n_blocks], dtype=torch.long, device=self.device),
                         mask=None if plain_causal else visible_mask(t, start, window, self.device),
+                        impl=self._impl([t], [start + t]),
+                        window=window,
                     )
                 )
         decode = self._decode_batch(decode_tables, decode_lens) if decode_tables else None
@@ -131,4 +149,16 @@ class ModelRunner:
         if self.sliding_window is not None:
             # the query sits at position len-1 and sees keys with (len-1) - key < window
             visible &= (lens - 1 - key_pos) < self.sliding_window
-        return DecodeBatch(num=len(tables), block_tables=block_tables, visible=visible[:, None, None, :])
+        return DecodeBatch(
+            num=len(tables), block_tables=block_tables, visible=visible[None, :, None, :],
+            seq_lens=lens.squeeze(1), impl=self._impl([1] * len(tables), seq_lens),
+            window=self.sliding_window,
+        )
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

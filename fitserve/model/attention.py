@@ -13,7 +13,13 @@ key 0), which is only right when S == 0.
 
 The batch is packed decodes-first: sequences with T == 1 run together as one padded batched
 matmul (GQA folded: the G query heads of a KV head become G rows against that head's keys);
-longer chunks run one sequence at a time through scaled_dot_product_attention.
+longer chunks run one sequence at a time. Which implementation runs each group (eager folded
+"naive", torch SDPA, or the Triton kernels on CUDA) is the rule in fitserve.kernels.dispatch,
+read off benchmarks/bench_kernels.py; the runner picks it once per step.
+
+The cache is head-major, [num_kv_heads, num_blocks, block_size, head_dim] per layer, so that
+gathering a sequence's blocks yields [Hkv, L, D] matrices that matmul and SDPA read in place
+(a token-major cache needs a transposing copy of every gathered key and value).
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ class PrefillSeq:
     cached: int
     block_ids: torch.Tensor  # [ceil((cached + T) / block_size)] long
     mask: torch.Tensor | None  # [T, cached + T] bool (True = visible), None = plain causal
+    impl: str = "sdpa"  # from fitserve.kernels.dispatch.choose_attention_impl
+    window: int | None = None
 
 
 @dataclass(slots=True)
@@ -41,7 +49,10 @@ class DecodeBatch:
 
     num: int
     block_tables: torch.Tensor  # [num, max_blocks] long, padded with block 0
-    visible: torch.Tensor  # [num, 1, 1, max_blocks * block_size] bool
+    visible: torch.Tensor  # [1, num, 1, max_blocks * block_size] bool
+    seq_lens: torch.Tensor | None = None  # [num] keys per sequence (Triton path)
+    impl: str = "naive"  # from fitserve.kernels.dispatch.choose_attention_impl
+    window: int | None = None
 
 
 @dataclass(slots=True)
@@ -68,9 +79,20 @@ def visible_mask(
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    """Scatter new K/V [N, Hkv, D] into caches [num_blocks, block_size, Hkv, D] at flat slots."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
+    """Scatter new K/V [N, Hkv, D] into caches [Hkv, num_blocks, block_size, D] at flat slots."""
+    hk, _, _, d = k_cache.shape
+    k_cache.view(hk, -1, d).index_copy_(1, slots, k.transpose(0, 1))
+    v_cache.view(hk, -1, d).index_copy_(1, slots, v.transpose(0, 1))
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """cache [Hkv, NB, bs, D], block ids [..., n] -> [Hkv, ..., n * bs, D] in one index_select.
+
+    NOTE: index_select over a flattened block axis is ~3x faster than advanced indexing here.
+    """
+    hk, nb, bs, d = cache.shape
+    flat = cache.view(hk, nb, bs * d).index_select(1, block_ids.reshape(-1))
+    return flat.view(hk, *block_ids.shape[:-1], block_ids.shape[-1] * bs, d)
 
 
 def paged_attention(
@@ -93,17 +115,44 @@ def paged_attention(
 def _decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, d: DecodeBatch, scale: float
 ) -> torch.Tensor:
+    if d.impl == "triton_decode":
+        return _decode_triton(q, k_cache, v_cache, d, scale)
     num, num_heads, head_dim = q.shape
-    num_kv = k_cache.shape[2]
+    num_kv = k_cache.shape[0]
     group = num_heads // num_kv
-    # [B, blocks, bs, Hkv, D] -> [B, Hkv, L, D]
-    k = k_cache[d.block_tables].flatten(1, 2).transpose(1, 2)
-    v = v_cache[d.block_tables].flatten(1, 2).transpose(1, 2)
-    qg = q.view(num, num_kv, group, head_dim)  # GQA folded into rows
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, Hkv, G, L]
-    scores = scores.masked_fill(~d.visible, float("-inf"))
+    # [Hkv, B, blocks, bs, D] -> [Hkv, B, L, D]: contiguous, no copy before the matmuls
+    k = gather_blocks(k_cache, d.block_tables)
+    v = gather_blocks(v_cache, d.block_tables)
+    if d.impl == "sdpa":
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), k.transpose(0, 1), v.transpose(0, 1),
+            attn_mask=d.visible.transpose(0, 1), scale=scale, enable_gqa=True,
+        )  # [B, Hq, 1, D]
+        return o.reshape(num, num_heads, head_dim)
+    qg = (q * scale).view(num, num_kv, group, head_dim).transpose(0, 1)  # GQA folded into rows
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float()  # [Hkv, B, G, L]
+    scores = scores.masked_fill_(~d.visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).reshape(num, num_heads, head_dim)
+    return torch.matmul(probs, v).transpose(0, 1).reshape(num, num_heads, head_dim)
+
+
+def _decode_triton(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, d: DecodeBatch, scale: float
+) -> torch.Tensor:
+    from fitserve.kernels.split_kv import choose_num_splits
+    from fitserve.kernels.triton.decode import triton_paged_decode
+
+    assert d.seq_lens is not None
+    block_n = 32
+    workers = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 2
+    longest = int(d.block_tables.shape[1] * k_cache.shape[2])
+    splits = choose_num_splits(workers, q.shape[0], k_cache.shape[0], -(-longest // block_n))
+    # the kernel reads a token-major [NB, bs, Hkv, D] view through strides: no copy
+    out, _ = triton_paged_decode(
+        q, k_cache.permute(1, 2, 0, 3), v_cache.permute(1, 2, 0, 3), d.block_tables, d.seq_lens,
+        num_splits=splits, scale=scale, sliding_window=d.window, block_n=block_n,
+    )
+    return out
 
 
 def _chunk_attention(
@@ -111,17 +160,26 @@ def _chunk_attention(
 ) -> torch.Tensor:
     t = q.shape[0]
     total = seq.cached + t
-    k = k_cache[seq.block_ids].flatten(0, 1)[:total]  # [S+T, Hkv, D]
-    v = v_cache[seq.block_ids].flatten(0, 1)[:total]
-    num_heads, num_kv = q.shape[1], k.shape[1]
+    num_heads, num_kv = q.shape[1], k_cache.shape[0]
+    group = num_heads // num_kv
+    kh = gather_blocks(k_cache, seq.block_ids)[:, :total].unsqueeze(0)  # [1, Hkv, S+T, D]
+    vh = gather_blocks(v_cache, seq.block_ids)[:, :total].unsqueeze(0)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, T, D]
-    kh = k.transpose(0, 1).unsqueeze(0)
-    vh = v.transpose(0, 1).unsqueeze(0)
-    if num_kv != num_heads:
-        kh = kh.repeat_interleave(num_heads // num_kv, dim=1)
-        vh = vh.repeat_interleave(num_heads // num_kv, dim=1)
+    if seq.impl == "triton_forward":
+        from fitserve.kernels.triton.forward import triton_attention_forward
+
+        o, _ = triton_attention_forward(qh, kh, vh, scale=scale, causal=True, window=seq.window)
+        return o.squeeze(0).transpose(0, 1)
+    if seq.impl == "naive":
+        # eager, GQA folded: the T queries of the G heads of one KV head become G*T rows
+        qg = (q * scale).view(t, num_kv, group, -1).permute(1, 2, 0, 3).reshape(num_kv, group * t, -1)
+        scores = torch.matmul(qg, kh[0].transpose(-1, -2)).float().view(num_kv, group, t, total)
+        visible = seq.mask if seq.mask is not None else visible_mask(t, seq.cached, None, q.device)
+        probs = torch.softmax(scores.masked_fill_(~visible, float("-inf")), dim=-1).to(vh.dtype)
+        o = torch.matmul(probs.view(num_kv, group * t, total), vh[0])  # [Hkv, G*T, D]
+        return o.view(num_kv, group, t, -1).permute(2, 0, 1, 3).reshape(t, num_heads, -1)
     if seq.mask is None:
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=seq.mask, scale=scale)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=seq.mask, scale=scale, enable_gqa=True)
     return o.squeeze(0).transpose(0, 1)

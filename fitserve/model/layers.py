@@ -65,12 +65,19 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for the tokens' positions [N], shaped to broadcast over heads; once per step."""
+        cos = self.cos[positions].to(dtype).unsqueeze(1)  # [N, 1, D/2]
+        sin = self.sin[positions].to(dtype).unsqueeze(1)
+        if not self.interleaved:
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        return cos, sin
+
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+        self, q: torch.Tensor, k: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [N, Hq, D] and k [N, Hk, D] by their tokens' absolute positions [N]."""
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [N, 1, D/2]
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        """Rotate q [N, Hq, D] and k [N, Hk, D] with the step's ``tables(positions)``."""
+        cos, sin = tables
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -81,10 +88,8 @@ class RotaryEmbedding(nn.Module):
             return out.flatten(-2)
         # split halves: pairs (x_i, x_{i+D/2}), the Hugging Face rotate_half convention
         half = self.head_dim // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        cos2 = torch.cat((cos, cos), dim=-1)
-        sin2 = torch.cat((sin, sin), dim=-1)
-        return x * cos2 + torch.cat((-x2, x1), dim=-1) * sin2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
 
 
 class GatedMLP(nn.Module):

@@ -47,7 +47,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         batch: AttentionBatch,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
@@ -58,7 +58,7 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q, k, positions)
+        q, k = self.rotary(q, k, rope)
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, batch, self.scale)
@@ -76,11 +76,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         batch: AttentionBatch,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, batch, kv_cache)
+        x = x + self.self_attn(self.input_layernorm(x), rope, batch, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -108,8 +108,9 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [N] -> final hidden states [N, hidden]."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, batch, kv)
+            x = layer(x, rope, batch, kv)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -13,9 +13,9 @@ import sys
 from typing import Any
 
 from fitserve.plan.errors import PlanError
-from fitserve.plan.report import PlanRequest
+from fitserve.plan.report import ENGINE_DEFAULTS, PlanRequest
 from fitserve.plan.sections_run import Plan, build_plan
-from fitserve.plan.units import parse_tokens
+from fitserve.plan.units import parse_bytes, parse_tokens
 
 
 def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -35,13 +35,28 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     p.add_argument("--context", default="8k", help="tokens per sequence; 128k = 131,072")
     p.add_argument("--weights", default=None,
-                   help="bf16, fp8, int8, int4-g128, Q4_K_M ... (default: the checkpoint's)")
+                   help="bf16, fp8, int8, int4-g128, Q4_K_M ... (default: the checkpoint's; "
+                        "on cpu the engine's --dtype, as the engine dequantizes on load)")
     p.add_argument("--kv", default=None, help="KV dtype: bf16, f16, fp8, int8 (default: model)")
     p.add_argument("--concurrency", type=int, default=1, help="sequences at once")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--memory-utilization", type=float, default=0.9)
-    p.add_argument("--max-num-batched-tokens", default="2048", help="step token budget")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="default: --concurrency")
+    # The engine's knobs: same names and defaults as `fitserve generate/serve` (EngineConfig).
+    p.add_argument("--dtype", default=ENGINE_DEFAULTS.dtype,
+                   choices=["auto", "float32", "bfloat16", "float16"],
+                   help="model dtype, as the engine's --dtype (auto: bf16 on GPUs; on cpu bf16 "
+                        "where the CPU has AVX512-BF16/AMX, else float32)")
+    p.add_argument("--block-size", type=int, default=ENGINE_DEFAULTS.block_size)
+    p.add_argument("--num-kv-blocks", type=int, default=ENGINE_DEFAULTS.num_kv_blocks,
+                   help="fix the KV pool at this many blocks")
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="KV pool size, e.g. 512M or 2G (default: 1 GiB on cpu, what is left "
+                        "on a GPU)")
+    p.add_argument("--memory-utilization", type=float,
+                   default=ENGINE_DEFAULTS.gpu_memory_utilization)
+    p.add_argument("--max-num-batched-tokens", default=str(ENGINE_DEFAULTS.max_num_batched_tokens),
+                   help="step token budget")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help=f"default: the engine's {ENGINE_DEFAULTS.max_num_seqs}, or --concurrency "
+                        "if larger")
     p.add_argument("--workspace-gib", type=float, default=None,
                    help="workspace / CUDA-graph reserve (default 1 GiB on GPUs, 0 on cpu)")
     p.add_argument("--allow-longer-context", action="store_true",
@@ -59,7 +74,9 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         memory_utilization=args.memory_utilization,
         max_num_batched_tokens=parse_tokens(args.max_num_batched_tokens),
         max_num_seqs=args.max_num_seqs, workspace_bytes=ws,
-        allow_longer_context=args.allow_longer_context)
+        allow_longer_context=args.allow_longer_context, dtype=args.dtype,
+        kv_cache_memory_bytes=None if args.kv_cache_memory is None
+        else parse_bytes(args.kv_cache_memory), num_kv_blocks=args.num_kv_blocks)
 
 
 def render(plan: Plan, *, explain: bool) -> None:

@@ -97,6 +97,22 @@ def _mem_total() -> int:
         return 0
 
 
+def cpu_has_fast_bf16() -> bool:
+    """True where the CPU has native bf16 dot products (AVX512-BF16 or AMX): the engine's
+    "auto" dtype on CPU is then bf16, else f32 (see ``cpu_engine_dtype``)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def cpu_engine_dtype() -> str:
+    """The dtype the engine picks for ``--dtype auto`` on this CPU: "bf16" or "f32"."""
+    return "bf16" if cpu_has_fast_bf16() else "f32"
+
+
 def measure_copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     """Best-of-``repeats`` bytes/s of a numpy copy, counting read + write (2 x nbytes)."""
     import numpy as np

@@ -10,6 +10,15 @@
 
 This is vLLM's reading of ``gpu_memory_utilization``: the engine may use ``total x utilization``
 in all, and the KV pool gets what the other lines leave of it.
+
+On a CPU the rule is the other way round (``cpu_engine_memory_plan``): the KV pool is a fixed
+budget (``kv_cache_memory_bytes``, default ``DEFAULT_CPU_KV_BYTES``, as vLLM's CPU backend does)
+and the ledger adds the lines up to the process's peak resident set:
+
+    runtime baseline (python + torch + engine modules, measured)
+    + weights (in the model dtype: a quantized file is dequantized on load)
+    + max(loading transient,  KV pool + activation peak + logits)
+    = peak RSS
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ from fitserve.plan.params import is_mla
 from fitserve.plan.units import fmt_bytes
 
 LOGIT_BYTES = 4  # logits are kept in f32 for sampling
+DEFAULT_CPU_KV_BYTES = 1 << 30  # the engine's KV budget on CPU (like vLLM's CPU backend)
+DEFAULT_GPU_WORKSPACE_BYTES = 1 << 30  # kernel workspace / CUDA-graph reserve on a GPU
 
 
 @dataclass(frozen=True)
@@ -92,6 +103,21 @@ class EngineMemoryPlan:
     max_num_seqs: int
     kv_dtype: str
     tp: int
+    device: str = "gpu"  # "gpu": the pool is what is left; "cpu": the pool is a fixed budget
+    peak_bytes: int = 0  # the ledger's total: what the process holds at its peak
+
+    @property
+    def kv_allocated_bytes(self) -> int:
+        """Bytes of KV tensors the engine allocates: num_kv_blocks x block_bytes (whole blocks
+        only, so up to one block less than the budget)."""
+        return self.num_kv_blocks * self.block_bytes
+
+    def line(self, name: str) -> MemoryLine:
+        """The reservation line called ``name`` (KeyError if this plan has none)."""
+        for m in self.lines:
+            if m.name == name:
+                return m
+        raise KeyError(name)
 
     @property
     def kv_tokens(self) -> int:
@@ -125,40 +151,123 @@ class EngineMemoryPlan:
         return Ceiling(value, limit, tuple(reasons))
 
 
+def _fixed_pool(spec: ModelSpec, block_size: int, kv_dtype: str, tp: int,
+                kv_cache_memory_bytes: int | None, kv_blocks: int | None) -> tuple[int, str] | None:
+    """A KV pool fixed by the caller: ``kv_blocks`` blocks, else ``kv_cache_memory_bytes``."""
+    if kv_blocks is not None:
+        if kv_blocks < 1:
+            raise PlanError(f"num_kv_blocks must be >= 1, got {kv_blocks}")
+        return kv_blocks * kv_block_bytes(spec, block_size, kv_dtype, tp=tp), "num_kv_blocks given"
+    if kv_cache_memory_bytes is not None:
+        if kv_cache_memory_bytes < 0:
+            raise PlanError(f"kv_cache_memory must be >= 0 bytes, got {kv_cache_memory_bytes}")
+        return kv_cache_memory_bytes, "kv_cache_memory given"
+    return None
+
+
 def engine_memory_plan(spec: ModelSpec, *, weight_bytes: int, total_memory_bytes: int,
                        memory_utilization: float, max_num_batched_tokens: int,
                        max_num_seqs: int, block_size: int, kv_dtype: str, act_dtype_bytes: int,
-                       workspace_bytes: int = 0, tp: int = 1) -> EngineMemoryPlan:
-    """Reserve one rank's memory in engine order and size the KV pool (see module docstring).
+                       workspace_bytes: int = 0, tp: int = 1,
+                       kv_cache_memory_bytes: int | None = None, kv_blocks: int | None = None,
+                       in_use_bytes: int = 0) -> EngineMemoryPlan:
+    """Reserve one GPU's memory in engine order and size the KV pool (see module docstring).
 
+    ``in_use_bytes``: memory already taken on the device by anything but these weights (the
+    CUDA context, other processes); the engine measures it, a plan assumes 0. A given
+    ``kv_blocks`` or ``kv_cache_memory_bytes`` fixes the pool instead of taking what is left.
     Raises PlanError when not even one KV block fits, naming the line that used the memory up.
     """
     if not 0.0 < memory_utilization <= 1.0:
         raise PlanError(f"memory utilization must be in (0, 1], got {memory_utilization}")
     usable = int(total_memory_bytes * memory_utilization)
     block = kv_block_bytes(spec, block_size, kv_dtype, tp=tp)
-    lines = (
+    lines = [
         MemoryLine("weights", "weight_bytes", weight_bytes, f"per rank, tp={tp}"),
         MemoryLine("activation peak", "act_peak",
                    activation_peak_bytes(spec, max_num_batched_tokens, act_dtype_bytes, tp),
                    f"one forward over max_num_batched_tokens={max_num_batched_tokens}"),
-        MemoryLine("logits", "max_num_seqs x vocab x 4",
-                   max_num_seqs * spec.vocab_size * LOGIT_BYTES,
-                   f"f32 logits for max_num_seqs={max_num_seqs} sequences"),
+        _logits_line(spec, max_num_seqs),
         MemoryLine("workspace / graphs", "workspace_bytes", workspace_bytes,
                    "kernel workspace and CUDA-graph reserve"),
-        MemoryLine("headroom", "total - floor(total x utilization)",
-                   total_memory_bytes - usable, f"memory_utilization={memory_utilization}"),
-    )
-    pool = total_memory_bytes - sum(line.bytes for line in lines)
+    ]
+    if in_use_bytes > 0:
+        lines.append(MemoryLine("in use before start", "total - free - weights (measured)",
+                                in_use_bytes, "CUDA context and other processes on the device"))
+    lines.append(MemoryLine("headroom", "total - floor(total x utilization)",
+                            total_memory_bytes - usable, f"memory_utilization={memory_utilization}"))
+    fixed = _fixed_pool(spec, block_size, kv_dtype, tp, kv_cache_memory_bytes, kv_blocks)
+    pool = total_memory_bytes - sum(line.bytes for line in lines) if fixed is None else fixed[0]
     blocks = num_kv_blocks(pool, spec, block_size, kv_dtype, tp)
     if blocks < 1:
-        raise PlanError(_no_block_message(lines, total_memory_bytes, pool, block))
-    kv_line = MemoryLine("KV pool", "total - lines above", pool,
+        raise PlanError(_no_block_message(tuple(lines), total_memory_bytes, pool, block))
+    kv_line = MemoryLine("KV pool", "total - lines above" if fixed is None else fixed[1], pool,
                          f"{blocks} blocks x {fmt_bytes(block)} (block_size={block_size})")
+    peak = sum(line.bytes for line in lines[:-1]) + blocks * block
     return EngineMemoryPlan(spec, (*lines, kv_line), pool, blocks, block_size, block,
                             kv_bytes_per_token(spec, kv_dtype, tp=tp), max_num_seqs,
-                            kv_dtype, tp)
+                            kv_dtype, tp, "gpu", peak)
+
+
+def _logits_line(spec: ModelSpec, max_num_seqs: int) -> MemoryLine:
+    return MemoryLine("logits", "max_num_seqs x vocab x 4", max_num_seqs * spec.vocab_size
+                      * LOGIT_BYTES, f"f32 logits for max_num_seqs={max_num_seqs} sequences")
+
+
+def engine_load_transient_bytes(spec: ModelSpec, weight_bytes: int, dtype_bytes: int) -> int:
+    """Bytes the engine holds beyond its weights while it loads them, one rank, no TP.
+
+    Formula ``load_transient``: the loader's copy of every weight (``weight_bytes`` again, alive
+    until the model has copied it) + the fused q/k/v and gate/up tensors built from it:
+    layers x (q + 2 kv + 2 intermediate) x hidden x dtype_bytes (+ the q/k/v biases).
+    """
+    per_layer = (spec.q_size + 2 * spec.kv_size) * (spec.hidden_size + int(spec.attention_bias))
+    per_layer += 2 * spec.intermediate_size * spec.hidden_size
+    return weight_bytes + spec.num_layers * per_layer * dtype_bytes
+
+
+def cpu_engine_memory_plan(spec: ModelSpec, *, weight_bytes: int, max_num_batched_tokens: int,
+                           max_num_seqs: int, block_size: int, kv_dtype: str,
+                           act_dtype_bytes: int, kv_cache_memory_bytes: int | None = None,
+                           kv_blocks: int | None = None, runtime_bytes: int = 0,
+                           load_transient_bytes: int = 0, weights_note: str = "",
+                           runtime_note: str = "") -> EngineMemoryPlan:
+    """The engine's host-memory ledger on a CPU: a fixed KV budget, lines summed to the peak.
+
+    The KV pool is ``kv_blocks`` blocks if given, else ``kv_cache_memory_bytes``, else
+    ``DEFAULT_CPU_KV_BYTES``; ``num_kv_blocks = floor(pool / block_bytes)``, and the engine
+    allocates exactly ``num_kv_blocks x block_bytes``. Peak (``peak_bytes``):
+    ``runtime + weights + max(load_transient, KV allocated + activation peak + logits)``:
+    the loading transient is freed before the KV pool is allocated.
+    """
+    block = kv_block_bytes(spec, block_size, kv_dtype)
+    fixed = _fixed_pool(spec, block_size, kv_dtype, 1, kv_cache_memory_bytes, kv_blocks)
+    pool, how = fixed if fixed is not None else (DEFAULT_CPU_KV_BYTES, "DEFAULT_CPU_KV_BYTES")
+    blocks = num_kv_blocks(pool, spec, block_size, kv_dtype)
+    if blocks < 1:
+        raise PlanError(f"a KV budget of {fmt_bytes(pool)} holds no block of {fmt_bytes(block)} "
+                        f"(block_size={block_size}): raise --kv-cache-memory")
+    act = activation_peak_bytes(spec, max_num_batched_tokens, act_dtype_bytes)
+    logits = _logits_line(spec, max_num_seqs)
+    running = blocks * block + act + logits.bytes
+    lines = (
+        MemoryLine("runtime baseline", "measured VmRSS", runtime_bytes,
+                   runtime_note or "python + torch + engine modules (runtime_baseline_bytes)"),
+        MemoryLine("weights", "weight_bytes", weight_bytes, weights_note),
+        MemoryLine("loading transient", "load_transient", load_transient_bytes,
+                   "loader copy + fused qkv/gate_up copies, freed before the KV pool"
+                   + (" (sets the peak)" if load_transient_bytes > running else "")),
+        MemoryLine("activation peak", "act_peak", act,
+                   f"one forward over max_num_batched_tokens={max_num_batched_tokens}"),
+        logits,
+        MemoryLine("KV pool", "num_kv_blocks x block_bytes", blocks * block,
+                   f"{how} = {pool:,} B -> {blocks} blocks x {block:,} B "
+                   f"(block_size={block_size})"),
+    )
+    peak = runtime_bytes + weight_bytes + max(load_transient_bytes, running)
+    return EngineMemoryPlan(spec, lines, pool, blocks, block_size, block,
+                            kv_bytes_per_token(spec, kv_dtype), max_num_seqs, kv_dtype, 1,
+                            "cpu", peak)
 
 
 def _no_block_message(lines: tuple[MemoryLine, ...], total: int, pool: int, block: int) -> str:

@@ -37,6 +37,7 @@ class ModelEntry:
     published_params: float | None = None
     published_active_params: float | None = None
     file_weight_bytes: int | None = None  # GGUF: the file's own tensor bytes
+    engine_file_format: str | None = None  # the file `fitserve pull` fetches for the engine
 
 
 def _layer_types(cfg: dict[str, Any], n: int) -> tuple[str, ...] | None:
@@ -139,7 +140,8 @@ def catalog_entry(name: str) -> ModelEntry:
     cfg = found["config"]
     return ModelEntry(spec_from_hf_config(cfg, found["name"]), found["native_weights"],
                       _dtype(cfg), found["source"], found.get("published_params"),
-                      found.get("published_active_params"))
+                      found.get("published_active_params"),
+                      engine_file_format=found.get("engine_file_format"))
 
 
 def config_entry(path: Path) -> ModelEntry:

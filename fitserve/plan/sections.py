@@ -18,10 +18,12 @@ from fitserve.plan.weights import model_weight_bytes
 
 
 def weight_bytes_per_gpu(r: Resolved) -> int:
-    """Weights on one GPU: the GGUF file's own bytes, or the ledger's for the format."""
-    if r.entry.file_weight_bytes is not None and r.req.weights is None:
+    """Weights on one GPU: the GGUF file's own bytes, or the ledger's for the format.
+
+    On cpu (fitserve's engine) every tensor is held in the model dtype, whatever the file."""
+    if r.entry.file_weight_bytes is not None and r.req.weights is None and not r.on_cpu:
         return -(-r.entry.file_weight_bytes // r.req.tp)
-    return model_weight_bytes(r.entry.spec, r.weights, tp=r.req.tp).total
+    return model_weight_bytes(r.entry.spec, r.weights, tp=r.req.tp, base_dtype=r.base_dtype).total
 
 
 def model_section(r: Resolved) -> Section:
@@ -52,7 +54,7 @@ def model_section(r: Resolved) -> Section:
 def weights_section(r: Resolved) -> Section:
     s, tp = r.entry.spec, r.req.tp
     per_gpu = weight_bytes_per_gpu(r)
-    wb = model_weight_bytes(s, r.weights, tp=1)
+    wb = model_weight_bytes(s, r.weights, tp=1, base_dtype=r.base_dtype)
     fmts = sorted({line.fmt for line in wb.lines})
     lines = [
         Line("format", "formats.weight_format", r.weights, r.weights, "per tensor: " + ", ".join(fmts)),
@@ -60,10 +62,10 @@ def weights_section(r: Resolved) -> Section:
              f"{wb.bits_per_weight:.3f}", f"{wb.total:,} B x 8 / {wb.num_params:,}"),
         Line("weights, whole model", "model_weight_bytes(tp=1)", wb.total, fmt_bytes(wb.total)),
         Line("weights per GPU", "gguf file tensor bytes / tp" if r.entry.file_weight_bytes
-             is not None and r.req.weights is None else f"model_weight_bytes(tp={tp})",
-             per_gpu, fmt_bytes(per_gpu),
-             "column/row splits divide by tp; norms, routers and MLA down-projections "
-             "replicate; KV projections replicate past the KV-head count"),
+             is not None and r.req.weights is None and not r.on_cpu
+             else f"model_weight_bytes(tp={tp})", per_gpu, fmt_bytes(per_gpu),
+             r.weights_note or "column/row splits divide by tp; norms, routers and MLA "
+             "down-projections replicate; KV projections replicate past the KV-head count"),
     ]
     return Section("Weights", tuple(lines))
 

@@ -7,7 +7,12 @@ from dataclasses import dataclass
 from fitserve.plan.energy import best_point, energy_curve
 from fitserve.plan.flops import attention_crossover_context, flops_per_token
 from fitserve.plan.layouts import LayoutChoice, LayoutQuery, recommend_layout
-from fitserve.plan.memory import EngineMemoryPlan, engine_memory_plan
+from fitserve.plan.memory import (
+    EngineMemoryPlan,
+    cpu_engine_memory_plan,
+    engine_load_transient_bytes,
+    engine_memory_plan,
+)
 from fitserve.plan.parallel import tp_allreduce
 from fitserve.plan.report import Line, PlanRequest, Resolved, Section, resolve
 from fitserve.plan.sections import kv_section, model_section, weight_bytes_per_gpu, weights_section
@@ -17,12 +22,56 @@ from fitserve.plan.weights import model_weight_bytes
 
 
 def memory_plan(r: Resolved) -> EngineMemoryPlan:
+    """The engine's memory ledger: device memory on a GPU, the process's host memory on cpu."""
     q = r.req
+    if r.on_cpu:
+        from fitserve.plan.runtime import runtime_baseline_bytes
+
+        wb = weight_bytes_per_gpu(r)
+        runtime = runtime_baseline_bytes()
+        return cpu_engine_memory_plan(
+            r.entry.spec, weight_bytes=wb, max_num_batched_tokens=q.max_num_batched_tokens,
+            max_num_seqs=r.max_num_seqs, block_size=q.block_size, kv_dtype=r.kv_dtype,
+            act_dtype_bytes=r.act_bytes, kv_cache_memory_bytes=q.kv_cache_memory_bytes,
+            kv_blocks=q.num_kv_blocks, runtime_bytes=runtime or 0,
+            load_transient_bytes=engine_load_transient_bytes(r.entry.spec, wb, r.act_bytes),
+            weights_note=r.weights_note,
+            runtime_note="" if runtime is not None else "NOT MEASURED (torch not importable)")
     return engine_memory_plan(
         r.entry.spec, weight_bytes=weight_bytes_per_gpu(r), total_memory_bytes=r.hw.memory_bytes,
         memory_utilization=q.memory_utilization, max_num_batched_tokens=q.max_num_batched_tokens,
         max_num_seqs=r.max_num_seqs, block_size=q.block_size, kv_dtype=r.kv_dtype,
-        act_dtype_bytes=r.act_bytes, workspace_bytes=r.workspace_bytes, tp=q.tp)
+        act_dtype_bytes=r.act_bytes, workspace_bytes=r.workspace_bytes, tp=q.tp,
+        kv_cache_memory_bytes=q.kv_cache_memory_bytes, kv_blocks=q.num_kv_blocks)
+
+
+@dataclass(frozen=True)
+class EngineSummary:
+    """The figures the engine must reproduce, for machines (``fitserve plan --json``)."""
+
+    device: str  # "cpu": host-memory ledger of fitserve's engine; "gpu": one device
+    dtype: str  # model / activation dtype
+    weights: str
+    kv_dtype: str
+    block_size: int
+    block_bytes: int
+    kv_bytes_per_token: int
+    num_kv_blocks: int
+    kv_budget_bytes: int
+    kv_allocated_bytes: int
+    weight_bytes: int
+    peak_bytes: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    lines: dict[str, int]
+
+
+def engine_summary(r: Resolved, mp: EngineMemoryPlan) -> EngineSummary:
+    return EngineSummary(
+        mp.device, r.act_dtype, r.weights, mp.kv_dtype, mp.block_size, mp.block_bytes,
+        mp.kv_bytes_per_token, mp.num_kv_blocks, mp.kv_pool_bytes, mp.kv_allocated_bytes,
+        mp.line("weights").bytes, mp.peak_bytes, mp.max_num_seqs,
+        r.req.max_num_batched_tokens, {m.name: m.bytes for m in mp.lines})
 
 
 def memory_section(r: Resolved, mp: EngineMemoryPlan) -> Section:
@@ -37,17 +86,30 @@ def memory_section(r: Resolved, mp: EngineMemoryPlan) -> Section:
              f"min({mp.num_kv_blocks:,} // {per_seq} blocks per sequence, max_num_seqs="
              f"{mp.max_num_seqs}); limited by {ceil.limited_by}"),
     ]
+    if r.on_cpu:
+        lines.append(Line("total (peak RSS)", "peak_bytes", mp.peak_bytes, fmt_bytes(mp.peak_bytes),
+                          "runtime + weights + max(loading transient, KV pool + activation "
+                          "peak + logits)"))
     notes = [f"per GPU of {fmt_bytes(r.hw.memory_bytes)} ({r.hw.name}); ceiling because: "
              + "; ".join(ceil.reasons)]
+    if r.on_cpu:
+        notes[0] = ("fitserve's engine on this CPU: the KV pool is a fixed budget "
+                    "(--kv-cache-memory), not what is left of RAM; ceiling because: "
+                    + "; ".join(ceil.reasons))
+        if r.weights_note:
+            notes.insert(0, f"weights: {r.weights_note} (the engine holds every tensor in "
+                            f"{r.act_dtype}; tied embeddings counted once)")
     if ceil.value < r.req.concurrency:
         notes.append(f"DOES NOT FIT: {r.req.concurrency} sequences of {r.req.context} tokens "
                      f"asked, at most {ceil.value} fit")
-    return Section("Engine memory, in reservation order (one GPU)", tuple(lines), tuple(notes))
+    title = ("Engine host memory on cpu, in the order the process takes it" if r.on_cpu
+             else "Engine memory, in reservation order (one GPU)")
+    return Section(title, tuple(lines), tuple(notes))
 
 
 def speed_section(r: Resolved, batch: int) -> Section:
     s, hw, q = r.entry.spec, r.hw, r.req
-    wb = model_weight_bytes(s, r.weights, tp=q.tp)
+    wb = model_weight_bytes(s, r.weights, tp=q.tp, base_dtype=r.base_dtype)
     tf = flops_per_token(s, q.context)
     cross = attention_crossover_context(s)
     ctx, kvd, wf = q.context, r.kv_dtype, r.weights
@@ -102,7 +164,7 @@ def energy_section(r: Resolved, max_batch: int) -> Section | None:
     s, hw, q = r.entry.spec, r.hw, r.req
     if hw.power_w is None:
         return Section("Energy", (), (f"{hw.name} has no power figure: energy not estimated",))
-    wb = model_weight_bytes(s, r.weights, tp=q.tp)
+    wb = model_weight_bytes(s, r.weights, tp=q.tp, base_dtype=r.base_dtype)
     batches = [1]
     while batches[-1] * 2 <= max(1, max_batch):
         batches.append(batches[-1] * 2)
@@ -143,6 +205,7 @@ class Plan:
     warnings: tuple[str, ...]
     sections: tuple[Section, ...]
     recommended_layout: str | None
+    engine: EngineSummary | None = None
 
 
 def build_plan(req: PlanRequest) -> Plan:
@@ -162,5 +225,7 @@ def build_plan(req: PlanRequest) -> Plan:
     title = (f"fitserve plan: {r.entry.spec.name} on {req.gpus} x {r.hw.name}, tp={req.tp}, "
              f"context {req.context_text} = {req.context:,} tokens (k = x1024), weights "
              f"{r.weights}, KV {r.kv_dtype}, concurrency {req.concurrency}{hyp}")
+    if r.on_cpu:
+        title += f"; fitserve engine dtype {r.act_dtype}, max_num_seqs {r.max_num_seqs}"
     return Plan(title, r.warnings, tuple(sections),
-                choice.recommended.name if choice.recommended else None)
+                choice.recommended.name if choice.recommended else None, engine_summary(r, mp))

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 
 from fitserve.config import ModelSpec
 from fitserve.plan.flops import flops_per_token, prefill_flops
+from fitserve.plan.formats import weight_format
 from fitserve.plan.hardware import Hardware
 from fitserve.plan.kv import request_kv
 from fitserve.plan.parallel import tp_allreduce
-from fitserve.plan.weights import WeightBytes
+from fitserve.plan.weights import WeightBytes, model_weight_bytes
 
 MAX_BATCH = 1 << 16
 
@@ -49,6 +50,13 @@ class StepTime:
         """Decode throughput of the whole TP group: batch tokens per step."""
         return self.batch / self.seconds
 
+    def describe(self) -> str:
+        """One line: the roofline with its numbers filled in."""
+        return (f"max(({self.weight_bytes:,.0f} + {self.kv_bytes:,.0f}) B / bandwidth = "
+                f"{self.t_memory * 1e3:.3f} ms, {self.flops:.4g} FLOPs / peak = "
+                f"{self.t_compute * 1e3:.3f} ms) + comm {self.t_comm * 1e3:.3f} ms = "
+                f"{self.seconds * 1e3:.3f} ms ({self.bound}-bound)")
+
 
 def experts_touched_fraction(spec: ModelSpec, batch: int) -> float:
     """Expected share of routed experts a batch of ``batch`` tokens uses in one layer."""
@@ -72,6 +80,27 @@ def decode_step(spec: ModelSpec, hw: Hardware, wb: WeightBytes, *, batch: int, c
     comm = tp_allreduce(spec, hw, tp=tp, tokens=batch, act_dtype_bytes=act_dtype_bytes)
     return StepTime(batch, context, w, kv, flops, (w + kv) / hw.mem_bytes_per_s,
                     flops / hw.peak_flops(weights_fmt), comm.seconds_per_step)
+
+
+def decode_step_roofline(spec: ModelSpec, hw: Hardware, *, batch: int, context: int,
+                         weight_fmt: str, kv_dtype: str, tp: int = 1,
+                         act_dtype_bytes: int = 2) -> StepTime:
+    """The roofline floor of one decode step: ``batch`` sequences, each ``context`` tokens in.
+
+        t_memory  = (weight bytes read + batch x KV bytes of ``context`` tokens) / hw bandwidth
+        t_compute = batch x flops_per_token(context) / hw.peak_flops(weight_fmt)
+        seconds   = max(t_memory, t_compute) + TP all-reduce time
+
+    ``weight_fmt``: a plain dtype ("bf16", "f32") means every tensor in it, as fitserve's engine
+    holds them; a quantized format ("int4-g128", "Q4_K_M", ...) keeps embedding, lm_head and
+    vectors in bf16. The W1 benchmark calls it with ``hw = cpu_hardware()``; read ``.seconds``,
+    ``.t_memory``, ``.t_compute``, ``.weight_bytes``, ``.kv_bytes``, ``.flops``, ``.bound``.
+    """
+    f = weight_format(weight_fmt)
+    plain = f.block_elements == 1 and not f.row_scale_bytes and not f.tensor_scale_bytes
+    wb = model_weight_bytes(spec, weight_fmt, tp=tp, base_dtype=f.name if plain else "bf16")
+    return decode_step(spec, hw, wb, batch=batch, context=context, kv_dtype=kv_dtype,
+                       weights_fmt=weight_fmt, act_dtype_bytes=act_dtype_bytes)
 
 
 def prefill_time(spec: ModelSpec, hw: Hardware, wb: WeightBytes, *, prompt_len: int,

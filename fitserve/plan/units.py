@@ -22,6 +22,21 @@ def parse_tokens(text: str) -> int:
     return int(value)
 
 
+_BYTE_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """A byte size as the engine's --kv-cache-memory reads it: "512M", "2G", "1.5GiB", "1024"
+    (binary units: K = 1024)."""
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        if t and t[-1] in _BYTE_UNITS:
+            return int(float(t[:-1]) * _BYTE_UNITS[t[-1]])
+        return int(t)
+    except ValueError:
+        raise PlanError(f"not a size: {text!r} (e.g. 512M, 2G)") from None
+
+
 def fmt_bytes(n: float) -> str:
     """Bytes with binary units: 1536 -> "1.50 KiB"."""
     sign = "-" if n < 0 else ""

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton paths run on CPU in the interpreter
 
 import pytest
 import torch
@@ -17,6 +21,9 @@ from fitserve.model.attention import (
 )
 
 BS = 4  # block size
+HAS_TRITON = importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") == "1"
+DECODE_IMPLS = ["naive", "sdpa"] + (["triton_decode"] if HAS_TRITON else [])
+
 
 
 def reference(q, k, v, start: int, window: int | None, top_left: bool = False) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -37,15 +44,20 @@ def reference(q, k, v, start: int, window: int | None, top_left: bool = False) -
 def scatter_into_pages(k, v, table: list[int], num_blocks: int):  # type: ignore[no-untyped-def]
     """Write dense K/V for positions 0.. into a paged cache following ``table``."""
     hk, d = k.shape[1:]
-    kc = torch.randn(num_blocks, BS, hk, d)  # garbage everywhere else: must never be read
-    vc = torch.randn(num_blocks, BS, hk, d)
+    kc = torch.randn(hk, num_blocks, BS, d)  # garbage everywhere else: must never be read
+    vc = torch.randn(hk, num_blocks, BS, d)
     slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(k.shape[0])])
     write_kv(k, v, kc, vc, slots)
     return kc, vc
 
 
+@pytest.mark.parametrize("impl", ["naive", "sdpa", "triton"])
 @pytest.mark.parametrize("cached,new,window", [(0, 5, None), (6, 3, None), (9, 1, None), (5, 6, 4), (13, 2, 3)])
-def test_chunk_at_end_of_cache_matches_bottom_right_reference(cached: int, new: int, window: int | None) -> None:
+def test_chunk_at_end_of_cache_matches_bottom_right_reference(
+    cached: int, new: int, window: int | None, impl: str
+) -> None:
+    if impl == "triton" and not HAS_TRITON:
+        pytest.skip("triton is not installed")
     torch.manual_seed(cached * 31 + new)
     hq, hk, d = 6, 2, 8
     total = cached + new
@@ -54,14 +66,17 @@ def test_chunk_at_end_of_cache_matches_bottom_right_reference(cached: int, new: 
     q = torch.randn(new, hq, d)
     kc, vc = scatter_into_pages(k, v, table, 10)
     plain = cached == 0 and (window is None or window >= new)
-    seq = PrefillSeq(0, new, cached, torch.tensor(table), None if plain else visible_mask(new, cached, window))
+    seq = PrefillSeq(0, new, cached, torch.tensor(table), None if plain else visible_mask(new, cached, window),
+                     impl="triton_forward" if impl == "triton" else impl, window=window)
     batch = AttentionBatch(slot_mapping=torch.empty(0, dtype=torch.long), decode=None, prefills=[seq])
     if new == 1:  # a single token can go through the batched decode path too
         vis = (torch.arange(len(table) * BS) < total)
         if window is not None:
             vis &= (total - 1 - torch.arange(len(table) * BS)) < window
         batch = AttentionBatch(torch.empty(0, dtype=torch.long),
-                               DecodeBatch(1, torch.tensor([table]), vis[None, None, None, :]))
+                               DecodeBatch(1, torch.tensor([table]), vis[None, None, None, :],
+                                           seq_lens=torch.tensor([total]),
+                                           impl="triton_decode" if impl == "triton" else impl, window=window))
     out = paged_attention(q, kc, vc, batch, 1 / math.sqrt(d))
     ref = reference(q, k, v, cached, window)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
@@ -71,22 +86,24 @@ def test_chunk_at_end_of_cache_matches_bottom_right_reference(cached: int, new: 
         assert (wrong - ref).abs().max() > 1e-2
 
 
-def test_ragged_decode_batch_with_gqa_and_padding() -> None:
+@pytest.mark.parametrize("impl", DECODE_IMPLS)
+def test_ragged_decode_batch_with_gqa_and_padding(impl: str) -> None:
     torch.manual_seed(0)
     hq, hk, d = 9, 3, 16
     lens = [1, 7, 12, 4]
     tables = [[3], [0, 6], [1, 4, 8], [2]]
-    kc = torch.randn(10, BS, hk, d)
-    vc = torch.randn(10, BS, hk, d)
+    kc = torch.randn(hk, 10, BS, d)
+    vc = torch.randn(hk, 10, BS, d)
     width = 3
     padded = [t + [0] * (width - len(t)) for t in tables]
     vis = torch.arange(width * BS)[None, :] < torch.tensor(lens)[:, None]
     q = torch.randn(len(lens), hq, d)
-    batch = AttentionBatch(torch.empty(0, dtype=torch.long), DecodeBatch(len(lens), torch.tensor(padded), vis[:, None, None, :]))
+    batch = AttentionBatch(torch.empty(0, dtype=torch.long), DecodeBatch(len(lens), torch.tensor(padded), vis[None, :, None, :],
+                                                                     seq_lens=torch.tensor(lens), impl=impl))
     out = paged_attention(q, kc, vc, batch, 1 / math.sqrt(d))
     for b, (n, table) in enumerate(zip(lens, tables, strict=True)):
-        k = kc[table].flatten(0, 1)[:n]
-        v = vc[table].flatten(0, 1)[:n]
+        k = kc[:, table].flatten(1, 2)[:, :n].transpose(0, 1)
+        v = vc[:, table].flatten(1, 2)[:, :n].transpose(0, 1)
         ref = reference(q[b : b + 1], k, v, n - 1, None)
         torch.testing.assert_close(out[b : b + 1].double(), ref, atol=1e-5, rtol=1e-5)
 

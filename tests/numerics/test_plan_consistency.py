@@ -1,0 +1,188 @@
+"""One ledger: `fitserve plan MODEL --gpu cpu` reports exactly what the engine does on this CPU.
+
+For the real default model (SmolLM2-135M, the Q4_1 GGUF) and the same options on both sides:
+- the engine's block count, block size and KV bytes per token are the plan's;
+- the KV tensors the runner allocated are exactly num_kv_blocks x block bytes of the plan;
+- the weights the model holds (parameter bytes, the tied embedding once) are the plan's
+  weights line, in bf16 and in fp32 (the Q4_1 file is dequantized on load);
+- (slow) the peak RSS of a W2 run in a fresh process is within 15% of the plan's total.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fitserve.cli import main as fitserve_main
+from fitserve.config import EngineConfig
+from fitserve.engine import Engine
+from fitserve.engine_setup import DEFAULT_CPU_KV_BYTES, size_kv_pool
+from fitserve.plan import memory as plan_memory
+
+REPO = Path(__file__).resolve().parents[2]
+MIB = 1 << 20
+
+# (engine config overrides, the same options for `fitserve plan`)
+DEFAULT: tuple[dict[str, Any], list[str]] = ({}, [])
+FP32_BS32_512M: tuple[dict[str, Any], list[str]] = (
+    dict(dtype="float32", block_size=32, kv_cache_memory_bytes=512 * MIB, max_num_seqs=16,
+         max_num_batched_tokens=512),
+    ["--dtype", "float32", "--block-size", "32", "--kv-cache-memory", "512M",
+     "--max-num-seqs", "16", "--max-num-batched-tokens", "512"],
+)
+
+
+def plan_json(capsys: pytest.CaptureFixture[str], model: str, args: list[str]) -> dict[str, Any]:
+    """Run `fitserve plan MODEL --gpu cpu --json ARGS` in-process; return its engine summary."""
+    capsys.readouterr()
+    assert fitserve_main(["plan", model, "--gpu", "cpu", "--json", *args]) == 0
+    out = json.loads(capsys.readouterr().out)
+    summary: dict[str, Any] = out["engine"]
+    assert summary["device"] == "cpu"
+    return summary
+
+
+def weight_bytes(engine: Engine) -> int:
+    """Bytes of the model's parameters; parameters() yields the tied embedding/lm_head once."""
+    return sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+
+
+@pytest.fixture(scope="module")
+def default_engine(smollm2_path: Path) -> Iterator[Engine]:
+    engine = Engine(EngineConfig(model=str(smollm2_path), device="cpu"))
+    yield engine
+    del engine
+
+
+@pytest.fixture(scope="module")
+def fp32_engine(smollm2_path: Path) -> Iterator[Engine]:
+    engine = Engine(EngineConfig(model=str(smollm2_path), device="cpu", **FP32_BS32_512M[0]))
+    yield engine
+    del engine
+
+
+def check_engine_matches_plan(engine: Engine, plan: dict[str, Any]) -> None:
+    pool = engine.pool
+    assert engine.config.block_size == pool.block_size == plan["block_size"]
+    assert pool.num_blocks == engine.runner.num_blocks == plan["num_kv_blocks"]
+    assert pool.bytes_per_token == plan["kv_bytes_per_token"]
+    assert pool.block_bytes == plan["block_bytes"] == plan["block_size"] * plan["kv_bytes_per_token"]
+    # what the runner actually allocated, to the byte
+    assert engine.runner.kv_cache_bytes == plan["kv_allocated_bytes"]
+    assert plan["kv_allocated_bytes"] == plan["num_kv_blocks"] * plan["block_bytes"]
+    assert plan["lines"]["KV pool"] == plan["kv_allocated_bytes"]
+    assert weight_bytes(engine) == plan["weight_bytes"] == plan["lines"]["weights"]
+    # the engine's own ledger (fitserve.engine_setup) has the same lines as the plan
+    mp = pool.memory_plan
+    assert mp is not None and mp.device == "cpu"
+    for name in ("weights", "activation peak", "logits", "KV pool"):
+        assert mp.line(name).bytes == plan["lines"][name], name
+
+
+def test_default_options(default_engine: Engine, smollm2_path: Path,
+                         capsys: pytest.CaptureFixture[str]) -> None:
+    assert default_engine.device.type == "cpu"
+    dtype = {torch.bfloat16: "bf16", torch.float32: "f32"}[default_engine.dtype]
+    for model in ("smollm2-135m", str(smollm2_path)):  # the catalog entry and the file itself
+        plan = plan_json(capsys, model, [])
+        assert plan["dtype"] == plan["weights"] == plan["kv_dtype"] == dtype
+        assert plan["kv_budget_bytes"] == DEFAULT_CPU_KV_BYTES == default_engine.pool.budget_bytes
+        check_engine_matches_plan(default_engine, plan)
+    if dtype == "bf16":
+        # SmolLM2: 30 layers x 2 (K, V) x 3 KV heads x 64 x 2 B = 23,040 B per token;
+        # 1 GiB // (16 x 23,040 B) = 2,912 blocks; 134,515,008 parameters x 2 B.
+        assert (plan["kv_bytes_per_token"], plan["num_kv_blocks"]) == (23_040, 2_912)
+        assert plan["weight_bytes"] == 134_515_008 * 2
+    assert plan_memory.DEFAULT_CPU_KV_BYTES is DEFAULT_CPU_KV_BYTES  # one constant, the planner's
+
+
+def test_weights_line_names_the_dequantization(capsys: pytest.CaptureFixture[str]) -> None:
+    capsys.readouterr()
+    assert fitserve_main(["plan", "smollm2-135m", "--gpu", "cpu", "--dtype", "bfloat16",
+                          "--json"]) == 0
+    text = capsys.readouterr().out
+    assert "Q4_1 file dequantized to bf16 on load" in text
+
+
+def test_fp32_other_block_size_and_kv_memory(fp32_engine: Engine,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    plan = plan_json(capsys, "smollm2-135m", FP32_BS32_512M[1])
+    assert plan["dtype"] == plan["kv_dtype"] == "f32" and fp32_engine.dtype == torch.float32
+    # 30 x 2 x 3 x 64 x 4 B = 46,080 B per token; 512 MiB // (32 x 46,080 B) = 364 blocks
+    assert (plan["kv_bytes_per_token"], plan["block_size"], plan["num_kv_blocks"]) == (
+        46_080, 32, 364)
+    assert plan["weight_bytes"] == 134_515_008 * 4
+    check_engine_matches_plan(fp32_engine, plan)
+
+
+@pytest.mark.parametrize(("cfg", "args"), [
+    (dict(block_size=8, kv_cache_memory_bytes=200 * MIB), ["--block-size", "8",
+                                                         "--kv-cache-memory", "200M"]),
+    (dict(block_size=16, num_kv_blocks=100), ["--num-kv-blocks", "100"]),
+    (dict(dtype="float32", kv_cache_memory_bytes=3 * (1 << 30)), ["--dtype", "float32",
+                                                                 "--kv-cache-memory", "3G"]),
+])
+def test_pool_sizing_matches_plan(default_engine: Engine, cfg: dict[str, Any], args: list[str],
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """More options, through the engine's own sizing function (no new engine needed)."""
+    config = EngineConfig(device="cpu", **cfg)
+    dtype = torch.float32 if config.dtype == "float32" else default_engine.dtype
+    params = 134_515_008  # SmolLM2-135M, the tied embedding once
+    pool = size_kv_pool(config, default_engine.spec, dtype, torch.device("cpu"),
+                        params * (torch.finfo(dtype).bits // 8))
+    plan = plan_json(capsys, "smollm2-135m", args)
+    assert (pool.num_blocks, pool.block_size, pool.bytes_per_token, pool.block_bytes) == (
+        plan["num_kv_blocks"], plan["block_size"], plan["kv_bytes_per_token"], plan["block_bytes"])
+    assert pool.allocated_bytes == plan["kv_allocated_bytes"]
+
+
+W2_CHILD = textwrap.dedent("""
+    import json, resource, sys, time
+    from fitserve.config import EngineConfig
+    from fitserve.engine import Engine
+    from fitserve.sampling import SamplingParams
+
+    engine = Engine(EngineConfig(model=sys.argv[1], device="cpu"))
+    params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
+    for i in range(32):  # W2: 32 requests x 128-token prompt x 128 new tokens
+        engine.add_request([100 + (i * 977 + j * 131) % 40000 for j in range(128)], params)
+    t0, tokens = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        tokens += len(engine.step())
+    seconds = time.perf_counter() - t0
+    hwm = 0
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            hwm = int(line.split()[1]) * 1024
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"tokens": tokens, "seconds": seconds, "vm_hwm": hwm, "ru_maxrss": maxrss}))
+""")
+
+
+@pytest.mark.slow
+def test_w2_peak_rss_within_15_percent_of_plan(smollm2_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    plan = plan_json(capsys, "smollm2-135m", [])
+    assert plan["lines"]["runtime baseline"] > 0, "runtime baseline not measured"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", W2_CHILD, str(smollm2_path)], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=900, check=True)
+    run = json.loads(out.stdout.strip().splitlines()[-1])
+    assert run["tokens"] == 32 * 128
+    peak = max(run["vm_hwm"], run["ru_maxrss"])
+    ratio = peak / plan["peak_bytes"]
+    lines = ", ".join(f"{k} {v / MIB:.1f}" for k, v in plan["lines"].items())
+    print(f"W2 peak RSS {peak / MIB:.1f} MiB vs ledger {plan['peak_bytes'] / MIB:.1f} MiB "
+          f"(x{ratio:.3f}); lines MiB: {lines}; {run['seconds']:.1f} s")
+    assert 0.85 <= ratio <= 1.15, (
+        f"W2 peak RSS {peak / MIB:.1f} MiB is x{ratio:.3f} the ledger's "
+        f"{plan['peak_bytes'] / MIB:.1f} MiB ({lines})")
