@@ -7,7 +7,7 @@ WHEELS  := $(wildcard /opt/wheels)
 PIPOPTS := $(if $(WHEELS),--find-links $(WHEELS),)
 PROMPT  ?= Write a haiku about paged attention.
 
-.PHONY: setup pull serve generate test test-fast lint bench clean
+.PHONY: setup pull serve generate test test-fast lint bench browser clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,7 +32,12 @@ lint: setup
 	$(BIN)/ruff check fitserve tests benchmarks
 	$(BIN)/mypy fitserve/plan fitserve/kv fitserve/sched
 
-test: pull lint
+# Headless Chromium for the dashboard test (Debian packages; the test skips without them).
+browser:
+	test -x /usr/bin/chromium || (apt-get update -qq && apt-get install -y -qq chromium chromium-driver) || \
+		echo "chromium not installed: the dashboard test will be skipped"
+
+test: pull lint browser
 	$(BIN)/pytest -q
 
 test-fast: setup

@@ -103,18 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _optional_parsers() -> list[Callable[[Any], object]]:
+    from fitserve.bench.cli_bench import add_bench_parser
     from fitserve.kernels.cli_kernels import add_kernels_parser
     from fitserve.plan.cli_plan import add_plan_parser
+    from fitserve.server.cli_serve import add_serve_parser
 
-    adders: list[Callable[[Any], object]] = [add_plan_parser, add_kernels_parser]
-    try:  # the server and bench land with their own issue
-        from fitserve.bench.cli_bench import add_bench_parser
-        from fitserve.server.cli_serve import add_serve_parser
-
-        adders += [add_serve_parser, add_bench_parser]
-    except ImportError:
-        pass
-    return adders
+    return [add_plan_parser, add_kernels_parser, add_serve_parser, add_bench_parser]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -129,7 +129,7 @@ def _decode_attention(
             attn_mask=d.visible.transpose(0, 1), scale=scale, enable_gqa=True,
         )  # [B, Hq, 1, D]
         return o.reshape(num, num_heads, head_dim)
-    qg = (q * scale).view(num, num_kv, group, head_dim).transpose(0, 1)  # GQA folded into rows
+    qg = (q * scale).reshape(num, num_kv, group, head_dim).transpose(0, 1)  # GQA folded into rows
     scores = torch.matmul(qg, k.transpose(-1, -2)).float()  # [Hkv, B, G, L]
     scores = scores.masked_fill_(~d.visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
@@ -172,7 +172,7 @@ def _chunk_attention(
         return o.squeeze(0).transpose(0, 1)
     if seq.impl == "naive":
         # eager, GQA folded: the T queries of the G heads of one KV head become G*T rows
-        qg = (q * scale).view(t, num_kv, group, -1).permute(1, 2, 0, 3).reshape(num_kv, group * t, -1)
+        qg = (q * scale).reshape(t, num_kv, group, -1).permute(1, 2, 0, 3).reshape(num_kv, group * t, -1)
         scores = torch.matmul(qg, kh[0].transpose(-1, -2)).float().view(num_kv, group, t, total)
         visible = seq.mask if seq.mask is not None else visible_mask(t, seq.cached, None, q.device)
         probs = torch.softmax(scores.masked_fill_(~visible, float("-inf")), dim=-1).to(vh.dtype)

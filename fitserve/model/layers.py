@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fitserve.config import ModelSpec, RopeScaling
@@ -19,11 +20,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        # NOTE: cast back before the weight multiply, as the Hugging Face reference does.
-        return self.weight * x32.to(dtype)
+        # x * rsqrt(mean(x^2) + eps) in fp32 (one fused op), cast back before the weight
+        # multiply as the Hugging Face reference does.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -73,12 +73,10 @@ class RotaryEmbedding(nn.Module):
             cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         return cos, sin
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [N, Hq, D] and k [N, Hk, D] with the step's ``tables(positions)``."""
+    def forward(self, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Rotate x [N, H, D] (queries and keys together) with the step's ``tables(positions)``."""
         cos, sin = tables
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        return self._rotate(x, cos, sin)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.interleaved:
@@ -104,4 +102,4 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(F.silu(gate) * up)

@@ -52,13 +52,15 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv, self.head_dim)
-        v = v.view(n, self.num_kv, self.head_dim)
+        qkv = self.qkv_proj(x)
+        heads = self.num_heads + self.num_kv
+        qk = qkv[:, : self.q_size + self.kv_size].view(n, heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q, k, rope)
+            qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), 1)
+        # queries and keys rotate in one pass: same positions, same tables
+        qk = self.rotary(qk, rope)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, batch, self.scale)

@@ -1,0 +1,107 @@
+"""``fitserve serve``: the OpenAI-compatible server on uvicorn, with graceful shutdown.
+
+On SIGTERM/SIGINT the server stops accepting connections, refuses new requests on open ones
+(503), lets in-flight requests finish for up to ``--shutdown-timeout`` seconds, aborts the rest,
+stops the engine thread and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Generator
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from fitserve.config import EngineConfig
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn.Server that marks the app draining on a signal and does not re-raise it.
+
+    NOTE: uvicorn re-raises the captured signal after a graceful shutdown, which would make
+    the process die *by* SIGTERM (exit status -15) instead of exiting 0.
+    """
+
+    def __init__(self, config: uvicorn.Config, app_state: Any) -> None:
+        super().__init__(config)
+        self.app_state = app_state
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.app_state.draining = True
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C: stop waiting
+        self.should_exit = True
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        sigs = (signal.SIGINT, signal.SIGTERM)
+        old = {s: signal.signal(s, self.handle_exit) for s in sigs}
+        try:
+            yield
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+
+
+def add_serve_parser(subparsers: Any) -> None:
+    """Register ``fitserve serve`` on the CLI's subparsers."""
+    from fitserve.cli import _add_engine_args
+
+    p = subparsers.add_parser("serve", help="serve a model over the OpenAI HTTP API")
+    _add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("FITSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (env FITSERVE_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="queued requests before new ones get 503 + Retry-After")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get 413")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--seed", type=int, default=0, help="seed of the engine's global RNG")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Load the model in the engine thread while uvicorn already answers /health (503)."""
+    from fitserve.cli import engine_config_from_args
+    from fitserve.server.app import ServerSettings, create_app
+    from fitserve.server.engine_loop import EngineLoop
+    from fitserve.server.metrics import Metrics
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config: EngineConfig = engine_config_from_args(args)  # type: ignore[assignment]
+    if args.seed:
+        import dataclasses
+
+        config = dataclasses.replace(config, seed=args.seed)
+    if args.model == "smollm2-135m":
+        from fitserve.loading.pull import pull
+
+        pull(args.model, progress=True)  # a first run fetches the default model
+    loop = EngineLoop(config, Metrics())
+    settings = ServerSettings(
+        model_name=args.served_model_name or args.model, api_key=args.api_key or None,
+        max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
+    )
+    app = create_app(loop, settings)
+    uv_config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level,
+        timeout_graceful_shutdown=max(1, int(round(args.shutdown_timeout))), access_log=False,
+    )
+    server = _GracefulServer(uv_config, app.state.fitserve)
+    # A model that cannot load ends the process (exit 1) rather than serving 503s forever.
+    loop.on_load_error = lambda _exc: setattr(server, "should_exit", True)
+    server.run()
+    if loop.error is not None and not loop.ready:
+        print(f"fitserve serve: engine failed: {loop.error}")
+        return 1
+    return 0

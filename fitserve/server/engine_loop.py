@@ -1,0 +1,293 @@
+"""The engine thread: the only place the (non-thread-safe) Engine is touched.
+
+::
+
+    HTTP event loop (asyncio)                      engine thread
+    ------------------------                       -------------
+    submit(group) --.                              loop:
+    abort(ids) -----+--> commands (queue.Queue) -->   idle?  block on commands.get()
+                                                      drain every queued command
+                                                      engine.step()
+    per-request asyncio.Queue  <-- call_soon_threadsafe(outputs of this step)
+    dashboard / metrics read   <-- snapshot published at most every 0.25 s and when idle
+
+The HTTP side never waits on the engine (submit/abort only enqueue), and the engine never waits
+on HTTP (delivery is a non-blocking hand-off to the event loop), so neither stalls the other.
+When there is nothing to run, the thread blocks on the command queue: no busy polling.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fitserve.config import EngineConfig
+from fitserve.engine import Engine
+from fitserve.sampling import SamplingParams
+from fitserve.server.metrics import EngineGauges, Metrics
+from fitserve.types import RequestOutput
+
+log = logging.getLogger("fitserve.server")
+
+Sink = Callable[[list[RequestOutput] | BaseException], None]
+"""Receives one step's outputs for a request group, or the error that ended the group."""
+
+
+class EngineShutdown(RuntimeError):
+    """Delivered to requests still open when the engine thread stops."""
+
+
+@dataclass(slots=True)
+class Child:
+    """One engine request: the server fans a client request out into n x prompts children."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class _Live:
+    sink: Sink
+    group: str
+    arrival: float  # time.monotonic() when the HTTP request arrived
+    prompt_len: int
+    num_tokens: int = 0
+    last_token_time: float | None = None
+
+
+class EngineLoop:
+    """Owns the Engine on a dedicated thread and exchanges commands/outputs with HTTP handlers."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        metrics: Metrics,
+        *,
+        engine_factory: Callable[[EngineConfig], Engine] = Engine,
+        snapshot_interval: float = 0.25,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.engine: Engine | None = None  # set once loaded; HTTP side reads only immutable facts
+        self.error: BaseException | None = None
+        self.snapshot: dict[str, Any] | None = None
+        self.gauges: EngineGauges | None = None
+        self._factory = engine_factory
+        self.on_load_error: Callable[[BaseException], None] | None = None
+        self._interval = snapshot_interval
+        self._cmds: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}
+        self._pending = 0
+        self._pending_lock = threading.Lock()
+        self._ready = threading.Event()
+        self._done = threading.Event()
+        self._last_publish = 0.0
+        self._thread = threading.Thread(target=self._run, name="fitserve-engine", daemon=True)
+
+    # -- HTTP side ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def ready(self) -> bool:
+        """True once the model is loaded and the loop is running."""
+        return self._ready.is_set() and not self._done.is_set()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._done.is_set()
+
+    @property
+    def pending(self) -> int:
+        """Requests submitted but not yet handed to the engine."""
+        return self._pending
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until loaded (True) or failed/timed out (False)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._ready.is_set() and not self._done.is_set():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            self._ready.wait(0.1 if left is None else min(0.1, left))
+        return self.ready
+
+    def submit(self, group: str, children: Sequence[Child], arrival: float, sink: Sink) -> None:
+        """Queue a group of requests; all are added or none (the sink then gets the error)."""
+        with self._pending_lock:
+            self._pending += len(children)
+        self._cmds.put(("add", group, list(children), arrival, sink))
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Abort requests (unknown or finished ids are ignored) and free their blocks."""
+        self._cmds.put(("abort", list(request_ids)))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort everything still open and end the thread."""
+        if self._thread.is_alive():
+            self._cmds.put(("stop",))
+            self._thread.join(timeout)
+
+    # -- engine thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self.engine = self._factory(self.config)
+        except BaseException as exc:  # noqa: BLE001 - reported through /health and the log
+            self.error = exc
+            log.error("model failed to load: %s", exc)
+            self._done.set()
+            if self.on_load_error is not None:
+                self.on_load_error(exc)
+            return
+        self._ready.set()
+        self.metrics.engine_alive.set(1)
+        try:
+            self._loop(self.engine)
+        except BaseException as exc:  # noqa: BLE001 - the thread must report, not vanish
+            self.error = exc
+            log.error("engine loop died:\n%s", traceback.format_exc())
+            self._fail_all(exc)
+        finally:
+            self.metrics.engine_alive.set(0)
+            self._done.set()
+
+    def _loop(self, engine: Engine) -> None:
+        self._publish(engine, force=True)
+        while True:
+            if not engine.has_unfinished_requests():
+                self._publish(engine, force=True)  # so an idle pool shows as empty at once
+                if not self._handle(engine, self._cmds.get()):  # blocks while idle
+                    return
+            while True:
+                try:
+                    cmd = self._cmds.get_nowait()
+                except queue.Empty:
+                    break
+                if not self._handle(engine, cmd):
+                    return
+            if engine.has_unfinished_requests():
+                self._step(engine)
+            self._publish(engine)
+
+    def _handle(self, engine: Engine, cmd: tuple[Any, ...]) -> bool:
+        kind = cmd[0]
+        if kind == "add":
+            self._add(engine, *cmd[1:])
+        elif kind == "abort":
+            for rid in cmd[1]:
+                if self._live.pop(rid, None) is not None:
+                    self.metrics.observe_finished("abort", None)
+                engine.abort(rid)
+        elif kind == "stop":
+            for rid in list(self._live):
+                engine.abort(rid)
+            self._fail_all(EngineShutdown("the server is shutting down"))
+            self._publish(engine, force=True)
+            return False
+        return True
+
+    def _add(self, engine: Engine, group: str, children: list[Child], arrival: float, sink: Sink) -> None:
+        added: list[str] = []
+        try:
+            for c in children:
+                engine.add_request(c.prompt_ids, c.params, c.request_id)
+                added.append(c.request_id)
+        except Exception as exc:  # noqa: BLE001 - all or nothing: withdraw the group
+            for rid in added:
+                engine.abort(rid)
+            _deliver(sink, exc)
+            return
+        finally:
+            with self._pending_lock:
+                self._pending -= len(children)
+        for c in children:
+            self._live[c.request_id] = _Live(sink, group, arrival, len(c.prompt_ids))
+            self.metrics.prompt_tokens.inc(len(c.prompt_ids))
+
+    def _step(self, engine: Engine) -> None:
+        try:
+            outputs = engine.step()
+        except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
+            log.error("engine step failed; aborting %d requests:\n%s", len(self._live),
+                      traceback.format_exc())
+            for rid in list(self._live):
+                engine.abort(rid)
+            self._fail_all(exc)
+            return
+        now = time.monotonic()
+        batches: dict[int, tuple[Sink, list[RequestOutput]]] = {}
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is None:
+                continue
+            gap = None if live.last_token_time is None else now - live.last_token_time
+            if live.last_token_time is None:
+                self.metrics.observe_ttft(now - live.arrival)
+            self.metrics.observe_tokens(len(out.delta_token_ids), gap)
+            live.last_token_time = now
+            live.num_tokens = len(out.token_ids)
+            if out.finished:
+                del self._live[out.request_id]
+                reason = out.finish_reason.value if out.finish_reason else "stop"
+                self.metrics.observe_finished(reason, now - live.arrival)
+            batches.setdefault(id(live.sink), (live.sink, []))[1].append(out)
+        for sink, outs in batches.values():
+            _deliver(sink, outs)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        sinks = {id(v.sink): v.sink for v in self._live.values()}
+        self._live.clear()
+        for sink in sinks.values():
+            _deliver(sink, exc)
+
+    def _publish(self, engine: Engine, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_publish < self._interval:
+            return
+        self._last_publish = now
+        st = engine.stats(with_owners=True)
+        gauges = EngineGauges(st.num_running, st.num_waiting, st.total_preemptions, st.kv)
+        self.metrics.set_gauges(gauges)
+        holders: dict[str, int] = {}
+        for owners in st.block_owners.values():
+            for rid in owners:
+                holders[rid] = holders.get(rid, 0) + 1
+        requests = [
+            {
+                "id": rid, "group": live.group,
+                "state": "running" if rid in holders else "waiting",
+                "prompt_tokens": live.prompt_len, "output_tokens": live.num_tokens,
+                "blocks": holders.get(rid, 0), "age_s": round(now - live.arrival, 2),
+            }
+            for rid, live in self._live.items()
+        ]
+        kv = st.kv
+        self.snapshot = {
+            "time": time.time(),
+            "kv": {
+                "num_blocks": kv.num_blocks, "used_blocks": kv.used_blocks,
+                "free_blocks": kv.free_blocks, "block_size": engine.config.block_size,
+                "used_slots": kv.used_slots, "allocated_slots": kv.allocated_slots,
+                "fragmentation": round(kv.fragmentation, 4),
+            },
+            "owners": [[b, owners] for b, owners in sorted(st.block_owners.items())],
+            "requests": requests,
+            "num_running": st.num_running,
+            "num_waiting": st.num_waiting,
+            "total_preemptions": st.total_preemptions,
+        }
+        self.gauges = gauges
+
+
+def _deliver(sink: Sink, item: list[RequestOutput] | BaseException) -> None:
+    try:
+        sink(item)
+    except Exception:  # noqa: BLE001 - a closed event loop must not take the engine down
+        log.debug("dropped an output for a closed request", exc_info=True)

@@ -1,0 +1,140 @@
+"""Prometheus metrics (``fitserve_`` prefix) and the short history the dashboard plots.
+
+Observations come from the engine thread (one call per engine step); prometheus-client's
+metrics are thread-safe, and the dashboard history is guarded by a lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from fitserve.kv.manager import KVStats
+
+# CPU-friendly buckets: a 135M model on two cores has TTFTs of 0.05-10 s.
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
+_ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+HISTORY_SECONDS = 300.0
+
+
+@dataclass(slots=True)
+class EngineGauges:
+    """What the engine thread publishes after a step (or when it goes idle)."""
+
+    num_running: int
+    num_waiting: int
+    total_preemptions: int
+    kv: KVStats
+
+
+class Metrics:
+    """All server metrics in a private registry (so several apps can live in one process)."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram("fitserve_time_to_first_token_seconds",
+                              "Time from request arrival to its first token", buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("fitserve_inter_token_latency_seconds",
+                             "Time between consecutive output tokens of a request", buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("fitserve_e2e_request_latency_seconds",
+                             "Time from request arrival to its last token", buckets=_E2E_BUCKETS, registry=r)
+        self.running = Gauge("fitserve_num_requests_running", "Requests holding KV blocks", registry=r)
+        self.waiting = Gauge("fitserve_num_requests_waiting", "Requests queued for admission", registry=r)
+        self.preemptions = Counter("fitserve_preemptions", "Requests preempted (blocks taken back)", registry=r)
+        self.kv_used = Gauge("fitserve_kv_blocks_used", "KV cache blocks in use", registry=r)
+        self.kv_total = Gauge("fitserve_kv_blocks_total", "KV cache blocks in the pool", registry=r)
+        self.kv_usage = Gauge("fitserve_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r)
+        self.kv_frag = Gauge("fitserve_kv_fragmentation_ratio",
+                             "Unused fraction of allocated KV slots (internal fragmentation)", registry=r)
+        self.prompt_tokens = Counter("fitserve_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("fitserve_generation_tokens", "Generated tokens", registry=r)
+        self.requests = Counter("fitserve_requests", "Finished requests by finish reason",
+                                ["finish_reason"], registry=r)
+        self.rejected = Counter("fitserve_requests_rejected", "Requests refused before the engine",
+                                ["status"], registry=r)
+        self.engine_alive = Gauge("fitserve_engine_alive", "1 while the engine thread runs", registry=r)
+        self._lock = threading.Lock()
+        self._last_preemptions = 0
+        # (wall time, value) samples for the dashboard's charts.
+        self._ttft_hist: deque[tuple[float, float]] = deque(maxlen=20_000)
+        self._itl_hist: deque[tuple[float, float]] = deque(maxlen=50_000)
+        self._tok_hist: deque[tuple[float, int]] = deque(maxlen=50_000)
+
+    # -- observations (engine thread) ---------------------------------------------------------
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+        with self._lock:
+            self._ttft_hist.append((time.time(), seconds))
+
+    def observe_tokens(self, num_tokens: int, gap_seconds: float | None) -> None:
+        """``num_tokens`` new tokens of one request; ``gap_seconds`` since its previous ones."""
+        self.generation_tokens.inc(num_tokens)
+        now = time.time()
+        with self._lock:
+            self._tok_hist.append((now, num_tokens))
+            if gap_seconds is not None and num_tokens > 0:
+                per_token = gap_seconds / num_tokens
+                for _ in range(num_tokens):
+                    self.itl.observe(per_token)
+                self._itl_hist.append((now, per_token))
+
+    def observe_finished(self, reason: str, e2e_seconds: float | None) -> None:
+        self.requests.labels(finish_reason=reason).inc()
+        if e2e_seconds is not None:
+            self.e2e.observe(e2e_seconds)
+
+    def set_gauges(self, g: EngineGauges) -> None:
+        self.running.set(g.num_running)
+        self.waiting.set(g.num_waiting)
+        delta = g.total_preemptions - self._last_preemptions
+        if delta > 0:
+            self.preemptions.inc(delta)
+        self._last_preemptions = g.total_preemptions
+        self.kv_used.set(g.kv.used_blocks)
+        self.kv_total.set(g.kv.num_blocks)
+        self.kv_usage.set(g.kv.used_blocks / g.kv.num_blocks if g.kv.num_blocks else 0.0)
+        self.kv_frag.set(g.kv.fragmentation)
+
+    # -- readers (HTTP thread) ----------------------------------------------------------------
+    def exposition(self) -> bytes:
+        """The Prometheus text format of every metric."""
+        return generate_latest(self.registry)
+
+    def history(self, window_s: float = HISTORY_SECONDS, bucket_s: float = 5.0) -> list[dict[str, Any]]:
+        """Per-bucket mean TTFT and ITL (ms) and output tokens/s over the last ``window_s``."""
+        now = time.time()
+        start = now - window_s
+        n = int(window_s // bucket_s)
+        sums = [[0.0, 0, 0.0, 0, 0] for _ in range(n)]  # ttft sum, count, itl sum, count, tokens
+
+        def slot(t: float) -> int | None:
+            i = int((t - start) // bucket_s)
+            return i if 0 <= i < n else None
+
+        with self._lock:
+            for t, v in self._ttft_hist:
+                if (i := slot(t)) is not None:
+                    sums[i][0] += v
+                    sums[i][1] += 1
+            for t, v in self._itl_hist:
+                if (i := slot(t)) is not None:
+                    sums[i][2] += v
+                    sums[i][3] += 1
+            for t, k in self._tok_hist:
+                if (i := slot(t)) is not None:
+                    sums[i][4] += k
+        out = []
+        for i, (ts, tc, is_, ic, tok) in enumerate(sums):
+            out.append({
+                "t": round(start + (i + 1) * bucket_s - now, 1),  # seconds relative to now (<= 0)
+                "ttft_ms": round(1000 * ts / tc, 1) if tc else None,
+                "itl_ms": round(1000 * is_ / ic, 2) if ic else None,
+                "tokens_per_s": round(tok / bucket_s, 2),
+            })
+        return out

@@ -1,0 +1,211 @@
+"""Turn a validated OpenAI request into engine work: token ids, SamplingParams, n children.
+
+Everything a client can get wrong is checked here, before anything reaches the engine thread,
+so an invalid request is a 400 with the offending field named and leaves no trace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from fitserve.loading.tokenizer import Tokenizer
+from fitserve.sampling import SamplingParams
+from fitserve.server.engine_loop import Child
+from fitserve.server.errors import APIError, bad_request, param_from_message
+from fitserve.server.protocol import (
+    MAX_LOGPROBS,
+    MAX_MESSAGES,
+    MAX_N,
+    MAX_PROMPTS_PER_REQUEST,
+    MAX_STOP_LENGTH,
+    MAX_STOP_SEQUENCES,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+
+MAX_STOP_TOKEN_IDS = 64
+
+
+@dataclass(slots=True)
+class ModelContext:
+    """Immutable facts about the loaded model that request handling needs."""
+
+    name: str
+    tokenizer: Tokenizer
+    max_model_len: int
+    vocab_size: int
+    created: int
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A request ready for the engine: ``len(prompts) * n`` children, choice index ``i*n + j``."""
+
+    group: str
+    created: int
+    model: str
+    chat: bool
+    prompts: list[list[int]]
+    params: SamplingParams
+    n: int
+    stream: bool
+    include_usage: bool
+    arrival: float
+
+    def children(self) -> list[Child]:
+        out = []
+        for i, ids in enumerate(self.prompts):
+            for j in range(self.n):
+                seed = None if self.params.seed is None else self.params.seed + j
+                params = dataclasses.replace(self.params, n=1, seed=seed)
+                out.append(Child(f"{self.group}-{i * self.n + j}", ids, params))
+        return out
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+
+def check_model(requested: str | None, ctx: ModelContext) -> None:
+    if requested is not None and requested != ctx.name:
+        raise APIError(404, f"The model `{requested}` does not exist; this server serves `{ctx.name}`",
+                       param="model", code="model_not_found")
+
+
+def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
+    if not 1 <= req.n <= MAX_N:
+        raise bad_request(f"n must be between 1 and {MAX_N}, got {req.n}", "n")
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise bad_request(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(stops)}", "stop")
+    if any(len(s) > MAX_STOP_LENGTH for s in stops):
+        raise bad_request(f"stop sequences are limited to {MAX_STOP_LENGTH} characters", "stop")
+    if req.stop_token_ids is not None and len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise bad_request(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed", "stop_token_ids")
+
+
+def _sampling_params(
+    req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
+) -> SamplingParams:
+    fields: dict[str, Any] = {
+        "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
+        "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+    }
+    try:
+        return SamplingParams(
+            n=1, max_tokens=max_tokens, seed=req.seed, stop=req.stop,
+            stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
+            logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            **{k: v for k, v in fields.items() if v is not None},
+        )
+    except ValueError as exc:
+        raise bad_request(str(exc), param_from_message(str(exc))) from None
+
+
+def _check_lengths(
+    prompts: list[list[int]], max_tokens: int | None, ctx: ModelContext, param: str = "max_tokens"
+) -> None:
+    for ids in prompts:
+        if not ids:
+            raise bad_request("prompt is empty", "prompt")
+        if len(ids) >= ctx.max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {ctx.max_model_len} tokens; the prompt "
+                f"has {len(ids)} tokens, leaving no room to generate", "prompt", "context_length_exceeded")
+        if max_tokens is not None and len(ids) + max_tokens > ctx.max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {ctx.max_model_len} tokens; you requested "
+                f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
+                "completion)", param, "context_length_exceeded")
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:16]}"
+
+
+def prepare_completion(req: CompletionRequest, ctx: ModelContext) -> Prepared:
+    """Validate a /v1/completions request and tokenize its prompt(s)."""
+    check_model(req.model, ctx)
+    _check_common(req)
+    if req.echo:
+        raise bad_request("echo is not supported", "echo")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of is not supported (it must be absent or equal to n)", "best_of")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {req.logprobs}", "logprobs")
+    p = req.prompt
+    if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
+        raw: list[Any] = [p]
+    else:
+        raw = list(p)  # a batch: list[str] or list[list[int]]
+    if not raw:
+        raise bad_request("prompt must not be an empty list", "prompt")
+    if len(raw) > MAX_PROMPTS_PER_REQUEST:
+        raise bad_request(f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request", "prompt")
+    prompts = []
+    for item in raw:
+        if isinstance(item, str):
+            prompts.append(ctx.tokenizer.encode(item))
+        else:
+            ids = list(item)
+            if any(not 0 <= t < ctx.vocab_size for t in ids):
+                raise bad_request(f"prompt token ids must be in [0, {ctx.vocab_size})", "prompt")
+            prompts.append(ids)
+    _check_lengths(prompts, req.max_tokens, ctx)
+    params = _sampling_params(req, req.max_tokens, req.logprobs)
+    return _prepared("cmpl", False, req, prompts, params, ctx)
+
+
+def prepare_chat(req: ChatCompletionRequest, ctx: ModelContext) -> Prepared:
+    """Validate a /v1/chat/completions request and render its conversation with the template."""
+    check_model(req.model, ctx)
+    _check_common(req)
+    if not req.messages:
+        raise bad_request("messages must not be empty", "messages")
+    if len(req.messages) > MAX_MESSAGES:
+        raise bad_request(f"at most {MAX_MESSAGES} messages are allowed", "messages")
+    if req.top_logprobs is not None:
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {req.top_logprobs}",
+                              "top_logprobs")
+        if not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    # "developer" is OpenAI's newer name for "system"; templates only know the latter.
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in req.messages]
+    try:
+        text = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
+        raise bad_request(f"could not apply the chat template: {exc}", "messages") from None
+    prompts = [ctx.tokenizer.encode(text, add_special_tokens=False)]
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    _check_lengths(prompts, max_tokens, ctx, param)
+    try:
+        params = _sampling_params(req, max_tokens, logprobs)
+    except APIError as exc:
+        if exc.param == "max_tokens":
+            exc.param = param
+        raise
+    return _prepared("chatcmpl", True, req, prompts, params, ctx)
+
+
+def _prepared(
+    prefix: str, chat: bool, req: CompletionRequest | ChatCompletionRequest,
+    prompts: list[list[int]], params: SamplingParams, ctx: ModelContext,
+) -> Prepared:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    return Prepared(
+        group=_new_id(prefix), created=int(time.time()), model=ctx.name, chat=chat,
+        prompts=prompts, params=params, n=req.n, stream=req.stream, include_usage=include_usage,
+        arrival=time.monotonic(),
+    )
