@@ -66,28 +66,27 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for the tokens' positions [N], shaped to broadcast over heads; once per step."""
+        """cos/sin for the tokens' positions [N], shaped to broadcast over heads; once per step.
+
+        For split halves the sine table carries the rotation's sign, [-sin, sin], so rotating is
+        x * cos + roll(x, D/2) * sin: the same products as rotate_half, in fewer ops.
+        """
         cos = self.cos[positions].to(dtype).unsqueeze(1)  # [N, 1, D/2]
         sin = self.sin[positions].to(dtype).unsqueeze(1)
         if not self.interleaved:
-            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
         return cos, sin
 
     def forward(self, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Rotate x [N, H, D] (queries and keys together) with the step's ``tables(positions)``."""
         cos, sin = tables
-        return self._rotate(x, cos, sin)
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.interleaved:
             # pairs (x0, x1), (x2, x3), ...
             x1, x2 = x[..., 0::2], x[..., 1::2]
             out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
             return out.flatten(-2)
         # split halves: pairs (x_i, x_{i+D/2}), the Hugging Face rotate_half convention
-        half = self.head_dim // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        return x * cos + x.roll(self.head_dim // 2, dims=-1) * sin
 
 
 class GatedMLP(nn.Module):
