@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 import torch
 
 from fitserve.config import EngineConfig, SchedulerConfig
-from fitserve.engine_setup import check_pool_fits, resolve_device, resolve_dtype, size_kv_pool
+from fitserve.engine_setup import (
+    check_pool_fits,
+    release_freed_host_memory,
+    resolve_device,
+    resolve_dtype,
+    size_kv_pool,
+)
 from fitserve.kv.manager import KVCacheManager, KVStats
 from fitserve.loading import IncrementalDetokenizer, LoadedModel, load_model
 from fitserve.model.llama import build_model, check_supported
@@ -75,6 +81,10 @@ class Engine:
         )
         if loaded is None:
             self.loaded.weights = {}  # the model holds its own copies; don't keep two
+        if self.device.type == "cpu":
+            # Hand the loader's freed scratch back to the OS before the KV pool is allocated,
+            # so the process peak is what the ledger says (see release_freed_host_memory).
+            release_freed_host_memory()
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.pool = size_kv_pool(cfg, self.spec, self.dtype, self.device, weight_bytes)
         check_pool_fits(self.pool, self.max_model_len)
@@ -225,7 +235,16 @@ class Engine:
         return out
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Run one request to completion on this engine, yielding its outputs as they come."""
+        """Run one request to completion on this engine, yielding its outputs as they come.
+
+        It drives step() itself, so it needs the engine to itself: other requests' outputs
+        would be lost. With others in flight, use add_request/step instead.
+        """
+        if self._requests:
+            raise RuntimeError(
+                f"Engine.stream needs an idle engine; {len(self._requests)} other request(s) are "
+                "in flight (use add_request/step)"
+            )
         rid = self.add_request(prompt, params)
         try:
             while True:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from fitserve.config import EngineConfig, ModelSpec
-from fitserve.plan.hardware import cpu_has_fast_bf16
+from fitserve.plan.hardware import cpu_engine_dtype
 from fitserve.plan.memory import (
     DEFAULT_CPU_KV_BYTES,
     DEFAULT_GPU_WORKSPACE_BYTES,
@@ -28,7 +28,6 @@ __all__ = [
     "DEFAULT_CPU_KV_BYTES",
     "KVPoolSize",
     "check_pool_fits",
-    "cpu_has_fast_bf16",
     "dtype_name",
     "release_freed_host_memory",
     "resolve_device",
@@ -36,7 +35,7 @@ __all__ = [
     "size_kv_pool",
 ]
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "f32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
@@ -51,12 +50,12 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """"auto": bf16 on CUDA; on CPU bf16 where it has AVX512-BF16/AMX, else f32 (the same rule
-    as the planner's ``cpu_engine_dtype``)."""
+    """"auto": bf16 on CUDA; on CPU the planner's ``cpu_engine_dtype`` (bf16 with AVX512-BF16 or
+    AMX, else f32), so `fitserve plan --gpu cpu` and the engine cannot pick differently."""
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16
-        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+        return _DTYPES[cpu_engine_dtype()]
     if name not in _DTYPES:
         raise ValueError(f"unknown dtype {name!r} (use float32, bfloat16, float16 or auto)")
     return _DTYPES[name]
@@ -87,11 +86,7 @@ class KVPoolSize:
 def size_kv_pool(
     cfg: EngineConfig, spec: ModelSpec, kv_dtype: torch.dtype, device: torch.device, weight_bytes: int
 ) -> KVPoolSize:
-    """Number of KV blocks, from the same ledger functions `fitserve plan` prints.
-
-    On CPU this is called once the loader's copies are gone and right before the runner
-    allocates the pool, so it first hands the freed loading memory back to the OS.
-    """
+    """Number of KV blocks, from the same ledger functions `fitserve plan` prints."""
     kv_name = dtype_name(kv_dtype)
     act_bytes = torch.finfo(kv_dtype).bits // 8
     plan: EngineMemoryPlan
@@ -107,7 +102,6 @@ def size_kv_pool(
             kv_cache_memory_bytes=cfg.kv_cache_memory_bytes, kv_blocks=cfg.num_kv_blocks,
             in_use_bytes=max(0, total - free - weight_bytes))
     else:
-        release_freed_host_memory()
         plan = cpu_engine_memory_plan(
             spec, weight_bytes=weight_bytes, max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_num_seqs=cfg.max_num_seqs, block_size=cfg.block_size, kv_dtype=kv_name,

@@ -114,15 +114,22 @@ class ModelRunner:
                 n_blocks = -(-(start + t) // bs)
                 window = self.sliding_window
                 plain_causal = start == 0 and (window is None or window >= t)
+                impl = self._impl([t], [start + t])
+                mask = None if plain_causal else visible_mask(t, start, window, self.device)
+                # the eager path masks explicitly: invert once per step, not once per layer
+                hidden = None
+                if impl == "naive":
+                    hidden = ~(mask if mask is not None else visible_mask(t, start, None, self.device))
                 prefills.append(
                     PrefillSeq(
                         start=len(ids) - t,
                         end=len(ids),
                         cached=start,
                         block_ids=torch.tensor(table[:n_blocks], dtype=torch.long, device=self.device),
-                        mask=None if plain_causal else visible_mask(t, start, window, self.device),
-                        impl=self._impl([t], [start + t]),
+                        mask=mask,
+                        impl=impl,
                         window=window,
+                        hidden=hidden,
                     )
                 )
         decode = self._decode_batch(decode_tables, decode_lens) if decode_tables else None
@@ -151,6 +158,7 @@ class ModelRunner:
             visible &= (lens - 1 - key_pos) < self.sliding_window
         return DecodeBatch(
             num=len(tables), block_tables=block_tables, visible=visible[None, :, None, :],
+            hidden=~visible[None, :, None, :],
             seq_lens=lens.squeeze(1), impl=self._impl([1] * len(tables), seq_lens),
             window=self.sliding_window,
         )

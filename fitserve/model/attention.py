@@ -40,6 +40,7 @@ class PrefillSeq:
     block_ids: torch.Tensor  # [ceil((cached + T) / block_size)] long
     mask: torch.Tensor | None  # [T, cached + T] bool (True = visible), None = plain causal
     impl: str = "sdpa"  # from fitserve.kernels.dispatch.choose_attention_impl
+    hidden: torch.Tensor | None = None  # ~mask, made once per step for the "naive" path
     window: int | None = None
 
 
@@ -50,6 +51,7 @@ class DecodeBatch:
     num: int
     block_tables: torch.Tensor  # [num, max_blocks] long, padded with block 0
     visible: torch.Tensor  # [1, num, 1, max_blocks * block_size] bool
+    hidden: torch.Tensor | None = None  # ~visible, made once per step for the "naive" path
     seq_lens: torch.Tensor | None = None  # [num] keys per sequence (Triton path)
     impl: str = "naive"  # from fitserve.kernels.dispatch.choose_attention_impl
     window: int | None = None
@@ -131,7 +133,7 @@ def _decode_attention(
         return o.reshape(num, num_heads, head_dim)
     qg = (q * scale).reshape(num, num_kv, group, head_dim).transpose(0, 1)  # GQA folded into rows
     scores = torch.matmul(qg, k.transpose(-1, -2)).float()  # [Hkv, B, G, L]
-    scores = scores.masked_fill_(~d.visible, float("-inf"))
+    scores = scores.masked_fill_(d.hidden if d.hidden is not None else ~d.visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v).transpose(0, 1).reshape(num, num_heads, head_dim)
 
@@ -174,8 +176,8 @@ def _chunk_attention(
         # eager, GQA folded: the T queries of the G heads of one KV head become G*T rows
         qg = (q * scale).reshape(t, num_kv, group, -1).permute(1, 2, 0, 3).reshape(num_kv, group * t, -1)
         scores = torch.matmul(qg, kh[0].transpose(-1, -2)).float().view(num_kv, group, t, total)
-        visible = seq.mask if seq.mask is not None else visible_mask(t, seq.cached, None, q.device)
-        probs = torch.softmax(scores.masked_fill_(~visible, float("-inf")), dim=-1).to(vh.dtype)
+        hidden = seq.hidden if seq.hidden is not None else ~visible_mask(t, seq.cached, seq.window, q.device)
+        probs = torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1).to(vh.dtype)
         o = torch.matmul(probs.view(num_kv, group * t, total), vh[0])  # [Hkv, G*T, D]
         return o.view(num_kv, group, t, -1).permute(2, 0, 1, 3).reshape(t, num_heads, -1)
     if seq.mask is None:

@@ -102,7 +102,9 @@ def test_bad_value_raises_naming_the_field(field: str, value: object) -> None:
     ],
 )
 def test_boundary_values_are_accepted(kwargs: dict[str, object]) -> None:
-    SamplingParams(**kwargs)  # type: ignore[arg-type]
+    params = SamplingParams(**kwargs)  # type: ignore[arg-type]  # must not raise
+    for field, value in kwargs.items():
+        assert getattr(params, field) == value, field  # and keeps the value as given
 
 
 def test_numbers_are_normalised_to_their_field_type() -> None:
