@@ -7,37 +7,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="a .gguf file, a Hugging Face folder, or a known name")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-memory", type=_parse_bytes, default=None, help="KV pool size, e.g. 512M or 2G")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-
-
-def _parse_bytes(text: str) -> int:
-    from fitserve.plan.units import parse_bytes  # the planner's reading of sizes, so both agree
-
-    try:
-        return parse_bytes(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def engine_config_from_args(args: argparse.Namespace) -> object:
-    from fitserve.config import EngineConfig
-
-    return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_bytes=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-    )
+from fitserve.engine_args import add_engine_args, engine_config_from_args
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
@@ -52,7 +22,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from fitserve.engine import Engine
     from fitserve.sampling import SamplingParams
 
-    engine = Engine(engine_config_from_args(args))  # type: ignore[arg-type]
+    engine = Engine(engine_config_from_args(args))
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos,
@@ -82,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_pull)
 
     p = sub.add_parser("generate", help="generate text for one prompt, streaming tokens")
-    _add_engine_args(p)
+    add_engine_args(p)
     p.add_argument("prompt")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--max-tokens", type=int, default=128)

@@ -19,6 +19,7 @@ from typing import Any
 import uvicorn
 
 from fitserve.config import EngineConfig
+from fitserve.engine_args import add_engine_args, engine_config_from_args
 
 
 class _GracefulServer(uvicorn.Server):
@@ -51,10 +52,8 @@ class _GracefulServer(uvicorn.Server):
 
 def add_serve_parser(subparsers: Any) -> None:
     """Register ``fitserve serve`` on the CLI's subparsers."""
-    from fitserve.cli import _add_engine_args
-
     p = subparsers.add_parser("serve", help="serve a model over the OpenAI HTTP API")
-    _add_engine_args(p)
+    add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("FITSERVE_API_KEY"),
@@ -72,13 +71,12 @@ def add_serve_parser(subparsers: Any) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model in the engine thread while uvicorn already answers /health (503)."""
-    from fitserve.cli import engine_config_from_args
     from fitserve.server.app import ServerSettings, create_app
     from fitserve.server.engine_loop import EngineLoop
     from fitserve.server.metrics import Metrics
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config: EngineConfig = engine_config_from_args(args)  # type: ignore[assignment]
+    config: EngineConfig = engine_config_from_args(args)
     if args.seed:
         import dataclasses
 

@@ -1,0 +1,44 @@
+"""Engine flags shared by `fitserve generate` and `fitserve serve`, and the config they build.
+
+A module of its own so that fitserve.cli and fitserve.server.cli_serve both import it and
+neither imports the other (no import cycle).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from fitserve.config import EngineConfig
+
+
+def parse_bytes_arg(text: str) -> int:
+    """argparse type for sizes like 512M or 2G, read by the planner's parser so both agree."""
+    from fitserve.plan.units import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The flags every engine-running command takes (names follow vLLM's)."""
+    p.add_argument("--model", default="smollm2-135m", help="a .gguf file, a Hugging Face folder, or a known name")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--kv-cache-memory", type=parse_bytes_arg, default=None, help="KV pool size, e.g. 512M or 2G")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the parsed engine flags describe."""
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_bytes=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+    )
