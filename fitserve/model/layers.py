@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fitserve.config import ModelSpec, RopeScaling
+from fitserve.kernels.cpu import fused
 
 
 class RMSNorm(nn.Module):
@@ -20,10 +20,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x * rsqrt(mean(x^2) + eps) in fp32 (one fused op), cast back before the weight
-        # multiply as the Hugging Face reference does.
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        # x * rsqrt(mean(x^2) + eps) in fp32, cast back before the weight multiply as the
+        # Hugging Face reference does (one C++ op on CPU, fitserve.kernels.cpu.fused).
+        if x.dim() == 2:
+            return fused.rms_norm(x, self.weight, self.eps)
+        return fused.rms_norm_reference(x, self.weight, self.eps)
+
+    def add_forward(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual += x in place (rounded to its dtype), then the norm of the new residual."""
+        return fused.add_rms_norm_(residual, x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -89,6 +94,22 @@ class RotaryEmbedding(nn.Module):
         return x * cos + x.roll(self.head_dim // 2, dims=-1) * sin
 
 
+class StepRope:
+    """A step's positions, with the cos/sin tables made at most once, only if a layer asks
+    (the fused C++ rotation reads the fp32 tables by position itself)."""
+
+    __slots__ = ("_tables", "dtype", "positions", "rotary")
+
+    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> None:
+        self.rotary, self.positions, self.dtype = rotary, positions, dtype
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._tables is None:
+            self._tables = self.rotary.tables(self.positions, self.dtype)
+        return self._tables
+
+
 class GatedMLP(nn.Module):
     """SwiGLU MLP with the gate and up projections fused into one matmul."""
 
@@ -99,6 +120,4 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))

@@ -7,8 +7,9 @@ import torch
 from torch import nn
 
 from fitserve.config import SUPPORTED_ARCHITECTURES, ModelSpec
+from fitserve.kernels.cpu import fused
 from fitserve.model.attention import AttentionBatch, paged_attention, write_kv
-from fitserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from fitserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, StepRope
 
 
 class UnsupportedModelError(ValueError):
@@ -47,7 +48,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: StepRope,
         batch: AttentionBatch,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
@@ -58,11 +59,15 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), 1)
-        # queries and keys rotate in one pass: same positions, same tables
-        qk = self.rotary(qk, rope)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         k_cache, v_cache = kv_cache
-        write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        # queries and keys rotate in one pass (same positions, same tables); the C++ op also
+        # writes the keys and values into the cache, the eager path does it in two more steps
+        if not fused.rope_write_kv_(qk, v, rope.positions, self.rotary.cos, self.rotary.sin,
+                                    k_cache, v_cache, batch.slot_mapping, self.num_heads,
+                                    self.rotary.interleaved):
+            qk = self.rotary(qk, rope.tables())
+            write_kv(qk[:, self.num_heads :], v, k_cache, v_cache, batch.slot_mapping)
+        q = qk[:, : self.num_heads]
         out = paged_attention(q, k_cache, v_cache, batch, self.scale)
         return self.o_proj(out.reshape(n, self.q_size))
 
@@ -78,12 +83,20 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: StepRope,
         batch: AttentionBatch,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, batch, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (mlp output, residual stream): each residual add is fused into the
+        norm that follows it (vLLM's layout), so the stream is x + residual after the layer."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm.add_forward(residual, x)
+        h = self.self_attn(h, rope, batch, kv_cache)
+        h = self.post_attention_layernorm.add_forward(residual, h)
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
@@ -110,10 +123,11 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [N] -> final hidden states [N, hidden]."""
         x = self.embed_tokens(input_ids)
-        rope = self.rotary.tables(positions, x.dtype)
+        rope = StepRope(self.rotary, positions, x.dtype)
+        residual: torch.Tensor | None = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, batch, kv)
-        return self.norm(x)
+            x, residual = layer(x, rope, batch, kv, residual)
+        return x if residual is None else self.norm.add_forward(residual, x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -1,0 +1,188 @@
+// Fused elementwise ops of the decoder layer (vLLM-style custom ops): each replaces 4-10 small
+// ATen calls per layer, which at batch 1 cost more in dispatch than in arithmetic.
+//
+//   rms_norm(x, w, eps)               y = w * to_dtype(x * rsqrt(mean(x^2) + eps))   (fp32 sum)
+//   add_rms_norm_(res, x, w, eps)     res = to_dtype(res + x); returns rms_norm(res, w, eps)
+//   silu_and_mul(gate_up)             y = silu(gate) * up, gate/up the two halves of the last dim
+//   rope_write_kv_(qk, v, pos, cos, sin, k_cache, v_cache, slots, num_q_heads, interleaved)
+//       rotates the query and key heads of qk [N, Hq + Hkv, D] in place with the fp32 tables
+//       cos/sin [P, D/2] at positions pos [N], then writes the rotated keys and v [N, Hkv, D]
+//       into the head-major caches [Hkv, NB, bs, D] at flat slots [N].
+//
+// Rounding follows the eager Hugging Face reference: the normalised value is rounded to the
+// activation dtype before the weight multiply; everything else is fp32 and rounded once.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+template <typename T> inline float f32(T v) { return static_cast<float>(v); }
+template <typename T> inline T from_f32(float v) { return static_cast<T>(v); }
+
+template <typename T>
+void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t dim, int64_t x_stride,
+                   float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    std::vector<float> buf(dim);
+    for (int64_t r = b; r < e; ++r) {
+      const T* xr = x + r * x_stride;
+      float ss = 0.f;
+      for (int64_t i = 0; i < dim; ++i) {
+        buf[i] = f32(xr[i]);
+        ss += buf[i] * buf[i];
+      }
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
+      T* yr = y + r * dim;
+      for (int64_t i = 0; i < dim; ++i) {
+        // round the normalised value to T first, as the reference does
+        yr[i] = from_f32<T>(f32(w[i]) * f32(from_f32<T>(buf[i] * inv)));
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be [N, D] with unit stride");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight dtype must match x");
+  auto w = weight.contiguous();
+  auto y = at::empty({x.size(0), x.size(1)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(),
+                            x.size(0), x.size(1), x.stride(0), static_cast<float>(eps));
+  });
+  return y;
+}
+
+at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight,
+                         double eps) {
+  TORCH_CHECK(residual.is_contiguous() && residual.dim() == 2, "add_rms_norm_: residual [N, D]");
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
+              "add_rms_norm_: x must match residual");
+  auto xc = x.contiguous();
+  const int64_t n = residual.numel();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_", [&] {
+    scalar_t* r = residual.data_ptr<scalar_t>();
+    const scalar_t* a = xc.data_ptr<scalar_t>();
+    at::parallel_for(0, n, 4096, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) r[i] = from_f32<scalar_t>(f32(r[i]) + f32(a[i]));
+    });
+  });
+  return rms_norm(residual, weight, eps);
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_and_mul: [N, 2I]");
+  auto g = gate_up.contiguous();
+  const int64_t rows = g.size(0), inter = g.size(1) / 2;
+  auto y = at::empty({rows, inter}, g.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, g.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* src = g.data_ptr<scalar_t>();
+    scalar_t* dst = y.data_ptr<scalar_t>();
+    at::parallel_for(0, rows * inter, 2048, [&](int64_t b, int64_t e) {
+      for (int64_t idx = b; idx < e; ++idx) {
+        const int64_t r = idx / inter, i = idx % inter;
+        const float gv = f32(src[r * 2 * inter + i]);
+        const float uv = f32(src[r * 2 * inter + inter + i]);
+        // F.silu(gate) is rounded to the dtype before the multiply in the reference
+        const float s = f32(from_f32<scalar_t>(gv / (1.0f + std::exp(-gv))));
+        dst[idx] = from_f32<scalar_t>(s * uv);
+      }
+    });
+  });
+  return y;
+}
+
+template <typename T>
+void rotate_head(T* h, const float* c, const float* s, int64_t d, bool interleaved) {
+  const int64_t half = d / 2;
+  if (interleaved) {
+    for (int64_t i = 0; i < half; ++i) {
+      const float x0 = f32(h[2 * i]), x1 = f32(h[2 * i + 1]);
+      h[2 * i] = from_f32<T>(x0 * c[i] - x1 * s[i]);
+      h[2 * i + 1] = from_f32<T>(x1 * c[i] + x0 * s[i]);
+    }
+  } else {
+    for (int64_t i = 0; i < half; ++i) {
+      const float x0 = f32(h[i]), x1 = f32(h[i + half]);
+      h[i] = from_f32<T>(x0 * c[i] - x1 * s[i]);
+      h[i + half] = from_f32<T>(x1 * c[i] + x0 * s[i]);
+    }
+  }
+}
+
+void rope_write_kv_(at::Tensor& qk, const at::Tensor& v, const at::Tensor& positions,
+                    const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                    at::Tensor& v_cache, const at::Tensor& slots, int64_t num_q_heads,
+                    bool interleaved) {
+  TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1, "rope_write_kv_: qk must be [N, H, D]");
+  TORCH_CHECK(v.dim() == 3 && v.stride(2) == 1, "rope_write_kv_: v must be [N, Hkv, D]");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+              cos.is_contiguous() && sin.is_contiguous(), "rope tables must be contiguous fp32");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == qk.scalar_type() && v.scalar_type() == qk.scalar_type(),
+              "rope_write_kv_: qk, v and the caches must share a dtype");
+  const int64_t n = qk.size(0), heads = qk.size(1), d = qk.size(2);
+  const int64_t hkv = k_cache.size(0), nb = k_cache.size(1), bs = k_cache.size(2);
+  TORCH_CHECK(heads == num_q_heads + hkv && v.size(1) == hkv && k_cache.size(3) == d,
+              "rope_write_kv_: head counts do not match the cache");
+  auto pos = positions.to(at::kLong).contiguous();
+  auto slot = slots.to(at::kLong).contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t* sp = slot.data_ptr<int64_t>();
+  const int64_t max_pos = cos.size(0), half = d / 2, capacity = nb * bs;
+  for (int64_t t = 0; t < n; ++t) {
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < max_pos, "rope_write_kv_: position out of range");
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < capacity, "rope_write_kv_: slot out of range");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qk.scalar_type(), "rope", [&] {
+    scalar_t* base = qk.data_ptr<scalar_t>();
+    const scalar_t* vb = v.data_ptr<scalar_t>();
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    const float* cb = cos.data_ptr<float>();
+    const float* sb = sin.data_ptr<float>();
+    const int64_t s0 = qk.stride(0), s1 = qk.stride(1), v0 = v.stride(0), v1 = v.stride(1);
+    at::parallel_for(0, n * heads, 64, [&](int64_t b, int64_t e) {
+      for (int64_t idx = b; idx < e; ++idx) {
+        const int64_t t = idx / heads, h = idx % heads;
+        scalar_t* hp = base + t * s0 + h * s1;
+        rotate_head<scalar_t>(hp, cb + pp[t] * half, sb + pp[t] * half, d, interleaved);
+        if (h >= num_q_heads) {
+          const int64_t kh = h - num_q_heads;
+          scalar_t* kd = kc + (kh * capacity + sp[t]) * d;
+          scalar_t* vd = vc + (kh * capacity + sp[t]) * d;
+          const scalar_t* vs = vb + t * v0 + kh * v1;
+          for (int64_t i = 0; i < d; ++i) {
+            kd[i] = hp[i];
+            vd[i] = vs[i];
+          }
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(fitserve_fused, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("rope_write_kv_(Tensor(a!) qk, Tensor v, Tensor positions, Tensor cos, Tensor sin, "
+        "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, int num_q_heads, "
+        "bool interleaved) -> ()");
+}
+
+// CPU kernels only (no CompositeImplicitAutograd): torch.compile then sees opaque ops with the
+// fake kernels registered in fused.py.
+TORCH_LIBRARY_IMPL(fitserve_fused, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm_", &add_rms_norm_);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rope_write_kv_", &rope_write_kv_);
+}

@@ -1,0 +1,112 @@
+"""What this CPU can run, read at run time (never assumed): /proc/cpuinfo flags and torch's view.
+
+The same box kind has been seen as AMD Zen 4 (AVX-512 + BF16/VNNI, no AMX) and Intel Xeon with
+AMX, so kernels are compiled for, and chosen from, the features found here.
+
+``FITSERVE_CPU_TIER=avx2`` (or ``scalar``, ``avx512``) builds the kernels for a LOWER tier than
+the CPU offers, so the AVX2 and scalar paths can be tested on an AVX-512 machine; a tier the
+CPU cannot run is ignored.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class CpuIsa:
+    """The instruction-set features fitserve's kernels care about."""
+
+    avx2: bool = False
+    fma: bool = False
+    f16c: bool = False
+    avx512: bool = False  # F + BW + VL + DQ together (what the AVX-512 kernels need)
+    avx512_vnni: bool = False
+    avx512_bf16: bool = False
+    avx_vnni: bool = False
+    amx_bf16: bool = False
+    amx_int8: bool = False
+    torch_capability: str = "DEFAULT"
+
+    @property
+    def tier(self) -> str:
+        """The kernel tier compiled for this CPU: "avx512_vnni", "avx512", "avx2" or "scalar"."""
+        if self.avx512 and self.avx512_vnni:
+            return "avx512_vnni"
+        if self.avx512:
+            return "avx512"
+        if self.avx2 and self.fma and self.f16c:
+            return "avx2"
+        return "scalar"
+
+    def describe(self) -> str:
+        feats = [n for n in ("avx2", "avx512", "avx512_vnni", "avx512_bf16", "avx_vnni",
+                             "amx_bf16", "amx_int8") if getattr(self, n)]
+        return f"{' '.join(feats) or 'no SIMD extensions'} (torch: {self.torch_capability})"
+
+
+def _cpuinfo_flags(text: str) -> set[str]:
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def isa_from_flags(flags: set[str], torch_capability: str = "DEFAULT") -> CpuIsa:
+    """A CpuIsa from /proc/cpuinfo's flag names."""
+    return CpuIsa(
+        avx2="avx2" in flags, fma="fma" in flags, f16c="f16c" in flags,
+        avx512={"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags,
+        avx512_vnni="avx512_vnni" in flags, avx512_bf16="avx512_bf16" in flags,
+        avx_vnni="avx_vnni" in flags, amx_bf16="amx_bf16" in flags, amx_int8="amx_int8" in flags,
+        torch_capability=torch_capability,
+    )
+
+
+@functools.cache
+def detect_isa() -> CpuIsa:
+    """The ISA of the CPU this process runs on (x86 Linux; elsewhere: scalar)."""
+    import torch
+
+    cap = str(torch.backends.cpu.get_cpu_capability())
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return CpuIsa(torch_capability=cap)
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return CpuIsa(torch_capability=cap)
+    return isa_from_flags(_cpuinfo_flags(text), cap)
+
+
+TIERS = ("scalar", "avx2", "avx512", "avx512_vnni")  # lowest to highest
+
+
+def build_tier(isa: CpuIsa) -> str:
+    """The tier to compile for: ``isa.tier``, lowered by ``FITSERVE_CPU_TIER`` when that names a
+    tier below it (never raised above what the CPU runs)."""
+    want = os.environ.get("FITSERVE_CPU_TIER", "").strip().lower()
+    if want in TIERS and TIERS.index(want) < TIERS.index(isa.tier):
+        return want
+    return isa.tier
+
+
+def compile_flags(isa: CpuIsa, tier: str | None = None) -> list[str]:
+    """Explicit ISA flags for the tier (never -march=native: the cache key must name them).
+
+    ``tier`` defaults to :func:`build_tier` (``isa.tier`` unless lowered by the environment).
+    """
+    tier = build_tier(isa) if tier is None else tier
+    if tier == "scalar":
+        return []
+    flags = ["-mavx2", "-mfma", "-mf16c"]
+    if tier in ("avx512", "avx512_vnni"):
+        flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+    if tier == "avx512_vnni":
+        flags.append("-mavx512vnni")
+    if isa.avx512_bf16 and tier != "avx2":
+        flags.append("-mavx512bf16")
+    return flags

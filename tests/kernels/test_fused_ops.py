@@ -1,0 +1,125 @@
+"""The decoder layer's fused C++ ops against float64 references and the eager torch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fitserve.kernels.cpu import fused
+
+pytestmark = pytest.mark.skipif(not fused.fused_ops_available(),
+                                reason="fused_ops extension could not be built here")
+
+DTYPES = [torch.float32, torch.bfloat16]
+# Relative error bounds against float64: fp32 -> a few ulp of fp32 sums; bf16 -> the reference's
+# two roundings (normalised value, then the product with the weight), (1 + 2^-8)^2 - 1 < 2^-7.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2.0**-7 * 1.01}
+
+
+def _rms64(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    x64 = x.double()
+    return w.double() * (x64 / torch.sqrt((x64 * x64).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,dim", [(1, 576), (7, 64), (33, 1000)])
+def test_rms_norm(dtype: torch.dtype, rows: int, dim: int) -> None:
+    torch.manual_seed(rows)
+    x, w = torch.randn(rows, dim, dtype=dtype) * 3, torch.randn(dim, dtype=dtype)
+    got = fused.rms_norm(x, w, 1e-5)
+    ref = _rms64(x, w, 1e-5)
+    assert ((got.double() - ref).abs() <= TOL[dtype] * ref.abs() + 1e-6).all()
+    eager = fused.rms_norm_reference(x, w, 1e-5)
+    assert (got.double() - eager.double()).abs().max().item() <= TOL[dtype] * w.abs().max().item()
+    if dtype == torch.bfloat16:  # same rounding points as the reference: bit-identical here
+        assert torch.equal(got, eager)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_updates_residual_in_place(dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    res, x, w = (torch.randn(5, 96, dtype=dtype), torch.randn(5, 96, dtype=dtype),
+                 torch.randn(96, dtype=dtype))
+    expect_res = (res.double() + x.double()).to(dtype)
+    got = fused.add_rms_norm_(res, x, w, 1e-6)
+    assert torch.equal(res, expect_res)  # one rounding of an exact sum
+    ref = _rms64(expect_res, w, 1e-6)
+    assert ((got.double() - ref).abs() <= TOL[dtype] * ref.abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype: torch.dtype) -> None:
+    torch.manual_seed(2)
+    g = torch.randn(9, 2 * 130, dtype=dtype) * 4
+    got = fused.silu_and_mul(g)
+    gate, up = g.double().chunk(2, -1)
+    ref = gate * torch.sigmoid(gate) * up
+    assert ((got.double() - ref).abs() <= TOL[dtype] * ref.abs() + 1e-6).all()
+    if dtype == torch.bfloat16:
+        gate_b, up_b = g.chunk(2, -1)
+        assert torch.equal(got, F.silu(gate_b) * up_b)
+
+
+def _rope64(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool
+            ) -> torch.Tensor:
+    ang = pos.double()[:, None] * inv_freq.double()[None, :]  # [N, D/2]
+    c, s = torch.cos(ang)[:, None, :], torch.sin(ang)[:, None, :]
+    x = x.double()
+    if interleaved:
+        x0, x1 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x0 * c - x1 * s, x1 * c + x0 * s), -1).flatten(-2)
+    h = x.shape[-1] // 2
+    x0, x1 = x[..., :h], x[..., h:]
+    return torch.cat((x0 * c - x1 * s, x1 * c + x0 * s), -1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_write_kv(dtype: torch.dtype, interleaved: bool) -> None:
+    torch.manual_seed(3)
+    n, hq, hkv, d, nb, bs, max_pos = 6, 4, 2, 16, 5, 4, 64
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    ang = torch.arange(max_pos).float()[:, None] * inv_freq[None, :]
+    cos, sin = ang.cos(), ang.sin()
+    qkv = torch.randn(n, (hq + 2 * hkv) * d, dtype=dtype)
+    qk = qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d)  # strided view, as the model passes it
+    v = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
+    before = qk.clone()
+    pos = torch.tensor([0, 1, 2, 40, 41, 63])
+    slots = torch.tensor([3, 0, 17, 8, 9, 19])  # scattered over blocks
+    kc = torch.zeros(hkv, nb, bs, d, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    assert fused.rope_write_kv_(qk, v, pos, cos, sin, kc, vc, slots, hq, interleaved)
+    ref = _rope64(before, pos, inv_freq, interleaved)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert (qk.double() - ref).abs().max().item() < tol * before.abs().max().item() * 2
+    flat_k, flat_v = kc.view(hkv, nb * bs, d), vc.view(hkv, nb * bs, d)
+    for t in range(n):
+        assert torch.equal(flat_k[:, slots[t]], qk[t, hq:])
+        assert torch.equal(flat_v[:, slots[t]], v[t])
+    untouched = torch.ones(nb * bs, dtype=torch.bool)
+    untouched[slots] = False
+    assert not flat_k[:, untouched].any() and not flat_v[:, untouched].any()
+
+
+def test_rope_rejects_out_of_range_positions() -> None:
+    qk = torch.zeros(1, 2, 8)
+    v = torch.zeros(1, 1, 8)
+    cos = sin = torch.zeros(4, 4)
+    kc = torch.zeros(1, 2, 2, 8)
+    with pytest.raises(RuntimeError, match="position out of range"):
+        fused.rope_write_kv_(qk, v, torch.tensor([4]), cos, sin, kc, kc.clone(),
+                             torch.tensor([0]), 1, False)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        fused.rope_write_kv_(qk, v, torch.tensor([0]), cos, sin, kc, kc.clone(),
+                             torch.tensor([4]), 1, False)
+
+
+def test_ops_trace_under_torch_compile() -> None:
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return fused.silu_and_mul(torch.cat((fused.rms_norm(x, w, 1e-5), x), -1))
+
+    x, w = torch.randn(3, 32), torch.randn(32)
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x, w), f(x, w))
