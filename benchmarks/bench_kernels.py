@@ -1,231 +1,278 @@
-"""Shape-by-shape attention timing table on this CPU, with correctness checks in the same run.
+"""Time the engine's attention backend, shape class by shape class, and check the dispatch rule.
 
-Method: fp32 inputs; every variant first runs once on the ragged inputs and is compared with the
-float64 naive reference (max abs error; a wrong kernel is printed as WRONG, never as fast); then
-``--warmup`` untimed calls and ``--repeats`` timed calls with time.perf_counter, median reported.
-PyTorch CPU kernels execute eagerly and synchronously (no lazy work is queued), and each timed
-call ends by reading one output element (``.item()``), so nothing is left to run after the clock
-stops. Thread count: torch.set_num_threads(--threads), printed in the header.
+What is timed is exactly what a decoder layer runs: ``fitserve.model.attention.paged_attention``
+on an ``AttentionBatch`` whose ``DecodeBatch`` / ``PrefillSeq`` come from the runner's own
+builders (``fitserve.runner.build_decode_batch`` / ``build_prefill_seq``), over the engine's
+head-major paged cache [Hkv, num_blocks, block_size, D] in the engine's dtype (``auto``: bf16 on
+CPUs with AVX512-BF16/AMX), with shuffled block tables (blocks come from a pool, not in order),
+q a strided slice of the fused q/k projection as in the model, and the SmolLM2-135M geometry
+(9 query heads, 3 KV heads, head_dim 64, block_size 16). Only the ``impl`` passed to the
+builder changes between rows: "naive" (gather + matmul + fp32 softmax + matmul), "sdpa"
+(gather + torch SDPA), "cpu_paged" (the fused C++ kernel, when it built).
 
-Variants (all GQA-correct, bottom-right causal, ragged batches):
-  naive       per sequence, K/V expanded to every query head, full fp32 score matrix
-  tiled       online-softmax varlen kernel with K/V expanded per query head (no GQA folding)
-  gqa-folded  the same kernel with the G query heads of a KV head packed as one matrix
-  split-kv    decode only: key axis cut into P splits (wave-efficiency rule), exact LSE merge
-  paged       the engine interface (block table, block_size 16)
-  sdpa        torch.nn.functional.scaled_dot_product_attention per sequence (enable_gqa)
+Method: every variant first runs once and is compared with a float64 reference (blocks
+gathered by hand in float64, plain softmax); a wrong variant is printed WRONG and never counts
+as fastest. Then ``--warmup`` untimed and ``--repeats`` timed calls (time.perf_counter, each call
+ends by reading an output element; CPU ops run synchronously); median and min reported, the
+dispatch check on ``--stat`` (median by default; on a loaded machine the 2-thread medians are
+multiples of the scheduler's time slice, so ``--stat min`` ranks the kernels instead). "prep" is
+the per-step cost of building the batch tensors (paid once per step, not per layer).
 
-Run: .venv/bin/python benchmarks/bench_kernels.py [--threads N] [--repeats 5] [--quick]
+The last table puts the dispatch rule's pick (fitserve.kernels.dispatch) next to the measured
+fastest for every case; ``--partitions`` also times the C++ kernel's partition sizes.
+
+Run: .venv/bin/python benchmarks/bench_kernels.py [--quick] [--threads N] [--dtype bfloat16]
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import platform
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from fitserve.kernels.counters import AttnShape, naive_forward, split_kv_decode, tiled_forward
+from fitserve.engine_setup import resolve_dtype
+from fitserve.kernels.cpu.isa import detect_isa
+from fitserve.kernels.cpu.paged_attention import (
+    DEFAULT_PARTITION,
+    paged_attention_available,
+    paged_decode_attention,
+)
 from fitserve.kernels.dispatch import ShapeClass, choose_attention_impl, classify
-from fitserve.kernels.masks import bottom_right_positions, visible_mask
-from fitserve.kernels.paged import paged_attention
-from fitserve.kernels.reference import naive_attention
-from fitserve.kernels.split_kv import choose_num_splits
-from fitserve.kernels.split_kv import split_kv_decode as split_kv_kernel
-from fitserve.kernels.varlen import varlen_attention
+from fitserve.model.attention import AttentionBatch, paged_attention
+from fitserve.runner import build_decode_batch, build_prefill_seq
 
-HQ, HKV, D = 8, 2, 64
-G = HQ // HKV
+HQ, HKV, D, BS = 9, 3, 64, 16  # SmolLM2-135M; the engine's default block size
+LAYERS = 30
+DEVICE = torch.device("cpu")
 
 
 @dataclass(slots=True)
 class Case:
-    """One ragged batch: per-sequence query and key counts."""
+    """One attention call: ``q_lens`` new tokens per sequence after ``cached`` tokens."""
 
     name: str
     q_lens: list[int]
-    k_lens: list[int]
+    cached: list[int]
+
+    @property
+    def k_lens(self) -> list[int]:
+        return [c + t for c, t in zip(self.cached, self.q_lens, strict=True)]
+
+    @property
+    def decode(self) -> bool:
+        return all(t == 1 for t in self.q_lens)
 
 
 def make_cases(quick: bool) -> list[Case]:
-    """Prefill and decode shapes, batch 1 and 32, several lengths, ragged caches."""
+    """Decode at batch 1 / 2..8 / >8 and short / long / very long caches; prefill chunks."""
     gen = torch.Generator().manual_seed(0)
-    ragged_k = torch.randint(256, 2049, (32,), generator=gen).tolist()
-    ragged_p = torch.randint(64, 129, (32,), generator=gen).tolist()
-    cases = [Case("prefill b=1 L=256", [256], [256]),
-             Case("prefill b=32 L<=128 ragged", ragged_p, ragged_p),
-             Case("decode b=1 S=1024", [1], [1024]),
-             Case("decode b=32 S<=2048 ragged", [1] * 32, ragged_k)]
+
+    def ragged(b: int, lo: int, hi: int) -> list[int]:
+        return torch.randint(lo, hi + 1, (b,), generator=gen).tolist()
+
+    def dec(name: str, lens: list[int]) -> Case:
+        return Case(name, [1] * len(lens), [n - 1 for n in lens])
+
+    cases = [
+        dec("decode b=1 L=300", [300]),
+        dec("decode b=1 L=2000", [2000]),
+        dec("decode b=8 L<=512", ragged(8, 64, 512)),
+        dec("decode b=32 L=129..256 (W2)", ragged(32, 129, 256)),
+        dec("decode b=32 L<=4096", ragged(32, 1024, 4096)),
+        Case("prefill T=128", [128], [0]),
+        Case("prefill T=1024", [1024], [0]),
+    ]
     if not quick:
-        cases += [Case("prefill b=1 L=1024", [1024], [1024]),
-                  Case("chunk b=1 T=128 S=2048", [128], [2048]),
-                  Case("decode b=1 S=8192", [1], [8192])]
+        cases[5:5] = [
+            dec("decode b=1 L=8192", [8192]),
+            dec("decode b=4 L<=4096", ragged(4, 1024, 4096)),
+            dec("decode b=16 L>4096", ragged(16, 4097, 8192)),
+        ]
+        cases += [Case("prefill T=512", [512], [0]),
+                  Case("chunk T=256 S=1792", [256], [1792]),
+                  Case("chunk T=512 S=7680", [512], [7680])]
     return cases
 
 
-def _cu(lens: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+@dataclass(slots=True)
+class Inputs:
+    """A filled paged cache, the block tables that address it, and the step's queries."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    tables: list[list[int]]
+    q: torch.Tensor  # [N, HQ, D], a strided view like the model's
 
 
-def build_variants(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, workers: int
-                   ) -> dict[str, Callable[[], torch.Tensor]]:
-    """Callables returning [total_q, HQ, D] for the packed inputs of ``case``."""
-    cq, ck = _cu(case.q_lens), _cu(case.k_lens)
-    k_exp, v_exp = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
-    qs = [q[a:b] for a, b in zip(cq[:-1].tolist(), cq[1:].tolist(), strict=True)]
-    ks = [k[a:b] for a, b in zip(ck[:-1].tolist(), ck[1:].tolist(), strict=True)]
-    vs = [v[a:b] for a, b in zip(ck[:-1].tolist(), ck[1:].tolist(), strict=True)]
-    masks = [visible_mask(*bottom_right_positions(len(x), len(y)), causal=True)
-             for x, y in zip(qs, ks, strict=True)]
-
-    def naive() -> torch.Tensor:
-        outs = []
-        for qi, ki, vi, mi in zip(qs, ks, vs, masks, strict=True):
-            s = torch.matmul(qi.transpose(0, 1), ki.repeat_interleave(G, 1).permute(1, 2, 0))
-            p = torch.softmax((s * D ** -0.5).masked_fill(~mi, float("-inf")), dim=-1)
-            outs.append(torch.matmul(p, vi.repeat_interleave(G, 1).transpose(0, 1)).transpose(0, 1))
-        return torch.cat(outs)
-
-    def sdpa() -> torch.Tensor:
-        outs = []
-        for qi, ki, vi, mi in zip(qs, ks, vs, masks, strict=True):
-            o = F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1),
-                                               vi.transpose(0, 1), attn_mask=mi, enable_gqa=True)
-            outs.append(o.transpose(0, 1))
-        return torch.cat(outs)
-
-    variants: dict[str, Callable[[], torch.Tensor]] = {
-        "naive": naive,
-        "tiled": lambda: varlen_attention(q, k_exp, v_exp, cq, ck)[0],
-        "gqa-folded": lambda: varlen_attention(q, k, v, cq, ck)[0],
-        "sdpa": sdpa,
-    }
-    bs = 16
-    n_blocks = [-(-n // bs) for n in case.k_lens]
-    k_cache = torch.zeros(sum(n_blocks) + 1, bs, HKV, D)
-    v_cache = torch.zeros_like(k_cache)
-    table = torch.zeros(len(case.k_lens), max(n_blocks), dtype=torch.int32)
-    page = 1
-    for b, n in enumerate(case.k_lens):
-        for j in range(n_blocks[b]):
-            rows = slice(int(ck[b]) + j * bs, int(ck[b]) + min(n, (j + 1) * bs))
-            k_cache[page, : rows.stop - rows.start] = k[rows]
-            v_cache[page, : rows.stop - rows.start] = v[rows]
-            table[b, j] = page
-            page += 1
-    seq_lens = torch.tensor(case.k_lens)
-    variants["paged"] = lambda: paged_attention(q, k_cache, v_cache, table, seq_lens, cq,
-                                                scale=D ** -0.5)  # type: ignore[return-value]
-    if all(t == 1 for t in case.q_lens):
-        s_max = max(case.k_lens)
-        kp = torch.zeros(len(case.k_lens), s_max, HKV, D)
-        vp = torch.zeros_like(kp)
-        for b, (kb, vb) in enumerate(zip(ks, vs, strict=True)):
-            kp[b, : len(kb)], vp[b, : len(vb)] = kb, vb
-        splits = choose_num_splits(workers, len(case.k_lens), HKV, -(-s_max // 64))
-        variants[f"split-kv(P={splits})"] = lambda: split_kv_kernel(
-            q, kp, vp, seq_lens, num_splits=splits)[0]
-    return variants
+def make_inputs(case: Case, dtype: torch.dtype, seed: int) -> Inputs:
+    """Random K/V in shuffled blocks (the pool's order), garbage in every unused slot."""
+    gen = torch.Generator().manual_seed(seed)
+    n_blocks = [-(-n // BS) for n in case.k_lens]
+    total = sum(n_blocks) + 8
+    order = torch.randperm(total, generator=gen).tolist()
+    tables, used = [], 0
+    for n in n_blocks:
+        tables.append(order[used : used + n])
+        used += n
+    k_cache = torch.randn(HKV, total, BS, D, generator=gen).to(dtype)
+    v_cache = torch.randn(HKV, total, BS, D, generator=gen).to(dtype)
+    qk = torch.randn(sum(case.q_lens), HQ + HKV, D, generator=gen).to(dtype)
+    return Inputs(k_cache, v_cache, tables, qk[:, :HQ])
 
 
-def reference(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Float64 per-sequence reference."""
-    cq, ck = _cu(case.q_lens), _cu(case.k_lens)
-    outs = []
-    for b in range(len(case.q_lens)):
-        qi = q[cq[b]:cq[b + 1]].transpose(0, 1)
-        ki = k[ck[b]:ck[b + 1]].transpose(0, 1).repeat_interleave(G, 0)
-        vi = v[ck[b]:ck[b + 1]].transpose(0, 1).repeat_interleave(G, 0)
-        outs.append(naive_attention(qi, ki, vi, causal=True)[0].transpose(0, 1))
+def make_batch(case: Case, inputs: Inputs, impl: str) -> AttentionBatch:
+    """The AttentionBatch the runner would build for this case with ``impl`` chosen."""
+    slots = torch.empty(0, dtype=torch.long)
+    if case.decode:
+        d = build_decode_batch(inputs.tables, case.k_lens, block_size=BS, window=None,
+                               impl=impl, device=DEVICE)
+        return AttentionBatch(slot_mapping=slots, decode=d)
+    seqs, offset = [], 0
+    for t, c, table in zip(case.q_lens, case.cached, inputs.tables, strict=True):
+        seqs.append(build_prefill_seq(offset, c, t, table, block_size=BS, window=None,
+                                      impl=impl, device=DEVICE))
+        offset += t
+    return AttentionBatch(slot_mapping=slots, decode=None, prefills=seqs)
+
+
+def reference(case: Case, inputs: Inputs) -> torch.Tensor:
+    """Float64: each sequence's blocks gathered by hand, bottom-right causal, plain softmax."""
+    outs, offset = [], 0
+    g = HQ // HKV
+    for t, c, table in zip(case.q_lens, case.cached, inputs.tables, strict=True):
+        n = c + t
+        k = inputs.k_cache.double()[:, table].reshape(HKV, -1, D)[:, :n]
+        v = inputs.v_cache.double()[:, table].reshape(HKV, -1, D)[:, :n]
+        q = inputs.q[offset : offset + t].double().view(t, HKV, g, D)
+        s = torch.einsum("thgd,hld->hgtl", q, k) * D**-0.5
+        keep = torch.arange(n)[None, :] <= (c + torch.arange(t))[:, None]
+        p = s.masked_fill(~keep, float("-inf")).softmax(-1)
+        outs.append(torch.einsum("hgtl,hld->thgd", p, v).reshape(t, HQ, D))
+        offset += t
     return torch.cat(outs)
 
 
-def time_call(fn: Callable[[], torch.Tensor], warmup: int, repeats: int) -> float:
-    """Median seconds of ``repeats`` calls after ``warmup`` calls."""
+def time_call(fn: Callable[[], torch.Tensor], warmup: int, repeats: int) -> tuple[float, float]:
+    """(median, min) seconds of ``repeats`` calls after ``warmup`` calls."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         out = fn()
-        out.reshape(-1)[0].item()                 # NOTE: forces completion before the clock
+        out.reshape(-1)[0].item()  # NOTE: forces completion before the clock stops
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(times), min(times)
 
 
-def counts_for(name: str, case: Case) -> tuple[float, float]:
-    """(MB moved, GFLOP executed) summed over the ragged batch, from counters.py."""
-    mb = gf = 0.0
-    for t, n in zip(case.q_lens, case.k_lens, strict=True):
-        s = AttnShape(1, HQ, HKV, t, n, D, 4)
-        if name == "naive":
-            c = naive_forward(s)
-        elif name.startswith("split-kv"):
-            c = split_kv_decode(s, int(name.split("=")[1].rstrip(")")))
-        elif name == "tiled":
-            c = tiled_forward(s, 64, 64, gqa_fold=False)
-        else:                                     # gqa-folded, paged, sdpa (fused, ideal)
-            c = tiled_forward(s, 64, 64, reread=name != "sdpa")
-        mb += c.bytes_total / 1e6
-        gf += c.flops_executed / 1e9
-    return mb, gf
+def impls_for(case: Case) -> list[str]:
+    """The CPU implementations the attention backend has for this phase."""
+    if case.decode:
+        return ["naive", "sdpa"] + (["cpu_paged"] if paged_attention_available() else [])
+    return ["naive", "sdpa"]
 
 
-def run_case(case: Case, args: argparse.Namespace) -> dict[str, float]:
-    """Print one block of the table; return median seconds per variant (correct ones only)."""
-    gen = torch.Generator().manual_seed(len(case.name))
-    q = torch.randn(sum(case.q_lens), HQ, D, generator=gen)
-    k, v = (torch.randn(sum(case.k_lens), HKV, D, generator=gen) for _ in range(2))
-    ref = reference(case, q, k, v)
-    print(f"\n{case.name}  (B={len(case.q_lens)}, queries={sum(case.q_lens)}, "
-          f"keys={sum(case.k_lens)}, Hq={HQ}, Hkv={HKV}, D={D})")
-    print(f"  {'variant':<16} {'max err':>9} {'median ms':>10} {'MB moved':>10} "
-          f"{'GFLOP':>8} {'GFLOP/s':>8}")
+def run_case(case: Case, args: argparse.Namespace, dtype: torch.dtype) -> dict[str, float]:
+    """Print one block of the table; return median seconds per correct implementation."""
+    inputs = make_inputs(case, dtype, seed=len(case.name))
+    ref = reference(case, inputs)
+    tol = 2e-2 if dtype != torch.float32 else 1e-4  # of max |ref|: 16-bit outputs round
+    k_lens = case.k_lens
+    print(f"\n{case.name}  (B={len(k_lens)}, new={sum(case.q_lens)}, keys={sum(k_lens)}, "
+          f"max keys={max(k_lens)})")
+    print(f"  {'impl':<14} {'rel err':>9} {'median ms':>10} {'min ms':>9} {'ms/step':>9} "
+          f"{'prep ms':>8}")
     results: dict[str, float] = {}
-    for name, fn in build_variants(case, q, k, v, args.threads).items():
-        err = float((fn().double() - ref).abs().max())
-        ok = err < 1e-3
-        sec = time_call(fn, args.warmup, args.repeats)
-        mb, gf = counts_for(name, case)
-        flag = "" if ok else "  WRONG"
-        print(f"  {name:<16} {err:>9.1e} {sec * 1e3:>10.2f} {mb:>10.1f} {gf:>8.3f} "
-              f"{gf / sec:>8.1f}{flag}")
+    for impl in impls_for(case):
+        t0 = time.perf_counter()
+        batch = make_batch(case, inputs, impl)
+        prep = time.perf_counter() - t0
+
+        def call(batch: AttentionBatch = batch) -> torch.Tensor:
+            return paged_attention(inputs.q, inputs.k_cache, inputs.v_cache, batch, D**-0.5)
+
+        err = float((call().double() - ref).abs().max() / ref.abs().max())
+        med, low = time_call(call, args.warmup, args.repeats)
+        sec = med if args.stat == "median" else low
+        ok = err < tol
+        print(f"  {impl:<14} {err:>9.1e} {med * 1e3:>10.3f} {low * 1e3:>9.3f} "
+              f"{sec * LAYERS * 1e3:>9.2f} {prep * 1e3:>8.3f}{'' if ok else '  WRONG'}")
         if ok:
-            results[name.split("(")[0]] = sec
+            results[impl] = sec
+    if case.decode and args.partitions and paged_attention_available():
+        d = make_batch(case, inputs, "cpu_paged").decode
+        assert d is not None and d.seq_lens is not None
+        for part in (64, 128, 256, 512, 1024, 1 << 20):
+            def op(part: int = part) -> torch.Tensor:
+                assert d is not None and d.seq_lens is not None
+                return paged_decode_attention(inputs.q, inputs.k_cache, inputs.v_cache,
+                                              d.block_tables, d.seq_lens, D**-0.5,
+                                              partition_size=part)
+            med, low = time_call(op, args.warmup, args.repeats)
+            label = "none" if part == 1 << 20 else str(part)
+            print(f"  {'  partition ' + label:<24} {med * 1e3:>10.3f} {low * 1e3:>9.3f}")
     return results
+
+
+def header(dtype: torch.dtype) -> str:
+    """Machine, software and method line printed above the tables."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    isa = detect_isa()
+    return (f"{datetime.date.today()}  {cpu}  ISA {isa.describe()}, tier {isa.tier}\n"
+            f"torch {torch.__version__}, threads={torch.get_num_threads()}, cache {dtype}, "
+            f"Hq={HQ} Hkv={HKV} D={D} block={BS}, C++ kernel: "
+            f"{'loaded' if paged_attention_available() else 'unavailable'}")
 
 
 def main() -> None:
     """Run every case, then report the dispatch rule against the measured winners."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--quick", action="store_true", help="fewer, smaller shapes")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--dtype", default="auto", help="cache/activation dtype (auto = engine's)")
+    ap.add_argument("--quick", action="store_true", help="fewer shapes")
+    ap.add_argument("--stat", choices=("median", "min"), default="median",
+                    help="statistic for ms/step and the dispatch check (min: least-disturbed "
+                         "run, for a loaded machine where medians measure the scheduler)")
+    ap.add_argument("--partitions", action="store_true",
+                    help=f"also time the C++ kernel's partition sizes (default {DEFAULT_PARTITION})")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, fp32, "
-          f"warm-up {args.warmup}, median of {args.repeats}")
-    print("\ndispatch check: rule pick vs measured best (ms); choosing costs microseconds")
+    dtype = resolve_dtype(args.dtype, DEVICE)
+    print(header(dtype))
+    print(f"warm-up {args.warmup}, {args.repeats} timed calls; ms/step = {LAYERS} layers x "
+          f"the {args.stat}; dispatch check on the {args.stat}")
     rows = []
-    for case in make_cases(args.quick):
-        res = run_case(case, args)
-        shape_class = classify("cpu", case.q_lens, case.k_lens)
-        t0 = time.perf_counter()
-        for _ in range(1000):
-            pick = choose_attention_impl(shape_class)
-        choose_us = (time.perf_counter() - t0) * 1e3
+    with torch.inference_mode():
+        for case in make_cases(args.quick):
+            res = run_case(case, args, dtype)
+            sc = classify("cpu", case.q_lens, case.k_lens, cpp=paged_attention_available())
+            rows.append((case.name, sc, choose_attention_impl(sc), res))
+    print(f"\ndispatch check: rule pick vs measured fastest ({args.stat} ms per layer)")
+    print(f"  {'case':<28} {'shape class':<24} {'pick':<10} {'fastest':<10} "
+          f"{'pick ms':>8} {'best ms':>8}  verdict")
+    for name, sc, pick, res in rows:
         best = min(res, key=res.__getitem__)
-        rows.append((case.name, shape_class, pick, best, res, choose_us))
-    print("\nshape class -> rule pick | measured best | pick ms | best ms | paged ms | choose us")
-    for name, sc, pick, best, res, us in rows:
-        print(f"  {name:<28} {_describe(sc):<22} {pick:<10} {best:<10} "
-              f"{res.get(pick, float('nan')) * 1e3:>8.2f} {res[best] * 1e3:>8.2f} "
-              f"{res.get('paged', float('nan')) * 1e3:>8.2f} {us:>8.2f}")
+        p, b = res.get(pick, float("nan")), res[best]
+        verdict = "ok" if pick == best else (
+            f"within {100 * (p / b - 1):.0f}%" if p <= 1.05 * b else "MISPICK")
+        print(f"  {name:<28} {_describe(sc):<24} {pick:<10} {best:<10} "
+              f"{p * 1e3:>8.3f} {b * 1e3:>8.3f}  {verdict}")
 
 
 def _describe(sc: ShapeClass) -> str:

@@ -81,19 +81,6 @@ class ModelSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class CacheConfig:
-    """The paged KV cache: ``num_blocks`` of ``block_size`` token slots each, for every layer.
-
-    ``num_blocks`` None means: size the pool from ``memory_budget_bytes`` through the ledger.
-    """
-
-    block_size: int = 16
-    num_blocks: int | None = None
-    memory_budget_bytes: int | None = None
-    kv_dtype: str = "auto"  # "auto" = the model dtype
-
-
-@dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """One token budget per step, shared by prompt chunks and decodes."""
 
@@ -120,3 +107,10 @@ class EngineConfig:
     max_num_seqs: int = 64
     long_prefill_token_threshold: int | None = None
     seed: int = 0
+    # How the weights are held (fitserve.plan.formats.engine_tensor_format per tensor):
+    # "auto" = "as-stored" (GGUF Q4_0/Q4_1/Q8_0 packed as stored, the rest in the model dtype;
+    # an HF folder in the model dtype), "bf16" | "float32" (every weight dense in that dtype,
+    # which is then the model dtype), "int4" | "int8" (RTN at load, see plan.formats.RTN_FORMATS).
+    weights: str = "auto"
+    # vLLM's spelling of RTN at load: None | "int4" | "int8" (the same as weights="int4"/"int8").
+    quantization: str | None = None

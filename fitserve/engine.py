@@ -8,15 +8,18 @@ detokenizes, checks stop conditions and frees finished requests' blocks at once.
 from __future__ import annotations
 
 import itertools
+import logging
+import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from fitserve.config import EngineConfig, SchedulerConfig
+from fitserve.config import EngineConfig, ModelSpec, SchedulerConfig
 from fitserve.engine_setup import (
     check_pool_fits,
+    dtype_name,
     release_freed_host_memory,
     resolve_device,
     resolve_dtype,
@@ -24,13 +27,35 @@ from fitserve.engine_setup import (
 )
 from fitserve.kv.manager import KVCacheManager, KVStats
 from fitserve.loading import IncrementalDetokenizer, LoadedModel, load_model
-from fitserve.model.llama import build_model, check_supported
+from fitserve.model.llama import build_model, check_supported, held_weight_bytes
+from fitserve.plan.formats import resolve_engine_weights
+from fitserve.plan.weights import engine_format_rule, engine_weight_bytes
+from fitserve.quant.hold import loaded_weights_choice
 from fitserve.runner import ModelRunner
 from fitserve.sampling import RequestSamplingState, SamplingParams
-from fitserve.sampling.stop import check_stop
+from fitserve.sampling.stop import StopDecision, check_stop, find_stop_string
 from fitserve.sched.request import SchedRequest
 from fitserve.sched.scheduler import Scheduler
-from fitserve.types import FinishReason, RequestOutput, TokenLogprobs
+from fitserve.types import (
+    FinishReason,
+    RequestOutput,
+    RequestStatus,
+    RunnerOutput,
+    SchedulerOutput,
+    TokenLogprobs,
+)
+
+log = logging.getLogger("fitserve.engine")
+
+FaultHook = Callable[[Sequence[str]], None]
+"""Test-only: called with the request ids of each (sub-)step before it runs; raising fails it."""
+
+FAULT_TOKEN_ENV = "FITSERVE_TEST_FAULT_TOKEN"
+"""Test-only: a token id; any step holding a request whose prompt starts with it raises."""
+
+
+class InjectedFault(RuntimeError):
+    """The test-only fault of :attr:`Engine.fault_hook` / ``FITSERVE_TEST_FAULT_TOKEN``."""
 
 
 @dataclass(slots=True)
@@ -43,9 +68,9 @@ class _Tracked:
     detok: IncrementalDetokenizer
     max_tokens: int
     arrival_time: float
-    text: str = ""
-    sent_tokens: int = 0
-    sent_chars: int = 0
+    pieces: list[str] = field(default_factory=list)  # text released so far, joined at the end
+    held: str = ""  # text produced but held back: it might still become a stop string
+    sent_tokens: int = 0  # output tokens (and logprobs) already reported in a delta
     logprobs: list[TokenLogprobs] | None = None
     first_token_time: float | None = None
 
@@ -67,12 +92,18 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None) -> None:
         self.config = cfg = config or EngineConfig()
         self.device = resolve_device(cfg.device)
-        self.dtype = resolve_dtype(cfg.dtype, self.device)
-        self.loaded = loaded if loaded is not None else load_model(cfg.model, dtype=self.dtype)
+        choice, dtype_arg = resolve_engine_weights(cfg.weights, cfg.quantization, cfg.dtype)
+        self.dtype = resolve_dtype(dtype_arg, self.device)
+        self.loaded = loaded if loaded is not None else load_model(
+            cfg.model, dtype=self.dtype, weights=choice)
+        explicit = cfg.weights != "auto" or cfg.quantization is not None
+        # "as-stored", "int4", "int8" or a dense dtype: how every tensor is held (plan.formats)
+        self.weights_choice = loaded_weights_choice(self.loaded.weights_choice, choice,
+                                                    explicit=explicit, dtype=self.dtype)
         self.spec = self.loaded.spec
         check_supported(self.spec)
         self.tokenizer = self.loaded.tokenizer
-        self.max_model_len = cfg.max_model_len or self.spec.max_position_embeddings
+        self.max_model_len = check_max_model_len(cfg.max_model_len, self.spec)
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         model = build_model(
@@ -85,7 +116,14 @@ class Engine:
             # Hand the loader's freed scratch back to the OS before the KV pool is allocated,
             # so the process peak is what the ledger says (see release_freed_host_memory).
             release_freed_host_memory()
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        # One ledger: the planner's function counts the weights; the model must hold exactly that.
+        dname = dtype_name(self.dtype)
+        weight_bytes = engine_weight_bytes(self.spec, dname, stored=self.loaded.stored_formats,
+                                           rule=engine_format_rule(self.weights_choice, dname))
+        held = held_weight_bytes(model)  # parameters and packed buffers, each tensor once
+        if held != weight_bytes:
+            raise RuntimeError(f"the model holds {held:,} B of weights, the ledger says "
+                               f"{weight_bytes:,} B (fitserve.plan.weights.engine_weight_bytes)")
         self.pool = size_kv_pool(cfg, self.spec, self.dtype, self.device, weight_bytes)
         check_pool_fits(self.pool, self.max_model_len)
         self.kv = KVCacheManager(self.pool.num_blocks, cfg.block_size)
@@ -105,6 +143,9 @@ class Engine:
         self._requests: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         torch.manual_seed(cfg.seed)
+        # NOTE: test-only fault injection (tests set it, or FITSERVE_TEST_FAULT_TOKEN): None
+        # in normal use, so a step costs one attribute check.
+        self.fault_hook: FaultHook | None = _fault_hook_from_env(self)
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(
@@ -168,29 +209,105 @@ class Engine:
     def num_unfinished_requests(self) -> int:
         return len(self._requests)
 
+    def is_queued(self, request_id: str) -> bool:
+        """True while a request waits for its first step (added, never scheduled yet).
+
+        A preempted request waits again but is not "queued": it was admitted before.
+        """
+        req = self.scheduler.get(request_id)
+        return req is not None and req.status == RequestStatus.WAITING
+
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; return an output for every request that got a new token."""
+        """Run one scheduler step; return an output for every request that got a new token.
+
+        A request whose part of the step fails is isolated (see :meth:`_execute`): it alone
+        finishes with ``finish_reason=ERROR`` and the exception in ``error``, its blocks are
+        freed, and the others carry on. Only a failure outside the model step (scheduling,
+        bookkeeping) still raises.
+        """
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
         states = {c.request_id: self._requests[c.request_id].sampling for c in plan.chunks if c.sample}
-        result = self.runner.execute(plan, states)
-        self.scheduler.update(plan, result.sampled)
+        result, failed = self._execute(plan, states, top=True)
         now = time.monotonic()
-        outputs = []
+        outputs = [self._fail(rid, self._requests[rid], exc, now) for rid, exc in failed.items()]
+        self.scheduler.update(plan, result.sampled)  # skips the failed ones: they are finished
         for rid, token in result.sampled.items():
             tracked = self._requests[rid]
-            if tracked.logprobs is not None and rid in result.logprobs:
-                tracked.logprobs.append(result.logprobs[rid])
-            outputs.append(self._advance(rid, tracked, token, now))
+            try:
+                if tracked.logprobs is not None and rid in result.logprobs:
+                    tracked.logprobs.append(result.logprobs[rid])
+                outputs.append(self._advance(rid, tracked, token, now))
+            except Exception as exc:  # noqa: BLE001 - detokenizing one request must not end all
+                outputs.append(self._fail(rid, tracked, exc, now))
         return outputs
+
+    def _execute(
+        self, plan: SchedulerOutput, states: dict[str, RequestSamplingState], top: bool = False
+    ) -> tuple[RunnerOutput, dict[str, Exception]]:
+        """Run ``plan``; if it raises, rerun its chunks in halves until the failing ones are found.
+
+        Returns the merged result of the parts that ran and the exception of each request that
+        failed alone. A fault that is not any one request's (every half fails) fails them all,
+        one by one: about 2n runs for n requests, only on the error path.
+
+        NOTE: rerunning is safe because a chunk writes its K/V to fixed slots (rerunning writes
+        the same slots again) and the scheduler advances nothing until ``update``. Sampling
+        state that a failed run already consumed (a seeded generator) is not rewound.
+        """
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook([c.request_id for c in plan.chunks])
+            return self.runner.execute(plan, states), {}
+        except Exception as exc:  # noqa: BLE001 - isolated below, reported per request
+            if len(plan.chunks) == 1:
+                return RunnerOutput(sampled={}), {plan.chunks[0].request_id: exc}
+            if top:
+                log.warning("a step of %d requests failed (%s: %s); rerunning them in halves to "
+                            "isolate the failing one", len(plan.chunks), type(exc).__name__, exc)
+        merged = RunnerOutput(sampled={})
+        failed: dict[str, Exception] = {}
+        mid = len(plan.chunks) // 2
+        for part in (plan.chunks[:mid], plan.chunks[mid:]):
+            sub = SchedulerOutput(chunks=part, num_batched_tokens=sum(len(c.token_ids) for c in part))
+            result, bad = self._execute(sub, states)
+            merged.sampled.update(result.sampled)
+            merged.logprobs.update(result.logprobs)
+            failed.update(bad)
+        return merged, failed
+
+    def _fail(self, rid: str, t: _Tracked, exc: Exception, now: float) -> RequestOutput:
+        """Finish a request that failed: free its blocks now and report the error."""
+        self._requests.pop(rid, None)
+        self.scheduler.finish(rid)
+        tokens = t.sched.output_token_ids
+        return RequestOutput(
+            request_id=rid,
+            prompt_token_ids=t.sched.prompt_token_ids,
+            delta_token_ids=[],
+            delta_text="",
+            delta_logprobs=[] if t.logprobs is not None else None,
+            finished=True,
+            num_output_tokens=len(tokens),
+            token_ids=list(tokens),
+            text="".join(t.pieces),
+            logprobs=t.logprobs,
+            finish_reason=FinishReason.ERROR,
+            error=exc,
+            arrival_time=t.arrival_time,
+            first_token_time=t.first_token_time,
+            finish_time=now,
+        )
 
     def _advance(self, rid: str, t: _Tracked, token: int, now: float) -> RequestOutput:
         if t.first_token_time is None:
             t.first_token_time = now
         delta = t.detok.push(token)
-        t.text += delta
+        # Stop strings are searched in the held-back tail plus the new text: the tail holds the
+        # last (longest stop - 1) characters, so any match that ends in `delta` lies inside.
+        window = t.held + delta
         p = t.params
         decision = check_stop(
             token_id=token,
@@ -201,38 +318,57 @@ class Engine:
             eos_token_ids=self.tokenizer.eos_token_ids,
             stop_token_ids=p.stop_token_ids,
             ignore_eos=p.ignore_eos,
-            text=t.text,
+            text=window,
             new_text_len=len(delta),
             stop_strings=p.stop or [],
             include_stop_str=p.include_stop_str_in_output,
         )
+        if decision is not None and decision.text_end is None:
+            decision, window = self._flush(t, decision, window)
         finished = decision is not None
         if decision is not None and decision.text_end is not None:
-            t.text = t.text[: decision.text_end]
+            window = window[: decision.text_end]
         # Streaming holds back a tail that might still become a stop string.
         holdback = 0 if finished or not p.stop else max(len(s) for s in p.stop) - 1
-        visible = max(t.sent_chars, len(t.text) - holdback)
+        cut = max(len(window) - holdback, 0)
+        released, t.held = window[:cut], window[cut:]
+        if released:
+            t.pieces.append(released)
         tokens = t.sched.output_token_ids
+        lps = t.logprobs
         out = RequestOutput(
             request_id=rid,
             prompt_token_ids=t.sched.prompt_token_ids,
-            token_ids=list(tokens),
-            text=t.text[:visible],
-            delta_token_ids=list(tokens[t.sent_tokens :]),
-            delta_text=t.text[t.sent_chars : visible],
-            logprobs=list(t.logprobs) if t.logprobs is not None else None,
+            delta_token_ids=tokens[t.sent_tokens :],
+            delta_text=released,
+            delta_logprobs=lps[t.sent_tokens :] if lps is not None else None,
             finished=finished,
-            finish_reason=decision.reason if decision else None,
-            stop_reason=decision.stop_reason if decision else None,
+            num_output_tokens=len(tokens),
             arrival_time=t.arrival_time,
             first_token_time=t.first_token_time,
-            finish_time=now if finished else None,
         )
-        t.sent_tokens, t.sent_chars = len(tokens), visible
-        if finished:
+        t.sent_tokens = len(tokens)
+        if decision is not None:
+            out.finish_reason, out.stop_reason, out.finish_time = decision.reason, decision.stop_reason, now
+            out.token_ids, out.text, out.logprobs = list(tokens), "".join(t.pieces), lps
             self._requests.pop(rid, None)
             self.scheduler.finish(rid)
         return out
+
+    @staticmethod
+    def _flush(t: _Tracked, decision: StopDecision, window: str) -> tuple[StopDecision, str]:
+        """At the end, take the text the detokenizer held back (a character cut short by the
+        last token), still subject to stop strings: a stop string in it ends the text there."""
+        tail = t.detok.finish()
+        if not tail:
+            return decision, window
+        window += tail
+        stops = [t.params.stop] if isinstance(t.params.stop, str) else t.params.stop
+        if stops:
+            hit = find_stop_string(window, len(tail), stops, t.params.include_stop_str_in_output)
+            if hit is not None:
+                return StopDecision(FinishReason.STOP, hit[0], text_end=hit[1]), window
+        return decision, window
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Run one request to completion on this engine, yielding its outputs as they come.
@@ -250,6 +386,8 @@ class Engine:
             while True:
                 for out in self.step():
                     if out.request_id == rid:
+                        if out.error is not None:
+                            raise out.error
                         yield out
                         if out.finished:
                             return
@@ -266,4 +404,53 @@ class Engine:
         )
 
 
-__all__ = ["Engine", "EngineStats", "FinishReason", "RequestOutput"]
+ALLOW_LONG_MAX_MODEL_LEN_ENV = "FITSERVE_ALLOW_LONG_MAX_MODEL_LEN"
+
+
+def check_max_model_len(requested: int | None, spec: ModelSpec) -> int:
+    """``requested`` (None: the model's max_position_embeddings), refused past the trained length.
+
+    The trained length is ``max_position_embeddings``, times the factor of linear RoPE scaling
+    (as vLLM derives it; llama3 scaling already counts in max_position_embeddings). Longer is
+    a ValueError unless ``FITSERVE_ALLOW_LONG_MAX_MODEL_LEN=1`` (vLLM's
+    ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``), which logs a warning instead.
+    """
+    if requested is None:
+        return spec.max_position_embeddings
+    trained, how = spec.max_position_embeddings, "max_position_embeddings"
+    if spec.rope_scaling is not None and spec.rope_scaling.kind == "linear":
+        trained = int(trained * spec.rope_scaling.factor)
+        how += f" {spec.max_position_embeddings} x linear RoPE factor {spec.rope_scaling.factor:g}"
+    if requested <= trained:
+        return requested
+    what = f"max_model_len={requested} is longer than the model's trained context ({trained} tokens, {how})"
+    if os.environ.get(ALLOW_LONG_MAX_MODEL_LEN_ENV, "0").strip().lower() in ("1", "true"):
+        logging.getLogger("fitserve.engine").warning(
+            "%s (%s is set): positions past it were never trained; outputs may be wrong",
+            what, ALLOW_LONG_MAX_MODEL_LEN_ENV)
+        return requested
+    raise ValueError(
+        f"{what}; outputs past it degrade. Lower --max-model-len, or "
+        f"set {ALLOW_LONG_MAX_MODEL_LEN_ENV}=1 to allow it anyway"
+    )
+
+
+def _fault_hook_from_env(engine: Engine) -> FaultHook | None:
+    """Test-only: the hook ``FITSERVE_TEST_FAULT_TOKEN=<token id>`` asks for, else None."""
+    raw = os.environ.get(FAULT_TOKEN_ENV, "").strip()
+    if not raw:
+        return None
+    marker = int(raw)
+    log.warning("%s=%d: TEST-ONLY fault injection is on (steps holding a request whose prompt "
+                "starts with token %d raise InjectedFault)", FAULT_TOKEN_ENV, marker, marker)
+
+    def hook(request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            t = engine._requests.get(rid)
+            if t is not None and t.sched.prompt_token_ids[:1] == [marker]:
+                raise InjectedFault(f"injected fault for request {rid!r} ({FAULT_TOKEN_ENV}={marker})")
+
+    return hook
+
+
+__all__ = ["Engine", "EngineStats", "FinishReason", "InjectedFault", "RequestOutput", "check_max_model_len"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from fitserve.config import EngineConfig
+from fitserve.plan.formats import ENGINE_WEIGHT_CHOICES
 
 
 def parse_bytes_arg(text: str) -> int:
@@ -32,6 +33,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=parse_bytes_arg, default=None, help="KV pool size, e.g. 512M or 2G")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--weights", default="auto", choices=list(ENGINE_WEIGHT_CHOICES),
+                   help="how weights are held: auto/as-stored (GGUF Q4_0/Q4_1/Q8_0 packed as "
+                        "stored), bf16/float32 (dense), int4/int8 (RTN at load)")
+    p.add_argument("--quantization", default=None, choices=["int4", "int8"],
+                   help="RTN-quantize at load (vLLM's flag; same as --weights int4/int8)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -40,5 +46,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_bytes=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
+        max_num_seqs=args.max_num_seqs, weights=args.weights, quantization=args.quantization,
     )

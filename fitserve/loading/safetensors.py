@@ -13,8 +13,9 @@ from safetensors import SafetensorError, safe_open
 
 from fitserve.config import ModelSpec
 from fitserve.loading.errors import ModelLoadError
-from fitserve.loading.hf_config import check_weights, spec_from_hf_config
+from fitserve.loading.hf_config import check_weights, spec_from_hf_folder
 from fitserve.loading.tokenizer import Tokenizer
+from fitserve.quant.hold import HeldTensor, held_format, hold
 
 _DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
@@ -32,16 +33,9 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def spec_from_folder(folder: Path) -> ModelSpec:
-    """The :class:`ModelSpec` of an HF folder (config.json, plus generation_config.json EOS ids)."""
-    config_path = folder / "config.json"
-    config = _read_json(config_path)
-    if config.get("quantization_config"):
-        method = config["quantization_config"].get("quant_method", "?")
-        raise ModelLoadError(f"{config_path}: quantized checkpoints ({method}) are not supported")
-    gen_path = folder / "generation_config.json"
-    gen = _read_json(gen_path) if gen_path.is_file() else None
-    spec = spec_from_hf_config(config, source=config_path, generation_config=gen)
-    return spec if spec.name else replace(spec, name=folder.name)
+    """The engine's :class:`ModelSpec` of an HF folder: the torch-free reader the planner also
+    uses (``hf_config.spec_from_hf_folder``), in its strict mode."""
+    return spec_from_hf_folder(folder, require_supported=True)
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -62,9 +56,17 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def read_safetensors(files: list[Path], dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], str]:
-    """Read all tensors converted to ``dtype``; also name the dominant stored dtype."""
-    weights: dict[str, torch.Tensor] = {}
+def read_safetensors(files: list[Path], dtype: torch.dtype,
+                     weights: str | None = None
+                     ) -> tuple[dict[str, HeldTensor], str, dict[str, str]]:
+    """Read all tensors converted to ``dtype``; also name the dominant stored dtype, and each
+    tensor's stored dtype (name -> "bf16", "f32" ...).
+
+    ``weights``: a ``--weights`` choice ("int4"/"int8": RTN-pack each tensor as it is read,
+    per ``fitserve.quant.hold.held_format``), or None for plain ``dtype`` tensors.
+    """
+    out: dict[str, HeldTensor] = {}
+    stored_as: dict[str, str] = {}
     stored: Counter[str] = Counter()
     for path in files:
         try:
@@ -78,16 +80,22 @@ def read_safetensors(files: list[Path], dtype: torch.dtype) -> tuple[dict[str, t
                         )
                     if tensor.dim() >= 2:
                         stored[_DTYPE_NAMES[tensor.dtype]] += tensor.numel()
-                    weights[name] = tensor.to(dtype)
+                    stored_as[name] = _DTYPE_NAMES[tensor.dtype]
+                    if weights is None:
+                        out[name] = tensor.to(dtype)
+                    else:
+                        out[name] = hold(tensor, held_format(weights, name, tensor.dim(),
+                                                             stored_as[name], dtype))
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"{path}: corrupt or unreadable safetensors file: {exc}") from exc
-    return weights, (stored.most_common(1)[0][0] if stored else "f32")
+    return out, (stored.most_common(1)[0][0] if stored else "f32"), stored_as
 
 
 def read_hf_folder(
-    folder: Path, dtype: torch.dtype = torch.float32
-) -> tuple[ModelSpec, dict[str, torch.Tensor], Tokenizer, str]:
-    """Everything an HF folder holds: (spec, weights, tokenizer, dominant stored dtype)."""
+    folder: Path, dtype: torch.dtype = torch.float32, weights: str | None = None
+) -> tuple[ModelSpec, dict[str, HeldTensor], Tokenizer, str, dict[str, str]]:
+    """Everything an HF folder holds: (spec, weights, tokenizer, dominant stored dtype, each
+    tensor's stored dtype); ``weights`` as in :func:`read_safetensors`."""
     if not folder.is_dir():
         raise ModelLoadError(f"{folder}: no such folder")
     spec = spec_from_folder(folder)
@@ -96,6 +104,6 @@ def read_hf_folder(
     )
     if not spec.eos_token_ids and tokenizer.eos_token_ids:
         spec = replace(spec, eos_token_ids=tokenizer.eos_token_ids)
-    weights, fmt = read_safetensors(safetensors_files(folder), dtype)
-    check_weights(weights, spec, folder)
-    return spec, weights, tokenizer, fmt
+    held, fmt, stored = read_safetensors(safetensors_files(folder), dtype, weights)
+    check_weights(held, spec, folder)
+    return spec, held, tokenizer, fmt, stored

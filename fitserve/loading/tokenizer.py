@@ -21,6 +21,7 @@ from fitserve.loading.chat_template import ChatTemplateError, render_chat_templa
 from fitserve.loading.errors import ModelLoadError
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types (tokenizer.ggml.token_type)
+_GIL_FREE_ENCODE_CHARS = 8192  # longer texts are encoded without holding the GIL (see encode)
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -162,7 +163,15 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; with ``add_special_tokens`` the model's BOS (if it uses one)."""
-        ids = list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        if len(text) > _GIL_FREE_ENCODE_CHARS:
+            # NOTE: tokenizers' encode() holds the GIL (~0.7 s for 1 MiB, stalling every other
+            # thread, e.g. a server's event loop); encode_batch() releases it. Same ids. Short
+            # texts keep encode(): encode_batch() starts tokenizers' thread pool, which makes a
+            # later fork() print a warning.
+            enc = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        else:
+            enc = self.backend.encode(text, add_special_tokens=add_special_tokens)
+        ids = list(enc.ids)
         bos = self.bos_token_id
         if add_special_tokens and self.add_bos_token and bos is not None and ids[:1] != [bos]:
             ids.insert(0, bos)
@@ -272,7 +281,12 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_ids)
         self._prefix = max(len(self._ids) - self._CONTEXT, 0)
         self._read = len(self._ids)
-        self.text = ""
+        self._pieces: list[str] = []  # NOTE: joined on demand; `str +=` on an attribute copies
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far (the concatenation of every delta returned)."""
+        return "".join(self._pieces)
 
     def push(self, token_id: int) -> str:
         """Add one token; return the newly completed text (possibly empty)."""
@@ -280,7 +294,13 @@ class IncrementalDetokenizer:
         return self._emit(final=False)
 
     def finish(self) -> str:
-        """Flush held-back text (e.g. a genuinely invalid byte sequence) at the end of a stream."""
+        """Flush held-back text at the end of a stream and return it.
+
+        What is held back is text ending in U+FFFD: a character whose last bytes never came
+        (the request stopped inside it) or a genuinely invalid byte sequence. It comes out as
+        the tokenizer decodes it, so the stream's text equals ``decode(all output ids)``.
+        Calling it again returns "".
+        """
         return self._emit(final=True)
 
     def _emit(self, final: bool) -> str:
@@ -291,5 +311,5 @@ class IncrementalDetokenizer:
             return ""
         delta = now[len(before) :]
         self._prefix, self._read = self._read, len(self._ids)
-        self.text += delta
+        self._pieces.append(delta)
         return delta

@@ -11,11 +11,13 @@ The causal mask is aligned bottom-right (query i sees keys 0 .. S_b+i)::
 ``scaled_dot_product_attention(is_causal=True)`` would align it top-left (query 0 seeing only
 key 0), which is only right when S == 0.
 
-The batch is packed decodes-first: sequences with T == 1 run together as one padded batched
-matmul (GQA folded: the G query heads of a KV head become G rows against that head's keys);
-longer chunks run one sequence at a time. Which implementation runs each group (eager folded
-"naive", torch SDPA, or the Triton kernels on CUDA) is the rule in fitserve.kernels.dispatch,
-read off benchmarks/bench_kernels.py; the runner picks it once per step.
+The batch is packed decodes-first: sequences with T == 1 run together in one call, either the
+fused C++ kernel on the CPU ("cpu_paged": reads the blocks in place through the block table,
+online softmax, no gather) or one padded batched matmul over gathered blocks (GQA folded: the
+G query heads of a KV head become G rows against that head's keys); longer chunks run one
+sequence at a time. Which implementation runs each group (the C++ kernel, eager folded "naive",
+torch SDPA, or the Triton kernels on CUDA) is the rule in fitserve.kernels.dispatch, read off
+benchmarks/bench_kernels.py; the runner picks it once per step and builds the tensors it needs.
 
 The cache is head-major, [num_kv_heads, num_blocks, block_size, head_dim] per layer, so that
 gathering a sequence's blocks yields [Hkv, L, D] matrices that matmul and SDPA read in place
@@ -28,6 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from fitserve.kernels.cpu.paged_attention import paged_decode_attention
 
 
 @dataclass(slots=True)
@@ -49,10 +53,10 @@ class DecodeBatch:
     """The first ``num`` tokens of the packed batch, one per sequence."""
 
     num: int
-    block_tables: torch.Tensor  # [num, max_blocks] long, padded with block 0
-    visible: torch.Tensor  # [1, num, 1, max_blocks * block_size] bool
+    block_tables: torch.Tensor  # [num, max_blocks], padded with block 0 (int32 for "cpu_paged")
+    visible: torch.Tensor | None  # [1, num, 1, max_blocks * block_size] bool (gather paths)
     hidden: torch.Tensor | None = None  # ~visible, made once per step for the "naive" path
-    seq_lens: torch.Tensor | None = None  # [num] keys per sequence (Triton path)
+    seq_lens: torch.Tensor | None = None  # [num] keys per sequence (Triton / "cpu_paged")
     impl: str = "naive"  # from fitserve.kernels.dispatch.choose_attention_impl
     window: int | None = None
 
@@ -105,6 +109,8 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q [N, Hq, D] -> out [N, Hq, D]; the new tokens' K/V must already be in the cache."""
+    if not batch.prefills and batch.decode is not None and batch.decode.num == q.shape[0]:
+        return _decode_attention(q, k_cache, v_cache, batch.decode, scale)  # all decodes: no copy
     out = torch.empty_like(q)
     if batch.decode is not None and batch.decode.num > 0:
         d = batch.decode
@@ -117,8 +123,13 @@ def paged_attention(
 def _decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, d: DecodeBatch, scale: float
 ) -> torch.Tensor:
+    if d.impl == "cpu_paged":
+        assert d.seq_lens is not None
+        return paged_decode_attention(q, k_cache, v_cache, d.block_tables, d.seq_lens, scale,
+                                      d.window)
     if d.impl == "triton_decode":
         return _decode_triton(q, k_cache, v_cache, d, scale)
+    assert d.visible is not None, f"decode impl {d.impl!r} needs the visible mask"
     num, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[0]
     group = num_heads // num_kv

@@ -35,8 +35,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     p.add_argument("--context", default="8k", help="tokens per sequence; 128k = 131,072")
     p.add_argument("--weights", default=None,
-                   help="bf16, fp8, int8, int4-g128, Q4_K_M ... (default: the checkpoint's; "
-                        "on cpu the engine's --dtype, as the engine dequantizes on load)")
+                   help="bf16, fp8, int8, int4-g128, Q4_K_M ... (default: the checkpoint's). "
+                        "On cpu the engine's --weights: as-stored (the default: GGUF "
+                        "Q4_0/Q4_1/Q8_0 held packed), int4, int8 (RTN at load), bf16, float32")
     p.add_argument("--kv", default=None, help="KV dtype: bf16, f16, fp8, int8 (default: model)")
     p.add_argument("--concurrency", type=int, default=1, help="sequences at once")
     # The engine's knobs: same names and defaults as `fitserve generate/serve` (EngineConfig).
@@ -59,8 +60,15 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "if larger")
     p.add_argument("--workspace-gib", type=float, default=None,
                    help="workspace / CUDA-graph reserve (default 1 GiB on GPUs, 0 on cpu)")
+    p.add_argument("--gpu-memory", default=None,
+                   help="what-if: memory per device instead of the catalog's, e.g. 24G (binary "
+                        "units, as --kv-cache-memory) or 24e9")
+    p.add_argument("--gpu-bandwidth", default=None,
+                   help="what-if: memory bandwidth per device in B/s, e.g. 1e12 or 1T (decimal)")
+    # NOTE: kept so that old command lines still run; a context past the model's trained
+    # maximum is always planned now, with a HYPOTHETICAL warning.
     p.add_argument("--allow-longer-context", action="store_true",
-                   help="plan past the model's maximum context (labelled hypothetical)")
+                   help="no longer needed: longer contexts are planned with a warning")
     p.add_argument("--explain", action="store_true", help="show the arithmetic of each line")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -73,14 +81,38 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         kv=args.kv, concurrency=args.concurrency, block_size=args.block_size,
         memory_utilization=args.memory_utilization,
         max_num_batched_tokens=parse_tokens(args.max_num_batched_tokens),
-        max_num_seqs=args.max_num_seqs, workspace_bytes=ws,
-        allow_longer_context=args.allow_longer_context, dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs, workspace_bytes=ws, dtype=args.dtype,
         kv_cache_memory_bytes=None if args.kv_cache_memory is None
-        else parse_bytes(args.kv_cache_memory), num_kv_blocks=args.num_kv_blocks)
+        else parse_bytes(args.kv_cache_memory), num_kv_blocks=args.num_kv_blocks,
+        gpu_memory_bytes=None if args.gpu_memory is None else _parse_size(args.gpu_memory),
+        gpu_bandwidth=None if args.gpu_bandwidth is None else _parse_rate(args.gpu_bandwidth))
+
+
+def _parse_size(text: str) -> int:
+    """Bytes: a plain number ("24e9", "24000000000") or a binary size as parse_bytes ("24G")."""
+    try:
+        return int(float(text))
+    except (ValueError, OverflowError):
+        return parse_bytes(text)
+
+
+_RATE_UNITS = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def _parse_rate(text: str) -> float:
+    """Bytes per second with decimal units, as spec sheets quote them: "3.35T", "864G", "1e12"."""
+    t = text.strip().lower().removesuffix("/s").removesuffix("b")
+    try:
+        if t and t[-1] in _RATE_UNITS:
+            return float(t[:-1]) * _RATE_UNITS[t[-1]]
+        return float(t)
+    except ValueError:
+        raise PlanError(f"not a bandwidth: {text!r} (e.g. 3.35T, 864G, 1e12 B/s)") from None
 
 
 def render(plan: Plan, *, explain: bool) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console()
@@ -94,18 +126,31 @@ def render(plan: Plan, *, explain: bool) -> None:
         table.add_column("formula", style="dim")
         if explain:
             table.add_column("arithmetic", style="cyan")
+        missing = any(line.miss for line in sec.lines)
+        if missing:
+            table.add_column("miss", style="red")
         for line in sec.lines:
-            row = [line.name, line.shown, line.formula]
-            table.add_row(*(row + [line.explain] if explain else row))
+            row = [line.name, f"MISS {line.shown}" if line.miss else line.shown, line.formula]
+            row += [line.explain] if explain else []
+            row += [line.miss] if missing else []
+            table.add_row(*row, style="bold red" if line.miss else None)
         console.print(table)
         for note in sec.notes:
             console.print(f"  [dim]note:[/dim] {note}")
     if plan.recommended_layout:
         console.print(f"[bold green]recommended layout: {plan.recommended_layout}[/bold green]")
+    if not plan.fits:
+        console.print(f"[bold red]DOES NOT FIT[/bold red]: {escape(plan.verdict)}",
+                      highlight=False)
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    """Run ``fitserve plan``; returns the exit status (2 on bad input, with the reason)."""
+    """Run ``fitserve plan``; returns the exit status.
+
+    0: the plan fits. 1: it does not; every line is still printed (and in --json, with
+    "fits": false, "shortfall_bytes", "misses" and "alternatives"), the verdict also on stderr.
+    2: input that cannot be planned (unknown model or GPU, negative sizes, ...), with the reason.
+    """
     try:
         plan = build_plan(request_from_args(args))
     except PlanError as e:
@@ -115,6 +160,9 @@ def run_plan(args: argparse.Namespace) -> int:
         print(json.dumps(dataclasses.asdict(plan), indent=1, default=str))
     else:
         render(plan, explain=args.explain)
+    if not plan.fits:
+        print(f"fitserve plan: does not fit: {plan.verdict}", file=sys.stderr)
+        return 1
     return 0
 
 

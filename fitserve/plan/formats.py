@@ -11,6 +11,14 @@ plus optional per-row and per-tensor scales. Plain dtypes are blocks of one elem
 
     GGUF Q4_K super-block of 256 weights (ggml block_q4_K): d, dmin (2 x f16) + 12 bytes of
     6-bit sub-block scales/mins + 128 bytes of 4-bit codes = 144 bytes = 4.5 bits/weight.
+
+The engine's packed layouts (``fitserve.quant.packed``; a format with ``packed`` set) keep
+float16 scales (and float16 mins) per group, and pad each row to whole groups:
+
+    int4-g32-asym  (= GGUF Q4_1): 16 B codes + f16 scale + f16 min   per 32 = 5.0  bits/weight
+    int4-g32-sym   (= GGUF Q4_0): 16 B codes + f16 scale             per 32 = 4.5  bits/weight
+    int8-g32       (= GGUF Q8_0): 32 B codes + f16 scale             per 32 = 8.5  bits/weight
+    int8-ch        per output channel: K codes (K padded to 32) + one f16 scale per row
 """
 
 from __future__ import annotations
@@ -19,6 +27,15 @@ import re
 from dataclasses import dataclass
 
 from fitserve.plan.errors import PlanError
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """How the engine holds a format packed (``fitserve.quant.packed.PackedWeight``)."""
+
+    kind: str  # "int4" | "int8"
+    group_size: int  # columns per f16 scale; 0 = per output channel (K rounded up to 32)
+    symmetric: bool  # no f16 min per group
 
 
 @dataclass(frozen=True)
@@ -32,6 +49,9 @@ class WeightFormat:
     tensor_scale_bytes: int = 0  # per tensor (per-tensor scale), e.g. fp8
     gguf: bool = False  # a ggml type (GGUF files)
     note: str = ""
+    # Groups never straddle rows: with ``rows`` known, each row is padded to whole blocks.
+    row_padded: bool = False
+    packed: PackedLayout | None = None  # the engine can hold (and run) it packed
 
     @property
     def bits_per_weight(self) -> float:
@@ -41,6 +61,37 @@ class WeightFormat:
 
 def _gguf(name: str, block: int, nbytes: int, layout: str) -> WeightFormat:
     return WeightFormat(name, block, nbytes * 8, gguf=True, note=f"ggml {layout}")
+
+
+_INT4_RE = re.compile(r"^int4-g(\d+)(-sym|-asym)?$")
+_INT8_RE = re.compile(r"^int8-g(\d+)$")
+
+
+def int4_format(group: int, *, symmetric: bool = False, zero: str = "int4") -> WeightFormat:
+    """int4 weights in groups of ``group`` along a row: f16 scale (+ a zero point) each.
+
+    ``zero="int4"``: a 4-bit zero point (AWQ/GPTQ checkpoints, ``int4-g128``); ``zero="f16"``:
+    an f16 min, the engine's packed asymmetric layout (``int4-g128-asym``, GGUF Q4_1 at G=32).
+    Groups that are a multiple of 32 in the engine's layouts (sym or f16 min) can be held packed.
+    """
+    if group <= 0 or group % 2:
+        raise PlanError(f"int4 group size must be a positive even number, got {group}")
+    zero_bits = 0 if symmetric else (16 if zero == "f16" else 4)
+    suffix = "-sym" if symmetric else ("-asym" if zero == "f16" else "")
+    how = "" if symmetric else (" + f16 min" if zero == "f16" else " + int4 zero point")
+    engine = (symmetric or zero == "f16") and group % 32 == 0
+    return WeightFormat(f"int4-g{group}{suffix}", group, group * 4 + 16 + zero_bits,
+                        note=f"int4 codes, per group of {group}: f16 scale{how}",
+                        row_padded=True,
+                        packed=PackedLayout("int4", group, symmetric) if engine else None)
+
+
+def _int8_group(group: int) -> WeightFormat:
+    if group <= 0 or group % 32:
+        raise PlanError(f"int8 group size must be a positive multiple of 32, got {group}")
+    return WeightFormat(f"int8-g{group}", group, group * 8 + 16, row_padded=True,
+                        packed=PackedLayout("int8", group, True),
+                        note=f"int8 codes, per group of {group}: f16 scale")
 
 
 WEIGHT_FORMATS: dict[str, WeightFormat] = {
@@ -68,8 +119,19 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
         _gguf("Q5_K", 256, 176, "block_q5_K: f16 d, dmin + 12 B scales + 32 B qh + 128 B"),
         _gguf("Q6_K", 256, 210, "block_q6_K: 128 B ql + 64 B qh + 16 B scales + f16 d"),
         _gguf("Q8_K", 256, 292, "block_q8_K: f32 d + 256 int8 + 16 int16 bsums"),
+        WeightFormat("int8-ch", 32, 32 * 8, row_scale_bytes=2, row_padded=True,
+                     packed=PackedLayout("int8", 0, True),
+                     note="int8 codes, K padded to 32, one f16 scale per output channel"),
+        *(_int8_group(g) for g in (32, 64, 128)),
+        *(int4_format(g, symmetric=sym, zero="f16") for g in (32, 64, 128) for sym in (False,
+                                                                                      True)),
     )
 }
+
+# GGUF blocks the engine holds packed as they are stored (a 1:1 split of each block into its
+# f16 scale(s) and its codes; no float round trip). Other ggml types are dequantized on load.
+GGUF_PACKED: dict[str, str] = {"Q4_0": "int4-g32-sym", "Q4_1": "int4-g32-asym",
+                               "Q8_0": "int8-g32"}
 
 # Spellings accepted for the same format (config.json torch_dtype, ggml names, CLI habits).
 ALIASES: dict[str, str] = {
@@ -80,18 +142,14 @@ ALIASES: dict[str, str] = {
     "w8a16": "int8", "int4": "int4-g128", "w4a16": "int4-g128", "MXFP4": "mxfp4",
 }
 
-_INT4_RE = re.compile(r"^int4-g(\d+)(-sym)?$")
-
-
-def int4_format(group: int, *, symmetric: bool = False) -> WeightFormat:
-    """int4 weights in groups of ``group`` along a row: f16 scale (+ 4-bit zero point) each."""
-    if group <= 0 or group % 2:
-        raise PlanError(f"int4 group size must be a positive even number, got {group}")
-    zero_bits = 0 if symmetric else 4
-    name = f"int4-g{group}" + ("-sym" if symmetric else "")
-    zero = "" if symmetric else " + int4 zero point"
-    return WeightFormat(name, group, group * 4 + 16 + zero_bits,
-                        note=f"int4 codes, per group of {group}: f16 scale{zero}")
+def packed_format_name(kind: str, group_size: int, *, symmetric: bool,
+                       per_channel: bool = False) -> str:
+    """The table's name of an engine packed layout: ``int4-g32-asym``, ``int8-ch`` ..."""
+    if kind == "int8":
+        return "int8-ch" if per_channel else f"int8-g{group_size}"
+    if kind == "int4":
+        return f"int4-g{group_size}-{'sym' if symmetric else 'asym'}"
+    raise PlanError(f"unknown packed kind {kind!r} (int4 or int8)")
 
 
 def weight_format(fmt: str) -> WeightFormat:
@@ -104,8 +162,12 @@ def weight_format(fmt: str) -> WeightFormat:
         return WEIGHT_FORMATS[upper]
     m = _INT4_RE.match(name.lower())
     if m:
-        return int4_format(int(m.group(1)), symmetric=m.group(2) is not None)
-    known = ", ".join([*WEIGHT_FORMATS, "int4-g<N>[-sym]"])
+        return int4_format(int(m.group(1)), symmetric=m.group(2) == "-sym",
+                           zero="f16" if m.group(2) == "-asym" else "int4")
+    m = _INT8_RE.match(name.lower())
+    if m:
+        return _int8_group(int(m.group(1)))
+    known = ", ".join([*WEIGHT_FORMATS, "int4-g<N>[-sym|-asym]", "int8-g<N>"])
     raise PlanError(f"unknown weight format {fmt!r}; known: {known}")
 
 
@@ -114,7 +176,9 @@ def weight_bytes(num_elements: int, fmt: str, *, rows: int = 0) -> int:
 
     ``ceil(num_elements / block_elements)`` blocks of ``block_bits``, rounded up to a byte, plus
     ``rows x row_scale_bytes`` (per-channel formats: ``rows`` = output channels, required) plus
-    ``tensor_scale_bytes`` once. A mix such as Q4_K_M is not one format: see ``plan.mixes``.
+    ``tensor_scale_bytes`` once. Row-padded formats (the engine's packed ones) with ``rows``
+    given count ``rows x ceil(cols / block_elements)`` blocks (each row padded to whole groups).
+    A mix such as Q4_K_M is not one format: see ``plan.mixes``.
     """
     if num_elements < 0:
         raise PlanError(f"negative element count {num_elements}")
@@ -122,7 +186,85 @@ def weight_bytes(num_elements: int, fmt: str, *, rows: int = 0) -> int:
     if f.row_scale_bytes and rows <= 0:
         raise PlanError(f"{f.name} has per-channel scales: pass rows= (output channels)")
     blocks = -(-num_elements // f.block_elements)
+    if f.row_padded and rows > 0:
+        if num_elements % rows:
+            raise PlanError(f"{num_elements} elements do not split into {rows} rows")
+        blocks = rows * -(-(num_elements // rows) // f.block_elements)
     return -(-blocks * f.block_bits // 8) + rows * f.row_scale_bytes + f.tensor_scale_bytes
+
+
+# The engine's ``--weights`` choices (EngineConfig.weights; `fitserve plan --gpu cpu --weights`).
+ENGINE_WEIGHT_CHOICES = ("auto", "as-stored", "bf16", "float32", "float16", "int8", "int4")
+# NOTE: what RTN at load makes of (linear layers, embedding + lm_head). int4: asymmetric g32,
+# llama.cpp Q4_1's layout (a 135M model loses most at coarse groups; the f16 min follows a
+# skewed group); the embedding / lm_head in per-channel int8, as llama.cpp keeps token_embd
+# near Q8_0 (the lm_head reads every row each step: int8 halves it without an int4's damage).
+# int8: per channel everywhere (W8A16; torch's _weight_int8pack_mm runs it).
+RTN_FORMATS: dict[str, tuple[str, str]] = {"int4": ("int4-g32-asym", "int8-ch"),
+                                           "int8": ("int8-ch", "int8-ch")}
+TENSOR_ROLES = ("matrix", "embedding", "vector")
+_DENSE_CHOICES = {"bf16": "bfloat16", "float32": "float32", "float16": "float16"}
+_EMBEDDING_SUFFIXES = ("embed_tokens.weight", "lm_head.weight")
+
+
+def resolve_engine_weights(weights: str, quantization: str | None, dtype: str) -> tuple[str, str]:
+    """The engine's ``(weights choice, --dtype)`` from its ``--weights``, ``--quantization`` and
+    ``--dtype`` (a pure function: the engine and `fitserve plan` both call it).
+
+    The choice is "as-stored", "int4", "int8", or a dense table name ("bf16", "f32", "f16");
+    a dense ``--weights`` is also the model dtype: it fills ``--dtype auto`` and must agree with
+    any other ``--dtype``. Raises PlanError on a conflict or an unknown value.
+    """
+    if weights not in ENGINE_WEIGHT_CHOICES:
+        raise PlanError(f"unknown --weights {weights!r}; known: {', '.join(ENGINE_WEIGHT_CHOICES)}")
+    if quantization is not None:
+        if quantization not in RTN_FORMATS:
+            raise PlanError(f"unknown --quantization {quantization!r}; known: int4, int8")
+        if weights not in ("auto", quantization):
+            raise PlanError(f"--weights {weights} conflicts with --quantization {quantization}")
+        weights = quantization
+    if weights in ("auto", "as-stored"):
+        return "as-stored", dtype
+    if weights in RTN_FORMATS:
+        return weights, dtype
+    wanted = _DENSE_CHOICES[weights]
+    if dtype not in ("auto", wanted):
+        raise PlanError(f"--weights {weights} holds every weight dense in {wanted}, the model "
+                        f"dtype, but --dtype is {dtype}: pass --dtype {wanted} (or auto)")
+    return weight_format(weights).name, wanted
+
+
+def tensor_role(hf_name: str, ndim: int) -> str:
+    """A tensor's role for ``engine_tensor_format``: "vector" (norms, biases), "embedding"
+    (token embedding, lm_head) or "matrix" (every other weight: the projections)."""
+    if ndim < 2:
+        return "vector"
+    return "embedding" if hf_name.endswith(_EMBEDDING_SUFFIXES) else "matrix"
+
+
+def engine_tensor_format(choice: str, stored: str, role: str, dtype: str) -> str:
+    """The format the engine holds one tensor in, for a ``--weights`` choice.
+
+    ``choice``: "auto"/"as-stored" (GGUF Q4_0/Q4_1/Q8_0 packed as stored, see GGUF_PACKED;
+    anything else dequantized or converted to the model dtype), "int4"/"int8" (RTN at load,
+    RTN_FORMATS), or a dense dtype ("bf16", "float32": every tensor in it). ``stored``: the
+    file's type of the tensor ("Q4_1", "F32", "bf16" ...). ``role``: "matrix" (a projection),
+    "embedding" (token embedding, lm_head), "vector" (norms, biases: always the model dtype).
+    ``dtype``: the model dtype ("bf16", "f32").
+    """
+    if role not in TENSOR_ROLES:
+        raise PlanError(f"unknown tensor role {role!r}; known: {', '.join(TENSOR_ROLES)}")
+    model = weight_format(dtype).name
+    if role == "vector":
+        return model
+    if choice in ("auto", "as-stored"):
+        return GGUF_PACKED.get(ALIASES.get(stored, stored).upper(), model)
+    if choice in RTN_FORMATS:
+        return RTN_FORMATS[choice][0 if role == "matrix" else 1]
+    if choice in ENGINE_WEIGHT_CHOICES or choice in _DENSE_CHOICES.values() or choice in (
+            "f32", "f16"):
+        return weight_format(choice).name  # dense: every tensor in that dtype
+    raise PlanError(f"unknown --weights {choice!r}; known: {', '.join(ENGINE_WEIGHT_CHOICES)}")
 
 
 @dataclass(frozen=True)

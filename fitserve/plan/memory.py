@@ -170,13 +170,16 @@ def engine_memory_plan(spec: ModelSpec, *, weight_bytes: int, total_memory_bytes
                        max_num_seqs: int, block_size: int, kv_dtype: str, act_dtype_bytes: int,
                        workspace_bytes: int = 0, tp: int = 1,
                        kv_cache_memory_bytes: int | None = None, kv_blocks: int | None = None,
-                       in_use_bytes: int = 0) -> EngineMemoryPlan:
+                       in_use_bytes: int = 0, strict: bool = True) -> EngineMemoryPlan:
     """Reserve one GPU's memory in engine order and size the KV pool (see module docstring).
 
     ``in_use_bytes``: memory already taken on the device by anything but these weights (the
     CUDA context, other processes); the engine measures it, a plan assumes 0. A given
     ``kv_blocks`` or ``kv_cache_memory_bytes`` fixes the pool instead of taking what is left.
-    Raises PlanError when not even one KV block fits, naming the line that used the memory up.
+    Raises PlanError when not even one KV block fits, naming the line that used the memory up;
+    with ``strict=False`` (the planner) it returns the plan anyway, with 0 blocks and the KV
+    pool line at what is left (negative when the lines above overflow), for ``plan.fit`` to
+    measure by how much it misses.
     """
     if not 0.0 < memory_utilization <= 1.0:
         raise PlanError(f"memory utilization must be in (0, 1], got {memory_utilization}")
@@ -199,7 +202,7 @@ def engine_memory_plan(spec: ModelSpec, *, weight_bytes: int, total_memory_bytes
     fixed = _fixed_pool(spec, block_size, kv_dtype, tp, kv_cache_memory_bytes, kv_blocks)
     pool = total_memory_bytes - sum(line.bytes for line in lines) if fixed is None else fixed[0]
     blocks = num_kv_blocks(pool, spec, block_size, kv_dtype, tp)
-    if blocks < 1:
+    if blocks < 1 and strict:
         raise PlanError(_no_block_message(tuple(lines), total_memory_bytes, pool, block))
     kv_line = MemoryLine("KV pool", "total - lines above" if fixed is None else fixed[1], pool,
                          f"{blocks} blocks x {fmt_bytes(block)} (block_size={block_size})")
@@ -231,20 +234,21 @@ def cpu_engine_memory_plan(spec: ModelSpec, *, weight_bytes: int, max_num_batche
                            act_dtype_bytes: int, kv_cache_memory_bytes: int | None = None,
                            kv_blocks: int | None = None, runtime_bytes: int = 0,
                            load_transient_bytes: int = 0, weights_note: str = "",
-                           runtime_note: str = "") -> EngineMemoryPlan:
+                           runtime_note: str = "", strict: bool = True) -> EngineMemoryPlan:
     """The engine's host-memory ledger on a CPU: a fixed KV budget, lines summed to the peak.
 
     The KV pool is ``kv_blocks`` blocks if given, else ``kv_cache_memory_bytes``, else
     ``DEFAULT_CPU_KV_BYTES``; ``num_kv_blocks = floor(pool / block_bytes)``, and the engine
     allocates exactly ``num_kv_blocks x block_bytes``. Peak (``peak_bytes``):
     ``runtime + weights + max(load_transient, KV allocated + activation peak + logits)``:
-    the loading transient is freed before the KV pool is allocated.
+    the loading transient is freed before the KV pool is allocated. A budget that holds no
+    block raises PlanError, unless ``strict=False`` (the planner: 0 blocks, see ``plan.fit``).
     """
     block = kv_block_bytes(spec, block_size, kv_dtype)
     fixed = _fixed_pool(spec, block_size, kv_dtype, 1, kv_cache_memory_bytes, kv_blocks)
     pool, how = fixed if fixed is not None else (DEFAULT_CPU_KV_BYTES, "DEFAULT_CPU_KV_BYTES")
     blocks = num_kv_blocks(pool, spec, block_size, kv_dtype)
-    if blocks < 1:
+    if blocks < 1 and strict:
         raise PlanError(f"a KV budget of {fmt_bytes(pool)} holds no block of {fmt_bytes(block)} "
                         f"(block_size={block_size}): raise --kv-cache-memory")
     act = activation_peak_bytes(spec, max_num_batched_tokens, act_dtype_bytes)

@@ -2,16 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 
-from fitserve.config import EngineConfig
+from fitserve.config import EngineConfig, ModelSpec
 from fitserve.plan.errors import PlanError
-from fitserve.plan.formats import dtype_bytes, resolve_kv_dtype, weight_format
+from fitserve.plan.formats import (
+    ENGINE_WEIGHT_CHOICES,
+    dtype_bytes,
+    resolve_engine_weights,
+    resolve_kv_dtype,
+    weight_format,
+)
 from fitserve.plan.hardware import Hardware, cpu_engine_dtype, get_hardware
 from fitserve.plan.kv import check_tp
 from fitserve.plan.memory import DEFAULT_GPU_WORKSPACE_BYTES
 from fitserve.plan.model_source import ModelEntry, resolve_model
-from fitserve.plan.weights import model_weight_bytes
+from fitserve.plan.units import fmt_bytes
+from fitserve.plan.weights import (
+    engine_format_rule,
+    engine_held_formats,
+    engine_main_format,
+    model_weight_bytes,
+)
 
 GIB = 1 << 30
 # NOTE: the planner's engine knobs default to the engine's own defaults, read from EngineConfig
@@ -28,6 +42,7 @@ class Line:
     value: float | int | str | None
     shown: str
     explain: str = ""
+    miss: str = ""  # non-empty: this line is why the plan does not fit, and by how much
 
 
 @dataclass(frozen=True)
@@ -53,10 +68,11 @@ class PlanRequest:
     max_num_batched_tokens: int = ENGINE_DEFAULTS.max_num_batched_tokens
     max_num_seqs: int | None = None  # None: the engine's default, raised to concurrency
     workspace_bytes: int | None = None  # None: 1 GiB on a GPU, 0 on cpu
-    allow_longer_context: bool = False
     dtype: str = "auto"  # the engine's --dtype: model/activation dtype ("auto" as the engine)
     kv_cache_memory_bytes: int | None = None  # the engine's --kv-cache-memory
     num_kv_blocks: int | None = None  # the engine's --num-kv-blocks
+    gpu_memory_bytes: int | None = None  # what-if: replaces the accelerator's memory
+    gpu_bandwidth: float | None = None  # what-if: replaces its memory bandwidth, B/s
 
 
 @dataclass(frozen=True)
@@ -76,6 +92,9 @@ class Resolved:
     act_dtype: str = "bf16"
     base_dtype: str = "bf16"  # embedding / lm_head / vectors of a plain weight format
     weights_note: str = ""
+    # fitserve's engine on cpu: its resolved --weights choice ("as-stored", "int4", "int8" or a
+    # dense dtype; plan.formats.resolve_engine_weights); None for a hypothetical format
+    engine_weights: str | None = None
 
     @property
     def on_cpu(self) -> bool:
@@ -83,36 +102,45 @@ class Resolved:
         return self.hw.name == "cpu"
 
 
-def resolve(req: PlanRequest) -> Resolved:
-    """Validate a request (raises PlanError with a clear message) and fill in defaults."""
-    entry = resolve_model(req.model)
-    hw = get_hardware(req.gpu)
+def resolve(req: PlanRequest, *, entry: ModelEntry | None = None,
+            hw: Hardware | None = None) -> Resolved:
+    """Validate a request (raises PlanError with a clear message) and fill in defaults.
+
+    ``entry`` and ``hw`` skip looking the model and the accelerator up again (variants of one
+    request, see ``plan.fit``). Input that cannot be planned raises; a plan that does not fit
+    does not: ``plan.fit`` says by how much it misses.
+    """
+    check_inputs(req)
+    entry = entry or resolve_model(req.model)
+    hw = hw or _with_overrides(get_hardware(req.gpu), req)
     spec = entry.spec
     check_tp(spec, req.tp)
     if req.gpus < req.tp:
         raise PlanError(f"--tp {req.tp} needs at least {req.tp} GPUs, --gpus is {req.gpus}")
     if req.gpus % req.tp:
         raise PlanError(f"--gpus {req.gpus} is not a multiple of --tp {req.tp}")
-    if req.concurrency < 1 or req.block_size < 1:
-        raise PlanError("--concurrency and --block-size must be >= 1")
-    warnings: list[str] = []
+    warnings = _override_warnings(req, hw)
     hypothetical = req.context > spec.max_position_embeddings
     if hypothetical:
-        limit = f"{spec.name}'s maximum context is {spec.max_position_embeddings} tokens"
-        if not req.allow_longer_context:
-            raise PlanError(f"--context {req.context_text} = {req.context} tokens, but {limit}; "
-                            f"pass --allow-longer-context for a hypothetical plan")
-        warnings.append(f"HYPOTHETICAL: {limit}; this plan is for a context the model was "
-                        f"not trained for")
+        warnings.append(_longer_context_warning(req, spec))
     act = _act_dtype(req, entry, hw)
     gguf_main = entry.native_weights.removeprefix("gguf-file:")
     on_cpu = hw.name == "cpu"
-    weights = req.weights or (act if on_cpu else gguf_main)
+    engine_weights: str | None = None
+    if on_cpu and (req.weights is None or req.weights in ENGINE_WEIGHT_CHOICES):
+        # the engine's own --weights rule (a dense choice is also the model dtype)
+        engine_weights, dtype_arg = resolve_engine_weights(req.weights or "auto", None, req.dtype)
+        if dtype_arg != req.dtype:
+            act = weight_format(dtype_arg).name
+        weights = engine_main_format(spec, act, stored=entry.stored_formats,
+                                     rule=engine_format_rule(engine_weights, act))
+    else:
+        weights = req.weights or (act if on_cpu else gguf_main)
     base = act if on_cpu else "bf16"
     model_weight_bytes(spec, weights, tp=req.tp, base_dtype=base)  # validates the format early
     kv = resolve_kv_dtype(req.kv or "auto", act)
     if on_cpu:
-        warnings += _cpu_engine_warnings(req, weights, kv, act)
+        warnings += _cpu_engine_warnings(req, act if engine_weights else weights, kv, act)
     elif entry.file_weight_bytes is not None and req.weights is None:
         warnings.append(f"GGUF file: the weights line is the file's own tensor bytes "
                         f"({entry.file_weight_bytes:,} B); {weights} lines are the ledger's")
@@ -120,7 +148,66 @@ def resolve(req: PlanRequest) -> Resolved:
         0 if on_cpu else DEFAULT_GPU_WORKSPACE_BYTES)
     seqs = req.max_num_seqs or max(ENGINE_DEFAULTS.max_num_seqs, req.concurrency)
     return Resolved(req, entry, hw, weights, kv, dtype_bytes(act), seqs, ws, hypothetical,
-                    tuple(warnings), act, base, _weights_note(entry, weights, act, on_cpu))
+                    tuple(warnings), act, base,
+                    _engine_weights_note(entry, engine_weights, act) if engine_weights
+                    else _weights_note(entry, weights, act, on_cpu), engine_weights)
+
+
+def check_inputs(req: PlanRequest) -> None:
+    """Raise PlanError for input no machine could plan: sizes < 0, counts < 1, no bandwidth."""
+    counts = {"--concurrency": req.concurrency, "--block-size": req.block_size,
+              "--gpus": req.gpus, "--max-num-batched-tokens": req.max_num_batched_tokens,
+              "--max-num-seqs": 1 if req.max_num_seqs is None else req.max_num_seqs,
+              "--context": req.context}
+    for flag, n in counts.items():
+        if n < 1:
+            raise PlanError(f"{flag} must be >= 1, got {n}")
+    sizes = {"--workspace-gib": req.workspace_bytes, "--kv-cache-memory": req.kv_cache_memory_bytes}
+    for flag, b in sizes.items():
+        if b is not None and b < 0:
+            raise PlanError(f"{flag} must be >= 0, got {b:,} B")
+    if not 0.0 < req.memory_utilization <= 1.0:
+        raise PlanError(f"--memory-utilization must be in (0, 1], got {req.memory_utilization}")
+    if req.gpu_memory_bytes is not None and req.gpu_memory_bytes <= 0:
+        raise PlanError(f"--gpu-memory must be > 0 bytes, got {req.gpu_memory_bytes:,}")
+    if req.gpu_bandwidth is not None and not 0 < req.gpu_bandwidth < math.inf:
+        raise PlanError(f"--gpu-bandwidth must be > 0 B/s and finite, got "
+                        f"{req.gpu_bandwidth:g}: a roofline needs a real bandwidth")
+
+
+def _with_overrides(hw: Hardware, req: PlanRequest) -> Hardware:
+    """The accelerator with --gpu-memory / --gpu-bandwidth in place of its sheet figures."""
+    if req.gpu_memory_bytes is not None:
+        hw = dataclasses.replace(hw, memory_bytes=req.gpu_memory_bytes)
+    if req.gpu_bandwidth is not None:
+        hw = dataclasses.replace(hw, mem_bytes_per_s=req.gpu_bandwidth)
+    return hw
+
+
+def _override_warnings(req: PlanRequest, hw: Hardware) -> list[str]:
+    out: list[str] = []
+    if req.gpu_memory_bytes is not None:
+        out.append(f"WHAT-IF: {hw.name} with {fmt_bytes(hw.memory_bytes)} "
+                   f"({hw.memory_bytes:,} B) of memory per device (--gpu-memory)")
+    if req.gpu_bandwidth is not None:
+        out.append(f"WHAT-IF: {hw.name} with {hw.mem_bytes_per_s:.4g} B/s of memory bandwidth "
+                   f"(--gpu-bandwidth)")
+    return out
+
+
+def _longer_context_warning(req: PlanRequest, spec: ModelSpec) -> str:
+    """Past the trained context the ledger still holds (bytes and FLOPs grow as they do), but
+    nothing says the model's output does: plan it, say so (vLLM refuses such a max_model_len
+    unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1; a planner answers the question instead)."""
+    trained = spec.max_position_embeddings
+    rope = spec.rope_scaling
+    how = (f" (its {rope.kind} RoPE scaling x{rope.factor:g} was fitted up to {trained:,})"
+           if rope is not None else "")
+    return (f"HYPOTHETICAL: --context {req.context_text} = {req.context:,} tokens is "
+            f"{req.context / trained:.3g}x {spec.name or spec.architecture}'s trained maximum of "
+            f"{trained:,} tokens (max_position_embeddings){how}; the memory and speed lines "
+            f"hold, output quality past {trained:,} tokens is unknown; the engine needs "
+            f"--max-model-len {req.context}")
 
 
 def _act_dtype(req: PlanRequest, entry: ModelEntry, hw: Hardware) -> str:
@@ -143,6 +230,20 @@ def _cpu_engine_warnings(req: PlanRequest, weights: str, kv: str, act: str) -> l
         out.append(f"HYPOTHETICAL for fitserve on cpu: the engine's KV cache is in the model "
                    f"dtype ({act}), not {kv}")
     return out
+
+
+def _engine_weights_note(entry: ModelEntry, choice: str, act: str) -> str:
+    """How fitserve's engine holds the weights for a --weights choice, in words."""
+    counts = engine_held_formats(entry.spec, act, stored=entry.stored_formats,
+                                 rule=engine_format_rule(choice, act))
+    packed = [f for f in counts if weight_format(f).packed is not None]
+    if not packed:
+        return _weights_note(entry, act, act, True)
+    stored = entry.engine_file_format or entry.native_weights.removeprefix("gguf-file:")
+    kind = "file" if entry.engine_file_format or entry.file_weight_bytes is not None else (
+        "checkpoint")
+    how = "held as stored" if choice == "as-stored" else f"RTN-quantized to {choice} on load"
+    return f"{stored} {kind} {how}: {', '.join(packed)} packed, the rest in {act}"
 
 
 def _weights_note(entry: ModelEntry, weights: str, act: str, on_cpu: bool) -> str:

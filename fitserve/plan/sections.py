@@ -14,15 +14,23 @@ from fitserve.plan.kv import (
 from fitserve.plan.params import count_params, is_mla
 from fitserve.plan.report import Line, Resolved, Section
 from fitserve.plan.units import fmt_bytes, fmt_count
-from fitserve.plan.weights import model_weight_bytes
+from fitserve.plan.weights import (
+    engine_format_rule,
+    engine_plan_weight_bytes,
+    model_weight_bytes,
+)
 
 
 def weight_bytes_per_gpu(r: Resolved) -> int:
     """Weights on one GPU: the GGUF file's own bytes, or the ledger's for the format.
 
-    On cpu (fitserve's engine) every tensor is held in the model dtype, whatever the file."""
+    On cpu (fitserve's engine) the bytes the engine holds: ``engine_plan_weight_bytes``, the
+    function the engine itself counts its weights with."""
     if r.entry.file_weight_bytes is not None and r.req.weights is None and not r.on_cpu:
         return -(-r.entry.file_weight_bytes // r.req.tp)
+    if r.on_cpu and r.engine_weights is not None:
+        return engine_plan_weight_bytes(r.entry.spec, r.act_dtype, stored=r.entry.stored_formats,
+                                        rule=engine_format_rule(r.engine_weights, r.act_dtype))
     return model_weight_bytes(r.entry.spec, r.weights, tp=r.req.tp, base_dtype=r.base_dtype).total
 
 
@@ -63,10 +71,15 @@ def weights_section(r: Resolved) -> Section:
         Line("weights, whole model", "model_weight_bytes(tp=1)", wb.total, fmt_bytes(wb.total)),
         Line("weights per GPU", "gguf file tensor bytes / tp" if r.entry.file_weight_bytes
              is not None and r.req.weights is None and not r.on_cpu
+             else "engine_plan_weight_bytes" if r.on_cpu and r.weights == r.act_dtype
              else f"model_weight_bytes(tp={tp})", per_gpu, fmt_bytes(per_gpu),
              r.weights_note or "column/row splits divide by tp; norms, routers and MLA "
              "down-projections replicate; KV projections replicate past the KV-head count"),
     ]
+    if r.on_cpu and r.entry.file_weight_bytes is not None:
+        fb = r.entry.file_weight_bytes
+        lines.append(Line("file tensor bytes", "GGUF header: sum of tensor n_bytes", fb,
+                          fmt_bytes(fb), "the file as stored (not what the engine holds)"))
     return Section("Weights", tuple(lines))
 
 
@@ -98,6 +111,13 @@ def kv_section(r: Resolved) -> Section:
              req.bytes_all_layers, fmt_bytes(req.bytes_all_layers),
              f"{s.num_layers} layers x {layer} B x {ctx} tokens (per GPU)"),
     ]
+    if tp > 1:
+        whole = req.bytes_all_layers * tp
+        unsharded_req = request_kv(s, ctx, kv, tp=1).bytes_all_layers
+        lines.append(Line(f"KV per request @ {ctx} tokens, all {tp} GPUs",
+                          "request_kv.bytes_all_layers x tp", whole, fmt_bytes(whole),
+                          f"{req.bytes_all_layers:,} B x {tp} GPUs = {whole:,} B = unsharded "
+                          f"{unsharded_req:,} B + {whole - unsharded_req:,} B TP replication"))
     notes = [f"KV format {kv}: {f.note}"]
     if req.sliding_layers:
         lines.append(Line("KV per request, windows reclaimed", "request_kv.bytes_reclaimed",

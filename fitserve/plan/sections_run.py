@@ -1,48 +1,20 @@
-"""The engine-memory, speed, energy and layout sections of a plan, and the whole plan."""
+"""The engine-memory, fit, speed, energy and layout sections of a plan, and the whole plan."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from fitserve.plan.energy import best_point, energy_curve
+from fitserve.plan.fit import Alternative, FitCheck, Miss, check_fit, memory_plan, what_fits
 from fitserve.plan.flops import attention_crossover_context, flops_per_token
 from fitserve.plan.layouts import LayoutChoice, LayoutQuery, recommend_layout
-from fitserve.plan.memory import (
-    EngineMemoryPlan,
-    cpu_engine_memory_plan,
-    engine_load_transient_bytes,
-    engine_memory_plan,
-)
+from fitserve.plan.memory import EngineMemoryPlan
 from fitserve.plan.parallel import tp_allreduce
 from fitserve.plan.report import Line, PlanRequest, Resolved, Section, resolve
-from fitserve.plan.sections import kv_section, model_section, weight_bytes_per_gpu, weights_section
+from fitserve.plan.sections import kv_section, model_section, weights_section
 from fitserve.plan.speed import compute_bound_batch, decode_step, prefill_time, quant_crossover
 from fitserve.plan.units import fmt_bytes, fmt_count, fmt_seconds
 from fitserve.plan.weights import model_weight_bytes
-
-
-def memory_plan(r: Resolved) -> EngineMemoryPlan:
-    """The engine's memory ledger: device memory on a GPU, the process's host memory on cpu."""
-    q = r.req
-    if r.on_cpu:
-        from fitserve.plan.runtime import runtime_baseline_bytes
-
-        wb = weight_bytes_per_gpu(r)
-        runtime = runtime_baseline_bytes()
-        return cpu_engine_memory_plan(
-            r.entry.spec, weight_bytes=wb, max_num_batched_tokens=q.max_num_batched_tokens,
-            max_num_seqs=r.max_num_seqs, block_size=q.block_size, kv_dtype=r.kv_dtype,
-            act_dtype_bytes=r.act_bytes, kv_cache_memory_bytes=q.kv_cache_memory_bytes,
-            kv_blocks=q.num_kv_blocks, runtime_bytes=runtime or 0,
-            load_transient_bytes=engine_load_transient_bytes(r.entry.spec, wb, r.act_bytes),
-            weights_note=r.weights_note,
-            runtime_note="" if runtime is not None else "NOT MEASURED (torch not importable)")
-    return engine_memory_plan(
-        r.entry.spec, weight_bytes=weight_bytes_per_gpu(r), total_memory_bytes=r.hw.memory_bytes,
-        memory_utilization=q.memory_utilization, max_num_batched_tokens=q.max_num_batched_tokens,
-        max_num_seqs=r.max_num_seqs, block_size=q.block_size, kv_dtype=r.kv_dtype,
-        act_dtype_bytes=r.act_bytes, workspace_bytes=r.workspace_bytes, tp=q.tp,
-        kv_cache_memory_bytes=q.kv_cache_memory_bytes, kv_blocks=q.num_kv_blocks)
 
 
 @dataclass(frozen=True)
@@ -74,22 +46,26 @@ def engine_summary(r: Resolved, mp: EngineMemoryPlan) -> EngineSummary:
         r.req.max_num_batched_tokens, {m.name: m.bytes for m in mp.lines})
 
 
-def memory_section(r: Resolved, mp: EngineMemoryPlan) -> Section:
-    lines = [Line(m.name, m.formula, m.bytes, fmt_bytes(m.bytes), m.note) for m in mp.lines]
+def memory_section(r: Resolved, mp: EngineMemoryPlan, fc: FitCheck) -> Section:
+    marks = fc.marks()
+    lines = [Line(m.name, m.formula, m.bytes, fmt_bytes(m.bytes), m.note, marks.get(m.name, ""))
+             for m in mp.lines]
     ceil = mp.max_concurrent_sequences(r.req.context)
     per_seq = -(-r.req.context // mp.block_size)
+    short = (f"{fc.sequences} sequences per engine asked, at most {ceil.value} fit"
+             if ceil.value < fc.sequences else "")
     lines += [
         Line("KV blocks", "num_kv_blocks", mp.num_kv_blocks, f"{mp.num_kv_blocks:,}",
              f"floor({mp.kv_pool_bytes:,} / {mp.block_bytes:,} B per block)"),
         Line(f"max concurrent @ {r.req.context} (ceiling)", "max_concurrent_sequences",
              ceil.value, f"<= {ceil.value:,}",
              f"min({mp.num_kv_blocks:,} // {per_seq} blocks per sequence, max_num_seqs="
-             f"{mp.max_num_seqs}); limited by {ceil.limited_by}"),
+             f"{mp.max_num_seqs}); limited by {ceil.limited_by}", short),
     ]
     if r.on_cpu:
         lines.append(Line("total (peak RSS)", "peak_bytes", mp.peak_bytes, fmt_bytes(mp.peak_bytes),
                           "runtime + weights + max(loading transient, KV pool + activation "
-                          "peak + logits)"))
+                          "peak + logits)", marks.get("total (peak RSS)", "")))
     notes = [f"per GPU of {fmt_bytes(r.hw.memory_bytes)} ({r.hw.name}); ceiling because: "
              + "; ".join(ceil.reasons)]
     if r.on_cpu:
@@ -97,14 +73,55 @@ def memory_section(r: Resolved, mp: EngineMemoryPlan) -> Section:
                     "(--kv-cache-memory), not what is left of RAM; ceiling because: "
                     + "; ".join(ceil.reasons))
         if r.weights_note:
-            notes.insert(0, f"weights: {r.weights_note} (the engine holds every tensor in "
-                            f"{r.act_dtype}; tied embeddings counted once)")
-    if ceil.value < r.req.concurrency:
-        notes.append(f"DOES NOT FIT: {r.req.concurrency} sequences of {r.req.context} tokens "
-                     f"asked, at most {ceil.value} fit")
+            notes.insert(0, f"weights: {r.weights_note} (tied embeddings counted once)")
+    if not fc.fits:
+        notes.append(f"DOES NOT FIT: {fc.sequences} sequences of {r.req.context} tokens per "
+                     f"engine asked, at most {ceil.value} fit; the lines marked MISS say why")
     title = ("Engine host memory on cpu, in the order the process takes it" if r.on_cpu
              else "Engine memory, in reservation order (one GPU)")
     return Section(title, tuple(lines), tuple(notes))
+
+
+def fit_section(r: Resolved, mp: EngineMemoryPlan, fc: FitCheck,
+                alternatives: tuple[Alternative, ...]) -> Section:
+    """The verdict: fits or not, the KV the workload needs, each miss, what would fit."""
+    q, per_seq = r.req, -(-r.req.context // mp.block_size)
+    where = "in the KV budget / host RAM" if r.on_cpu else "per GPU"
+    dp = q.gpus // q.tp
+    lines = [
+        Line("fits", "check_fit", fc.fits, "yes" if fc.fits else "NO",
+             f"{fc.sequences} x {q.context:,} tokens at once per engine "
+             f"(ceil({q.concurrency} / {dp} engines of TP {q.tp}))"),
+        Line("KV needed", "sequences x ceil(context / block_size) x block_bytes",
+             fc.kv_needed_bytes, fmt_bytes(fc.kv_needed_bytes),
+             f"{fc.sequences} x {per_seq:,} blocks x {mp.block_bytes:,} B = "
+             f"{fc.kv_needed_bytes:,} B (one rank)"),
+    ]
+    if not fc.fits:
+        lines.append(Line("shortfall", "max(miss shortfalls)", fc.shortfall_bytes,
+                          f"{fmt_bytes(fc.shortfall_bytes)} ({fc.shortfall_bytes:,} B)",
+                          f"bytes missing {where}"))
+    lines += [Line(f"miss: {m.line}", "check_fit", m.shortfall_bytes,
+                   f"{fmt_bytes(m.shortfall_bytes)}" if m.unit == "bytes"
+                   else f"{m.have} < {m.need} {m.unit}", "", m.reason)
+              for m in fc.misses]
+    lines += [Line(f"would fit: {a.option}", "what_fits", a.value, a.flags, a.note)
+              for a in alternatives]
+    notes = () if fc.fits or alternatives else (
+        "nothing tried fits: shorter context, fewer sequences, more GPUs, smaller formats",)
+    return Section("Fit" if fc.fits else "Fit: DOES NOT FIT", tuple(lines), notes)
+
+
+def verdict(fc: FitCheck, alternatives: tuple[Alternative, ...], where: str) -> str:
+    """One line for a plan that does not fit ("" if it fits)."""
+    if fc.fits:
+        return ""
+    text = (f"short by {fmt_bytes(fc.shortfall_bytes)} ({fc.shortfall_bytes:,} B) {where}; "
+            if fc.shortfall_bytes else "")
+    text += "; ".join(f"{m.line}: {m.reason}" for m in fc.misses)
+    if alternatives:
+        text += "; would fit instead: " + " | ".join(a.flags for a in alternatives)
+    return text
 
 
 def speed_section(r: Resolved, batch: int) -> Section:
@@ -201,21 +218,34 @@ def layouts_section(r: Resolved) -> tuple[Section, LayoutChoice]:
 
 @dataclass(frozen=True)
 class Plan:
+    """A whole plan. ``fits`` False: ``shortfall_bytes`` (per GPU, or of a fixed KV pool /
+    host RAM on cpu), the ``misses`` that make it and ``alternatives`` that would fit."""
+
     title: str
     warnings: tuple[str, ...]
     sections: tuple[Section, ...]
     recommended_layout: str | None
     engine: EngineSummary | None = None
+    fits: bool = True
+    shortfall_bytes: int = 0
+    shortfall_gib: float = 0.0
+    misses: tuple[Miss, ...] = ()
+    alternatives: tuple[Alternative, ...] = ()
+    verdict: str = ""
 
 
 def build_plan(req: PlanRequest) -> Plan:
-    """Resolve the request and compute every section (raises PlanError on bad input)."""
+    """Resolve the request and compute every section, fitting or not (raises PlanError only
+    on input that cannot be planned)."""
     r = resolve(req)
     mp = memory_plan(r)
+    fc = check_fit(r, mp)
+    runtime = mp.line("runtime baseline").bytes if r.on_cpu else None
+    alts = () if fc.fits else what_fits(r, runtime)
     ceiling = mp.max_concurrent_sequences(req.context).value
     batch = max(1, min(req.concurrency, ceiling))
-    sections = [model_section(r), weights_section(r), kv_section(r), memory_section(r, mp),
-                speed_section(r, batch)]
+    sections = [model_section(r), weights_section(r), kv_section(r), memory_section(r, mp, fc),
+                fit_section(r, mp, fc, alts), speed_section(r, batch)]
     energy = energy_section(r, max(1, ceiling))
     if energy is not None:
         sections.append(energy)
@@ -227,5 +257,8 @@ def build_plan(req: PlanRequest) -> Plan:
              f"{r.weights}, KV {r.kv_dtype}, concurrency {req.concurrency}{hyp}")
     if r.on_cpu:
         title += f"; fitserve engine dtype {r.act_dtype}, max_num_seqs {r.max_num_seqs}"
+    where = "in the KV budget / host RAM" if r.on_cpu else "per GPU"
     return Plan(title, r.warnings, tuple(sections),
-                choice.recommended.name if choice.recommended else None, engine_summary(r, mp))
+                choice.recommended.name if choice.recommended else None, engine_summary(r, mp),
+                fc.fits, fc.shortfall_bytes, round(fc.shortfall_bytes / (1 << 30), 2),
+                fc.misses, alts, verdict(fc, alts, where))

@@ -8,11 +8,14 @@ that pick a format per tensor, as llama.cpp's quantizer does.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from fitserve.config import ModelSpec
+from fitserve.config import SUPPORTED_ARCHITECTURES, ModelSpec
+from fitserve.loading.weight_names import expected_weight_shapes
 from fitserve.plan.errors import PlanError
-from fitserve.plan.formats import weight_bytes, weight_format
+from fitserve.plan.formats import engine_tensor_format, tensor_role, weight_bytes, weight_format
 from fitserve.plan.params import Tensor, rank_elements, tensors
 
 
@@ -151,3 +154,97 @@ def model_weight_bytes(spec: ModelSpec, fmt: str, *, tp: int = 1,
                                      _tensor_bytes(t, spec, mix.default, rest, tp)))
     total_params = sum(t.elements * t.count for t in tensors(spec))
     return WeightBytes(mix.name, tp, tuple(lines), total_params)
+
+
+# -- the weights fitserve's engine holds ---------------------------------------------------------
+#
+# NOTE: the engine counts what it holds tensor by tensor through these functions, and the
+# planner's `--gpu cpu` weights line is the same call, so they cannot disagree. Today every
+# tensor is held in the model dtype (a GGUF file is dequantized on load); weights held packed
+# as stored (GGUF Q4_0/Q4_1/Q8_0 ...) are a ``rule``: bytes = f(inventory, format per tensor).
+
+# (Hugging Face name, ndim, the format the file stores it in or None) -> the format held in
+FormatRule = Callable[[str, int, str | None], str]
+
+
+def engine_format_rule(choice: str, dtype: str) -> FormatRule:
+    """The engine's rule for a resolved ``--weights`` choice (``formats.resolve_engine_weights``)
+    in model dtype ``dtype``: ``formats.engine_tensor_format`` per tensor, the one the loaders
+    use (a tensor whose stored format is unknown counts as stored in ``dtype``)."""
+
+    def rule(name: str, ndim: int, stored: str | None) -> str:
+        return engine_tensor_format(choice, stored or dtype, tensor_role(name, ndim), dtype)
+
+    return rule
+
+
+@dataclass(frozen=True)
+class EngineTensor:
+    """One tensor as the engine holds it: Hugging Face name, shape (rows first), format."""
+
+    name: str
+    shape: tuple[int, ...]
+    fmt: str  # a weight format of plan.formats ("bf16", "f32", "Q4_0" ...)
+
+
+def held_bytes(tensors_held: Iterable[EngineTensor]) -> int:
+    """Bytes of ``tensors_held``, each in its own format (``formats.weight_bytes``)."""
+    total = 0
+    for t in tensors_held:
+        rows = t.shape[0] if len(t.shape) >= 2 else 0
+        total += weight_bytes(math.prod(t.shape), t.fmt, rows=rows)
+    return total
+
+
+def engine_runs(spec: ModelSpec) -> bool:
+    """Whether fitserve's engine builds this architecture (dense Llama-family decoders)."""
+    return (spec.architecture in SUPPORTED_ARCHITECTURES and not spec.num_experts
+            and not spec.kv_lora_rank)
+
+
+def engine_held_tensors(spec: ModelSpec, dtype: str, *, stored: Mapping[str, str] | None = None,
+                        rule: FormatRule | None = None) -> tuple[EngineTensor, ...]:
+    """Every tensor the engine holds for ``spec`` (a tied embedding once) and its format.
+
+    Without ``rule`` each is held in ``dtype`` (converted or dequantized on load); with one,
+    in ``rule(name, ndim, stored.get(name))``, ``stored`` being the file's format per tensor.
+    """
+    out = []
+    for name, shape in expected_weight_shapes(spec).items():
+        as_stored = stored.get(name) if stored is not None else None
+        fmt = dtype if rule is None else rule(name, len(shape), as_stored)
+        out.append(EngineTensor(name, shape, fmt))
+    return tuple(out)
+
+
+def engine_weight_bytes(spec: ModelSpec, dtype: str, *, stored: Mapping[str, str] | None = None,
+                        rule: FormatRule | None = None) -> int:
+    """Bytes of the weights the engine holds for ``spec`` (see ``engine_held_tensors``)."""
+    return held_bytes(engine_held_tensors(spec, dtype, stored=stored, rule=rule))
+
+
+def engine_plan_weight_bytes(spec: ModelSpec, dtype: str, *,
+                             stored: Mapping[str, str] | None = None,
+                             rule: FormatRule | None = None) -> int:
+    """The planner's weights line for fitserve's engine on cpu: ``engine_weight_bytes`` for a
+    model the engine runs; for any other, the ledger's count of the model in ``dtype``."""
+    if engine_runs(spec):
+        return engine_weight_bytes(spec, dtype, stored=stored, rule=rule)
+    return model_weight_bytes(spec, dtype, base_dtype=dtype).total
+
+
+def engine_held_formats(spec: ModelSpec, dtype: str, *, stored: Mapping[str, str] | None,
+                        rule: FormatRule) -> dict[str, int]:
+    """Elements per held format over the engine's tensors (largest first): what a rule makes
+    of a model, e.g. {"int4-g32-asym": 99.5M, "int8-g32": 28.3M, "bf16": 34.6k}."""
+    counts: dict[str, int] = {}
+    for t in engine_held_tensors(spec, dtype, stored=stored, rule=rule):
+        counts[t.fmt] = counts.get(t.fmt, 0) + math.prod(t.shape)
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def engine_main_format(spec: ModelSpec, dtype: str, *, stored: Mapping[str, str] | None,
+                       rule: FormatRule) -> str:
+    """The format holding most of the engine's weights (the speed lines' weight format)."""
+    counts = engine_held_formats(spec, dtype, stored=stored, rule=rule)
+    return next(iter(counts)) if counts else dtype

@@ -2,16 +2,26 @@
 
 Request bodies are read by hand (with a size cap) and validated strictly, so every client
 mistake becomes an OpenAI-style 4xx; FastAPI's own 422 is turned into 400 as well.
+
+Validation, tokenization and chat-template rendering run in a worker thread (Starlette's
+thread pool), never on the event loop, so a 1 MiB prompt does not stall other streams.
+
+With an API key set, every route but /health and /ready needs it: the /v1 API, /metrics (unless
+``metrics_public``, for Prometheus scrapers) and the dashboard. The key is accepted as
+``Authorization: Bearer KEY`` or as the password of HTTP Basic auth (what a browser sends for
+the dashboard, which answers 401 with ``WWW-Authenticate: Basic`` so the browser asks for it).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from typing import TypeVar
 
@@ -19,8 +29,15 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from fitserve.loading.generation_defaults import (
+    DefaultSampling,
+    GenerationConfigMode,
+    GenerationDefaults,
+    resolve_default_sampling,
+)
 from fitserve.server.engine_loop import EngineLoop
 from fitserve.server.errors import APIError, error_body
 from fitserve.server.protocol import (
@@ -42,6 +59,7 @@ from fitserve.server.serving import ModelContext, Prepared, prepare_chat, prepar
 
 log = logging.getLogger("fitserve.server")
 _M = TypeVar("_M", bound=BaseModel)
+_Req = TypeVar("_Req", CompletionRequest, ChatCompletionRequest)
 
 
 @dataclass(slots=True)
@@ -50,9 +68,16 @@ class ServerSettings:
 
     model_name: str = "smollm2-135m"
     api_key: str | None = None
-    max_waiting: int = 256  # waiting + not-yet-admitted requests before new ones get 503
+    max_waiting: int = 256  # requests queued (submitted, not yet scheduled) before new ones get 503
     max_body_bytes: int = 1 << 20
     retry_after_s: int = 1
+    metrics_public: bool = False  # serve /metrics without the API key (for Prometheus scrapers)
+    generation_config: GenerationConfigMode = "auto"  # "vllm": ignore the model's sampling defaults
+    default_sampling: dict[str, float | int | None] = field(default_factory=dict)  # --default-* given
+
+    def resolve_sampling(self, model: GenerationDefaults) -> DefaultSampling:
+        """The defaults omitted request fields get with this model (see generation_defaults)."""
+        return resolve_default_sampling(model, self.generation_config, self.default_sampling)
 
 
 class AppState:
@@ -63,6 +88,7 @@ class AppState:
         self.settings = settings
         self.draining = False
         self._ctx: ModelContext | None = None
+        self.defaults = DefaultSampling()  # resolved with the context, once the model is loaded
         self.token_text: Callable[[int], str] = str  # replaced by the tokenizer's once loaded
 
     def context(self) -> ModelContext:
@@ -74,7 +100,13 @@ class AppState:
             self._ctx = ModelContext(self.settings.model_name, e.tokenizer, e.max_model_len,
                                      e.spec.vocab_size, int(self.loop.snapshot["time"]) if self.loop.snapshot else 0)
             self.token_text = token_text_fn(e.tokenizer)
+            self.defaults = self.settings.resolve_sampling(e.loaded.generation_defaults)
         return self._ctx
+
+    def fill_defaults(self, body: _Req) -> _Req:
+        """``body`` with its omitted sampling fields set to the defaults in force."""
+        self.context()  # resolves the defaults once the model is loaded (503 before)
+        return body.with_defaults(self.defaults.values)
 
 
 def create_app(engine_loop: EngineLoop, settings: ServerSettings | None = None) -> FastAPI:
@@ -93,52 +125,58 @@ def create_app(engine_loop: EngineLoop, settings: ServerSettings | None = None) 
     app.state.fitserve = state
     _install_error_handlers(app)
 
-    def check_auth(request: Request) -> None:
+    def check_auth(request: Request, *, browser: bool = False) -> None:
         key = settings.api_key
         if key is None:
             return
-        header = request.headers.get("authorization", "")
-        given = header[7:] if header.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(given.encode(), key.encode()):
-            raise APIError(401, "Incorrect or missing API key", code="invalid_api_key")
+        if not hmac.compare_digest(_given_key(request).encode(), key.encode()):
+            # A browser only offers its login prompt (for the dashboard) on this header.
+            headers = {"WWW-Authenticate": 'Basic realm="fitserve"'} if browser else None
+            raise APIError(401, "Incorrect or missing API key", code="invalid_api_key", headers=headers)
 
-    def check_capacity(children: int) -> None:
-        if state.draining:
-            raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
-        g = engine_loop.gauges
-        waiting = (g.num_waiting if g else 0) + engine_loop.pending
-        if waiting + children > settings.max_waiting:
-            engine_loop.metrics.rejected.labels(status="503").inc()
-            raise APIError(503, f"the server is overloaded ({waiting} requests waiting); retry later",
-                           code="overloaded", headers={"Retry-After": str(settings.retry_after_s)})
+    def overloaded() -> APIError:
+        engine_loop.metrics.rejected.labels(status="503").inc()
+        return APIError(503, f"the server is overloaded ({engine_loop.queued} requests waiting); retry later",
+                        code="overloaded", headers={"Retry-After": str(settings.retry_after_s)})
 
     async def run(request: Request, prep: Prepared) -> Response:
-        check_capacity(prep.num_choices)
+        if state.draining:
+            raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
         job = Run(engine_loop, prep)
+        # NOTE: admission is reserved atomically with the submit (EngineLoop.submit), so
+        # requests racing each other cannot overshoot max_waiting.
+        if not job.submit(settings.max_waiting):
+            raise overloaded()
         if prep.stream:
             return RunStreamingResponse(job, stream_events(job, state.token_text))
         try:
             return JSONResponse(await collect(job, request, state.token_text))
         except ClientGone:
             return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+        finally:
+            job.close()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         check_auth(request)
-        body = await _parse(request, CompletionRequest, settings.max_body_bytes)
-        return await run(request, prepare_completion(body, state.context()))
+        raw = await _read_body(request, settings.max_body_bytes)
+        prep = await run_in_threadpool(lambda: prepare_completion(state.fill_defaults(_parse(raw, CompletionRequest)), state.context()))
+        return await run(request, prep)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         check_auth(request)
-        body = await _parse(request, ChatCompletionRequest, settings.max_body_bytes)
-        return await run(request, prepare_chat(body, state.context()))
+        raw = await _read_body(request, settings.max_body_bytes)
+        prep = await run_in_threadpool(lambda: prepare_chat(state.fill_defaults(_parse(raw, ChatCompletionRequest)), state.context()))
+        return await run(request, prep)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         check_auth(request)
         ctx = state.context()
-        card = ModelCard(id=ctx.name, created=ctx.created, max_model_len=ctx.max_model_len)
+        card = ModelCard(id=ctx.name, created=ctx.created, max_model_len=ctx.max_model_len,
+                         sampling_defaults=state.defaults.values,
+                         sampling_defaults_source=state.defaults.sources)
         return JSONResponse(ModelList(data=[card]).model_dump())
 
     @app.get("/health")
@@ -155,19 +193,24 @@ def create_app(engine_loop: EngineLoop, settings: ServerSettings | None = None) 
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if not settings.metrics_public:
+            check_auth(request)
         return Response(engine_loop.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/dashboard")
-    async def dashboard() -> HTMLResponse:
+    async def dashboard(request: Request) -> HTMLResponse:
+        check_auth(request, browser=True)
         return HTMLResponse(_asset("index.html"))
 
     @app.get("/dashboard/app.js")
-    async def dashboard_js() -> Response:
+    async def dashboard_js(request: Request) -> Response:
+        check_auth(request, browser=True)
         return Response(_asset("app.js"), media_type="text/javascript")
 
     @app.get("/dashboard/state")
-    async def dashboard_state() -> JSONResponse:
+    async def dashboard_state(request: Request) -> JSONResponse:
+        check_auth(request, browser=True)
         snap = engine_loop.snapshot or {}
         return JSONResponse({**snap, "model": settings.model_name, "ready": engine_loop.ready,
                              "draining": state.draining, "history": engine_loop.metrics.history()})
@@ -192,8 +235,22 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _parse(request: Request, model: type[_M], limit: int) -> _M:
-    raw = await _read_body(request, limit)
+def _given_key(request: Request) -> str:
+    """The key a request offers: a Bearer token, or the password of HTTP Basic credentials."""
+    header = request.headers.get("authorization", "")
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() == "bearer":
+        return value.strip()
+    if scheme.lower() == "basic":
+        try:
+            return base64.b64decode(value.strip(), validate=True).decode().partition(":")[2]
+        except (binascii.Error, UnicodeDecodeError):
+            return ""
+    return ""
+
+
+def _parse(raw: bytes, model: type[_M]) -> _M:
+    """Validate a request body (runs in a worker thread with the rest of request preparation)."""
     try:
         data = json.loads(raw)
     except Exception:  # noqa: BLE001 - bad UTF-8, bad JSON, absurd nesting: all the client's

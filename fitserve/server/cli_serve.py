@@ -57,23 +57,44 @@ def add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("FITSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (env FITSERVE_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health and /ready "
+                        "(env FITSERVE_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="queued requests before new ones get 503 + Retry-After")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get 413")
+    p.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without --api-key (for Prometheus scrapers); the dashboard still needs it")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--seed", type=int, default=0, help="seed of the engine's global RNG")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_sampling_default_args(p)
     p.set_defaults(func=run_serve)
+
+
+def _add_sampling_default_args(p: Any) -> None:
+    """What requests that omit a sampling field get (see fitserve.loading.generation_defaults)."""
+    from fitserve.loading.generation_defaults import SERVER_DEFAULTS
+
+    p.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
+                   help="auto: the model's recommended sampling defaults (generation_config.json, "
+                        "GGUF general.sampling.*); vllm: ignore them")
+    for name, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("min_p", float),
+                       ("repetition_penalty", float)):
+        p.add_argument(f"--default-{name.replace('_', '-')}", type=kind, default=None, dest=f"default_{name}",
+                       help=f"{name} of requests that omit it; overrides the model's (built-in default "
+                            f"when the model has none: {SERVER_DEFAULTS[name]})")
 
 
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model in the engine thread while uvicorn already answers /health (503)."""
+    from fitserve.engine import Engine
+    from fitserve.loading.generation_defaults import GenerationDefaults
     from fitserve.server.app import ServerSettings, create_app
     from fitserve.server.engine_loop import EngineLoop
     from fitserve.server.metrics import Metrics
+    from fitserve.server.protocol import DEFAULTED_FIELDS
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config: EngineConfig = engine_config_from_args(args)
@@ -81,15 +102,30 @@ def run_serve(args: argparse.Namespace) -> int:
         import dataclasses
 
         config = dataclasses.replace(config, seed=args.seed)
+    settings = ServerSettings(
+        model_name=args.served_model_name or args.model, api_key=args.api_key or None,
+        max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes, metrics_public=args.metrics_public,
+        generation_config=args.generation_config,
+        default_sampling={k: getattr(args, f"default_{k}") for k in DEFAULTED_FIELDS},
+    )
+    try:
+        settings.resolve_sampling(GenerationDefaults())  # a bad --default-* value fails now
+    except ValueError as exc:
+        print(f"fitserve serve: {exc}")
+        return 2
     if args.model == "smollm2-135m":
         from fitserve.loading.pull import pull
 
         pull(args.model, progress=True)  # a first run fetches the default model
-    loop = EngineLoop(config, Metrics())
-    settings = ServerSettings(
-        model_name=args.served_model_name or args.model, api_key=args.api_key or None,
-        max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
-    )
+
+    def load(cfg: EngineConfig) -> Engine:
+        engine = Engine(cfg)
+        logging.getLogger("fitserve.server").info(
+            "sampling defaults for requests that omit them: %s",
+            settings.resolve_sampling(engine.loaded.generation_defaults).describe())
+        return engine
+
+    loop = EngineLoop(config, Metrics(), engine_factory=load)
     app = create_app(loop, settings)
     uv_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,

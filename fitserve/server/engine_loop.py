@@ -14,6 +14,16 @@
 The HTTP side never waits on the engine (submit/abort only enqueue), and the engine never waits
 on HTTP (delivery is a non-blocking hand-off to the event loop), so neither stalls the other.
 When there is nothing to run, the thread blocks on the command queue: no busy polling.
+
+Admission is counted atomically: :meth:`EngineLoop.submit` reserves one slot per request under
+a lock, or refuses the whole group; the engine thread gives a slot back when its request leaves
+the queue (first scheduled, aborted, failed or finished). Racing submits can then never put
+more than ``max_waiting`` requests in the queue at once.
+
+Failures are per request where possible: the Engine isolates a failing request inside a step
+(it finishes with an error, the rest carry on); only a step that fails outside the model takes
+down every live request. Client mistakes found by ``add_request`` (ValueError) are
+:class:`RequestRejected` (400); anything else is internal (500, traceback logged).
 """
 
 from __future__ import annotations
@@ -41,6 +51,14 @@ Sink = Callable[[list[RequestOutput] | BaseException], None]
 
 class EngineShutdown(RuntimeError):
     """Delivered to requests still open when the engine thread stops."""
+
+
+class RequestRejected(ValueError):
+    """The engine refused a request as invalid (``add_request`` raised ValueError): a 400."""
+
+
+class EngineStepError(RuntimeError):
+    """A request failed inside the engine (an internal error, logged with its traceback): a 500."""
 
 
 @dataclass(slots=True)
@@ -84,8 +102,9 @@ class EngineLoop:
         self._interval = snapshot_interval
         self._cmds: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
-        self._pending = 0
-        self._pending_lock = threading.Lock()
+        self._queued = 0  # admission slots held: submitted requests not yet scheduled once
+        self._queued_lock = threading.Lock()
+        self._queued_ids: set[str] = set()  # engine thread only: live requests holding a slot
         self._ready = threading.Event()
         self._done = threading.Event()
         self._last_publish = 0.0
@@ -105,9 +124,9 @@ class EngineLoop:
         return self._thread.is_alive() and not self._done.is_set()
 
     @property
-    def pending(self) -> int:
-        """Requests submitted but not yet handed to the engine."""
-        return self._pending
+    def queued(self) -> int:
+        """Admission slots held: requests submitted and not yet scheduled for the first time."""
+        return self._queued
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until loaded (True) or failed/timed out (False)."""
@@ -119,11 +138,27 @@ class EngineLoop:
             self._ready.wait(0.1 if left is None else min(0.1, left))
         return self.ready
 
-    def submit(self, group: str, children: Sequence[Child], arrival: float, sink: Sink) -> None:
-        """Queue a group of requests; all are added or none (the sink then gets the error)."""
-        with self._pending_lock:
-            self._pending += len(children)
+    def submit(
+        self, group: str, children: Sequence[Child], arrival: float, sink: Sink,
+        max_queued: int | None = None,
+    ) -> bool:
+        """Queue a group of requests; all are added or none (the sink then gets the error).
+
+        With ``max_queued``, first reserve one admission slot per child, atomically: if that
+        would make more than ``max_queued`` requests queued, nothing is queued and it returns
+        False (the caller answers 503). Slots come back as the requests leave the queue.
+        """
+        with self._queued_lock:
+            if max_queued is not None and self._queued + len(children) > max_queued:
+                return False
+            self._queued += len(children)
         self._cmds.put(("add", group, list(children), arrival, sink))
+        return True
+
+    def _release(self, n: int) -> None:
+        if n:
+            with self._queued_lock:
+                self._queued -= n
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests (unknown or finished ids are ignored) and free their blocks."""
@@ -184,6 +219,7 @@ class EngineLoop:
             for rid in cmd[1]:
                 if self._live.pop(rid, None) is not None:
                     self.metrics.observe_finished("abort", None)
+                self._unqueue(rid)
                 engine.abort(rid)
         elif kind == "stop":
             for rid in list(self._live):
@@ -202,24 +238,27 @@ class EngineLoop:
         except Exception as exc:  # noqa: BLE001 - all or nothing: withdraw the group
             for rid in added:
                 engine.abort(rid)
-            _deliver(sink, exc)
+            self._release(len(children))
+            if isinstance(exc, ValueError):
+                _deliver(sink, RequestRejected(str(exc)))
+            else:
+                log.error("adding request group %s failed:\n%s", group, traceback.format_exc())
+                _deliver(sink, EngineStepError(f"internal error: {type(exc).__name__} (see the server log)"))
             return
-        finally:
-            with self._pending_lock:
-                self._pending -= len(children)
         for c in children:
             self._live[c.request_id] = _Live(sink, group, arrival, len(c.prompt_ids))
+            self._queued_ids.add(c.request_id)
             self.metrics.prompt_tokens.inc(len(c.prompt_ids))
 
     def _step(self, engine: Engine) -> None:
         try:
             outputs = engine.step()
-        except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
-            log.error("engine step failed; aborting %d requests:\n%s", len(self._live),
-                      traceback.format_exc())
+        except Exception as exc:  # noqa: BLE001 - not one request's fault: fail the batch, keep serving
+            log.error("engine step failed outside the model; failing %d requests:\n%s",
+                      len(self._live), traceback.format_exc())
             for rid in list(self._live):
                 engine.abort(rid)
-            self._fail_all(exc)
+            self._fail_all(EngineStepError(f"internal error: {type(exc).__name__} (see the server log)"))
             return
         now = time.monotonic()
         batches: dict[int, tuple[Sink, list[RequestOutput]]] = {}
@@ -227,22 +266,38 @@ class EngineLoop:
             live = self._live.get(out.request_id)
             if live is None:
                 continue
-            gap = None if live.last_token_time is None else now - live.last_token_time
-            if live.last_token_time is None:
-                self.metrics.observe_ttft(now - live.arrival)
-            self.metrics.observe_tokens(len(out.delta_token_ids), gap)
-            live.last_token_time = now
-            live.num_tokens = len(out.token_ids)
+            if out.error is not None:
+                log.error("request %s failed in an engine step; the others carry on",
+                          out.request_id, exc_info=out.error)
+            elif out.delta_token_ids:
+                gap = None if live.last_token_time is None else now - live.last_token_time
+                if live.last_token_time is None:
+                    self.metrics.observe_ttft(now - live.arrival)
+                self.metrics.observe_tokens(len(out.delta_token_ids), gap)
+                live.last_token_time = now
+            live.num_tokens = out.num_output_tokens
             if out.finished:
                 del self._live[out.request_id]
                 reason = out.finish_reason.value if out.finish_reason else "stop"
                 self.metrics.observe_finished(reason, now - live.arrival)
             batches.setdefault(id(live.sink), (live.sink, []))[1].append(out)
+        # Requests scheduled for the first time (or finished/failed) have left the queue.
+        left = [rid for rid in self._queued_ids if not engine.is_queued(rid)]
+        for rid in left:
+            self._unqueue(rid)
         for sink, outs in batches.values():
             _deliver(sink, outs)
 
+    def _unqueue(self, rid: str) -> None:
+        """Give back the admission slot of a request that left the queue (no-op if it has none)."""
+        if rid in self._queued_ids:
+            self._queued_ids.discard(rid)
+            self._release(1)
+
     def _fail_all(self, exc: BaseException) -> None:
         sinks = {id(v.sink): v.sink for v in self._live.values()}
+        self._release(len(self._queued_ids))
+        self._queued_ids.clear()
         self._live.clear()
         for sink in sinks.values():
             _deliver(sink, exc)

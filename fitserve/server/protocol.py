@@ -4,11 +4,17 @@ Requests are validated in strict mode straight from the JSON bytes, so ``"max_to
 ``"n": 1.5`` is a 400, not a silent coercion. Unknown fields are ignored (clients send things
 like ``user`` or ``metadata``), except the ones listed in :data:`REJECTED_FIELDS`: a chat
 template is code, and the server never runs a template a client sent.
+
+Sampling fields default to ``None`` so that "omitted" and "given" differ: an omitted
+temperature/top_p/top_k/min_p/repetition_penalty is filled by :meth:`with_defaults` from the
+defaults the server put in force (the model's recommended ones, else the server's; see
+``fitserve.loading.generation_defaults``), a given one is kept as sent.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -34,6 +40,9 @@ REJECTED_FIELDS: dict[str, str] = {
     "suffix": "suffix is not supported",
     "response_format": "response_format is not supported",
 }
+
+# Request fields an omitted value of which takes the server's default (not SamplingParams').
+DEFAULTED_FIELDS: tuple[str, ...] = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 _Strict = ConfigDict(strict=True, extra="ignore")
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -68,6 +77,11 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+
+    def with_defaults(self, defaults: Mapping[str, float | int]) -> Self:
+        """A copy whose omitted (None) fields among DEFAULTED_FIELDS take ``defaults``' values."""
+        fill = {k: v for k, v in defaults.items() if k in DEFAULTED_FIELDS and getattr(self, k) is None}
+        return self.model_copy(update=fill) if fill else self
 
 
 class CompletionRequest(_SamplingFields):
@@ -130,6 +144,9 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "fitserve"
     max_model_len: int | None = None
+    # fitserve extras: what a request that omits a sampling field gets, and where it came from
+    sampling_defaults: dict[str, float | int] | None = None
+    sampling_defaults_source: dict[str, str] | None = None
 
 
 class ModelList(BaseModel):
@@ -165,7 +182,7 @@ def chat_body(
 
 
 __all__ = [
-    "MAX_LOGPROBS", "MAX_MESSAGES", "MAX_N", "MAX_PROMPTS_PER_REQUEST", "MAX_STOP_LENGTH",
+    "DEFAULTED_FIELDS", "MAX_LOGPROBS", "MAX_MESSAGES", "MAX_N", "MAX_PROMPTS_PER_REQUEST", "MAX_STOP_LENGTH",
     "MAX_STOP_SEQUENCES", "REJECTED_FIELDS", "ChatCompletionRequest", "ChatMessage",
     "CompletionRequest", "ErrorBody", "ModelCard", "ModelList", "StreamOptions", "Usage",
     "chat_body", "completion_chunk",

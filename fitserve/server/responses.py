@@ -3,13 +3,19 @@
 Every path out of a request (finished, client gone, error, server shutdown) goes through
 :meth:`Run.close`, which aborts whatever children are still unfinished, so no KV block can
 outlive the HTTP request that asked for it.
+
+Outputs reach a request through an :class:`OutputMailbox`: the engine thread merges each step's
+deltas into one pending entry per child, so a slow reader (a client that does not read its
+stream) holds at most one entry per child and one scheduled wake-up, however far behind it is.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
@@ -18,7 +24,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from fitserve.loading.tokenizer import Tokenizer
-from fitserve.server.engine_loop import EngineLoop, EngineShutdown
+from fitserve.server.engine_loop import EngineLoop, EngineShutdown, EngineStepError, RequestRejected
 from fitserve.server.errors import APIError
 from fitserve.server.protocol import Usage, chat_body, completion_chunk
 from fitserve.server.serving import Prepared
@@ -29,8 +35,98 @@ class ClientGone(Exception):
     """The client disconnected before its response was complete."""
 
 
+@dataclass(slots=True)
+class _Pending:
+    """One child's outputs not yet read, merged: deltas concatenated, the newest of the rest."""
+
+    last: RequestOutput
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.last = out
+        self.token_ids.extend(out.delta_token_ids)
+        self.text.append(out.delta_text)
+        if out.delta_logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(out.delta_logprobs)
+
+    def merged(self) -> RequestOutput:
+        out = self.last
+        if len(self.text) == 1:
+            return out  # the common case: the reader kept up
+        out.delta_token_ids = self.token_ids
+        out.delta_text = "".join(self.text)
+        out.delta_logprobs = self.logprobs
+        return out
+
+
+class OutputMailbox:
+    """Hands a request's outputs from the engine thread to its asyncio reader, coalescing.
+
+    ``put`` (engine thread) merges a step's outputs into one pending entry per child and
+    schedules at most one wake-up on the event loop; ``get`` (event loop) takes everything
+    pending. The backlog is therefore bounded by the number of children, not by how many steps
+    a slow reader is behind; what it holds is only the unread tokens and text themselves.
+    An error is raised by ``get`` once the outputs that came before it have been read.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: dict[str, _Pending] = {}
+        self._error: BaseException | None = None
+        self._wake_scheduled = False
+        self._event = asyncio.Event()
+
+    def __len__(self) -> int:
+        """Entries waiting to be read (at most one per child, plus one error)."""
+        with self._lock:
+            return len(self._pending) + (self._error is not None)
+
+    @property
+    def wake_scheduled(self) -> bool:
+        """Whether a wake-up callback is queued on the event loop (never more than one)."""
+        return self._wake_scheduled
+
+    def put(self, item: list[RequestOutput] | BaseException) -> None:
+        """Engine thread: add one step's outputs for this request (or the error that ended it)."""
+        with self._lock:
+            if isinstance(item, BaseException):
+                self._error = self._error or item
+            else:
+                for out in item:
+                    entry = self._pending.get(out.request_id)
+                    if entry is None:
+                        entry = self._pending[out.request_id] = _Pending(out)
+                    entry.add(out)
+            if self._wake_scheduled:
+                return
+            self._wake_scheduled = True
+        self._loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._wake_scheduled = False
+        self._event.set()
+
+    async def get(self) -> list[RequestOutput]:
+        """Wait for outputs; return everything pending, one merged output per child."""
+        while True:
+            with self._lock:
+                if self._pending:
+                    entries, self._pending = self._pending, {}
+                    return [e.merged() for e in entries.values()]
+                if self._error is not None:
+                    raise self._error
+                self._event.clear()
+            await self._event.wait()
+
+
 class Run:
-    """One client request in flight: its children, their outputs queue, and its cleanup."""
+    """One client request in flight: its children, their outputs mailbox, and its cleanup."""
 
     def __init__(self, loop: EngineLoop, prep: Prepared) -> None:
         self.engine_loop = loop
@@ -39,32 +135,44 @@ class Run:
         self.children = children
         self.index = {c.request_id: k for k, c in enumerate(children)}
         self.finished: dict[str, RequestOutput] = {}
-        self.queue: asyncio.Queue[list[RequestOutput] | BaseException] = asyncio.Queue()
+        self.mailbox: OutputMailbox | None = None
         self._submitted = False
         self._closed = False
 
-    def submit(self) -> None:
-        aio = asyncio.get_running_loop()
-        q = self.queue
+    def submit(self, max_queued: int | None = None) -> bool:
+        """Hand the children to the engine; False (nothing queued) if over ``max_queued``."""
+        self.mailbox = OutputMailbox(asyncio.get_running_loop())
+        ok = self.engine_loop.submit(self.prep.group, self.children, self.prep.arrival,
+                                     self.mailbox.put, max_queued)
+        self._submitted = ok
+        return ok
 
-        def sink(item: list[RequestOutput] | BaseException) -> None:
-            aio.call_soon_threadsafe(q.put_nowait, item)
-
-        self.engine_loop.submit(self.prep.group, self.children, self.prep.arrival, sink)
-        self._submitted = True
+    @property
+    def backlog(self) -> int:
+        """Output entries delivered but not read yet (bounded by the number of children)."""
+        return len(self.mailbox) if self.mailbox is not None else 0
 
     @property
     def done(self) -> bool:
         return len(self.finished) == len(self.children)
 
     async def next_outputs(self) -> list[RequestOutput]:
-        item = await self.queue.get()
-        if isinstance(item, BaseException):
-            raise as_api_error(item)
-        for out in item:
+        """The next outputs (one merged output per child with news); raises APIError on failure."""
+        assert self.mailbox is not None, "submit() first"
+        try:
+            outputs = await self.mailbox.get()
+        except BaseException as exc:  # noqa: BLE001 - every engine-side failure becomes an APIError
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            raise as_api_error(exc) from None
+        for out in outputs:
+            if out.error is not None:
+                # NOTE: the engine loop logged the traceback (the client gets only the type);
+                # one failed child fails the whole group.
+                raise APIError(500, f"internal error: {type(out.error).__name__} (see the server log)")
             if out.finished:
                 self.finished[out.request_id] = out
-        return item
+        return outputs
 
     def close(self) -> None:
         """Abort every unfinished child (idempotent)."""
@@ -74,17 +182,20 @@ class Run:
 
     def usage(self) -> Usage:
         prompt = sum(len(p) for p in self.prep.prompts)
-        completion = sum(len(o.token_ids) for o in self.finished.values())
+        completion = sum(o.num_output_tokens for o in self.finished.values())
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 def as_api_error(exc: BaseException) -> APIError:
+    """Client mistakes (RequestRejected) are 400, a shutdown 503, everything else 500."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, EngineShutdown):
         return APIError(503, str(exc), headers={"Retry-After": "5"})
-    if isinstance(exc, ValueError):
+    if isinstance(exc, RequestRejected):
         return APIError(400, str(exc))
+    if isinstance(exc, EngineStepError):
+        return APIError(500, str(exc))
     return APIError(500, f"internal error: {type(exc).__name__}")
 
 
@@ -130,10 +241,9 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 async def collect(run: Run, request: Request, text: Callable[[int], str]) -> dict[str, Any]:
-    """Wait for every child; abort them all if the client leaves first."""
+    """Wait for every child of a submitted run; abort them all if the client leaves first."""
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
-        run.submit()
         while not run.done:
             getter = asyncio.ensure_future(run.next_outputs())
             done, _ = await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -174,9 +284,11 @@ def _sse(obj: dict[str, Any] | str) -> str:
 
 
 async def stream_events(run: Run, text: Callable[[int], str]) -> AsyncIterator[str]:
-    """SSE events: one chunk per choice per step with new text, usage if asked, then [DONE]."""
+    """SSE events of a submitted run: one chunk per choice per read with new text, usage if
+    asked, then [DONE]. A reader that falls behind gets the steps it missed merged."""
     prep = run.prep
-    sent_lp = dict.fromkeys(run.index, 0)
+    want_lps = prep.params.logprobs is not None
+    carry_lps: dict[str, list[TokenLogprobs]] = {rid: [] for rid in run.index}
     sent_chars = dict.fromkeys(run.index, 0)
 
     def body(choices: list[dict[str, Any]], usage: Usage | None = None) -> dict[str, Any]:
@@ -185,7 +297,6 @@ async def stream_events(run: Run, text: Callable[[int], str]) -> AsyncIterator[s
         return completion_chunk(prep.group, prep.created, prep.model, choices, usage=usage)
 
     try:
-        run.submit()
         if prep.chat:  # the role comes first, as OpenAI sends it
             yield _sse(body([{"index": k, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None} for k in range(prep.num_choices)]))
@@ -198,11 +309,12 @@ async def stream_events(run: Run, text: Callable[[int], str]) -> AsyncIterator[s
             choices = []
             for out in outputs:
                 rid = out.request_id
-                new_lps = None
-                if out.logprobs is not None and prep.params.logprobs is not None:
-                    new_lps = out.logprobs[sent_lp[rid]:]
+                if want_lps and out.delta_logprobs:
+                    carry_lps[rid].extend(out.delta_logprobs)
                 if not out.delta_text and not out.finished:
                     continue  # held back (a possible stop string): its logprobs go with the next chunk
+                new_lps = carry_lps[rid] if want_lps else None
+                carry_lps[rid] = []
                 reason = out.finish_reason.value if out.finished and out.finish_reason else None
                 k = run.index[rid]
                 if prep.chat:
@@ -219,7 +331,6 @@ async def stream_events(run: Run, text: Callable[[int], str]) -> AsyncIterator[s
                 if out.finished:
                     choice["stop_reason"] = out.stop_reason
                 choices.append(choice)
-                sent_lp[rid] = len(out.logprobs or [])
                 sent_chars[rid] += len(out.delta_text)
             if choices:
                 yield _sse(body(choices))

@@ -36,7 +36,8 @@ class Server:
 
     def metric(self, name: str, labels: str = "") -> float:
         """The value of one sample in /metrics (``labels`` as written, e.g. '{status="503"}')."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        # /metrics needs the API key when the server has one (ignored by servers without)
+        text = httpx.get(f"{self.url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).text
         m = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.M)
         return float(m.group(1)) if m else 0.0
 

@@ -95,8 +95,8 @@ def test_logprobs(client) -> None:  # type: ignore[no-untyped-def]
     assert "".join(c.logprobs.tokens) == c.text
 
 
-def test_metrics_exposed(server: Server) -> None:
-    text = httpx.get(f"{server.url}/metrics").text
+def test_metrics_exposed(server: Server, auth: dict[str, str]) -> None:
+    text = httpx.get(f"{server.url}/metrics", headers=auth).text
     for name in ("fitserve_time_to_first_token_seconds_bucket", "fitserve_inter_token_latency_seconds_bucket",
                  "fitserve_e2e_request_latency_seconds_bucket", "fitserve_num_requests_running",
                  "fitserve_num_requests_waiting", "fitserve_preemptions_total", "fitserve_kv_blocks_used",

@@ -60,6 +60,9 @@ def _wait(pred: Any, timeout: float, what: str) -> Any:
 
 def test_grid_changes_while_requests_run_and_empties(server: Server, browser: Any) -> None:
     server.wait_idle()
+    # The server has an API key: the page and its /dashboard/state polls need it too.
+    browser.execute_cdp_cmd("Network.enable", {})
+    browser.execute_cdp_cmd("Network.setExtraHTTPHeaders", {"headers": {"Authorization": f"Bearer {API_KEY}"}})
     browser.get(f"{server.url}/dashboard")
     _wait(lambda: browser.execute_script("return document.querySelectorAll('#grid .blk').length") == 256,
           30, "the grid of 256 blocks")

@@ -2,15 +2,26 @@
 
 Each test also checks it is not vacuous: a different prompt gives different tokens, and the
 condition under test really happened (chunks were split, blocks preempted, requests aborted).
+The weights are the Q4_1 file held as stored (packed int4/int8 kernels), the engine's default.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 
 from fitserve.engine import Engine
 from fitserve.llm import LLM
+from fitserve.loading import LoadedModel, load_model
 from fitserve.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def smollm2_loaded(smollm2_gguf: Path) -> LoadedModel:
+    """Overrides conftest's dense fp32 weights: this suite runs Q4_1 held as stored."""
+    return load_model(smollm2_gguf, dtype=torch.float32, weights="as-stored")
 
 TARGET = "In a distant galaxy, a small robot learned how to"
 OTHER = "Recipe for pancakes: first,"

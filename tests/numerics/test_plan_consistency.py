@@ -3,8 +3,8 @@
 For the real default model (SmolLM2-135M, the Q4_1 GGUF) and the same options on both sides:
 - the engine's block count, block size and KV bytes per token are the plan's;
 - the KV tensors the runner allocated are exactly num_kv_blocks x block bytes of the plan;
-- the weights the model holds (parameter bytes, the tied embedding once) are the plan's
-  weights line, in bf16 and in fp32 (the Q4_1 file is dequantized on load);
+- the weights the model holds (parameters and packed buffers, the tied embedding once) are
+  the plan's weights line: by default the Q4_1 file held as stored (packed), and dense fp32;
 - (slow) the peak RSS of a W2 run in a fresh process is within 15% of the plan's total.
 """
 
@@ -33,11 +33,12 @@ MIB = 1 << 20
 
 # (engine config overrides, the same options for `fitserve plan`)
 DEFAULT: tuple[dict[str, Any], list[str]] = ({}, [])
+# NOTE: weights dense in fp32 here (the default holds the Q4_1 file packed as stored)
 FP32_BS32_512M: tuple[dict[str, Any], list[str]] = (
     dict(dtype="float32", block_size=32, kv_cache_memory_bytes=512 * MIB, max_num_seqs=16,
-         max_num_batched_tokens=512),
+         max_num_batched_tokens=512, weights="float32"),
     ["--dtype", "float32", "--block-size", "32", "--kv-cache-memory", "512M",
-     "--max-num-seqs", "16", "--max-num-batched-tokens", "512"],
+     "--max-num-seqs", "16", "--max-num-batched-tokens", "512", "--weights", "float32"],
 )
 
 
@@ -52,8 +53,11 @@ def plan_json(capsys: pytest.CaptureFixture[str], model: str, args: list[str]) -
 
 
 def weight_bytes(engine: Engine) -> int:
-    """Bytes of the model's parameters; parameters() yields the tied embedding/lm_head once."""
-    return sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    """Bytes of the model's parameters and packed weight buffers (distinct storages: the tied
+    embedding/lm_head once), the rotary tables excluded."""
+    from tests.numerics.test_plan_engine_agree import held_by_model
+
+    return held_by_model(engine)[0]
 
 
 @pytest.fixture(scope="module")
@@ -94,23 +98,30 @@ def test_default_options(default_engine: Engine, smollm2_path: Path,
     dtype = {torch.bfloat16: "bf16", torch.float32: "f32"}[default_engine.dtype]
     for model in ("smollm2-135m", str(smollm2_path)):  # the catalog entry and the file itself
         plan = plan_json(capsys, model, [])
-        assert plan["dtype"] == plan["weights"] == plan["kv_dtype"] == dtype
+        assert plan["dtype"] == plan["kv_dtype"] == dtype
+        assert plan["weights"] == "int4-g32-asym"  # held as stored: Q4_1 blocks packed
         assert plan["kv_budget_bytes"] == DEFAULT_CPU_KV_BYTES == default_engine.pool.budget_bytes
         check_engine_matches_plan(default_engine, plan)
     if dtype == "bf16":
         # SmolLM2: 30 layers x 2 (K, V) x 3 KV heads x 64 x 2 B = 23,040 B per token;
-        # 1 GiB // (16 x 23,040 B) = 2,912 blocks; 134,515,008 parameters x 2 B.
+        # 1 GiB // (16 x 23,040 B) = 2,912 blocks. Weights as stored: 106,168,320 Q4_1
+        # weights x 20/32 B + the 28,311,552 Q8_0 token_embd (tied) x 34/32 B + 35,136 norm
+        # weights in bf16 x 2 B = 66,355,200 + 30,081,024 + 70,272.
         assert (plan["kv_bytes_per_token"], plan["num_kv_blocks"]) == (23_040, 2_912)
-        assert plan["weight_bytes"] == 134_515_008 * 2
+        assert plan["weight_bytes"] == 96_506_496
     assert plan_memory.DEFAULT_CPU_KV_BYTES is DEFAULT_CPU_KV_BYTES  # one constant, the planner's
 
 
 def test_weights_line_names_the_dequantization(capsys: pytest.CaptureFixture[str]) -> None:
     capsys.readouterr()
     assert fitserve_main(["plan", "smollm2-135m", "--gpu", "cpu", "--dtype", "bfloat16",
-                          "--json"]) == 0
+                          "--weights", "bf16", "--json"]) == 0
     text = capsys.readouterr().out
     assert "Q4_1 file dequantized to bf16 on load" in text
+    assert fitserve_main(["plan", "smollm2-135m", "--gpu", "cpu", "--dtype", "bfloat16",
+                          "--json"]) == 0
+    text = capsys.readouterr().out
+    assert "Q4_1 file held as stored: int4-g32-asym, int8-g32 packed, the rest in bf16" in text
 
 
 def test_fp32_other_block_size_and_kv_memory(fp32_engine: Engine,
@@ -127,7 +138,8 @@ def test_fp32_other_block_size_and_kv_memory(fp32_engine: Engine,
 @pytest.mark.parametrize(("cfg", "args"), [
     (dict(block_size=8, kv_cache_memory_bytes=200 * MIB), ["--block-size", "8",
                                                          "--kv-cache-memory", "200M"]),
-    (dict(block_size=16, num_kv_blocks=100), ["--num-kv-blocks", "100"]),
+    # 100 blocks hold 1,600 tokens: plan a context that fits (8k would exit 1, not fitting)
+    (dict(block_size=16, num_kv_blocks=100), ["--num-kv-blocks", "100", "--context", "1k"]),
     (dict(dtype="float32", kv_cache_memory_bytes=3 * (1 << 30)), ["--dtype", "float32",
                                                                  "--kv-cache-memory", "3G"]),
 ])

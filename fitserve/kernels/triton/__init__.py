@@ -2,8 +2,8 @@
 
 On CUDA they compile for the GPU; on a CPU-only machine they run under the Triton interpreter
 (``TRITON_INTERPRET=1`` must be set before this package is imported, since ``@triton.jit``
-decides at decoration time). Import :mod:`fitserve.kernels.triton.ops` only after checking
-:func:`triton_available`.
+decides at decoration time). Import :mod:`fitserve.kernels.triton.forward` or
+:mod:`fitserve.kernels.triton.decode` only after checking :func:`triton_available`.
 """
 
 from __future__ import annotations

@@ -101,7 +101,8 @@ def test_engine_knob_defaults_are_the_engines() -> None:
 
 def test_cpu_plan_json(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(runtime, "runtime_baseline_bytes", lambda **_: 300 * MIB)
-    assert main(["smollm2-135m", "--gpu", "cpu", "--dtype", "float32", "--block-size", "32",
+    assert main(["smollm2-135m", "--gpu", "cpu", "--dtype", "float32", "--weights", "float32",
+                 "--block-size", "32",
                  "--kv-cache-memory", "512M", "--max-num-seqs", "16", "--json"]) == 0
     e = json.loads(capsys.readouterr().out)["engine"]
     assert (e["device"], e["dtype"], e["weights"], e["kv_dtype"]) == ("cpu", "f32", "f32", "f32")
@@ -118,7 +119,8 @@ def test_cpu_plan_json(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFi
 def test_cpu_plan_warns_when_not_what_the_engine_does(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(runtime, "runtime_baseline_bytes", lambda **_: None)
-    assert main(["smollm2-135m", "--gpu", "cpu", "--dtype", "bfloat16", "--weights", "int8",
+    # fp8 weights: a format the engine cannot hold (int8/int4 it can: RTN at load)
+    assert main(["smollm2-135m", "--gpu", "cpu", "--dtype", "bfloat16", "--weights", "fp8",
                  "--kv", "fp8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert sum("HYPOTHETICAL for fitserve on cpu" in w for w in out["warnings"]) == 2

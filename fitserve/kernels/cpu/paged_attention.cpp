@@ -1,0 +1,690 @@
+// Fused paged decode attention on the CPU: one query token per sequence, K/V read in place
+// through the block table (no gather copy), online softmax in fp32, GQA heads processed together.
+//
+// Cache layout (head-major, per layer):   k_cache, v_cache [Hkv, num_blocks, block_size, D]
+// Block table: block_tables[b, j] is the cache block holding positions j*bs .. j*bs+bs-1 of b.
+//
+//   token t of sequence b  ->  k_cache[h, block_tables[b, t / bs], t % bs, :]
+//
+// Work items are (sequence b, KV head h, partition p). A partition is a fixed range of absolute
+// key positions [p*P, (p+1)*P) clipped to the keys the query sees, [lo, L) with
+// lo = max(0, L - window) for a sliding window (a query at position L-1 sees keys j with
+// (L-1) - j < window). Each item computes, for the G = Hq / Hkv query heads of KV head h:
+//
+//   m_g = max_j s_gj,  l_g = sum_j exp(s_gj - m_g),  acc_g = sum_j exp(s_gj - m_g) v_j
+//
+// over its keys, tile by tile (kTile keys: scores, running max/sum rescale, P@V), reading each
+// K and V row once for the whole group. A sequence with one partition writes acc / l directly;
+// one with several keeps (acc, m, l) per partition and a second pass merges them exactly:
+//
+//   M = max_p m_p,  out = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p
+//
+// NOTE: partitions are fixed spans of absolute positions (vLLM's paged_attention_v2 does the
+// same with 512), not a split count chosen from the batch: the summation order for one sequence
+// then depends only on its own length, never on the batch around it or the thread count, so the
+// kernel is bitwise batch-invariant, and long contexts at batch 1 still fill every core.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#if (defined(FITSERVE_TIER_AVX512_VNNI) || defined(FITSERVE_TIER_AVX512)) && \
+    defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define FS_AVX512 1
+#else
+#define FS_AVX512 0
+#endif
+// bf16 q . k with VDPBF16PS (AVX512_BF16: Cooper Lake, Sapphire Rapids, Zen 4): the products of
+// two bf16 values are exact in fp32 and the sums accumulate in fp32, so nothing is rounded that
+// the fp32 path keeps, while K needs no widening and half the instructions.
+#if FS_AVX512 && defined(__AVX512BF16__)
+#define FS_BF16DOT 1
+#else
+#define FS_BF16DOT 0
+#endif
+
+namespace {
+
+constexpr int64_t kTile = 64;   // keys per online-softmax step
+constexpr int64_t kLanes = 16;  // fp32 lanes of one AVX-512 register
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Everything one work item needs to find its rows.
+struct Geometry {
+  int64_t num_kv, group, head_dim, dpad, block_size, max_blocks, partition, window;
+  int64_t q_stride_b, q_stride_h, out_stride_b;
+  int64_t k_stride_h, k_stride_blk, k_stride_tok;
+  int64_t v_stride_h, v_stride_blk, v_stride_tok;
+  float scale;
+};
+
+// Per-thread scratch: the group's scaled queries, fp32 K/V tile rows, scores, accumulators.
+// Sized for the largest (group, dpad) seen so far; every item overwrites what it reads.
+struct Scratch {
+  std::vector<float> q, k, v, s, acc, m, l;
+  std::vector<const float*> krow, vrow;
+  std::vector<uint16_t> qb;            // bf16 path: raw q rows, zero-padded to 32 lanes
+  std::vector<const uint16_t*> kraw;   // bf16 path: K rows in the cache, unconverted
+  void reserve(int64_t g, int64_t dpad) {
+    if (static_cast<int64_t>(q.size()) >= g * dpad && static_cast<int64_t>(m.size()) >= g &&
+        static_cast<int64_t>(k.size()) >= kTile * dpad)
+      return;
+    const int64_t gm = std::max<int64_t>(g, static_cast<int64_t>(m.size()));
+    const int64_t dm = std::max<int64_t>(dpad, static_cast<int64_t>(k.size()) / kTile);
+    qb.assign(gm * (dm + 2 * kLanes), 0);
+    kraw.assign(kTile, nullptr);
+    q.assign(gm * dm, 0.f);
+    k.assign(kTile * dm, 0.f);
+    v.assign(kTile * dm, 0.f);
+    s.assign(gm * kTile, 0.f);
+    acc.assign(gm * dm, 0.f);
+    m.assign(gm, 0.f);
+    l.assign(gm, 0.f);
+    krow.assign(kTile, nullptr);
+    vrow.assign(kTile, nullptr);
+  }
+};
+
+// NOTE: thread_local, so the persistent OpenMP workers allocate once, not once per call/layer.
+inline Scratch& thread_scratch(int64_t g, int64_t dpad) {
+  thread_local Scratch w;
+  w.reserve(g, dpad);
+  return w;
+}
+
+// One online-softmax step of every query head of the group over the n rows in Scratch.
+using TileFn = void (*)(const Geometry&, Scratch&, int64_t);
+
+// ---------------------------------------------------------------- element conversion
+
+inline float to_f(float x) { return x; }
+inline float to_f(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_f(c10::Half x) { return static_cast<float>(x); }
+
+template <typename T>
+inline void row_to_float(const T* src, float* dst, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) dst[i] = to_f(src[i]);
+}
+
+#if FS_AVX512
+inline __mmask16 tail_mask(int64_t n) {
+  return n >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
+}
+
+inline __m512 bf16x16_to_f32(__m256i raw) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+template <>
+inline void row_to_float<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t d) {
+  int64_t c = 0;
+  for (; c + kLanes <= d; c += kLanes)
+    _mm512_storeu_ps(dst + c, bf16x16_to_f32(_mm256_loadu_si256(
+                                  reinterpret_cast<const __m256i*>(src + c))));
+  if (c < d)
+    _mm512_storeu_ps(dst + c, bf16x16_to_f32(_mm256_maskz_loadu_epi16(tail_mask(d - c), src + c)));
+}
+
+template <>
+inline void row_to_float<c10::Half>(const c10::Half* src, float* dst, int64_t d) {
+  int64_t c = 0;
+  for (; c + kLanes <= d; c += kLanes)
+    _mm512_storeu_ps(dst + c, _mm512_cvtph_ps(_mm256_loadu_si256(
+                                  reinterpret_cast<const __m256i*>(src + c))));
+  if (c < d)
+    _mm512_storeu_ps(dst + c, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail_mask(d - c), src + c)));
+}
+
+// exp(x) for x <= 0 (scores minus their running max): Cephes' degree-6 polynomial on
+// [-ln2/2, ln2/2] after x = n ln2 + r, scaled by 2^n; ~1 ulp, and exp(x) -> 0 below -87.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.33654f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r);
+  y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
+}
+
+// Horizontal sums of 16 registers at once: lane j of the result is the sum of a[j]'s lanes.
+// A transpose-and-add tree (~45 ops) instead of 16 separate reductions (~130 ops).
+inline __m512 reduce16(const __m512* a) {
+  __m512 t[8];
+  for (int i = 0; i < 8; ++i)  // lane-local pairs: [a0_0+a0_2, a1_0+a1_2, a0_1+a0_3, a1_1+a1_3]
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  __m512 u[4];
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: [a(4i), a(4i+1), a(4i+2), a(4i+3)] partials
+    const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  __m512 w[2];
+  for (int i = 0; i < 2; ++i)  // [u(2i) l0+l1, u(2i) l2+l3, u(2i+1) l0+l1, u(2i+1) l2+l3]
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88),
+                       _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+// s[0..n) = q . rows[0..n) for one query head; NCH = ceil(D / 16) registers per row.
+template <int NCH>
+inline void scores_avx512(const float* q, const float* const* rows, int64_t n, __mmask16 tail,
+                          float* s) {
+  __m512 qv[NCH];
+  for (int c = 0; c < NCH; ++c) qv[c] = _mm512_loadu_ps(q + c * kLanes);  // zero-padded
+  for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
+    const int64_t cnt = std::min<int64_t>(kLanes, n - i0);
+    __m512 a[kLanes];
+    // NOTE: branch-free and fully unrolled so a[] and qv[] stay in registers; lanes past cnt
+    // recompute row i0 and are dropped by the masked store.
+#pragma GCC unroll 16
+    for (int64_t j = 0; j < kLanes; ++j) {
+      const float* r = rows[i0 + (j < cnt ? j : 0)];
+      __m512 acc = _mm512_mul_ps(qv[NCH - 1], _mm512_maskz_loadu_ps(tail, r + (NCH - 1) * kLanes));
+#pragma GCC unroll 16
+      for (int c = 0; c < NCH - 1; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(r + c * kLanes), acc);
+      a[j] = acc;
+    }
+    _mm512_mask_storeu_ps(s + i0, tail_mask(cnt), reduce16(a));
+  }
+}
+
+// av += p * row (NCH registers of one head's accumulator).
+template <int NCH>
+inline void pv_row(__m512* av, float p, const float* r, __mmask16 tail) {
+  const __m512 pb = _mm512_set1_ps(p);
+#pragma GCC unroll 16
+  for (int c = 0; c < NCH - 1; ++c) av[c] = _mm512_fmadd_ps(pb, _mm512_loadu_ps(r + c * kLanes), av[c]);
+  av[NCH - 1] = _mm512_fmadd_ps(pb, _mm512_maskz_loadu_ps(tail, r + (NCH - 1) * kLanes), av[NCH - 1]);
+}
+
+// acc[0..D) += sum_i p[i] rows[i] for one query head, the accumulator held in registers.
+// NOTE: two accumulator sets (even / odd rows) when they fit in registers: one set is a chain
+// of dependent FMAs per register, latency-bound at a fraction of the FMA throughput.
+template <int NCH>
+inline void pv_avx512(float* acc, const float* p, const float* const* rows, int64_t n,
+                      __mmask16 tail) {
+  constexpr int kSets = NCH <= 8 ? 2 : 1;
+  __m512 av[kSets][NCH];
+  for (int c = 0; c < NCH; ++c) {
+    av[0][c] = _mm512_loadu_ps(acc + c * kLanes);
+    if constexpr (kSets == 2) av[1][c] = _mm512_setzero_ps();
+  }
+  int64_t i = 0;
+  if constexpr (kSets == 2) {
+    for (; i + 1 < n; i += 2) {
+      pv_row<NCH>(av[0], p[i], rows[i], tail);
+      pv_row<NCH>(av[1], p[i + 1], rows[i + 1], tail);
+    }
+  }
+  for (; i < n; ++i) pv_row<NCH>(av[0], p[i], rows[i], tail);
+  for (int c = 0; c < NCH; ++c) {
+    __m512 sum = av[0][c];
+    if constexpr (kSets == 2) sum = _mm512_add_ps(sum, av[1][c]);
+    _mm512_storeu_ps(acc + c * kLanes, sum);
+  }
+}
+
+// Online-softmax update of one query head over a tile of n scores (in place: s becomes p).
+inline void softmax_step_avx512(float* s, int64_t n, float* m, float* l, float* acc,
+                                int64_t dpad) {
+  __m512 mx = _mm512_set1_ps(kNegInf);
+  for (int64_t i = 0; i < n; i += kLanes)
+    mx = _mm512_mask_max_ps(mx, tail_mask(n - i), mx, _mm512_loadu_ps(s + i));
+  const float m_new = std::max(*m, _mm512_reduce_max_ps(mx));
+  if (m_new > *m) {  // NOTE: rescale only when the running max moves (often never after tile 1)
+    const float alpha = std::exp(*m - m_new);  // exp(-inf) = 0 on the first tile
+    const __m512 av = _mm512_set1_ps(alpha);
+    for (int64_t c = 0; c < dpad; c += kLanes)
+      _mm512_storeu_ps(acc + c, _mm512_mul_ps(av, _mm512_loadu_ps(acc + c)));
+    *l *= alpha;
+    *m = m_new;
+  }
+  const __m512 mv = _mm512_set1_ps(m_new);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __mmask16 k = tail_mask(n - i);
+    const __m512 p = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), mv));
+    sum = _mm512_mask_add_ps(sum, k, sum, p);
+    _mm512_mask_storeu_ps(s + i, k, p);
+  }
+  *l += _mm512_reduce_add_ps(sum);
+}
+
+#if FS_BF16DOT
+// s[0..n) = scale * (q . rows[0..n)) from raw bf16 q and K rows; NC2 = ceil(D / 32).
+template <int NC2>
+inline void scores_bf16dot(const uint16_t* q, const uint16_t* const* rows, int64_t n,
+                           __mmask32 tail, float scale, float* s) {
+  __m512bh qv[NC2];
+  for (int c = 0; c < NC2; ++c)  // zero-padded past head_dim
+    qv[c] = (__m512bh)_mm512_loadu_si512(q + c * 2 * kLanes);
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
+    const int64_t cnt = std::min<int64_t>(kLanes, n - i0);
+    __m512 a[kLanes];
+#pragma GCC unroll 16
+    for (int64_t j = 0; j < kLanes; ++j) {
+      const uint16_t* r = rows[i0 + (j < cnt ? j : 0)];
+      __m512 acc = _mm512_dpbf16_ps(
+          _mm512_setzero_ps(), qv[NC2 - 1],
+          (__m512bh)_mm512_maskz_loadu_epi16(tail, r + (NC2 - 1) * 2 * kLanes));
+#pragma GCC unroll 8
+      for (int c = 0; c < NC2 - 1; ++c)
+        acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(r + c * 2 * kLanes));
+      a[j] = acc;
+    }
+    _mm512_mask_storeu_ps(s + i0, tail_mask(cnt), _mm512_mul_ps(reduce16(a), sc));
+  }
+}
+#endif
+
+// kBf16Dot: q . k from the raw bf16 rows (Scratch::qb / kraw), else from the fp32 ones.
+template <int NCH, bool kBf16Dot>
+void tile_avx512(const Geometry& g, Scratch& w, int64_t n) {
+  const __mmask16 tail = tail_mask(g.head_dim - (NCH - 1) * kLanes);
+  for (int64_t h = 0; h < g.group; ++h) {
+    float* s = w.s.data() + h * kTile;
+    float* acc = w.acc.data() + h * g.dpad;
+#if FS_BF16DOT
+    if constexpr (kBf16Dot) {
+      constexpr int kNc2 = (NCH + 1) / 2;
+      const int64_t rest = g.head_dim - (kNc2 - 1) * 2 * kLanes;  // 1..32
+      const __mmask32 tail32 = rest >= 32 ? 0xFFFFFFFFu : ((1u << rest) - 1u);
+      scores_bf16dot<kNc2>(w.qb.data() + h * (g.dpad + 2 * kLanes), w.kraw.data(), n, tail32,
+                           g.scale, s);
+    } else
+#endif
+    {
+      scores_avx512<NCH>(w.q.data() + h * g.dpad, w.krow.data(), n, tail, s);
+    }
+    softmax_step_avx512(s, n, &w.m[h], &w.l[h], acc, g.dpad);
+    pv_avx512<NCH>(acc, s, w.vrow.data(), n, tail);
+  }
+}
+
+template <bool kBf16Dot>
+inline TileFn pick_tile_for(int64_t head_dim) {
+  switch ((head_dim + kLanes - 1) / kLanes) {
+    case 1: return &tile_avx512<1, kBf16Dot>;
+    case 2: return &tile_avx512<2, kBf16Dot>;
+    case 3: return &tile_avx512<3, kBf16Dot>;
+    case 4: return &tile_avx512<4, kBf16Dot>;
+    case 5: return &tile_avx512<5, kBf16Dot>;
+    case 6: return &tile_avx512<6, kBf16Dot>;
+    case 7: return &tile_avx512<7, kBf16Dot>;
+    case 8: return &tile_avx512<8, kBf16Dot>;
+    case 12: return &tile_avx512<12, kBf16Dot>;
+    case 16: return &tile_avx512<16, kBf16Dot>;
+    default: return nullptr;
+  }
+}
+
+// The vectorised tile for this head_dim, or nullptr (another head_dim over 128: scalar tile).
+inline TileFn pick_tile_avx512(int64_t head_dim, bool bf16dot) {
+  return bf16dot ? pick_tile_for<true>(head_dim) : pick_tile_for<false>(head_dim);
+}
+#endif  // FS_AVX512
+
+// The same tile step in plain C++ (any CPU; also what the tests compare the AVX-512 one with).
+void tile_scalar(const Geometry& g, Scratch& w, int64_t n) {
+  const int64_t d = g.head_dim;
+  for (int64_t h = 0; h < g.group; ++h) {
+    const float* q = w.q.data() + h * g.dpad;
+    float* s = w.s.data() + h * kTile;
+    float* acc = w.acc.data() + h * g.dpad;
+    float mx = kNegInf;
+    for (int64_t i = 0; i < n; ++i) {
+      const float* r = w.krow[i];
+      float dot = 0.f;
+      for (int64_t c = 0; c < d; ++c) dot += q[c] * r[c];
+      s[i] = dot;
+      mx = std::max(mx, dot);
+    }
+    const float m_new = std::max(w.m[h], mx);
+    if (m_new > w.m[h]) {
+      const float alpha = std::exp(w.m[h] - m_new);
+      for (int64_t c = 0; c < d; ++c) acc[c] *= alpha;
+      w.l[h] *= alpha;
+      w.m[h] = m_new;
+    }
+    float sum = 0.f;
+    for (int64_t i = 0; i < n; ++i) {
+      s[i] = std::exp(s[i] - m_new);
+      sum += s[i];
+    }
+    w.l[h] += sum;
+    for (int64_t i = 0; i < n; ++i) {
+      const float* r = w.vrow[i];
+      const float p = s[i];
+      for (int64_t c = 0; c < d; ++c) acc[c] += p * r[c];
+    }
+  }
+}
+
+// Software prefetch of the K/V rows of keys [t_from, t_to): blocks sit at random places of the
+// pool, so the hardware prefetcher loses the stream at every block boundary.
+template <typename T>
+inline void prefetch_rows(const Geometry& g, const T* kh, const T* vh, const int32_t* table,
+                          int64_t t_from, int64_t t_to) {
+  if (t_from >= t_to) return;
+  const int64_t row_bytes = g.head_dim * static_cast<int64_t>(sizeof(T));
+  int64_t blk = t_from / g.block_size, off = t_from % g.block_size;  // one division per call
+  for (int64_t t = t_from; t < t_to; ++t) {
+    const int64_t page = table[blk];
+    const char* kr = reinterpret_cast<const char*>(kh + page * g.k_stride_blk + off * g.k_stride_tok);
+    const char* vr = reinterpret_cast<const char*>(vh + page * g.v_stride_blk + off * g.v_stride_tok);
+    for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+      __builtin_prefetch(kr + byte, 0, 3);
+      __builtin_prefetch(vr + byte, 0, 3);
+    }
+    if (++off == g.block_size) {
+      off = 0;
+      ++blk;
+    }
+  }
+}
+
+// One work item: keys [t_begin, t_end) of sequence b for KV head kvh. Leaves (acc, m, l) in w.
+// kDot (bf16 q and cache, VDPBF16PS tile): q and K stay raw bf16, only V rows are widened.
+template <typename T, typename QT, bool kDot>
+void attend(const Geometry& g, const QT* q, const T* kc, const T* vc, const int32_t* table,
+            int64_t b, int64_t kvh, int64_t t_begin, int64_t t_end, Scratch& w, TileFn tile) {
+  const int64_t d = g.head_dim;
+  for (int64_t h = 0; h < g.group; ++h) {
+    const QT* qr = q + b * g.q_stride_b + (kvh * g.group + h) * g.q_stride_h;
+    if constexpr (kDot) {
+      uint16_t* qb = w.qb.data() + h * (g.dpad + 2 * kLanes);
+      std::memcpy(qb, qr, d * sizeof(uint16_t));
+      std::fill(qb + d, qb + g.dpad + 2 * kLanes, uint16_t{0});
+    } else {
+      float* qf = w.q.data() + h * g.dpad;
+      for (int64_t c = 0; c < d; ++c) qf[c] = to_f(qr[c]) * g.scale;
+      std::fill(qf + d, qf + g.dpad, 0.f);
+    }
+    std::fill(w.acc.data() + h * g.dpad, w.acc.data() + (h + 1) * g.dpad, 0.f);
+    w.m[h] = kNegInf;
+    w.l[h] = 0.f;
+  }
+  const T* kh = kc + kvh * g.k_stride_h;
+  const T* vh = vc + kvh * g.v_stride_h;
+  prefetch_rows(g, kh, vh, table, t_begin, std::min(t_begin + kTile, t_end));
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) {
+    const int64_t n = std::min(kTile, t_end - t0);
+    prefetch_rows(g, kh, vh, table, t0 + n, std::min(t0 + n + kTile, t_end));  // next tile
+    int64_t blk = t0 / g.block_size, off = t0 % g.block_size;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t page = table[blk];
+      const T* kr = kh + page * g.k_stride_blk + off * g.k_stride_tok;
+      const T* vr = vh + page * g.v_stride_blk + off * g.v_stride_tok;
+      if constexpr (std::is_same_v<T, float>) {  // fp32 rows are read in place
+        w.krow[i] = kr;
+        w.vrow[i] = vr;
+      } else if constexpr (kDot) {  // K read in place as bf16, V widened
+        w.kraw[i] = reinterpret_cast<const uint16_t*>(kr);
+        row_to_float(vr, w.v.data() + i * g.dpad, d);
+        w.vrow[i] = w.v.data() + i * g.dpad;
+      } else {  // 16-bit rows widen into the tile buffer (L1-resident) once per group
+        row_to_float(kr, w.k.data() + i * g.dpad, d);
+        row_to_float(vr, w.v.data() + i * g.dpad, d);
+        w.krow[i] = w.k.data() + i * g.dpad;
+        w.vrow[i] = w.v.data() + i * g.dpad;
+      }
+      if (++off == g.block_size) {
+        off = 0;
+        ++blk;
+      }
+    }
+    tile(g, w, n);
+  }
+}
+
+// Partition p of a sequence of length L: absolute keys [first, last) it covers.
+inline void partition_range(const Geometry& g, int64_t L, int64_t p, int64_t* first,
+                            int64_t* last) {
+  const int64_t lo = g.window > 0 ? std::max<int64_t>(0, L - g.window) : 0;
+  *first = std::max(lo, p * g.partition);
+  *last = std::min(L, (p + 1) * g.partition);
+}
+
+// T: the cache dtype; QT: q's and the output's (T itself, or float over a 16-bit cache).
+template <typename T, typename QT>
+void run(const Geometry& g, const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+         const at::Tensor& tables, const std::vector<int64_t>& lens, at::Tensor& out,
+         bool vectorized) {
+  const int64_t num_seqs = static_cast<int64_t>(lens.size());
+  // Items (b, h, p) in sequence order; a sequence's items are contiguous.
+  std::vector<int64_t> first_part(num_seqs), num_parts(num_seqs), item_start(num_seqs + 1, 0);
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t L = lens[b];
+    const int64_t lo = g.window > 0 ? std::max<int64_t>(0, L - g.window) : 0;
+    first_part[b] = lo / g.partition;
+    num_parts[b] = L > lo ? (L - 1) / g.partition - first_part[b] + 1 : 0;
+    item_start[b + 1] = item_start[b] + num_parts[b] * g.num_kv;
+  }
+  const int64_t num_items = item_start[num_seqs];
+  bool any_split = false;
+  for (int64_t b = 0; b < num_seqs; ++b) any_split |= num_parts[b] > 1;
+  // partials: per item [G, dpad] accumulators then G maxima then G sums
+  const int64_t part_stride = g.group * (g.dpad + 2);
+  // NOTE: uninitialised on purpose (a value-initialised vector would zero it every layer)
+  std::unique_ptr<float[]> partial(any_split ? new float[num_items * part_stride] : nullptr);
+  std::vector<int64_t> item_seq(num_items);
+  for (int64_t b = 0; b < num_seqs; ++b)
+    std::fill(item_seq.begin() + item_start[b], item_seq.begin() + item_start[b + 1], b);
+
+  TileFn tile = &tile_scalar;
+  bool dot = false;
+#if FS_AVX512
+  if (vectorized) {
+    dot = FS_BF16DOT && std::is_same_v<T, c10::BFloat16> && std::is_same_v<QT, c10::BFloat16>;
+    if (TileFn f = pick_tile_avx512(g.head_dim, dot)) tile = f;
+    else dot = false;
+  }
+#else
+  (void)vectorized;
+#endif
+  const QT* qp = q.data_ptr<QT>();
+  const T* kp = kc.data_ptr<T>();
+  const T* vp = vc.data_ptr<T>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  QT* op = out.data_ptr<QT>();
+  const int64_t d = g.head_dim;
+
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    Scratch& w = thread_scratch(g.group, g.dpad);
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t b = item_seq[it];
+      const int64_t local = it - item_start[b];
+      const int64_t kvh = local / num_parts[b];
+      const int64_t p = first_part[b] + local % num_parts[b];
+      int64_t t0 = 0, t1 = 0;
+      partition_range(g, lens[b], p, &t0, &t1);
+      if (dot)
+        attend<T, QT, true>(g, qp, kp, vp, tp + b * g.max_blocks, b, kvh, t0, t1, w, tile);
+      else
+        attend<T, QT, false>(g, qp, kp, vp, tp + b * g.max_blocks, b, kvh, t0, t1, w, tile);
+      if (num_parts[b] == 1) {
+        for (int64_t h = 0; h < g.group; ++h) {
+          QT* o = op + b * g.out_stride_b + (kvh * g.group + h) * d;
+          const float inv = 1.f / w.l[h];
+          const float* acc = w.acc.data() + h * g.dpad;
+          for (int64_t c = 0; c < d; ++c) o[c] = static_cast<QT>(acc[c] * inv);
+        }
+      } else {
+        float* dst = partial.get() + it * part_stride;
+        std::copy_n(w.acc.begin(), g.group * g.dpad, dst);
+        std::copy_n(w.m.begin(), g.group, dst + g.group * g.dpad);
+        std::copy_n(w.l.begin(), g.group, dst + g.group * g.dpad + g.group);
+      }
+    }
+  });
+
+  // Empty sequences (no visible key) give zeros, as a fully masked softmax row would not.
+  for (int64_t b = 0; b < num_seqs; ++b)
+    if (num_parts[b] == 0) out[b].zero_();
+  if (!any_split) return;
+  // Exact merge of the partitions of each (sequence, KV head), in partition order.
+  // NOTE: a few floats per partition: below ~1M of them the merge runs on the calling thread
+  // (a grain of the whole range), since waking the pool costs more than it does, and far more
+  // when the other core is busy (every parallel region then waits a scheduler time slice).
+  int64_t merge_floats = 0;
+  for (int64_t b = 0; b < num_seqs; ++b)
+    if (num_parts[b] > 1) merge_floats += num_parts[b] * g.num_kv * part_stride;
+  const int64_t num_bh = num_seqs * g.num_kv;
+  const int64_t grain = merge_floats < (1 << 20) ? num_bh : 1;
+  at::parallel_for(0, num_bh, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(g.dpad);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / g.num_kv, kvh = bh % g.num_kv;
+      const int64_t np = num_parts[b];
+      if (np <= 1) continue;
+      const float* base = partial.get() + (item_start[b] + kvh * np) * part_stride;
+      for (int64_t h = 0; h < g.group; ++h) {
+        float mx = kNegInf;
+        for (int64_t p = 0; p < np; ++p)
+          mx = std::max(mx, base[p * part_stride + g.group * g.dpad + h]);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        float den = 0.f;
+        for (int64_t p = 0; p < np; ++p) {
+          const float* part = base + p * part_stride;
+          const float wgt = std::exp(part[g.group * g.dpad + h] - mx);
+          den += wgt * part[g.group * g.dpad + g.group + h];
+          const float* a = part + h * g.dpad;
+          for (int64_t c = 0; c < d; ++c) acc[c] += wgt * a[c];
+        }
+        QT* o = op + b * g.out_stride_b + (kvh * g.group + h) * d;
+        const float inv = 1.f / den;
+        for (int64_t c = 0; c < d; ++c) o[c] = static_cast<QT>(acc[c] * inv);
+      }
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& seq_lens, double scale, int64_t window,
+                                  int64_t partition_size, bool vectorized) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "paged_decode_attention: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3, "q must be [num_seqs, num_heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "k_cache and v_cache must both be [num_kv_heads, num_blocks, block_size, head_dim]");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache dtypes differ");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() || q.scalar_type() == at::kFloat,
+              "q must have the cache's dtype, or be float32 (then so is the output)");
+  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "the head_dim axis must be contiguous");
+  TORCH_CHECK(block_tables.dim() == 2 && seq_lens.dim() == 1 &&
+                  block_tables.size(0) == q.size(0) && seq_lens.size(0) == q.size(0),
+              "block_tables [num_seqs, max_blocks] and seq_lens [num_seqs] must match q");
+  TORCH_CHECK(partition_size > 0, "partition_size must be positive");
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv = k_cache.size(0), num_blocks = k_cache.size(1);
+  const int64_t block_size = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == head_dim, "cache head_dim differs from q's");
+  TORCH_CHECK(num_kv > 0 && num_heads % num_kv == 0, "num_heads must be a multiple of num_kv_heads");
+
+  const at::Tensor tables = block_tables.to(at::kInt).contiguous();  // no-op for int32 input
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt || seq_lens.scalar_type() == at::kLong,
+              "seq_lens must be int32 or int64");
+  const at::Tensor lens_t = seq_lens.contiguous();
+  std::vector<int64_t> lens(num_seqs);
+  for (int64_t b = 0; b < num_seqs; ++b)
+    lens[b] = seq_lens.scalar_type() == at::kInt ? lens_t.data_ptr<int32_t>()[b]
+                                                 : lens_t.data_ptr<int64_t>()[b];
+  const int64_t max_blocks = tables.size(1);
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  for (int64_t b = 0; b < num_seqs; ++b) {  // never read outside the cache
+    TORCH_CHECK(lens[b] >= 0 && lens[b] <= max_blocks * block_size,
+                "seq_lens[", b, "] = ", lens[b], " exceeds its block table");
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
+    for (int64_t j = lo / block_size; j * block_size < lens[b]; ++j) {
+      const int32_t page = tp[b * max_blocks + j];
+      TORCH_CHECK(page >= 0 && page < num_blocks, "block_tables[", b, ", ", j, "] = ", page,
+                  " is not a block of the cache");
+    }
+  }
+  at::Tensor out = at::empty({num_seqs, num_heads, head_dim}, q.options());
+  Geometry g{};
+  g.num_kv = num_kv;
+  g.group = num_heads / num_kv;
+  g.head_dim = head_dim;
+  g.dpad = (head_dim + kLanes - 1) / kLanes * kLanes;
+  g.block_size = block_size;
+  g.max_blocks = max_blocks;
+  g.partition = partition_size;
+  g.window = window;
+  g.q_stride_b = q.stride(0);
+  g.q_stride_h = q.stride(1);
+  g.out_stride_b = num_heads * head_dim;
+  g.k_stride_h = k_cache.stride(0);
+  g.k_stride_blk = k_cache.stride(1);
+  g.k_stride_tok = k_cache.stride(2);
+  g.v_stride_h = v_cache.stride(0);
+  g.v_stride_blk = v_cache.stride(1);
+  g.v_stride_tok = v_cache.stride(2);
+  g.scale = static_cast<float>(scale);
+  if (num_seqs == 0) return out;
+  const bool q_f32 = q.scalar_type() == at::kFloat;
+  switch (k_cache.scalar_type()) {
+    case at::kFloat: run<float, float>(g, q, k_cache, v_cache, tables, lens, out, vectorized); break;
+    case at::kBFloat16:
+      if (q_f32) run<c10::BFloat16, float>(g, q, k_cache, v_cache, tables, lens, out, vectorized);
+      else run<c10::BFloat16, c10::BFloat16>(g, q, k_cache, v_cache, tables, lens, out, vectorized);
+      break;
+    case at::kHalf:
+      if (q_f32) run<c10::Half, float>(g, q, k_cache, v_cache, tables, lens, out, vectorized);
+      else run<c10::Half, c10::Half>(g, q, k_cache, v_cache, tables, lens, out, vectorized);
+      break;
+    default: TORCH_CHECK(false, "paged_decode_attention: float32, bfloat16 or float16 caches only");
+  }
+  return out;
+}
+
+// What this build vectorises with (for logs and tests).
+std::string paged_attention_isa() {
+#if FS_BF16DOT
+  return "avx512+bf16dot";
+#elif FS_AVX512
+  return "avx512";
+#else
+  return "scalar";
+#endif
+}
+
+}  // namespace
+
+// NOTE: a FRAGMENT, so other sources may add ops to the same "fitserve" namespace.
+TORCH_LIBRARY_FRAGMENT(fitserve, m) {
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor seq_lens, float scale, int window, int partition_size=256, bool vectorized=True) "
+      "-> Tensor");
+  m.def("paged_attention_isa() -> str", &paged_attention_isa);
+}
+
+TORCH_LIBRARY_IMPL(fitserve, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}

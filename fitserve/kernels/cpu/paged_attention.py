@@ -1,0 +1,92 @@
+"""Python side of the fused paged decode attention kernel (``paged_attention.cpp``).
+
+``torch.ops.fitserve.paged_decode_attention`` reads K/V blocks in place through the block table
+(no gather copy) with an fp32 online softmax, the G query heads of a KV head together, ragged
+lengths and sliding windows; see the C++ source for the work split. It is compiled at first use
+by :func:`fitserve.kernels.cpu.build.load_extension`; when that returns None (no compiler, a
+failed build, ``FITSERVE_DISABLE_CPP=1``) :func:`paged_attention_available` is False and the
+engine keeps its pure-torch gather path.
+
+A fake (meta) implementation is registered with the op, so ``torch.compile`` treats the call as
+one opaque node (output [num_seqs, num_heads, head_dim] in q's dtype) and traces around it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from fitserve.kernels.cpu.build import load_extension
+
+# NOTE: keys per partition. Fixed spans of absolute positions keep the result independent of
+# the batch and thread count; 256 keys fill 2 cores at batch 1 from ~300 keys up while the
+# merge stays < 1% of the work (benchmarks/bench_kernels.py --partitions compares sizes).
+DEFAULT_PARTITION = 256
+
+_lock = threading.Lock()
+_state: dict[str, bool] = {}
+
+
+def paged_attention_available() -> bool:
+    """True when the C++ op is loaded (built now if needed, cached in FITSERVE_HOME)."""
+    with _lock:
+        if "ok" not in _state:
+            _state["ok"] = load_extension("paged_attention", "paged_attention.cpp") is not None
+            if _state["ok"]:
+                _register_fake()
+        return _state["ok"]
+
+
+def _fake(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, window: int, partition_size: int = DEFAULT_PARTITION,
+    vectorized: bool = True,
+) -> torch.Tensor:
+    """Shape/dtype of the op's output for FakeTensor tracing: a fresh [B, Hq, D] like q."""
+    return q.new_empty(q.shape)
+
+
+def _register_fake() -> None:
+    torch.library.register_fake("fitserve::paged_decode_attention", _fake)
+
+
+def kernel_isa() -> str:
+    """"avx512+bf16dot", "avx512" or "scalar": what the loaded build vectorises with ("" when
+    not loaded)."""
+    if not paged_attention_available():
+        return ""
+    return str(torch.ops.fitserve.paged_attention_isa())
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    *,
+    partition_size: int = DEFAULT_PARTITION,
+    vectorized: bool = True,
+) -> torch.Tensor:
+    """One decode query per sequence over the paged, head-major cache.
+
+    q [B, Hq, D] (head_dim contiguous, any batch/head strides); k_cache, v_cache
+    [Hkv, num_blocks, block_size, D] in q's dtype (float32, bfloat16 or float16), or 16-bit
+    under a float32 q (the output is then float32: no rounding of the result); block_tables
+    [B, max_blocks] int32 (int64 is converted); seq_lens [B] keys per sequence; ``window``
+    None or <= 0 for full attention, else the query (position L-1) sees keys j with
+    (L-1) - j < window. Returns [B, Hq, D] in q's dtype; a sequence with no key gives zeros.
+    ``vectorized=False`` runs the plain C++ tile (tests compare the two).
+    Raises RuntimeError when the extension is not available (check
+    :func:`paged_attention_available` first).
+    """
+    if not _state.get("ok") and not paged_attention_available():
+        raise RuntimeError("the paged_attention C++ extension is not available")
+    out: torch.Tensor = torch.ops.fitserve.paged_decode_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, float(scale),
+        0 if window is None else int(window), int(partition_size), bool(vectorized),
+    )
+    return out

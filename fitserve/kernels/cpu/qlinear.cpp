@@ -1,0 +1,144 @@
+// fitserve::int4_linear / fitserve::int8_linear: y = x @ W^T with W in the packed layout of
+// /work/notes/contract_packed.md (fitserve/quant/packed.py), on this CPU's tier (qlinear_simd.h).
+//
+//   act_quant=True   x quantized once per call to int8 per 32 columns, integer dots
+//                    (vpdpbusd on AVX512-VNNI, maddubs on AVX2 / AVX-512), fp32 combine
+//   act_quant=False  W dequantized to fp32 (exact) and FMA'd with fp32 x
+//
+// Which kernel runs for which M: qlinear_run.h. The result is accumulated in fp32 and rounded
+// once (to nearest even) into x's dtype.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+
+#include "qlinear_run.h"
+
+namespace fitserve::qlinear {
+namespace {
+
+void check_common(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                  int64_t group, int64_t kp) {
+  TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu(), "qlinear: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "qlinear: x must be a contiguous [M, K_padded]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "qlinear: x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(group > 0 && group % 32 == 0, "qlinear: group_size must be a multiple of 32");
+  TORCH_CHECK(kp % group == 0, "qlinear: x width ", kp, " is not a multiple of G=", group);
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), "qlinear: qweight must be 2-D");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  scales.dim() == 2 && scales.size(0) == qweight.size(0) &&
+                  scales.size(1) == kp / group,
+              "qlinear: scales must be contiguous float16 [N, K_padded / G]");
+}
+
+// fp32 results of a bf16 call land here first (reused: no allocation per decode step).
+thread_local std::vector<float> tl_f32_out;
+constexpr size_t kKeepFloats = size_t{1} << 22;  // a larger buffer (> 16 MB) is freed after use
+
+void round_into(const float* src, const at::Tensor& out) {
+  auto* dst = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, out.numel(), 1 << 16, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) dst[i] = c10::BFloat16(src[i]);  // round to nearest even
+  });
+}
+
+at::Tensor run(const at::Tensor& x, const QWeight& w, bool int4, bool act_quant) {
+  const int64_t M = x.size(0), kp = x.size(1);
+  at::Tensor out = at::empty({M, w.N}, x.options());
+  if (M == 0 || w.N == 0) return out;
+  if (kp == 0) return out.zero_();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  float* op = bf16 ? scratch(tl_f32_out, M * w.N) : out.data_ptr<float>();
+  if (act_quant) {
+    const bool panels = M >= kPanelMinRows;
+    if (bf16 && panels) panels_int(x.data_ptr<c10::BFloat16>(), M, kp, w, int4, op);
+    else if (bf16) rows_int(x.data_ptr<c10::BFloat16>(), M, kp, w, int4, op);
+    else if (panels) panels_int(x.data_ptr<float>(), M, kp, w, int4, op);
+    else rows_int(x.data_ptr<float>(), M, kp, w, int4, op);
+  } else if (M >= kMmMinRows) {
+    const at::Tensor xf = x.to(at::kFloat).contiguous();
+    f32_via_mm(w, int4, xf, at::from_blob(op, {M, w.N}, xf.options()));
+  } else {
+    static thread_local std::vector<float> xbuf;
+    const float* xf = bf16 ? nullptr : x.data_ptr<float>();
+    if (bf16) {
+      float* t = scratch(xbuf, M * kp);
+      const auto* xb = x.data_ptr<c10::BFloat16>();
+      for (int64_t i = 0; i < M * kp; ++i) t[i] = static_cast<float>(xb[i]);
+      xf = t;
+    }
+    rows_f32(xf, M, kp, w, int4, op);
+  }
+  if (bf16) {
+    round_into(op, out);
+    if (tl_f32_out.size() > kKeepFloats) std::vector<float>().swap(tl_f32_out);
+  }
+  return out;
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& mins, int64_t group_size,
+                       bool act_quant) {
+  const int64_t kp = x.size(-1);
+  check_common(x, qweight, scales, group_size, kp);
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.size(1) * 2 == kp,
+              "int4_linear: qweight must be uint8 [N, K_padded / 2]");
+  const bool asym = mins.has_value() && mins->defined();
+  if (asym)
+    TORCH_CHECK(mins->scalar_type() == at::kHalf && mins->is_contiguous() &&
+                    mins->sizes() == scales.sizes(),
+                "int4_linear: mins must be contiguous float16 shaped like scales");
+  const QWeight w{qweight.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
+                  asym ? mins->data_ptr<at::Half>() : nullptr, qweight.size(0), kp / 2,
+                  kp / group_size, group_size};
+  return run(x, w, true, act_quant);
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       int64_t group_size, bool act_quant) {
+  const int64_t kp = x.size(-1);
+  check_common(x, qweight, scales, group_size, kp);
+  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.size(1) == kp,
+              "int8_linear: qweight must be int8 [N, K_padded]");
+  const QWeight w{reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>()),
+                  scales.data_ptr<at::Half>(), nullptr, qweight.size(0), kp, kp / group_size,
+                  group_size};
+  return run(x, w, false, act_quant);
+}
+
+const char* tier() {
+#if defined(FITSERVE_TIER_AVX512_VNNI)
+  return "avx512_vnni";
+#elif defined(FITSERVE_TIER_AVX512)
+  return "avx512";
+#elif defined(FITSERVE_TIER_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+std::string qlinear_tier() { return tier(); }
+
+}  // namespace
+}  // namespace fitserve::qlinear
+
+// NOTE: a FRAGMENT, so other sources (paged_attention.cpp) may add ops to namespace "fitserve".
+TORCH_LIBRARY_FRAGMENT(fitserve, m) {
+  m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int group_size, "
+        "bool act_quant) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales, int group_size, "
+        "bool act_quant) -> Tensor");
+  m.def("qlinear_tier() -> str", &fitserve::qlinear::qlinear_tier);
+}
+
+// CPU kernels only (no CompositeImplicitAutograd), so torch.compile sees opaque ops with the
+// fake kernels registered in qlinear.py.
+TORCH_LIBRARY_IMPL(fitserve, CPU, m) {
+  m.impl("int4_linear", &fitserve::qlinear::int4_linear);
+  m.impl("int8_linear", &fitserve::qlinear::int8_linear);
+}

@@ -1,0 +1,103 @@
+"""Quantized linear ops on packed int4 / int8 weights (qlinear.cpp), per the packed contract.
+
+``y = x @ W.T`` with ``W [N, K]`` stored as in fitserve/quant/packed.py
+(/work/notes/contract_packed.md):
+
+- int4: ``qweight`` uint8 ``[N, K_padded // 2]`` (per group of G columns, byte ``i`` holds
+  column ``i`` in its low nibble and ``i + G/2`` in its high nibble), ``scales`` float16
+  ``[N, K_padded // G]``, ``mins`` float16 like ``scales`` (``w = scale * q + min``) or None
+  (``w = scale * (q - 8)``); G in 32 / 64 / 128 (any multiple of 32 works).
+- int8: ``qweight`` int8 ``[N, K_padded]``, ``scales`` float16 ``[N, K_padded // G]``,
+  ``w = scale * q``; per output channel is ``G = K_padded``.
+
+``x`` is float32 or bfloat16 ``[..., K]`` or ``[..., K_padded]``; the result has x's dtype and
+``[..., N]``, accumulated in fp32.
+
+- ``act_quant=False``: the weights are dequantized exactly in fp32 and multiplied with fp32 x,
+  so the result equals the fp32 product of the dequantized weight up to fp32 summation order.
+- ``act_quant=True``: each 32 columns of x are quantized to int8 with an fp32 scale
+  ``absmax / 127`` (llama.cpp's Q8_0 / Q8_1 activations) and the dot products run in integers
+  (AVX512-VNNI vpdpbusd, or AVX2 / AVX-512 maddubs), combined in fp32. The extra error is
+  bounded by ``sum over blocks of (da / 2) * sum |w|`` over the block's columns.
+
+The functions raise RuntimeError when the extension is unavailable (no compiler, failed build,
+``FITSERVE_DISABLE_CPP=1``): check :func:`qlinear_ops_available` and fall back.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from fitserve.kernels.cpu.build import load_extension
+
+__all__ = ["int4_linear", "int8_linear", "qlinear_ops_available", "qlinear_tier"]
+
+
+@functools.cache
+def qlinear_ops_available() -> bool:
+    """True when qlinear.cpp is built and loaded (``torch.ops.fitserve.int4_linear`` & co)."""
+    if load_extension("qlinear", "qlinear.cpp") is None:
+        return False
+    _register_fakes()
+    return True
+
+
+def qlinear_tier() -> str:
+    """The ISA tier the loaded kernels were compiled for ("avx512_vnni", ..., "scalar")."""
+    _require()
+    return str(torch.ops.fitserve.qlinear_tier())
+
+
+def _int4_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+               mins: torch.Tensor | None, group_size: int, act_quant: bool) -> torch.Tensor:
+    return x.new_empty(x.shape[0], qweight.shape[0])
+
+
+def _int8_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
+               act_quant: bool) -> torch.Tensor:
+    return x.new_empty(x.shape[0], qweight.shape[0])
+
+
+def _register_fakes() -> None:
+    """Shapes for torch.compile's fake tensors: the ops stay opaque calls in the graph."""
+    torch.library.register_fake("fitserve::int4_linear", _int4_fake)
+    torch.library.register_fake("fitserve::int8_linear", _int8_fake)
+
+
+def _require() -> None:
+    if not qlinear_ops_available():
+        raise RuntimeError("fitserve qlinear C++ ops are unavailable (see the log for why); "
+                           "use the pure-torch path")
+
+
+def _as_rows(x: torch.Tensor, k_padded: int) -> torch.Tensor:
+    """x as a contiguous [M, K_padded] matrix, zero-padding the columns past K."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[1] > k_padded:
+        raise ValueError(f"x has {x2.shape[1]} columns, the weight only {k_padded}")
+    if x2.shape[1] < k_padded:
+        # NOTE: padded columns must be exactly 0 (the contract): they meet zero-padded weights
+        x2 = F.pad(x2, (0, k_padded - x2.shape[1]))
+    return x2.contiguous()
+
+
+def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                mins: torch.Tensor | None, group_size: int, act_quant: bool) -> torch.Tensor:
+    """``x @ W.T`` for int4 W (asymmetric with ``mins``, symmetric without): ``[..., N]``."""
+    _require()
+    x2 = _as_rows(x, qweight.shape[1] * 2)
+    y: torch.Tensor = torch.ops.fitserve.int4_linear(x2, qweight, scales, mins, group_size,
+                                                     act_quant)
+    return y.reshape(*x.shape[:-1], qweight.shape[0])
+
+
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
+                act_quant: bool) -> torch.Tensor:
+    """``x @ W.T`` for int8 W in groups of ``group_size`` columns: ``[..., N]``."""
+    _require()
+    x2 = _as_rows(x, qweight.shape[1])
+    y: torch.Tensor = torch.ops.fitserve.int8_linear(x2, qweight, scales, group_size, act_quant)
+    return y.reshape(*x.shape[:-1], qweight.shape[0])

@@ -1,0 +1,111 @@
+// Activations quantized once per call for the integer path, laid out in the weight's byte order.
+//
+// Each row of x [M, Kp] is cut into 32-column blocks; block b gets da_b = absmax / 127 (fp32)
+// and a_q = round(x * 127 / absmax) in [-127, 127] (llama.cpp's Q8_0 / Q8_1 activations). The
+// bytes are then permuted to the order of the packed weight row (qlinear_tiles.h), with one
+// fp32 da per 4-byte lane, so the tiles never shuffle weights.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "qlinear_tiles.h"
+
+namespace fitserve::qlinear {
+
+constexpr int64_t kActBlock = 32;
+
+// Sizes of one call's activation buffers and chunk map, for a weight row of row_bytes bytes in
+// groups of group_bytes bytes (int4: G / 2 bytes hold G columns; int8: G bytes).
+struct ActLayout {
+  int64_t row_bytes, group_bytes, halves, nchunks, a_stride, d_stride;
+  ActLayout(int64_t row_bytes_, int64_t group_bytes_, int64_t halves_)
+      : row_bytes(row_bytes_), group_bytes(group_bytes_), halves(halves_),
+        nchunks((row_bytes_ + S::kBytes - 1) / S::kBytes),
+        a_stride(nchunks * halves_ * S::kBytes), d_stride(nchunks * halves_ * S::kLanes) {}
+};
+
+// The chunk -> group map of a weight row (owns its storage; `view()` is what tiles read).
+struct ChunkTable {
+  std::vector<int32_t> g0, idx;
+  std::vector<S::HMask> hm;
+  int64_t nchunks, nfull;
+  explicit ChunkTable(const ActLayout& L)
+      : g0(L.nchunks), idx(L.nchunks * S::kLanes, 0), hm(L.nchunks), nchunks(L.nchunks),
+        nfull(L.row_bytes / S::kBytes) {
+    for (int64_t c = 0; c < L.nchunks; ++c) {
+      const int64_t first = c * S::kBytes;
+      const int64_t last = std::min(L.row_bytes, first + S::kBytes) - 1;
+      g0[c] = static_cast<int32_t>(first / L.group_bytes);
+      hm[c] = S::hmask(static_cast<int>(last / L.group_bytes - g0[c] + 1));
+      for (int l = 0; l < S::kLanes; ++l) {
+        const int64_t b = first + 4 * l;
+        if (b < L.row_bytes)
+          idx[c * S::kLanes + l] = static_cast<int32_t>(b / L.group_bytes - g0[c]);
+      }
+    }
+  }
+  ChunkMap view() const { return {g0.data(), hm.data(), idx.data(), nchunks, nfull}; }
+};
+
+// Block-quantize one row: aq [kp], da / isum [kp / 32].
+template <class T>
+inline void quantize_row(const T* x, int64_t kp, int8_t* aq, float* da, int32_t* isum) {
+  for (int64_t b = 0; b < kp / kActBlock; ++b) {
+    if constexpr (std::is_same_v<T, float>) {
+      S::quant32(x + b * kActBlock, aq + b * kActBlock, da[b], isum[b]);
+    } else {
+      float v[kActBlock];
+      for (int i = 0; i < kActBlock; ++i) v[i] = static_cast<float>(x[b * kActBlock + i]);
+      S::quant32(v, aq + b * kActBlock, da[b], isum[b]);
+    }
+  }
+}
+
+// S_g = sum over the 32-column blocks b of group g of da_b * sum(a_q in b) (the int4 offsets).
+inline void group_sums(const float* da, const int32_t* isum, int64_t kp, int64_t group, float* sg) {
+  const int64_t per_group = group / kActBlock;
+  for (int64_t g = 0; g < kp / group; ++g) {
+    float s = 0.f;
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b)
+      s += da[b] * static_cast<float>(isum[b]);
+    sg[g] = s;
+  }
+}
+
+// int4 layout of one row: A [nchunks][2][kBytes], D [nchunks][2][kLanes], Sg [ngroups].
+inline void layout_int4_row(const int8_t* aq, const float* da, const int32_t* isum, int64_t kp,
+                            int64_t group, const ActLayout& L, int8_t* A, float* D, float* Sg) {
+  const int64_t half = group / 2;
+  for (int64_t c = 0; c < L.nchunks; ++c) {
+    for (int64_t h = 0; h < 2; ++h) {
+      int8_t* a = A + (c * 2 + h) * S::kBytes;
+      float* d = D + (c * 2 + h) * S::kLanes;
+      for (int64_t j = 0; j < S::kBytes; ++j) {
+        const int64_t b = c * S::kBytes + j;
+        const int64_t col = (b / half) * group + b % half + h * half;
+        const bool ok = b < L.row_bytes;
+        a[j] = ok ? aq[col] : 0;
+        if (j % 4 == 0) d[j / 4] = ok ? da[col / kActBlock] : 0.f;
+      }
+    }
+  }
+  group_sums(da, isum, kp, group, Sg);
+}
+
+// int8 layout of one row: A [nchunks][kBytes] (biased by kAct8Xor), D [nchunks][kLanes].
+inline void layout_int8_row(const int8_t* aq, const float* da, const ActLayout& L, int8_t* A,
+                            float* D) {
+  for (int64_t b = 0; b < L.nchunks * S::kBytes; ++b) {
+    const bool ok = b < L.row_bytes;
+    A[b] = static_cast<int8_t>(static_cast<uint8_t>(ok ? aq[b] : 0) ^ S::kAct8Xor);
+    if (b % 4 == 0) D[b / 4] = ok ? da[b / kActBlock] : 0.f;
+  }
+}
+
+}  // namespace fitserve::qlinear

@@ -1,0 +1,235 @@
+// The three ways qlinear.cpp runs a call, each parallel over output rows N (at::parallel_for,
+// so torch.set_num_threads applies):
+//
+//   rows_int / rows_f32  M < kPanelMinRows (int) / kMmMinRows (fp32): row-major register tiles
+//                        (qlinear_tiles.h) of NT weight rows x MT rows of x, over blocks of N
+//   panels_int           M >= kPanelMinRows: "lane = output row" panels (qlinear_panel.h)
+//   f32_via_mm           M >= kMmMinRows: W dequantized exactly, panel by panel, + at::mm
+//
+// Scratch memory (quantized x, fp32 out before bf16 rounding, panels) lives in thread_local
+// vectors that are reused across calls: a decode step calls these ops hundreds of times, and a
+// fresh allocation per call (an mmap + page faults for the larger ones) costs more than the work.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <vector>
+
+#include "qlinear_act.h"
+#include "qlinear_panel.h"
+#include "qlinear_tiles.h"
+
+namespace fitserve::qlinear {
+
+// NOTE: the crossovers, measured on the Xeon (AVX512-VNNI + AMX) this was written on, one
+// thread, SmolLM2 shapes: panels pay for their packing from ~4 rows of x (2 rows: 1.3x slower,
+// 4: 1.2-1.3x faster than the row tiles); at::mm on exactly dequantized panels beats the fp32
+// register tiles from ~16 rows.
+constexpr int64_t kPanelMinRows = 4;
+constexpr int64_t kMmMinRows = 16;
+constexpr int64_t kPanelMaxRows = 512;     // rows of x per pass over the int panels (in L2)
+constexpr int64_t kMmPanelBytes = 1 << 21;  // fp32 weight panel of the at::mm path
+
+template <class T>
+T* scratch(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v.data();
+}
+
+// ---- row-major tiles --------------------------------------------------------------------
+
+// Weight rows per parallel block: a multiple of 4 (every NT), <= 32, >= 4 blocks per thread.
+inline int64_t block_rows(int64_t N) {
+  const int64_t want = N / (4 * std::max<int64_t>(1, at::get_num_threads()));
+  return std::clamp<int64_t>((want / 4) * 4, 4, 32);
+}
+
+// Rows [n_begin, n_end) of y for all M rows of x: M in tiles of 4, then 2, then 1.
+template <class K>
+void run_rows(const K& k, int64_t M, int64_t n_begin, int64_t n_end) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4)
+    for (int64_t n = n_begin; n < n_end; n += 2) k.template tile<2, 4>(n, m);
+  if (m + 2 <= M) {
+    for (int64_t n = n_begin; n < n_end; n += 4) k.template tile<4, 2>(n, m);
+    m += 2;
+  }
+  if (m < M)
+    for (int64_t n = n_begin; n < n_end; n += 4) k.template tile<4, 1>(n, m);
+}
+
+template <class K>
+void run_row_blocks(const K& k, int64_t N, int64_t M) {
+  const int64_t nb = block_rows(N);
+  at::parallel_for(0, (N + nb - 1) / nb, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) run_rows(k, M, b * nb, std::min(N, (b + 1) * nb));
+  });
+}
+
+template <bool kAsym, bool kOneBlock>
+struct Int4Aq {
+  const QWeight& w; const QAct& x; const ChunkMap& cm; float* out;
+  template <int NT, int MT>
+  void tile(int64_t n0, int64_t m0) const {
+    int4_aq_tile<NT, MT, kAsym, kOneBlock>(w, x, cm, n0, m0, out, w.N);
+  }
+};
+
+struct Int8Aq {
+  const QWeight& w; const QAct& x; const ChunkMap& cm; float* out;
+  template <int NT, int MT>
+  void tile(int64_t n0, int64_t m0) const { int8_aq_tile<NT, MT>(w, x, cm, n0, m0, out, w.N); }
+};
+
+template <bool kAsym>
+struct Int4F32 {
+  const QWeight& w; const float* x; int64_t ldx; float* out;
+  template <int NT, int MT>
+  void tile(int64_t n0, int64_t m0) const {
+    int4_f32_tile<NT, MT, kAsym>(w, x, ldx, n0, m0, out, w.N);
+  }
+};
+
+struct Int8F32 {
+  const QWeight& w; const float* x; int64_t ldx; float* out;
+  template <int NT, int MT>
+  void tile(int64_t n0, int64_t m0) const { int8_f32_tile<NT, MT>(w, x, ldx, n0, m0, out, w.N); }
+};
+
+// act_quant=True, small M: x quantized into the weight's byte order, then row-major tiles.
+template <class T>
+void rows_int(const T* x, int64_t M, int64_t kp, const QWeight& w, bool int4, float* out) {
+  static thread_local std::vector<int8_t> a_buf, aq_buf;
+  static thread_local std::vector<float> d_buf, s_buf, da_buf;
+  static thread_local std::vector<int32_t> isum_buf;
+  const ActLayout L(w.row_bytes, int4 ? w.group / 2 : w.group, int4 ? 2 : 1);
+  const ChunkTable table(L);
+  const ChunkMap cm = table.view();
+  int8_t* A = scratch(a_buf, M * L.a_stride);
+  float* D = scratch(d_buf, M * L.d_stride);
+  float* Sg = int4 ? scratch(s_buf, M * w.ngroups) : nullptr;
+  int8_t* aq = scratch(aq_buf, kp);
+  float* da = scratch(da_buf, kp / kActBlock);
+  int32_t* isum = scratch(isum_buf, kp / kActBlock);
+  for (int64_t m = 0; m < M; ++m) {  // M < kPanelMinRows: not worth a parallel region
+    quantize_row(x + m * kp, kp, aq, da, isum);
+    if (int4)
+      layout_int4_row(aq, da, isum, kp, w.group, L, A + m * L.a_stride, D + m * L.d_stride,
+                      Sg + m * w.ngroups);
+    else
+      layout_int8_row(aq, da, L, A + m * L.a_stride, D + m * L.d_stride);
+  }
+  const QAct xa{A, D, Sg, L.a_stride, L.d_stride};
+  const bool asym = w.mins != nullptr, one = w.group == kActBlock;
+  if (!int4) run_row_blocks(Int8Aq{w, xa, cm, out}, w.N, M);
+  else if (asym && one) run_row_blocks(Int4Aq<true, true>{w, xa, cm, out}, w.N, M);
+  else if (asym) run_row_blocks(Int4Aq<true, false>{w, xa, cm, out}, w.N, M);
+  else if (one) run_row_blocks(Int4Aq<false, true>{w, xa, cm, out}, w.N, M);
+  else run_row_blocks(Int4Aq<false, false>{w, xa, cm, out}, w.N, M);
+}
+
+// act_quant=False, small M: fp32 x (row stride kp), weights dequantized in registers.
+inline void rows_f32(const float* x, int64_t M, int64_t kp, const QWeight& w, bool int4,
+                     float* out) {
+  if (!int4) run_row_blocks(Int8F32{w, x, kp, out}, w.N, M);
+  else if (w.mins) run_row_blocks(Int4F32<true>{w, x, kp, out}, w.N, M);
+  else run_row_blocks(Int4F32<false>{w, x, kp, out}, w.N, M);
+}
+
+// ---- panels (integer path, many rows) ---------------------------------------------------
+
+// One panel against rows [m_begin, m_end) of x: tiles of kPanelMT rows, then 4, 2, 1.
+template <class K>
+void panel_rows(const K& k, const Panel& p, int64_t n0, int64_t m_begin, int64_t m_end) {
+  constexpr int MT = S::kPanelMT;
+  int64_t m = m_begin;
+  for (; m + MT <= m_end; m += MT) k.template tile<MT>(p, n0, m);
+  if constexpr (MT > 4) {
+    if (m + 4 <= m_end) {
+      k.template tile<4>(p, n0, m);
+      m += 4;
+    }
+  }
+  if (m + 2 <= m_end) {
+    k.template tile<2>(p, n0, m);
+    m += 2;
+  }
+  if (m < m_end) k.template tile<1>(p, n0, m);
+}
+
+template <int kSeg, bool kOneBlock>
+struct Int4Panel {
+  const QWeight& w; const NatAct& x; float* out;
+  template <int MT>
+  void tile(const Panel& p, int64_t n0, int64_t m0) const {
+    int4_panel_tile<MT, kSeg, kOneBlock>(w, p, x, n0, m0, out, w.N);
+  }
+};
+
+struct Int8Panel {
+  const QWeight& w; const NatAct& x; float* out;
+  template <int MT>
+  void tile(const Panel& p, int64_t n0, int64_t m0) const {
+    int8_panel_tile<MT>(w, p, x, n0, m0, out, w.N);
+  }
+};
+
+template <class T>
+void panels_int(const T* x, int64_t M, int64_t kp, const QWeight& w, bool int4, float* out) {
+  static thread_local std::vector<int8_t> aq_buf;
+  static thread_local std::vector<float> da_buf, sg_buf;
+  static thread_local std::vector<int32_t> isum_buf;
+  const int64_t nblk = kp / kActBlock;
+  int8_t* aq = scratch(aq_buf, M * kp);
+  float* da = scratch(da_buf, M * nblk);
+  int32_t* isum = scratch(isum_buf, M * nblk);
+  float* sg = int4 ? scratch(sg_buf, M * w.ngroups) : nullptr;
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / kp), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      quantize_row(x + m * kp, kp, aq + m * kp, da + m * nblk, isum + m * nblk);
+      if (int4) group_sums(da + m * nblk, isum + m * nblk, kp, w.group, sg + m * w.ngroups);
+    }
+  });
+  const NatAct xa{aq, da, isum, sg, kp, nblk};
+  const int64_t npanels = (w.N + S::kLanes - 1) / S::kLanes, half = w.group / 2;
+  for (int64_t mb = 0; mb < M; mb += kPanelMaxRows) {
+    const int64_t me = std::min(M, mb + kPanelMaxRows);
+    at::parallel_for(0, npanels, 1, [&](int64_t p0, int64_t p1) {
+      static thread_local Panel panel;  // per worker thread
+      for (int64_t pi = p0; pi < p1; ++pi) {
+        const int64_t n0 = pi * S::kLanes;
+        panel.pack(w, int4, n0);
+        if (!int4)
+          panel_rows(Int8Panel{w, xa, out}, panel, n0, mb, me);
+        else if (w.group == kActBlock)
+          panel_rows(Int4Panel<16, true>{w, xa, out}, panel, n0, mb, me);
+        else if (half % 32 == 0)
+          panel_rows(Int4Panel<32, false>{w, xa, out}, panel, n0, mb, me);
+        else
+          panel_rows(Int4Panel<16, false>{w, xa, out}, panel, n0, mb, me);
+      }
+    });
+  }
+}
+
+// ---- fp32 path, many rows: exact dequantization + at::mm ---------------------------------
+
+// xf: fp32 [M, kp]; out: fp32 [M, N] (row stride N).
+inline void f32_via_mm(const QWeight& w, bool int4, const at::Tensor& xf, const at::Tensor& out) {
+  const int64_t kp = xf.size(1);
+  const int64_t rows = std::clamp<int64_t>(kMmPanelBytes / (4 * kp) / 16 * 16, 16, w.N);
+  static thread_local std::vector<float> buf;
+  float* pp = scratch(buf, rows * kp);
+  const at::Tensor panel = at::from_blob(pp, {rows, kp}, xf.options());
+  for (int64_t n0 = 0; n0 < w.N; n0 += rows) {
+    const int64_t nr = std::min(rows, w.N - n0);
+    at::parallel_for(0, nr, 8, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) dequant_row(w, int4, n0 + r, pp + r * kp);
+    });
+    at::Tensor dst = out.narrow(1, n0, nr);  // strides (N, 1): BLAS writes it in place
+    at::mm_out(dst, xf, panel.narrow(0, 0, nr).t());
+  }
+}
+
+}  // namespace fitserve::qlinear

@@ -1,0 +1,158 @@
+// Simd for the avx2 tier (AVX2 + FMA + F16C): 32-byte chunks, 8 lanes.
+// Included by qlinear_simd.h only (the vocabulary is explained there).
+#pragma once
+
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include <immintrin.h>
+
+namespace fitserve::qlinear {
+
+struct Simd {
+  static constexpr int kBytes = 32;
+  static constexpr int kLanes = 8;
+  static constexpr int kFloatBytes = 8;
+  static constexpr int kPanelMT = 4;
+  static constexpr uint8_t kAct8Xor = 0x00;
+  using B = __m256i;
+  using I = __m256i;
+  using F = __m256;
+
+  static B load_bytes(const void* p, int n) {
+    if (n >= kBytes) return _mm256_loadu_si256(static_cast<const __m256i*>(p));
+    alignas(32) uint8_t buf[kBytes] = {};
+    std::memcpy(buf, p, n);
+    return _mm256_load_si256(reinterpret_cast<const __m256i*>(buf));
+  }
+  static B nib_lo(B w) { return _mm256_and_si256(w, _mm256_set1_epi8(0x0F)); }
+  static B nib_hi(B w) { return _mm256_and_si256(_mm256_srli_epi16(w, 4), _mm256_set1_epi8(0x0F)); }
+  static I izero() { return _mm256_setzero_si256(); }
+  static I dot_u4(I acc, B u, B s) {
+    const I pairs = _mm256_maddubs_epi16(u, s);  // 2 * 15 * 127 < 2^15
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
+  struct W8 { B absw; B w; };
+  static W8 prep_w8(B w) { return {_mm256_sign_epi8(w, w), w}; }
+  static I dot_w8(const W8& w, B a) {
+    const B sa = _mm256_sign_epi8(a, w.w);  // |pair sum| <= 2 * 128 * 127 < 2^15
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w.absw, sa), _mm256_set1_epi16(1));
+  }
+
+  static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+  static F fzero() { return _mm256_setzero_ps(); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F loadf(const float* p, int n) {
+    if (n >= kLanes) return _mm256_loadu_ps(p);
+    alignas(32) float buf[kLanes] = {};
+    std::memcpy(buf, p, n * sizeof(float));
+    return _mm256_load_ps(buf);
+  }
+  using HMask = int;
+  static HMask hmask(int n) { return n; }
+  static F load_half(const at::Half* p, int n) {
+    if (n >= kLanes) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    alignas(16) uint16_t buf[kLanes] = {};
+    std::memcpy(buf, p, (n >= kLanes ? kLanes : n) * sizeof(uint16_t));
+    return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(buf)));
+  }
+  using P = __m256i;
+  static P load_perm(const int32_t* idx) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx));
+  }
+  static F permute(F v, P idx) { return _mm256_permutevar8x32_ps(v, idx); }
+  static float h2f(at::Half h) { return _cvtsh_ss(h.x); }
+  static float hsum(F v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static void nib_f(const uint8_t* p, F& lo, F& hi) {
+    const __m256i v =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0F)));
+    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+  }
+  static F i8_f(const int8_t* p) {
+    return _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  // ---- panel kernels (qlinear_panel.h): lanes are weight rows
+  static B loadb(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+  static B bcast4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+  }
+  static I iset1(int32_t v) { return _mm256_set1_epi32(v); }
+  static constexpr bool kW8Biased = false;
+  static I dot_w8p(I acc, B w, B a) { return _mm256_add_epi32(acc, dot_w8(prep_w8(w), a)); }
+  static void storef(float* p, F v, int n) {
+    if (n >= kLanes) return _mm256_storeu_ps(p, v);
+    alignas(32) float buf[kLanes];
+    _mm256_store_ps(buf, v);
+    std::memcpy(p, buf, n * sizeof(float));
+  }
+  static void transpose_dwords(const uint8_t* const* rows, int64_t off, uint32_t* out) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; ++i)
+      r[i] = _mm256_castsi256_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[i] + off)));
+    for (int i = 0; i < 8; i += 2) {
+      t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+      r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+      r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+      r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+      r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; ++i) {
+      float* o = reinterpret_cast<float*>(out);
+      _mm256_storeu_ps(o + i * 8, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+      _mm256_storeu_ps(o + (i + 4) * 8, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+    }
+  }
+
+  static void quant32(const float* x, int8_t* q, float& da, int32_t& isum) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 m = _mm256_andnot_ps(sign, _mm256_loadu_ps(x));
+    for (int i = 8; i < 32; i += 8)
+      m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    const __m256 id = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    alignas(32) int32_t t[32];
+    for (int i = 0; i < 32; i += 8) {
+      const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), id));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(t + i),
+                         _mm256_max_epi32(_mm256_min_epi32(v, _mm256_set1_epi32(127)),
+                                          _mm256_set1_epi32(-127)));
+    }
+    int32_t s = 0;
+    for (int i = 0; i < 32; ++i) {
+      q[i] = static_cast<int8_t>(t[i]);
+      s += t[i];
+    }
+    isum = s;
+    // NOTE: a NaN / inf in x must not vanish in the rounding: its block scale becomes NaN
+    __m256 z = _mm256_setzero_ps();
+    for (int i = 0; i < 32; i += 8)
+      z = _mm256_add_ps(z, _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_setzero_ps()));
+    da = amax / 127.f + hsum(z);
+  }
+};
+
+}  // namespace fitserve::qlinear

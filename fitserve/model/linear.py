@@ -1,0 +1,325 @@
+"""The one place that runs a weight in its stored format: packed int4/int8 linear layers and
+the packed embedding, each choosing a kernel per ISA and batch size from a measured table.
+
+    PackedLinear(pw)(x [..., K]) -> [..., N]      x float32 or bfloat16; y in x's dtype
+    PackedEmbedding(pw, dtype)(ids [T]) -> [T, K] gather the packed rows, dequantize only them
+
+Kernels (``CANDIDATES``; each says for which weights it applies):
+
+    cpp        torch.ops.fitserve.int4_linear / int8_linear, act_quant=False (dequantize in
+               registers, fp32 FMA; exact up to fp32 sums)           [fitserve/kernels/cpu]
+    cpp-aq     the same ops with act_quant=True (x quantized to int8 per 32 columns, integer
+               dot products; llama.cpp's Q8 activations)
+    aten-int8  torch.ops.aten._weight_int8pack_mm, per-channel int8 only (scales cast to x's
+               dtype: a bf16 scale is the f16 one rounded to 8 bits)
+    aten-int4  torch.ops.aten._weight_int4pack_mm_for_cpu (needs its own weight layout, built
+               on first use and cached: a second copy, so it is never in the table below)
+    torch      dequantize (float32 math) in row chunks to x's dtype + F.linear: always correct
+
+The choice is ``RULES[(isa, layout, shape class, dtype)]``: an ordered preference list, the
+first candidate that is available and applies is used (``torch`` ends every list). Shape
+classes by rows M of x: "1" (decode of one sequence), "small" (M <= 16), "large" (M <= 256)
+and "prefill" (more).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fitserve.quant.packed import PackedWeight, dequantize_rows, gather_rows, unpack_int4
+
+# Rows of the weight dequantized at once by the pure-torch path: bounds its scratch to
+# ~1M elements (4 MiB of fp32) whatever the layer (the tied lm_head is 49152 x 576).
+_TORCH_CHUNK_ELEMENTS = 1 << 20
+
+
+def shape_class(m: int) -> str:
+    """"1", "small" (M <= 16), "large" (M <= 256) or "prefill": the rows of x the kernel
+    table is keyed by.
+
+    NOTE: a fourth class past 256 rows: the measured crossover where dequantizing to bf16 and
+    torch's AMX GEMM overtakes the packed kernels lies between M = 128 and M = 512.
+    """
+    if m == 1:
+        return "1"
+    return "small" if m <= 16 else ("large" if m <= 256 else "prefill")
+
+
+def layout_key(pw: PackedWeight) -> str:
+    """"int4-asym", "int4-sym", "int8-group" or "int8-channel"."""
+    if pw.kind == "int4":
+        return "int4-sym" if pw.symmetric else "int4-asym"
+    return "int8-channel" if pw.per_channel else "int8-group"
+
+
+# -- candidates ------------------------------------------------------------------------------
+@functools.cache
+def cpp_ops_available() -> bool:
+    """Whether fitserve's C++ int4/int8 linear ops are built and loaded."""
+    try:
+        from fitserve.kernels.cpu import qlinear
+    except ImportError:
+        return False
+    try:
+        return bool(qlinear.qlinear_ops_available())
+    except Exception:  # a broken build counts as absent: the pure-torch path runs
+        return False
+
+
+def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
+    return x if x.shape[1] == width else F.pad(x, (0, width - x.shape[1]))
+
+
+def run_torch(pw: PackedWeight, x: torch.Tensor, cache: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Dequantize row chunks (float32 math) to x's dtype and F.linear: the reference path."""
+    rows = max(1, _TORCH_CHUNK_ELEMENTS // pw.K_padded)
+    outs = []
+    for r0 in range(0, pw.N, rows):
+        r1 = min(pw.N, r0 + rows)
+        q = pw.qweight[r0:r1]
+        codes = unpack_int4(q, pw.group_size) if pw.kind == "int4" else q
+        mins = None if pw.mins is None else pw.mins[r0:r1]
+        w = dequantize_rows(pw.kind, codes, pw.scales[r0:r1], mins, pw.group_size)
+        outs.append(F.linear(x, w[:, : pw.K].to(x.dtype)))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def _run_cpp(act_quant: bool) -> Callable[[PackedWeight, torch.Tensor, dict[str, torch.Tensor]],
+                                         torch.Tensor]:
+    def run(pw: PackedWeight, x: torch.Tensor, cache: dict[str, torch.Tensor]) -> torch.Tensor:
+        from fitserve.kernels.cpu import qlinear
+
+        xp = _pad(x.contiguous(), pw.K_padded)
+        if pw.kind == "int4":
+            out: torch.Tensor = qlinear.int4_linear(xp, pw.qweight, pw.scales, pw.mins,
+                                                    pw.group_size, act_quant)
+        else:
+            out = qlinear.int8_linear(xp, pw.qweight, pw.scales, pw.group_size, act_quant)
+        return out
+
+    return run
+
+
+def run_aten_int8(pw: PackedWeight, x: torch.Tensor, cache: dict[str, torch.Tensor]) -> torch.Tensor:
+    """torch's weight-only int8 GEMM (per output channel)."""
+    key = f"aten-int8-scales-{x.dtype}"
+    if key not in cache:  # N values: the f16 scales in x's dtype (tiny, kept)
+        cache[key] = pw.scales.reshape(-1).to(x.dtype)
+    xp = _pad(x.contiguous(), pw.K_padded)
+    out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(xp, pw.qweight, cache[key])
+    return out
+
+
+def run_aten_int4(pw: PackedWeight, x: torch.Tensor, cache: dict[str, torch.Tensor]) -> torch.Tensor:
+    """torch's int4 GEMM for CPU: w = (q - 8) * scale + zero, zero = min + 8 * scale."""
+    if "aten-int4-weight" not in cache:
+        codes = unpack_int4(pw.qweight, pw.group_size).to(torch.int32)
+        cache["aten-int4-weight"] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+    key = f"aten-int4-sz-{x.dtype}"
+    if key not in cache:
+        s = pw.scales.to(torch.float32)
+        zero = torch.zeros_like(s) if pw.mins is None else pw.mins.to(torch.float32) + 8 * s
+        cache[key] = torch.stack((s.t(), zero.t()), dim=-1).to(x.dtype).contiguous()
+    xp = _pad(x.contiguous(), pw.K_padded)
+    out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        xp, cache["aten-int4-weight"], pw.group_size, cache[key])
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A kernel: ``applies(pw, dtype)`` says whether it can run this weight for x of dtype."""
+
+    name: str
+    run: Callable[[PackedWeight, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
+    applies: Callable[[PackedWeight, torch.dtype], bool]
+
+
+def _float_x(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float32, torch.bfloat16)
+
+
+CANDIDATES: dict[str, Candidate] = {
+    c.name: c
+    for c in (
+        Candidate("cpp", _run_cpp(False), lambda pw, dt: _float_x(dt) and cpp_ops_available()),
+        Candidate("cpp-aq", _run_cpp(True), lambda pw, dt: _float_x(dt) and cpp_ops_available()),
+        Candidate("aten-int8", run_aten_int8,
+                  lambda pw, dt: _float_x(dt) and pw.per_channel and pw.K_padded % 32 == 0),
+        Candidate("aten-int4", run_aten_int4,
+                  lambda pw, dt: _float_x(dt) and pw.kind == "int4" and pw.N % 16 == 0
+                  and pw.group_size in (32, 64, 128, 256)),
+        Candidate("torch", run_torch, lambda pw, dt: True),
+    )
+}
+
+# -- the measured table ----------------------------------------------------------------------
+# NOTE: measured with `python benchmarks/bench_linear.py --runs 7` (and `--dtype f32 --runs 5`):
+# 2 threads, medians after a warm-up, SmolLM2-135M's shapes, on "Intel(R) Xeon(R) Processor"
+# (Sapphire Rapids class), ISA avx2 avx512 avx512_vnni avx512_bf16 avx_vnni amx_bf16 amx_int8
+# (torch: AVX512), table key "avx512_vnni+amx", torch 2.13.0, 2026-12-01. Lists are ordered by
+# the summed time of the class's M values (1 | 4, 16 | 32, 128 | 512). What it showed:
+# - bf16 x: the act_quant kernel (int8 activations, VNNI dot products) is fastest from M=1
+#   to M=128 for every layout (x2-3 faster than dense bf16 at M=1); at M=512 dequantizing to
+#   bf16 + torch's AMX GEMM wins for int8 weights (x1.2-1.8), not for int4 (its unpacking
+#   costs more); torch's _weight_int8pack_mm is second at M <= 4 (per channel only), and
+#   _weight_int4pack_mm_for_cpu second at M <= 4 for int4 (it needs a second weight copy, so
+#   it is never chosen first); dense bf16 itself stays faster than every packed kernel from
+#   M ~32 up for int4 (AMX), which no rule can choose (the dense copy is what we avoid).
+# - f32 x: activations are never quantized (an fp32 engine asked for fp32 numerics: exact
+#   weights, see tests/numerics/test_quantized_vs_transformers.py); the C++ fp32 kernel is the
+#   fastest exact one in every class (aten int8/int4 run f32 x 10-100x slower).
+# - any other ISA or dtype: not measured here; the exact C++ kernel, else the torch path.
+# int4-sym was not timed apart: it runs the same kernels as int4-asym (one add fewer).
+_ANY = "*"
+_HERE = "avx512_vnni+amx"
+_INT4_BF16 = {"1": ("cpp-aq", "aten-int4", "cpp"), "small": ("cpp-aq", "aten-int4", "cpp"),
+              "large": ("cpp-aq", "cpp"), "prefill": ("cpp-aq", "torch", "cpp")}
+_INT8_BF16 = {"1": ("cpp-aq", "aten-int8", "cpp"), "small": ("cpp-aq", "aten-int8", "cpp"),
+              "large": ("cpp-aq", "torch", "cpp"), "prefill": ("torch", "cpp-aq")}
+RULES: dict[tuple[str, str, str, str], tuple[str, ...]] = {
+    (_ANY, _ANY, _ANY, _ANY): ("cpp", "torch"),
+    **{(_HERE, layout, m, "bf16"): (*prefs, "torch")
+       for layout, table in (("int4-asym", _INT4_BF16), ("int4-sym", _INT4_BF16),
+                             ("int8-channel", _INT8_BF16), ("int8-group", _INT8_BF16))
+       for m, prefs in table.items()},
+}
+
+
+def isa_key() -> str:
+    """The ISA the table is keyed by: the C++ kernel tier, plus "+amx" where bf16 AMX exists."""
+    from fitserve.kernels.cpu.isa import detect_isa
+
+    isa = detect_isa()
+    return isa.tier + ("+amx" if isa.amx_bf16 else "")
+
+
+def dtype_key(dtype: torch.dtype) -> str:
+    return {torch.float32: "f32", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
+
+
+def preference(isa: str, layout: str, m_class: str, dtype: str) -> tuple[str, ...]:
+    """The table's preference list, most specific match first (exact beats "*")."""
+    best: tuple[int, tuple[str, ...]] = (-1, ("torch",))
+    for (ri, rl, rm, rd), prefs in RULES.items():
+        keys = ((ri, isa), (rl, layout), (rm, m_class), (rd, dtype))
+        if all(r in (_ANY, v) for r, v in keys):
+            score = sum(r != _ANY for r, _ in keys)
+            if score > best[0]:
+                best = (score, prefs)
+    return best[1]
+
+
+def choose(pw: PackedWeight, m: int, dtype: torch.dtype, isa: str | None = None) -> Candidate:
+    """The kernel the table picks for this weight and x of ``m`` rows and ``dtype``."""
+    prefs = preference(isa or isa_key(), layout_key(pw), shape_class(m), dtype_key(dtype))
+    for name in (*prefs, "torch"):
+        cand = CANDIDATES[name]
+        if cand.applies(pw, dtype):
+            return cand
+    raise AssertionError("unreachable: the torch path always applies")
+
+
+# -- modules ---------------------------------------------------------------------------------
+class PackedLinear(nn.Module):
+    """``y = x @ W.T (+ bias)`` with W held packed (buffers ``qweight``, ``scales``, ``mins``).
+
+    The kernel is chosen per call from the measured table (cached per M class and dtype).
+    """
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+
+    def __init__(self, pw: PackedWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.kind, self.group_size = pw.kind, pw.group_size
+        self.in_features, self.out_features, self.k_padded = pw.K, pw.N, pw.K_padded
+        self.register_buffer("qweight", pw.qweight)
+        self.register_buffer("scales", pw.scales)
+        self.register_buffer("mins", pw.mins)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self._cache: dict[str, torch.Tensor] = {}
+        self._chosen: dict[tuple[str, torch.dtype], Candidate] = {}
+        self.force: str | None = None  # run one candidate by name (tests, benchmarks)
+
+    @property
+    def packed(self) -> PackedWeight:
+        """The weight as a PackedWeight over this module's buffers (no copy)."""
+        return PackedWeight(self.kind, self.out_features, self.in_features, self.k_padded,
+                            self.group_size, self.qweight, self.scales, self.mins)
+
+    def kernel(self, m: int, dtype: torch.dtype) -> Candidate:
+        """The candidate a call with ``m`` rows of ``dtype`` runs."""
+        if self.force is not None:
+            return CANDIDATES[self.force]
+        key = (shape_class(m), dtype)
+        if key not in self._chosen:
+            self._chosen[key] = choose(self.packed, m, dtype)
+        return self._chosen[key]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        y = self.kernel(x2.shape[0], x2.dtype).run(self.packed, x2, self._cache)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"format={self.packed.format}, bias={self.bias is not None}")
+
+
+class PackedEmbedding(nn.Module):
+    """Token embedding held packed: gather the rows of ``ids``, then dequantize only them.
+
+    ``tied_linear()`` returns the lm_head over the SAME buffers (no second copy).
+    """
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+
+    def __init__(self, pw: PackedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.kind, self.group_size = pw.kind, pw.group_size
+        self.num_embeddings, self.embedding_dim, self.k_padded = pw.N, pw.K, pw.K_padded
+        self.dtype = dtype
+        self.register_buffer("qweight", pw.qweight)
+        self.register_buffer("scales", pw.scales)
+        self.register_buffer("mins", pw.mins)
+
+    @property
+    def packed(self) -> PackedWeight:
+        return PackedWeight(self.kind, self.num_embeddings, self.embedding_dim, self.k_padded,
+                            self.group_size, self.qweight, self.scales, self.mins)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        return gather_rows(self.packed, flat, self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+    def tied_linear(self) -> PackedLinear:
+        """A PackedLinear (the tied lm_head) whose buffers are this embedding's tensors."""
+        return PackedLinear(self.packed)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, format={self.packed.format}"
+
+
+class ConcatLinear(nn.Module):
+    """Linear layers over one input with their outputs concatenated: a fused projection (q/k/v,
+    gate/up) whose parts are held in formats that cannot be stacked into one tensor."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)

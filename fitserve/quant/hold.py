@@ -1,0 +1,66 @@
+"""Turn a loaded tensor into the form the engine holds it in (dense dtype, or packed by RTN).
+
+The choice of format per tensor is the planner's rule (``fitserve.plan.formats
+.engine_tensor_format``), so the engine allocates what `fitserve plan` prints. Loaders call
+``hold`` tensor by tensor, so at most one tensor's float copy exists at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fitserve.plan.formats import engine_tensor_format, tensor_role, weight_format
+from fitserve.quant.packed import PackedWeight
+from fitserve.quant.rtn import quantize
+
+HeldTensor = torch.Tensor | PackedWeight
+_DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
+def dtype_table_name(dtype: torch.dtype) -> str:
+    """The formats table's name of a float dtype ("f32", "bf16", "f16")."""
+    return _DTYPE_NAMES[dtype]
+
+
+def held_format(choice: str, hf_name: str, ndim: int, stored: str, dtype: torch.dtype) -> str:
+    """The format the engine holds ``hf_name`` in under ``--weights choice``."""
+    return engine_tensor_format(choice, stored, tensor_role(hf_name, ndim), dtype_table_name(dtype))
+
+
+def table_dtype(fmt: str) -> torch.dtype:
+    """The torch dtype of a dense format of the table ("f32", "bf16", "f16")."""
+    name = weight_format(fmt).name
+    for dtype, n in _DTYPE_NAMES.items():
+        if n == name:
+            return dtype
+    raise ValueError(f"{fmt} is not a dense float format")
+
+
+def hold(tensor: torch.Tensor, fmt: str) -> HeldTensor:
+    """``tensor`` (float) in format ``fmt``: packed by RTN, or cast to that dense dtype."""
+    if weight_format(fmt).packed is not None:
+        return quantize(tensor, fmt)
+    return tensor.to(table_dtype(fmt))
+
+
+def held_bytes(t: HeldTensor) -> int:
+    """Bytes a held tensor occupies."""
+    if isinstance(t, PackedWeight):
+        return t.nbytes
+    return t.numel() * t.element_size()
+
+
+def loaded_weights_choice(loaded_choice: str | None, wanted: str, *, explicit: bool,
+                          dtype: torch.dtype) -> str:
+    """The ``--weights`` choice an engine built on an already loaded model runs with.
+
+    ``loaded_choice``: what ``load_model(..., weights=)`` was given (None: every tensor dense,
+    which the engine casts to ``dtype``); ``wanted``: the engine config's resolved choice,
+    ``explicit`` when the config asked for it (not "auto"). An auto config takes what was
+    loaded; an explicit one must match it (ValueError otherwise).
+    """
+    have = loaded_choice if loaded_choice is not None else dtype_table_name(dtype)
+    if have == wanted or not explicit:
+        return have
+    raise ValueError(f"the given LoadedModel holds its weights as {have!r}, the engine config "
+                     f"asks for {wanted!r}: load it with load_model(..., weights={wanted!r})")

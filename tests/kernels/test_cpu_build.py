@@ -1,0 +1,95 @@
+"""The C++ build machinery (fitserve/kernels/cpu/build.py, isa.py): cache keys, tiers, opt-out."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fitserve.kernels.cpu import build
+from fitserve.kernels.cpu.isa import (
+    TIERS,
+    CpuIsa,
+    build_tier,
+    compile_flags,
+    detect_isa,
+    isa_from_flags,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_disable_cpp_makes_the_ops_unavailable() -> None:
+    code = ("from fitserve.kernels.cpu.qlinear import qlinear_ops_available, int4_linear\n"
+            "import torch\n"
+            "assert qlinear_ops_available() is False\n"
+            "try:\n"
+            "    int4_linear(torch.ones(1, 32), torch.zeros(1, 16, dtype=torch.uint8),\n"
+            "                torch.ones(1, 1).half(), None, 32, False)\n"
+            "except RuntimeError as e:\n"
+            "    assert 'unavailable' in str(e)\n"
+            "else:\n"
+            "    raise SystemExit('no error without the extension')\n"
+            "print('ok')\n")
+    env = {**os.environ, "FITSERVE_DISABLE_CPP": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+def test_build_key_follows_source_headers_flags(tmp_path: Path) -> None:
+    src, hdr = tmp_path / "k.cpp", tmp_path / "k_impl.h"
+    hdr.write_text("int f() { return 1; }\n")
+    src.write_text('#include "k_impl.h"\n#include <vector>\nint g() { return f(); }\n')
+    assert build.source_files(src) == [src.resolve(), hdr.resolve()]
+    key = build.build_key(src, ["-mavx2"])
+    assert key == build.build_key(src, ["-mavx2"])  # stable
+    assert build.build_key(src, ["-mavx2", "-mfma"]) != key  # other flags
+    hdr.write_text("int f() { return 2; }\n")
+    key_h = build.build_key(src, ["-mavx2"])
+    assert key_h != key  # a changed header rebuilds
+    src.write_text('#include "k_impl.h"\nint g() { return -f(); }\n')
+    assert build.build_key(src, ["-mavx2"]) not in (key, key_h)
+
+
+def test_changed_source_gets_a_new_build_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for f in build.source_files(build.SOURCE_DIR / "qlinear.cpp"):
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    monkeypatch.setattr(build, "SOURCE_DIR", tmp_path)
+    before = build.build_dir("qlinear", "qlinear.cpp")
+    with (tmp_path / "qlinear_simd.h").open("a") as fh:
+        fh.write("\n// a change\n")
+    after = build.build_dir("qlinear", "qlinear.cpp")
+    assert before != after and before.parent == after.parent
+    assert after.name.startswith("qlinear-")
+
+
+def test_loaded_extension_lives_in_its_build_dir() -> None:
+    from fitserve.kernels.cpu.qlinear import qlinear_ops_available
+
+    if not qlinear_ops_available():
+        pytest.skip("the qlinear extension could not be built here")
+    assert any(build.build_dir("qlinear", "qlinear.cpp").glob("*.so"))
+
+
+def test_tier_from_flags_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    zen4 = isa_from_flags({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+                           "avx512_vnni", "avx512_bf16"})
+    assert zen4.tier == "avx512_vnni" and not zen4.amx_int8
+    assert isa_from_flags({"avx2", "fma", "f16c"}).tier == "avx2"
+    assert isa_from_flags({"avx2", "fma"}).tier == "scalar"  # no F16C: fp16 scales need it
+    assert CpuIsa().tier == "scalar"
+    monkeypatch.delenv("FITSERVE_CPU_TIER", raising=False)
+    assert build_tier(zen4) == "avx512_vnni"
+    monkeypatch.setenv("FITSERVE_CPU_TIER", "avx2")
+    assert build_tier(zen4) == "avx2"
+    assert "-mavx512f" not in compile_flags(zen4) and "-mavx2" in compile_flags(zen4)
+    monkeypatch.setenv("FITSERVE_CPU_TIER", "avx512_vnni")  # never above what the CPU runs
+    assert build_tier(isa_from_flags({"avx2", "fma", "f16c"})) == "avx2"
+    monkeypatch.setenv("FITSERVE_CPU_TIER", "bogus")
+    assert build_tier(zen4) == "avx512_vnni"
+    assert compile_flags(zen4, "scalar") == []
+    assert set(TIERS) >= {detect_isa().tier}

@@ -1,0 +1,175 @@
+"""PackedLinear's kernels against a float64 reference: every candidate, every M class.
+
+The reference is ``x (float64) @ W_hat (float64).T`` with W_hat dequantized in float64 from the
+packed tensors. Each candidate gets the error bound its arithmetic allows (stated per case):
+
+- exact weights, fp32 x/accumulation (torch path and cpp in fp32; aten-int8 in fp32):
+  |err| <= 2 K eps32 * (|W| @ |x|)
+- bf16 x: the weight (torch path) or its scale (aten) rounded to bf16 and the output rounded
+  to bf16: |err| <= 2^-8 (|W| @ |x|) + 2^-8 |y|  (+ the fp32 term)
+- aten-int4: scale and zero = min + 8 scale cast to x's dtype, so each weight moves by at most
+  u (|scale (q - 8)| + |zero|) (u = 2^-8 bf16, 2^-22 fp32): |err| <= that @ |x| + the above
+- cpp-aq: x quantized per 32 columns with da = absmax / 127: |err| <= sum over blocks
+  (da / 2) sum |w| of the block, + the bf16/fp32 terms
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fitserve.model.linear import (
+    CANDIDATES,
+    RULES,
+    PackedEmbedding,
+    PackedLinear,
+    choose,
+    preference,
+    shape_class,
+)
+from fitserve.quant import PackedWeight, quantize
+from fitserve.quant.packed import unpack_int4
+
+FORMATS = ["int4-g32-asym", "int4-g64-sym", "int4-g128-asym", "int4-g32-sym", "int8-g32",
+           "int8-ch"]
+MS = [1, 5, 16, 17, 300]  # "1", "small" (<= 16), "large" (<= 256), "prefill" rows of x
+EPS32 = 2.0**-24
+U_BF16 = 2.0**-8
+
+
+def dequant64(pw: PackedWeight) -> torch.Tensor:
+    q = (unpack_int4(pw.qweight, pw.group_size) if pw.kind == "int4" else pw.qweight).double()
+    s = pw.scales.double().repeat_interleave(pw.group_size, 1)
+    if pw.kind == "int8":
+        w = s * q
+    elif pw.mins is None:
+        w = s * (q - 8)
+    else:
+        w = s * q + pw.mins.double().repeat_interleave(pw.group_size, 1)
+    return w[:, : pw.K]
+
+
+def bound(name: str, pw: PackedWeight, x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Per-element bound on |y - ref| for candidate ``name`` (see the module docstring)."""
+    w = dequant64(pw)
+    x64 = x.double()
+    mag = x64.abs() @ w.abs().t()
+    k = pw.K_padded
+    out = 2 * k * EPS32 * mag + 1e-30
+    bf16 = x.dtype == torch.bfloat16
+    if bf16:
+        out = out + U_BF16 * mag + U_BF16 * ref.abs()
+    if name == "aten-int4":
+        u = U_BF16 if bf16 else 2.0**-22
+        s = pw.scales.double().repeat_interleave(pw.group_size, 1)[:, : pw.K]
+        q = unpack_int4(pw.qweight, pw.group_size).double()[:, : pw.K]
+        m = (torch.zeros_like(s) if pw.mins is None
+             else pw.mins.double().repeat_interleave(pw.group_size, 1)[:, : pw.K])
+        moved = u * ((s * (q - 8)).abs() + (m + 8 * s).abs())
+        out = out + x64.abs() @ moved.t()
+    if name == "cpp-aq":
+        xp = torch.nn.functional.pad(x64, (0, k - pw.K)).reshape(x.shape[0], k // 32, 32)
+        da = xp.abs().amax(-1) / 127  # [M, blocks]
+        wp = torch.nn.functional.pad(w.abs(), (0, k - pw.K)).reshape(pw.N, k // 32, 32).sum(-1)
+        out = out + (da / 2) @ wp.t() * (1 + 1e-6)
+    return out
+
+
+def make(fmt: str, n: int = 48, k: int = 100, seed: int = 0) -> PackedWeight:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) + 0.02
+    return quantize(w, fmt)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_candidate_within_its_bound(fmt: str, dtype: torch.dtype) -> None:
+    pw = make(fmt)
+    layer = PackedLinear(pw)
+    checked = []
+    for m in MS:
+        x = (torch.randn(m, pw.K, generator=torch.Generator().manual_seed(m)) * 2).to(dtype)
+        ref = x.double() @ dequant64(pw).t()
+        for cand in CANDIDATES.values():
+            if not cand.applies(pw, dtype):
+                continue
+            layer.force = cand.name
+            y = layer(x)
+            assert y.dtype == dtype and y.shape == (m, pw.N)
+            err = (y.double() - ref).abs()
+            b = bound(cand.name, pw, x, ref)
+            worst = float((err / b).max())
+            assert worst <= 1.0, f"{cand.name} M={m}: error is {worst:.3g}x its bound"
+            checked.append(cand.name)
+        layer.force = None
+        y = layer(x)  # the table's own choice
+        assert torch.isfinite(y).all()
+        chosen = layer.kernel(m, dtype).name
+        err = (y.double() - ref).abs()
+        assert float((err / bound(chosen, pw, x, ref)).max()) <= 1.0, chosen
+    assert "torch" in checked
+    if pw.per_channel:
+        assert "aten-int8" in checked
+
+
+def test_bounds_are_not_vacuous() -> None:
+    """The bf16 and act-quant errors are real and the bounds are within 100x of them."""
+    pw = make("int4-g32-asym", n=64, k=256)
+    layer = PackedLinear(pw)
+    x = torch.randn(16, 256, generator=torch.Generator().manual_seed(3))
+    ref = x.double() @ dequant64(pw).t()
+    for name, dtype in (("torch", torch.bfloat16), ("cpp-aq", torch.float32)):
+        if not CANDIDATES[name].applies(pw, dtype):
+            continue
+        layer.force = name
+        xd = x.to(dtype)
+        ref_d = xd.double() @ dequant64(pw).t()
+        err = (layer(xd).double() - ref_d).abs()
+        b = bound(name, pw, xd, ref_d)
+        assert float(err.max()) > 0
+        assert float((err / b).max()) > 0.01, name
+    layer.force = "torch"
+    exact = (layer(x).double() - ref).abs().max()
+    assert float(exact) <= 1e-4 * float(ref.abs().max())  # fp32: essentially exact
+
+
+def test_bias_leading_dims_and_padding() -> None:
+    pw = make("int4-g64-sym", n=32, k=70)  # K_padded = 128
+    bias = torch.randn(32)
+    layer = PackedLinear(pw, bias)
+    x = torch.randn(2, 3, 70)
+    y = layer(x)
+    ref = x.double() @ dequant64(pw).t() + bias.double()
+    assert y.shape == (2, 3, 32)
+    assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_embedding_and_tied_lm_head_share_one_tensor() -> None:
+    pw = make("int8-g32", n=50, k=64)
+    emb = PackedEmbedding(pw, torch.bfloat16)
+    head = emb.tied_linear()
+    assert head.qweight is emb.qweight and head.scales is emb.scales
+    ids = torch.tensor([[0, 49, 7], [7, 7, 1]])
+    out = emb(ids)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 3, 64)
+    assert torch.equal(out, dequant64(pw)[ids].float().to(torch.bfloat16))
+    container = torch.nn.ModuleDict({"e": emb, "h": head})
+    assert sum(b.numel() * b.element_size() for b in container.buffers()) == pw.nbytes
+
+
+def test_table_lookup_and_fallback() -> None:
+    assert [shape_class(m) for m in (1, 2, 16, 17, 256, 257)] == ["1", "small", "small", "large",
+                                                                   "large", "prefill"]
+    for prefs in RULES.values():
+        assert set(prefs) <= set(CANDIDATES)
+    # the most specific rule wins; an unknown ISA still gets a list ending on the torch path
+    assert preference("no-such-isa", "int8-channel", "1", "bf16")[-1] == "torch"
+    assert preference("no-such-isa", "int4-asym", "large", "f32")[-1] == "torch"
+    # fp32 activations are never quantized, on any ISA; bf16 here takes the measured lists
+    for isa in ("avx512_vnni+amx", "avx2"):
+        for m in ("1", "small", "large", "prefill"):
+            for layout in ("int4-asym", "int4-sym", "int8-channel", "int8-group"):
+                assert "cpp-aq" not in preference(isa, layout, m, "f32")
+    assert preference("avx512_vnni+amx", "int8-group", "prefill", "bf16")[0] == "torch"
+    pw = make("int8-g32")
+    assert choose(pw, 1, torch.float16).name == "torch"  # only the torch path runs f16 x
