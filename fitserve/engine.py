@@ -27,6 +27,7 @@ from fitserve.engine_setup import (
 )
 from fitserve.kv.manager import KVCacheManager, KVStats
 from fitserve.loading import IncrementalDetokenizer, LoadedModel, load_model
+from fitserve.model.linear import cpp_ops_available
 from fitserve.model.llama import build_model, check_supported, held_weight_bytes
 from fitserve.plan.formats import resolve_engine_weights
 from fitserve.plan.weights import engine_format_rule, engine_weight_bytes
@@ -100,6 +101,11 @@ class Engine:
         # "as-stored", "int4", "int8" or a dense dtype: how every tensor is held (plan.formats)
         self.weights_choice = loaded_weights_choice(self.loaded.weights_choice, choice,
                                                     explicit=explicit, dtype=self.dtype)
+        if (self.device.type == "cpu" and self.weights_choice in ("as-stored", "int4", "int8")
+                and not cpp_ops_available()):
+            log.warning("packed weights (%s) but the C++ int4/int8 kernels are unavailable: they "
+                        "run on the pure-torch path, ~10x slower than dense; pass --weights "
+                        "bf16 (or install a C++ compiler) for speed", self.weights_choice)
         self.spec = self.loaded.spec
         check_supported(self.spec)
         self.tokenizer = self.loaded.tokenizer

@@ -4,7 +4,9 @@
     loaded.spec, loaded.weights["model.embed_tokens.weight"], loaded.tokenizer.encode("hi")
 
 Weights use Hugging Face parameter names whatever the file format, as float tensors of the
-requested dtype (GGUF tensors are dequantized, and llama.cpp's Q/K row permutation undone).
+requested dtype (GGUF tensors are dequantized, and llama.cpp's Q/K row permutation undone);
+``load_model(..., weights="as-stored" | "int4" | "int8")`` holds some as
+``fitserve.quant.PackedWeight`` instead (GGUF Q4_0/Q4_1/Q8_0 as stored, or RTN at load).
 """
 
 from __future__ import annotations

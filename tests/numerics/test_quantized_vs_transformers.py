@@ -58,10 +58,12 @@ EXACT_TOL = 1e-3
 # 0.49 nats worst); act_quant must stay within ACT_QUANT_FACTOR x that (measured 0.42-0.47
 # nats) and below ACT_QUANT_CAP. Greedy identity is weaker than bf16's: measured 3 of 6
 # prompts identical for 32 tokens (transformers bf16: 5 of 6), every divergence a top-5 near
-# tie; "most" does not hold for act_quant, so the floor here is 2 of 6 (a third), stated.
+# tie; "most" does not hold for act_quant: 1 to 3 of 6 identical across runs of the same code
+# (kernel sum order is thread-split dependent), so no count floor is asserted; every step's
+# top-5 gap bound and the top-5 membership of both tokens at each divergence are.
 ACT_QUANT_FACTOR = 2.0
 ACT_QUANT_CAP = 1.0
-ACT_QUANT_MIN_IDENTICAL = 2
+ACT_QUANT_MIN_IDENTICAL = 0
 
 
 def compare(engine: Engine, hf: Any, prompt_ids: list[list[int]], tol: float,
