@@ -174,7 +174,10 @@ def write_hf_folder(gguf: str, out: Path) -> Path:
     path = Path(gguf)
     src = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                             dtype=torch.float32)
-    fresh = transformers.LlamaForCausalLM(src.config)
+    cfg = src.config
+    if hasattr(cfg, "quantization_config"):  # loaded from GGUF: the saved folder is plain bf16
+        del cfg.quantization_config
+    fresh = transformers.LlamaForCausalLM(cfg)
     fresh.load_state_dict(src.state_dict())
     fresh.to(torch.bfloat16).save_pretrained(str(out))
     tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -224,7 +227,7 @@ def main() -> None:
             "runs": args.runs, "w2_batch": [ids[i * 7 : i * 7 + 128] for i in range(args.w2_requests)]}
     me = [sys.executable, str(Path(__file__).resolve())]
     results: list[dict[str, Any]] = []
-    for cfg in args.configs.split(","):
+    for cfg in filter(None, args.configs.split(",")):
         print(f"fitserve {cfg} ...", file=sys.stderr)
         r = run_worker([*me, "--worker", "fitserve"], {**base, "config": cfg})
         if r:
