@@ -196,7 +196,13 @@ def run_worker(cmd: list[str], spec: dict[str, Any], env: dict[str, str] | None 
     if proc.returncode != 0:
         print(f"  worker {' '.join(cmd[-3:])} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
         return None
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    # the last JSON line: peers (vLLM) also log to stdout
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if not lines:
+        print(f"  worker {' '.join(cmd[-3:])} printed no result:\n{proc.stdout[-2000:]}",
+              file=sys.stderr)
+        return None
+    return json.loads(lines[-1])
 
 
 def main() -> None:
