@@ -2,34 +2,20 @@
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from fitserve.config import ModelSpec
 from fitserve.loading.errors import ModelLoadError
-from fitserve.loading.hf_config import check_weights, spec_from_hf_folder
+from fitserve.loading.hf_config import check_weights, read_json, spec_from_hf_folder
 from fitserve.loading.tokenizer import Tokenizer
 from fitserve.quant.hold import HeldTensor, held_format, hold
 
 _DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as exc:
-        raise ModelLoadError(f"{path}: missing file") from exc
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{path}: not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object")
-    return data
 
 
 def spec_from_folder(folder: Path) -> ModelSpec:
@@ -42,7 +28,7 @@ def safetensors_files(folder: Path) -> list[Path]:
     """The weight files of a folder: from ``model.safetensors.index.json`` if present."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ModelLoadError(f"{index}: no weight_map")
         files = [folder / f for f in dict.fromkeys(weight_map.values())]
