@@ -21,7 +21,7 @@ def test_overload_503_then_sigterm_drains_and_exits_0(tmp_path: Path) -> None:
         results: dict[str, object] = {}
 
         def stream_a() -> None:
-            body = {"model": MODEL, "prompt": "Count:", "max_tokens": 12, "ignore_eos": True, "stream": True}
+            body = {"model": MODEL, "prompt": "Count:", "max_tokens": 64, "ignore_eos": True, "stream": True}
             with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=300) as r:
                 lines = []
                 for line in r.iter_lines():
