@@ -10,7 +10,8 @@ decode as a fraction of the bandwidth limit of the bytes that config reads per t
 requests x 128-token prompt x 128 new tokens (generated tok/s, wall clock incl. prefill).
 
 fitserve configs: q4_1 (the GGUF as stored: Q4_1 blocks, Q8_0 embedding/lm_head), bf16, fp32
-(dequantized). Peers: transformers (always; bf16 on the dequantized weights), llama.cpp
+(dequantized); q4_1-compiled / bf16-compiled run decode steps under torch.compile (--compile),
+each twice on one fresh compile cache, so their start-up is reported cold and warm. Peers: transformers (always; bf16 on the dequantized weights), llama.cpp
 (llama-cpp-python, on the same GGUF) and vLLM's CPU build (bf16, on an HF folder written from
 the dequantized GGUF) when their venvs exist (--llamacpp-python / --vllm-python, default
 ~/peers/<name>/bin/python, recipes in ../shared/PEERS.md); a missing peer is skipped and said so.
@@ -40,10 +41,13 @@ TEXT = (
     "are served by engines that batch thousands of requests, page their attention caches like "
     "virtual memory, and schedule work token by token to keep accelerators busy. "
 ) * 8
-FITSERVE_CONFIGS = {  # name -> (EngineConfig.dtype, EngineConfig.weights)
-    "q4_1": ("bfloat16", "as-stored"),
-    "bf16": ("bfloat16", "bf16"),
-    "fp32": ("float32", "float32"),
+FITSERVE_CONFIGS = {  # name -> (EngineConfig.dtype, EngineConfig.weights, enforce_eager)
+    "q4_1": ("bfloat16", "as-stored", True),
+    "bf16": ("bfloat16", "bf16", True),
+    "fp32": ("float32", "float32", True),
+    # decode steps under torch.compile; run twice on one fresh compile cache (cold, then warm)
+    "q4_1-compiled": ("bfloat16", "as-stored", False),
+    "bf16-compiled": ("bfloat16", "bf16", False),
 }
 
 
@@ -77,10 +81,10 @@ def fitserve_worker(spec: dict[str, Any]) -> dict[str, Any]:
     from fitserve.sampling import SamplingParams
 
     torch.set_num_threads(spec["threads"])
-    dtype, weights = FITSERVE_CONFIGS[spec["config"]]
+    dtype, weights, eager = FITSERVE_CONFIGS[spec["config"]]
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(model=spec["gguf"], dtype=dtype, weights=weights, device="cpu",
-                                 max_model_len=1024))
+                                 max_model_len=1024, enforce_eager=eager))
     startup = time.perf_counter() - t0
     new = spec["new_tokens"]
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
@@ -235,7 +239,14 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     for cfg in filter(None, args.configs.split(",")):
         print(f"fitserve {cfg} ...", file=sys.stderr)
-        r = run_worker([*me, "--worker", "fitserve"], {**base, "config": cfg})
+        if FITSERVE_CONFIGS[cfg][2]:
+            r = run_worker([*me, "--worker", "fitserve"], {**base, "config": cfg})
+        else:  # compiled: a cold start on an empty compile cache, then a warm one on it
+            env = {"TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="fitserve-compile-")}
+            cold = run_worker([*me, "--worker", "fitserve"], {**base, "config": cfg}, env)
+            r = run_worker([*me, "--worker", "fitserve"], {**base, "config": cfg}, env)
+            if r and cold:
+                r["startup_cold_s"] = cold["startup_s"]
         if r:
             results.append(r)
     peers = args.peers.split(",") if args.peers else []
@@ -303,8 +314,10 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
         print(line)
     for r in results:
         if r.get("weight_bytes_read"):
+            start = (f"start-up cold {r['startup_cold_s']:.1f} s, warm {r['startup_s']:.1f} s"
+                     if "startup_cold_s" in r else f"start-up {r['startup_s']:.1f} s")
             print(f"  {_name(r)}: {r['weight_bytes_read'] / 1e6:.1f} MB of weights read per token -> "
-                  f"W1 limit {bw / r['weight_bytes_read']:.0f} tok/s; start-up {r['startup_s']:.1f} s")
+                  f"W1 limit {bw / r['weight_bytes_read']:.0f} tok/s; {start}")
 
 
 if __name__ == "__main__":

@@ -114,3 +114,6 @@ class EngineConfig:
     weights: str = "auto"
     # vLLM's spelling of RTN at load: None | "int4" | "int8" (the same as weights="int4"/"int8").
     quantization: str | None = None
+    # True: every step runs eager. False: CPU decode-only steps run under torch.compile
+    # (fitserve.compiled_step), compiled at start-up for the batch classes max_num_seqs reaches.
+    enforce_eager: bool = True

@@ -38,6 +38,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "stored), bf16/float32 (dense), int4/int8 (RTN at load)")
     p.add_argument("--quantization", default=None, choices=["int4", "int8"],
                    help="RTN-quantize at load (vLLM's flag; same as --weights int4/int8)")
+    p.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=True,
+                   help="run every step eager (the default on CPU, see --compile)")
+    p.add_argument("--compile", dest="enforce_eager", action="store_false",
+                   help="run decode-only steps under torch.compile (compiled at start-up, "
+                        "cached under $FITSERVE_HOME/compile)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -47,4 +52,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_bytes=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, weights=args.weights, quantization=args.quantization,
+        enforce_eager=args.enforce_eager,
     )

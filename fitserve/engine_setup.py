@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -102,11 +104,18 @@ def size_kv_pool(
             kv_cache_memory_bytes=cfg.kv_cache_memory_bytes, kv_blocks=cfg.num_kv_blocks,
             in_use_bytes=max(0, total - free - weight_bytes))
     else:
+        from fitserve.kernels.cpu.paged_attention import paged_attention_available
+
+        # NOTE: the engine's max_model_len (check_max_model_len: the requested value, else the
+        # model's max_position_embeddings) sizes the RoPE tables and the attention scratch;
+        # whether decode runs the fused C++ kernel or gathers K/V is the runner's own test.
         plan = cpu_engine_memory_plan(
             spec, weight_bytes=weight_bytes, max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_num_seqs=cfg.max_num_seqs, block_size=cfg.block_size, kv_dtype=kv_name,
             act_dtype_bytes=act_bytes, kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
-            kv_blocks=cfg.num_kv_blocks)
+            kv_blocks=cfg.num_kv_blocks,
+            max_model_len=cfg.max_model_len or spec.max_position_embeddings,
+            fused_decode=paged_attention_available())
     budget = None if cfg.num_kv_blocks is not None else plan.kv_pool_bytes
     return KVPoolSize(plan.num_kv_blocks, cfg.block_size, plan.kv_bytes_per_token, budget,
                       plan.block_bytes, plan)
@@ -121,17 +130,26 @@ def release_freed_host_memory() -> bool:
     between live tensors on the heap), ~340 MiB for SmolLM2 in bf16. Trimming before the KV
     pool is allocated makes the process's peak RSS what the ledger says it is.
     """
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's malloc_trim, looked up once (find_library runs ldconfig: too slow per step)."""
     name = ctypes.util.find_library("c")
     if name is None:
-        return False
+        return None
     try:
         trim = ctypes.CDLL(name).malloc_trim
     except (OSError, AttributeError):
-        return False
+        return None
     trim.argtypes = [ctypes.c_size_t]
     trim.restype = ctypes.c_int
-    trim(0)
-    return True
+    return trim
 
 
 def check_pool_fits(pool: KVPoolSize, max_model_len: int) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from fitserve.compiled_step import CompiledDecode
 from fitserve.config import ModelSpec
 from fitserve.kernels.cpu.paged_attention import paged_attention_available
 from fitserve.kernels.dispatch import choose_attention_impl, classify
@@ -32,6 +33,7 @@ class ModelRunner:
         block_size: int,
         kv_dtype: torch.dtype,
         device: torch.device,
+        compile_decode: bool = False,
     ) -> None:
         self.model = model
         self.spec = spec
@@ -48,6 +50,10 @@ class ModelRunner:
         self.use_triton = device.type == "cuda" and _triton_importable()
         # the fused C++ decode kernel (built at first use; FITSERVE_DISABLE_CPP=1 turns it off)
         self.use_cpp = device.type == "cpu" and paged_attention_available()
+        # decode-only steps under torch.compile (fitserve.compiled_step); None = eager
+        self.compiled: CompiledDecode | None = None
+        if compile_decode and self.use_cpp:
+            self.compiled = CompiledDecode(model, self.kv_caches, spec.sliding_window)
 
     def _impl(self, q_lens: list[int], k_lens: list[int]) -> str:
         return choose_attention_impl(
@@ -68,7 +74,10 @@ class ModelRunner:
         onednn_before = torch.backends.mkldnn.enabled
         torch.backends.mkldnn.enabled = self._use_onednn(len(input_ids))
         try:
-            hidden = self.model(input_ids, positions, batch, self.kv_caches)
+            if self.compiled is not None and self.compiled.applies(batch):
+                hidden = self.compiled(input_ids, positions, batch)
+            else:
+                hidden = self.model(input_ids, positions, batch, self.kv_caches)
         finally:
             torch.backends.mkldnn.enabled = onednn_before
         sample_rows: list[int] = []
@@ -88,6 +97,26 @@ class ModelRunner:
             if lp is not None:
                 result.logprobs[rid] = lp
         return result
+
+    @torch.inference_mode()
+    def warm_up_compiled(self, batch_sizes: list[int]) -> dict[str, float]:
+        """Compile the decode step for the shape classes of ``batch_sizes`` now (dummy steps
+        that write slot 0 of block 0 and attend one key: the pool holds no request yet), so
+        the first requests do not wait on the compiler. Returns seconds per class."""
+        if self.compiled is None:
+            return {}
+        for n in batch_sizes:
+            for _ in range(2):  # the first call of a class binds kernels, the second compiles
+                chunks = [ScheduledChunk(request_id=f"warm-up-{i}", token_ids=[0], start_pos=0,
+                                         block_table=[0], sample=False) for i in range(n)]
+                input_ids, positions, batch = self._prepare(chunks)
+                onednn_before = torch.backends.mkldnn.enabled
+                torch.backends.mkldnn.enabled = self._use_onednn(n)
+                try:
+                    self.compiled(input_ids, positions, batch)
+                finally:
+                    torch.backends.mkldnn.enabled = onednn_before
+        return dict(self.compiled.compile_seconds)
 
     def _use_onednn(self, num_tokens: int) -> bool:
         # NOTE: measured on AVX512-BF16 CPUs: oneDNN's bf16 matmul is several times slower than

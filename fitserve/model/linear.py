@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -159,6 +160,22 @@ CANDIDATES: dict[str, Candidate] = {
     )
 }
 
+
+def bind(cand: Candidate, pw: PackedWeight, cache: dict[str, torch.Tensor]
+         ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``cand`` on ``pw`` as a call on x alone. The C++ kernels become a direct op call (no
+    Python wrapper, no checks the op repeats itself) when x needs no column padding."""
+    if cand.name in ("cpp", "cpp-aq") and pw.K_padded == pw.K and cpp_ops_available():
+        aq = cand.name == "cpp-aq"
+        q, s, mn, g = pw.qweight, pw.scales, pw.mins, pw.group_size
+        if pw.kind == "int4":
+            op4 = torch.ops.fitserve.int4_linear.default
+            return lambda x: op4(x.contiguous(), q, s, mn, g, aq)
+        op8 = torch.ops.fitserve.int8_linear.default
+        return lambda x: op8(x.contiguous(), q, s, g, aq)
+    run = cand.run
+    return lambda x: run(pw, x, cache)
+
 # -- the measured table ----------------------------------------------------------------------
 # NOTE: measured with `python benchmarks/bench_linear.py --runs 7` (and `--dtype f32 --runs 5`):
 # 2 threads, medians after a warm-up, SmolLM2-135M's shapes, on "Intel(R) Xeon(R) Processor"
@@ -247,7 +264,25 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self._cache: dict[str, torch.Tensor] = {}
         self._chosen: dict[tuple[str, torch.dtype], Candidate] = {}
-        self.force: str | None = None  # run one candidate by name (tests, benchmarks)
+        # (shape class, dtype) -> x2 [M, K] -> y [M, N]: the chosen kernel with this weight's
+        # tensors bound, so a decode step pays one lookup and the op call per linear
+        self._runs: dict[tuple[str, torch.dtype], Callable[[torch.Tensor], torch.Tensor]] = {}
+        self._force: str | None = None
+
+    @property
+    def force(self) -> str | None:
+        """Run one candidate by name whatever the table says (tests, benchmarks); None: the table."""
+        return self._force
+
+    @force.setter
+    def force(self, name: str | None) -> None:
+        self._force = name
+        self._runs.clear()
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> PackedLinear:
+        self._runs.clear()  # .to(device) swaps the buffers the bound calls hold
+        self._cache.clear()
+        return super()._apply(fn, recurse)  # type: ignore[no-untyped-call, no-any-return]
 
     @property
     def packed(self) -> PackedWeight:
@@ -257,20 +292,27 @@ class PackedLinear(nn.Module):
 
     def kernel(self, m: int, dtype: torch.dtype) -> Candidate:
         """The candidate a call with ``m`` rows of ``dtype`` runs."""
-        if self.force is not None:
-            return CANDIDATES[self.force]
+        if self._force is not None:
+            return CANDIDATES[self._force]
         key = (shape_class(m), dtype)
         if key not in self._chosen:
             self._chosen[key] = choose(self.packed, m, dtype)
         return self._chosen[key]
 
+    def bound_run(self, m: int, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The kernel for ``m`` rows of ``dtype`` as a call on x2 [M, K] alone (made once)."""
+        key = (shape_class(m), dtype)
+        run = self._runs.get(key)
+        if run is None:
+            run = self._runs[key] = bind(self.kernel(m, dtype), self.packed, self._cache)
+        return run
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        y = self.kernel(x2.shape[0], x2.dtype).run(self.packed, x2, self._cache)
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        y = self.bound_run(x2.shape[0], x2.dtype)(x2)
         if self.bias is not None:
             y = y + self.bias
-        return y.reshape(*lead, self.out_features)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <map>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -53,6 +55,16 @@ struct ChunkTable {
   ChunkMap view() const { return {g0.data(), hm.data(), idx.data(), nchunks, nfull}; }
 };
 
+// The table of a row shape, built once per thread (a model has a handful of shapes; building
+// it per call cost three allocations on every linear of a decode step).
+inline const ChunkTable& chunk_table(const ActLayout& L) {
+  static thread_local std::map<std::tuple<int64_t, int64_t, int64_t>, ChunkTable> tables;
+  const auto key = std::make_tuple(L.row_bytes, L.group_bytes, L.halves);
+  auto it = tables.find(key);
+  if (it == tables.end()) it = tables.emplace(key, ChunkTable(L)).first;
+  return it->second;
+}
+
 // Block-quantize one row: aq [kp], da / isum [kp / 32].
 template <class T>
 inline void quantize_row(const T* x, int64_t kp, int8_t* aq, float* da, int32_t* isum) {
@@ -81,18 +93,24 @@ inline void group_sums(const float* da, const int32_t* isum, int64_t kp, int64_t
 // int4 layout of one row: A [nchunks][2][kBytes], D [nchunks][2][kLanes], Sg [ngroups].
 inline void layout_int4_row(const int8_t* aq, const float* da, const int32_t* isum, int64_t kp,
                             int64_t group, const ActLayout& L, int8_t* A, float* D, float* Sg) {
-  const int64_t half = group / 2;
-  for (int64_t c = 0; c < L.nchunks; ++c) {
-    for (int64_t h = 0; h < 2; ++h) {
-      int8_t* a = A + (c * 2 + h) * S::kBytes;
-      float* d = D + (c * 2 + h) * S::kLanes;
-      for (int64_t j = 0; j < S::kBytes; ++j) {
-        const int64_t b = c * S::kBytes + j;
-        const int64_t col = (b / half) * group + b % half + h * half;
-        const bool ok = b < L.row_bytes;
-        a[j] = ok ? aq[col] : 0;
-        if (j % 4 == 0) d[j / 4] = ok ? da[col / kActBlock] : 0.f;
+  // NOTE: walked group by group (byte b = g * half + i holds columns g * G + i and that + G/2),
+  // no division by the runtime group size per byte: this runs once per call on the hot path
+  const int64_t half = group / 2, padded = L.nchunks * S::kBytes;
+  for (int64_t g = 0, b = 0; g < kp / group; ++g) {
+    for (int64_t i = 0; i < half; ++i, ++b) {
+      const int64_t c = b / S::kBytes, j = b % S::kBytes;  // constant divisor: a shift
+      for (int64_t h = 0; h < 2; ++h) {
+        const int64_t col = g * group + h * half + i;
+        A[(c * 2 + h) * S::kBytes + j] = aq[col];
+        if (j % 4 == 0) D[(c * 2 + h) * S::kLanes + j / 4] = da[col / kActBlock];
       }
+    }
+  }
+  for (int64_t b = L.row_bytes; b < padded; ++b) {  // the last chunk's tail past the row
+    const int64_t c = b / S::kBytes, j = b % S::kBytes;
+    for (int64_t h = 0; h < 2; ++h) {
+      A[(c * 2 + h) * S::kBytes + j] = 0;
+      if (j % 4 == 0) D[(c * 2 + h) * S::kLanes + j / 4] = 0.f;
     }
   }
   group_sums(da, isum, kp, group, Sg);
