@@ -109,7 +109,7 @@ def memory_plan(r: Resolved, *, runtime: Runtime = "measure") -> EngineMemoryPla
             act_dtype_bytes=r.act_bytes, kv_cache_memory_bytes=q.kv_cache_memory_bytes,
             kv_blocks=q.num_kv_blocks, runtime_bytes=rt or 0,
             load_transient_bytes=engine_load_transient_bytes(r.entry.spec, wb, r.act_bytes),
-            weights_note=r.weights_note, strict=False,
+            weights_note=r.weights_note, strict=False, max_model_len=q.context,
             runtime_note="" if rt is not None else "NOT MEASURED (torch not importable)")
     return engine_memory_plan(
         r.entry.spec, weight_bytes=weight_bytes_per_gpu(r), total_memory_bytes=r.hw.memory_bytes,
@@ -205,9 +205,7 @@ def _cpu_misses(r: Resolved, mp: EngineMemoryPlan, need: int) -> list[Miss]:
     ram = r.hw.memory_bytes
     if ram <= 0:
         return misses  # physical RAM unknown: nothing to check the peak against
-    by = {m.name: m.bytes for m in mp.lines}
-    running = max(mp.kv_allocated_bytes, need) + by["activation peak"] + by["logits"]
-    peak = by["runtime baseline"] + by["weights"] + max(by["loading transient"], running)
+    peak = mp.peak_with_kv(max(mp.kv_allocated_bytes, need))
     if peak > ram:
         misses.append(Miss("total (peak RSS)", peak, ram, "bytes", peak - ram,
                            f"peak RSS {fmt_bytes(peak)} with the KV this workload needs > "

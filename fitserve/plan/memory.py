@@ -16,9 +16,19 @@ budget (``kv_cache_memory_bytes``, default ``DEFAULT_CPU_KV_BYTES``, as vLLM's C
 and the ledger adds the lines up to the process's peak resident set:
 
     runtime baseline (python + torch + engine modules, measured)
-    + weights (in the model dtype: a quantized file is dequantized on load)
-    + max(loading transient,  KV pool + activation peak + logits)
+    + weights (as the engine holds them: packed as stored, or dense in the model dtype)
+    + RoPE tables (fp32 cos/sin for max_model_len positions)
+    + max(loading transient,  KV pool + step peak)
     = peak RSS
+
+    step peak = attention masks and block tables (alive the whole step)
+              + max(attention-phase activations + attention call scratch,   one layer's
+                    MLP-phase activations,                                   phases, never
+                    final hidden states + logits + sampler copies)          at once
+
+The phases follow each other within a step (a layer's attention scratch is freed before its
+MLP runs, the last layer's before the logits are made), so the peak is their max, not their
+sum; ``plan.scratch`` has the attention and sampler terms and how they were measured.
 """
 
 from __future__ import annotations
@@ -27,8 +37,17 @@ from dataclasses import dataclass
 
 from fitserve.config import ModelSpec
 from fitserve.plan.errors import PlanError
+from fitserve.plan.formats import kv_format
 from fitserve.plan.kv import kv_block_bytes, kv_bytes_per_token, layer_kinds
 from fitserve.plan.params import is_mla
+from fitserve.plan.scratch import (
+    AttentionScratch,
+    cpp_kernels_disabled,
+    cpu_attention_scratch,
+    cpu_threads,
+    rope_table_bytes,
+    sampler_bytes,
+)
 from fitserve.plan.units import fmt_bytes
 
 LOGIT_BYTES = 4  # logits are kept in f32 for sampling
@@ -56,25 +75,44 @@ def activation_peak_bytes(spec: ModelSpec, num_tokens: int, act_dtype_bytes: int
                           tp: int = 1) -> int:
     """Peak live activations of one forward pass over ``num_tokens`` tokens, one rank.
 
-    Formula ``act_peak``: num_tokens x act_bytes x max(attention, mlp) where, per token,
-      attention = 2H (residual + normed input) + (q + 2 kv + q) / tp (q/k/v outputs, attn out)
-      mlp       = 2H + 3 I / tp (gate, up, and their product); MoE: k experts' 3 x I_e / tp
+    Formula ``act_peak``: num_tokens x (act_bytes x max(attention, mlp) + 24) where, per token,
+      attention = 3H + (q + 2 kv + q) / tp (q/k/v outputs, attn out)
+      mlp       = 3H + 3 I / tp (gate, up, and their product); MoE: k experts' 3 x I_e / tp
+      3H        = the residual stream, the normed input, and the previous layer's output, which
+                  the model's layer loop holds until the layer returns
+      24 B      = the step's int64 token ids, positions and KV slots
     MLA uses heads x (qk_nope + qk_rope) for q and heads x (qk_nope + v) for the expanded KV.
-    Attention scores are not counted: a fused/tiled attention kernel never stores them.
+    The attention call's own scratch (gathered K/V, score tiles, masks) is not in it: on a CPU
+    it is the ledger's "attention scratch" line (``plan.scratch``).
     """
+    return max(activation_phase_bytes(spec, num_tokens, act_dtype_bytes, tp))
+
+
+# NOTE: measured (torch.profiler, tests/numerics/test_attention_scratch.py): one engine step's
+# peak beyond the KV cache was what a 2H-per-token formula gave + exactly N x H x act_bytes +
+# 24 N bytes: the previous layer's output (``x`` in CausalLM.forward) and the step's int64
+# index tensors; with 3H and these 24 B the step peak is the measured one to within 1 KiB.
+STEP_INDEX_BYTES = 24
+
+
+def activation_phase_bytes(spec: ModelSpec, num_tokens: int, act_dtype_bytes: int,
+                           tp: int = 1) -> tuple[int, int]:
+    """(attention phase, MLP phase) live activations of ``activation_peak_bytes``."""
     h = spec.hidden_size
     if is_mla(spec):
         qk = spec.qk_nope_head_dim + spec.qk_rope_head_dim
-        attn = 2 * h + (spec.num_heads * (qk + spec.qk_nope_head_dim + 2 * spec.v_head_dim)) // tp
+        attn = 3 * h + (spec.num_heads * (qk + spec.qk_nope_head_dim + 2 * spec.v_head_dim)) // tp
     else:
-        attn = 2 * h + (2 * spec.q_size + 2 * spec.kv_size) // tp
-    mlp = 2 * h + 3 * spec.intermediate_size // tp
+        attn = 3 * h + (2 * spec.q_size + 2 * spec.kv_size) // tp
+    mlp = 3 * h + 3 * spec.intermediate_size // tp
     if spec.num_experts:
         ei = spec.moe_intermediate_size or spec.intermediate_size
         routed = 3 * ei * (spec.num_experts_per_token + spec.num_shared_experts) // tp
-        moe = 2 * h + routed
+        moe = 3 * h + routed
         mlp = moe if spec.first_k_dense == 0 else max(mlp, moe)
-    return num_tokens * act_dtype_bytes * max(attn, mlp)
+    index = num_tokens * STEP_INDEX_BYTES
+    return (num_tokens * act_dtype_bytes * attn + index,
+            num_tokens * act_dtype_bytes * mlp + index)
 
 
 @dataclass(frozen=True)
@@ -105,6 +143,15 @@ class EngineMemoryPlan:
     tp: int
     device: str = "gpu"  # "gpu": the pool is what is left; "cpu": the pool is a fixed budget
     peak_bytes: int = 0  # the ledger's total: what the process holds at its peak
+    # cpu: peak = resident + max(loading transient, KV + step peak), see ``peak_with_kv``
+    resident_bytes: int = 0  # runtime baseline + weights + RoPE tables
+    load_bytes: int = 0  # the loading transient
+    step_bytes: int = 0  # the step peak: masks + max(attention, MLP, sampling phase)
+    step_phase: str = ""  # the phase that sets the step peak
+
+    def peak_with_kv(self, kv_bytes: int) -> int:
+        """The cpu peak RSS with ``kv_bytes`` of KV in place of the pool (``plan.fit``)."""
+        return self.resident_bytes + max(self.load_bytes, kv_bytes + self.step_bytes)
 
     @property
     def kv_allocated_bytes(self) -> int:
@@ -234,15 +281,20 @@ def cpu_engine_memory_plan(spec: ModelSpec, *, weight_bytes: int, max_num_batche
                            act_dtype_bytes: int, kv_cache_memory_bytes: int | None = None,
                            kv_blocks: int | None = None, runtime_bytes: int = 0,
                            load_transient_bytes: int = 0, weights_note: str = "",
-                           runtime_note: str = "", strict: bool = True) -> EngineMemoryPlan:
+                           runtime_note: str = "", strict: bool = True,
+                           max_model_len: int | None = None, threads: int | None = None,
+                           fused_decode: bool | None = None) -> EngineMemoryPlan:
     """The engine's host-memory ledger on a CPU: a fixed KV budget, lines summed to the peak.
 
     The KV pool is ``kv_blocks`` blocks if given, else ``kv_cache_memory_bytes``, else
     ``DEFAULT_CPU_KV_BYTES``; ``num_kv_blocks = floor(pool / block_bytes)``, and the engine
-    allocates exactly ``num_kv_blocks x block_bytes``. Peak (``peak_bytes``):
-    ``runtime + weights + max(load_transient, KV allocated + activation peak + logits)``:
-    the loading transient is freed before the KV pool is allocated. A budget that holds no
-    block raises PlanError, unless ``strict=False`` (the planner: 0 blocks, see ``plan.fit``).
+    allocates exactly ``num_kv_blocks x block_bytes``. Peak (``peak_bytes``, module docstring):
+    ``runtime + weights + RoPE + max(load_transient, KV allocated + step peak)``: the loading
+    transient is freed before the KV pool is allocated. ``max_model_len`` (None: the model's
+    max_position_embeddings, as the engine) sizes the RoPE tables and the attention scratch;
+    ``threads`` (None: ``scratch.cpu_threads()``) the SDPA tiles; ``fused_decode`` (None: unless
+    FITSERVE_DISABLE_CPP is set) whether decode runs the C++ kernel or gathers K/V. A budget
+    that holds no block raises PlanError, unless ``strict=False`` (the planner: 0 blocks).
     """
     block = kv_block_bytes(spec, block_size, kv_dtype)
     fixed = _fixed_pool(spec, block_size, kv_dtype, 1, kv_cache_memory_bytes, kv_blocks)
@@ -251,27 +303,72 @@ def cpu_engine_memory_plan(spec: ModelSpec, *, weight_bytes: int, max_num_batche
     if blocks < 1 and strict:
         raise PlanError(f"a KV budget of {fmt_bytes(pool)} holds no block of {fmt_bytes(block)} "
                         f"(block_size={block_size}): raise --kv-cache-memory")
-    act = activation_peak_bytes(spec, max_num_batched_tokens, act_dtype_bytes)
+    mml = spec.max_position_embeddings if max_model_len is None else max_model_len
+    budget = max_num_batched_tokens
+    scratch = cpu_attention_scratch(
+        spec, max_num_batched_tokens=budget, max_model_len=mml, max_num_seqs=max_num_seqs,
+        block_size=block_size, act_bytes=act_dtype_bytes,
+        kv_bytes=kv_format(kv_dtype).element_bytes,
+        threads=cpu_threads() if threads is None else threads,
+        fused_decode=not cpp_kernels_disabled() if fused_decode is None else fused_decode)
     logits = _logits_line(spec, max_num_seqs)
-    running = blocks * block + act + logits.bytes
+    sampler = sampler_bytes(spec, max_num_seqs)
+    step, phase = cpu_step_bytes(spec, budget, act_dtype_bytes, scratch, logits.bytes + sampler)
+    running = blocks * block + step
+    rope = rope_table_bytes(spec, mml)
     lines = (
         MemoryLine("runtime baseline", "measured VmRSS", runtime_bytes,
                    runtime_note or "python + torch + engine modules (runtime_baseline_bytes)"),
         MemoryLine("weights", "weight_bytes", weight_bytes, weights_note),
+        MemoryLine("rope tables", "2 x max_model_len x head_dim/2 x 4", rope,
+                   f"fp32 cos/sin for max_model_len={mml} positions, built with the model"),
         MemoryLine("loading transient", "load_transient", load_transient_bytes,
                    "loader copy + fused qkv/gate_up copies, freed before the KV pool"
                    + (" (sets the peak)" if load_transient_bytes > running else "")),
-        MemoryLine("activation peak", "act_peak", act,
-                   f"one forward over max_num_batched_tokens={max_num_batched_tokens}"),
+        MemoryLine("activation peak", "act_peak", max(activation_phase_bytes(
+                   spec, budget, act_dtype_bytes)),
+                   f"one forward over max_num_batched_tokens={budget}"),
+        MemoryLine("attention scratch", "masks + max(prefill chunk, decode)", scratch.total_bytes,
+                   _scratch_note(scratch, block_size)),
         logits,
+        MemoryLine("sampler", "max_num_seqs x vocab x 4 x 15", sampler,
+                   "the sampler's fp32 working copies at their worst (a full-vocabulary top-p "
+                   "sort); greedy rows take 1 copy, temperature sampling 4"),
         MemoryLine("KV pool", "num_kv_blocks x block_bytes", blocks * block,
                    f"{how} = {pool:,} B -> {blocks} blocks x {block:,} B "
                    f"(block_size={block_size})"),
     )
-    peak = runtime_bytes + weight_bytes + max(load_transient_bytes, running)
+    resident = runtime_bytes + weight_bytes + rope
+    peak = resident + max(load_transient_bytes, running)
     return EngineMemoryPlan(spec, lines, pool, blocks, block_size, block,
                             kv_bytes_per_token(spec, kv_dtype), max_num_seqs, kv_dtype, 1,
-                            "cpu", peak)
+                            "cpu", peak, resident, load_transient_bytes, step, phase)
+
+
+def cpu_step_bytes(spec: ModelSpec, num_tokens: int, act_dtype_bytes: int,
+                   scratch: AttentionScratch, logits_bytes: int) -> tuple[int, str]:
+    """(step peak, the phase that sets it): the masks + the largest of three phases.
+
+    attention: the attention-phase activations + the attention call's scratch (one layer);
+    mlp: the MLP-phase activations; sampling: the final hidden states [N, H] + the logits and
+    the sampler's copies (``logits_bytes``). Each layer frees its attention scratch before its
+    MLP runs, and the last layer's activations before the logits are made.
+    """
+    attn, mlp = activation_phase_bytes(spec, num_tokens, act_dtype_bytes)
+    phases = {"attention": attn + scratch.kernel_bytes, "mlp": mlp,
+              "sampling": num_tokens * spec.hidden_size * act_dtype_bytes + logits_bytes}
+    name = max(phases, key=lambda k: phases[k])
+    return scratch.step_tensor_bytes + phases[name], name
+
+
+def _scratch_note(s: AttentionScratch, block_size: int) -> str:
+    decode = ("fused C++ decode (cpu_paged): output + fp32 partials" if s.fused_decode else
+              "gather decode (no C++ kernel): K/V copies + fp32 scores")
+    return (f"masks + block tables {s.step_tensor_bytes:,} B (the whole step) + max(prefill "
+            f"chunk of "
+            f"{s.prefill_queries} queries x {s.keys} keys: K/V copies + SDPA "
+            f"{s.prefill_bytes:,} B, {decode} of {s.decode_batch} sequences "
+            f"{s.decode_bytes:,} B); {s.threads} threads, per layer, freed before the MLP")
 
 
 def _no_block_message(lines: tuple[MemoryLine, ...], total: int, pool: int, block: int) -> str:

@@ -64,8 +64,11 @@ def memory_section(r: Resolved, mp: EngineMemoryPlan, fc: FitCheck) -> Section:
     ]
     if r.on_cpu:
         lines.append(Line("total (peak RSS)", "peak_bytes", mp.peak_bytes, fmt_bytes(mp.peak_bytes),
-                          "runtime + weights + max(loading transient, KV pool + activation "
-                          "peak + logits)", marks.get("total (peak RSS)", "")))
+                          "runtime + weights + rope + max(loading transient, KV pool + step "
+                          f"peak {mp.step_bytes:,} B = masks and block tables + max(attention phase: "
+                          "activations + attention scratch, mlp phase, sampling phase: hidden + "
+                          f"logits + sampler); set by the {mp.step_phase} phase)",
+                          marks.get("total (peak RSS)", "")))
     notes = [f"per GPU of {fmt_bytes(r.hw.memory_bytes)} ({r.hw.name}); ceiling because: "
              + "; ".join(ceil.reasons)]
     if r.on_cpu:

@@ -8,7 +8,7 @@ hidden / heads, one KV head, odd vocabularies), with the same dtype and KV flags
 - the plan's KV blocks and KV bytes are the engine's pool and the runner's allocated tensors;
 - the plan's weights line is the bytes of the parameters and buffers the engine's model
   holds (counted here from the module's own storages, shared ones once), except the two fp32
-  RoPE tables, which are checked apart (the ledger has no line for them);
+  RoPE tables, which are the ledger's own "rope tables" line (checked in test_plan_consistency);
 - the planner's ModelSpec of the file is the engine's (one reader per file kind).
 
 NOTE: both sides run with the weights dense in the model dtype (engine ``weights=<dtype>``,

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from fitserve.config import EngineConfig
-from fitserve.plan import runtime
+from fitserve.plan import runtime, scratch
 from fitserve.plan.cli_plan import _add_arguments, main
 from fitserve.plan.errors import PlanError
 from fitserve.plan.hardware import Hardware
@@ -31,28 +31,55 @@ W_BF16 = 134_515_008 * 2  # SmolLM2 parameters (tied embedding once) x 2 B
 
 def _cpu(**kw: Any) -> Any:
     args: dict[str, Any] = dict(weight_bytes=W_BF16, max_num_batched_tokens=2048, max_num_seqs=64,
-                                block_size=16, kv_dtype="bf16", act_dtype_bytes=2)
+                                block_size=16, kv_dtype="bf16", act_dtype_bytes=2,
+                                max_model_len=8192, threads=2, fused_decode=True)
     args.update(kw)
     return cpu_engine_memory_plan(SMOL, **args)
 
 
 def test_cpu_plan_by_hand() -> None:
     p = _cpu(runtime_bytes=400 * MIB, load_transient_bytes=390 * MIB)
-    assert [m.name for m in p.lines] == ["runtime baseline", "weights", "loading transient",
-                                         "activation peak", "logits", "KV pool"]
+    assert [m.name for m in p.lines] == ["runtime baseline", "weights", "rope tables",
+                                         "loading transient", "activation peak",
+                                         "attention scratch", "logits", "sampler", "KV pool"]
     # 1 GiB // (16 tokens x 23,040 B) = 2,912 blocks; allocated 2,912 x 368,640 B
     assert p.kv_pool_bytes == DEFAULT_CPU_KV_BYTES == GIB
     assert (p.num_kv_blocks, p.block_bytes) == (2912, 368_640)
     assert p.kv_allocated_bytes == p.line("KV pool").bytes == 1_073_479_680
-    act, logits = 2048 * 2 * 5760, 64 * 49152 * 4
-    assert p.peak_bytes == 400 * MIB + W_BF16 + 1_073_479_680 + act + logits
+    by = {m.name: m.bytes for m in p.lines}
+    # RoPE: 2 tables x 8192 positions x 32 (head_dim 64 / 2) x 4 B
+    assert by["rope tables"] == 2 * 8192 * 32 * 4 == 2_097_152
+    # activations: 2048 tokens x (2 B x mlp 3 x 576 + 3 x 1536 = 6336, + 24 B of indices)
+    act, logits = 2048 * 2 * 6336 + 2048 * 24, 64 * 49152 * 4
+    assert (by["activation peak"], by["logits"]) == (26_001_408, logits) and act == 26_001_408
+    # masks 2048 x 8192 bools + 64 block tables x 512 x 8 B + the prefill chunk
+    # (tests/unit/plan/test_attention_scratch.py)
+    assert by["attention scratch"] == 16_777_216 + 262_144 + 50_409_472
+    assert by["sampler"] == 15 * logits == 188_743_680
+    # step peak: masks and tables + max(attention 2048 x (2 x 3264 + 24) + 50,409,472 =
+    # 63,827,968, mlp 26,001,408, sampling 2048 x 576 x 2 + logits + sampler = 203,685,888)
+    assert (p.step_bytes, p.step_phase) == (17_039_360 + 203_685_888, "sampling")
+    assert p.peak_bytes == (400 * MIB + W_BF16 + 2_097_152 + 1_073_479_680
+                            + 17_039_360 + 2_359_296 + logits + 188_743_680)
+    assert p.peak_with_kv(p.kv_allocated_bytes) == p.peak_bytes
     assert "sets the peak" not in p.line("loading transient").note
+
+
+def test_cpu_plan_attention_sets_the_step_peak_at_long_context() -> None:
+    # 4 sequences, a 2048-token budget and 32k context: the prefill chunk's scratch dominates
+    p = _cpu(max_num_seqs=4, max_model_len=32768, runtime_bytes=0, load_transient_bytes=0)
+    assert p.step_phase == "attention"
+    scratch = p.line("attention scratch").bytes
+    tables = 2048 * 32768 + 4 * 2048 * 8  # masks and 4 block tables of 2048 blocks
+    # attention activations + masks and tables + the chunk's kernel scratch
+    assert p.step_bytes == 2048 * (2 * 3264 + 24) + scratch
+    assert scratch - tables > 2048 * 32768 * 2  # more than the float mask alone
 
 
 def test_cpu_plan_loading_sets_the_peak_with_a_small_pool() -> None:
     p = _cpu(kv_cache_memory_bytes=64 * MIB, runtime_bytes=0, load_transient_bytes=390 * MIB)
     assert p.num_kv_blocks == 64 * MIB // 368_640 == 182
-    assert p.peak_bytes == W_BF16 + 390 * MIB
+    assert p.peak_bytes == W_BF16 + 2_097_152 + 390 * MIB
     assert "sets the peak" in p.line("loading transient").note
 
 
@@ -101,6 +128,8 @@ def test_engine_knob_defaults_are_the_engines() -> None:
 
 def test_cpu_plan_json(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(runtime, "runtime_baseline_bytes", lambda **_: 300 * MIB)
+    monkeypatch.setattr(scratch, "cpu_threads", lambda: 2)
+    monkeypatch.delenv("FITSERVE_DISABLE_CPP", raising=False)
     assert main(["smollm2-135m", "--gpu", "cpu", "--dtype", "float32", "--weights", "float32",
                  "--block-size", "32",
                  "--kv-cache-memory", "512M", "--max-num-seqs", "16", "--json"]) == 0
@@ -110,10 +139,24 @@ def test_cpu_plan_json(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFi
     assert (e["num_kv_blocks"], e["block_bytes"], e["kv_bytes_per_token"]) == (364, 1_474_560,
                                                                                46_080)
     assert e["weight_bytes"] == 134_515_008 * 4 and e["max_num_seqs"] == 16
-    assert e["lines"]["runtime baseline"] == 300 * MIB
-    assert e["peak_bytes"] == 300 * MIB + e["weight_bytes"] + max(
-        e["lines"]["loading transient"],
-        e["kv_allocated_bytes"] + e["lines"]["activation peak"] + e["lines"]["logits"])
+    lines = e["lines"]
+    assert lines["runtime baseline"] == 300 * MIB
+    # the default context 8192 is the max_model_len: 2 x 8192 x 32 x 4 B
+    assert lines["rope tables"] == 2_097_152
+    # fp32, T = 2048 queries x L = 8192 keys, 2 threads: masks 2048 x 8192 + 16 block tables
+    # x 256 blocks of 32 x 8 B + K/V copies 2 x 3 x 8192 x 64 x 4 + SDPA: output 9 x 2048 x 64 x 4 +
+    # logsumexp 9 x 2048 x 4 + tiles 2 x (256 x 512 + 2 x 256 + 256 x 64) x 4 + float mask
+    # 2048 x 8192 x 4 (no repacking in fp32)
+    assert lines["attention scratch"] == (16_777_216 + 32_768 + 12_582_912 + 4_718_592 + 73_728
+                                          + 1_183_744 + 67_108_864) == 102_477_824
+    # 16 sequences: logits 16 x 49,152 x 4 = 3 MiB, sampler x 15
+    assert (lines["logits"], lines["sampler"]) == (3 * MIB, 45 * MIB)
+    # step: tables + max(attention 2048 x (4 x 3264 + 24) + 85,667,840 = 112,455,680,
+    # mlp 2048 x (4 x 6336 + 24) = 51,953,664, sampling 2048 x 576 x 4 + 48 MiB = 55,050,240)
+    act_attn = 2048 * (4 * 3264 + 24)
+    assert e["peak_bytes"] == 300 * MIB + e["weight_bytes"] + lines["rope tables"] + max(
+        lines["loading transient"],
+        e["kv_allocated_bytes"] + act_attn + lines["attention scratch"])
 
 
 def test_cpu_plan_warns_when_not_what_the_engine_does(

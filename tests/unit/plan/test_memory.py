@@ -29,24 +29,25 @@ def test_smollm2_plan_by_hand() -> None:
     assert names == ["weights", "activation peak", "logits", "workspace / graphs", "headroom",
                      "KV pool"]
     by = {line.name: line.bytes for line in plan.lines}
-    # activation: per token max(attention 2 x 576 + 2 x 576 + 2 x 192 = 2688,
-    #                           mlp 2 x 576 + 3 x 1536 = 5760) x 2 B x 2048 tokens
-    assert by["activation peak"] == 2048 * 2 * 5760 == 23_592_960
+    # activation: per token max(attention 3 x 576 + 2 x 576 + 2 x 192 = 3264,
+    #                           mlp 3 x 576 + 3 x 1536 = 6336) x 2 B, + 24 B of int64 ids,
+    # positions and slots, x 2048 tokens
+    assert by["activation peak"] == 2048 * (2 * 6336 + 24) == 26_001_408
     assert by["logits"] == 64 * 49152 * 4 == 12_582_912  # max_num_seqs x vocab x f32
     assert by["headroom"] == GIB - int(GIB * 0.9) == 107_374_183
-    pool = GIB - 100_000_000 - 23_592_960 - 12_582_912 - 0 - 107_374_183
-    assert by["KV pool"] == plan.kv_pool_bytes == pool == 830_191_769
+    pool = GIB - 100_000_000 - 26_001_408 - 12_582_912 - 0 - 107_374_183
+    assert by["KV pool"] == plan.kv_pool_bytes == pool == 827_783_321
     # one block: 16 tokens x 23,040 B (30 layers x 2 x 3 heads x 64 x 2 B) = 368,640 B
     assert plan.block_bytes == 368_640
-    assert plan.num_kv_blocks == 830_191_769 // 368_640 == 2252
-    assert plan.kv_tokens == 2252 * 16
-    ceiling = plan.max_concurrent_sequences(2048)  # 128 blocks each: 2252 // 128 = 17
+    assert plan.num_kv_blocks == 827_783_321 // 368_640 == 2245
+    assert plan.kv_tokens == 2245 * 16
+    ceiling = plan.max_concurrent_sequences(2048)  # 128 blocks each: 2245 // 128 = 17
     assert (ceiling.value, ceiling.limited_by) == (17, "kv_pool")
     assert int(ceiling) == 17
     assert any("ceiling" in r or "assumed" in r for r in ceiling.reasons)
     short = plan.max_concurrent_sequences(16)
     assert (short.value, short.limited_by) == (64, "max_num_seqs")
-    assert "2252" in short.reasons[0]
+    assert "2245" in short.reasons[0]
 
 
 def test_num_kv_blocks_floor() -> None:
@@ -78,8 +79,9 @@ def test_workspace_line_and_tp() -> None:
     by = {line.name: line.bytes for line in plan.lines}
     assert by["workspace / graphs"] == 10_000_000
     assert plan.block_bytes == 16 * 30 * 2 * 1 * 64 * 2  # one KV head per rank
-    # attention per token: 2 x 576 + (2 x 576 + 2 x 192) / 3 = 1664; mlp 1152 + 1536 = 2688
-    assert by["activation peak"] == 2048 * 2 * 2688 == activation_peak_bytes(SMOL, 2048, 2, 3)
+    # attention per token: 3 x 576 + (2 x 576 + 2 x 192) / 3 = 2240; mlp 1728 + 1536 = 3264
+    assert by["activation peak"] == 2048 * (2 * 3264 + 24) == activation_peak_bytes(SMOL, 2048,
+                                                                                    2, 3)
 
 
 def test_bad_utilization() -> None:

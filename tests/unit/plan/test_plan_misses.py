@@ -68,7 +68,8 @@ def with_flags(args: list[str], flags: str) -> list[str]:
 
 ARGS_70B_24GB = ["Llama-3.3-70B", "--gpu", "h100", "--gpu-memory", "24e9"]
 W70 = 2 * P70  # bf16: 141,107,412,992 B
-ACT70 = 2048 * 2 * (2 * 8192 + 3 * 28672)  # tokens x 2 B x max(attn 34,816, mlp 102,400)
+# tokens x (2 B x max(attn 3 x 8192 + 2 x 8192 + 2 x 1024 = 43,008, mlp 110,592) + 24 B)
+ACT70 = 2048 * (2 * (3 * 8192 + 3 * 28672) + 24)
 LOGITS70 = 64 * 128256 * 4  # max_num_seqs x vocab x f32
 HEADROOM24 = 24_000_000_000 - int(24_000_000_000 * 0.9)  # 2,400,000,000
 POOL70 = 24_000_000_000 - W70 - ACT70 - LOGITS70 - WORKSPACE - HEADROOM24
@@ -79,13 +80,13 @@ NEED70 = 1 * 8192 * KV70_TOKEN  # one sequence of the default 8k context (512 wh
 def test_70b_bf16_on_24gb_misses_by_exact_bytes(capsys: pytest.CaptureFixture[str]) -> None:
     rc, plan = run_json(capsys, ARGS_70B_24GB)
     assert rc == 1
-    assert (W70, ACT70, LOGITS70) == (141_107_412_992, 419_430_400, 32_833_536)
-    assert POOL70 == -121_033_418_752  # the lines above overflow the GPU: a negative pool
+    assert (W70, ACT70, LOGITS70) == (141_107_412_992, 453_033_984, 32_833_536)
+    assert POOL70 == -121_067_022_336  # the lines above overflow the GPU: a negative pool
     assert NEED70 == 2_684_354_560
-    # shortfall = KV needed - KV pool = 2,684,354,560 + 121,033,418,752
+    # shortfall = KV needed - KV pool = 2,684,354,560 + 121,067,022,336
     assert plan["fits"] is False
-    assert plan["shortfall_bytes"] == NEED70 - POOL70 == 123_717_773_312
-    assert plan["shortfall_gib"] == round(123_717_773_312 / GIB, 2) == 115.22
+    assert plan["shortfall_bytes"] == NEED70 - POOL70 == 123_751_376_896
+    assert plan["shortfall_gib"] == round(123_751_376_896 / GIB, 2) == 115.25
     # every memory line is still computed, in reservation order
     assert plan["engine"]["lines"] == {
         "weights": W70, "activation peak": ACT70, "logits": LOGITS70,
@@ -127,8 +128,8 @@ def test_70b_table_prints_every_line_and_the_shortfall(
                  "KV pool", "KV blocks", "Speed", "Layouts"):
         assert name in cap.out
     assert "MISS 131.42 GiB" in cap.out  # W70 / 2^30 = 131.416...
-    assert "DOES NOT FIT" in cap.out and "115.22 GiB (123,717,773,312 B)" in cap.out
-    assert "does not fit: short by 115.22 GiB (123,717,773,312 B) per GPU" in cap.err
+    assert "DOES NOT FIT" in cap.out and "115.25 GiB (123,751,376,896 B)" in cap.out
+    assert "does not fit: short by 115.25 GiB (123,751,376,896 B) per GPU" in cap.err
     assert "--tp 8 --gpus 8" in cap.err
 
 
@@ -141,23 +142,23 @@ def test_8b_128k_x64_kv_shortfall_and_largest_fits(capsys: pytest.CaptureFixture
     rc, plan = run_json(capsys, ARGS_8B_128K)
     assert rc == 1 and plan["fits"] is False
     w = 2 * P8  # 16,060,522,496 B
-    act = 2048 * 2 * (2 * 4096 + 3 * 14336)  # 209,715,200
+    act = 2048 * (2 * (3 * 4096 + 3 * 14336) + 24)  # 226,541,568
     logits = 64 * 128256 * 4
     headroom = 80_000_000_000 - 72_000_000_000  # h100: 80 GB sheet figure, x 0.9
     pool = 80_000_000_000 - w - act - logits - WORKSPACE - headroom
-    assert pool == 54_623_186_944
+    assert pool == 54_606_360_576
     block = 16 * 32 * 8 * 128 * 2 * 2  # 16 tokens x 131,072 B = 2,097,152 B
     blocks = pool // block
-    assert blocks == 26_046 == plan["engine"]["num_kv_blocks"]
+    assert blocks == 26_038 == plan["engine"]["num_kv_blocks"]
     need = 64 * (131072 // 16) * block  # 64 x 8,192 blocks = 1 TiB
     assert need == 1 << 40
-    assert plan["shortfall_bytes"] == need - pool == 1_044_888_440_832
+    assert plan["shortfall_bytes"] == need - pool == 1_044_905_267_200
     assert [m["line"] for m in plan["misses"]] == ["KV pool"]  # the other lines are fine
     alts = {a["option"]: a["value"] for a in plan["alternatives"]}
-    # largest context: 26,046 blocks // 64 sequences = 406 blocks x 16 = 6,496 tokens (the
-    # other lines do not depend on context); largest concurrency: 26,046 // 8,192 = 3;
+    # largest context: 26,038 blocks // 64 sequences = 406 blocks x 16 = 6,496 tokens (the
+    # other lines do not depend on context); largest concurrency: 26,038 // 8,192 = 3;
     # engines needed: ceil(64 / 3) = 22
-    assert alts == {"context": 406 * 16, "concurrency": 26_046 // 8192, "gpus": 22}
+    assert alts == {"context": 406 * 16, "concurrency": 26_038 // 8192, "gpus": 22}
     rc, dp = run_json(capsys, ARGS_8B_128K + ["--gpus", "22"])
     assert rc == 0 and dp["fits"] is True  # ceil(64 / 22) = 3 sequences per engine
     rc, more = run_json(capsys, ARGS_8B_128K[:-1] + ["4"])
@@ -182,10 +183,11 @@ def test_fixed_kv_pool_too_small_names_the_flag(capsys: pytest.CaptureFixture[st
 def test_fixed_kv_pool_bigger_than_the_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     rc, plan = run_json(capsys, ["SmolLM2-135M", "--gpu", "h100", "--kv-cache-memory", "100G"])
     assert rc == 1
-    # weights 134,515,008 params x 2 B; activation 2048 x 2 B x 5760; logits 64 x 49152 x 4;
-    # workspace 1 GiB; headroom 80e9 - 72e9; the given pool 100 GiB: their sum exceeds 80e9
-    lines = 269_030_016 + 23_592_960 + 12_582_912 + GIB + 8_000_000_000 + 100 * GIB
-    assert plan["shortfall_bytes"] == lines - 80_000_000_000 == 36_753_130_112
+    # weights 134,515,008 params x 2 B; activation 2048 x (2 B x 6336 + 24 B); logits 64 x
+    # 49152 x 4; workspace 1 GiB; headroom 80e9 - 72e9; the given pool 100 GiB: their sum
+    # exceeds 80e9
+    lines = 269_030_016 + 26_001_408 + 12_582_912 + GIB + 8_000_000_000 + 100 * GIB
+    assert plan["shortfall_bytes"] == lines - 80_000_000_000 == 36_755_538_560
     (miss,) = plan["misses"]
     assert miss["line"] == "KV pool" and (miss["need"], miss["have"]) == (lines, 80_000_000_000)
     alts = {a["option"]: a["value"] for a in plan["alternatives"]}
