@@ -117,3 +117,6 @@ class EngineConfig:
     # True: every step runs eager. False: CPU decode-only steps run under torch.compile
     # (fitserve.compiled_step), compiled at start-up for the batch classes max_num_seqs reaches.
     enforce_eager: bool = True
+    # Automatic prefix caching (vLLM's): full KV blocks are kept under a hash of their prefix
+    # and reused by later requests that share it (fitserve.kv.prefix_hash).
+    enable_prefix_caching: bool = True

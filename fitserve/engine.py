@@ -133,7 +133,8 @@ class Engine:
                                f"{weight_bytes:,} B (fitserve.plan.weights.engine_weight_bytes)")
         self.pool = size_kv_pool(cfg, self.spec, self.dtype, self.device, weight_bytes)
         check_pool_fits(self.pool, self.max_model_len)
-        self.kv = KVCacheManager(self.pool.num_blocks, cfg.block_size)
+        self.kv = KVCacheManager(self.pool.num_blocks, cfg.block_size,
+                                 enable_caching=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -422,6 +423,11 @@ class Engine:
                             return
         finally:
             self.abort(rid)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix no request holds (vLLM's ``reset_prefix_cache``), e.g. so
+        each timed run of a benchmark computes its prompts; returns how many blocks it dropped."""
+        return self.kv.reset_prefix_cache()
 
     def stats(self, with_owners: bool = False) -> EngineStats:
         return EngineStats(

@@ -43,6 +43,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", dest="enforce_eager", action="store_false",
                    help="run decode-only steps under torch.compile (compiled at start-up, "
                         "cached under $FITSERVE_HOME/compile)")
+    p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
+                   action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of prompt prefixes earlier requests computed "
+                        "(automatic prefix caching; on by default)")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="the same as --no-enable-prefix-caching")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -52,5 +58,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_bytes=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, weights=args.weights, quantization=args.quantization,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
     )

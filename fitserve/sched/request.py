@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fitserve.kv.prefix_hash import BlockHash, ExtraKeys
 from fitserve.types import RequestStatus
 
 
@@ -15,6 +16,11 @@ class SchedRequest:
 
     ``arrival`` orders requests (oldest first); :meth:`Scheduler.add_request` overwrites it
     with its own monotone sequence number.
+
+    ``block_hashes`` is the prefix-cache hash chain of the request's full blocks so far
+    (prompt and outputs alike), extended by the scheduler as blocks fill; ``cache_extra_keys``
+    go into every one of those hashes (an adapter name, a cache salt: see
+    :mod:`fitserve.kv.prefix_hash`).
     """
 
     request_id: str
@@ -25,6 +31,9 @@ class SchedRequest:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    cache_extra_keys: ExtraKeys = ()
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prefix-cache hits at its latest admission (not recomputed)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -16,6 +16,16 @@ decode is just a chunk of length 1.
 When the pool runs out, the newest running request is preempted by recompute: its blocks are
 freed, ``num_computed_tokens`` drops to 0, and it waits at the front of the queue; when it is
 admitted again it recomputes prompt + outputs so far in chunks like any prompt.
+
+Prefix caching: after each step, the blocks a request has fully computed are registered under
+their chained hashes (prompt and generated tokens alike). A waiting request being admitted
+looks its hashes up; the blocks found start its table and count as computed, so its first
+chunk starts after them (at least its last token is always computed, to sample from)::
+
+    block_size 4, A computed [s0 .. s9] (blocks h0 h1 registered), B = [s0 .. s7, b8 .. b13]
+    B admitted: hits h0 h1 -> num_computed_tokens = 8, first chunk [b8 .. b13] at start_pos 8
+
+A preempted request's registered blocks become evictable, not lost: readmitted, it may hit them.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from collections import deque
 
 from fitserve.config import SchedulerConfig
 from fitserve.kv.manager import KVCacheManager
+from fitserve.kv.prefix_hash import extend_block_hashes
 from fitserve.sched.request import SchedRequest
 from fitserve.types import RequestStatus, ScheduledChunk, SchedulerOutput
 
@@ -136,8 +147,9 @@ class Scheduler:
         assert out.num_batched_tokens <= self.config.max_num_batched_tokens
         return out
 
-    def _chunk_len(self, req: SchedRequest, budget: int) -> int:
-        n = min(req.num_tokens - req.num_computed_tokens, budget)
+    def _chunk_len(self, req: SchedRequest, budget: int, computed: int | None = None) -> int:
+        done = req.num_computed_tokens if computed is None else computed
+        n = min(req.num_tokens - done, budget)
         t = self.config.long_prefill_token_threshold
         return n if t is None else min(n, t)
 
@@ -163,14 +175,32 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            num_new = self._chunk_len(req, budget)
-            if not self.kv.allocate(req.request_id, req.num_computed_tokens + num_new):
+            hits = self._lookup_prefix(req)
+            num_cached = len(hits) * self.kv.block_size
+            num_new = self._chunk_len(req, budget, computed=num_cached)
+            if not self.kv.allocate(req.request_id, num_cached + num_new, hits):
                 break  # FIFO: never let a later request jump ahead of this one
+            self.kv.record_prefix_lookup(req.num_tokens, num_cached)
+            req.num_computed_tokens = req.num_cached_tokens = num_cached
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=lambda r: r.arrival)
             out.chunks.append(self._make_chunk(req, num_new))
             budget -= num_new
+
+    def _lookup_prefix(self, req: SchedRequest) -> list[int]:
+        """The cached blocks a waiting request (no blocks, nothing computed) can start from."""
+        if not self.kv.enable_caching:
+            return []
+        self._extend_hashes(req, req.num_tokens)
+        return self.kv.get_computed_blocks(req.block_hashes, req.num_tokens)
+
+    def _extend_hashes(self, req: SchedRequest, num_tokens: int) -> None:
+        """Hash the request's full blocks among its first ``num_tokens`` tokens (new ones only)."""
+        n = num_tokens // self.kv.block_size
+        if len(req.block_hashes) < n:
+            extend_block_hashes(req.block_hashes, req.all_token_ids, self.kv.block_size, n,
+                                req.cache_extra_keys)
 
     def _preempt(self, req: SchedRequest, out: SchedulerOutput) -> None:
         # Newest-first preemption while walking oldest-first means the victim has not been
@@ -213,3 +243,7 @@ class Scheduler:
             req.num_computed_tokens += len(chunk.token_ids)
             if chunk.sample and chunk.request_id in sampled:
                 req.output_token_ids.append(sampled[chunk.request_id])
+            if self.kv.enable_caching:
+                # the K/V of this chunk is written now: offer the blocks it filled to the cache
+                self._extend_hashes(req, req.num_computed_tokens)
+                self.kv.cache_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)

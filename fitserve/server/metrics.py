@@ -52,6 +52,13 @@ class Metrics:
         self.kv_usage = Gauge("fitserve_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r)
         self.kv_frag = Gauge("fitserve_kv_fragmentation_ratio",
                              "Unused fraction of allocated KV slots (internal fragmentation)", registry=r)
+        self.prefix_queries = Counter("fitserve_prefix_cache_queries",
+                                      "Tokens of admitted requests looked up in the prefix cache", registry=r)
+        self.prefix_hits = Counter("fitserve_prefix_cache_hits",
+                                   "Tokens found in the prefix cache (not recomputed)", registry=r)
+        self.prefix_evictable = Gauge("fitserve_prefix_cache_evictable_blocks",
+                                      "Free KV blocks still holding a cached prefix (reclaimed on demand)",
+                                      registry=r)
         self.prompt_tokens = Counter("fitserve_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("fitserve_generation_tokens", "Generated tokens", registry=r)
         self.requests = Counter("fitserve_requests", "Finished requests by finish reason",
@@ -61,6 +68,7 @@ class Metrics:
         self.engine_alive = Gauge("fitserve_engine_alive", "1 while the engine thread runs", registry=r)
         self._lock = threading.Lock()
         self._last_preemptions = 0
+        self._last_prefix = (0, 0)  # (queries, hits) already counted
         # (wall time, value) samples for the dashboard's charts.
         self._ttft_hist: deque[tuple[float, float]] = deque(maxlen=20_000)
         self._itl_hist: deque[tuple[float, float]] = deque(maxlen=50_000)
@@ -100,6 +108,14 @@ class Metrics:
         self.kv_total.set(g.kv.num_blocks)
         self.kv_usage.set(g.kv.used_blocks / g.kv.num_blocks if g.kv.num_blocks else 0.0)
         self.kv_frag.set(g.kv.fragmentation)
+        # the engine's counts are totals since start; the counters advance by the difference
+        queries, hits = g.kv.prefix_cache_queries, g.kv.prefix_cache_hits
+        if queries > self._last_prefix[0]:
+            self.prefix_queries.inc(queries - self._last_prefix[0])
+        if hits > self._last_prefix[1]:
+            self.prefix_hits.inc(hits - self._last_prefix[1])
+        self._last_prefix = (queries, hits)
+        self.prefix_evictable.set(g.kv.evictable_cached_blocks)
 
     # -- readers (HTTP thread) ----------------------------------------------------------------
     def exposition(self) -> bytes:

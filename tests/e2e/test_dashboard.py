@@ -69,7 +69,7 @@ def test_grid_changes_while_requests_run_and_empties(server: Server, browser: An
     assert _grid(browser)[0] == 0
 
     def load() -> None:  # 4 requests whose prompts grow past several blocks while we watch
-        body = {"model": MODEL, "prompt": "word " * 40, "max_tokens": 20, "ignore_eos": True, "n": 2}
+        body = {"model": MODEL, "prompt": "word " * 40, "max_tokens": 200, "ignore_eos": True, "n": 2}
         with httpx.Client(timeout=300, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
             threads = [threading.Thread(target=c.post, args=(f"{server.url}/v1/completions",),
                                         kwargs={"json": body}) for _ in range(2)]

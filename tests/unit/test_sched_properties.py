@@ -3,8 +3,10 @@
 A fake "model" runs every scheduled chunk against a simulated paged KV cache (one token per
 slot): it writes the chunk's tokens through the block table and samples the next token as a
 function of the context it *reads back* through the block table. So a wrong block table, a
-block shared by two requests, or a block reused while still held changes the tokens, and the
-final outputs are compared with the request run alone.
+block shared by two requests, a block reused while still held, or a prefix-cache hit on a block
+that holds other tokens changes the tokens, and the final outputs are compared with the
+request run alone. Prompts often share heads, so with prefix caching on (half the cases) hits
+on other requests' and on their own (preempted) blocks happen.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class Plan:
 
 
 @st.composite
-def scenarios(draw: st.DrawFn) -> tuple[int, int, SchedulerConfig, list[Plan]]:
+def scenarios(draw: st.DrawFn) -> tuple[int, int, SchedulerConfig, list[Plan], bool]:
     block_size = draw(st.sampled_from([1, 2, 3, 4, 16]))
     max_model_len = draw(st.integers(2, 64))
     # NOTE: pools from one to ~2 max_model_len requests (now and then one block short), so that
@@ -69,16 +71,20 @@ def scenarios(draw: st.DrawFn) -> tuple[int, int, SchedulerConfig, list[Plan]]:
         bad = draw(st.sampled_from(["", "", "", "", "", "", "empty", "too_long", "zero"]))
         n = {"empty": 0, "too_long": max_model_len}.get(bad, n)
         seed = draw(st.integers(0, 10**6))
+        # a head shared with other requests of the same stem, then the request's own tokens
+        stem, shared = draw(st.integers(0, 2)), draw(st.sampled_from([n, n // 2]) | st.integers(0, n))
+        prompt = [(stem + 7919 * j) % 1000 for j in range(shared)]
+        prompt += [(seed + 7919 * j) % 1000 for j in range(shared, n)]
         plans.append(
             Plan(
                 arrive=draw(st.integers(0, 8)),
-                prompt=[(seed + 7919 * j) % 1000 for j in range(n)],
+                prompt=prompt,
                 max_tokens=0 if bad == "zero" else max_tokens,
                 abort_at=draw(st.none() | st.integers(0, 40)),
                 abort_mid=draw(st.booleans()),
             )
         )
-    return block_size, num_blocks, cfg, plans
+    return block_size, num_blocks, cfg, plans, draw(st.sampled_from([True, True, False]))
 
 
 def acceptable(p: Plan, cfg: SchedulerConfig, block_size: int, num_blocks: int) -> bool:
@@ -124,7 +130,18 @@ def check_step(s: Scheduler, out: SchedulerOutput, cfg: SchedulerConfig) -> None
         assert c.block_table == kv.block_table(c.request_id)
         assert c.sample == (c.start_pos + len(c.token_ids) == req.num_tokens)
     owners = kv.block_owners()
-    assert all(len(o) == 1 for o in owners.values())  # the scheduler never shares blocks
+    pool = kv.pool
+    for b, o in owners.items():
+        if len(o) > 1:
+            # only prefix-cache hits share blocks: full, registered blocks at the same index
+            assert kv.enable_caching and pool.block_hash(b) is not None
+            assert len({kv.block_table(r).index(b) for r in o}) == 1
+    for r in s.running:  # a held cached block lies in its holder's computed, full blocks
+        for i, b in enumerate(kv.block_table(r.request_id)):
+            if pool.block_hash(b) is not None:
+                assert i < r.num_computed_tokens // bs and pool.block_hash(b) == r.block_hashes[i]
+    assert pool.num_evictable_cached_blocks == sum(
+        1 for b in pool.free_block_ids() if pool.block_hash(b) is not None)
     for b in range(kv.pool.num_blocks):
         assert kv.pool.ref_count(b) == len(owners.get(b, []))
     assert kv.pool.num_used_blocks + kv.pool.num_free_blocks == kv.pool.num_blocks
@@ -140,10 +157,10 @@ def check_step(s: Scheduler, out: SchedulerOutput, cfg: SchedulerConfig) -> None
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_random_traffic_keeps_blocks_exact_and_outputs_batch_invariant(
-    scenario: tuple[int, int, SchedulerConfig, list[Plan]],
+    scenario: tuple[int, int, SchedulerConfig, list[Plan], bool],
 ) -> None:
-    bs, num_blocks, cfg, plans = scenario
-    s = Scheduler(cfg, KVCacheManager(num_blocks, bs))
+    bs, num_blocks, cfg, plans, caching = scenario
+    s = Scheduler(cfg, KVCacheManager(num_blocks, bs, enable_caching=caching))
     cache: dict[int, int] = {}
     reqs: dict[str, SchedRequest] = {}
     aborted: set[str] = set()
@@ -187,6 +204,8 @@ def test_random_traffic_keeps_blocks_exact_and_outputs_batch_invariant(
     event(f"aborts > 0: {bool(aborted)}")
     event(f"all rejected: {not reqs}")
     event(f"accepted requests: {len(reqs)}")
+    event(f"caching: {caching}, prefix-cache hits > 0: {s.kv.prefix_cache_hits > 0}")
+    event(f"hits after a preemption: {any(r.num_preemptions and r.num_cached_tokens for r in reqs.values())}")
     assert s.kv.pool.num_free_blocks == num_blocks and s.kv.block_owners() == {}
     assert s.kv.stats().fragmentation == 0.0
     for rid, r in reqs.items():

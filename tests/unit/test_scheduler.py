@@ -23,6 +23,7 @@ def make(
     max_num_seqs: int = 8,
     max_model_len: int = 128,
     threshold: int | None = None,
+    caching: bool = True,
 ) -> Scheduler:
     cfg = SchedulerConfig(
         max_num_batched_tokens=budget,
@@ -30,7 +31,7 @@ def make(
         max_model_len=max_model_len,
         long_prefill_token_threshold=threshold,
     )
-    return Scheduler(cfg, KVCacheManager(num_blocks, block_size))
+    return Scheduler(cfg, KVCacheManager(num_blocks, block_size, enable_caching=caching))
 
 
 def req(rid: str, n: int, max_tokens: int = 100, base: int = 0) -> SchedRequest:
@@ -153,8 +154,9 @@ def test_max_num_seqs_respected() -> None:
 
 
 def test_preemption_newest_first_then_resume_recomputes() -> None:
-    # 4 blocks of 4 slots; A and B take 2 blocks each for 6-token prompts
-    s = make(num_blocks=4, block_size=4, budget=64)
+    # 4 blocks of 4 slots; A and B take 2 blocks each for 6-token prompts (no prefix cache:
+    # the recompute is from scratch; test_prefix_cache.py has the same run with it on)
+    s = make(num_blocks=4, block_size=4, budget=64, caching=False)
     s.add_request(req("A", 6, max_tokens=5))
     s.add_request(req("B", 6, max_tokens=6, base=50))
     assert summary(step(s)) == [("A", 0, 6, [0, 1], True), ("B", 0, 6, [2, 3], True)]
@@ -268,7 +270,7 @@ def test_chunk_type() -> None:
 def test_no_admission_in_a_step_that_preempted() -> None:
     # B (8-token prompt, chunks of 4) preempts itself at step 2; its restart chunk would need
     # only the 1 block just freed, but a step that preempted admits nothing
-    s = make(num_blocks=3, block_size=4, budget=64, threshold=4)
+    s = make(num_blocks=3, block_size=4, budget=64, threshold=4, caching=False)
     s.add_request(req("A", 4, max_tokens=3))
     s.add_request(req("B", 8, max_tokens=3, base=10))
     assert summary(step(s)) == [("A", 0, 4, [0], True), ("B", 0, 4, [1], False)]
