@@ -1,6 +1,6 @@
 """Where an engine step's time goes, for the README's "where the time goes" figures.
 
-    .venv/bin/python benchmarks/profile_engine.py [--dtype bf16] [--threads 2]
+    .venv/bin/python benchmarks/profile_engine.py [--dtype bf16] [--threads 2] [--weights auto]
 
 W1 shape: 1 request decoding (context ~40). W2 shape: 32 requests x 128-token prompts (prefill
 timed as the steps until every prompt is in the cache), then batch-32 decode steps. Each decode
@@ -13,12 +13,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from torch.profiler import profile
 
 from fitserve.config import EngineConfig
 from fitserve.engine import Engine
+from fitserve.model.linear import PackedLinear
 from fitserve.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
@@ -46,22 +48,65 @@ def op_table(engine: Engine, steps: int = 5, top: int = 6) -> str:
     return "\n".join(lines)
 
 
+def median_ms(fn: Callable[[], object], runs: int = 30) -> float:
+    fn()
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def linear_table(engine: Engine) -> str:
+    """The batch-1 step's linears alone, back to back in model order, on their bound kernels:
+    the projections, the lm_head, and both (when the sum of the first two is less than the
+    third, the weights a token reads do not stay in the cache together)."""
+    model = engine.runner.model
+    dtype = next(model.parameters()).dtype
+    calls: list[tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]] = []
+    for layer in model.layers:
+        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                    layer.mlp.down_proj):
+            x = torch.randn(1, lin.in_features, dtype=dtype)
+            calls.append((lin.bound_run(1, dtype) if isinstance(lin, PackedLinear) else lin, x))
+    head = model.lm_head
+    xh = torch.randn(1, model.spec.hidden_size, dtype=dtype)
+    run_head = head.bound_run(1, dtype) if isinstance(head, PackedLinear) else head
+
+    def layers() -> None:
+        for fn, x in calls:
+            fn(x)
+
+    def both() -> None:
+        layers()
+        run_head(xh)
+
+    a, b, c = median_ms(layers), median_ms(lambda: run_head(xh)), median_ms(both)
+    return (f"    batch-1 linears, back to back: {len(calls)} projections {a:.2f} ms, lm_head "
+            f"{b:.2f} ms, both {c:.2f} ms")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--weights", default="auto", help="EngineConfig.weights (auto: Q4_1 as stored)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = "bfloat16" if args.dtype == "bf16" else "float32"
 
-    engine = Engine(EngineConfig(dtype=dtype, device="cpu", max_model_len=1024))
+    engine = Engine(EngineConfig(dtype=dtype, device="cpu", max_model_len=1024,
+                                 weights=args.weights))
     engine.add_request("The capital of France is", GREEDY)
     step_ms(engine, 5)
     print(f"W1 decode step ({args.dtype}, {args.threads} threads): {step_ms(engine):.2f} ms median")
     print(op_table(engine))
+    print(linear_table(engine))
     del engine
 
-    engine = Engine(EngineConfig(dtype=dtype, device="cpu", max_model_len=1024))
+    engine = Engine(EngineConfig(dtype=dtype, device="cpu", max_model_len=1024,
+                                 weights=args.weights))
     ids = engine.tokenizer.encode("The history of computing is long. " * 40, add_special_tokens=False)
     for i in range(32):
         engine.add_request(ids[i : i + 128], GREEDY)
