@@ -374,6 +374,7 @@ class Engine:
             delta_logprobs=lps[t.sent_tokens :] if lps is not None else None,
             finished=finished,
             num_output_tokens=len(tokens),
+            num_cached_tokens=t.sched.num_cached_tokens,
             arrival_time=t.arrival_time,
             first_token_time=t.first_token_time,
         )

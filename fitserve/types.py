@@ -93,6 +93,8 @@ class RequestOutput:
     delta_logprobs: list[TokenLogprobs] | None  # None unless the request asked for logprobs
     finished: bool
     num_output_tokens: int = 0  # tokens generated so far, this step's included
+    # prompt tokens whose K/V came from the prefix cache at the latest admission (vLLM's name)
+    num_cached_tokens: int = 0
     token_ids: list[int] | None = None  # final output only: every generated token
     text: str | None = None  # final output only: the whole text (stop strings applied)
     logprobs: list[TokenLogprobs] | None = None  # final output only, if logprobs were asked for

@@ -69,11 +69,19 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     # maximum is always planned now, with a HYPOTHETICAL warning.
     p.add_argument("--allow-longer-context", action="store_true",
                    help="no longer needed: longer contexts are planned with a warning")
+    p.add_argument("--share", type=int, default=1,
+                   help="price KV sharing: this many sequences (n samples or beams) over one prompt")
+    p.add_argument("--prompt-tokens", default=None,
+                   help="with --share: the shared prompt's tokens (default: context - new tokens)")
+    p.add_argument("--new-tokens", default=None,
+                   help="with --share: tokens each sequence generates (default 0)")
     p.add_argument("--explain", action="store_true", help="show the arithmetic of each line")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
 def request_from_args(args: argparse.Namespace) -> PlanRequest:
+    if args.share < 1:
+        raise PlanError(f"--share must be >= 1 (sequences over one prompt), got {args.share}")
     ws = None if args.workspace_gib is None else int(args.workspace_gib * (1 << 30))
     return PlanRequest(
         model=args.model, gpu=args.gpu, gpus=args.gpus or args.tp, tp=args.tp,
@@ -85,7 +93,9 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         kv_cache_memory_bytes=None if args.kv_cache_memory is None
         else parse_bytes(args.kv_cache_memory), num_kv_blocks=args.num_kv_blocks,
         gpu_memory_bytes=None if args.gpu_memory is None else _parse_size(args.gpu_memory),
-        gpu_bandwidth=None if args.gpu_bandwidth is None else _parse_rate(args.gpu_bandwidth))
+        gpu_bandwidth=None if args.gpu_bandwidth is None else _parse_rate(args.gpu_bandwidth),
+        share=args.share, new_tokens=0 if args.new_tokens is None else parse_tokens(args.new_tokens),
+        prompt_tokens=None if args.prompt_tokens is None else parse_tokens(args.prompt_tokens))
 
 
 def _parse_size(text: str) -> int:

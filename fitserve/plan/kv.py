@@ -122,3 +122,37 @@ def request_kv(spec: ModelSpec, context: int, kv_dtype: str, *, tp: int = 1) -> 
     all_layers = spec.num_layers * per_layer * context
     reclaimed = (spec.num_layers - sliding) * per_layer * context + sliding * per_layer * capped
     return RequestKV(context, spec.num_layers - sliding, sliding, window, all_layers, reclaimed)
+
+
+@dataclass(frozen=True)
+class SharingBlocks:
+    """KV blocks of ``sharers`` sequences (n samples or beams) over one prompt, as fitserve's
+    paged cache holds them, without and with block sharing.
+
+    Unshared, each sequence holds ceil((P + T) / block) blocks. Shared, the prompt's full blocks,
+    floor(P / block), are held once (ref counts) and each sequence holds the rest privately:
+    its copy of the partial last prompt block (copy-on-write on its first new token) and the
+    blocks of its own T new tokens.
+    """
+
+    sharers: int
+    prompt_tokens: int
+    new_tokens: int
+    block_size: int
+    unshared: int  # blocks
+    shared: int  # blocks
+    shared_prompt_blocks: int  # held once
+    private_blocks_each: int
+
+
+def sharing_blocks(prompt_tokens: int, new_tokens: int, sharers: int, block_size: int
+                   ) -> SharingBlocks:
+    """Blocks for ``sharers`` sequences of ``prompt_tokens`` + ``new_tokens`` (see SharingBlocks)."""
+    if sharers < 1 or prompt_tokens < 0 or new_tokens < 0 or block_size < 1:
+        raise PlanError(f"sharing needs sharers >= 1, tokens >= 0 and block size >= 1 (got "
+                        f"{sharers}, {prompt_tokens}, {new_tokens}, {block_size})")
+    total = -(-(prompt_tokens + new_tokens) // block_size)
+    full = prompt_tokens // block_size
+    private = total - full
+    return SharingBlocks(sharers, prompt_tokens, new_tokens, block_size, sharers * total,
+                         full + sharers * private, full, private)

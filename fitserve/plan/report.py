@@ -73,6 +73,11 @@ class PlanRequest:
     num_kv_blocks: int | None = None  # the engine's --num-kv-blocks
     gpu_memory_bytes: int | None = None  # what-if: replaces the accelerator's memory
     gpu_bandwidth: float | None = None  # what-if: replaces its memory bandwidth, B/s
+    # KV sharing: ``share`` sequences (n samples or beams) over one prompt of ``prompt_tokens``
+    # (None: the context less new_tokens), each generating ``new_tokens``; 1 = no section
+    share: int = 1
+    prompt_tokens: int | None = None
+    new_tokens: int = 0
 
 
 @dataclass(frozen=True)

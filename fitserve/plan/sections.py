@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from fitserve.plan.formats import kv_format
 from fitserve.plan.kv import (
+    kv_block_bytes,
     kv_bytes_per_token,
     kv_heads_per_rank,
     kv_layer_bytes_per_token,
     kv_replication,
     layer_kinds,
     request_kv,
+    sharing_blocks,
 )
 from fitserve.plan.params import count_params, is_mla
 from fitserve.plan.report import Line, Resolved, Section
@@ -81,6 +83,35 @@ def weights_section(r: Resolved) -> Section:
         lines.append(Line("file tensor bytes", "GGUF header: sum of tensor n_bytes", fb,
                           fmt_bytes(fb), "the file as stored (not what the engine holds)"))
     return Section("Weights", tuple(lines))
+
+
+def sharing_section(r: Resolved) -> Section | None:
+    """Blocks and bytes of ``--share`` sequences over one prompt, without and with sharing."""
+    q = r.req
+    if q.share <= 1:
+        return None
+    prompt = q.prompt_tokens if q.prompt_tokens is not None else max(0, q.context - q.new_tokens)
+    sb = sharing_blocks(prompt, q.new_tokens, q.share, q.block_size)
+    block = kv_block_bytes(r.entry.spec, q.block_size, r.kv_dtype, tp=q.tp)
+    total = -(-(prompt + q.new_tokens) // q.block_size)
+    k, bs = q.share, q.block_size
+    lines = [
+        Line("blocks, unshared", "sharing_blocks.unshared", sb.unshared, f"{sb.unshared:,}",
+             f"{k} x ceil(({prompt} + {q.new_tokens}) / {bs}) = {k} x {total}"),
+        Line("blocks, shared", "sharing_blocks.shared", sb.shared, f"{sb.shared:,}",
+             f"floor({prompt} / {bs}) = {sb.shared_prompt_blocks} prompt blocks once + {k} x "
+             f"{sb.private_blocks_each} private (the partial prompt block copied on write, "
+             "then the new tokens)"),
+        Line("KV bytes, unshared", "sharing_blocks.unshared x block_bytes", sb.unshared * block,
+             fmt_bytes(sb.unshared * block), f"{sb.unshared:,} x {block:,} B (per GPU, tp={q.tp})"),
+        Line("KV bytes, shared", "sharing_blocks.shared x block_bytes", sb.shared * block,
+             fmt_bytes(sb.shared * block), f"{sb.shared:,} x {block:,} B (per GPU, tp={q.tp})"),
+    ]
+    saved = 1 - sb.shared / sb.unshared if sb.unshared else 0.0
+    return Section(f"KV sharing: {k} sequences over one {prompt:,}-token prompt, "
+                   f"{q.new_tokens:,} new tokens each", tuple(lines),
+                   (f"sharing saves {saved:.1%} of the blocks; every block of a sequence is "
+                    "held (no window trimming), as fitserve's engine does",))
 
 
 def kv_section(r: Resolved) -> Section:

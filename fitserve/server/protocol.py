@@ -125,10 +125,15 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 # -- responses ----------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class ErrorBody(BaseModel):

@@ -26,7 +26,7 @@ from starlette.types import Receive, Scope, Send
 from fitserve.loading.tokenizer import Tokenizer
 from fitserve.server.engine_loop import EngineLoop, EngineShutdown, EngineStepError, RequestRejected
 from fitserve.server.errors import APIError
-from fitserve.server.protocol import Usage, chat_body, completion_chunk
+from fitserve.server.protocol import PromptTokensDetails, Usage, chat_body, completion_chunk
 from fitserve.server.serving import Prepared
 from fitserve.types import RequestOutput, TokenLogprobs
 
@@ -183,7 +183,11 @@ class Run:
     def usage(self) -> Usage:
         prompt = sum(len(p) for p in self.prep.prompts)
         completion = sum(o.num_output_tokens for o in self.finished.values())
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        # each prompt counts once (as prompt_tokens): its first child's cache hits
+        n = self.prep.n
+        cached = sum(o.num_cached_tokens for rid, o in self.finished.items() if self.index[rid] % n == 0)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def as_api_error(exc: BaseException) -> APIError:

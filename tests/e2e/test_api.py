@@ -32,6 +32,17 @@ def test_completion_batch_prompts_and_token_ids(client) -> None:  # type: ignore
     assert ids.usage.prompt_tokens == 3 and ids.choices[0].text
 
 
+def test_repeated_prompt_reports_cached_tokens(client) -> None:  # type: ignore[no-untyped-def]
+    """Prefix caching (on by default): the second identical prompt's usage names the prompt
+    tokens it took from the cache, whole 16-token blocks, never its last token."""
+    prompt = [500 + (i * 37) % 3000 for i in range(70)]  # token ids: no tokenizer rounding
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens == second.usage.prompt_tokens == 70
+    assert second.usage.prompt_tokens_details.cached_tokens == 64  # 4 blocks; 70 - 1 = 69 caps it
+    assert second.choices[0].text == first.choices[0].text
+
+
 def test_chat(client) -> None:  # type: ignore[no-untyped-def]
     r = client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=8, temperature=0)
     assert r.object == "chat.completion"
@@ -101,7 +112,11 @@ def test_metrics_exposed(server: Server, auth: dict[str, str]) -> None:
                  "fitserve_e2e_request_latency_seconds_bucket", "fitserve_num_requests_running",
                  "fitserve_num_requests_waiting", "fitserve_preemptions_total", "fitserve_kv_blocks_used",
                  "fitserve_kv_blocks_total", "fitserve_kv_fragmentation_ratio", "fitserve_prompt_tokens_total",
-                 "fitserve_generation_tokens_total", 'fitserve_requests_total{finish_reason="length"}'):
+                 "fitserve_generation_tokens_total", 'fitserve_requests_total{finish_reason="length"}',
+                 "fitserve_prefix_cache_queries_total", "fitserve_prefix_cache_hits_total",
+                 "fitserve_prefix_cache_evictable_blocks"):
         assert name in text, name
     assert server.metric("fitserve_kv_blocks_total") == 256
     assert server.metric("fitserve_generation_tokens_total") > 0
+    assert server.metric("fitserve_prefix_cache_queries_total") >= server.metric(
+        "fitserve_prefix_cache_hits_total")
