@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -60,16 +59,9 @@ def peak_rss_mib() -> float:
 
 
 def cpu_description() -> str:
-    model = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
-                         model)
-    except OSError:
-        pass
-    from fitserve.kernels.cpu.isa import detect_isa
+    from fitserve.kernels.cpu.isa import cpu_model_name, detect_isa
 
-    return f"{model}; {os.cpu_count()} CPUs; ISA: {detect_isa().describe()}"
+    return f"{cpu_model_name()}; {os.cpu_count()} CPUs; ISA: {detect_isa().describe()}"
 
 
 # -- workers (each runs in its own process) ---------------------------------------------------

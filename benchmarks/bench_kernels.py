@@ -28,17 +28,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import platform
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from fitserve.engine_setup import resolve_dtype
-from fitserve.kernels.cpu.isa import detect_isa
+from fitserve.kernels.cpu.isa import cpu_model_name, detect_isa
 from fitserve.kernels.cpu.paged_attention import (
     DEFAULT_PARTITION,
     paged_attention_available,
@@ -223,14 +221,7 @@ def run_case(case: Case, args: argparse.Namespace, dtype: torch.dtype) -> dict[s
 
 def header(dtype: torch.dtype) -> str:
     """Machine, software and method line printed above the tables."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model_name()
     isa = detect_isa()
     return (f"{datetime.date.today()}  {cpu}  ISA {isa.describe()}, tier {isa.tier}\n"
             f"torch {torch.__version__}, threads={torch.get_num_threads()}, cache {dtype}, "

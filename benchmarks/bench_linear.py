@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import platform
 import statistics
 import time
 from collections import defaultdict
@@ -23,7 +22,7 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
-from fitserve.kernels.cpu.isa import detect_isa
+from fitserve.kernels.cpu.isa import cpu_model_name, detect_isa
 from fitserve.model.linear import CANDIDATES, PackedLinear, isa_key, layout_key, shape_class
 from fitserve.quant import quantize
 
@@ -38,17 +37,6 @@ SHAPES = [  # (name, N, K, format as held)
     ("down", 576, 1536, "int8-ch"),
     ("lm_head", 49152, 576, "int8-ch"),
 ]
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def median_us(fn: object, runs: int) -> float:
@@ -73,7 +61,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     isa = detect_isa()
-    print(f"# {cpu_model()} | ISA {isa.describe()} | table key {isa_key()} | "
+    print(f"# {cpu_model_name()} | ISA {isa.describe()} | table key {isa_key()} | "
           f"{args.threads} threads | torch {torch.__version__} | x {args.dtype} | "
           f"{datetime.date.today().isoformat()} | median of {args.runs} after a warm-up")
     names = [n for n in CANDIDATES]

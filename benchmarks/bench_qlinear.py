@@ -23,7 +23,6 @@ buffers the size of the rotation set: that is the memory level the weights come 
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -31,7 +30,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from fitserve.kernels.cpu.isa import detect_isa
+from fitserve.kernels.cpu.isa import cpu_model_name, detect_isa
 from fitserve.kernels.cpu.qlinear import qlinear_ops_available, qlinear_tier
 
 SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536),
@@ -39,17 +38,6 @@ SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 5
 COLS = ["q4 aq", "q4 f32", "q8 aq", "q8 f32", "q8c aq", "bf16", "bf16 nodnn", "aten q8c",
         "aten q4", "deq+lin"]
 ROTATE_BYTES = 64 << 20
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def copy_bandwidth(nbytes: int, runs: int = 5) -> float:
@@ -181,7 +169,7 @@ def main() -> None:
     isa = detect_isa()
     bw_dram = copy_bandwidth(384 << 20)
     bw = copy_bandwidth(ROTATE_BYTES // 2)
-    print(f"# {cpu_name()} | {isa.describe()} | kernels: {qlinear_tier()} | "
+    print(f"# {cpu_model_name()} | {isa.describe()} | kernels: {qlinear_tier()} | "
           f"torch {torch.__version__} | {args.threads} threads | {args.stat} of {args.runs} runs")
     print(f"# copy bandwidth (read + write): {bw_dram:.1f} GB/s with 384 MB buffers (DRAM), "
           f"{bw:.1f} GB/s with {ROTATE_BYTES >> 21} MB ones (the weights' rotation set)")

@@ -44,7 +44,8 @@ def op_table(engine: Engine, steps: int = 5, top: int = 6) -> str:
     lines = [f"    {'op':<22}{'ms/step':>9}{'share':>8}"]
     for e in events[:top]:
         lines.append(f"    {e.key:<22}{e.self_cpu_time_total / 1e3 / steps:9.2f}{e.self_cpu_time_total / total:8.0%}")
-    lines.append(f"    {'(all ops)':<22}{total / 1e3 / steps:9.2f}")
+    calls = sum(e.count for e in events) / steps
+    lines.append(f"    {'(all ops)':<22}{total / 1e3 / steps:9.2f}    {calls:,.0f} ATen calls per step")
     return "\n".join(lines)
 
 

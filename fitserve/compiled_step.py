@@ -66,8 +66,7 @@ class CompiledDecode:
         self.model, self.kv_caches, self.window = model, kv_caches, window
         self._fn = torch.compile(self._forward, dynamic=True, fullgraph=True)
         self._bound: set[str] = set()  # shape classes whose kernels an eager call has bound
-        self._compiled: set[str] = set()
-        self.compile_seconds: dict[str, float] = {}  # shape class -> first compiled call (s)
+        self.compile_seconds: dict[str, float] = {}  # shape class -> its first compiled call (s)
         self.compiled_calls = 0  # steps that ran the compiled graph (tests check it is used)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -97,13 +96,11 @@ class CompiledDecode:
         if tables.shape[1] < MIN_TABLE_WIDTH:
             tables = torch.nn.functional.pad(tables, (0, MIN_TABLE_WIDTH - tables.shape[1]))
         self.compiled_calls += 1
-        if cls in self._compiled:
-            out: torch.Tensor = self._fn(input_ids, positions, batch.slot_mapping, tables,
-                                         d.seq_lens)
-            return out
+        first = cls not in self.compile_seconds
         t0 = time.perf_counter()
-        out = self._fn(input_ids, positions, batch.slot_mapping, tables, d.seq_lens)
-        self._compiled.add(cls)
+        out: torch.Tensor = self._fn(input_ids, positions, batch.slot_mapping, tables, d.seq_lens)
+        if not first:
+            return out
         self.compile_seconds[cls] = time.perf_counter() - t0
         log.info("compiled the decode step for batch class %r in %.1f s (cache: %s)", cls,
                  self.compile_seconds[cls], os.environ.get("TORCHINDUCTOR_CACHE_DIR"))

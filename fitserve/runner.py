@@ -71,15 +71,7 @@ class ModelRunner:
         # Decodes first: they form one contiguous, batched slice of the packed tokens.
         chunks = sorted(out.chunks, key=lambda c: len(c.token_ids) != 1)
         input_ids, positions, batch = self._prepare(chunks)
-        onednn_before = torch.backends.mkldnn.enabled
-        torch.backends.mkldnn.enabled = self._use_onednn(len(input_ids))
-        try:
-            if self.compiled is not None and self.compiled.applies(batch):
-                hidden = self.compiled(input_ids, positions, batch)
-            else:
-                hidden = self.model(input_ids, positions, batch, self.kv_caches)
-        finally:
-            torch.backends.mkldnn.enabled = onednn_before
+        hidden = self._forward(input_ids, positions, batch)
         sample_rows: list[int] = []
         sample_ids: list[str] = []
         offset = 0
@@ -109,14 +101,22 @@ class ModelRunner:
             for _ in range(2):  # the first call of a class binds kernels, the second compiles
                 chunks = [ScheduledChunk(request_id=f"warm-up-{i}", token_ids=[0], start_pos=0,
                                          block_table=[0], sample=False) for i in range(n)]
-                input_ids, positions, batch = self._prepare(chunks)
-                onednn_before = torch.backends.mkldnn.enabled
-                torch.backends.mkldnn.enabled = self._use_onednn(n)
-                try:
-                    self.compiled(input_ids, positions, batch)
-                finally:
-                    torch.backends.mkldnn.enabled = onednn_before
+                self._forward(*self._prepare(chunks))
         return dict(self.compiled.compile_seconds)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 batch: AttentionBatch) -> torch.Tensor:
+        """The model's forward (compiled for decode-only steps when enabled), with oneDNN on or
+        off for this step's token count."""
+        onednn_before = torch.backends.mkldnn.enabled
+        torch.backends.mkldnn.enabled = self._use_onednn(len(input_ids))  # type: ignore[assignment]
+        try:
+            if self.compiled is not None and self.compiled.applies(batch):
+                return self.compiled(input_ids, positions, batch)
+            hidden: torch.Tensor = self.model(input_ids, positions, batch, self.kv_caches)
+            return hidden
+        finally:
+            torch.backends.mkldnn.enabled = onednn_before
 
     def _use_onednn(self, num_tokens: int) -> bool:
         # NOTE: measured on AVX512-BF16 CPUs: oneDNN's bf16 matmul is several times slower than

@@ -82,6 +82,17 @@ def detect_isa() -> CpuIsa:
     return isa_from_flags(_cpuinfo_flags(text), cap)
 
 
+def cpu_model_name() -> str:
+    """/proc/cpuinfo's "model name" (what benchmarks print beside their figures)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
 TIERS = ("scalar", "avx2", "avx512", "avx512_vnni")  # lowest to highest
 
 
