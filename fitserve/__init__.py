@@ -1,6 +1,6 @@
 """fitserve: a memory-aware LLM inference engine with a capacity planner built in."""
 
-__all__ = ["LLM", "Engine", "SamplingParams", "EngineConfig"]
+__all__ = ["LLM", "BeamSearchParams", "Engine", "SamplingParams", "EngineConfig"]
 
 
 def __getattr__(name: str) -> object:
@@ -17,6 +17,10 @@ def __getattr__(name: str) -> object:
         from fitserve.sampling import SamplingParams
 
         return SamplingParams
+    if name == "BeamSearchParams":
+        from fitserve.sampling.beam_search import BeamSearchParams
+
+        return BeamSearchParams
     if name == "EngineConfig":
         from fitserve.config import EngineConfig
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fitserve.config import EngineConfig, ModelSpec, SchedulerConfig
+from fitserve.engine_beams import BeamSearches
 from fitserve.engine_setup import (
     check_pool_fits,
     dtype_name,
@@ -34,6 +35,7 @@ from fitserve.plan.weights import engine_format_rule, engine_weight_bytes
 from fitserve.quant.hold import loaded_weights_choice
 from fitserve.runner import ModelRunner
 from fitserve.sampling import RequestSamplingState, SamplingParams
+from fitserve.sampling.beam_search import BeamSearchParams
 from fitserve.sampling.stop import StopDecision, check_stop, find_stop_string
 from fitserve.sched.request import SchedRequest
 from fitserve.sched.scheduler import Scheduler
@@ -85,6 +87,7 @@ class EngineStats:
     total_preemptions: int
     kv: KVStats
     block_owners: dict[int, list[str]] = field(default_factory=dict)
+    evictable_blocks: list[int] = field(default_factory=list)
 
 
 class Engine:
@@ -163,6 +166,7 @@ class Engine:
                         "CPU device and the C++ paged attention kernel)")
         self._trim_after_prefill = self.device.type == "cpu"
         self._requests: dict[str, _Tracked] = {}
+        self._beams = BeamSearches(self.scheduler, self.tokenizer, str(self.device))
         self._ids = itertools.count()
         torch.manual_seed(cfg.seed)
         # NOTE: test-only fault injection (tests set it, or FITSERVE_TEST_FAULT_TOKEN): None
@@ -179,30 +183,80 @@ class Engine:
         """Queue a request; raises ValueError (and changes nothing) if it is invalid."""
         params = params or SamplingParams()
         if params.n != 1:
-            raise ValueError("Engine.add_request takes n=1; LLM.generate and the server fan out n>1")
+            raise ValueError("Engine.add_request takes n=1; use add_requests (one prompt, n samples)")
+        return self.add_requests(prompt, [params], [request_id] if request_id is not None else None)[0]
+
+    def add_requests(
+        self,
+        prompt: str | Sequence[int],
+        params: Sequence[SamplingParams],
+        request_ids: Sequence[str] | None = None,
+    ) -> list[str]:
+        """Queue ``len(params)`` requests on one prompt (OpenAI's ``n``), each with its own
+        parameters (``n=1`` each; seeds are the caller's: vLLM gives child j ``seed + j``).
+
+        The prompt is computed once: the first request computes it, every request samples its
+        first token from those logits, then the others fork its block table (copy-on-write; see
+        :mod:`fitserve.sched.scheduler`). All are queued or, on a ValueError, none.
+        """
+        if not params:
+            raise ValueError("add_requests needs at least one SamplingParams")
+        if any(p.n != 1 for p in params):
+            raise ValueError("each request of add_requests takes n=1")
+        if request_ids is None:
+            request_ids = [f"req-{next(self._ids)}" for _ in params]
+        if len(request_ids) != len(params) or len(set(request_ids)) != len(request_ids):
+            raise ValueError(f"{len(params)} requests need as many distinct request ids, got {list(request_ids)}")
+        for rid in request_ids:
+            if rid in self._requests or rid in self._beams:
+                raise ValueError(f"request id {rid!r} is already in use")
+        prompt_ids = self._checked_prompt(prompt)
+        room = self.max_model_len - len(prompt_ids)
+        scheds = [SchedRequest(request_id=rid, prompt_token_ids=prompt_ids,
+                               max_tokens=room if p.max_tokens is None else min(p.max_tokens, room))
+                  for rid, p in zip(request_ids, params, strict=True)]
+        scheds[0].fork_children = scheds[1:]
+        self.scheduler.add_request(scheds[0])  # validates against the pool before anything is kept
+        now = time.monotonic()
+        for sched, p in zip(scheds, params, strict=True):
+            self._requests[sched.request_id] = _Tracked(
+                sched=sched,
+                params=p,
+                sampling=RequestSamplingState.create(p, prompt_ids, sched.output_token_ids, device=str(self.device)),
+                detok=IncrementalDetokenizer(self.tokenizer, prompt_ids, p.skip_special_tokens),
+                max_tokens=sched.max_tokens,
+                arrival_time=now,
+                logprobs=[] if p.logprobs is not None else None,
+            )
+        return list(request_ids)
+
+    def add_beam_search(
+        self, prompt: str | Sequence[int], params: BeamSearchParams, request_id: str | None = None
+    ) -> str:
+        """Queue a beam search (vLLM's ``LLM.beam_search`` for one prompt): ``beam_width``
+        beams over shared, copy-on-write block tables, advancing in the same steps as every
+        other request. Its one output comes at the end: ``RequestOutput.beams``, best first.
+        """
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self._requests:
+        if rid in self._requests or rid in self._beams:
             raise ValueError(f"request id {rid!r} is already in use")
+        prompt_ids = self._checked_prompt(prompt)
+        if 2 * params.beam_width > self.spec.vocab_size:
+            raise ValueError(f"beam_width={params.beam_width} needs 2 x {params.beam_width} candidate "
+                             f"tokens, more than the vocabulary's {self.spec.vocab_size}")
+        max_tokens = min(params.max_tokens, self.max_model_len - len(prompt_ids))
+        eos = frozenset() if params.ignore_eos else frozenset(self.tokenizer.eos_token_ids)
+        self._beams.add(rid, prompt_ids, params, max_tokens, eos)
+        return rid
+
+    def _checked_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         prompt_ids = self._prompt_ids(prompt)
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(prompt_ids)} tokens, but max_model_len={self.max_model_len} leaves "
                 "no room to generate"
             )
-        room = self.max_model_len - len(prompt_ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        sched = SchedRequest(request_id=rid, prompt_token_ids=prompt_ids, max_tokens=max_tokens, arrival=0)
-        self.scheduler.add_request(sched)  # validates against the pool before anything is kept
-        self._requests[rid] = _Tracked(
-            sched=sched,
-            params=params,
-            sampling=RequestSamplingState.create(params, prompt_ids, sched.output_token_ids, device=str(self.device)),
-            detok=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
-            max_tokens=max_tokens,
-            arrival_time=time.monotonic(),
-            logprobs=[] if params.logprobs is not None else None,
-        )
-        return rid
+        return prompt_ids
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -220,22 +274,24 @@ class Engine:
         """Stop a request now and return every block it held. False if it was unknown."""
         tracked = self._requests.pop(request_id, None)
         if tracked is None:
-            return False
+            return self._beams.abort(request_id)
         self.scheduler.finish(request_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        return bool(self._requests) or bool(len(self._beams))
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self._requests)
+        return len(self._requests) + len(self._beams)
 
     def is_queued(self, request_id: str) -> bool:
         """True while a request waits for its first step (added, never scheduled yet).
 
         A preempted request waits again but is not "queued": it was admitted before.
         """
+        if request_id in self._beams:
+            return self._beams.is_queued(request_id)
         req = self.scheduler.get(request_id)
         return req is not None and req.status == RequestStatus.WAITING
 
@@ -251,7 +307,9 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        states = {c.request_id: self._requests[c.request_id].sampling for c in plan.chunks if c.sample}
+        beams = self._beams
+        states = {rid: beams.state(rid) if beams.is_beam(rid) else self._requests[rid].sampling
+                  for c in plan.chunks if c.sample for rid in (c.request_id, *c.fanout)}
         result, failed = self._execute(plan, states, top=True)
         if self._trim_after_prefill and any(len(c.token_ids) > 1 for c in plan.chunks):
             # NOTE: glibc keeps a prefill step's freed transients (K/V copies, SDPA tiles,
@@ -262,9 +320,21 @@ class Engine:
             # (small, reused allocations) skip it.
             release_freed_host_memory()
         now = time.monotonic()
-        outputs = [self._fail(rid, self._requests[rid], exc, now) for rid, exc in failed.items()]
-        self.scheduler.update(plan, result.sampled)  # skips the failed ones: they are finished
-        for rid, token in result.sampled.items():
+        outputs = []
+        for rid, exc in failed.items():
+            if rid in self._requests:
+                outputs.append(self._fail(rid, self._requests[rid], exc, now))
+            elif beams.is_beam(rid):  # one beam failing ends its whole search
+                outputs.append(beams.fail(rid, exc, now))
+        beam_ids = [rid for rid in result.sampled if beams.is_beam(rid)]
+        sampled = {rid: t for rid, t in result.sampled.items() if rid in self._requests}
+        self.scheduler.update(plan, sampled)  # skips the failed ones: they are finished
+        for rid in beam_ids:  # beams choose their tokens as a group, once all have reported
+            if beams.is_beam(rid):
+                done = beams.on_sampled(rid, result.logprobs[rid], now)
+                if done is not None:
+                    outputs.append(done)
+        for rid, token in sampled.items():
             tracked = self._requests[rid]
             try:
                 if tracked.logprobs is not None and rid in result.logprobs:
@@ -301,7 +371,9 @@ class Engine:
         failed: dict[str, Exception] = {}
         mid = len(plan.chunks) // 2
         for part in (plan.chunks[:mid], plan.chunks[mid:]):
-            sub = SchedulerOutput(chunks=part, num_batched_tokens=sum(len(c.token_ids) for c in part))
+            # the copies run again with each half: harmless, they rewrite the same blocks
+            sub = SchedulerOutput(chunks=part, num_batched_tokens=sum(len(c.token_ids) for c in part),
+                                  block_copies=plan.block_copies)
             result, bad = self._execute(sub, states)
             merged.sampled.update(result.sampled)
             merged.logprobs.update(result.logprobs)
@@ -407,9 +479,9 @@ class Engine:
         It drives step() itself, so it needs the engine to itself: other requests' outputs
         would be lost. With others in flight, use add_request/step instead.
         """
-        if self._requests:
+        if self.has_unfinished_requests():
             raise RuntimeError(
-                f"Engine.stream needs an idle engine; {len(self._requests)} other request(s) are "
+                f"Engine.stream needs an idle engine; {self.num_unfinished_requests} other request(s) are "
                 "in flight (use add_request/step)"
             )
         rid = self.add_request(prompt, params)
@@ -431,13 +503,20 @@ class Engine:
         return self.kv.reset_prefix_cache()
 
     def stats(self, with_owners: bool = False) -> EngineStats:
+        """Queue and pool counts; ``with_owners`` adds who holds each block and which free
+        blocks still hold a cached prefix (for the dashboard)."""
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
             total_preemptions=self.scheduler.total_preemptions,
             kv=self.kv.stats(),
             block_owners=self.kv.block_owners() if with_owners else {},
+            evictable_blocks=self.kv.pool.evictable_block_ids() if with_owners else [],
         )
+
+    def request_of(self, scheduler_id: str) -> str:
+        """The request a scheduler entry belongs to: a beam's search, else itself."""
+        return self._beams.group_of(scheduler_id) or scheduler_id
 
 
 ALLOW_LONG_MAX_MODEL_LEN_ENV = "FITSERVE_ALLOW_LONG_MAX_MODEL_LEN"

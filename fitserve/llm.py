@@ -11,7 +11,8 @@ from tqdm.auto import tqdm
 from fitserve.config import EngineConfig
 from fitserve.engine import Engine
 from fitserve.sampling import SamplingParams
-from fitserve.types import FinishReason, TokenLogprobs
+from fitserve.sampling.beam_search import BeamSearchParams
+from fitserve.types import BeamSequence, FinishReason, TokenLogprobs
 
 Prompt = str | Sequence[int]
 
@@ -43,6 +44,14 @@ class GenerationResult:
     @property
     def token_ids(self) -> list[int]:
         return self.outputs[0].token_ids
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    """The beams of one prompt, best first (vLLM's ``BeamSearchOutput``)."""
+
+    prompt_token_ids: list[int]
+    sequences: list[BeamSequence]
 
 
 class LLM:
@@ -78,11 +87,7 @@ class LLM:
         A request that fails inside an engine step raises RuntimeError (caused by its error)
         after the engine has isolated it; the other requests are then aborted.
         """
-        if isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompt_list = list(prompts)  # type: ignore[arg-type]
+        prompt_list = _as_prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
             param_list = [params or SamplingParams()] * len(prompt_list)
         else:
@@ -93,10 +98,13 @@ class LLM:
         keys: dict[str, tuple[int, int]] = {}
         try:
             for i, (prompt, p) in enumerate(zip(prompt_list, param_list, strict=True)):
-                for j in range(p.n):
-                    child = dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + j)
-                    rid = self.engine.add_request(prompt, child, request_id=f"llm-{id(self)}-{i}-{j}")
-                    keys[rid] = (i, j)
+                # n samples of one prompt: one prefill, the children fork its blocks; child j
+                # is seeded seed + j (vLLM's rule)
+                children = [dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + j)
+                            for j in range(p.n)]
+                rids = [f"llm-{id(self)}-{i}-{j}" for j in range(p.n)]
+                self.engine.add_requests(prompt, children, rids)
+                keys.update({rid: (i, j) for j, rid in enumerate(rids)})
         except Exception:
             for rid in keys:
                 self.engine.abort(rid)
@@ -130,6 +138,47 @@ class LLM:
                 self.engine.abort(rid)
         return results
 
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams,
+        *,
+        use_tqdm: bool | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: per prompt, the ``beam_width`` best beams, best first.
+
+        Every prompt's beams run in the engine together, over shared copy-on-write blocks
+        (:mod:`fitserve.sampling.beam_search`).
+        """
+        prompt_list = _as_prompt_list(prompts)
+        keys: dict[str, int] = {}
+        try:
+            for i, prompt in enumerate(prompt_list):
+                rid = self.engine.add_beam_search(prompt, params, request_id=f"llm-{id(self)}-beam-{i}")
+                keys[rid] = i
+        except Exception:
+            for rid in keys:
+                self.engine.abort(rid)
+            raise
+        results: list[BeamSearchOutput | None] = [None] * len(prompt_list)
+        bar = tqdm(total=len(keys), desc="beam search", unit="req",
+                   disable=not (use_tqdm if use_tqdm is not None else len(keys) > 8))
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if not out.finished or out.request_id not in keys:
+                        continue
+                    i = keys[out.request_id]
+                    if out.error is not None:
+                        raise RuntimeError(f"beam search failed for prompt {i}") from out.error
+                    results[i] = BeamSearchOutput(list(out.prompt_token_ids), list(out.beams or []))
+                    bar.update(1)
+        finally:
+            bar.close()
+            for rid in keys:
+                self.engine.abort(rid)
+        return [r for r in results if r is not None]
+
     def chat(
         self,
         messages: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
@@ -147,6 +196,15 @@ class LLM:
             for c in convs
         ]
         return self.generate(prompts, params, **kwargs)  # type: ignore[arg-type]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (text or token ids) or a list of them -> a list."""
+    if isinstance(prompts, str) or (
+        isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]
 
 
 def _reason(reason: FinishReason | None) -> str | None:

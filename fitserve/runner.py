@@ -68,6 +68,8 @@ class ModelRunner:
     def execute(
         self, out: SchedulerOutput, states: dict[str, RequestSamplingState]
     ) -> RunnerOutput:
+        if out.block_copies:
+            self.copy_blocks(out.block_copies)
         # Decodes first: they form one contiguous, batched slice of the packed tokens.
         chunks = sorted(out.chunks, key=lambda c: len(c.token_ids) != 1)
         input_ids, positions, batch = self._prepare(chunks)
@@ -77,9 +79,10 @@ class ModelRunner:
         offset = 0
         for chunk in chunks:
             offset += len(chunk.token_ids)
-            if chunk.sample:
-                sample_rows.append(offset - 1)
-                sample_ids.append(chunk.request_id)
+            if chunk.sample:  # n>1 children sample from their parent's row too
+                for rid in (chunk.request_id, *chunk.fanout):
+                    sample_rows.append(offset - 1)
+                    sample_ids.append(rid)
         if not sample_rows:
             return RunnerOutput(sampled={})
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
@@ -89,6 +92,16 @@ class ModelRunner:
             if lp is not None:
                 result.logprobs[rid] = lp
         return result
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: the K/V of each (src, dst) block pair, every layer, before the step's
+        writes. No dst is another pair's src (dst blocks are fresh, src blocks still held), so
+        the pairs are copied at once."""
+        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
+        for k, v in self.kv_caches:  # [kv_heads, num_blocks, block_size, head_dim]
+            k.index_copy_(1, dst, k.index_select(1, src))
+            v.index_copy_(1, dst, v.index_select(1, src))
 
     @torch.inference_mode()
     def warm_up_compiled(self, batch_sizes: list[int]) -> dict[str, float]:

@@ -39,6 +39,8 @@ class ScheduledChunk:
     start_pos: int  # tokens of this request already in the KV cache before this step
     block_table: list[int]  # blocks covering positions 0 .. start_pos+len(token_ids)-1
     sample: bool  # True when this chunk reaches the request's last known token
+    # n>1: the request's children that sample their first token from this chunk's logits too
+    fanout: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -48,6 +50,9 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk]
     num_batched_tokens: int
     preempted_ids: list[str] = field(default_factory=list)
+    # copy-on-write: (src, dst) physical blocks whose K/V the runner copies, in order, before
+    # this step's forward writes anything (a shared partial block a request is about to write)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -70,6 +75,23 @@ class RunnerOutput:
 
     sampled: dict[str, int]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class BeamSequence:
+    """One finished beam of a beam search (vLLM's ``BeamSearchSequence``).
+
+    ``token_ids`` are the generated tokens (a final EOS included when the beam ended on one);
+    ``score`` is ``cum_logprob / len(token_ids) ** length_penalty``, the ranking key (as
+    transformers' ``sequences_scores``).
+    """
+
+    token_ids: list[int]
+    cum_logprob: float
+    score: float
+    finish_reason: FinishReason
+    stop_reason: int | None = None
+    text: str = ""
 
 
 @dataclass(slots=True)
@@ -101,6 +123,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     error: BaseException | None = None  # set with finish_reason ERROR: why the request failed
+    beams: list[BeamSequence] | None = None  # beam search, final output only: best first
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -151,6 +151,10 @@ class BlockPool:
         self._check_id(block_id)
         return self._ref_counts[block_id]
 
+    def evictable_block_ids(self) -> list[int]:
+        """Free blocks still holding a cached prefix, next to be evicted first."""
+        return [b for b in self._free if self._hash[b] is not None]
+
     def free_block_ids(self) -> list[int]:
         """The free list, front (next to be allocated) first."""
         return list(self._free)

@@ -20,6 +20,16 @@ cached, evictable, until the pool needs it::
     block_size 4    A = [a0 .. a9] computed, registered: blocks 7 (h0), 2 (h1); 5 is partial
     B = [a0 .. a7, b8 .. b12]  hashes h0, h1, h(b8..b11)  ->  hits [7, 2]: 8 tokens cached
     B's table       [7, 2, new, new]          ref(7) = ref(2) = 2, B computes from position 8
+
+Copy-on-write: :meth:`fork` shares every block of the parent's table, the partly filled last
+one included. Before a request writes a block that another table still holds, it gets a private
+copy (:meth:`allocate_for_write`): a new block, a (src, dst) copy for the runner when the block
+holds earlier tokens, and one reference less on the shared one. The last holder left writes in
+place, so n sharers of a partial block cost n - 1 copies::
+
+    block_size 4, P = [p0 .. p5] computed; fork -> C       P: [3, 8]   C: [3, 8]   ref(8) = 2
+    P writes p6 (block 8, slot 2)   ref(8) = 2 -> copy      P: [3, 9]   copy 8 -> 9, ref(8) = 1
+    C writes c6 (block 8, slot 2)   ref(8) = 1 -> in place  C: [3, 8]
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ class KVStats:
     # of those, the tokens found cached. 0 with caching off.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    shared_blocks: int = 0  # held blocks in more than one table (forks, beams, prefix hits)
     cached_blocks: int = 0  # blocks registered under a prefix hash, held or evictable
     evictable_cached_blocks: int = 0  # cached blocks nobody holds (counted in free_blocks)
 
@@ -152,6 +163,38 @@ class KVCacheManager:
             self._num_registered[request_id] = len(hits)
         return True
 
+    def allocate_for_write(self, request_id: str, write_start: int, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Make the request's table ready for it to write positions ``[write_start, num_tokens)``:
+        grow it (as :meth:`allocate`) and give it a private copy of every block in that range
+        that another table also holds (copy-on-write); all-or-nothing.
+
+        Returns the (src, dst) block copies the runner must make before the step's writes (only
+        for blocks holding tokens before ``write_start``; a block the write fills from its first
+        slot needs no copy), or None, with nothing changed, if the pool lacks the blocks.
+        """
+        if not 0 <= write_start <= num_tokens:
+            raise ValueError(f"write range [{write_start}, {num_tokens}) is not a range")
+        table = self._tables.get(request_id, [])
+        bs = self.block_size
+        first, end = write_start // bs, min(len(table), _cdiv(num_tokens, bs))
+        shared = [i for i in range(first, end) if self.pool.ref_count(table[i]) > 1]
+        if self.blocks_needed(request_id, num_tokens) + len(shared) > self.pool.num_free_blocks:
+            return None
+        copies: list[tuple[int, int]] = []
+        if shared:
+            olds = [table[i] for i in shared]
+            fresh = self.pool.allocate(len(shared))
+            for i, old, new in zip(shared, olds, fresh, strict=True):
+                if i * bs < write_start:
+                    copies.append((old, new))
+                table[i] = new
+            # NOTE: a registered (cached) block is full and never written again, so a block
+            # replaced here is never one of the registered leading blocks.
+            self.pool.decref(olds)
+        ok = self.allocate(request_id, num_tokens)
+        assert ok, "blocks were counted above"
+        return copies
+
     def cache_blocks(
         self, request_id: str, block_hashes: Sequence[BlockHash], num_computed_tokens: int
     ) -> None:
@@ -193,7 +236,8 @@ class KVCacheManager:
             self.pool.decref(reversed(table))
 
     def fork(self, parent_id: str, child_id: str) -> None:
-        """Give ``child_id`` the parent's blocks, shared (incref), for later copy-on-write."""
+        """Give ``child_id`` the parent's blocks, shared (incref); whichever of them writes a
+        shared block first gets a private copy (:meth:`allocate_for_write`)."""
         if parent_id not in self._tables:
             raise KeyError(f"fork from unknown request {parent_id!r}")
         if child_id in self._tables:
@@ -224,6 +268,7 @@ class KVCacheManager:
                 n = min(bs, max(0, used - i * bs))
                 used_in_block[b] = max(used_in_block.get(b, 0), n)
         used_blocks = self.pool.num_used_blocks
+        shared = sum(1 for b in used_in_block if self.pool.ref_count(b) > 1)
         allocated = used_blocks * bs
         used_slots = sum(used_in_block.values())
         frag = (allocated - used_slots) / allocated if allocated else 0.0
@@ -236,6 +281,7 @@ class KVCacheManager:
             fragmentation=frag,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
+            shared_blocks=shared,
             cached_blocks=self.pool.num_cached_blocks,
             evictable_cached_blocks=self.pool.num_evictable_cached_blocks,
         )

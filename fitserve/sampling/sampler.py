@@ -40,12 +40,21 @@ class RequestSamplingState:
 
     ``output_token_ids`` is the scheduler's own list (it appends; the sampler only reads it),
     so penalties always see the tokens generated so far without any copying.
+
+    ``num_logprobs`` is how many top alternatives to return (None: no logprobs); it is
+    ``params.logprobs`` unless the engine asks for more than a client may (beam search reads
+    the top 2 x beam_width of each beam).
     """
 
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None = None
+    num_logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_logprobs is None:
+            self.num_logprobs = self.params.logprobs
 
     @classmethod
     def create(
@@ -89,7 +98,7 @@ class Sampler:
             return [], []
         # A private fp32 copy: penalties and filters then work in place on it.
         x = logits.to(torch.float32, copy=True).contiguous()
-        lp_rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+        lp_rows = [i for i, s in enumerate(states) if s.num_logprobs is not None]
         # NOTE: logprobs come from the raw logits (vLLM's default "raw_logprobs"), before
         # penalties and temperature change them.
         raw_lp = torch.log_softmax(_take(x, lp_rows), dim=-1) if lp_rows else None
@@ -269,7 +278,7 @@ def _logprobs(
     chosen_lp = raw_lp.gather(1, chosen.unsqueeze(1))
     # NOTE: rank counts strictly better tokens, so a tie with the best is rank 1 (as vLLM).
     ranks = ((raw_lp > chosen_lp).sum(dim=-1) + 1).tolist()
-    ns = [states[r].params.logprobs or 0 for r in rows]
+    ns = [states[r].num_logprobs or 0 for r in rows]
     top_v: list[list[float]] = [[] for _ in rows]
     top_i: list[list[int]] = [[] for _ in rows]
     if max(ns) > 0:

@@ -21,6 +21,12 @@ class SchedRequest:
     (prompt and outputs alike), extended by the scheduler as blocks fill; ``cache_extra_keys``
     go into every one of those hashes (an adapter name, a cache salt: see
     :mod:`fitserve.kv.prefix_hash`).
+
+    Sharing: ``seats`` is how many of ``max_num_seqs`` the request holds, counting the siblings
+    it will fork (n samples, beams). ``fork_children`` are the other n - 1 samples of an n>1
+    request: they sample their first token from this request's last prompt logits, then fork
+    its block table, so the prompt is computed once. A child waiting for its fork has
+    ``fork_parent_id`` set.
     """
 
     request_id: str
@@ -34,6 +40,15 @@ class SchedRequest:
     cache_extra_keys: ExtraKeys = ()
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_cached_tokens: int = 0  # prefix-cache hits at its latest admission (not recomputed)
+    seats: int = 1
+    fork_children: list[SchedRequest] = field(default_factory=list)
+    fork_parent_id: str | None = None
+
+    @property
+    def is_idle(self) -> bool:
+        """Every token is computed and no new one was appended (a beam waiting for its
+        siblings to sample): nothing to schedule."""
+        return self.num_computed_tokens >= self.num_tokens
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -26,6 +26,20 @@ chunk starts after them (at least its last token is always computed, to sample f
     B admitted: hits h0 h1 -> num_computed_tokens = 8, first chunk [b8 .. b13] at start_pos 8
 
 A preempted request's registered blocks become evictable, not lost: readmitted, it may hit them.
+
+Sharing: an n>1 request computes its prompt once; the chunk that ends it samples the first
+token of every child from the same logits (``ScheduledChunk.fanout``), then the children fork
+its block table (ref counts) and go on alone. The first write into the shared partial block
+copies it (copy-on-write: the runner copies the blocks in ``SchedulerOutput.block_copies``
+first); the last holder writes it in place::
+
+    block_size 4, prompt [p0 .. p5], n = 3    step k: A computes [p0 .. p5], samples a, b, c
+    fork: B, C share A's [3, 8] (ref 3)       step k+1: A writes a at 6, B b, C c (block 8)
+    A: 8 -> copy 9, B: 8 -> copy 10, C: writes block 8 in place (the last holder)
+
+Beam search forks and prunes through :meth:`Scheduler.fork`, :meth:`Scheduler.append_token` and
+:meth:`Scheduler.finish`; a beam that sampled before its siblings is idle (nothing to compute)
+until the group's next tokens are chosen.
 """
 
 from __future__ import annotations
@@ -36,6 +50,7 @@ from collections import deque
 from fitserve.config import SchedulerConfig
 from fitserve.kv.manager import KVCacheManager
 from fitserve.kv.prefix_hash import extend_block_hashes
+from fitserve.plan.kv import sharing_blocks
 from fitserve.sched.request import SchedRequest
 from fitserve.types import RequestStatus, ScheduledChunk, SchedulerOutput
 
@@ -86,34 +101,101 @@ class Scheduler:
                 f"request {rid!r}: prompt of {n} tokens leaves no room for output: "
                 f"max_model_len={mml}"
             )
-        # The longest this request can get; it must fit in the pool alone, or preempting
-        # everyone else would still not let it finish.
-        longest = min(n + req.max_tokens, mml)
+        children = req.fork_children
+        for c in children:
+            if c.request_id in self._requests or c.request_id == rid:
+                raise ValueError(f"request id {c.request_id!r} is already in the scheduler")
+            if c.prompt_token_ids != req.prompt_token_ids or c.output_token_ids:
+                raise ValueError(f"fork child {c.request_id!r} must have its parent's prompt and no output")
+        if len({c.request_id for c in children}) != len(children):
+            raise ValueError(f"request {rid!r} has fork children with the same id")
+        seats = max(req.seats, 1 + len(children))
+        if seats > self.config.max_num_seqs:
+            raise ValueError(f"request {rid!r} needs {seats} sequences at once, more than "
+                             f"max_num_seqs={self.config.max_num_seqs}")
+        # The longest this request (and every sibling it forks) can get; it must fit in the
+        # pool alone, or preempting everyone else would still not let it finish.
+        longest = max(min(n + r.max_tokens, mml) for r in (req, *children))
         bs = self.kv.block_size
-        need, total = _cdiv(longest, bs), self.kv.pool.num_blocks
+        # the planner's count of sequences sharing a prompt (one ledger): its full blocks once
+        need = sharing_blocks(n, longest - n, seats, bs).shared if seats > 1 else _cdiv(longest, bs)
+        total = self.kv.pool.num_blocks
         if need > total:
+            who = f"request {rid!r}" + (f" with its {seats - 1} siblings" if seats > 1 else "")
             raise ValueError(
-                f"request {rid!r} can grow to {longest} tokens, which needs {need} blocks of "
+                f"{who} can grow to {longest} tokens{' each' if seats > 1 else ''}, which needs {need} blocks of "
                 f"{bs} slots, but the whole KV pool has {total} blocks ({total * bs} slots); "
                 "lower max_model_len or max_tokens, or give the KV cache more memory"
             )
+        req.seats = seats
         req.arrival = self._next_arrival
         self._next_arrival += 1
         req.status = RequestStatus.WAITING
         self._requests[rid] = req
+        for c in children:
+            c.fork_parent_id, c.status, c.arrival, c.seats = rid, RequestStatus.WAITING, req.arrival, 1
+            self._requests[c.request_id] = c
         self.waiting.append(req)
+
+    def fork(self, parent_id: str, child: SchedRequest) -> None:
+        """Add ``child`` as a fork of a request: same prompt, its own outputs (which must extend
+        the parent's tokens so far), the parent's block table shared (copy-on-write).
+
+        The child takes its arrival (and so its place among the running) from the parent and one
+        of the parent's seats while the parent holds more than one. A parent that is waiting
+        (preempted) holds no blocks: the child then waits right behind it, to be recomputed.
+        """
+        parent = self._requests.get(parent_id)
+        cid = child.request_id
+        if parent is None or parent.fork_parent_id is not None:
+            raise KeyError(f"fork from unknown request {parent_id!r}")
+        if cid in self._requests:
+            raise ValueError(f"request id {cid!r} is already in the scheduler")
+        if child.prompt_token_ids != parent.prompt_token_ids or child.num_tokens <= parent.num_computed_tokens:
+            raise ValueError(f"fork {cid!r} must share {parent_id!r}'s prompt and extend its computed tokens")
+        child.arrival, child.seats, child.fork_parent_id = parent.arrival, 1, None
+        parent.seats = max(1, parent.seats - 1)
+        self._requests[cid] = child
+        if parent.status == RequestStatus.RUNNING:
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.block_hashes = parent.block_hashes[: parent.num_computed_tokens // self.kv.block_size]
+            self.kv.fork(parent_id, cid)
+            child.status = RequestStatus.RUNNING
+            bisect.insort(self.running, child, key=lambda r: r.arrival)
+        else:
+            child.num_computed_tokens = 0
+            child.status = RequestStatus.PREEMPTED
+            self.waiting.insert(self.waiting.index(parent) + 1, child)
+
+    def append_token(self, request_id: str, token_id: int) -> None:
+        """Append a token chosen outside the sampler (beam search) to an unfinished request."""
+        req = self._requests.get(request_id)
+        if req is None or req.fork_parent_id is not None:
+            raise KeyError(f"append to unknown request {request_id!r}")
+        req.output_token_ids.append(token_id)
 
     def finish(self, request_id: str) -> SchedRequest | None:
         """Remove a request (stop, length or abort) and free all its blocks now."""
         req = self._requests.pop(request_id, None)
         if req is None:
             return None
-        if req.status == RequestStatus.RUNNING:
+        if req.fork_parent_id is not None:  # a child not forked yet: it holds nothing
+            parent = self._requests[req.fork_parent_id]
+            parent.fork_children.remove(req)
+            parent.seats -= 1
+            req.fork_parent_id = None
+        elif req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         else:
             self.waiting.remove(req)
         self.kv.free(request_id)
         req.status = RequestStatus.FINISHED
+        # children still waiting for this fork become plain requests, first in the queue (they
+        # may hit the prompt blocks just freed in the prefix cache)
+        for c in reversed(req.fork_children):
+            c.fork_parent_id = None
+            self.waiting.appendleft(c)
+        req.fork_children = []
         return req
 
     def get(self, request_id: str) -> SchedRequest | None:
@@ -143,6 +225,15 @@ class Scheduler:
         # cause more preemptions next step.
         if not out.preempted_ids:
             self._schedule_waiting(out, budget)
+        if not out.chunks and self.waiting and self.running:
+            # Every running request is idle (beams waiting for a sibling) and the queue's head
+            # does not fit: free the newest idle one's blocks for it, or nothing would move.
+            # It waits behind the head, so the head (maybe that sibling) goes first.
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            self.waiting.remove(victim)
+            self.waiting.insert(min(1, len(self.waiting)), victim)
+            self._schedule_waiting(out, budget)
         out.num_batched_tokens = sum(len(c.token_ids) for c in out.chunks)
         assert out.num_batched_tokens <= self.config.max_num_batched_tokens
         return out
@@ -161,20 +252,24 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            target = req.num_computed_tokens + num_new
-            while not self.kv.allocate(req.request_id, target):
+            start = req.num_computed_tokens
+            while (copies := self.kv.allocate_for_write(req.request_id, start, start + num_new)) is None:
                 victim = self.running[-1]  # newest; always at index >= i
                 self._preempt(victim, out)
                 if victim is req:
                     return budget  # nothing older is left to take blocks from
+            out.block_copies.extend(copies)
             out.chunks.append(self._make_chunk(req, num_new))
             budget -= num_new
             i += 1
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        seats = sum(r.seats for r in self.running)
+        while self.waiting and budget > 0:
             req = self.waiting[0]
+            if seats + req.seats > self.config.max_num_seqs:
+                break
             hits = self._lookup_prefix(req)
             num_cached = len(hits) * self.kv.block_size
             num_new = self._chunk_len(req, budget, computed=num_cached)
@@ -184,6 +279,7 @@ class Scheduler:
             req.num_computed_tokens = req.num_cached_tokens = num_cached
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
+            seats += req.seats
             bisect.insort(self.running, req, key=lambda r: r.arrival)
             out.chunks.append(self._make_chunk(req, num_new))
             budget -= num_new
@@ -218,12 +314,14 @@ class Scheduler:
     def _make_chunk(self, req: SchedRequest, num_new: int) -> ScheduledChunk:
         start = req.num_computed_tokens
         end = start + num_new
+        sample = end == req.num_tokens
         return ScheduledChunk(
             request_id=req.request_id,
             token_ids=req.all_token_ids[start:end],
             start_pos=start,
             block_table=self.kv.block_table(req.request_id),
-            sample=end == req.num_tokens,
+            sample=sample,
+            fanout=[c.request_id for c in req.fork_children] if sample else [],
         )
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
@@ -247,3 +345,17 @@ class Scheduler:
                 # the K/V of this chunk is written now: offer the blocks it filled to the cache
                 self._extend_hashes(req, req.num_computed_tokens)
                 self.kv.cache_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
+            if chunk.sample and req.fork_children:
+                self._fork_children(req, sampled)
+
+    def _fork_children(self, req: SchedRequest, sampled: dict[str, int]) -> None:
+        """Fork an n>1 request's waiting children off its table, each with the first token it
+        sampled from the prompt's logits (see the module docstring)."""
+        missing = [c.request_id for c in req.fork_children if c.request_id not in sampled]
+        if missing:
+            raise RuntimeError(f"children {missing} of {req.request_id!r} were not sampled with it")
+        children, req.fork_children = req.fork_children, []
+        for c in children:
+            del self._requests[c.request_id]  # fork() adds it back as a request of its own
+            c.output_token_ids.append(sampled[c.request_id])
+            self.fork(req.request_id, c)

@@ -40,6 +40,7 @@ from typing import Any
 from fitserve.config import EngineConfig
 from fitserve.engine import Engine
 from fitserve.sampling import SamplingParams
+from fitserve.sampling.beam_search import BeamSearchParams
 from fitserve.server.metrics import EngineGauges, Metrics
 from fitserve.types import RequestOutput
 
@@ -67,7 +68,7 @@ class Child:
 
     request_id: str
     prompt_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | BeamSearchParams  # a beam search is one child holding all n beams
 
 
 @dataclass(slots=True)
@@ -232,9 +233,14 @@ class EngineLoop:
     def _add(self, engine: Engine, group: str, children: list[Child], arrival: float, sink: Sink) -> None:
         added: list[str] = []
         try:
-            for c in children:
-                engine.add_request(c.prompt_ids, c.params, c.request_id)
-                added.append(c.request_id)
+            for batch in _same_prompt_runs(children):
+                first = batch[0]
+                if isinstance(first.params, BeamSearchParams):
+                    engine.add_beam_search(first.prompt_ids, first.params, first.request_id)
+                else:  # n samples of one prompt: one prefill, forked blocks
+                    engine.add_requests(first.prompt_ids, [c.params for c in batch],  # type: ignore[misc]
+                                        [c.request_id for c in batch])
+                added.extend(c.request_id for c in batch)
         except Exception as exc:  # noqa: BLE001 - all or nothing: withdraw the group
             for rid in added:
                 engine.abort(rid)
@@ -310,9 +316,9 @@ class EngineLoop:
         st = engine.stats(with_owners=True)
         gauges = EngineGauges(st.num_running, st.num_waiting, st.total_preemptions, st.kv)
         self.metrics.set_gauges(gauges)
-        holders: dict[str, int] = {}
+        holders: dict[str, int] = {}  # request -> blocks it holds (a beam search: all its beams')
         for owners in st.block_owners.values():
-            for rid in owners:
+            for rid in {engine.request_of(o) for o in owners}:
                 holders[rid] = holders.get(rid, 0) + 1
         requests = [
             {
@@ -331,14 +337,29 @@ class EngineLoop:
                 "free_blocks": kv.free_blocks, "block_size": engine.config.block_size,
                 "used_slots": kv.used_slots, "allocated_slots": kv.allocated_slots,
                 "fragmentation": round(kv.fragmentation, 4),
+                "shared_blocks": kv.shared_blocks, "evictable_cached_blocks": kv.evictable_cached_blocks,
             },
             "owners": [[b, owners] for b, owners in sorted(st.block_owners.items())],
+            "cached": st.evictable_blocks,
             "requests": requests,
             "num_running": st.num_running,
             "num_waiting": st.num_waiting,
             "total_preemptions": st.total_preemptions,
         }
         self.gauges = gauges
+
+
+def _same_prompt_runs(children: list[Child]) -> list[list[Child]]:
+    """Consecutive sampling children of one prompt (the same list) grouped; a beam search alone."""
+    runs: list[list[Child]] = []
+    for c in children:
+        prev = runs[-1][0] if runs else None
+        if (prev is not None and prev.prompt_ids is c.prompt_ids
+                and isinstance(prev.params, SamplingParams) and isinstance(c.params, SamplingParams)):
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return runs
 
 
 def _deliver(sink: Sink, item: list[RequestOutput] | BaseException) -> None:

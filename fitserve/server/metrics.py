@@ -59,6 +59,9 @@ class Metrics:
         self.prefix_evictable = Gauge("fitserve_prefix_cache_evictable_blocks",
                                       "Free KV blocks still holding a cached prefix (reclaimed on demand)",
                                       registry=r)
+        self.kv_shared = Gauge("fitserve_kv_shared_blocks",
+                               "KV blocks held by more than one sequence (forks, beams, prefix hits)",
+                               registry=r)
         self.prompt_tokens = Counter("fitserve_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("fitserve_generation_tokens", "Generated tokens", registry=r)
         self.requests = Counter("fitserve_requests", "Finished requests by finish reason",
@@ -116,6 +119,7 @@ class Metrics:
             self.prefix_hits.inc(hits - self._last_prefix[1])
         self._last_prefix = (queries, hits)
         self.prefix_evictable.set(g.kv.evictable_cached_blocks)
+        self.kv_shared.set(g.kv.shared_blocks)
 
     # -- readers (HTTP thread) ----------------------------------------------------------------
     def exposition(self) -> bytes:

@@ -77,6 +77,9 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's extension: beam search with n beams returned (``n`` is the beam width)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def with_defaults(self, defaults: Mapping[str, float | int]) -> Self:
         """A copy whose omitted (None) fields among DEFAULTED_FIELDS take ``defaults``' values."""

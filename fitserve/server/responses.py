@@ -133,7 +133,10 @@ class Run:
         self.prep = prep
         children = prep.children()
         self.children = children
-        self.index = {c.request_id: k for k, c in enumerate(children)}
+        # a child's first choice index: i * n + j for sample j of prompt i, i * n for the beam
+        # search of prompt i (its beams are choices i * n .. i * n + n - 1)
+        per_child = prep.n if prep.beam is not None else 1
+        self.index = {c.request_id: k * per_child for k, c in enumerate(children)}
         self.finished: dict[str, RequestOutput] = {}
         self.mailbox: OutputMailbox | None = None
         self._submitted = False
@@ -182,7 +185,8 @@ class Run:
 
     def usage(self) -> Usage:
         prompt = sum(len(p) for p in self.prep.prompts)
-        completion = sum(o.num_output_tokens for o in self.finished.values())
+        completion = sum(sum(len(b.token_ids) for b in o.beams) if o.beams is not None else o.num_output_tokens
+                         for o in self.finished.values())
         # each prompt counts once (as prompt_tokens): its first child's cache hits
         n = self.prep.n
         cached = sum(o.num_cached_tokens for rid, o in self.finished.items() if self.index[rid] % n == 0)
@@ -259,10 +263,14 @@ async def collect(run: Run, request: Request, text: Callable[[int], str]) -> dic
         watcher.cancel()
         run.close()
     prep = run.prep
-    choices = []
+    choices: list[dict[str, Any]] = []
     for child in run.children:
         out = run.finished[child.request_id]
         k = run.index[child.request_id]
+        if out.beams is not None:
+            choices += [_choice(prep.chat, k + j, b.text, None, b.finish_reason.value, b.stop_reason)
+                        for j, b in enumerate(out.beams)]
+            continue
         reason = out.finish_reason.value if out.finish_reason else None
         lps = out.logprobs if prep.params.logprobs is not None else None
         if prep.chat:
@@ -280,6 +288,15 @@ async def collect(run: Run, request: Request, text: Callable[[int], str]) -> dic
     if prep.chat:
         return chat_body(prep.group, prep.created, prep.model, choices, chunk=False, usage=run.usage())
     return completion_chunk(prep.group, prep.created, prep.model, choices, usage=run.usage())
+
+
+def _choice(chat: bool, index: int, text: str, logprobs: Any, reason: str | None,
+            stop_reason: str | int | None) -> dict[str, Any]:
+    if chat:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": reason, "stop_reason": stop_reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
+            "stop_reason": stop_reason}
 
 
 # -- streaming ----------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import Any
 
 from fitserve.loading.tokenizer import Tokenizer
 from fitserve.sampling import SamplingParams
+from fitserve.sampling.beam_search import BeamSearchParams
 from fitserve.server.engine_loop import Child
 from fitserve.server.errors import APIError, bad_request, param_from_message
 from fitserve.server.protocol import (
@@ -55,8 +56,12 @@ class Prepared:
     stream: bool
     include_usage: bool
     arrival: float
+    beam: BeamSearchParams | None = None  # use_beam_search: one child per prompt, n beams each
 
     def children(self) -> list[Child]:
+        """The engine requests; a child's id ends in its first choice index."""
+        if self.beam is not None:
+            return [Child(f"{self.group}-{i * self.n}", ids, self.beam) for i, ids in enumerate(self.prompts)]
         out = []
         for i, ids in enumerate(self.prompts):
             for j in range(self.n):
@@ -207,5 +212,26 @@ def _prepared(
     return Prepared(
         group=_new_id(prefix), created=int(time.time()), model=ctx.name, chat=chat,
         prompts=prompts, params=params, n=req.n, stream=req.stream, include_usage=include_usage,
-        arrival=time.monotonic(),
+        arrival=time.monotonic(), beam=_beam_params(req, prompts, params, ctx),
     )
+
+
+def _beam_params(req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
+                 params: SamplingParams, ctx: ModelContext) -> BeamSearchParams | None:
+    """vLLM's ``use_beam_search``: ``n`` beams, each returned as a choice, best first."""
+    if not req.use_beam_search:
+        return None  # length_penalty alone changes nothing (as in vLLM)
+    if req.stream:
+        raise bad_request("use_beam_search returns the beams at the end: stream is not supported with it",
+                          "stream")
+    if params.logprobs is not None:
+        raise bad_request("logprobs are not supported with use_beam_search", "logprobs")
+    if params.stop or params.stop_token_ids:
+        raise bad_request("stop and stop_token_ids are not supported with use_beam_search (EOS ends a beam)",
+                          "stop")
+    room = ctx.max_model_len - max(len(p) for p in prompts)
+    try:
+        return BeamSearchParams(beam_width=req.n, max_tokens=min(params.max_tokens or room, room),
+                                ignore_eos=req.ignore_eos, length_penalty=req.length_penalty)
+    except ValueError as exc:
+        raise bad_request(str(exc), param_from_message(str(exc))) from None

@@ -82,8 +82,16 @@ def test_grid_changes_while_requests_run_and_empties(server: Server, browser: An
     worker.start()
     first = _wait(lambda: (g := _grid(browser))[0] > 0 and g, 60, "blocks to appear")
     assert first[0] == len(first[1])
+    # n=2 computes each prompt once and forks its blocks: they show as shared
+    _wait(lambda: int(browser.execute_script("return document.getElementById('grid').dataset.shared") or 0) > 0
+          and browser.execute_script("return document.querySelectorAll('#grid .blk.shared').length") > 0,
+          60, "blocks shared by the n=2 children")
     _wait(lambda: _grid(browser)[1] != first[1], 60, "the grid to change as requests grow")
     assert browser.execute_script("return document.querySelectorAll('#requests tr').length") > 0
     worker.join(300)
     _wait(lambda: _grid(browser) == (0, frozenset()), 30, "the grid to empty")
     assert browser.find_element("id", "kv-used").text == "0"
+    # freed, but the prompts' full blocks stay cached (evictable) and are painted so
+    cached = browser.execute_script("return document.querySelectorAll('#grid .blk.cached').length")
+    assert cached > 0 and cached == int(browser.execute_script(
+        "return document.getElementById('grid').dataset.cached"))

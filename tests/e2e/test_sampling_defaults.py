@@ -94,10 +94,9 @@ class RecordingEngine(Engine):
         super().__init__(config)
         self.seen: list[SamplingParams] = []
 
-    def add_request(self, prompt: Any, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        self.seen.append(params or SamplingParams())
-        return super().add_request(prompt, params, request_id)
+    def add_requests(self, prompt: Any, params: Any, request_ids: Any = None) -> list[str]:
+        self.seen.extend(params)  # every request comes through here (add_request too)
+        return super().add_requests(prompt, params, request_ids)
 
 
 def test_in_process_auto_and_vllm_modes(tmp_path: Path) -> None:

@@ -47,9 +47,18 @@ function drawGrid(state) {
     if (owners.length > 1) shared++;
     painted.push(block);
   }
+  const used = painted.length;
+  for (const block of state.cached || []) {  // free, but still holding a reusable prefix
+    const c = cells[block];
+    if (!c) continue;
+    c.className = "blk cached";
+    c.title = `block ${block}: cached prefix, evictable`;
+    painted.push(block);
+  }
   const grid = $("grid");
-  grid.dataset.used = String(painted.length);
+  grid.dataset.used = String(used);
   grid.dataset.shared = String(shared);
+  grid.dataset.cached = String(painted.length - used);
 }
 
 function drawRequests(state) {
