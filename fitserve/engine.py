@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fitserve.config import EngineConfig, ModelSpec, SchedulerConfig
+from fitserve.config import EngineConfig, SchedulerConfig
 from fitserve.engine_beams import BeamSearches
+from fitserve.engine_outputs import Tracked, advance_output, failed_output
 from fitserve.engine_setup import (
+    check_max_model_len,
     check_pool_fits,
     dtype_name,
     release_freed_host_memory,
@@ -36,7 +38,6 @@ from fitserve.quant.hold import loaded_weights_choice
 from fitserve.runner import ModelRunner
 from fitserve.sampling import RequestSamplingState, SamplingParams
 from fitserve.sampling.beam_search import BeamSearchParams
-from fitserve.sampling.stop import StopDecision, check_stop, find_stop_string
 from fitserve.sched.request import SchedRequest
 from fitserve.sched.scheduler import Scheduler
 from fitserve.types import (
@@ -45,7 +46,6 @@ from fitserve.types import (
     RequestStatus,
     RunnerOutput,
     SchedulerOutput,
-    TokenLogprobs,
 )
 
 log = logging.getLogger("fitserve.engine")
@@ -59,23 +59,6 @@ FAULT_TOKEN_ENV = "FITSERVE_TEST_FAULT_TOKEN"
 
 class InjectedFault(RuntimeError):
     """The test-only fault of :attr:`Engine.fault_hook` / ``FITSERVE_TEST_FAULT_TOKEN``."""
-
-
-@dataclass(slots=True)
-class _Tracked:
-    """Engine-side state of one request (the scheduler holds the token-level state)."""
-
-    sched: SchedRequest
-    params: SamplingParams
-    sampling: RequestSamplingState
-    detok: IncrementalDetokenizer
-    max_tokens: int
-    arrival_time: float
-    pieces: list[str] = field(default_factory=list)  # text released so far, joined at the end
-    held: str = ""  # text produced but held back: it might still become a stop string
-    sent_tokens: int = 0  # output tokens (and logprobs) already reported in a delta
-    logprobs: list[TokenLogprobs] | None = None
-    first_token_time: float | None = None
 
 
 @dataclass(slots=True)
@@ -165,7 +148,7 @@ class Engine:
             log.warning("--compile: the decode step runs eager here (compiled steps need the "
                         "CPU device and the C++ paged attention kernel)")
         self._trim_after_prefill = self.device.type == "cpu"
-        self._requests: dict[str, _Tracked] = {}
+        self._requests: dict[str, Tracked] = {}
         self._beams = BeamSearches(self.scheduler, self.tokenizer, str(self.device))
         self._ids = itertools.count()
         torch.manual_seed(cfg.seed)
@@ -219,7 +202,7 @@ class Engine:
         self.scheduler.add_request(scheds[0])  # validates against the pool before anything is kept
         now = time.monotonic()
         for sched, p in zip(scheds, params, strict=True):
-            self._requests[sched.request_id] = _Tracked(
+            self._requests[sched.request_id] = Tracked(
                 sched=sched,
                 params=p,
                 sampling=RequestSamplingState.create(p, prompt_ids, sched.output_token_ids, device=str(self.device)),
@@ -380,98 +363,19 @@ class Engine:
             failed.update(bad)
         return merged, failed
 
-    def _fail(self, rid: str, t: _Tracked, exc: Exception, now: float) -> RequestOutput:
+    def _fail(self, rid: str, t: Tracked, exc: Exception, now: float) -> RequestOutput:
         """Finish a request that failed: free its blocks now and report the error."""
         self._requests.pop(rid, None)
         self.scheduler.finish(rid)
-        tokens = t.sched.output_token_ids
-        return RequestOutput(
-            request_id=rid,
-            prompt_token_ids=t.sched.prompt_token_ids,
-            delta_token_ids=[],
-            delta_text="",
-            delta_logprobs=[] if t.logprobs is not None else None,
-            finished=True,
-            num_output_tokens=len(tokens),
-            token_ids=list(tokens),
-            text="".join(t.pieces),
-            logprobs=t.logprobs,
-            finish_reason=FinishReason.ERROR,
-            error=exc,
-            arrival_time=t.arrival_time,
-            first_token_time=t.first_token_time,
-            finish_time=now,
-        )
+        return failed_output(rid, t, exc, now)
 
-    def _advance(self, rid: str, t: _Tracked, token: int, now: float) -> RequestOutput:
-        if t.first_token_time is None:
-            t.first_token_time = now
-        delta = t.detok.push(token)
-        # Stop strings are searched in the held-back tail plus the new text: the tail holds the
-        # last (longest stop - 1) characters, so any match that ends in `delta` lies inside.
-        window = t.held + delta
-        p = t.params
-        decision = check_stop(
-            token_id=token,
-            num_output_tokens=len(t.sched.output_token_ids),
-            max_tokens=t.max_tokens,
-            num_total_tokens=t.sched.num_tokens,
-            max_model_len=self.max_model_len,
-            eos_token_ids=self.tokenizer.eos_token_ids,
-            stop_token_ids=p.stop_token_ids,
-            ignore_eos=p.ignore_eos,
-            text=window,
-            new_text_len=len(delta),
-            stop_strings=p.stop or [],
-            include_stop_str=p.include_stop_str_in_output,
-        )
-        if decision is not None and decision.text_end is None:
-            decision, window = self._flush(t, decision, window)
-        finished = decision is not None
-        if decision is not None and decision.text_end is not None:
-            window = window[: decision.text_end]
-        # Streaming holds back a tail that might still become a stop string.
-        holdback = 0 if finished or not p.stop else max(len(s) for s in p.stop) - 1
-        cut = max(len(window) - holdback, 0)
-        released, t.held = window[:cut], window[cut:]
-        if released:
-            t.pieces.append(released)
-        tokens = t.sched.output_token_ids
-        lps = t.logprobs
-        out = RequestOutput(
-            request_id=rid,
-            prompt_token_ids=t.sched.prompt_token_ids,
-            delta_token_ids=tokens[t.sent_tokens :],
-            delta_text=released,
-            delta_logprobs=lps[t.sent_tokens :] if lps is not None else None,
-            finished=finished,
-            num_output_tokens=len(tokens),
-            num_cached_tokens=t.sched.num_cached_tokens,
-            arrival_time=t.arrival_time,
-            first_token_time=t.first_token_time,
-        )
-        t.sent_tokens = len(tokens)
-        if decision is not None:
-            out.finish_reason, out.stop_reason, out.finish_time = decision.reason, decision.stop_reason, now
-            out.token_ids, out.text, out.logprobs = list(tokens), "".join(t.pieces), lps
+    def _advance(self, rid: str, t: Tracked, token: int, now: float) -> RequestOutput:
+        out = advance_output(rid, t, token, now, max_model_len=self.max_model_len,
+                             eos_token_ids=self.tokenizer.eos_token_ids)
+        if out.finished:
             self._requests.pop(rid, None)
             self.scheduler.finish(rid)
         return out
-
-    @staticmethod
-    def _flush(t: _Tracked, decision: StopDecision, window: str) -> tuple[StopDecision, str]:
-        """At the end, take the text the detokenizer held back (a character cut short by the
-        last token), still subject to stop strings: a stop string in it ends the text there."""
-        tail = t.detok.finish()
-        if not tail:
-            return decision, window
-        window += tail
-        stops = [t.params.stop] if isinstance(t.params.stop, str) else t.params.stop
-        if stops:
-            hit = find_stop_string(window, len(tail), stops, t.params.include_stop_str_in_output)
-            if hit is not None:
-                return StopDecision(FinishReason.STOP, hit[0], text_end=hit[1]), window
-        return decision, window
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Run one request to completion on this engine, yielding its outputs as they come.
@@ -517,37 +421,6 @@ class Engine:
     def request_of(self, scheduler_id: str) -> str:
         """The request a scheduler entry belongs to: a beam's search, else itself."""
         return self._beams.group_of(scheduler_id) or scheduler_id
-
-
-ALLOW_LONG_MAX_MODEL_LEN_ENV = "FITSERVE_ALLOW_LONG_MAX_MODEL_LEN"
-
-
-def check_max_model_len(requested: int | None, spec: ModelSpec) -> int:
-    """``requested`` (None: the model's max_position_embeddings), refused past the trained length.
-
-    The trained length is ``max_position_embeddings``, times the factor of linear RoPE scaling
-    (as vLLM derives it; llama3 scaling already counts in max_position_embeddings). Longer is
-    a ValueError unless ``FITSERVE_ALLOW_LONG_MAX_MODEL_LEN=1`` (vLLM's
-    ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``), which logs a warning instead.
-    """
-    if requested is None:
-        return spec.max_position_embeddings
-    trained, how = spec.max_position_embeddings, "max_position_embeddings"
-    if spec.rope_scaling is not None and spec.rope_scaling.kind == "linear":
-        trained = int(trained * spec.rope_scaling.factor)
-        how += f" {spec.max_position_embeddings} x linear RoPE factor {spec.rope_scaling.factor:g}"
-    if requested <= trained:
-        return requested
-    what = f"max_model_len={requested} is longer than the model's trained context ({trained} tokens, {how})"
-    if os.environ.get(ALLOW_LONG_MAX_MODEL_LEN_ENV, "0").strip().lower() in ("1", "true"):
-        logging.getLogger("fitserve.engine").warning(
-            "%s (%s is set): positions past it were never trained; outputs may be wrong",
-            what, ALLOW_LONG_MAX_MODEL_LEN_ENV)
-        return requested
-    raise ValueError(
-        f"{what}; outputs past it degrade. Lower --max-model-len, or "
-        f"set {ALLOW_LONG_MAX_MODEL_LEN_ENV}=1 to allow it anyway"
-    )
 
 
 def _fault_hook_from_env(engine: Engine) -> FaultHook | None:

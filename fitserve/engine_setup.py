@@ -11,6 +11,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,4 +166,35 @@ def check_pool_fits(pool: KVPoolSize, max_model_len: int) -> None:
         f"too few for one request of max_model_len={max_model_len}: raise the KV cache memory "
         f"(--kv-cache-memory / kv_cache_memory_bytes; at least {need_bytes} bytes) or lower "
         f"--max-model-len to at most {capacity}"
+    )
+
+
+ALLOW_LONG_MAX_MODEL_LEN_ENV = "FITSERVE_ALLOW_LONG_MAX_MODEL_LEN"
+
+
+def check_max_model_len(requested: int | None, spec: ModelSpec) -> int:
+    """``requested`` (None: the model's max_position_embeddings), refused past the trained length.
+
+    The trained length is ``max_position_embeddings``, times the factor of linear RoPE scaling
+    (as vLLM derives it; llama3 scaling already counts in max_position_embeddings). Longer is
+    a ValueError unless ``FITSERVE_ALLOW_LONG_MAX_MODEL_LEN=1`` (vLLM's
+    ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``), which logs a warning instead.
+    """
+    if requested is None:
+        return spec.max_position_embeddings
+    trained, how = spec.max_position_embeddings, "max_position_embeddings"
+    if spec.rope_scaling is not None and spec.rope_scaling.kind == "linear":
+        trained = int(trained * spec.rope_scaling.factor)
+        how += f" {spec.max_position_embeddings} x linear RoPE factor {spec.rope_scaling.factor:g}"
+    if requested <= trained:
+        return requested
+    what = f"max_model_len={requested} is longer than the model's trained context ({trained} tokens, {how})"
+    if os.environ.get(ALLOW_LONG_MAX_MODEL_LEN_ENV, "0").strip().lower() in ("1", "true"):
+        logging.getLogger("fitserve.engine").warning(
+            "%s (%s is set): positions past it were never trained; outputs may be wrong",
+            what, ALLOW_LONG_MAX_MODEL_LEN_ENV)
+        return requested
+    raise ValueError(
+        f"{what}; outputs past it degrade. Lower --max-model-len, or "
+        f"set {ALLOW_LONG_MAX_MODEL_LEN_ENV}=1 to allow it anyway"
     )
