@@ -91,6 +91,51 @@ class SchedulerConfig:
     long_prefill_token_threshold: int | None = None
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """vLLM's ``speculative_config``: who proposes ``num_speculative_tokens`` draft tokens per
+    step for the target to verify in one forward.
+
+    ``ngram`` (prompt lookup): the longest n-gram (``prompt_lookup_max`` down to
+    ``prompt_lookup_min`` tokens) that ends the sequence and occurred earlier in it; the tokens
+    that followed it are the draft. ``draft_model`` / ``eagle``: ``model`` is the draft model's
+    path (a model sharing the target's tokenizer) or the EAGLE-like head's file.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.method!r}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
+            raise ValueError(f"speculative_config num_speculative_tokens must be an integer in [1, 16], got {k!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise ValueError(f"speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo}, {hi}")
+        if self.method != "ngram" and not self.model:
+            raise ValueError(f"speculative_config method {self.method!r} needs a model")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, object]) -> SpeculativeConfig:
+        """From vLLM-style JSON/dict; an unknown key is an error naming it."""
+        known = {"method", "num_speculative_tokens", "model", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; known: {sorted(known)}")
+        if "method" not in d or "num_speculative_tokens" not in d:
+            raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
+        return cls(**d)  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything needed to start an engine; "auto" values are resolved by fitserve.engine_setup."""
@@ -120,3 +165,5 @@ class EngineConfig:
     # Automatic prefix caching (vLLM's): full KV blocks are kept under a hash of their prefix
     # and reused by later requests that share it (fitserve.kv.prefix_hash).
     enable_prefix_caching: bool = True
+    # Speculative decoding (off by default): a SpeculativeConfig or its vLLM-style dict
+    speculative_config: SpeculativeConfig | dict[str, object] | None = field(default=None, hash=False)

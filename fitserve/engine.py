@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fitserve.config import EngineConfig, SchedulerConfig
+from fitserve.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from fitserve.engine_beams import BeamSearches
-from fitserve.engine_outputs import Tracked, advance_output, failed_output
+from fitserve.engine_outputs import Tracked, advance_output, can_speculate, failed_output
 from fitserve.engine_setup import (
     check_max_model_len,
     check_pool_fits,
@@ -38,6 +38,8 @@ from fitserve.quant.hold import loaded_weights_choice
 from fitserve.runner import ModelRunner
 from fitserve.sampling import RequestSamplingState, SamplingParams
 from fitserve.sampling.beam_search import BeamSearchParams
+from fitserve.sampling.spec_decode.ngram import propose_ngram
+from fitserve.sampling.spec_decode.stats import SpecDecodeStats
 from fitserve.sched.request import SchedRequest
 from fitserve.sched.scheduler import Scheduler
 from fitserve.types import (
@@ -150,6 +152,10 @@ class Engine:
         self._trim_after_prefill = self.device.type == "cpu"
         self._requests: dict[str, Tracked] = {}
         self._beams = BeamSearches(self.scheduler, self.tokenizer, str(self.device))
+        self.speculative_config = resolve_speculative_config(cfg.speculative_config)
+        self.spec_stats = (SpecDecodeStats(self.speculative_config.num_speculative_tokens)
+                           if self.speculative_config is not None else None)
+        self.num_steps = 0  # model steps run (for tokens per target step)
         self._ids = itertools.count()
         torch.manual_seed(cfg.seed)
         # NOTE: test-only fault injection (tests set it, or FITSERVE_TEST_FAULT_TOKEN): None
@@ -210,6 +216,7 @@ class Engine:
                 max_tokens=sched.max_tokens,
                 arrival_time=now,
                 logprobs=[] if p.logprobs is not None else None,
+                speculates=self.speculative_config is not None and can_speculate(p),
             )
         return list(request_ids)
 
@@ -287,9 +294,12 @@ class Engine:
         freed, and the others carry on. Only a failure outside the model step (scheduling,
         bookkeeping) still raises.
         """
+        if self.speculative_config is not None:
+            self._propose_drafts(self.speculative_config)
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        self.num_steps += 1
         beams = self._beams
         states = {rid: beams.state(rid) if beams.is_beam(rid) else self._requests[rid].sampling
                   for c in plan.chunks if c.sample for rid in (c.request_id, *c.fanout)}
@@ -311,7 +321,7 @@ class Engine:
                 outputs.append(beams.fail(rid, exc, now))
         beam_ids = [rid for rid in result.sampled if beams.is_beam(rid)]
         sampled = {rid: t for rid, t in result.sampled.items() if rid in self._requests}
-        self.scheduler.update(plan, sampled)  # skips the failed ones: they are finished
+        self.scheduler.update(plan, sampled, result.emitted)  # skips the failed ones: they are finished
         for rid in beam_ids:  # beams choose their tokens as a group, once all have reported
             if beams.is_beam(rid):
                 done = beams.on_sampled(rid, result.logprobs[rid], now)
@@ -319,10 +329,15 @@ class Engine:
                     outputs.append(done)
         for rid, token in sampled.items():
             tracked = self._requests[rid]
+            tokens = result.emitted.get(rid)
+            if tokens is not None and self.spec_stats is not None:  # a verified chunk
+                self.spec_stats.observe(len(tokens) - 1 + _rejected(plan, rid, tokens), len(tokens) - 1)
+                tracked.num_draft_tokens += len(tokens) - 1 + _rejected(plan, rid, tokens)
+                tracked.num_accepted_tokens += len(tokens) - 1
             try:
                 if tracked.logprobs is not None and rid in result.logprobs:
                     tracked.logprobs.append(result.logprobs[rid])
-                outputs.append(self._advance(rid, tracked, token, now))
+                outputs.append(self._advance(rid, tracked, tokens or [token], now))
             except Exception as exc:  # noqa: BLE001 - detokenizing one request must not end all
                 outputs.append(self._fail(rid, tracked, exc, now))
         return outputs
@@ -369,8 +384,19 @@ class Engine:
         self.scheduler.finish(rid)
         return failed_output(rid, t, exc, now)
 
-    def _advance(self, rid: str, t: Tracked, token: int, now: float) -> RequestOutput:
-        out = advance_output(rid, t, token, now, max_model_len=self.max_model_len,
+    def _propose_drafts(self, spec: SpeculativeConfig) -> None:
+        """Draft tokens for every decoding request that may speculate (no penalties, no
+        logprobs, not a beam): the scheduler verifies them in the next step."""
+        k = spec.num_speculative_tokens
+        for req in self.scheduler.running:
+            t = self._requests.get(req.request_id)
+            if t is None or not t.speculates or req.num_tokens - req.num_computed_tokens != 1:
+                continue
+            req.spec_token_ids = propose_ngram(req.all_token_ids, k, spec.prompt_lookup_min,
+                                               spec.prompt_lookup_max)
+
+    def _advance(self, rid: str, t: Tracked, tokens: list[int], now: float) -> RequestOutput:
+        out = advance_output(rid, t, tokens, now, max_model_len=self.max_model_len,
                              eos_token_ids=self.tokenizer.eos_token_ids)
         if out.finished:
             self._requests.pop(rid, None)
@@ -421,6 +447,25 @@ class Engine:
     def request_of(self, scheduler_id: str) -> str:
         """The request a scheduler entry belongs to: a beam's search, else itself."""
         return self._beams.group_of(scheduler_id) or scheduler_id
+
+
+def _rejected(plan: SchedulerOutput, rid: str, emitted: list[int]) -> int:
+    """Drafts of ``rid``'s chunk that were not accepted (emitted = accepted + 1)."""
+    chunk = next(c for c in plan.chunks if c.request_id == rid)
+    return chunk.num_draft - (len(emitted) - 1)
+
+
+def resolve_speculative_config(value: SpeculativeConfig | dict[str, object] | None) -> SpeculativeConfig | None:
+    """EngineConfig.speculative_config as a SpeculativeConfig (a vLLM-style dict is parsed)."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        config = value
+    elif isinstance(value, dict):
+        config = SpeculativeConfig.from_dict(value)
+    else:
+        raise ValueError(f"speculative_config must be a dict or SpeculativeConfig, got {type(value).__name__}")
+    if config is not None and config.method != "ngram":
+        raise ValueError(f"speculative_config method {config.method!r} is not available yet; use 'ngram'")
+    return config
 
 
 def _fault_hook_from_env(engine: Engine) -> FaultHook | None:

@@ -31,6 +31,17 @@ class Tracked:
     sent_tokens: int = 0  # output tokens (and logprobs) already reported in a delta
     logprobs: list[TokenLogprobs] | None = None
     first_token_time: float | None = None
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified, and accepted
+    num_accepted_tokens: int = 0
+    speculates: bool = False  # gets draft tokens (speculative decoding on, and can_speculate)
+
+
+def can_speculate(p: SamplingParams) -> bool:
+    """Whether a request's tokens may come from verified drafts: not with penalties (the
+    target distribution at a draft position would depend on which earlier drafts held) nor
+    logprobs (one logprobs entry per step)."""
+    return (p.logprobs is None and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+            and p.presence_penalty == 0.0)
 
 
 def failed_output(rid: str, t: Tracked, exc: Exception, now: float) -> RequestOutput:
@@ -55,31 +66,40 @@ def failed_output(rid: str, t: Tracked, exc: Exception, now: float) -> RequestOu
     )
 
 
-def advance_output(rid: str, t: Tracked, token: int, now: float, *, max_model_len: int,
+def advance_output(rid: str, t: Tracked, new_tokens: list[int], now: float, *, max_model_len: int,
                    eos_token_ids: tuple[int, ...]) -> RequestOutput:
-    """Take the request's new token (already appended to its outputs): release its text, held
-    back where a stop string might still begin, and finish it on a stop condition."""
+    """Take the request's new tokens (already appended to its outputs; several when
+    speculative decoding accepted drafts): release their text, held back where a stop string
+    might still begin, and finish it on the first stop condition (outputs past it are cut)."""
     if t.first_token_time is None:
         t.first_token_time = now
-    delta = t.detok.push(token)
+    outputs = t.sched.output_token_ids
+    base, total_base = len(outputs) - len(new_tokens), t.sched.num_tokens - len(new_tokens)
     # Stop strings are searched in the held-back tail plus the new text: the tail holds the
-    # last (longest stop - 1) characters, so any match that ends in `delta` lies inside.
-    window = t.held + delta
+    # last (longest stop - 1) characters, so any match that ends in a new delta lies inside.
+    window = t.held
     p = t.params
-    decision = check_stop(
-        token_id=token,
-        num_output_tokens=len(t.sched.output_token_ids),
-        max_tokens=t.max_tokens,
-        num_total_tokens=t.sched.num_tokens,
-        max_model_len=max_model_len,
-        eos_token_ids=eos_token_ids,
-        stop_token_ids=p.stop_token_ids,
-        ignore_eos=p.ignore_eos,
-        text=window,
-        new_text_len=len(delta),
-        stop_strings=[p.stop] if isinstance(p.stop, str) else (p.stop or []),
-        include_stop_str=p.include_stop_str_in_output,
-    )
+    decision: StopDecision | None = None
+    for i, token in enumerate(new_tokens):
+        delta = t.detok.push(token)
+        window += delta
+        decision = check_stop(
+            token_id=token,
+            num_output_tokens=base + i + 1,
+            max_tokens=t.max_tokens,
+            num_total_tokens=total_base + i + 1,
+            max_model_len=max_model_len,
+            eos_token_ids=eos_token_ids,
+            stop_token_ids=p.stop_token_ids,
+            ignore_eos=p.ignore_eos,
+            text=window,
+            new_text_len=len(delta),
+            stop_strings=[p.stop] if isinstance(p.stop, str) else (p.stop or []),
+            include_stop_str=p.include_stop_str_in_output,
+        )
+        if decision is not None:
+            del outputs[base + i + 1:]  # tokens emitted past the stop are not output
+            break
     if decision is not None and decision.text_end is None:
         decision, window = _flush(t, decision, window)
     finished = decision is not None
@@ -104,6 +124,8 @@ def advance_output(rid: str, t: Tracked, token: int, now: float, *, max_model_le
         num_cached_tokens=t.sched.num_cached_tokens,
         arrival_time=t.arrival_time,
         first_token_time=t.first_token_time,
+        num_draft_tokens=t.num_draft_tokens,
+        num_accepted_tokens=t.num_accepted_tokens,
     )
     t.sent_tokens = len(tokens)
     if decision is not None:

@@ -18,6 +18,7 @@ from fitserve.kernels.dispatch import choose_attention_impl, classify
 from fitserve.model.attention import AttentionBatch, DecodeBatch, PrefillSeq, visible_mask
 from fitserve.model.llama import CausalLM
 from fitserve.sampling import RequestSamplingState, Sampler
+from fitserve.sampling.spec_decode.rejection import verify as verify_drafts
 from fitserve.types import RunnerOutput, ScheduledChunk, SchedulerOutput
 
 
@@ -47,6 +48,9 @@ class ModelRunner:
             for _ in range(spec.num_layers)
         ]
         self.sampler = Sampler()
+        # speculative decoding with a draft model: its distribution at each draft position, by
+        # request, for the rejection sampler (n-gram drafts have none: a point mass)
+        self.draft_probs: dict[str, torch.Tensor] = {}
         self.use_triton = device.type == "cuda" and _triton_importable()
         # the fused C++ decode kernel (built at first use; FITSERVE_DISABLE_CPP=1 turns it off)
         self.use_cpp = device.type == "cpu" and paged_attention_available()
@@ -76,22 +80,44 @@ class ModelRunner:
         hidden = self._forward(input_ids, positions, batch)
         sample_rows: list[int] = []
         sample_ids: list[str] = []
+        verify: list[tuple[ScheduledChunk, int]] = []  # (chunk with drafts, its last row)
         offset = 0
         for chunk in chunks:
             offset += len(chunk.token_ids)
-            if chunk.sample:  # n>1 children sample from their parent's row too
+            if chunk.num_draft:
+                verify.append((chunk, offset - 1))
+            elif chunk.sample:  # n>1 children sample from their parent's row too
                 for rid in (chunk.request_id, *chunk.fanout):
                     sample_rows.append(offset - 1)
                     sample_ids.append(rid)
-        if not sample_rows:
-            return RunnerOutput(sampled={})
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        tokens, logprobs = self.sampler(logits, [states[r] for r in sample_ids])
-        result = RunnerOutput(sampled=dict(zip(sample_ids, tokens, strict=True)))
-        for rid, lp in zip(sample_ids, logprobs, strict=True):
-            if lp is not None:
-                result.logprobs[rid] = lp
+        result = RunnerOutput(sampled={})
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+            tokens, logprobs = self.sampler(logits, [states[r] for r in sample_ids])
+            result.sampled.update(zip(sample_ids, tokens, strict=True))
+            for rid, lp in zip(sample_ids, logprobs, strict=True):
+                if lp is not None:
+                    result.logprobs[rid] = lp
+        if verify:
+            self._verify(hidden, verify, states, result)
         return result
+
+    def _verify(self, hidden: torch.Tensor, verify: list[tuple[ScheduledChunk, int]],
+                states: dict[str, RequestSamplingState], result: RunnerOutput) -> None:
+        """Speculative decoding: score each chunk's k drafts and one more position in the one
+        forward that ran, and keep what rejection sampling accepts (fitserve.sampling.spec_decode)."""
+        rows = [r for chunk, last in verify for r in range(last - chunk.num_draft, last + 1)]
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
+        at = 0
+        for chunk, _ in verify:
+            k = chunk.num_draft
+            rid = chunk.request_id
+            drafts = chunk.token_ids[-k:]
+            emitted = verify_drafts(logits[at: at + k + 1], drafts, self.draft_probs.pop(rid, None),
+                                    states[rid], self.sampler)
+            at += k + 1
+            result.emitted[rid] = emitted
+            result.sampled[rid] = emitted[-1]
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: the K/V of each (src, dst) block pair, every layer, before the step's

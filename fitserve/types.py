@@ -41,6 +41,9 @@ class ScheduledChunk:
     sample: bool  # True when this chunk reaches the request's last known token
     # n>1: the request's children that sample their first token from this chunk's logits too
     fanout: list[str] = field(default_factory=list)
+    # speculative decoding: the last num_draft token_ids are draft tokens to verify (the chunk
+    # is [last token, d1 .. dk]; its k + 1 logits rows score d1 .. dk and give one more token)
+    num_draft: int = 0
 
 
 @dataclass(slots=True)
@@ -75,6 +78,9 @@ class RunnerOutput:
 
     sampled: dict[str, int]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # chunks with drafts: every token the step emits (accepted drafts, then the correction or
+    # bonus token, which is also sampled[id])
+    emitted: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -124,6 +130,9 @@ class RequestOutput:
     stop_reason: str | int | None = None
     error: BaseException | None = None  # set with finish_reason ERROR: why the request failed
     beams: list[BeamSequence] | None = None  # beam search, final output only: best first
+    # speculative decoding, so far: draft tokens verified for this request, and accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None

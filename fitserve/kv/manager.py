@@ -195,6 +195,21 @@ class KVCacheManager:
         assert ok, "blocks were counted above"
         return copies
 
+    def trim(self, request_id: str, num_tokens: int) -> int:
+        """Shrink the request's table to the blocks ``num_tokens`` slots need (speculative
+        decoding's rollback: the slots of rejected draft tokens are just past the length, and
+        blocks that held only those go back to the pool at once). Returns the blocks freed."""
+        table = self._tables.get(request_id)
+        if table is None:
+            return 0
+        keep = _cdiv(num_tokens, self.block_size)
+        extra = table[keep:]
+        if extra:
+            del table[keep:]
+            self.pool.decref(reversed(extra))
+        self._used_slots[request_id] = min(self._used_slots[request_id], num_tokens)
+        return len(extra)
+
     def cache_blocks(
         self, request_id: str, block_hashes: Sequence[BlockHash], num_computed_tokens: int
     ) -> None:

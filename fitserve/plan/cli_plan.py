@@ -15,6 +15,7 @@ from typing import Any
 from fitserve.plan.errors import PlanError
 from fitserve.plan.report import ENGINE_DEFAULTS, PlanRequest
 from fitserve.plan.sections_run import Plan, build_plan
+from fitserve.plan.speculative import check_speculative
 from fitserve.plan.units import parse_bytes, parse_tokens
 
 
@@ -75,6 +76,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --share: the shared prompt's tokens (default: context - new tokens)")
     p.add_argument("--new-tokens", default=None,
                    help="with --share: tokens each sequence generates (default 0)")
+    p.add_argument("--speculative", default=None, metavar="K,ALPHA,DRAFT_COST",
+                   help="price speculative decoding: K draft tokens per verification, each "
+                        "accepted with probability ALPHA, a draft step costing DRAFT_COST target "
+                        "decode steps (0 for n-gram lookup), e.g. 4,0.7,0.05")
     p.add_argument("--explain", action="store_true", help="show the arithmetic of each line")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -95,7 +100,26 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         gpu_memory_bytes=None if args.gpu_memory is None else _parse_size(args.gpu_memory),
         gpu_bandwidth=None if args.gpu_bandwidth is None else _parse_rate(args.gpu_bandwidth),
         share=args.share, new_tokens=0 if args.new_tokens is None else parse_tokens(args.new_tokens),
-        prompt_tokens=None if args.prompt_tokens is None else parse_tokens(args.prompt_tokens))
+        prompt_tokens=None if args.prompt_tokens is None else parse_tokens(args.prompt_tokens),
+        speculative=None if args.speculative is None else parse_speculative(args.speculative))
+
+
+def parse_speculative(text: str) -> tuple[int, float, float]:
+    """``--speculative K,ALPHA,DRAFT_COST``: "4,0.7,0.05" -> (4, 0.7, 0.05), validated (k an
+    integer >= 1, 0 <= alpha <= 1, draft_cost >= 0); PlanError naming the flag otherwise."""
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        if len(parts) != 3:
+            raise ValueError
+        k, alpha, cost = int(parts[0]), float(parts[1]), float(parts[2])
+    except ValueError:
+        raise PlanError(f"--speculative takes K,ALPHA,DRAFT_COST: an integer and two numbers "
+                        f"(e.g. 4,0.7,0.05), got {text!r}") from None
+    try:
+        check_speculative(k, alpha, cost)
+    except PlanError as e:
+        raise PlanError(f"--speculative {text}: {e}") from None
+    return k, alpha, cost
 
 
 def _parse_size(text: str) -> int:

@@ -78,6 +78,9 @@ class PlanRequest:
     share: int = 1
     prompt_tokens: int | None = None
     new_tokens: int = 0
+    # speculative decoding economics: (k draft tokens, acceptance alpha, draft step / target
+    # step); None = no section
+    speculative: tuple[int, float, float] | None = None
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The model, weight and KV sections of a plan (memory/speed ones are in sections_run.py)."""
+"""The model, weight, KV, sharing and speculative sections of a plan (memory/speed ones are in
+sections_run.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from fitserve.plan.kv import (
 )
 from fitserve.plan.params import count_params, is_mla
 from fitserve.plan.report import Line, Resolved, Section
-from fitserve.plan.units import fmt_bytes, fmt_count
+from fitserve.plan.speculative import Speculation, SpeculativeEconomics, speculative_economics
+from fitserve.plan.units import fmt_bytes, fmt_count, fmt_seconds
 from fitserve.plan.weights import (
     engine_format_rule,
     engine_plan_weight_bytes,
@@ -112,6 +114,59 @@ def sharing_section(r: Resolved) -> Section | None:
                    f"{q.new_tokens:,} new tokens each", tuple(lines),
                    (f"sharing saves {saved:.1%} of the blocks; every block of a sequence is "
                     "held (no window trimming), as fitserve's engine does",))
+
+
+def speculative_section(r: Resolved) -> Section | None:
+    """``--speculative k,alpha,draft_cost``: tokens per verification, its cost, the speedup
+    at each batch size and the batch where speculation stops paying (roofline floors)."""
+    if r.req.speculative is None:
+        return None
+    k, alpha, cost = r.req.speculative
+    wb = model_weight_bytes(r.entry.spec, r.weights, tp=r.req.tp, base_dtype=r.base_dtype)
+    ec = speculative_economics(r.entry.spec, r.hw, wb, Speculation(k, alpha, cost),
+                               context=r.req.context, kv_dtype=r.kv_dtype, weights_fmt=r.weights)
+    t1 = ec.points[0].t_decode
+    e_how = (f"alpha = 1: all {k} drafts kept, + 1 = {k + 1}" if alpha == 1 else
+             f"(1 - {alpha:g}^{k + 1}) / (1 - {alpha:g}) = {ec.expected_tokens:.4f}")
+    lines = [
+        Line("expected tokens per step", "expected_tokens_per_step", ec.expected_tokens,
+             f"{ec.expected_tokens:.4f}", e_how),
+        Line("draft cost per verification", "k x draft_cost", ec.draft_cost_per_verify,
+             f"{ec.draft_cost_per_verify:.4g} decode steps",
+             f"{k} draft steps x {cost:g} of a target decode step (batch {ec.points[0].batch}: "
+             f"{fmt_seconds(ec.draft_cost_per_verify * t1)})"),
+        Line("verification extra FLOPs per token", "(k + 1) / expected_tokens - 1",
+             ec.extra_flops_fraction, f"+{ec.extra_flops_fraction:.1%} "
+             f"({fmt_count(ec.extra_flops_per_token)} FLOPs)",
+             f"({k} + 1) / {ec.expected_tokens:.4f} - 1 = {ec.extra_flops_fraction:.4f} x "
+             f"flops_per_token({ec.context}) {ec.flops_per_token:,} = "
+             f"{ec.extra_flops_per_token:,.0f} FLOPs (the draft's own not counted)"),
+        *_speedup_lines(ec),
+        Line("stops paying from batch", "crossover_batch", ec.crossover_batch,
+             f"never (up to {ec.max_batch:,})" if ec.crossover_batch is None
+             else f"{ec.crossover_batch:,}", "smallest batch with speedup < 1"),
+    ]
+    notes = ["the crossover is where verification turns the step compute-bound: it computes "
+             f"{k} + 1 positions per sequence for one read of the weights, which is free while "
+             "the step is memory-bound and costs (k + 1)x once FLOPs set it; KV reads, once per "
+             "sequence either way, keep long contexts memory-bound",
+             f"roofline floors at context {ec.context:,}, per TP group of {r.req.tp}: each draft "
+             "token accepted independently with probability alpha; the draft model's weights "
+             "and KV are not in the memory lines"]
+    if ec.pays_again_at is not None:
+        notes.append(f"MoE: it pays again at batch {ec.pays_again_at}: {k} + 1 positions per "
+                     "sequence touch more experts than one until the batch touches them all")
+    return Section(f"Speculative decoding: k={k}, alpha={alpha:g}, draft cost {cost:g}",
+                   tuple(lines), tuple(notes))
+
+
+def _speedup_lines(ec: SpeculativeEconomics) -> list[Line]:
+    e, kc = ec.expected_tokens, ec.draft_cost_per_verify
+    return [Line(f"speedup, batch {p.batch}", "speculative_speedup", p.speedup,
+                 f"x{p.speedup:.3f}",
+                 f"{e:.4f} x {fmt_seconds(p.t_decode)} decode / ({fmt_seconds(p.t_verify)} "
+                 f"verify, {p.verify_bound}-bound + {kc:g} x {fmt_seconds(p.t_decode)} draft)")
+            for p in ec.points]
 
 
 def kv_section(r: Resolved) -> Section:

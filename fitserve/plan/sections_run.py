@@ -11,7 +11,13 @@ from fitserve.plan.layouts import LayoutChoice, LayoutQuery, recommend_layout
 from fitserve.plan.memory import EngineMemoryPlan
 from fitserve.plan.parallel import tp_allreduce
 from fitserve.plan.report import Line, PlanRequest, Resolved, Section, resolve
-from fitserve.plan.sections import kv_section, model_section, sharing_section, weights_section
+from fitserve.plan.sections import (
+    kv_section,
+    model_section,
+    sharing_section,
+    speculative_section,
+    weights_section,
+)
 from fitserve.plan.speed import compute_bound_batch, decode_step, prefill_time, quant_crossover
 from fitserve.plan.units import fmt_bytes, fmt_count, fmt_seconds
 from fitserve.plan.weights import model_weight_bytes
@@ -252,9 +258,9 @@ def build_plan(req: PlanRequest) -> Plan:
     energy = energy_section(r, max(1, ceiling))
     if energy is not None:
         sections.append(energy)
-    sharing = sharing_section(r)
-    if sharing is not None:
-        sections.append(sharing)
+    for optional in (sharing_section(r), speculative_section(r)):
+        if optional is not None:
+            sections.append(optional)
     lay, choice = layouts_section(r)
     sections.append(lay)
     hyp = " [HYPOTHETICAL]" if r.hypothetical else ""

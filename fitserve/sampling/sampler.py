@@ -122,6 +122,54 @@ class Sampler:
                 logprobs[i] = lp
         return token_list, logprobs
 
+    def probabilities(
+        self, logits: torch.Tensor, states: list[RequestSamplingState]
+    ) -> torch.Tensor:
+        """``[B, V]`` fp32: the distribution each row of ``logits`` would be sampled from.
+
+        A random row gets exactly what ``__call__`` draws from: temperature, then the same
+        top-k / top-p / min-p threshold (``_thresholds``), filtered tokens zeroed and the rest
+        renormalised to sum 1. A greedy row gets a point mass on its argmax (first index on
+        ties, as ``__call__``). Speculative decoding compares these distributions (target p,
+        draft q) when it verifies draft tokens.
+
+        Penalties are not applied: they depend on the tokens generated so far, which change
+        inside a speculative chunk, so speculative decoding is only used for requests without
+        them. A state with a non-default repetition / frequency / presence penalty raises
+        ``ValueError`` rather than silently returning a distribution ``__call__`` never uses.
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(states):
+            raise ValueError(
+                f"logits must be [len(states), V] = [{len(states)}, V], got {list(logits.shape)}"
+            )
+        penalised = [i for i, s in enumerate(states)
+                     if s.params.repetition_penalty != 1.0 or s.params.frequency_penalty != 0.0
+                     or s.params.presence_penalty != 0.0]
+        if penalised:
+            raise ValueError(
+                f"probabilities() does not apply penalties; rows {penalised} have a repetition, "
+                "frequency or presence penalty"
+            )
+        x = logits.to(torch.float32, copy=True).contiguous()
+        out = torch.zeros_like(x)
+        greedy = [i for i, s in enumerate(states) if s.params.greedy]
+        rand = [i for i, s in enumerate(states) if not s.params.greedy]
+        if greedy:
+            best = _take(x, greedy).argmax(dim=-1, keepdim=True)
+            _put(out, greedy, torch.zeros_like(_take(x, greedy)).scatter_(1, best, 1.0))
+        if rand:
+            xr = _take(x, rand)  # may be x itself: it is our private copy, so mutating is fine
+            temps = [states[i].params.temperature for i in rand]
+            if any(t != 1.0 for t in temps):
+                xr.div_(torch.tensor(temps, dtype=xr.dtype, device=xr.device).unsqueeze(1))
+            probs = torch.softmax(xr, dim=-1)
+            thresh = self._thresholds(xr, probs, [states[i].params for i in rand])
+            if thresh is not None:
+                probs.mul_(xr >= thresh.unsqueeze(1))
+                probs.div_(probs.sum(dim=-1, keepdim=True))
+            _put(out, rand, probs)
+        return out
+
     def _sample(self, x: torch.Tensor, states: list[RequestSamplingState]) -> torch.Tensor:
         """Temperature, filters and the exponential race on the random rows ``x`` (mutated)."""
         temps = [s.params.temperature for s in states]

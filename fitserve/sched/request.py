@@ -27,6 +27,10 @@ class SchedRequest:
     request: they sample their first token from this request's last prompt logits, then fork
     its block table, so the prompt is computed once. A child waiting for its fork has
     ``fork_parent_id`` set.
+
+    Speculative decoding: ``spec_token_ids`` are draft tokens proposed for the request's next
+    step; the scheduler puts them after its last token in one chunk (budget and KV slots for
+    all of them) and drops them after that step, verified or not.
     """
 
     request_id: str
@@ -41,6 +45,7 @@ class SchedRequest:
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_cached_tokens: int = 0  # prefix-cache hits at its latest admission (not recomputed)
     seats: int = 1
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts for the next step
     fork_children: list[SchedRequest] = field(default_factory=list)
     fork_parent_id: str | None = None
 

@@ -252,17 +252,28 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            start = req.num_computed_tokens
+            drafts = self._take_drafts(req, budget) if num_new == 1 else []
+            start, num_new = req.num_computed_tokens, num_new + len(drafts)
             while (copies := self.kv.allocate_for_write(req.request_id, start, start + num_new)) is None:
                 victim = self.running[-1]  # newest; always at index >= i
                 self._preempt(victim, out)
                 if victim is req:
                     return budget  # nothing older is left to take blocks from
             out.block_copies.extend(copies)
-            out.chunks.append(self._make_chunk(req, num_new))
+            out.chunks.append(self._make_chunk(req, num_new - len(drafts), drafts))
             budget -= num_new
             i += 1
         return budget
+
+    def _take_drafts(self, req: SchedRequest, budget: int) -> list[int]:
+        """The request's draft tokens that fit this step: in the token budget, before
+        max_model_len, and no more than the outputs it may still emit minus one."""
+        drafts, req.spec_token_ids = req.spec_token_ids, []
+        if not drafts or req.num_tokens - req.num_computed_tokens != 1:
+            return []
+        room = min(budget - 1, self.config.max_model_len - req.num_tokens,
+                   req.max_tokens - len(req.output_token_ids) - 1)
+        return drafts[: max(0, room)]
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         seats = sum(r.seats for r in self.running)
@@ -305,29 +316,35 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.total_preemptions += 1
         self.waiting.appendleft(req)
         out.preempted_ids.append(req.request_id)
 
-    def _make_chunk(self, req: SchedRequest, num_new: int) -> ScheduledChunk:
+    def _make_chunk(self, req: SchedRequest, num_new: int, drafts: list[int] | None = None) -> ScheduledChunk:
         start = req.num_computed_tokens
         end = start + num_new
         sample = end == req.num_tokens
         return ScheduledChunk(
             request_id=req.request_id,
-            token_ids=req.all_token_ids[start:end],
+            token_ids=req.all_token_ids[start:end] + (drafts or []),
             start_pos=start,
             block_table=self.kv.block_table(req.request_id),
             sample=sample,
             fanout=[c.request_id for c in req.fork_children] if sample else [],
+            num_draft=len(drafts or ()),
         )
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
+    def update(self, out: SchedulerOutput, sampled: dict[str, int],
+               emitted: dict[str, list[int]] | None = None) -> None:
         """Advance each scheduled request by its chunk and append its sampled token.
 
-        Chunks of requests finished or aborted since ``schedule()`` are ignored.
+        A chunk with draft tokens advances by its last token plus the drafts accepted and
+        appends every token ``emitted[id]`` holds (accepted drafts, then one more); the
+        rejected drafts' slots lie past the new length (rollback) and blocks holding only them
+        are freed. Chunks of requests finished or aborted since ``schedule()`` are ignored.
         """
         for chunk in out.chunks:
             req = self._requests.get(chunk.request_id)
@@ -338,9 +355,18 @@ class Scheduler:
                     f"stale chunk for {chunk.request_id!r}: starts at {chunk.start_pos}, "
                     f"request has {req.num_computed_tokens} computed tokens"
                 )
-            req.num_computed_tokens += len(chunk.token_ids)
-            if chunk.sample and chunk.request_id in sampled:
-                req.output_token_ids.append(sampled[chunk.request_id])
+            if chunk.num_draft:
+                tokens = (emitted or {}).get(chunk.request_id)
+                if tokens is None or not 1 <= len(tokens) <= chunk.num_draft + 1:
+                    raise RuntimeError(f"{chunk.request_id!r} verified {chunk.num_draft} drafts "
+                                       f"but emitted {tokens}")
+                req.num_computed_tokens += len(tokens)  # its last token + the accepted drafts
+                req.output_token_ids.extend(tokens)
+                self.kv.trim(req.request_id, req.num_computed_tokens)
+            else:
+                req.num_computed_tokens += len(chunk.token_ids)
+                if chunk.sample and chunk.request_id in sampled:
+                    req.output_token_ids.append(sampled[chunk.request_id])
             if self.kv.enable_caching:
                 # the K/V of this chunk is written now: offer the blocks it filled to the cache
                 self._extend_hashes(req, req.num_computed_tokens)
