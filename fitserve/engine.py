@@ -7,6 +7,7 @@ detokenizes, checks stop conditions and frees finished requests' blocks at once.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import os
@@ -73,6 +74,8 @@ class EngineStats:
     kv: KVStats
     block_owners: dict[int, list[str]] = field(default_factory=dict)
     evictable_blocks: list[int] = field(default_factory=list)
+    spec_decode: SpecDecodeStats | None = None  # speculative decoding's counters (None: off)
+    num_steps: int = 0  # model steps run since start
 
 
 class Engine:
@@ -442,6 +445,8 @@ class Engine:
             kv=self.kv.stats(),
             block_owners=self.kv.block_owners() if with_owners else {},
             evictable_blocks=self.kv.pool.evictable_block_ids() if with_owners else [],
+            spec_decode=copy.deepcopy(self.spec_stats),
+            num_steps=self.num_steps,
         )
 
     def request_of(self, scheduler_id: str) -> str:
