@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fitserve.config import EngineConfig, SchedulerConfig, SpeculativeConfig
+from fitserve.draft_runner import DraftRunner
 from fitserve.engine_beams import BeamSearches
 from fitserve.engine_outputs import Tracked, advance_output, can_speculate, failed_output
 from fitserve.engine_setup import (
@@ -156,6 +157,7 @@ class Engine:
         self._requests: dict[str, Tracked] = {}
         self._beams = BeamSearches(self.scheduler, self.tokenizer, str(self.device))
         self.speculative_config = resolve_speculative_config(cfg.speculative_config)
+        self.draft = self._build_draft(self.speculative_config)
         self.spec_stats = (SpecDecodeStats(self.speculative_config.num_speculative_tokens)
                            if self.speculative_config is not None else None)
         self.num_steps = 0  # model steps run (for tokens per target step)
@@ -307,6 +309,8 @@ class Engine:
         states = {rid: beams.state(rid) if beams.is_beam(rid) else self._requests[rid].sampling
                   for c in plan.chunks if c.sample for rid in (c.request_id, *c.fanout)}
         result, failed = self._execute(plan, states, top=True)
+        if self.draft is not None:
+            self.draft.mirror(plan, skip=set(failed))
         if self._trim_after_prefill and any(len(c.token_ids) > 1 for c in plan.chunks):
             # NOTE: glibc keeps a prefill step's freed transients (K/V copies, SDPA tiles,
             # q/k/v and MLP rows: 0.1-16 MiB each) in a fragmented heap, and raises its mmap
@@ -390,13 +394,42 @@ class Engine:
     def _propose_drafts(self, spec: SpeculativeConfig) -> None:
         """Draft tokens for every decoding request that may speculate (no penalties, no
         logprobs, not a beam): the scheduler verifies them in the next step."""
-        k = spec.num_speculative_tokens
+        want: list[tuple[SchedRequest, int]] = []
         for req in self.scheduler.running:
             t = self._requests.get(req.request_id)
             if t is None or not t.speculates or req.num_tokens - req.num_computed_tokens != 1:
                 continue
+            # no draft past max_model_len or past the outputs the request may still emit
+            k = min(spec.num_speculative_tokens, self.max_model_len - req.num_tokens,
+                    req.max_tokens - len(req.output_token_ids) - 1)
+            if k > 0:
+                want.append((req, k))
+        if self.draft is not None:
+            states = {r.request_id: self._requests[r.request_id].sampling for r, _ in want}
+            for rid, drafts in self.draft.propose(want, states, self.kv, self.runner).items():
+                req = self.scheduler.get(rid)
+                if req is not None:
+                    req.spec_token_ids = drafts
+            return
+        for req, k in want:
             req.spec_token_ids = propose_ngram(req.all_token_ids, k, spec.prompt_lookup_min,
                                                spec.prompt_lookup_max)
+
+    def _build_draft(self, spec: SpeculativeConfig | None) -> DraftRunner | None:
+        """The draft model of ``method: draft_model``: loaded in the engine's dtype, on the
+        target's block tables (it must share the target's vocabulary)."""
+        if spec is None or spec.method != "draft_model":
+            return None
+        assert spec.model is not None
+        loaded = load_model(spec.model, dtype=self.dtype)
+        if loaded.spec.vocab_size != self.spec.vocab_size:
+            raise ValueError(f"the draft model {spec.model!r} has a vocabulary of {loaded.spec.vocab_size} "
+                             f"tokens, the target {self.spec.vocab_size}: they must share a tokenizer")
+        check_supported(loaded.spec)
+        model = build_model(loaded.spec, loaded.weights, dtype=self.dtype, device=self.device,
+                            max_positions=self.max_model_len)
+        return DraftRunner(model, loaded.spec, num_blocks=self.pool.num_blocks,
+                           block_size=self.config.block_size, kv_dtype=self.dtype, device=self.device)
 
     def _advance(self, rid: str, t: Tracked, tokens: list[int], now: float) -> RequestOutput:
         out = advance_output(rid, t, tokens, now, max_model_len=self.max_model_len,
@@ -468,8 +501,8 @@ def resolve_speculative_config(value: SpeculativeConfig | dict[str, object] | No
         config = SpeculativeConfig.from_dict(value)
     else:
         raise ValueError(f"speculative_config must be a dict or SpeculativeConfig, got {type(value).__name__}")
-    if config is not None and config.method != "ngram":
-        raise ValueError(f"speculative_config method {config.method!r} is not available yet; use 'ngram'")
+    if config is not None and config.method == "eagle":
+        raise ValueError("speculative_config method 'eagle' is not available yet; use 'ngram' or 'draft_model'")
     return config
 
 

@@ -113,7 +113,8 @@ class ModelRunner:
             k = chunk.num_draft
             rid = chunk.request_id
             drafts = chunk.token_ids[-k:]
-            emitted = verify_drafts(logits[at: at + k + 1], drafts, self.draft_probs.pop(rid, None),
+            q = self.draft_probs.pop(rid, None)  # the scheduler may have cut the drafts short
+            emitted = verify_drafts(logits[at: at + k + 1], drafts, None if q is None else q[:k],
                                     states[rid], self.sampler)
             at += k + 1
             result.emitted[rid] = emitted

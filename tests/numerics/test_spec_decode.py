@@ -22,6 +22,10 @@ from fitserve.sampling.spec_decode import rejection
 from .tiny_models import build_tiny
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+def draft(path: Path | str, k: int = 3) -> dict[str, Any]:
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
@@ -119,6 +123,12 @@ def _fields(p: SamplingParams) -> dict[str, Any]:
             "ignore_eos": True}
 
 
+def _critical(df: int) -> float:
+    """Chi-square's critical value at p = 1e-3 (Wilson-Hilferty's approximation)."""
+    z = 3.0902  # the standard normal's 1 - 1e-3 quantile
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
 def _chi2(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int]:
     """Two-sample chi-square statistic, and its degrees of freedom, over the cells the two
     samples together hit at least 5 times."""
@@ -147,10 +157,7 @@ def test_sampling_distribution_matches_plain(tiny: LoadedModel, params: Sampling
     spec_engine = make(tiny, NGRAM, **kw)
     spec = _histograms(spec_engine, prompt, params, n, vocab, seed=90_000)  # independent seeds
     assert spec_engine.spec_stats is not None and spec_engine.spec_stats.num_drafts >= n
-    # critical values of chi-square at p = 1e-3 (Wilson-Hilferty's approximation)
-    def critical(df: int) -> float:
-        z = 3.0902  # the standard normal's 1 - 1e-3 quantile
-        return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+    critical = _critical
     for pos in (1, 2):  # token 0 is sampled plainly (no draft yet); 1 and 2 follow drafts
         stat, df = _chi2(plain[pos], spec[pos])
         assert stat < critical(df), (pos, stat, df)
@@ -158,3 +165,61 @@ def test_sampling_distribution_matches_plain(tiny: LoadedModel, params: Sampling
     wrong = _histograms(make(tiny, NGRAM, **kw), prompt, params, n, vocab, seed=90_000)
     stat, df = _chi2(plain[1], wrong[1])
     assert stat > critical(df), (stat, df)
+
+
+@pytest.fixture(scope="module")
+def random_draft_for_smollm2(tmp_path_factory, smollm2_gguf: Path) -> Path:  # type: ignore[no-untyped-def]
+    """A random 3-layer model with SmolLM2's vocabulary: a draft that is mostly wrong."""
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    folder = tmp_path_factory.mktemp("tiny-draft-49152")
+    build_tiny("llama", folder, tok, vocab_size=49152)
+    return folder
+
+
+def test_target_as_its_own_draft_accepts_almost_everything(smollm2_loaded: LoadedModel) -> None:
+    prompts = repetitive(smollm2_loaded.spec.vocab_size, 3, 2)[1:]  # one repetitive, one random
+    work = [(p, GREEDY) for p in prompts]
+    plain = drive(make(smollm2_loaded, None), work)
+    engine = make(smollm2_loaded, draft(smollm2_loaded.path))
+    assert drive(engine, work) == plain
+    st = engine.spec_stats
+    assert st is not None and st.num_drafts > 5 and st.acceptance_rate >= 0.98
+
+
+def test_a_random_draft_model_changes_no_greedy_token(smollm2_loaded: LoadedModel, random_draft_for_smollm2: Path) -> None:
+    prompts = repetitive(smollm2_loaded.spec.vocab_size, 4, 2)
+    work = [(p, GREEDY) for p in prompts]
+    plain = drive(make(smollm2_loaded, None, max_num_batched_tokens=16), work)
+    engine = make(smollm2_loaded, draft(random_draft_for_smollm2), max_num_batched_tokens=16)
+    assert drive(engine, work) == plain
+    st = engine.spec_stats
+    assert st is not None and st.num_draft_tokens > 20 and st.acceptance_rate < 0.5
+
+
+def test_a_draft_of_another_vocabulary_is_refused(smollm2_loaded: LoadedModel, tiny: LoadedModel) -> None:
+    with pytest.raises(ValueError, match="must share a tokenizer"):
+        make(smollm2_loaded, draft(tiny.path))
+
+
+@pytest.mark.slow
+def test_draft_model_sampling_matches_plain(tiny: LoadedModel, tmp_path_factory, smollm2_gguf: Path) -> None:  # type: ignore[no-untyped-def]
+    """A random draft (the other tiny architecture, same vocabulary) proposes from its own q:
+    rejections resample norm(max(0, p - q)); the token distribution stays the target's."""
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    other = "qwen2" if tiny.spec.architecture == "llama" else "llama"
+    folder = tmp_path_factory.mktemp(f"tiny-draft-{other}")
+    build_tiny(other, folder, tok)
+    params = SamplingParams(temperature=0.9, top_k=50, max_tokens=4)
+    prompt = [7, 8, 9, 10, 11]
+    kw: dict[str, Any] = {"max_num_seqs": 64}
+    n, vocab = 500, tiny.spec.vocab_size
+    plain = _histograms(make(tiny, None, **kw), prompt, params, n, vocab, seed=1000)
+    engine = make(tiny, draft(folder, k=2), **kw)
+    spec = _histograms(engine, prompt, params, n, vocab, seed=90_000)
+    st = engine.spec_stats
+    assert st is not None and st.num_drafts >= n and 0 < st.num_accepted_tokens < st.num_draft_tokens
+    for pos in (1, 2):
+        stat, df = _chi2(plain[pos], spec[pos])
+        assert stat < _critical(df), (pos, stat, df)

@@ -11,8 +11,14 @@ TINY = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_atte
             num_key_value_heads=2, vocab_size=384, max_position_embeddings=512, tie_word_embeddings=False)
 
 
-def tiny_config(arch: str):  # type: ignore[no-untyped-def]
+def tiny_config(arch: str, **overrides: object):  # type: ignore[no-untyped-def]
     import transformers as tf
+
+    if overrides:
+        config = tiny_config(arch)
+        for key, value in overrides.items():
+            setattr(config, key, value)
+        return config
 
     if arch == "llama":
         return tf.LlamaConfig(**TINY, rope_parameters={
@@ -35,12 +41,13 @@ def tiny_seed(arch: str) -> int:
     return zlib.crc32(arch.encode())
 
 
-def build_tiny(arch: str, folder: Path, tokenizer_source) -> torch.nn.Module:  # type: ignore[no-untyped-def]
-    """Save a random tiny model (weights scaled up so logits are far from ties) plus a tokenizer."""
+def build_tiny(arch: str, folder: Path, tokenizer_source, **overrides: object) -> torch.nn.Module:  # type: ignore[no-untyped-def]
+    """Save a random tiny model (weights scaled up so logits are far from ties) plus a tokenizer;
+    ``overrides`` set config fields (e.g. a draft model with the target's ``vocab_size``)."""
     import transformers as tf
 
     torch.manual_seed(tiny_seed(arch))
-    config = tiny_config(arch)
+    config = tiny_config(arch, **overrides)
     config._attn_implementation = "eager"
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
