@@ -14,6 +14,9 @@ and verification chunks), so its K/V covers every token the target computed. The
 writing draft K/V at the lookahead positions (their blocks are allocated first) and sampling
 each draft from the draft's own distribution ``q`` (greedy: its argmax); ``q`` goes to the
 rejection sampler with the target's verification.
+
+:class:`EagleProposer` drafts from the target's own last hidden state instead
+(:mod:`fitserve.model.eagle_head`): no second model, no second cache.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 
 from fitserve.config import ModelSpec
 from fitserve.kv.manager import KVCacheManager
+from fitserve.model.eagle_head import EagleHead
 from fitserve.model.llama import CausalLM
 from fitserve.runner import ModelRunner
 from fitserve.sampling import RequestSamplingState
@@ -104,6 +108,50 @@ class DraftRunner:
                     qs[rid].append(q[i])
                 drafts[rid].append(tok)
                 last[rid] = tok
+        for rid, rows in qs.items():
+            if rows:
+                target.draft_probs[rid] = torch.stack(rows)
+        return drafts
+
+
+class EagleProposer:
+    """Drafts with an EAGLE-like head over the target's last hidden state of each request."""
+
+    def __init__(self, head: EagleHead) -> None:
+        self.head = head
+
+    @torch.inference_mode()
+    def propose(self, reqs: list[tuple[SchedRequest, int]], states: dict[str, RequestSamplingState],
+                target: ModelRunner) -> dict[str, list[int]]:
+        """Up to k drafts per (request, k) from ``target.last_hidden`` (the hidden state whose
+        logits gave the request's last token) and that token; q rows to ``target.draft_probs``."""
+        target.draft_probs.clear()
+        live = [(r, k) for r, k in reqs if r.request_id in target.last_hidden]
+        if not live:
+            return {}
+        model, sampler = target.model, target.sampler
+        h = torch.stack([target.last_hidden[r.request_id] for r, _ in live])
+        x = torch.tensor([r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1]
+                          for r, _ in live], dtype=torch.long, device=h.device)
+        row_states = [states[r.request_id] for r, _ in live]
+        drafts: dict[str, list[int]] = {r.request_id: [] for r, _ in live}
+        qs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r, _ in live}
+        for j in range(max(k for _, k in live)):
+            h = self.head(model.embed_tokens(x).to(h.dtype), h)
+            q = sampler.probabilities(model.compute_logits(h), row_states)
+            toks: list[int] = []
+            for i, (r, k) in enumerate(live):
+                st = row_states[i]
+                if st.params.greedy:
+                    tok = int(q[i].argmax())
+                else:
+                    tok = int(torch.multinomial(q[i], 1, generator=st.generator or sampler.generator))
+                toks.append(tok)
+                if j < k:  # a row past its k keeps running with the batch, unused
+                    drafts[r.request_id].append(tok)
+                    if not st.params.greedy:
+                        qs[r.request_id].append(q[i])
+            x = torch.tensor(toks, dtype=torch.long, device=h.device)
         for rid, rows in qs.items():
             if rows:
                 target.draft_probs[rid] = torch.stack(rows)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fitserve.config import EngineConfig, SchedulerConfig, SpeculativeConfig
-from fitserve.draft_runner import DraftRunner
+from fitserve.draft_runner import DraftRunner, EagleProposer
 from fitserve.engine_beams import BeamSearches
 from fitserve.engine_outputs import Tracked, advance_output, can_speculate, failed_output
 from fitserve.engine_setup import (
@@ -32,6 +32,7 @@ from fitserve.engine_setup import (
 )
 from fitserve.kv.manager import KVCacheManager, KVStats
 from fitserve.loading import IncrementalDetokenizer, LoadedModel, load_model
+from fitserve.model.eagle_head import load_eagle_head
 from fitserve.model.linear import cpp_ops_available
 from fitserve.model.llama import build_model, check_supported, held_weight_bytes
 from fitserve.plan.formats import resolve_engine_weights
@@ -158,6 +159,7 @@ class Engine:
         self._beams = BeamSearches(self.scheduler, self.tokenizer, str(self.device))
         self.speculative_config = resolve_speculative_config(cfg.speculative_config)
         self.draft = self._build_draft(self.speculative_config)
+        self.eagle = self._build_eagle(self.speculative_config)
         self.spec_stats = (SpecDecodeStats(self.speculative_config.num_speculative_tokens)
                            if self.speculative_config is not None else None)
         self.num_steps = 0  # model steps run (for tokens per target step)
@@ -404,9 +406,12 @@ class Engine:
                     req.max_tokens - len(req.output_token_ids) - 1)
             if k > 0:
                 want.append((req, k))
-        if self.draft is not None:
+        if self.draft is not None or self.eagle is not None:
             states = {r.request_id: self._requests[r.request_id].sampling for r, _ in want}
-            for rid, drafts in self.draft.propose(want, states, self.kv, self.runner).items():
+            proposed = (self.draft.propose(want, states, self.kv, self.runner) if self.draft is not None
+                        else self.eagle.propose(want, states, self.runner))  # type: ignore[union-attr]
+            self.runner.last_hidden = {}
+            for rid, drafts in proposed.items():
                 req = self.scheduler.get(rid)
                 if req is not None:
                     req.spec_token_ids = drafts
@@ -414,6 +419,16 @@ class Engine:
         for req, k in want:
             req.spec_token_ids = propose_ngram(req.all_token_ids, k, spec.prompt_lookup_min,
                                                spec.prompt_lookup_max)
+
+    def _build_eagle(self, spec: SpeculativeConfig | None) -> EagleProposer | None:
+        """The EAGLE-like head of ``method: eagle`` (fitserve.model.eagle_head), over the
+        target's embedding, hidden states and lm_head."""
+        if spec is None or spec.method != "eagle":
+            return None
+        assert spec.model is not None
+        head = load_eagle_head(spec.model, self.spec.hidden_size, dtype=self.dtype, device=self.device)
+        self.runner.keep_hidden = True
+        return EagleProposer(head)
 
     def _build_draft(self, spec: SpeculativeConfig | None) -> DraftRunner | None:
         """The draft model of ``method: draft_model``: loaded in the engine's dtype, on the
@@ -501,8 +516,6 @@ def resolve_speculative_config(value: SpeculativeConfig | dict[str, object] | No
         config = SpeculativeConfig.from_dict(value)
     else:
         raise ValueError(f"speculative_config must be a dict or SpeculativeConfig, got {type(value).__name__}")
-    if config is not None and config.method == "eagle":
-        raise ValueError("speculative_config method 'eagle' is not available yet; use 'ngram' or 'draft_model'")
     return config
 
 

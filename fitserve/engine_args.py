@@ -7,8 +7,9 @@ neither imports the other (no import cycle).
 from __future__ import annotations
 
 import argparse
+import json
 
-from fitserve.config import EngineConfig
+from fitserve.config import EngineConfig, SpeculativeConfig
 from fitserve.plan.formats import ENGINE_WEIGHT_CHOICES
 
 
@@ -20,6 +21,34 @@ def parse_bytes_arg(text: str) -> int:
         return parse_bytes(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_speculative_config_arg(text: str) -> SpeculativeConfig:
+    """argparse type for ``--speculative-config``: a JSON object in vLLM's spelling, checked now.
+
+    Bad JSON, a value that is not an object, an unknown key, a bad method or an out-of-range
+    ``num_speculative_tokens`` is an ArgumentTypeError, so argparse exits 2 naming the flag.
+    """
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"must be a JSON object such as '{{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}', "
+            f"got {text!r}")
+    try:
+        config = SpeculativeConfig.from_dict(value)
+        # NOTE: the engine's own check (which methods are implemented) runs here too, so that an
+        # unavailable method fails at parse time instead of after the model loads. Imported
+        # lazily: fitserve.engine loads torch, and only this flag needs it at parse time.
+        from fitserve.engine import resolve_speculative_config
+
+        resolved = resolve_speculative_config(config)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    assert resolved is not None
+    return resolved
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -49,6 +78,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(automatic prefix caching; on by default)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="the same as --no-enable-prefix-caching")
+    p.add_argument("--speculative-config", type=parse_speculative_config_arg, default=None,
+                   metavar="JSON",
+                   help="speculative decoding (off by default), vLLM's JSON: e.g. "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'. Keys: method "
+                        "(ngram: prompt lookup; draft_model: a smaller model with the target's "
+                        "tokenizer; eagle: an EAGLE-like head file), model (the draft's path), "
+                        "num_speculative_tokens (drafts per step, 1-16), "
+                        "prompt_lookup_max / prompt_lookup_min (n-gram lengths tried, default 4 / 1). "
+                        "Requests with penalties or logprobs decode without drafts; greedy output "
+                        "is unchanged, sampling keeps the target distribution")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -59,4 +98,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_bytes=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, weights=args.weights, quantization=args.quantization,
         enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
+        speculative_config=args.speculative_config,
     )

@@ -12,6 +12,7 @@ from fitserve.config import EngineConfig
 from fitserve.engine import Engine
 from fitserve.sampling import SamplingParams
 from fitserve.sampling.beam_search import BeamSearchParams
+from fitserve.sampling.spec_decode.stats import SpecDecodeStats
 from fitserve.types import BeamSequence, FinishReason, TokenLogprobs
 
 Prompt = str | Sequence[int]
@@ -27,6 +28,10 @@ class Completion:
     logprobs: list[TokenLogprobs] | None
     finish_reason: str | None
     stop_reason: str | int | None
+    # speculative decoding: this output's draft tokens verified by the target, and accepted
+    # (0 and 0 when speculation is off or the request did not speculate)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -74,6 +79,15 @@ class LLM:
         using plain ``SamplingParams()``, as in vLLM.
         """
         return SamplingParams(**self.engine.loaded.generation_defaults.values())  # type: ignore[arg-type]
+
+    def spec_decode_stats(self) -> SpecDecodeStats | None:
+        """Speculative decoding's counters since the engine started (a copy), None when off.
+
+        vLLM reports these through ``LLM.get_metrics()``; here they are the engine's
+        :class:`~fitserve.sampling.spec_decode.stats.SpecDecodeStats` (drafts, draft and accepted
+        tokens, per position; ``acceptance_rate``, ``mean_accepted_length``).
+        """
+        return self.engine.stats().spec_decode
 
     def generate(
         self,
@@ -129,7 +143,8 @@ class LLM:
                     results[i].outputs[j] = Completion(
                         index=j, text=out.text or "", token_ids=out.token_ids or [],
                         logprobs=out.logprobs, finish_reason=_reason(out.finish_reason),
-                        stop_reason=out.stop_reason,
+                        stop_reason=out.stop_reason, num_draft_tokens=out.num_draft_tokens,
+                        num_accepted_tokens=out.num_accepted_tokens,
                     )
                     bar.update(1)
         finally:

@@ -51,6 +51,9 @@ class ModelRunner:
         # speculative decoding with a draft model: its distribution at each draft position, by
         # request, for the rejection sampler (n-gram drafts have none: a point mass)
         self.draft_probs: dict[str, torch.Tensor] = {}
+        # EAGLE-like drafting: the hidden state whose logits gave each request's latest token
+        self.keep_hidden = False
+        self.last_hidden: dict[str, torch.Tensor] = {}
         self.use_triton = device.type == "cuda" and _triton_importable()
         # the fused C++ decode kernel (built at first use; FITSERVE_DISABLE_CPP=1 turns it off)
         self.use_cpp = device.type == "cpu" and paged_attention_available()
@@ -95,6 +98,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
             tokens, logprobs = self.sampler(logits, [states[r] for r in sample_ids])
             result.sampled.update(zip(sample_ids, tokens, strict=True))
+            if self.keep_hidden:
+                self.last_hidden.update((rid, hidden[row].clone()) for rid, row in zip(sample_ids, sample_rows, strict=True))
             for rid, lp in zip(sample_ids, logprobs, strict=True):
                 if lp is not None:
                     result.logprobs[rid] = lp
@@ -116,6 +121,8 @@ class ModelRunner:
             q = self.draft_probs.pop(rid, None)  # the scheduler may have cut the drafts short
             emitted = verify_drafts(logits[at: at + k + 1], drafts, None if q is None else q[:k],
                                     states[rid], self.sampler)
+            if self.keep_hidden:  # the row that gave the last emitted token
+                self.last_hidden[rid] = hidden[rows[at + len(emitted) - 1]].clone()
             at += k + 1
             result.emitted[rid] = emitted
             result.sampled[rid] = emitted[-1]

@@ -314,7 +314,7 @@ class EngineLoop:
             return
         self._last_publish = now
         st = engine.stats(with_owners=True)
-        gauges = EngineGauges(st.num_running, st.num_waiting, st.total_preemptions, st.kv)
+        gauges = EngineGauges(st.num_running, st.num_waiting, st.total_preemptions, st.kv, st.spec_decode)
         self.metrics.set_gauges(gauges)
         holders: dict[str, int] = {}  # request -> blocks it holds (a beam search: all its beams')
         for owners in st.block_owners.values():

@@ -2,6 +2,14 @@
 
 Observations come from the engine thread (one call per engine step); prometheus-client's
 metrics are thread-safe, and the dashboard history is guarded by a lock.
+
+Speculative decoding (vLLM's names, ``fitserve_`` prefix): the counters
+``fitserve_spec_decode_num_drafts`` / ``_num_draft_tokens`` / ``_num_accepted_tokens`` and
+``_num_accepted_tokens_per_pos{position="0".."k-1"}`` (``_total`` appended by the client), and
+the gauges ``fitserve_spec_decode_acceptance_rate`` and ``_mean_accepted_length`` (since start).
+NOTE: they are always registered, at 0 while speculation is off, so a scraper sees one stable
+set of series whatever the flags; the per-position series appear once speculation runs (the
+positions are known only then).
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from fitserve.kv.manager import KVStats
+from fitserve.sampling.spec_decode.stats import SpecDecodeStats
 
 # CPU-friendly buckets: a 135M model on two cores has TTFTs of 0.05-10 s.
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
@@ -31,6 +40,7 @@ class EngineGauges:
     num_waiting: int
     total_preemptions: int
     kv: KVStats
+    spec_decode: SpecDecodeStats | None = None  # None: speculative decoding is off
 
 
 class Metrics:
@@ -69,6 +79,7 @@ class Metrics:
         self.rejected = Counter("fitserve_requests_rejected", "Requests refused before the engine",
                                 ["status"], registry=r)
         self.engine_alive = Gauge("fitserve_engine_alive", "1 while the engine thread runs", registry=r)
+        self.spec = _SpecDecodeMetrics(r)
         self._lock = threading.Lock()
         self._last_preemptions = 0
         self._last_prefix = (0, 0)  # (queries, hits) already counted
@@ -120,6 +131,8 @@ class Metrics:
         self._last_prefix = (queries, hits)
         self.prefix_evictable.set(g.kv.evictable_cached_blocks)
         self.kv_shared.set(g.kv.shared_blocks)
+        if g.spec_decode is not None:
+            self.spec.update(g.spec_decode)
 
     # -- readers (HTTP thread) ----------------------------------------------------------------
     def exposition(self) -> bytes:
@@ -158,3 +171,46 @@ class Metrics:
                 "tokens_per_s": round(tok / bucket_s, 2),
             })
         return out
+
+
+class _SpecDecodeMetrics:
+    """Speculative decoding's counters and gauges, advanced from the engine's totals since start.
+
+    Like the prefix-cache counters, each counter advances by the difference between the
+    engine's total and the total last seen; a total that went down (a new engine) is taken as
+    the new baseline, so a counter never goes backwards.
+    """
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.num_drafts = Counter("fitserve_spec_decode_num_drafts",
+                                  "Drafts verified by the target (one per speculating request and step)", registry=r)
+        self.num_draft_tokens = Counter("fitserve_spec_decode_num_draft_tokens",
+                                        "Draft tokens proposed and verified by the target", registry=r)
+        self.num_accepted_tokens = Counter("fitserve_spec_decode_num_accepted_tokens",
+                                           "Draft tokens the target accepted", registry=r)
+        self.accepted_per_pos = Counter("fitserve_spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted, by position in the draft (0-based)",
+                                        ["position"], registry=r)
+        self.acceptance_rate = Gauge("fitserve_spec_decode_acceptance_rate",
+                                     "Accepted over proposed draft tokens since start", registry=r)
+        self.mean_accepted_length = Gauge("fitserve_spec_decode_mean_accepted_length",
+                                          "Tokens emitted per target verification step since start "
+                                          "(1 + accepted drafts per chunk)", registry=r)
+        self._last: tuple[int, int, int] = (0, 0, 0)  # (drafts, draft tokens, accepted) counted
+        self._last_pos: list[int] = []
+
+    def update(self, st: SpecDecodeStats) -> None:
+        now = (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens)
+        for counter, new, old in zip((self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens),
+                                     now, self._last, strict=True):
+            if new > old:
+                counter.inc(new - old)
+        self._last = now
+        last_pos = self._last_pos + [0] * (len(st.accepted_per_position) - len(self._last_pos))
+        for pos, (new, old) in enumerate(zip(st.accepted_per_position, last_pos, strict=False)):
+            child = self.accepted_per_pos.labels(position=str(pos))  # exported (at 0) from now on
+            if new > old:
+                child.inc(new - old)
+        self._last_pos = list(st.accepted_per_position)
+        self.acceptance_rate.set(st.acceptance_rate)
+        self.mean_accepted_length.set(st.mean_accepted_length)
