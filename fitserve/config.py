@@ -110,6 +110,10 @@ class SpeculativeConfig:
     model: str | None = None
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    # vLLM's disable_by_batch_size: no drafts while this many requests (or more) are running,
+    # where verification's extra FLOPs cost more than the drafts save (the planner's
+    # crossover batch: fitserve plan --speculative k,alpha,draft_cost)
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -121,13 +125,17 @@ class SpeculativeConfig:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
             raise ValueError(f"speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo}, {hi}")
+        d = self.disable_by_batch_size
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
+            raise ValueError(f"speculative_config disable_by_batch_size must be an integer >= 1, got {d!r}")
         if self.method != "ngram" and not self.model:
             raise ValueError(f"speculative_config method {self.method!r} needs a model")
 
     @classmethod
     def from_dict(cls, d: dict[str, object]) -> SpeculativeConfig:
         """From vLLM-style JSON/dict; an unknown key is an error naming it."""
-        known = {"method", "num_speculative_tokens", "model", "prompt_lookup_max", "prompt_lookup_min"}
+        known = {"method", "num_speculative_tokens", "model", "prompt_lookup_max", "prompt_lookup_min",
+                 "disable_by_batch_size"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"speculative_config has unknown keys {unknown}; known: {sorted(known)}")

@@ -27,7 +27,7 @@ from fitserve.config import ModelSpec
 from fitserve.kv.manager import KVCacheManager
 from fitserve.model.eagle_head import EagleHead
 from fitserve.model.llama import CausalLM
-from fitserve.runner import ModelRunner
+from fitserve.runner import ModelRunner, decode_rows_first
 from fitserve.sampling import RequestSamplingState
 from fitserve.sched.request import SchedRequest
 from fitserve.types import ScheduledChunk, SchedulerOutput
@@ -55,8 +55,7 @@ class DraftRunner:
             self.runner.copy_blocks(plan.block_copies)
         chunks = [c for c in plan.chunks if c.request_id not in skip]
         if chunks:
-            chunks.sort(key=lambda c: len(c.token_ids) != 1)  # decodes first, as the runner
-            self.runner._forward(*self.runner._prepare(chunks))
+            self.runner._forward(*self.runner._prepare(decode_rows_first(chunks)))
 
     @torch.inference_mode()
     def propose(self, reqs: list[tuple[SchedRequest, int]], states: dict[str, RequestSamplingState],

@@ -397,6 +397,8 @@ class Engine:
         """Draft tokens for every decoding request that may speculate (no penalties, no
         logprobs, not a beam): the scheduler verifies them in the next step."""
         want: list[tuple[SchedRequest, int]] = []
+        if spec.disable_by_batch_size is not None and self.scheduler.num_running >= spec.disable_by_batch_size:
+            return
         for req in self.scheduler.running:
             t = self._requests.get(req.request_id)
             if t is None or not t.speculates or req.num_tokens - req.num_computed_tokens != 1:

@@ -77,8 +77,7 @@ class ModelRunner:
     ) -> RunnerOutput:
         if out.block_copies:
             self.copy_blocks(out.block_copies)
-        # Decodes first: they form one contiguous, batched slice of the packed tokens.
-        chunks = sorted(out.chunks, key=lambda c: len(c.token_ids) != 1)
+        chunks = decode_rows_first(out.chunks)
         input_ids, positions, batch = self._prepare(chunks)
         hidden = self._forward(input_ids, positions, batch)
         sample_rows: list[int] = []
@@ -188,9 +187,12 @@ class ModelRunner:
             rng = range(start, start + t)
             pos.extend(rng)
             slots.extend(table[p // bs] * bs + p % bs for p in rng)
-            if t == 1:
-                decode_tables.append(table)
-                decode_lens.append(start + 1)
+            if runs_as_decode(chunk):
+                # NOTE: a verification chunk [last, d1 .. dk] is k + 1 decode rows over one
+                # table, row i seeing keys < start + i + 1: every token's K/V is written before
+                # attention reads, so this is its causal attention, on the fused decode kernel.
+                decode_tables.extend([table] * t)
+                decode_lens.extend(range(start + 1, start + t + 1))
             else:
                 prefills.append(
                     build_prefill_seq(
@@ -216,6 +218,16 @@ class ModelRunner:
             tables, seq_lens, block_size=self.block_size, window=self.sliding_window,
             impl=self._impl([1] * len(tables), seq_lens), device=self.device,
         )
+
+
+def runs_as_decode(chunk: ScheduledChunk) -> bool:
+    """One new token, or a speculative verification chunk (a few tokens at the cache's end)."""
+    return len(chunk.token_ids) == 1 or chunk.num_draft > 0
+
+
+def decode_rows_first(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+    """Decode-like chunks first: they form one contiguous, batched slice of the packed tokens."""
+    return sorted(chunks, key=lambda c: not runs_as_decode(c))
 
 
 def build_prefill_seq(

@@ -223,3 +223,37 @@ def test_draft_model_sampling_matches_plain(tiny: LoadedModel, tmp_path_factory,
     for pos in (1, 2):
         stat, df = _chi2(plain[pos], spec[pos])
         assert stat < _critical(df), (pos, stat, df)
+
+
+def test_draft_model_greedy_on_tiny_models_under_pressure(tiny: LoadedModel, tmp_path_factory,
+                                                          smollm2_gguf: Path) -> None:  # type: ignore[no-untyped-def]
+    """A random draft of the other tiny architecture, batched with requests that do not
+    speculate, a small token budget (chunked prefill) and a pool small enough to preempt."""
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    other = "qwen3" if tiny.spec.architecture == "llama" else "llama"
+    folder = tmp_path_factory.mktemp(f"tiny-greedy-draft-{other}")
+    build_tiny(other, folder, tok)
+    prompts = repetitive(tiny.spec.vocab_size, 6, 4)
+    work = [(p, GREEDY) for p in prompts]
+    work.append((prompts[0], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, presence_penalty=0.5)))
+    kw: dict[str, Any] = {"max_num_batched_tokens": 12, "num_kv_blocks": 13, "max_model_len": 96}
+    plain = drive(make(tiny, None, **kw), work)
+    engine = make(tiny, draft(folder), **kw)
+    assert drive(engine, work) == plain
+    assert engine.spec_stats is not None and engine.spec_stats.num_drafts > 10
+    assert engine.scheduler.total_preemptions > 0
+
+
+def test_disable_by_batch_size_turns_drafting_off_for_big_batches(tiny: LoadedModel) -> None:
+    prompts = repetitive(tiny.spec.vocab_size, 8, 3)
+    work = [(p, GREEDY) for p in prompts]
+    spec = {**NGRAM, "disable_by_batch_size": 2}
+    plain = drive(make(tiny, None), work)
+    engine = make(tiny, spec)
+    assert drive(engine, work) == plain
+    assert engine.spec_stats is not None
+    batched = engine.spec_stats.num_drafts  # drafts only once fewer than 2 are left running
+    alone = make(tiny, spec)
+    drive(alone, work[:1])
+    assert alone.spec_stats is not None and alone.spec_stats.num_drafts > batched

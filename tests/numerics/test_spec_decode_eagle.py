@@ -105,3 +105,16 @@ def test_a_bad_head_file_is_a_clear_error(trained, tmp_path: Path) -> None:  # t
     (tmp_path / "junk.safetensors").write_bytes(b"not a tensor file")
     with pytest.raises(ValueError, match="not a safetensors file"):
         make(loaded, tmp_path / "junk.safetensors")
+
+
+def test_head_greedy_beside_other_requests_under_pressure(trained) -> None:  # type: ignore[no-untyped-def]
+    loaded, head, _ = trained
+    work = [(p, GREEDY) for p in PROMPTS[:5]]
+    work.append((PROMPTS[5], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.2)))
+    work.append((PROMPTS[6], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=1)))
+    kw: dict[str, Any] = {"max_num_batched_tokens": 12, "num_kv_blocks": 10, "max_model_len": 64}
+    plain = drive(make(loaded, None, **kw), work)
+    engine = make(loaded, head, **kw)
+    assert drive(engine, work) == plain
+    assert engine.spec_stats is not None and engine.spec_stats.num_accepted_tokens > 20
+    assert engine.scheduler.total_preemptions > 0

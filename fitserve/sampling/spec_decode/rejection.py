@@ -52,11 +52,13 @@ def verify(
     """
     _check_shapes(target_logits, draft_tokens, draft_probs)
     k = len(draft_tokens)
-    # NOTE: all k + 1 rows in one call; for a greedy request this is a point mass on each
-    # row's argmax, and the call also rejects penalised requests in both modes.
-    p = sampler.probabilities(target_logits, [state] * (k + 1))
     if state.params.greedy:
-        return _verify_greedy(p, draft_tokens)
+        sp = state.params
+        if sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0:
+            raise ValueError("verify() does not apply penalties: a penalised request cannot speculate")
+        # NOTE: the argmax of the raw logits, no [k + 1, V] softmax: the output is plain greedy's
+        return _verify_greedy(target_logits, draft_tokens)
+    p = sampler.probabilities(target_logits, [state] * (k + 1))  # all k + 1 rows in one call
     n = _num_accepted(p, draft_tokens, draft_probs, state, sampler)
     # all accepted: the bonus from row k; else the correction for the rejected draft n
     final = p[k] if n == k else _residual(p[n], _draft_row(p, draft_tokens, draft_probs, n))
@@ -85,9 +87,9 @@ def _check_shapes(
         raise ValueError(f"draft_tokens must be in [0, {vocab}), got {bad}")
 
 
-def _verify_greedy(p: torch.Tensor, draft_tokens: list[int]) -> list[int]:
+def _verify_greedy(logits: torch.Tensor, draft_tokens: list[int]) -> list[int]:
     """Accept drafts while they equal each row's argmax, then append the next row's argmax."""
-    best: list[int] = p.argmax(dim=-1).tolist()  # p is one point mass per row
+    best: list[int] = logits.argmax(dim=-1).tolist()  # first index on ties, as the sampler
     out: list[int] = []
     for draft, target in zip(draft_tokens, best, strict=False):
         if draft != target:
