@@ -118,3 +118,15 @@ def test_head_greedy_beside_other_requests_under_pressure(trained) -> None:  # t
     assert drive(engine, work) == plain
     assert engine.spec_stats is not None and engine.spec_stats.num_accepted_tokens > 20
     assert engine.scheduler.total_preemptions > 0
+
+
+def test_a_head_on_smollm2_changes_no_greedy_token(smollm2_loaded: LoadedModel, tmp_path: Path) -> None:
+    """The default model with an (untrained) head: its drafts are mostly wrong, greedy is not."""
+    EagleHead(smollm2_loaded.spec.hidden_size).save(tmp_path / "head.safetensors")
+    tok = smollm2_loaded.tokenizer
+    work = [(tok.encode(" the cat sat on the mat.", add_special_tokens=False) * 6, GREEDY),
+            (tok.encode("Once upon a time"), SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))]
+    plain = drive(make(smollm2_loaded, None), work)
+    engine = make(smollm2_loaded, tmp_path / "head.safetensors")
+    assert drive(engine, work) == plain
+    assert engine.spec_stats is not None and engine.spec_stats.num_draft_tokens > 20
