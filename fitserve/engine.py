@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fitserve.config import EngineConfig, SchedulerConfig, SpeculativeConfig
-from fitserve.draft_runner import DraftRunner, EagleProposer
+from fitserve.config import EngineConfig, SchedulerConfig
 from fitserve.engine_beams import BeamSearches
 from fitserve.engine_outputs import Tracked, advance_output, can_speculate, failed_output
 from fitserve.engine_setup import (
@@ -30,9 +29,9 @@ from fitserve.engine_setup import (
     resolve_dtype,
     size_kv_pool,
 )
+from fitserve.engine_spec import SpeculativeDecoding, resolve_speculative_config
 from fitserve.kv.manager import KVCacheManager, KVStats
 from fitserve.loading import IncrementalDetokenizer, LoadedModel, load_model
-from fitserve.model.eagle_head import load_eagle_head
 from fitserve.model.linear import cpp_ops_available
 from fitserve.model.llama import build_model, check_supported, held_weight_bytes
 from fitserve.plan.formats import resolve_engine_weights
@@ -41,7 +40,6 @@ from fitserve.quant.hold import loaded_weights_choice
 from fitserve.runner import ModelRunner
 from fitserve.sampling import RequestSamplingState, SamplingParams
 from fitserve.sampling.beam_search import BeamSearchParams
-from fitserve.sampling.spec_decode.ngram import propose_ngram
 from fitserve.sampling.spec_decode.stats import SpecDecodeStats
 from fitserve.sched.request import SchedRequest
 from fitserve.sched.scheduler import Scheduler
@@ -158,10 +156,10 @@ class Engine:
         self._requests: dict[str, Tracked] = {}
         self._beams = BeamSearches(self.scheduler, self.tokenizer, str(self.device))
         self.speculative_config = resolve_speculative_config(cfg.speculative_config)
-        self.draft = self._build_draft(self.speculative_config)
-        self.eagle = self._build_eagle(self.speculative_config)
-        self.spec_stats = (SpecDecodeStats(self.speculative_config.num_speculative_tokens)
-                           if self.speculative_config is not None else None)
+        self.spec_decode = None if self.speculative_config is None else SpeculativeDecoding(
+            self.speculative_config, target=self.spec, runner=self.runner, dtype=self.dtype,
+            device=self.device, max_model_len=self.max_model_len, block_size=cfg.block_size)
+        self.spec_stats = None if self.spec_decode is None else self.spec_decode.stats
         self.num_steps = 0  # model steps run (for tokens per target step)
         self._ids = itertools.count()
         torch.manual_seed(cfg.seed)
@@ -301,8 +299,8 @@ class Engine:
         freed, and the others carry on. Only a failure outside the model step (scheduling,
         bookkeeping) still raises.
         """
-        if self.speculative_config is not None:
-            self._propose_drafts(self.speculative_config)
+        if self.spec_decode is not None:
+            self.spec_decode.propose(self.scheduler, self._requests, self.kv)
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
@@ -311,8 +309,8 @@ class Engine:
         states = {rid: beams.state(rid) if beams.is_beam(rid) else self._requests[rid].sampling
                   for c in plan.chunks if c.sample for rid in (c.request_id, *c.fanout)}
         result, failed = self._execute(plan, states, top=True)
-        if self.draft is not None:
-            self.draft.mirror(plan, skip=set(failed))
+        if self.spec_decode is not None:
+            self.spec_decode.mirror(plan, set(failed))
         if self._trim_after_prefill and any(len(c.token_ids) > 1 for c in plan.chunks):
             # NOTE: glibc keeps a prefill step's freed transients (K/V copies, SDPA tiles,
             # q/k/v and MLP rows: 0.1-16 MiB each) in a fragmented heap, and raises its mmap
@@ -339,10 +337,8 @@ class Engine:
         for rid, token in sampled.items():
             tracked = self._requests[rid]
             tokens = result.emitted.get(rid)
-            if tokens is not None and self.spec_stats is not None:  # a verified chunk
-                self.spec_stats.observe(len(tokens) - 1 + _rejected(plan, rid, tokens), len(tokens) - 1)
-                tracked.num_draft_tokens += len(tokens) - 1 + _rejected(plan, rid, tokens)
-                tracked.num_accepted_tokens += len(tokens) - 1
+            if tokens is not None and self.spec_decode is not None:  # a verified chunk
+                self.spec_decode.observe(plan, rid, tokens, tracked)
             try:
                 if tracked.logprobs is not None and rid in result.logprobs:
                     tracked.logprobs.append(result.logprobs[rid])
@@ -392,61 +388,6 @@ class Engine:
         self._requests.pop(rid, None)
         self.scheduler.finish(rid)
         return failed_output(rid, t, exc, now)
-
-    def _propose_drafts(self, spec: SpeculativeConfig) -> None:
-        """Draft tokens for every decoding request that may speculate (no penalties, no
-        logprobs, not a beam): the scheduler verifies them in the next step."""
-        want: list[tuple[SchedRequest, int]] = []
-        if spec.disable_by_batch_size is not None and self.scheduler.num_running >= spec.disable_by_batch_size:
-            return
-        for req in self.scheduler.running:
-            t = self._requests.get(req.request_id)
-            if t is None or not t.speculates or req.num_tokens - req.num_computed_tokens != 1:
-                continue
-            # no draft past max_model_len or past the outputs the request may still emit
-            k = min(spec.num_speculative_tokens, self.max_model_len - req.num_tokens,
-                    req.max_tokens - len(req.output_token_ids) - 1)
-            if k > 0:
-                want.append((req, k))
-        if self.draft is not None or self.eagle is not None:
-            states = {r.request_id: self._requests[r.request_id].sampling for r, _ in want}
-            proposed = (self.draft.propose(want, states, self.kv, self.runner) if self.draft is not None
-                        else self.eagle.propose(want, states, self.runner))  # type: ignore[union-attr]
-            self.runner.last_hidden = {}
-            for rid, drafts in proposed.items():
-                req = self.scheduler.get(rid)
-                if req is not None:
-                    req.spec_token_ids = drafts
-            return
-        for req, k in want:
-            req.spec_token_ids = propose_ngram(req.all_token_ids, k, spec.prompt_lookup_min,
-                                               spec.prompt_lookup_max)
-
-    def _build_eagle(self, spec: SpeculativeConfig | None) -> EagleProposer | None:
-        """The EAGLE-like head of ``method: eagle`` (fitserve.model.eagle_head), over the
-        target's embedding, hidden states and lm_head."""
-        if spec is None or spec.method != "eagle":
-            return None
-        assert spec.model is not None
-        head = load_eagle_head(spec.model, self.spec.hidden_size, dtype=self.dtype, device=self.device)
-        self.runner.keep_hidden = True
-        return EagleProposer(head)
-
-    def _build_draft(self, spec: SpeculativeConfig | None) -> DraftRunner | None:
-        """The draft model of ``method: draft_model``: loaded in the engine's dtype, on the
-        target's block tables (it must share the target's vocabulary)."""
-        if spec is None or spec.method != "draft_model":
-            return None
-        assert spec.model is not None
-        loaded = load_model(spec.model, dtype=self.dtype)
-        if loaded.spec.vocab_size != self.spec.vocab_size:
-            raise ValueError(f"the draft model {spec.model!r} has a vocabulary of {loaded.spec.vocab_size} "
-                             f"tokens, the target {self.spec.vocab_size}: they must share a tokenizer")
-        check_supported(loaded.spec)
-        model = build_model(loaded.spec, loaded.weights, dtype=self.dtype, device=self.device,
-                            max_positions=self.max_model_len)
-        return DraftRunner(model, loaded.spec, num_blocks=self.pool.num_blocks,
-                           block_size=self.config.block_size, kv_dtype=self.dtype, device=self.device)
 
     def _advance(self, rid: str, t: Tracked, tokens: list[int], now: float) -> RequestOutput:
         out = advance_output(rid, t, tokens, now, max_model_len=self.max_model_len,
@@ -502,23 +443,6 @@ class Engine:
     def request_of(self, scheduler_id: str) -> str:
         """The request a scheduler entry belongs to: a beam's search, else itself."""
         return self._beams.group_of(scheduler_id) or scheduler_id
-
-
-def _rejected(plan: SchedulerOutput, rid: str, emitted: list[int]) -> int:
-    """Drafts of ``rid``'s chunk that were not accepted (emitted = accepted + 1)."""
-    chunk = next(c for c in plan.chunks if c.request_id == rid)
-    return chunk.num_draft - (len(emitted) - 1)
-
-
-def resolve_speculative_config(value: SpeculativeConfig | dict[str, object] | None) -> SpeculativeConfig | None:
-    """EngineConfig.speculative_config as a SpeculativeConfig (a vLLM-style dict is parsed)."""
-    if value is None or isinstance(value, SpeculativeConfig):
-        config = value
-    elif isinstance(value, dict):
-        config = SpeculativeConfig.from_dict(value)
-    else:
-        raise ValueError(f"speculative_config must be a dict or SpeculativeConfig, got {type(value).__name__}")
-    return config
 
 
 def _fault_hook_from_env(engine: Engine) -> FaultHook | None:

@@ -42,7 +42,7 @@ def parse_speculative_config_arg(text: str) -> SpeculativeConfig:
         # NOTE: the engine's own check (which methods are implemented) runs here too, so that an
         # unavailable method fails at parse time instead of after the model loads. Imported
         # lazily: fitserve.engine loads torch, and only this flag needs it at parse time.
-        from fitserve.engine import resolve_speculative_config
+        from fitserve.engine_spec import resolve_speculative_config
 
         resolved = resolve_speculative_config(config)
     except (TypeError, ValueError) as exc:
