@@ -334,11 +334,12 @@ class Engine:
                 done = beams.on_sampled(rid, result.logprobs[rid], now)
                 if done is not None:
                     outputs.append(done)
+        num_drafts = {c.request_id: c.num_draft for c in plan.chunks if c.num_draft}
         for rid, token in sampled.items():
             tracked = self._requests[rid]
             tokens = result.emitted.get(rid)
             if tokens is not None and self.spec_decode is not None:  # a verified chunk
-                self.spec_decode.observe(plan, rid, tokens, tracked)
+                self.spec_decode.observe(num_drafts[rid], tokens, tracked)
             try:
                 if tracked.logprobs is not None and rid in result.logprobs:
                     tracked.logprobs.append(result.logprobs[rid])

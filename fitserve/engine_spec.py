@@ -96,12 +96,11 @@ class SpeculativeDecoding:
         if self.draft is not None:
             self.draft.mirror(plan, skip=failed)
 
-    def observe(self, plan: SchedulerOutput, rid: str, emitted: list[int], tracked: Tracked) -> None:
-        """Count one verified chunk: its drafts, and the ``len(emitted) - 1`` accepted."""
-        chunk = next(c for c in plan.chunks if c.request_id == rid)
+    def observe(self, num_draft: int, emitted: list[int], tracked: Tracked) -> None:
+        """Count one verified chunk: its ``num_draft`` drafts, and the ``len(emitted) - 1`` accepted."""
         accepted = len(emitted) - 1
-        self.stats.observe(chunk.num_draft, accepted)
-        tracked.num_draft_tokens += chunk.num_draft
+        self.stats.observe(num_draft, accepted)
+        tracked.num_draft_tokens += num_draft
         tracked.num_accepted_tokens += accepted
 
 

@@ -28,7 +28,7 @@ from fitserve.config import ModelSpec
 from fitserve.plan.errors import PlanError
 from fitserve.plan.flops import flops_per_token
 from fitserve.plan.hardware import Hardware
-from fitserve.plan.speed import StepTime, decode_step
+from fitserve.plan.speed import StepTime, decode_step, smallest_batch
 from fitserve.plan.weights import WeightBytes
 
 SPEEDUP_BATCHES = (1, 4, 16, 32, 64, 128, 256)
@@ -149,15 +149,7 @@ def crossover_batch(spec: ModelSpec, hw: Hardware, wb: WeightBytes, sp: Speculat
         return speculative_speedup(spec, hw, wb, sp, batch=b, context=context, kv_dtype=kv_dtype,
                                    weights_fmt=weights_fmt) < 1.0
 
-    lo, hi = 0, 1  # invariant once found: not stops(lo) (or lo == 0), stops(hi)
-    while not stops(hi):
-        if hi >= max_batch:
-            return None
-        lo, hi = hi, min(2 * hi, max_batch)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if stops(mid) else (mid, hi)
-    return hi
+    return smallest_batch(stops, max_batch)
 
 
 @dataclass(frozen=True)

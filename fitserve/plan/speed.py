@@ -11,6 +11,7 @@ These are floors: real kernels reach some fraction of both peaks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fitserve.config import ModelSpec
@@ -123,15 +124,20 @@ def compute_bound_batch(spec: ModelSpec, hw: Hardware, wb: WeightBytes, *, conte
                         weights_fmt=weights_fmt)
         return s.t_compute >= s.t_memory
 
-    hi = 1
-    while not bound(hi):
-        hi *= 2
-        if hi > MAX_BATCH:
+    return smallest_batch(bound, MAX_BATCH)
+
+
+def smallest_batch(holds: Callable[[int], bool], max_batch: int) -> int | None:
+    """The smallest batch in [1, max_batch] where ``holds`` (monotone: once true, true for
+    larger batches) is true, None if it never is: doubling from 1, then bisecting."""
+    lo, hi = 0, 1  # invariant once found: not holds(lo) (or lo == 0), holds(hi)
+    while not holds(hi):
+        if hi >= max_batch:
             return None
-    lo = hi // 2
-    while hi - lo > 1:  # invariant: not bound(lo) (or lo == 0), bound(hi)
+        lo, hi = hi, min(2 * hi, max_batch)
+    while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if bound(mid) else (mid, hi)
+        lo, hi = (lo, mid) if holds(mid) else (mid, hi)
     return hi
 
 
