@@ -173,5 +173,11 @@ class EngineConfig:
     # Automatic prefix caching (vLLM's): full KV blocks are kept under a hash of their prefix
     # and reused by later requests that share it (fitserve.kv.prefix_hash).
     enable_prefix_caching: bool = True
+    # KV cache element format (vLLM's --kv-cache-dtype): "auto" = the model dtype, or
+    # "fp8" (= "fp8_e4m3") | "fp8_e5m2" | "int8" codes with float32 scales laid out as
+    # kv_cache_scales says: "token" (K and V per token) or "channel-key" (K per channel per
+    # block, V per token; what "auto" means). fitserve.plan.formats.resolve_engine_kv_format.
+    kv_cache_dtype: str = "auto"
+    kv_cache_scales: str = "auto"
     # Speculative decoding (off by default): a SpeculativeConfig or its vLLM-style dict
     speculative_config: SpeculativeConfig | dict[str, object] | None = field(default=None, hash=False)

@@ -138,7 +138,12 @@ class Engine:
         self.runner = ModelRunner(
             model, self.spec, num_blocks=self.pool.num_blocks, block_size=cfg.block_size,
             kv_dtype=self.dtype, device=self.device, compile_decode=not cfg.enforce_eager,
+            kv_cache_dtype=cfg.kv_cache_dtype, kv_cache_scales=cfg.kv_cache_scales,
         )
+        if self.runner.kv_cache_bytes != self.pool.allocated_bytes:
+            raise RuntimeError(f"the KV cache holds {self.runner.kv_cache_bytes:,} B, the ledger "
+                               f"says {self.pool.allocated_bytes:,} B ({self.pool.num_blocks} "
+                               f"blocks of {self.pool.block_bytes:,} B)")
         # start-up time: loading + building (above), then the compiler (cold: builds code;
         # warm: loads it from $FITSERVE_HOME/compile)
         self.startup_seconds: dict[str, float] = {"load": time.perf_counter() - t_start}

@@ -10,7 +10,7 @@ import argparse
 import json
 
 from fitserve.config import EngineConfig, SpeculativeConfig
-from fitserve.plan.formats import ENGINE_WEIGHT_CHOICES
+from fitserve.plan.formats import ENGINE_KV_CACHE_DTYPES, ENGINE_WEIGHT_CHOICES, KV_CACHE_SCALES
 
 
 def parse_bytes_arg(text: str) -> int:
@@ -67,6 +67,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "stored), bf16/float32 (dense), int4/int8 (RTN at load)")
     p.add_argument("--quantization", default=None, choices=["int4", "int8"],
                    help="RTN-quantize at load (vLLM's flag; same as --weights int4/int8)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(ENGINE_KV_CACHE_DTYPES),
+                   help="KV cache element format: auto (the model dtype), fp8 (= fp8_e4m3), "
+                        "fp8_e5m2 or int8 codes with float32 scales (vLLM's flag)")
+    p.add_argument("--kv-cache-scales", default="auto", choices=list(KV_CACHE_SCALES),
+                   help="scale layout of a quantized KV cache: token (K and V per token per "
+                        "head) or channel-key (K per channel per block, V per token; auto)")
     p.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=True,
                    help="run every step eager (the default on CPU, see --compile)")
     p.add_argument("--compile", dest="enforce_eager", action="store_false",
@@ -98,5 +104,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_bytes=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, weights=args.weights, quantization=args.quantization,
         enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
-        speculative_config=args.speculative_config,
+        speculative_config=args.speculative_config, kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_scales=args.kv_cache_scales,
     )

@@ -87,11 +87,23 @@ class KVPoolSize:
         return self.num_blocks * self.block_bytes
 
 
+def engine_kv_format(cfg: EngineConfig, dtype: torch.dtype) -> str:
+    """The KV format (a ``plan.formats.KV_FORMATS`` name) the engine runs: the model dtype's,
+    or a quantized one from ``kv_cache_dtype`` / ``kv_cache_scales`` (ValueError if bad)."""
+    from fitserve.plan.errors import PlanError
+    from fitserve.plan.formats import resolve_engine_kv_format
+
+    try:
+        return resolve_engine_kv_format(cfg.kv_cache_dtype, cfg.kv_cache_scales, dtype_name(dtype))
+    except PlanError as exc:
+        raise ValueError(str(exc)) from exc
+
+
 def size_kv_pool(
     cfg: EngineConfig, spec: ModelSpec, kv_dtype: torch.dtype, device: torch.device, weight_bytes: int
 ) -> KVPoolSize:
     """Number of KV blocks, from the same ledger functions `fitserve plan` prints."""
-    kv_name = dtype_name(kv_dtype)
+    kv_name = engine_kv_format(cfg, kv_dtype)
     act_bytes = torch.finfo(kv_dtype).bits // 8
     plan: EngineMemoryPlan
     if device.type == "cuda":
@@ -160,7 +172,7 @@ def check_pool_fits(pool: KVPoolSize, max_model_len: int) -> None:
     if capacity >= max_model_len:
         return
     need_blocks = -(-max_model_len // pool.block_size)
-    need_bytes = need_blocks * pool.block_size * pool.bytes_per_token
+    need_bytes = need_blocks * (pool.block_bytes or pool.block_size * pool.bytes_per_token)
     raise ValueError(
         f"the KV cache holds {pool.num_blocks} blocks x {pool.block_size} tokens = {capacity} tokens, "
         f"too few for one request of max_model_len={max_model_len}: raise the KV cache memory "

@@ -16,7 +16,10 @@ from fitserve.config import ModelSpec
 from fitserve.kernels.cpu.paged_attention import paged_attention_available
 from fitserve.kernels.dispatch import choose_attention_impl, classify
 from fitserve.model.attention import AttentionBatch, DecodeBatch, PrefillSeq, visible_mask
-from fitserve.model.llama import CausalLM
+from fitserve.model.llama import CausalLM, LayerKV
+from fitserve.plan.formats import kv_format as kv_format_entry
+from fitserve.plan.formats import resolve_engine_kv_format
+from fitserve.quant.kv_cache import QuantizedKVCache
 from fitserve.sampling import RequestSamplingState, Sampler
 from fitserve.sampling.spec_decode.rejection import verify as verify_drafts
 from fitserve.types import RunnerOutput, ScheduledChunk, SchedulerOutput
@@ -35,6 +38,8 @@ class ModelRunner:
         kv_dtype: torch.dtype,
         device: torch.device,
         compile_decode: bool = False,
+        kv_cache_dtype: str = "auto",
+        kv_cache_scales: str = "auto",
     ) -> None:
         self.model = model
         self.spec = spec
@@ -42,11 +47,11 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.device = device
         self.sliding_window = spec.sliding_window
-        shape = (spec.num_kv_heads, num_blocks, block_size, spec.head_dim)  # head-major
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
-            for _ in range(spec.num_layers)
-        ]
+        self.kv_format = resolve_engine_kv_format(kv_cache_dtype, kv_cache_scales, _table_name(kv_dtype))
+        self.kv_caches = make_kv_caches(spec, self.kv_format, num_blocks=num_blocks, block_size=block_size,
+                                        dtype=kv_dtype, device=device)
+        # a quantized cache: each step dequantizes the blocks it reads into a compact dense cache
+        self.quantized_kv = isinstance(self.kv_caches[0], QuantizedKVCache)
         self.sampler = Sampler()
         # speculative decoding with a draft model: its distribution at each draft position, by
         # request, for the rejection sampler (n-gram drafts have none: a point mass)
@@ -59,7 +64,7 @@ class ModelRunner:
         self.use_cpp = device.type == "cpu" and paged_attention_available()
         # decode-only steps under torch.compile (fitserve.compiled_step); None = eager
         self.compiled: CompiledDecode | None = None
-        if compile_decode and self.use_cpp:
+        if compile_decode and self.use_cpp and not self.quantized_kv:
             self.compiled = CompiledDecode(model, self.kv_caches, spec.sliding_window)
 
     def _impl(self, q_lens: list[int], k_lens: list[int]) -> str:
@@ -69,7 +74,13 @@ class ModelRunner:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv_caches)
+        return sum(layer_kv_bytes(kv) for kv in self.kv_caches)
+
+    @torch.inference_mode()
+    def forward_chunks(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Hidden states [tokens, hidden] of ``chunks`` (decode-like chunks first, see
+        ``decode_rows_first``), written into and read from the cache; nothing sampled."""
+        return self._forward(*self._prepare(chunks))
 
     @torch.inference_mode()
     def execute(
@@ -132,9 +143,12 @@ class ModelRunner:
         the pairs are copied at once."""
         src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
         dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
-        for k, v in self.kv_caches:  # [kv_heads, num_blocks, block_size, head_dim]
-            k.index_copy_(1, dst, k.index_select(1, src))
-            v.index_copy_(1, dst, v.index_select(1, src))
+        for kv in self.kv_caches:
+            if isinstance(kv, QuantizedKVCache):
+                kv.copy_blocks(src, dst)
+                continue
+            for t in kv:  # [kv_heads, num_blocks, block_size, head_dim]
+                t.index_copy_(1, dst, t.index_select(1, src))
 
     @torch.inference_mode()
     def warm_up_compiled(self, batch_sizes: list[int]) -> dict[str, float]:
@@ -180,6 +194,7 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillSeq] = []
+        compact = compact_blocks(chunks, bs) if self.quantized_kv else None
         for chunk in chunks:
             start, t = chunk.start_pos, len(chunk.token_ids)
             table = chunk.block_table
@@ -187,6 +202,8 @@ class ModelRunner:
             rng = range(start, start + t)
             pos.extend(rng)
             slots.extend(table[p // bs] * bs + p % bs for p in rng)
+            if compact is not None:  # attention reads the compact cache: its block indices
+                table = [compact[b] for b in table[: -(-(start + t) // bs)]]
             if runs_as_decode(chunk):
                 # NOTE: a verification chunk [last, d1 .. dk] is k + 1 decode rows over one
                 # table, row i seeing keys < start + i + 1: every token's K/V is written before
@@ -205,6 +222,8 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             decode=decode,
             prefills=prefills,
+            kv_blocks=None if compact is None else torch.tensor(list(compact), dtype=torch.long,
+                                                                device=self.device),
         )
         dev = self.device
         return (
@@ -218,6 +237,43 @@ class ModelRunner:
             tables, seq_lens, block_size=self.block_size, window=self.sliding_window,
             impl=self._impl([1] * len(tables), seq_lens), device=self.device,
         )
+
+
+def _table_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
+
+
+def make_kv_caches(spec: ModelSpec, kv_format: str, *, num_blocks: int, block_size: int,
+                   dtype: torch.dtype, device: torch.device) -> list[LayerKV]:
+    """One cache per layer in ``kv_format`` (a KV_FORMATS name): dense (K, V) tensors of
+    ``dtype`` [kv_heads, num_blocks, block_size, head_dim] (head-major), or a QuantizedKVCache."""
+    fmt = kv_format_entry(kv_format)
+    if fmt.codec:
+        key_layout = "channel-key" if fmt.key_scales == "channel" else "token"
+        return [QuantizedKVCache(fmt.codec, key_layout, num_kv_heads=spec.num_kv_heads,
+                                 num_blocks=num_blocks, block_size=block_size,
+                                 head_dim=spec.head_dim, device=device)
+                for _ in range(spec.num_layers)]
+    shape = (spec.num_kv_heads, num_blocks, block_size, spec.head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(spec.num_layers)]
+
+
+def layer_kv_bytes(kv: LayerKV) -> int:
+    """Bytes one layer's cache holds (codes and scales for a quantized one)."""
+    if isinstance(kv, QuantizedKVCache):
+        return kv.nbytes
+    return sum(t.numel() * t.element_size() for t in kv)
+
+
+def compact_blocks(chunks: list[ScheduledChunk], block_size: int) -> dict[int, int]:
+    """Physical block -> its index in the step's compact cache: the blocks the step reads
+    (each chunk's table up to its last new token), in first-seen order."""
+    out: dict[int, int] = {}
+    for c in chunks:
+        for b in c.block_table[: -(-(c.start_pos + len(c.token_ids)) // block_size)]:
+            out.setdefault(b, len(out))
+    return out
 
 
 def runs_as_decode(chunk: ScheduledChunk) -> bool:

@@ -68,6 +68,9 @@ class AttentionBatch:
     slot_mapping: torch.Tensor  # [N] long: cache slot each new token's K/V is written to
     decode: DecodeBatch | None
     prefills: list[PrefillSeq] = field(default_factory=list)
+    # quantized KV: the physical blocks the step reads, in the order of the compact dense cache
+    # they are dequantized into (the block tables above index that compact cache)
+    kv_blocks: torch.Tensor | None = None
 
 
 def visible_mask(

@@ -12,7 +12,11 @@ from fitserve.model.attention import AttentionBatch, paged_attention, write_kv
 from fitserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, StepRope
 from fitserve.model.linear import ConcatLinear, PackedEmbedding, PackedLinear
 from fitserve.quant.hold import HeldTensor
+from fitserve.quant.kv_cache import QuantizedKVCache
 from fitserve.quant.packed import PackedWeight, can_fuse, cat_rows
+
+# One layer's KV cache: dense (K, V) tensors, or int8/fp8 codes with scales
+LayerKV = tuple[torch.Tensor, torch.Tensor] | QuantizedKVCache
 
 
 class UnsupportedModelError(ValueError):
@@ -53,7 +57,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         rope: StepRope,
         batch: AttentionBatch,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: LayerKV,
     ) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
@@ -62,6 +66,13 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), 1)
+        if isinstance(kv_cache, QuantizedKVCache):
+            qk = self.rotary(qk, rope.tables())
+            kv_cache.write(qk[:, self.num_heads :], v, batch.slot_mapping)
+            assert batch.kv_blocks is not None, "a quantized KV cache needs the step's kv_blocks"
+            k_cache, v_cache = kv_cache.dequantize(batch.kv_blocks, qk.dtype)
+            out = paged_attention(qk[:, : self.num_heads], k_cache, v_cache, batch, self.scale)
+            return self.o_proj(out.reshape(n, self.q_size))
         k_cache, v_cache = kv_cache
         # queries and keys rotate in one pass (same positions, same tables); the C++ op also
         # writes the keys and values into the cache, the eager path does it in two more steps
@@ -88,7 +99,7 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         rope: StepRope,
         batch: AttentionBatch,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: LayerKV,
         residual: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (mlp output, residual stream): each residual add is fused into the
@@ -122,7 +133,7 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         batch: AttentionBatch,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[LayerKV],
     ) -> torch.Tensor:
         """input_ids, positions [N] -> final hidden states [N, hidden]."""
         x = self.embed_tokens(input_ids)

@@ -245,7 +245,8 @@ def tensor_role(hf_name: str, ndim: int) -> str:
 def engine_tensor_format(choice: str, stored: str, role: str, dtype: str) -> str:
     """The format the engine holds one tensor in, for a ``--weights`` choice.
 
-    ``choice``: "auto"/"as-stored" (GGUF Q4_0/Q4_1/Q8_0 packed as stored, see GGUF_PACKED;
+    ``choice``: "auto"/"as-stored" (GGUF Q4_0/Q4_1/Q8_0 packed as stored, see GGUF_PACKED, and
+    a `fitserve quantize` checkpoint's engine layouts such as "int4-g128-sym" as they are;
     anything else dequantized or converted to the model dtype), "int4"/"int8" (RTN at load,
     RTN_FORMATS), or a dense dtype ("bf16", "float32": every tensor in it). ``stored``: the
     file's type of the tensor ("Q4_1", "F32", "bf16" ...). ``role``: "matrix" (a projection),
@@ -258,7 +259,10 @@ def engine_tensor_format(choice: str, stored: str, role: str, dtype: str) -> str
     if role == "vector":
         return model
     if choice in ("auto", "as-stored"):
-        return GGUF_PACKED.get(ALIASES.get(stored, stored).upper(), model)
+        name = ALIASES.get(stored, stored)
+        if name.startswith(("int4-", "int8-")) and weight_format(name).packed is not None:
+            return weight_format(name).name  # an engine layout as stored (fitserve quantize)
+        return GGUF_PACKED.get(name.upper(), model)
     if choice in RTN_FORMATS:
         return RTN_FORMATS[choice][0 if role == "matrix" else 1]
     if choice in ENGINE_WEIGHT_CHOICES or choice in _DENSE_CHOICES.values() or choice in (
@@ -271,8 +275,14 @@ def engine_tensor_format(choice: str, stored: str, role: str, dtype: str) -> str
 class KVFormat:
     """A KV-cache element format and where its scales live.
 
-    ``scale_bytes_per_head``: bytes of scale per token per KV head, for K and for V each.
-    ``scale_bytes_per_layer``: fixed per-layer scales (K and V together), not per token.
+    ``scale_bytes_per_head``: bytes of scale per token per KV head, for V, and for K when
+    ``key_scales`` is "token". ``key_scales="channel"``: K's scales are per block, one per KV
+    head per channel (``scale_bytes`` each), not per token. ``scale_bytes_per_layer``: fixed
+    per-layer scales (K and V together). ``codec``: the element codec the engine runs
+    (``fitserve.quant.kv_cache.CODECS``), "" for dense formats and planner-only ones.
+
+        int8-kc, one layer, one KV head, a block of bs tokens of head_dim D:
+        K codes bs x D x 1 B | K scales D x 4 B (per channel) | V codes bs x D x 1 B | V scales bs x 4 B
     """
 
     name: str
@@ -280,6 +290,23 @@ class KVFormat:
     scale_bytes_per_head: int = 0
     scale_bytes_per_layer: int = 0
     note: str = ""
+    key_scales: str = "token"
+    scale_bytes: int = 4
+    codec: str = ""
+
+    @property
+    def key_token_scale_bytes(self) -> int:
+        """K's scale bytes per token per KV head (0 with per-channel key scales)."""
+        return self.scale_bytes_per_head if self.key_scales == "token" else 0
+
+
+def _engine_kv(codec: str, channel_keys: bool) -> KVFormat:
+    how = ("K: f32 scale per block per KV head per channel (the block's absmax); "
+           "V: f32 scale per token per KV head") if channel_keys else (
+        "f32 scale per token per KV head, for K and V each")
+    name = codec + ("-kc" if channel_keys else "")
+    return KVFormat(name, 1, scale_bytes_per_head=4, key_scales="channel" if channel_keys
+                    else "token", codec=codec, note=f"{codec} codes; {how}")
 
 
 KV_FORMATS: dict[str, KVFormat] = {
@@ -290,14 +317,44 @@ KV_FORMATS: dict[str, KVFormat] = {
         KVFormat("f16", 2, note="float16"),
         KVFormat("fp8", 1, scale_bytes_per_layer=8,
                  note="float8 e4m3; one f32 scale for K and one for V per layer"),
-        KVFormat("int8", 1, scale_bytes_per_head=4,
-                 note="int8 symmetric; one f32 scale per token per KV head, for K and V each"),
+        *(_engine_kv(c, ch) for c in ("int8", "fp8_e4m3", "fp8_e5m2") for ch in (False, True)),
     )
 }
+
+# The engine's --kv-cache-dtype choices (vLLM's names; "fp8" is e4m3 as in vLLM) and
+# --kv-cache-scales layouts.
+ENGINE_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3",
+                          "fp8_e5m2", "int8")
+KV_CACHE_SCALES = ("auto", "token", "channel-key")
+
+
+def resolve_engine_kv_format(kv_cache_dtype: str, kv_cache_scales: str, model_dtype: str) -> str:
+    """The KV format name (a KV_FORMATS key) the engine runs for ``--kv-cache-dtype`` and
+    ``--kv-cache-scales`` (a pure function: the engine and `fitserve plan` both call it).
+
+    "auto" dtype = the model dtype (dense). Quantized dtypes take ``kv_cache_scales``: "token"
+    (K and V per token) or "channel-key" (K per channel per block, V per token); its "auto" is
+    "channel-key". Scales given for a dense cache, or an unknown value, raise PlanError.
+    """
+    if kv_cache_dtype not in ENGINE_KV_CACHE_DTYPES:
+        raise PlanError(f"unknown --kv-cache-dtype {kv_cache_dtype!r}; known: "
+                        f"{', '.join(ENGINE_KV_CACHE_DTYPES)}")
+    if kv_cache_scales not in KV_CACHE_SCALES:
+        raise PlanError(f"unknown --kv-cache-scales {kv_cache_scales!r}; known: "
+                        f"{', '.join(KV_CACHE_SCALES)}")
+    codec = {"fp8": "fp8_e4m3"}.get(kv_cache_dtype, kv_cache_dtype)
+    if codec not in ("int8", "fp8_e4m3", "fp8_e5m2"):
+        if kv_cache_scales != "auto":
+            raise PlanError(f"--kv-cache-scales {kv_cache_scales} applies to a quantized KV "
+                            f"cache (int8, fp8_e4m3, fp8_e5m2), not {kv_cache_dtype}")
+        return resolve_kv_dtype("auto" if codec == "auto" else codec, model_dtype)
+    return codec + ("" if kv_cache_scales == "token" else "-kc")
 
 
 def kv_format(kv_dtype: str) -> KVFormat:
     """Look a KV format up by name or alias; "auto" must be resolved first (resolve_kv_dtype)."""
+    if kv_dtype in KV_FORMATS:
+        return KV_FORMATS[kv_dtype]
     name = ALIASES.get(kv_dtype, kv_dtype)
     if name in KV_FORMATS:
         return KV_FORMATS[name]

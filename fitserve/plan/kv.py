@@ -6,6 +6,8 @@ Per layer and token, one rank stores:
     MLA latent (DeepSeek):           1 x ((kv_lora_rank + qk_rope_head_dim) x e + s)
 
 where e = bytes per element of the KV format, s = its per-token-per-head scale bytes, and
+h_r = ceil(num_kv_heads / tp) (a per-channel-key format has no per-token K scale: its K
+scales are per block, ``kv_block_scale_bytes``, and a block is block_size tokens plus those);
 h_r = ceil(num_kv_heads / tp): KV heads divide across ranks until tp exceeds the KV-head count;
 past it every rank still holds one whole head, so each head is stored tp / num_kv_heads times.
 The MLA latent is shared by all heads and cannot be split by head: every rank holds all of it.
@@ -54,7 +56,8 @@ def kv_layer_bytes_per_token(spec: ModelSpec, kv_dtype: str, *, tp: int = 1) -> 
         check_tp(spec, tp)
         return width * f.element_bytes + f.scale_bytes_per_head
     heads = kv_heads_per_rank(spec, tp)
-    return 2 * heads * (spec.head_dim * f.element_bytes + f.scale_bytes_per_head)
+    return heads * (2 * spec.head_dim * f.element_bytes + f.key_token_scale_bytes
+                    + f.scale_bytes_per_head)
 
 
 def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str, *, tp: int = 1) -> int:
@@ -67,10 +70,25 @@ def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str, *, tp: int = 1) -> int:
 
 
 def kv_block_bytes(spec: ModelSpec, block_size: int, kv_dtype: str, *, tp: int = 1) -> int:
-    """Bytes of one KV block (``block_size`` token slots, all layers) on one rank."""
+    """Bytes of one KV block (``block_size`` token slots, all layers) on one rank: its tokens,
+    plus the per-block key scales of a per-channel-key format (``kv_block_scale_bytes``)."""
     if block_size < 1:
         raise PlanError(f"block size must be >= 1, got {block_size}")
-    return block_size * kv_bytes_per_token(spec, kv_dtype, tp=tp)
+    return block_size * kv_bytes_per_token(spec, kv_dtype, tp=tp) + kv_block_scale_bytes(
+        spec, kv_dtype, tp=tp)
+
+
+def kv_block_scale_bytes(spec: ModelSpec, kv_dtype: str, *, tp: int = 1) -> int:
+    """Scale bytes one block holds whatever its fill, all layers: per-channel key scales
+    (``num_layers x heads x head_dim x scale_bytes``), 0 for per-token / unscaled formats.
+
+    NOTE: they do not shrink with the block: at block_size 16 and head_dim 64 an f32 scale per
+    channel is 16 B per token per head, 4x a per-token scale; larger blocks amortise it.
+    """
+    f = kv_format(kv_dtype)
+    if f.key_scales != "channel" or is_mla(spec):
+        return 0
+    return spec.num_layers * kv_heads_per_rank(spec, tp) * spec.head_dim * f.scale_bytes
 
 
 def kv_fixed_bytes(spec: ModelSpec, kv_dtype: str) -> int:
