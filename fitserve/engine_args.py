@@ -64,9 +64,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--weights", default="auto", choices=list(ENGINE_WEIGHT_CHOICES),
                    help="how weights are held: auto/as-stored (GGUF Q4_0/Q4_1/Q8_0 packed as "
-                        "stored), bf16/float32 (dense), int4/int8 (RTN at load)")
-    p.add_argument("--quantization", default=None, choices=["int4", "int8"],
-                   help="RTN-quantize at load (vLLM's flag; same as --weights int4/int8)")
+                        "stored), bf16/float32 (dense), int4/int8 (RTN at load), fp8 (e4m3, per-channel scales)")
+    p.add_argument("--quantization", default=None, choices=["int4", "int8", "fp8"],
+                   help="quantize at load (vLLM's flag; same as --weights int4/int8/fp8)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(ENGINE_KV_CACHE_DTYPES),
                    help="KV cache element format: auto (the model dtype), fp8 (= fp8_e4m3), "
                         "fp8_e5m2 or int8 codes with float32 scales (vLLM's flag)")

@@ -9,8 +9,10 @@ from torch import nn
 from fitserve.config import SUPPORTED_ARCHITECTURES, ModelSpec
 from fitserve.kernels.cpu import fused
 from fitserve.model.attention import AttentionBatch, paged_attention, write_kv
+from fitserve.model.fp8_linear import Fp8Linear
 from fitserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, StepRope
 from fitserve.model.linear import ConcatLinear, PackedEmbedding, PackedLinear
+from fitserve.quant.fp8 import Fp8Weight
 from fitserve.quant.hold import HeldTensor
 from fitserve.quant.kv_cache import QuantizedKVCache
 from fitserve.quant.packed import PackedWeight, can_fuse, cat_rows
@@ -149,7 +151,7 @@ class CausalLM(nn.Module):
 
 # A fused projection's weight: one tensor or PackedWeight, or its parts when they cannot be
 # stacked into one packed tensor (formats or group sizes differ): a ConcatLinear then runs them.
-FusedWeight = torch.Tensor | PackedWeight | tuple[HeldTensor, ...]
+FusedWeight = torch.Tensor | PackedWeight | Fp8Weight | tuple[HeldTensor, ...]
 
 
 def _fuse(parts: list[HeldTensor]) -> FusedWeight:
@@ -160,6 +162,12 @@ def _fuse(parts: list[HeldTensor]) -> FusedWeight:
     packed = [p for p in parts if isinstance(p, PackedWeight)]
     if len(packed) == len(parts) and can_fuse(packed):
         return cat_rows(packed)
+    fp8 = [p for p in parts if isinstance(p, Fp8Weight)]
+    if len(fp8) == len(parts) and len({(p.fmt, p.granularity, p.K) for p in fp8}) == 1 and (
+            fp8[0].granularity == "channel"):
+        f = fp8[0]  # per-row scales: stacking rows is exact
+        return Fp8Weight(f.fmt, "channel", sum(p.N for p in fp8), f.K,
+                         torch.cat([p.data for p in fp8]), torch.cat([p.scales for p in fp8]))
     return tuple(parts)
 
 
@@ -210,6 +218,8 @@ def _held_linear(weight: FusedWeight, bias: torch.Tensor | None, dtype: torch.dt
     """The module that runs ``weight`` as held: PackedLinear, nn.Linear, or a ConcatLinear."""
     if isinstance(weight, PackedWeight):
         return PackedLinear(weight, None if bias is None else bias.to(dtype))
+    if isinstance(weight, Fp8Weight):
+        return Fp8Linear(weight, None if bias is None else bias.to(dtype))
     if isinstance(weight, torch.Tensor):
         return _dense_linear(weight, bias, dtype)
     sizes = [w.shape[0] for w in weight]
@@ -223,6 +233,9 @@ def _on_device(w: FusedWeight, device: torch.device | str) -> FusedWeight:
     if isinstance(w, PackedWeight):
         return PackedWeight(w.kind, w.N, w.K, w.K_padded, w.group_size, w.qweight.to(device),
                             w.scales.to(device), None if w.mins is None else w.mins.to(device))
+    if isinstance(w, Fp8Weight):
+        return Fp8Weight(w.fmt, w.granularity, w.N, w.K, w.data.to(device), w.scales.to(device),
+                         w.block)
     return w.to(device)
 
 

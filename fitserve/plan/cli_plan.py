@@ -39,7 +39,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bf16, fp8, int8, int4-g128, Q4_K_M ... (default: the checkpoint's). "
                         "On cpu the engine's --weights: as-stored (the default: GGUF "
                         "Q4_0/Q4_1/Q8_0 held packed), int4, int8 (RTN at load), bf16, float32")
-    p.add_argument("--kv", default=None, help="KV dtype: bf16, f16, fp8, int8 (default: model)")
+    p.add_argument("--kv", default=None,
+                   help="KV format: bf16, f16, fp8 (a scale per layer), int8, int8-kc, "
+                        "fp8_e4m3[-kc], fp8_e5m2[-kc] (the engine's --kv-cache-dtype X with "
+                        "--kv-cache-scales token is X, channel-key is X-kc; default: model)")
     p.add_argument("--concurrency", type=int, default=1, help="sequences at once")
     # The engine's knobs: same names and defaults as `fitserve generate/serve` (EngineConfig).
     p.add_argument("--dtype", default=ENGINE_DEFAULTS.dtype,

@@ -52,6 +52,10 @@ class WeightFormat:
     # Groups never straddle rows: with ``rows`` known, each row is padded to whole blocks.
     row_padded: bool = False
     packed: PackedLayout | None = None  # the engine can hold (and run) it packed
+    fp8: str = ""  # the engine holds it as fitserve.quant.fp8.Fp8Weight: "e4m3" | "e5m2"
+    # 2-D tiles: one f32 scale per tile x tile square of a [rows, cols] matrix (edge tiles
+    # partial, codes unpadded); with rows unknown, whole tiles are assumed
+    tile: int = 0
 
     @property
     def bits_per_weight(self) -> float:
@@ -102,8 +106,12 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
         WeightFormat("f16", 1, 16, note="IEEE float16"),
         WeightFormat("fp8", 1, 8, tensor_scale_bytes=4,
                      note="float8 e4m3, one f32 scale per tensor"),
-        WeightFormat("fp8-block", 128 * 128, 128 * 128 * 8 + 32,
+        WeightFormat("fp8-block", 1, 8, tile=128,
                      note="float8 e4m3, one f32 scale per 128x128 tile (DeepSeek-V3)"),
+        WeightFormat("fp8-ch", 1, 8, row_scale_bytes=4, fp8="e4m3",
+                     note="float8 e4m3, one f32 scale per output channel (--weights fp8)"),
+        WeightFormat("fp8_e5m2-ch", 1, 8, row_scale_bytes=4, fp8="e5m2",
+                     note="float8 e5m2, one f32 scale per output channel"),
         WeightFormat("int8", 1, 8, row_scale_bytes=4,
                      note="int8 symmetric, one f32 scale per output channel"),
         WeightFormat("mxfp4", 32, 32 * 4 + 8,
@@ -185,6 +193,15 @@ def weight_bytes(num_elements: int, fmt: str, *, rows: int = 0) -> int:
     f = weight_format(fmt)
     if f.row_scale_bytes and rows <= 0:
         raise PlanError(f"{f.name} has per-channel scales: pass rows= (output channels)")
+    if f.tile:
+        t = f.tile
+        if rows > 0:
+            if num_elements % rows:
+                raise PlanError(f"{num_elements} elements do not split into {rows} rows")
+            tiles = -(-rows // t) * -(-(num_elements // rows) // t)
+        else:
+            tiles = -(-num_elements // (t * t))
+        return num_elements + 4 * tiles + f.tensor_scale_bytes
     blocks = -(-num_elements // f.block_elements)
     if f.row_padded and rows > 0:
         if num_elements % rows:
@@ -194,14 +211,19 @@ def weight_bytes(num_elements: int, fmt: str, *, rows: int = 0) -> int:
 
 
 # The engine's ``--weights`` choices (EngineConfig.weights; `fitserve plan --gpu cpu --weights`).
-ENGINE_WEIGHT_CHOICES = ("auto", "as-stored", "bf16", "float32", "float16", "int8", "int4")
+ENGINE_WEIGHT_CHOICES = ("auto", "as-stored", "bf16", "float32", "float16", "int8", "int4",
+                         "fp8")
 # NOTE: what RTN at load makes of (linear layers, embedding + lm_head). int4: asymmetric g32,
 # llama.cpp Q4_1's layout (a 135M model loses most at coarse groups; the f16 min follows a
 # skewed group); the embedding / lm_head in per-channel int8, as llama.cpp keeps token_embd
 # near Q8_0 (the lm_head reads every row each step: int8 halves it without an int4's damage).
 # int8: per channel everywhere (W8A16; torch's _weight_int8pack_mm runs it).
+# fp8: e4m3 per output channel (vLLM's --quantization fp8 keeps one scale per tensor; a scale
+# per row costs 4 B a row and follows rows of very different size), the embedding and lm_head
+# as for int4/int8.
 RTN_FORMATS: dict[str, tuple[str, str]] = {"int4": ("int4-g32-asym", "int8-ch"),
-                                           "int8": ("int8-ch", "int8-ch")}
+                                           "int8": ("int8-ch", "int8-ch"),
+                                           "fp8": ("fp8-ch", "int8-ch")}
 TENSOR_ROLES = ("matrix", "embedding", "vector")
 _DENSE_CHOICES = {"bf16": "bfloat16", "float32": "float32", "float16": "float16"}
 _EMBEDDING_SUFFIXES = ("embed_tokens.weight", "lm_head.weight")
@@ -219,7 +241,8 @@ def resolve_engine_weights(weights: str, quantization: str | None, dtype: str) -
         raise PlanError(f"unknown --weights {weights!r}; known: {', '.join(ENGINE_WEIGHT_CHOICES)}")
     if quantization is not None:
         if quantization not in RTN_FORMATS:
-            raise PlanError(f"unknown --quantization {quantization!r}; known: int4, int8")
+            raise PlanError(f"unknown --quantization {quantization!r}; known: "
+                            f"{', '.join(RTN_FORMATS)}")
         if weights not in ("auto", quantization):
             raise PlanError(f"--weights {weights} conflicts with --quantization {quantization}")
         weights = quantization

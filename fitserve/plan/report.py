@@ -11,6 +11,7 @@ from fitserve.plan.errors import PlanError
 from fitserve.plan.formats import (
     ENGINE_WEIGHT_CHOICES,
     dtype_bytes,
+    kv_format,
     resolve_engine_weights,
     resolve_kv_dtype,
     weight_format,
@@ -234,9 +235,10 @@ def _cpu_engine_warnings(req: PlanRequest, weights: str, kv: str, act: str) -> l
     if req.weights is not None and weights != act:
         out.append(f"HYPOTHETICAL for fitserve on cpu: the engine holds weights in the model "
                    f"dtype ({act}), not {weights}")
-    if kv != act:
+    if kv != act and not kv_format(kv).codec:  # quantized formats the engine runs have a codec
         out.append(f"HYPOTHETICAL for fitserve on cpu: the engine's KV cache is in the model "
-                   f"dtype ({act}), not {kv}")
+                   f"dtype ({act}) or one of its quantized formats (int8, fp8_e4m3, fp8_e5m2, "
+                   f"with -kc for per-channel keys), not {kv}")
     return out
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from fitserve.plan.formats import kv_format
 from fitserve.plan.kv import (
     kv_block_bytes,
+    kv_block_scale_bytes,
     kv_bytes_per_token,
     kv_heads_per_rank,
     kv_layer_bytes_per_token,
@@ -180,6 +181,11 @@ def kv_section(r: Resolved) -> Section:
         hr = kv_heads_per_rank(s, tp)
         how = (f"2 x ceil({s.num_kv_heads}/{tp})={hr} heads x ({s.head_dim} x {f.element_bytes} B"
                f" + {f.scale_bytes_per_head} B scale) = {layer} B")
+        if f.key_scales == "channel":
+            how = (f"ceil({s.num_kv_heads}/{tp})={hr} heads x (2 x {s.head_dim} x "
+                   f"{f.element_bytes} B + {f.scale_bytes_per_head} B V scale) = {layer} B, plus "
+                   f"per block {hr} heads x {s.head_dim} channels x {f.scale_bytes} B K scales "
+                   f"per layer ({kv_block_scale_bytes(s, kv, tp=tp)} B a block, all layers)")
     per_tok = kv_bytes_per_token(s, kv, tp=tp)
     unsharded = kv_bytes_per_token(s, kv, tp=1)
     dup = per_tok * tp - unsharded

@@ -10,10 +10,11 @@ from __future__ import annotations
 import torch
 
 from fitserve.plan.formats import engine_tensor_format, tensor_role, weight_format
+from fitserve.quant.fp8 import Fp8Weight, quantize_fp8
 from fitserve.quant.packed import PackedWeight
 from fitserve.quant.rtn import quantize
 
-HeldTensor = torch.Tensor | PackedWeight
+HeldTensor = torch.Tensor | PackedWeight | Fp8Weight
 _DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
@@ -37,15 +38,19 @@ def table_dtype(fmt: str) -> torch.dtype:
 
 
 def hold(tensor: torch.Tensor, fmt: str) -> HeldTensor:
-    """``tensor`` (float) in format ``fmt``: packed by RTN, or cast to that dense dtype."""
-    if weight_format(fmt).packed is not None:
+    """``tensor`` (float) in format ``fmt``: packed by RTN, fp8 with per-channel scales, or
+    cast to that dense dtype."""
+    f = weight_format(fmt)
+    if f.fp8:
+        return quantize_fp8(tensor.float(), f.fp8, "channel")
+    if f.packed is not None:
         return quantize(tensor, fmt)
     return tensor.to(table_dtype(fmt))
 
 
 def held_bytes(t: HeldTensor) -> int:
     """Bytes a held tensor occupies."""
-    if isinstance(t, PackedWeight):
+    if isinstance(t, (PackedWeight, Fp8Weight)):
         return t.nbytes
     return t.numel() * t.element_size()
 

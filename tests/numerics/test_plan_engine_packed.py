@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from gguf import GGMLQuantizationType as Q
 
 from fitserve.cli import main as fitserve_main
@@ -88,3 +89,46 @@ def test_quantization_flag_is_weights_rtn(tiny_hf_model_dir: Callable[..., Any])
     with pytest.raises(ValueError, match="--dtype"):
         Engine(EngineConfig(model=str(folder), device="cpu", weights="float32",
                             dtype="bfloat16", **COMMON))
+
+
+def test_hf_fp8_plan_equals_engine(tiny_hf_model_dir: Callable[..., Any],
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """--weights fp8: e4m3 per-channel projections (Fp8Linear), int8-ch embedding / lm_head;
+    the planner's bytes are what the model holds, and its logits are those of the dense model
+    holding the dequantized fp8 weights (the plain algorithm)."""
+    from fitserve.model.fp8_linear import Fp8Linear
+    from fitserve.scoring import score_logits
+
+    folder = tiny_hf_model_dir("llama")
+    engine = check(folder, "fp8", capsys)
+    fp8 = [m for m in engine.runner.model.modules() if isinstance(m, Fp8Linear)]
+    assert len(fp8) == 4 * engine.spec.num_layers and all(m.fmt == "e4m3" for m in fp8)
+    assert packed_formats(engine) == {"int8-ch"}
+    model = engine.runner.model
+    ids = list(range(3, 40))
+    got = score_logits(model, engine.spec, ids)
+    for name, m in list(model.named_modules()):
+        if isinstance(m, Fp8Linear):
+            dense = torch.nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
+            dense.weight.data = m.fp8.dequantize(torch.float32)
+            if m.bias is not None:
+                dense.bias.data = m.bias.data.float()
+            model.set_submodule(name, dense)
+    torch.testing.assert_close(got, score_logits(model, engine.spec, ids), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("kv", "scales", "fmt"), [("int8", "auto", "int8-kc"),
+                                                   ("fp8_e5m2", "token", "fp8_e5m2")])
+def test_quantized_kv_plan_blocks_equal_engine(tiny_hf_model_dir: Callable[..., Any], kv: str,
+                                               scales: str, fmt: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tiny_hf_model_dir("llama")
+    capsys.readouterr()
+    args = ["plan", str(folder), "--gpu", "cpu", "--json", "--dtype", "float32", "--kv", fmt,
+            *COMMON_ARGS]
+    assert fitserve_main(args) == 0
+    plan = json.loads(capsys.readouterr().out)["engine"]
+    engine = Engine(EngineConfig(model=str(folder), device="cpu", dtype="float32",
+                                 kv_cache_dtype=kv, kv_cache_scales=scales, **COMMON))
+    assert engine.runner.kv_format == fmt
+    assert plan["num_kv_blocks"] == engine.pool.num_blocks > 0

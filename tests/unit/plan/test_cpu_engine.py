@@ -162,12 +162,17 @@ def test_cpu_plan_json(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFi
 def test_cpu_plan_warns_when_not_what_the_engine_does(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(runtime, "runtime_baseline_bytes", lambda **_: None)
-    # fp8 weights: a format the engine cannot hold (int8/int4 it can: RTN at load)
-    assert main(["smollm2-135m", "--gpu", "cpu", "--dtype", "bfloat16", "--weights", "fp8",
+    # mxfp4 weights and a per-layer-scale fp8 KV: formats the engine cannot hold (int8/int4/fp8
+    # weights it can: quantized at load; fp8_e4m3 / int8 KV with per-token or per-channel scales)
+    assert main(["smollm2-135m", "--gpu", "cpu", "--dtype", "bfloat16", "--weights", "mxfp4",
                  "--kv", "fp8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert sum("HYPOTHETICAL for fitserve on cpu" in w for w in out["warnings"]) == 2
     assert out["engine"]["lines"]["runtime baseline"] == 0
+    assert main(["smollm2-135m", "--gpu", "cpu", "--dtype", "bfloat16", "--weights", "fp8",
+                 "--kv", "int8-kc", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert not any("HYPOTHETICAL" in w for w in out["warnings"])
 
 
 def test_decode_step_roofline_by_hand() -> None:
