@@ -28,6 +28,8 @@ from fitserve.loading import hf_defaults as d
 from fitserve.loading.errors import ModelLoadError, UnsupportedArchitectureError
 from fitserve.loading.weight_names import check_weights as check_weights  # re-exported
 from fitserve.loading.weight_names import expected_weight_shapes as expected_weight_shapes
+from fitserve.plan.errors import PlanError
+from fitserve.plan.formats import weight_format
 
 # HF class names -> model_type, for configs that only name ``architectures``.
 _ARCH_ALIASES: dict[str, str] = {
@@ -38,6 +40,8 @@ _ARCH_ALIASES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
 }
 ENGINE_ROPE_KINDS = ("llama3", "linear")
+# quantization_config.quant_method of a `fitserve quantize` checkpoint (fitserve.quant.checkpoint)
+FITSERVE_QUANT_METHOD = "fitserve"
 # Keys transformers requires per rope type (original_max_position_embeddings defaults to
 # max_position_embeddings when absent, as transformers' standardize_rope_params does).
 _ROPE_REQUIRED = {
@@ -330,19 +334,54 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+def packed_formats(config: Mapping[str, Any], source: object) -> dict[str, str] | None:
+    """The engine layout of each packed tensor of a `fitserve quantize` checkpoint
+    (``quantization_config.formats``: HF weight name -> "int4-g32-asym", "int8-ch" ...), or None
+    for a folder without ``quantization_config``.
+
+    Raises :class:`ModelLoadError` naming ``source`` for another ``quant_method`` (AWQ, GPTQ,
+    compressed-tensors ... checkpoints: their layouts are not the engine's), a missing or empty
+    ``formats``, a name that is not a ``.weight`` or a format that is not an engine packed
+    layout of ``fitserve.plan.formats`` (spelled as the table spells it).
+    """
+    quant = config.get("quantization_config")
+    if not quant:
+        return None
+    method = quant.get("quant_method", "?") if isinstance(quant, Mapping) else "?"
+    if method != FITSERVE_QUANT_METHOD:
+        raise ModelLoadError(f"{source}: quantized checkpoints ({method}) are not supported "
+                             f"(only quant_method {FITSERVE_QUANT_METHOD!r}: fitserve quantize)")
+    formats = quant.get("formats")
+    if not isinstance(formats, Mapping) or not formats:
+        raise ModelLoadError(f"{source}: quantization_config has no 'formats' "
+                             "(tensor name -> packed format)")
+    out: dict[str, str] = {}
+    for name, fmt in formats.items():
+        try:
+            layout = weight_format(str(fmt))
+        except PlanError:
+            layout = None
+        if not str(name).endswith(".weight") or layout is None or layout.packed is None or (
+                layout.name != fmt):
+            raise ModelLoadError(f"{source}: tensor {name!r}: unknown packed format {fmt!r} in "
+                                 "quantization_config.formats (int4-g<32|64|128>-<sym|asym>, "
+                                 "int8-g<32|64|128>, int8-ch)")
+        out[str(name)] = layout.name
+    return out
+
+
 def spec_from_hf_folder(path: Path, *, require_supported: bool = True) -> ModelSpec:
     """The spec of an HF folder (or its config.json): config.json + generation_config.json.
 
     The name is ``_name_or_path``, else the folder's name. The engine's mode also refuses
-    quantized checkpoints (``quantization_config``) and specs :func:`check_engine_spec` refuses.
+    quantized checkpoints other than fitserve's own (``packed_formats``) and specs
+    :func:`check_engine_spec` refuses.
     """
     config_path = path / "config.json" if path.is_dir() else path
     folder = config_path.parent
     config = read_json(config_path)
-    quant = config.get("quantization_config")
-    if require_supported and quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, Mapping) else "?"
-        raise ModelLoadError(f"{config_path}: quantized checkpoints ({method}) are not supported")
+    if require_supported:
+        packed_formats(config, config_path)
     gen_path = folder / "generation_config.json"
     gen = read_json(gen_path) if gen_path.is_file() else None
     spec = spec_from_hf_config(

@@ -1,8 +1,14 @@
-"""Hugging Face model folders: config.json + *.safetensors (sharded too) + tokenizer files."""
+"""Hugging Face model folders: config.json + *.safetensors (sharded too) + tokenizer files.
+
+A `fitserve quantize` checkpoint is such a folder whose config.json names packed tensors
+(``quantization_config.formats``); their ``.qweight/.scales/.mins`` come back as the
+PackedWeights that were written (``fitserve.quant.checkpoint``).
+"""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,9 +17,20 @@ from safetensors import SafetensorError, safe_open
 
 from fitserve.config import ModelSpec
 from fitserve.loading.errors import ModelLoadError
-from fitserve.loading.hf_config import check_weights, read_json, spec_from_hf_folder
+from fitserve.loading.hf_config import (
+    check_weights,
+    expected_weight_shapes,
+    packed_formats,
+    read_json,
+    spec_from_hf_folder,
+)
 from fitserve.loading.tokenizer import Tokenizer
-from fitserve.quant.hold import HeldTensor, held_format, hold
+from fitserve.quant.checkpoint import PARTS, join_packed, prefix_of
+from fitserve.quant.hold import HeldTensor, dtype_table_name, held_format, hold
+from fitserve.quant.packed import dequantize
+
+# a packed tensor of a checkpoint: (its format, its logical shape (N, K))
+PackedEntry = tuple[str, tuple[int, int]]
 
 _DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
@@ -43,14 +60,22 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def read_safetensors(files: list[Path], dtype: torch.dtype,
-                     weights: str | None = None
+                     weights: str | None = None, *, packed: Mapping[str, PackedEntry] | None = None
                      ) -> tuple[dict[str, HeldTensor], str, dict[str, str]]:
-    """Read all tensors converted to ``dtype``; also name the dominant stored dtype, and each
-    tensor's stored dtype (name -> "bf16", "f32" ...).
+    """Read all tensors converted to ``dtype``; also name the dominant stored format, and each
+    tensor's stored format (name -> "bf16", "f32", "int4-g32-asym" ...).
 
     ``weights``: a ``--weights`` choice ("int4"/"int8": RTN-pack each tensor as it is read,
     per ``fitserve.quant.hold.held_format``), or None for plain ``dtype`` tensors.
+    ``packed``: the packed tensors of a `fitserve quantize` checkpoint (HF name -> (format,
+    (N, K)), see ``fitserve.quant.checkpoint``): their ``<prefix>.qweight/.scales/.mins`` are
+    joined into a PackedWeight, held as it is when the choice's format is the stored one
+    ("as-stored", or "int4"/"int8" whose RTN format it is), else dequantized (then cast, or
+    RTN-packed into the choice's format).
     """
+    packed = packed or {}
+    parts = {prefix_of(name): name for name in packed}
+    pieces: dict[str, dict[str, torch.Tensor]] = {name: {} for name in packed}
     out: dict[str, HeldTensor] = {}
     stored_as: dict[str, str] = {}
     stored: Counter[str] = Counter()
@@ -58,7 +83,15 @@ def read_safetensors(files: list[Path], dtype: torch.dtype,
         try:
             with safe_open(str(path), framework="pt") as fh:
                 for name in fh.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    prefix, _, part = name.rpartition(".")
+                    if part in PARTS and prefix in parts:
+                        pieces[parts[prefix]][part] = fh.get_tensor(name)
+                        continue
                     tensor = fh.get_tensor(name)
+                    if tensor.dtype not in _DTYPE_NAMES and part in PARTS:
+                        raise ModelLoadError(
+                            f"{path}: tensor {name!r} is a packed part, but config.json's "
+                            f"quantization_config.formats does not name {prefix}.weight")
                     if tensor.dtype not in _DTYPE_NAMES:
                         raise ModelLoadError(
                             f"{path}: tensor {name!r} has unsupported type {tensor.dtype}; "
@@ -74,14 +107,55 @@ def read_safetensors(files: list[Path], dtype: torch.dtype,
                                                              stored_as[name], dtype))
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"{path}: corrupt or unreadable safetensors file: {exc}") from exc
+    source = files[0].parent if files else Path(".")
+    for name, (fmt, shape) in packed.items():
+        if name in out:
+            raise ModelLoadError(f"{source}: tensor {name!r} is stored both dense and packed "
+                                 f"({fmt})")
+        out[name] = _held_packed(name, fmt, shape, pieces[name], dtype, weights, source)
+        stored_as[name] = fmt
+        stored[fmt] += shape[0] * shape[1]
     return out, (stored.most_common(1)[0][0] if stored else "f32"), stored_as
+
+
+def _held_packed(name: str, fmt: str, shape: tuple[int, int], pieces: dict[str, torch.Tensor],
+                 dtype: torch.dtype, weights: str | None, source: Path) -> HeldTensor:
+    """One packed tensor of a checkpoint, in the form ``weights`` holds it."""
+    try:
+        pw = join_packed(name, fmt, shape, pieces)
+    except ValueError as exc:
+        raise ModelLoadError(f"{source}: tensor {name!r} ({fmt}): {exc}") from exc
+    want = dtype_table_name(dtype) if weights is None else held_format(weights, name, 2, fmt,
+                                                                       dtype)
+    if want == fmt:
+        return pw
+    # NOTE: another layout, or dense: dequantized in float32 exactly (packed.dequantize), then
+    # RTN-packed or cast, one tensor at a time like every other loader path.
+    return hold(dequantize(pw, torch.float32), want)
+
+
+def packed_entries(config_path: Path, spec: ModelSpec) -> dict[str, PackedEntry]:
+    """The packed tensors a folder's config.json declares (``quantization_config.formats``),
+    with their logical shapes from ``spec``; {} for a plain folder. ModelLoadError for a name
+    the architecture has no 2-D weight of."""
+    formats = packed_formats(read_json(config_path), config_path) or {}
+    shapes = expected_weight_shapes(spec)
+    out: dict[str, PackedEntry] = {}
+    for name, fmt in formats.items():
+        shape = shapes.get(name)
+        if shape is None or len(shape) != 2:
+            raise ModelLoadError(f"{config_path}: tensor {name!r} in quantization_config.formats "
+                                 f"is not a weight matrix of this {spec.architecture} model")
+        out[name] = (fmt, (shape[0], shape[1]))
+    return out
 
 
 def read_hf_folder(
     folder: Path, dtype: torch.dtype = torch.float32, weights: str | None = None
 ) -> tuple[ModelSpec, dict[str, HeldTensor], Tokenizer, str, dict[str, str]]:
-    """Everything an HF folder holds: (spec, weights, tokenizer, dominant stored dtype, each
-    tensor's stored dtype); ``weights`` as in :func:`read_safetensors`."""
+    """Everything an HF folder holds: (spec, weights, tokenizer, dominant stored format, each
+    tensor's stored format); ``weights`` as in :func:`read_safetensors`, which also reads a
+    `fitserve quantize` checkpoint's packed tensors (``fitserve.quant.checkpoint``)."""
     if not folder.is_dir():
         raise ModelLoadError(f"{folder}: no such folder")
     spec = spec_from_folder(folder)
@@ -90,6 +164,7 @@ def read_hf_folder(
     )
     if not spec.eos_token_ids and tokenizer.eos_token_ids:
         spec = replace(spec, eos_token_ids=tokenizer.eos_token_ids)
-    held, fmt, stored = read_safetensors(safetensors_files(folder), dtype, weights)
+    packed = packed_entries(folder / "config.json", spec)
+    held, fmt, stored = read_safetensors(safetensors_files(folder), dtype, weights, packed=packed)
     check_weights(held, spec, folder)
     return spec, held, tokenizer, fmt, stored

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from fitserve.config import ModelSpec
 from fitserve.loading.errors import ModelLoadError
+from fitserve.loading.hf_config import FITSERVE_QUANT_METHOD, packed_formats, spec_from_hf_folder
 from fitserve.loading.hf_config import spec_from_hf_config as read_hf_config
-from fitserve.loading.hf_config import spec_from_hf_folder
 from fitserve.plan.entry import ModelEntry
 from fitserve.plan.errors import PlanError
 from fitserve.plan.gguf_source import gguf_entry
@@ -82,7 +83,8 @@ def _engine_file_types(spec: ModelSpec, types: dict[str, str] | None) -> dict[st
 
 
 def config_entry(path: Path) -> ModelEntry:
-    """A local config.json (or a folder holding one, with its generation_config.json)."""
+    """A local config.json (or a folder holding one, with its generation_config.json); for a
+    `fitserve quantize` checkpoint, each packed tensor's format too (``stored_formats``)."""
     p = path / "config.json" if path.is_dir() else path
     try:
         cfg = json.loads(p.read_text())
@@ -92,7 +94,37 @@ def config_entry(path: Path) -> ModelEntry:
         spec = spec_from_hf_folder(p, require_supported=False)
     except ModelLoadError as e:
         raise PlanError(str(e)) from e
-    return ModelEntry(spec, _dtype(cfg), _dtype(cfg), str(p))
+    packed = _checkpoint_formats(cfg, p)
+    if packed is None:
+        return ModelEntry(spec, _dtype(cfg), _dtype(cfg), str(p))
+    # NOTE: a `fitserve quantize` checkpoint: the engine holds these tensors as stored, so the
+    # ledger's rule reads their formats (the others are dense, held in the model dtype).
+    return ModelEntry(spec, _main_format(spec, packed, _dtype(cfg)), _dtype(cfg),
+                      f"{p} (fitserve {cfg['quantization_config'].get('method', '?')} checkpoint)",
+                      stored_formats=packed)
+
+
+def _checkpoint_formats(cfg: dict[str, Any], path: Path) -> dict[str, str] | None:
+    """The packed tensors' formats of a `fitserve quantize` checkpoint, None for any other
+    folder (another quant_method is planned as its dtype, as before)."""
+    quant = cfg.get("quantization_config")
+    if not isinstance(quant, dict) or quant.get("quant_method") != FITSERVE_QUANT_METHOD:
+        return None
+    try:
+        return packed_formats(cfg, path)
+    except ModelLoadError as e:
+        raise PlanError(str(e)) from e
+
+
+def _main_format(spec: ModelSpec, formats: dict[str, str], dense: str) -> str:
+    """The format holding most of a checkpoint's weights (packed, else ``dense``)."""
+    from fitserve.loading.weight_names import expected_weight_shapes
+
+    counts: dict[str, int] = {}
+    for name, shape in expected_weight_shapes(spec).items():
+        fmt = formats.get(name, dense)
+        counts[fmt] = counts.get(fmt, 0) + math.prod(shape)
+    return max(counts, key=lambda f: counts[f])
 
 
 def resolve_model(name_or_path: str) -> ModelEntry:

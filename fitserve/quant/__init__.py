@@ -7,28 +7,30 @@
 
 from __future__ import annotations
 
-from fitserve.quant.packed import (
-    PackedWeight,
-    cat_rows,
-    dequantize,
-    gather_rows,
-    pack,
-    pack_int4,
-    unpack,
-    unpack_int4,
-)
-from fitserve.quant.rtn import quantize, quantize_int4, quantize_int8
+from typing import Any
 
-__all__ = [
-    "PackedWeight",
-    "cat_rows",
-    "dequantize",
-    "gather_rows",
-    "pack",
-    "pack_int4",
-    "quantize",
-    "quantize_int4",
-    "quantize_int8",
-    "unpack",
-    "unpack_int4",
-]
+# NOTE: names resolve on first use (PEP 562): `fitserve --help` builds the parsers of
+# fitserve.quant.cli_* without importing torch through this package's __init__.
+_LAZY: dict[str, str] = {
+    **dict.fromkeys(["PackedWeight", "cat_rows", "dequantize", "gather_rows", "pack", "pack_int4",
+                     "unpack", "unpack_int4"], "fitserve.quant.packed"),
+    **dict.fromkeys(["quantize", "quantize_int4", "quantize_int8"], "fitserve.quant.rtn"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fitserve.quant' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
+__all__ = sorted(_LAZY)
