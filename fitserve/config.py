@@ -176,7 +176,8 @@ class EngineConfig:
     # KV cache element format (vLLM's --kv-cache-dtype): "auto" = the model dtype, or
     # "fp8" (= "fp8_e4m3") | "fp8_e5m2" | "int8" codes with float32 scales laid out as
     # kv_cache_scales says: "token" (K and V per token) or "channel-key" (K per channel per
-    # block, V per token; what "auto" means). fitserve.plan.formats.resolve_engine_kv_format.
+    # block, V per token); "auto": channel-key for int8, token for fp8
+    # (fitserve.plan.formats.resolve_engine_kv_format).
     kv_cache_dtype: str = "auto"
     kv_cache_scales: str = "auto"
     # Speculative decoding (off by default): a SpeculativeConfig or its vLLM-style dict

@@ -72,7 +72,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "fp8_e5m2 or int8 codes with float32 scales (vLLM's flag)")
     p.add_argument("--kv-cache-scales", default="auto", choices=list(KV_CACHE_SCALES),
                    help="scale layout of a quantized KV cache: token (K and V per token per "
-                        "head) or channel-key (K per channel per block, V per token; auto)")
+                        "head) or channel-key (K per channel per block, V per token); auto: "
+                        "channel-key for int8, token for fp8")
     p.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=True,
                    help="run every step eager (the default on CPU, see --compile)")
     p.add_argument("--compile", dest="enforce_eager", action="store_false",

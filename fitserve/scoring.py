@@ -59,14 +59,17 @@ def score_chunks(
                          kv_dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype,
                          kv_cache_scales=kv_cache_scales)
     table = list(range(num_blocks))
-    with torch.inference_mode():
-        for start in range(0, len(token_ids), chunk_size):
-            chunk = ScheduledChunk(request_id="score", token_ids=token_ids[start:start + chunk_size],
-                                   start_pos=start, block_table=table, sample=False)
+    for start in range(0, len(token_ids), chunk_size):
+        chunk = ScheduledChunk(request_id="score", token_ids=token_ids[start:start + chunk_size],
+                               start_pos=start, block_table=table, sample=False)
+        # NOTE: inference mode around each chunk, never across a yield: grad mode is thread
+        # state, and a generator suspended (or dropped) inside the block would leak it
+        with torch.inference_mode():
             hidden = runner.forward_chunks([chunk])
             if on_hidden is not None:
                 on_hidden(hidden)
-            yield model.compute_logits(hidden).float()
+            logits = model.compute_logits(hidden).float()
+        yield logits
 
 
 def score_logits(model: CausalLM, spec: ModelSpec, token_ids: list[int], **kwargs: Any

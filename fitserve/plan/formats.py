@@ -349,6 +349,11 @@ KV_FORMATS: dict[str, KVFormat] = {
 ENGINE_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3",
                           "fp8_e5m2", "int8")
 KV_CACHE_SCALES = ("auto", "token", "channel-key")
+# NOTE: measured (benchmarks/bench_quant.py, SmolLM2, KL vs the bf16 cache): per-channel keys
+# help int8 (0.0055 vs 0.0060 nats/token), whose uniform grid an outlier channel stretches,
+# and hurt fp8 (e4m3 0.0127 vs 0.0105): a float format keeps its relative precision under one
+# scale per token, and a block's grown scale requantizes its earlier codes.
+KV_SCALES_AUTO = {"int8": "channel-key", "fp8_e4m3": "token", "fp8_e5m2": "token"}
 
 
 def resolve_engine_kv_format(kv_cache_dtype: str, kv_cache_scales: str, model_dtype: str) -> str:
@@ -356,8 +361,9 @@ def resolve_engine_kv_format(kv_cache_dtype: str, kv_cache_scales: str, model_dt
     ``--kv-cache-scales`` (a pure function: the engine and `fitserve plan` both call it).
 
     "auto" dtype = the model dtype (dense). Quantized dtypes take ``kv_cache_scales``: "token"
-    (K and V per token) or "channel-key" (K per channel per block, V per token); its "auto" is
-    "channel-key". Scales given for a dense cache, or an unknown value, raise PlanError.
+    (K and V per token) or "channel-key" (K per channel per block, V per token). Its "auto" is
+    "channel-key" for int8 and "token" for fp8 (KV_SCALES_AUTO). Scales given for a dense
+    cache, or an unknown value, raise PlanError.
     """
     if kv_cache_dtype not in ENGINE_KV_CACHE_DTYPES:
         raise PlanError(f"unknown --kv-cache-dtype {kv_cache_dtype!r}; known: "
@@ -371,7 +377,8 @@ def resolve_engine_kv_format(kv_cache_dtype: str, kv_cache_scales: str, model_dt
             raise PlanError(f"--kv-cache-scales {kv_cache_scales} applies to a quantized KV "
                             f"cache (int8, fp8_e4m3, fp8_e5m2), not {kv_cache_dtype}")
         return resolve_kv_dtype("auto" if codec == "auto" else codec, model_dtype)
-    return codec + ("" if kv_cache_scales == "token" else "-kc")
+    scales = KV_SCALES_AUTO[codec] if kv_cache_scales == "auto" else kv_cache_scales
+    return codec + ("" if scales == "token" else "-kc")
 
 
 def kv_format(kv_dtype: str) -> KVFormat:

@@ -314,7 +314,9 @@ def cpu_engine_memory_plan(spec: ModelSpec, *, weight_bytes: int, max_num_batche
     logits = _logits_line(spec, max_num_seqs)
     sampler = sampler_bytes(spec, max_num_seqs)
     step, phase = cpu_step_bytes(spec, budget, act_dtype_bytes, scratch, logits.bytes + sampler)
-    running = blocks * block + step
+    dequant = kv_dequant_scratch_bytes(spec, kv_dtype, blocks, block_size, max_num_seqs, mml,
+                                       act_dtype_bytes)
+    running = blocks * block + step + dequant
     rope = rope_table_bytes(spec, mml)
     lines = (
         MemoryLine("runtime baseline", "measured VmRSS", runtime_bytes,
@@ -334,6 +336,11 @@ def cpu_engine_memory_plan(spec: ModelSpec, *, weight_bytes: int, max_num_batche
         MemoryLine("sampler", "max_num_seqs x vocab x 4 x 15", sampler,
                    "the sampler's fp32 working copies at their worst (a full-vocabulary top-p "
                    "sort); greedy rows take 1 copy, temperature sampling 4"),
+        *([MemoryLine("KV dequant scratch", "kv_dequant_scratch_bytes", dequant,
+                      "a quantized cache: one layer's K and V of the blocks a step reads "
+                      "(at most min(num_kv_blocks, max_num_seqs x ceil(max_model_len / "
+                      "block_size))), dense in the model dtype plus their f32 decode")]
+          if dequant else []),
         MemoryLine("KV pool", "num_kv_blocks x block_bytes", blocks * block,
                    f"{how} = {pool:,} B -> {blocks} blocks x {block:,} B "
                    f"(block_size={block_size})"),
@@ -343,6 +350,23 @@ def cpu_engine_memory_plan(spec: ModelSpec, *, weight_bytes: int, max_num_batche
     return EngineMemoryPlan(spec, lines, pool, blocks, block_size, block,
                             kv_bytes_per_token(spec, kv_dtype), max_num_seqs, kv_dtype, 1,
                             "cpu", peak, resident, load_transient_bytes, step, phase)
+
+
+def kv_dequant_scratch_bytes(spec: ModelSpec, kv_dtype: str, num_blocks: int, block_size: int,
+                             max_num_seqs: int, max_model_len: int, act_dtype_bytes: int) -> int:
+    """Transient bytes of reading a quantized KV cache (``fitserve.quant.kv_cache``): each layer
+    dequantizes the blocks its step reads into dense K and V in the model dtype, through a
+    float32 decode of each (0 for a dense cache).
+
+    Blocks read <= min(num_blocks, max_num_seqs x ceil(max_model_len / block_size)); per K/V
+    element pair: 2 x act_dtype_bytes (the dense K and V) + 2 x 4 (the f32 decode of one, alive
+    while it is cast, and the other's scales-times-codes product).
+    """
+    if not kv_format(kv_dtype).codec:
+        return 0
+    read = min(num_blocks, max_num_seqs * -(-max_model_len // block_size))
+    elements = read * block_size * spec.num_kv_heads * spec.head_dim
+    return elements * (2 * act_dtype_bytes + 8)
 
 
 def cpu_step_bytes(spec: ModelSpec, num_tokens: int, act_dtype_bytes: int,

@@ -159,6 +159,8 @@ def test_bytes_held_equal_the_ledger(fmt: str) -> None:
 def test_engine_kv_format_resolution() -> None:
     assert resolve_engine_kv_format("auto", "auto", "bf16") == "bf16"
     assert resolve_engine_kv_format("int8", "auto", "bf16") == "int8-kc"
+    assert resolve_engine_kv_format("fp8", "auto", "bf16") == "fp8_e4m3"
+    assert resolve_engine_kv_format("fp8_e5m2", "auto", "bf16") == "fp8_e5m2"
     assert resolve_engine_kv_format("fp8", "token", "f32") == "fp8_e4m3"
     assert resolve_engine_kv_format("fp8_e5m2", "channel-key", "f32") == "fp8_e5m2-kc"
     from fitserve.plan.errors import PlanError
@@ -167,3 +169,20 @@ def test_engine_kv_format_resolution() -> None:
         resolve_engine_kv_format("auto", "token", "bf16")
     with pytest.raises(PlanError, match="unknown --kv-cache-dtype"):
         resolve_engine_kv_format("int4", "auto", "bf16")
+
+
+def test_the_ledger_counts_the_dequant_scratch_of_a_quantized_cache() -> None:
+    """One layer's dense K and V (model dtype) plus their f32 decode, for the blocks a step can
+    read: min(pool blocks, max_num_seqs x blocks of max_model_len); none for a dense cache."""
+    from fitserve.plan.memory import cpu_engine_memory_plan
+
+    def plan(kv: str, seqs: int) -> dict[str, int]:
+        p = cpu_engine_memory_plan(SPEC, weight_bytes=0, max_num_batched_tokens=64,
+                                   max_num_seqs=seqs, block_size=BS, kv_dtype=kv,
+                                   act_dtype_bytes=2, kv_blocks=NB * 10, max_model_len=32)
+        return {line.name: line.bytes for line in p.lines}
+
+    assert "KV dequant scratch" not in plan("bf16", 2)
+    per_block = BS * H * D * (2 * 2 + 8)
+    assert plan("int8-kc", 2)["KV dequant scratch"] == 2 * (32 // BS) * per_block  # seqs bound
+    assert plan("fp8_e4m3", 100)["KV dequant scratch"] == NB * 10 * per_block  # pool bound
