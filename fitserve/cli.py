@@ -1,4 +1,4 @@
-"""fitserve command line: plan | pull | generate | serve | bench | kernels."""
+"""fitserve command line: plan | pull | generate | serve | bench | kernels | quantize | eval."""
 
 from __future__ import annotations
 
