@@ -24,6 +24,7 @@ from fitserve.engine_setup import (
     check_max_model_len,
     check_pool_fits,
     dtype_name,
+    engine_kv_format,
     release_freed_host_memory,
     resolve_device,
     resolve_dtype,
@@ -87,6 +88,7 @@ class Engine:
         self.device = resolve_device(cfg.device)
         choice, dtype_arg = resolve_engine_weights(cfg.weights, cfg.quantization, cfg.dtype)
         self.dtype = resolve_dtype(dtype_arg, self.device)
+        engine_kv_format(cfg, self.dtype)  # a bad --kv-cache-dtype/-scales fails before loading
         self.loaded = loaded if loaded is not None else load_model(
             cfg.model, dtype=self.dtype, weights=choice)
         explicit = cfg.weights != "auto" or cfg.quantization is not None
