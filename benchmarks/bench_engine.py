@@ -186,6 +186,18 @@ def write_hf_folder(gguf: str, out: Path) -> Path:
 
 
 # -- orchestration ------------------------------------------------------------------------------
+def workload_spec(threads: int, runs: int, w2_requests: int) -> dict[str, Any]:
+    """The workers' common spec: the default model's path and the W1 / W2 token ids (W1: a
+    32-token prompt, W2: ``w2_requests`` 128-token prompts; 128 new tokens each)."""
+    from fitserve.loading import load_tokenizer
+    from fitserve.loading.pull import pull
+
+    gguf = str(pull("smollm2-135m", progress=False))
+    ids = load_tokenizer(gguf).encode(TEXT, add_special_tokens=False)
+    return {"gguf": gguf, "w1_prompt": ids[:32], "new_tokens": 128, "threads": threads,
+            "runs": runs, "w2_batch": [ids[i * 7 : i * 7 + 128] for i in range(w2_requests)]}
+
+
 def run_worker(cmd: list[str], spec: dict[str, Any], env: dict[str, str] | None = None,
                timeout: float = 1800) -> dict[str, Any] | None:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -224,13 +236,10 @@ def main() -> None:
         print(json.dumps(fn(spec)))
         return
 
-    from fitserve.loading import load_tokenizer
-    from fitserve.loading.pull import fitserve_home, pull
+    from fitserve.loading.pull import fitserve_home
 
-    gguf = str(pull("smollm2-135m", progress=False))
-    ids = load_tokenizer(gguf).encode(TEXT, add_special_tokens=False)
-    base = {"gguf": gguf, "w1_prompt": ids[:32], "new_tokens": 128, "threads": args.threads,
-            "runs": args.runs, "w2_batch": [ids[i * 7 : i * 7 + 128] for i in range(args.w2_requests)]}
+    base = workload_spec(args.threads, args.runs, args.w2_requests)
+    gguf = base["gguf"]
     me = [sys.executable, str(Path(__file__).resolve())]
     results: list[dict[str, Any]] = []
     for cfg in filter(None, args.configs.split(",")):

@@ -35,7 +35,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_engine import TEXT, cpu_description, peak_rss_mib, run_worker, transformers_worker
+from bench_engine import (
+    cpu_description,
+    peak_rss_mib,
+    run_worker,
+    transformers_worker,
+    workload_spec,
+)
 
 KV_CASES = [("auto", "auto"), ("int8", "token"), ("int8", "channel-key"), ("fp8_e4m3", "token"),
             ("fp8_e4m3", "channel-key"), ("fp8_e5m2", "token"), ("fp8_e5m2", "channel-key")]
@@ -184,11 +190,10 @@ def part_weights(args: argparse.Namespace, base: dict[str, Any], gguf: str, me: 
         if r:
             speed[name] = r
     print("transformers ...", file=sys.stderr)
-    peer = run_worker([*me, "--worker", "transformers"], {**base, "gguf": gguf})
+    peer = run_worker([*me, "--worker", "transformers"], base)
     out["weights_speed"], out["transformers"] = speed, peer
     ref = {"model": gguf, "weights": "float32", "dtype": "float32"}
-    cands = {n: {k: v for k, v in c.items()} for n, c in cases.items()}
-    out["weights_quality"] = quality(ref, cands, args.tokens)
+    out["weights_quality"] = quality(ref, cases, args.tokens)
     print_weights(speed, peer, out["weights_quality"])
 
 
@@ -394,14 +399,9 @@ def main() -> None:
         print(json.dumps(fn(spec)))
         return
 
-    from fitserve.loading import load_tokenizer
-    from fitserve.loading.pull import pull
-
-    gguf = str(pull("smollm2-135m", progress=False))
-    ids = load_tokenizer(gguf).encode(TEXT, add_special_tokens=False)
-    base = {"w1_prompt": ids[:32], "new_tokens": 128, "threads": args.threads, "runs": args.runs,
-            "w2_runs": max(1, args.runs - 1),
-            "w2_batch": [ids[i * 7: i * 7 + 128] for i in range(args.w2_requests)]}
+    base = {**workload_spec(args.threads, args.runs, args.w2_requests),
+            "w2_runs": max(1, args.runs - 1)}
+    gguf = base["gguf"]
     me = [sys.executable, str(Path(__file__).resolve())]
     out: dict[str, Any] = {"cpu": cpu_description(), "threads": args.threads}
     print(f"CPU: {out['cpu']}; threads={args.threads}; medians of {args.runs} runs")

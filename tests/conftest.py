@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,3 +95,13 @@ def tiny_hf_model_dir(tmp_path: Path, smollm2_tokenizer_dir: Path) -> Callable[.
         return (folder, model.eval()) if return_model else folder
 
     return make
+
+
+@pytest.fixture()
+def one_thread() -> Iterator[None]:
+    """torch on one thread for the test. NOTE: for many small tensors: on a shared 2-core
+    machine every op of a multi-threaded pool waits for a busy core (up to 10x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -29,14 +29,8 @@ OUTLIERS = [3, 17, 29]
 
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():  # type: ignore[no-untyped-def]
-    # NOTE: small tensors: on a shared 2-core machine every op of a multi-threaded pool waits
-    # for a busy core (up to 10x slower); one thread keeps these tests quick.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# small tensors: one thread keeps these quick (tests/conftest.py one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 def tiny_spec(kv_heads: int = 4, bias: bool = False) -> ModelSpec:
     return ModelSpec(architecture="qwen2" if bias else "llama", vocab_size=96, hidden_size=64,

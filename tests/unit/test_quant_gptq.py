@@ -14,15 +14,8 @@ from fitserve.quant.gptq import gptq_quantize, gptq_quantize_weights, group_para
 from fitserve.quant.packed import PackedWeight, check_packed, dequantize, unpack
 from fitserve.quant.rtn import quantize_int4, quantize_int8
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():  # type: ignore[no-untyped-def]
-    # NOTE: small tensors: on a shared 2-core machine every op of a multi-threaded pool waits
-    # for a busy core (up to 10x slower); one thread keeps these tests quick.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# small tensors: one thread keeps these quick (tests/conftest.py one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 CASES = [(4, 32, False), (4, 64, True), (4, 128, False), (4, 32, True), (8, 32, True),
