@@ -1,4 +1,4 @@
-"""fitserve command line: plan | pull | generate | serve | bench | kernels | quantize | eval."""
+"""fitserve command line: plan | pull | generate | serve | bench | kernels | quantize | eval | profile."""
 
 from __future__ import annotations
 
@@ -74,12 +74,13 @@ def _optional_parsers() -> list[Callable[[Any], object]]:
     from fitserve.bench.cli_bench import add_bench_parser
     from fitserve.kernels.cli_kernels import add_kernels_parser
     from fitserve.plan.cli_plan import add_plan_parser
+    from fitserve.profiling.cli_profile import add_profile_parser
     from fitserve.quant.cli_eval import add_eval_parser
     from fitserve.quant.cli_quantize import add_quantize_parser
     from fitserve.server.cli_serve import add_serve_parser
 
     return [add_plan_parser, add_kernels_parser, add_serve_parser, add_bench_parser,
-            add_quantize_parser, add_eval_parser]
+            add_quantize_parser, add_eval_parser, add_profile_parser]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

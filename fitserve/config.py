@@ -89,6 +89,13 @@ class SchedulerConfig:
     max_model_len: int = 2048
     # Largest chunk a single request may take in one step (None = the whole budget).
     long_prefill_token_threshold: int | None = None
+    # "fcfs" | "priority" | "slo" (fitserve.sched.slo documents the rules)
+    scheduling_policy: str = "fcfs"
+    # slo: the server's targets (a request may bring its own), and what happens to a request
+    # predicted to miss its TTFT target: "reject" (429) or "deprioritize"
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    slo_action: str = "reject"
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle")
@@ -180,5 +187,14 @@ class EngineConfig:
     # (fitserve.plan.formats.resolve_engine_kv_format).
     kv_cache_dtype: str = "auto"
     kv_cache_scales: str = "auto"
+    # Scheduling (vLLM's --scheduling-policy, plus "slo"): "fcfs" | "priority" | "slo", the
+    # SLO targets and action (see SchedulerConfig), and the step-time model "slo" uses: a JSON
+    # file, or None for the one saved for this model and machine under
+    # $FITSERVE_HOME/step-models (measured at start-up when there is none).
+    scheduling_policy: str = "fcfs"
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    slo_action: str = "reject"
+    step_model: str | None = None
     # Speculative decoding (off by default): a SpeculativeConfig or its vLLM-style dict
     speculative_config: SpeculativeConfig | dict[str, object] | None = field(default=None, hash=False)

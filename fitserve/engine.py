@@ -10,8 +10,10 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import math
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -23,6 +25,7 @@ from fitserve.engine_outputs import Tracked, advance_output, can_speculate, fail
 from fitserve.engine_setup import (
     check_max_model_len,
     check_pool_fits,
+    check_scheduling,
     dtype_name,
     engine_kv_format,
     release_freed_host_memory,
@@ -44,18 +47,23 @@ from fitserve.sampling.beam_search import BeamSearchParams
 from fitserve.sampling.spec_decode.stats import SpecDecodeStats
 from fitserve.sched.request import SchedRequest
 from fitserve.sched.scheduler import Scheduler
+from fitserve.sched.slo import step_shape
 from fitserve.types import (
     FinishReason,
     RequestOutput,
     RequestStatus,
     RunnerOutput,
     SchedulerOutput,
+    StepRecord,
 )
 
 log = logging.getLogger("fitserve.engine")
 
 FaultHook = Callable[[Sequence[str]], None]
 """Test-only: called with the request ids of each (sub-)step before it runs; raising fails it."""
+
+STEP_LOG_LEN = 1 << 14
+"""Steps :attr:`Engine.step_log` keeps (the newest)."""
 
 FAULT_TOKEN_ENV = "FITSERVE_TEST_FAULT_TOKEN"
 """Test-only: a token id; any step holding a request whose prompt starts with it raises."""
@@ -77,6 +85,8 @@ class EngineStats:
     evictable_blocks: list[int] = field(default_factory=list)
     spec_decode: SpecDecodeStats | None = None  # speculative decoding's counters (None: off)
     num_steps: int = 0  # model steps run since start
+    slo_rejected: int = 0  # requests the slo policy turned away (predicted TTFT too long)
+    slo_deprioritized: int = 0  # ... or queued behind the on-time ones
 
 
 class Engine:
@@ -89,6 +99,7 @@ class Engine:
         choice, dtype_arg = resolve_engine_weights(cfg.weights, cfg.quantization, cfg.dtype)
         self.dtype = resolve_dtype(dtype_arg, self.device)
         engine_kv_format(cfg, self.dtype)  # a bad --kv-cache-dtype/-scales fails before loading
+        check_scheduling(cfg)  # and a bad --scheduling-policy / SLO target
         self.loaded = loaded if loaded is not None else load_model(
             cfg.model, dtype=self.dtype, weights=choice)
         explicit = cfg.weights != "auto" or cfg.quantization is not None
@@ -134,6 +145,10 @@ class Engine:
                 max_num_seqs=cfg.max_num_seqs,
                 max_model_len=self.max_model_len,
                 long_prefill_token_threshold=cfg.long_prefill_token_threshold,
+                scheduling_policy=cfg.scheduling_policy,
+                slo_ttft_ms=cfg.slo_ttft_ms,
+                slo_tpot_ms=cfg.slo_tpot_ms,
+                slo_action=cfg.slo_action,
             ),
             self.kv,
         )
@@ -168,11 +183,28 @@ class Engine:
             device=self.device, max_model_len=self.max_model_len, block_size=cfg.block_size)
         self.spec_stats = None if self.spec_decode is None else self.spec_decode.stats
         self.num_steps = 0  # model steps run (for tokens per target step)
+        # every step's shape and wall time, newest last (the profiler and the step-time model)
+        self.step_log: deque[StepRecord] = deque(maxlen=STEP_LOG_LEN)
         self._ids = itertools.count()
-        torch.manual_seed(cfg.seed)
         # NOTE: test-only fault injection (tests set it, or FITSERVE_TEST_FAULT_TOKEN): None
         # in normal use, so a step costs one attribute check.
         self.fault_hook: FaultHook | None = _fault_hook_from_env(self)
+        if cfg.scheduling_policy == "slo":
+            self._load_step_model()
+        torch.manual_seed(cfg.seed)
+
+    def _load_step_model(self) -> None:
+        """The slo policy's step-time model: the saved one of this setup, else measured now by
+        running calibration steps on this engine (fitserve.profiling.calibrate)."""
+        from fitserve.profiling.calibrate import resolve_step_model
+
+        t0 = time.perf_counter()
+        model = resolve_step_model(self)
+        self.scheduler.step_model = model
+        self.startup_seconds["step_model"] = time.perf_counter() - t0
+        self.step_log.clear()  # calibration steps are not the engine's work
+        self.num_steps = 0
+        log.info("slo scheduling with %s (%s)", model.describe(), model.source or "no source")
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(
@@ -180,21 +212,34 @@ class Engine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        priority: int = 0,
+        slo_ttft_ms: float | None = None,
+        slo_tpot_ms: float | None = None,
     ) -> str:
-        """Queue a request; raises ValueError (and changes nothing) if it is invalid."""
+        """Queue a request; raises ValueError (and changes nothing) if it is invalid, and
+        :class:`fitserve.sched.slo.AdmissionRejected` if the slo policy turns it away."""
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError("Engine.add_request takes n=1; use add_requests (one prompt, n samples)")
-        return self.add_requests(prompt, [params], [request_id] if request_id is not None else None)[0]
+        return self.add_requests(prompt, [params], [request_id] if request_id is not None else None,
+                                 priority=priority, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)[0]
 
     def add_requests(
         self,
         prompt: str | Sequence[int],
         params: Sequence[SamplingParams],
         request_ids: Sequence[str] | None = None,
+        *,
+        priority: int = 0,
+        slo_ttft_ms: float | None = None,
+        slo_tpot_ms: float | None = None,
     ) -> list[str]:
         """Queue ``len(params)`` requests on one prompt (OpenAI's ``n``), each with its own
         parameters (``n=1`` each; seeds are the caller's: vLLM gives child j ``seed + j``).
+
+        ``priority`` (lower first) needs the ``priority`` policy; ``slo_ttft_ms`` /
+        ``slo_tpot_ms`` override the slo policy's targets for these requests.
 
         The prompt is computed once: the first request computes it, every request samples its
         first token from those logits, then the others fork its block table (copy-on-write; see
@@ -213,8 +258,10 @@ class Engine:
                 raise ValueError(f"request id {rid!r} is already in use")
         prompt_ids = self._checked_prompt(prompt)
         room = self.max_model_len - len(prompt_ids)
+        overrides = _slo_overrides(slo_ttft_ms, slo_tpot_ms)
         scheds = [SchedRequest(request_id=rid, prompt_token_ids=prompt_ids,
-                               max_tokens=room if p.max_tokens is None else min(p.max_tokens, room))
+                               max_tokens=room if p.max_tokens is None else min(p.max_tokens, room),
+                               priority=priority, slo_ttft_s=overrides[0], slo_tpot_s=overrides[1])
                   for rid, p in zip(request_ids, params, strict=True)]
         scheds[0].fork_children = scheds[1:]
         self.scheduler.add_request(scheds[0])  # validates against the pool before anything is kept
@@ -306,6 +353,7 @@ class Engine:
         freed, and the others carry on. Only a failure outside the model step (scheduling,
         bookkeeping) still raises.
         """
+        t_start = time.perf_counter()
         if self.spec_decode is not None:
             self.spec_decode.propose(self.scheduler, self._requests, self.kv)
         plan = self.scheduler.schedule()
@@ -315,7 +363,9 @@ class Engine:
         beams = self._beams
         states = {rid: beams.state(rid) if beams.is_beam(rid) else self._requests[rid].sampling
                   for c in plan.chunks if c.sample for rid in (c.request_id, *c.fanout)}
+        t_forward = time.perf_counter()
         result, failed = self._execute(plan, states, top=True)
+        t_forward = time.perf_counter() - t_forward
         if self.spec_decode is not None:
             self.spec_decode.mirror(plan, set(failed))
         if self._trim_after_prefill and any(len(c.token_ids) > 1 for c in plan.chunks):
@@ -353,7 +403,17 @@ class Engine:
                 outputs.append(self._advance(rid, tracked, tokens or [token], now))
             except Exception as exc:  # noqa: BLE001 - detokenizing one request must not end all
                 outputs.append(self._fail(rid, tracked, exc, now))
+        self._record_step(plan, t_start, t_forward)
         return outputs
+
+    def _record_step(self, plan: SchedulerOutput, t_start: float, forward_s: float) -> None:
+        shape = step_shape(plan)
+        prefill = sum(len(c.token_ids) for c in plan.chunks if len(c.token_ids) > 1 and not c.num_draft)
+        decodes = sum(1 for c in plan.chunks if len(c.token_ids) == 1 or c.num_draft)
+        self.step_log.append(StepRecord(
+            index=self.num_steps, start=t_start, seconds=time.perf_counter() - t_start,
+            forward_seconds=forward_s, new_tokens=shape.new_tokens, seqs=shape.seqs,
+            kv_tokens_read=shape.kv_tokens_read, num_prefill_tokens=prefill, num_decodes=decodes))
 
     def _execute(
         self, plan: SchedulerOutput, states: dict[str, RequestSamplingState], top: bool = False
@@ -446,11 +506,23 @@ class Engine:
             evictable_blocks=self.kv.pool.evictable_block_ids() if with_owners else [],
             spec_decode=copy.deepcopy(self.spec_stats),
             num_steps=self.num_steps,
+            slo_rejected=0 if self.scheduler.slo is None else self.scheduler.slo.num_rejected,
+            slo_deprioritized=0 if self.scheduler.slo is None else self.scheduler.slo.num_deprioritized,
         )
 
     def request_of(self, scheduler_id: str) -> str:
         """The request a scheduler entry belongs to: a beam's search, else itself."""
         return self._beams.group_of(scheduler_id) or scheduler_id
+
+
+def _slo_overrides(ttft_ms: float | None, tpot_ms: float | None) -> tuple[float | None, float | None]:
+    """A request's own SLO targets in seconds; a value that is not > 0 is a ValueError."""
+    out = []
+    for name, v in (("slo_ttft_ms", ttft_ms), ("slo_tpot_ms", tpot_ms)):
+        if v is not None and not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
+            raise ValueError(f"{name} must be a number > 0, got {v!r}")
+        out.append(None if v is None else float(v) / 1000)
+    return out[0], out[1]
 
 
 def _fault_hook_from_env(engine: Engine) -> FaultHook | None:

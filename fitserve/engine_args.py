@@ -85,6 +85,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(automatic prefix caching; on by default)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="the same as --no-enable-prefix-caching")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "slo"],
+                   help="fcfs: first come first served; priority: by each request's priority "
+                        "(lower first, then arrival; vLLM's); slo: fcfs plus the TPOT target "
+                        "capping prompt chunks and TTFT admission (see --slo-ttft-ms)")
+    p.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="slo: time-to-first-token target; a request predicted to miss it is "
+                        "rejected (429 + Retry-After) or deprioritized (--slo-action)")
+    p.add_argument("--slo-tpot-ms", type=float, default=None,
+                   help="slo: time-per-output-token target; caps the prompt tokens a step "
+                        "with decodes may take, from the step-time model")
+    p.add_argument("--slo-action", default="reject", choices=["reject", "deprioritize"],
+                   help="slo: what happens to a request predicted to miss its TTFT target")
+    p.add_argument("--step-model", default=None, metavar="JSON",
+                   help="slo: the step-time model file (fitserve profile --workload calibrate "
+                        "writes one); default: the one saved for this model and machine under "
+                        "$FITSERVE_HOME/step-models, measured at start-up when there is none")
     p.add_argument("--speculative-config", type=parse_speculative_config_arg, default=None,
                    metavar="JSON",
                    help="speculative decoding (off by default), vLLM's JSON: e.g. "
@@ -106,5 +122,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, weights=args.weights, quantization=args.quantization,
         enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
         speculative_config=args.speculative_config, kv_cache_dtype=args.kv_cache_dtype,
-        kv_cache_scales=args.kv_cache_scales,
+        kv_cache_scales=args.kv_cache_scales, scheduling_policy=args.scheduling_policy,
+        slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, slo_action=args.slo_action,
+        step_model=args.step_model,
     )

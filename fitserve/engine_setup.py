@@ -210,3 +210,26 @@ def check_max_model_len(requested: int | None, spec: ModelSpec) -> int:
         f"{what}; outputs past it degrade. Lower --max-model-len, or "
         f"set {ALLOW_LONG_MAX_MODEL_LEN_ENV}=1 to allow it anyway"
     )
+
+
+def check_scheduling(cfg: EngineConfig) -> None:
+    """A bad --scheduling-policy / SLO flag fails before the model loads, naming the flag."""
+    from fitserve.sched.slo import SCHEDULING_POLICIES, SLOTargets
+
+    policy = cfg.scheduling_policy
+    if policy not in SCHEDULING_POLICIES:
+        raise ValueError(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
+    ttft, tpot = cfg.slo_ttft_ms, cfg.slo_tpot_ms
+    if policy != "slo":
+        if ttft is not None or tpot is not None or cfg.step_model is not None:
+            raise ValueError("--slo-ttft-ms, --slo-tpot-ms and --step-model apply to "
+                             f"--scheduling-policy slo, not {policy!r}")
+        return
+    if ttft is None and tpot is None:
+        raise ValueError("--scheduling-policy slo needs a target: --slo-ttft-ms and/or --slo-tpot-ms")
+    try:
+        SLOTargets(None if ttft is None else ttft / 1000, None if tpot is None else tpot / 1000,
+                   cfg.slo_action)
+    except ValueError as exc:
+        raise ValueError(f"bad SLO setting: {exc} (--slo-ttft-ms / --slo-tpot-ms in ms, "
+                         "--slo-action reject|deprioritize)") from None

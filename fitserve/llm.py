@@ -95,8 +95,11 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[GenerationResult]:
         """Generate for every prompt (n outputs each); results come in the prompts' order.
+
+        ``priority`` (vLLM's): one per prompt, lower first, with ``scheduling_policy="priority"``.
 
         A request that fails inside an engine step raises RuntimeError (caused by its error)
         after the engine has isolated it; the other requests are then aborted.
@@ -108,6 +111,9 @@ class LLM:
             param_list = list(params)
             if len(param_list) != len(prompt_list):
                 raise ValueError(f"{len(param_list)} sampling params for {len(prompt_list)} prompts")
+        prios = [0] * len(prompt_list) if priority is None else list(priority)
+        if len(prios) != len(prompt_list):
+            raise ValueError(f"{len(prios)} priorities for {len(prompt_list)} prompts")
         # Validate and queue every sub-request first; on a bad one, withdraw what was queued.
         keys: dict[str, tuple[int, int]] = {}
         try:
@@ -117,7 +123,7 @@ class LLM:
                 children = [dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + j)
                             for j in range(p.n)]
                 rids = [f"llm-{id(self)}-{i}-{j}" for j in range(p.n)]
-                self.engine.add_requests(prompt, children, rids)
+                self.engine.add_requests(prompt, children, rids, priority=prios[i])
                 keys.update({rid: (i, j) for j, rid in enumerate(rids)})
         except Exception:
             for rid in keys:

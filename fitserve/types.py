@@ -63,6 +63,26 @@ class SchedulerOutput:
 
 
 @dataclass(slots=True)
+class StepRecord:
+    """One engine step as the profiler and the step-time model see it.
+
+    ``seconds`` is the whole :meth:`Engine.step` (schedule, forward, sampling, outputs): what a
+    streaming client waits between tokens. The shape fields are
+    :func:`fitserve.sched.slo.step_shape` of the step's plan.
+    """
+
+    index: int
+    start: float  # time.perf_counter() when the step began
+    seconds: float
+    forward_seconds: float  # the runner's part (tensors, forward, sampling)
+    new_tokens: int
+    seqs: int
+    kv_tokens_read: int
+    num_prefill_tokens: int  # tokens of chunks longer than one token (prompt chunks)
+    num_decodes: int  # one-token chunks (drafts ride along a decode's chunk)
+
+
+@dataclass(slots=True)
 class TokenLogprobs:
     """Logprob of the chosen token and the top-N alternatives, as (token_id, logprob)."""
 

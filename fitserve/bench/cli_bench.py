@@ -4,6 +4,16 @@ Examples::
 
     fitserve bench --concurrency 8 --num-requests 64 --prompt-len fixed:128 --output-len fixed:64
     fitserve bench --request-rate 2 --duration 60 --prompt-len chat --slo-ttft-ms 500 --slo-tpot-ms 50
+
+A comma list of rates is a goodput sweep: one Poisson run per rate (``--num-requests`` and
+``--duration`` per rate), a table of goodput vs offered load, the sweep's JSON and a PNG of
+goodput vs offered load; ``--overlay`` draws earlier sweeps' JSON on the same plot::
+
+    fitserve bench --request-rate 0.5,1,2,4 --duration 30 --num-requests 1000 \\
+        --slo-ttft-ms 1000 --slo-tpot-ms 100 --label fcfs --output-json fcfs.json --output-png fcfs.png
+    fitserve bench --request-rate 0.5,1,2,4 --duration 30 --num-requests 1000 \\
+        --slo-ttft-ms 1000 --slo-tpot-ms 100 --label slo --output-json slo.json \\
+        --output-png goodput.png --overlay fcfs.json --knee 2.6
 """
 
 from __future__ import annotations
@@ -11,7 +21,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,39 +64,112 @@ class BenchConfig:
         return Arrivals("concurrency", concurrency=self.concurrency or 1)
 
 
-def run_bench(cfg: BenchConfig) -> dict[str, Any]:
-    """Run one benchmark; write the JSON/PNG if asked; return the summary."""
-    from tqdm.auto import tqdm
+@dataclass(slots=True)
+class _Prepared:
+    """What one or more load runs of a config share: the endpoint, the workload, the lengths."""
 
-    from fitserve.bench.loadgen import RunLimits, Target, discover_model, run_load
-    from fitserve.bench.report import SLO, summarize, write_json, write_png
+    target: Any  # loadgen.Target (imported lazily: httpx is only needed to run)
+    model: str
+    workload: list[Any]  # workloads.BenchRequest
+    prompt_len: LengthDist
+    output_len: LengthDist
+
+
+def _prepare(cfg: BenchConfig) -> _Prepared:
+    from fitserve.bench.loadgen import Target, discover_model
     from fitserve.bench.workloads import make_workload
 
-    arrivals = cfg.arrivals()
     prompt_len, output_len = LengthDist.parse(cfg.prompt_len), LengthDist.parse(cfg.output_len)
     model = cfg.model or asyncio.run(discover_model(cfg.base_url, cfg.api_key))
     target = Target(cfg.base_url, model, cfg.api, cfg.api_key, cfg.ignore_eos)
     workload = make_workload(cfg.warmup + cfg.num_requests, prompt_len, output_len, cfg.seed)
-    bar = tqdm(total=cfg.num_requests, desc=cfg.label or "bench", unit="req", disable=not cfg.progress,
-               file=sys.stderr)
+    return _Prepared(target, model, workload, prompt_len, output_len)
+
+
+def _run_once(cfg: BenchConfig, prep: _Prepared, arrivals: Arrivals, workload: list[Any],
+              desc: str) -> tuple[list[Any], float]:
+    """One load run; returns (RequestResult list, wall seconds)."""
+    from tqdm.auto import tqdm
+
+    from fitserve.bench.loadgen import RunLimits, run_load
+
+    bar = tqdm(total=cfg.num_requests, desc=desc, unit="req", disable=not cfg.progress, file=sys.stderr)
     try:
-        results, wall = asyncio.run(run_load(
-            target, workload, arrivals, RunLimits(cfg.num_requests, cfg.duration_s, cfg.warmup),
+        return asyncio.run(run_load(
+            prep.target, workload, arrivals, RunLimits(cfg.num_requests, cfg.duration_s, cfg.warmup),
             seed=cfg.seed, on_done=lambda _r: bar.update(1),
         ))
     finally:
         bar.close()
+
+
+def run_bench(cfg: BenchConfig) -> dict[str, Any]:
+    """Run one benchmark; write the JSON/PNG if asked; return the summary."""
+    from fitserve.bench.report import SLO, summarize, write_json, write_png
+
+    arrivals = cfg.arrivals()
+    prep = _prepare(cfg)
+    results, wall = _run_once(cfg, prep, arrivals, prep.workload, cfg.label or "bench")
     meta = {
-        "label": cfg.label, "base_url": cfg.base_url, "model": model, "api": cfg.api,
+        "label": cfg.label, "base_url": cfg.base_url, "model": prep.model, "api": cfg.api,
         "arrivals": {"mode": arrivals.mode, "rate": arrivals.rate, "concurrency": arrivals.concurrency},
-        "prompt_len": str(prompt_len), "output_len": str(output_len), "warmup": cfg.warmup,
+        "prompt_len": str(prep.prompt_len), "output_len": str(prep.output_len), "warmup": cfg.warmup,
     }
     summary = summarize(results, wall, SLO(cfg.slo_ttft_ms, cfg.slo_tpot_ms), meta)
     if cfg.output_json is not None:
         write_json(summary, results, cfg.output_json)
     if cfg.output_png is not None:
-        write_png(results, wall, cfg.output_png, title=f"{cfg.label or model} · {arrivals.mode}")
+        write_png(results, wall, cfg.output_png, title=f"{cfg.label or prep.model} · {arrivals.mode}")
     return summary
+
+
+def run_sweep(cfg: BenchConfig, rates: Sequence[float], *, overlays: Sequence[dict[str, Any]] = (),
+              knee: float | None = None) -> dict[str, Any]:
+    """Run ``cfg``'s workload once per open-loop rate (req/s); write the JSON/PNG if asked.
+
+    Each rate is a fresh :func:`run_load` with ``cfg.num_requests`` / ``cfg.duration_s``, the
+    same seed (so the same lengths and the same Poisson gap pattern, scaled by 1 / rate) and
+    its own prompt text (see :func:`sweep.retext_workload`). ``cfg.request_rate`` is ignored.
+    The PNG also draws ``overlays`` (earlier sweeps) and a vertical line at ``knee`` (req/s).
+    Returns ``{"kind", "meta", "rates": [per-rate row]}`` (see :mod:`fitserve.bench.sweep`).
+    """
+    from fitserve.bench.report import SLO
+    from fitserve.bench.sweep import (
+        SWEEP_KIND,
+        check_rates,
+        rate_summary,
+        retext_workload,
+        write_goodput_png,
+        write_sweep_json,
+    )
+
+    rates = check_rates(rates)
+    slo = SLO(cfg.slo_ttft_ms, cfg.slo_tpot_ms)
+    prep = _prepare(cfg)
+    rows = []
+    for i, rate in enumerate(rates):
+        arrivals = replace(cfg, request_rate=rate).arrivals()
+        workload = prep.workload if i == 0 else retext_workload(prep.workload, f"{cfg.seed}/{i}")
+        results, wall = _run_once(cfg, prep, arrivals, workload, f"{cfg.label or 'bench'} @ {rate:g} req/s")
+        rows.append(rate_summary(results, wall, slo, rate))
+    sweep = {
+        "kind": SWEEP_KIND,
+        "meta": {
+            "label": cfg.label, "model": prep.model, "base_url": cfg.base_url, "api": cfg.api,
+            "slo": {"ttft_ms": cfg.slo_ttft_ms, "tpot_ms": cfg.slo_tpot_ms},
+            "workload": {
+                "prompt_len": str(prep.prompt_len), "output_len": str(prep.output_len),
+                "ignore_eos": cfg.ignore_eos, "arrival": cfg.arrival, "num_requests": cfg.num_requests,
+                "duration_s": cfg.duration_s, "warmup": cfg.warmup, "seed": cfg.seed,
+            },
+        },
+        "rates": rows,
+    }
+    if cfg.output_json is not None:
+        write_sweep_json(sweep, cfg.output_json)
+    if cfg.output_png is not None:
+        write_goodput_png([sweep, *overlays], cfg.output_png, knee=knee)
+    return sweep
 
 
 def add_bench_parser(subparsers: Any) -> None:
@@ -101,7 +185,8 @@ def add_bench_parser(subparsers: Any) -> None:
     p.add_argument("--warmup", type=int, default=2, help="requests sent first and not recorded")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=int, default=None, help="closed loop with C clients (default 1)")
-    load.add_argument("--request-rate", type=float, default=None, help="open loop at R requests/s")
+    load.add_argument("--request-rate", type=_rates_arg, default=None, metavar="R[,R2,...]",
+                      help="open loop at R requests/s; a comma list sweeps the rates (goodput vs load)")
     p.add_argument("--arrival", choices=["poisson", "constant"], default="poisson")
     p.add_argument("--prompt-len", default="fixed:128", help="fixed:N | uniform:LO:HI | chat[:MEDIAN:MAX]")
     p.add_argument("--output-len", default="fixed:64", help="fixed:N | uniform:LO:HI | chat[:MEDIAN:MAX]")
@@ -113,8 +198,21 @@ def add_bench_parser(subparsers: Any) -> None:
     p.add_argument("--output-json", type=Path, default=Path("bench-result.json"))
     p.add_argument("--output-png", type=Path, default=Path("bench-result.png"))
     p.add_argument("--no-progress", dest="progress", action="store_false")
-    p.add_argument("--label", default="")
+    p.add_argument("--label", default="", help="the run's name (a sweep's legend entry)")
+    p.add_argument("--overlay", type=Path, nargs="+", default=[], metavar="SWEEP.json",
+                   help="a sweep: also plot these earlier sweeps' goodput curves")
+    p.add_argument("--knee", type=float, default=None, metavar="REQ_PER_S",
+                   help="a sweep: draw a vertical 'predicted knee' line at this rate")
     p.set_defaults(func=_cmd_bench)
+
+
+def _rates_arg(text: str) -> list[float]:
+    from fitserve.bench.sweep import parse_rates
+
+    try:
+        return parse_rates(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -122,15 +220,20 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if args.num_requests < 1:
         raise ValueError("--num-requests must be >= 1")
+    rates: list[float] = args.request_rate or []
+    if len(rates) < 2 and (args.overlay or args.knee is not None):
+        raise ValueError("--overlay and --knee draw a goodput sweep: give --request-rate 2+ rates (R1,R2,...)")
     cfg = BenchConfig(
         base_url=args.base_url, model=args.model, api=args.api, api_key=args.api_key,
         num_requests=args.num_requests, duration_s=args.duration, warmup=args.warmup,
-        concurrency=args.concurrency, request_rate=args.request_rate, arrival=args.arrival,
-        prompt_len=args.prompt_len, output_len=args.output_len, ignore_eos=args.ignore_eos,
-        seed=args.seed, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
-        output_json=args.output_json, output_png=args.output_png, progress=args.progress,
-        label=args.label,
+        concurrency=args.concurrency, request_rate=rates[0] if len(rates) == 1 else None,
+        arrival=args.arrival, prompt_len=args.prompt_len, output_len=args.output_len,
+        ignore_eos=args.ignore_eos, seed=args.seed, slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms, output_json=args.output_json, output_png=args.output_png,
+        progress=args.progress, label=args.label,
     )
+    if len(rates) > 1:
+        return _cmd_sweep(cfg, rates, args.overlay, args.knee)
     import httpx
 
     try:
@@ -140,3 +243,21 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     print(format_table(summary))
     print(f"wrote {cfg.output_json} and {cfg.output_png}")
     return 0 if summary["completed"] else 1
+
+
+def _cmd_sweep(cfg: BenchConfig, rates: list[float], overlay_paths: list[Path], knee: float | None) -> int:
+    import httpx
+
+    from fitserve.bench.sweep import format_sweep_table, load_sweep
+
+    overlays = [load_sweep(p) for p in overlay_paths]  # fail on a bad file before the long run
+    try:
+        sweep = run_sweep(cfg, rates, overlays=overlays, knee=knee)
+    except (OSError, httpx.HTTPError) as exc:  # connection refused & co.
+        raise ValueError(f"cannot reach {cfg.base_url}: {exc}") from None
+    print(format_sweep_table(sweep))
+    for row in sweep["rates"]:
+        for e in row["errors"]:
+            print(f"error at {row['offered_rate']:g} req/s: {e}")
+    print(f"wrote {cfg.output_json} and {cfg.output_png}")
+    return 0 if any(row["completed"] for row in sweep["rates"]) else 1

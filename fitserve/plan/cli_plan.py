@@ -83,6 +83,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="price speculative decoding: K draft tokens per verification, each "
                         "accepted with probability ALPHA, a draft step costing DRAFT_COST target "
                         "decode steps (0 for n-gram lookup), e.g. 4,0.7,0.05")
+    p.add_argument("--slo-tpot-ms", type=float, default=None,
+                   help="a TPOT target: the step-time model's prompt tokens per step beside "
+                        "--concurrency decodes, and (with --new-tokens) the request rate it sustains")
     p.add_argument("--explain", action="store_true", help="show the arithmetic of each line")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -104,7 +107,8 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         gpu_bandwidth=None if args.gpu_bandwidth is None else _parse_rate(args.gpu_bandwidth),
         share=args.share, new_tokens=0 if args.new_tokens is None else parse_tokens(args.new_tokens),
         prompt_tokens=None if args.prompt_tokens is None else parse_tokens(args.prompt_tokens),
-        speculative=None if args.speculative is None else parse_speculative(args.speculative))
+        speculative=None if args.speculative is None else parse_speculative(args.speculative),
+        slo_tpot_ms=args.slo_tpot_ms)
 
 
 def parse_speculative(text: str) -> tuple[int, float, float]:

@@ -82,6 +82,9 @@ class PlanRequest:
     # speculative decoding economics: (k draft tokens, acceptance alpha, draft step / target
     # step); None = no section
     speculative: tuple[int, float, float] | None = None
+    # SLO scheduling: a TPOT target (ms) prices the step-time model's chunk cap and knee;
+    # None = no section
+    slo_tpot_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -179,6 +182,8 @@ def check_inputs(req: PlanRequest) -> None:
         raise PlanError(f"--memory-utilization must be in (0, 1], got {req.memory_utilization}")
     if req.gpu_memory_bytes is not None and req.gpu_memory_bytes <= 0:
         raise PlanError(f"--gpu-memory must be > 0 bytes, got {req.gpu_memory_bytes:,}")
+    if req.slo_tpot_ms is not None and not 0 < req.slo_tpot_ms < math.inf:
+        raise PlanError(f"--slo-tpot-ms must be > 0 and finite, got {req.slo_tpot_ms:g}")
     if req.gpu_bandwidth is not None and not 0 < req.gpu_bandwidth < math.inf:
         raise PlanError(f"--gpu-bandwidth must be > 0 B/s and finite, got "
                         f"{req.gpu_bandwidth:g}: a roofline needs a real bandwidth")

@@ -18,6 +18,7 @@ from fitserve.plan.sections import (
     speculative_section,
     weights_section,
 )
+from fitserve.plan.sections_slo import step_time_section
 from fitserve.plan.speed import compute_bound_batch, decode_step, prefill_time, quant_crossover
 from fitserve.plan.units import fmt_bytes, fmt_count, fmt_seconds
 from fitserve.plan.weights import model_weight_bytes
@@ -258,7 +259,7 @@ def build_plan(req: PlanRequest) -> Plan:
     energy = energy_section(r, max(1, ceiling))
     if energy is not None:
         sections.append(energy)
-    for optional in (sharing_section(r), speculative_section(r)):
+    for optional in (sharing_section(r), speculative_section(r), step_time_section(r, batch)):
         if optional is not None:
             sections.append(optional)
     lay, choice = layouts_section(r)

@@ -48,6 +48,12 @@ class SchedRequest:
     spec_token_ids: list[int] = field(default_factory=list)  # drafts for the next step
     fork_children: list[SchedRequest] = field(default_factory=list)
     fork_parent_id: str | None = None
+    priority: int = 0
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
+    arrival_time: float = 0.0
+    late: bool = False
+    predicted_ttft_s: float | None = None
 
     @property
     def is_idle(self) -> bool:

@@ -45,13 +45,17 @@ until the group's next tokens are chosen.
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
+from collections.abc import Callable
 
 from fitserve.config import SchedulerConfig
 from fitserve.kv.manager import KVCacheManager
 from fitserve.kv.prefix_hash import extend_block_hashes
 from fitserve.plan.kv import sharing_blocks
+from fitserve.plan.step_time import StepTimeModel
 from fitserve.sched.request import SchedRequest
+from fitserve.sched.slo import SCHEDULING_POLICIES, SLOController, SLOTargets
 from fitserve.types import RequestStatus, ScheduledChunk, SchedulerOutput
 
 
@@ -64,9 +68,16 @@ class Scheduler:
 
     Protocol: ``schedule()`` -> run the model on its chunks -> ``update(out, sampled)``;
     ``add_request`` and ``finish`` may be called between any two of those calls.
+
+    ``config.scheduling_policy`` orders the running list and the queue (fcfs: arrival;
+    priority: (priority, arrival); slo: (late, arrival)) and, for ``slo``, adds the chunk cap
+    and admission of :mod:`fitserve.sched.slo`, which need ``step_model``. ``clock`` gives
+    seconds (time.monotonic; tests pass a fake one).
     """
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, *,
+                 step_model: StepTimeModel | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
             raise ValueError(
                 "max_num_batched_tokens and max_num_seqs must be >= 1, got "
@@ -75,8 +86,22 @@ class Scheduler:
         t = config.long_prefill_token_threshold
         if t is not None and t < 1:
             raise ValueError(f"long_prefill_token_threshold must be >= 1 or None, got {t}")
+        if config.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {config.scheduling_policy!r}")
         self.config = config
         self.kv = kv
+        self.policy = config.scheduling_policy
+        self.clock = clock
+        self.slo: SLOController | None = None
+        if self.policy == "slo":
+            ttft, tpot = config.slo_ttft_ms, config.slo_tpot_ms
+            targets = SLOTargets(None if ttft is None else ttft / 1000,
+                                 None if tpot is None else tpot / 1000, config.slo_action)
+            self.slo = SLOController(targets, max_num_batched_tokens=config.max_num_batched_tokens,
+                                     max_num_seqs=config.max_num_seqs,
+                                     min_prefill_tokens=kv.block_size, step_model=step_model)
+        self._prefill_left: int | None = None  # slo: prompt-chunk tokens this step may still take
         self.running: list[SchedRequest] = []  # sorted by arrival, oldest first
         self.waiting: deque[SchedRequest] = deque()
         self.total_preemptions: int = 0
@@ -127,15 +152,22 @@ class Scheduler:
                 f"{bs} slots, but the whole KV pool has {total} blocks ({total * bs} slots); "
                 "lower max_model_len or max_tokens, or give the KV cache more memory"
             )
+        if req.priority != 0 and self.policy != "priority":
+            raise ValueError(f"request {rid!r} has priority {req.priority}, but the scheduling policy is "
+                             f"{self.policy!r}: priorities need --scheduling-policy priority")
         req.seats = seats
+        req.arrival_time = self.clock()
+        if self.slo is not None:  # may raise AdmissionRejected: nothing is queued then
+            self.slo.admit(req, self.running, self.waiting)
         req.arrival = self._next_arrival
         self._next_arrival += 1
         req.status = RequestStatus.WAITING
         self._requests[rid] = req
         for c in children:
             c.fork_parent_id, c.status, c.arrival, c.seats = rid, RequestStatus.WAITING, req.arrival, 1
+            c.priority, c.late, c.arrival_time = req.priority, req.late, req.arrival_time
             self._requests[c.request_id] = c
-        self.waiting.append(req)
+        self._enqueue(req)
 
     def fork(self, parent_id: str, child: SchedRequest) -> None:
         """Add ``child`` as a fork of a request: same prompt, its own outputs (which must extend
@@ -154,6 +186,7 @@ class Scheduler:
         if child.prompt_token_ids != parent.prompt_token_ids or child.num_tokens <= parent.num_computed_tokens:
             raise ValueError(f"fork {cid!r} must share {parent_id!r}'s prompt and extend its computed tokens")
         child.arrival, child.seats, child.fork_parent_id = parent.arrival, 1, None
+        child.priority, child.late, child.arrival_time = parent.priority, parent.late, parent.arrival_time
         parent.seats = max(1, parent.seats - 1)
         self._requests[cid] = child
         if parent.status == RequestStatus.RUNNING:
@@ -161,7 +194,7 @@ class Scheduler:
             child.block_hashes = parent.block_hashes[: parent.num_computed_tokens // self.kv.block_size]
             self.kv.fork(parent_id, cid)
             child.status = RequestStatus.RUNNING
-            bisect.insort(self.running, child, key=lambda r: r.arrival)
+            bisect.insort(self.running, child, key=self._order_key)
         else:
             child.num_computed_tokens = 0
             child.status = RequestStatus.PREEMPTED
@@ -194,9 +227,42 @@ class Scheduler:
         # may hit the prompt blocks just freed in the prefix cache)
         for c in reversed(req.fork_children):
             c.fork_parent_id = None
-            self.waiting.appendleft(c)
+            self._enqueue(c, front=True)
         req.fork_children = []
         return req
+
+    # ---------------------------------------------------------------- policy order
+
+    def _order_key(self, req: SchedRequest) -> tuple[int, int]:
+        """Where a request stands among the running and in the queue (smaller first)."""
+        if self.policy == "priority":
+            return (req.priority, req.arrival)
+        if self.policy == "slo":
+            return (int(req.late), req.arrival)
+        return (0, req.arrival)
+
+    def _enqueue(self, req: SchedRequest, front: bool = False) -> None:
+        """fcfs: the back of the queue (``front``: the front, a preempted request); the other
+        policies: in order of :meth:`_order_key` (a preempted request keeps its arrival, so it
+        lands ahead of everything newer of its class)."""
+        if self.policy == "fcfs":
+            if front:
+                self.waiting.appendleft(req)
+            else:
+                self.waiting.append(req)
+        else:
+            bisect.insort(self.waiting, req, key=self._order_key)
+
+    @property
+    def step_model(self) -> StepTimeModel | None:
+        """The step-time model the slo policy uses (None for other policies or not set yet)."""
+        return None if self.slo is None else self.slo.step_model
+
+    @step_model.setter
+    def step_model(self, model: StepTimeModel | None) -> None:
+        if self.slo is None:
+            raise ValueError(f"the {self.policy!r} scheduling policy uses no step-time model")
+        self.slo.step_model = model
 
     def get(self, request_id: str) -> SchedRequest | None:
         """The unfinished request with this id, if any."""
@@ -220,6 +286,10 @@ class Scheduler:
         """Pick this step's chunks within the token budget, preempting if the pool runs out."""
         out = SchedulerOutput(chunks=[], num_batched_tokens=0)
         budget = self.config.max_num_batched_tokens
+        if self.slo is not None:
+            if self.slo.mark_overdue(self.waiting, self.clock()):
+                self.waiting = deque(sorted(self.waiting, key=self._order_key))
+            self._prefill_left = self.slo.prefill_cap(self.running)
         budget = self._schedule_running(out, budget)
         # NOTE: after a preemption the pool is tight; admitting new work now would only
         # cause more preemptions next step.
@@ -242,7 +312,16 @@ class Scheduler:
         done = req.num_computed_tokens if computed is None else computed
         n = min(req.num_tokens - done, budget)
         t = self.config.long_prefill_token_threshold
-        return n if t is None else min(n, t)
+        if t is not None:
+            n = min(n, t)
+        if self._prefill_left is not None and req.num_tokens - done > 1:
+            n = min(n, self._prefill_left)  # slo rule 1: the TPOT target caps prompt chunks
+        return n
+
+    def _took(self, req: SchedRequest, num_new: int, computed: int) -> None:
+        """Charge a prompt chunk to this step's slo cap."""
+        if self._prefill_left is not None and req.num_tokens - computed > 1:
+            self._prefill_left -= num_new
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
@@ -261,6 +340,7 @@ class Scheduler:
                     return budget  # nothing older is left to take blocks from
             out.block_copies.extend(copies)
             out.chunks.append(self._make_chunk(req, num_new - len(drafts), drafts))
+            self._took(req, num_new, start)
             budget -= num_new
             i += 1
         return budget
@@ -284,15 +364,16 @@ class Scheduler:
             hits = self._lookup_prefix(req)
             num_cached = len(hits) * self.kv.block_size
             num_new = self._chunk_len(req, budget, computed=num_cached)
-            if not self.kv.allocate(req.request_id, num_cached + num_new, hits):
+            if num_new <= 0 or not self.kv.allocate(req.request_id, num_cached + num_new, hits):
                 break  # FIFO: never let a later request jump ahead of this one
             self.kv.record_prefix_lookup(req.num_tokens, num_cached)
             req.num_computed_tokens = req.num_cached_tokens = num_cached
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             seats += req.seats
-            bisect.insort(self.running, req, key=lambda r: r.arrival)
+            bisect.insort(self.running, req, key=self._order_key)
             out.chunks.append(self._make_chunk(req, num_new))
+            self._took(req, num_new, num_cached)
             budget -= num_new
 
     def _lookup_prefix(self, req: SchedRequest) -> list[int]:
@@ -320,7 +401,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.total_preemptions += 1
-        self.waiting.appendleft(req)
+        self._enqueue(req, front=True)
         out.preempted_ids.append(req.request_id)
 
     def _make_chunk(self, req: SchedRequest, num_new: int, drafts: list[int] | None = None) -> ScheduledChunk:

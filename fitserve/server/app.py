@@ -147,6 +147,15 @@ def create_app(engine_loop: EngineLoop, settings: ServerSettings | None = None) 
         # requests racing each other cannot overshoot max_waiting.
         if not job.submit(settings.max_waiting):
             raise overloaded()
+        try:
+            # NOTE: a refusal (bad request 400, slo admission 429) comes back as an HTTP status,
+            # streamed or not: the response starts only once the engine has queued the request.
+            await job.added()
+        except BaseException as err:  # a refusal, or the client left while it was queued
+            job.close()
+            if isinstance(err, APIError) and err.status == 429:
+                engine_loop.metrics.rejected.labels(status="429").inc()
+            raise
         if prep.stream:
             return RunStreamingResponse(job, stream_events(job, state.token_text))
         try:

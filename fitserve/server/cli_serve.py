@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 from collections.abc import Generator
 from types import FrameType
 from typing import Any
@@ -90,6 +91,7 @@ def _add_sampling_default_args(p: Any) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model in the engine thread while uvicorn already answers /health (503)."""
     from fitserve.engine import Engine
+    from fitserve.engine_setup import check_scheduling
     from fitserve.loading.generation_defaults import GenerationDefaults
     from fitserve.server.app import ServerSettings, create_app
     from fitserve.server.engine_loop import EngineLoop
@@ -110,8 +112,9 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     try:
         settings.resolve_sampling(GenerationDefaults())  # a bad --default-* value fails now
+        check_scheduling(config)  # and a bad --scheduling-policy / SLO setting
     except ValueError as exc:
-        print(f"fitserve serve: {exc}")
+        print(f"fitserve serve: {exc}", file=sys.stderr)
         return 2
     if args.model == "smollm2-135m":
         from fitserve.loading.pull import pull

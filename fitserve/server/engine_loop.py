@@ -41,6 +41,7 @@ from fitserve.config import EngineConfig
 from fitserve.engine import Engine
 from fitserve.sampling import SamplingParams
 from fitserve.sampling.beam_search import BeamSearchParams
+from fitserve.sched.slo import AdmissionRejected
 from fitserve.server.metrics import EngineGauges, Metrics
 from fitserve.types import RequestOutput
 
@@ -69,6 +70,13 @@ class Child:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams | BeamSearchParams  # a beam search is one child holding all n beams
+    priority: int = 0
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+
+
+Added = Callable[[BaseException | None], None]
+"""Told once whether a submitted group was queued (None) or refused (the error)."""
 
 
 @dataclass(slots=True)
@@ -141,9 +149,12 @@ class EngineLoop:
 
     def submit(
         self, group: str, children: Sequence[Child], arrival: float, sink: Sink,
-        max_queued: int | None = None,
+        max_queued: int | None = None, on_added: Added | None = None,
     ) -> bool:
         """Queue a group of requests; all are added or none (the sink then gets the error).
+
+        ``on_added`` (called on the engine thread) hears which, once the engine has tried:
+        a streaming response waits for it so that a refusal is still an HTTP status.
 
         With ``max_queued``, first reserve one admission slot per child, atomically: if that
         would make more than ``max_queued`` requests queued, nothing is queued and it returns
@@ -153,7 +164,7 @@ class EngineLoop:
             if max_queued is not None and self._queued + len(children) > max_queued:
                 return False
             self._queued += len(children)
-        self._cmds.put(("add", group, list(children), arrival, sink))
+        self._cmds.put(("add", group, list(children), arrival, sink, on_added))
         return True
 
     def _release(self, n: int) -> None:
@@ -230,7 +241,8 @@ class EngineLoop:
             return False
         return True
 
-    def _add(self, engine: Engine, group: str, children: list[Child], arrival: float, sink: Sink) -> None:
+    def _add(self, engine: Engine, group: str, children: list[Child], arrival: float, sink: Sink,
+             on_added: Added | None = None) -> None:
         added: list[str] = []
         try:
             for batch in _same_prompt_runs(children):
@@ -239,18 +251,25 @@ class EngineLoop:
                     engine.add_beam_search(first.prompt_ids, first.params, first.request_id)
                 else:  # n samples of one prompt: one prefill, forked blocks
                     engine.add_requests(first.prompt_ids, [c.params for c in batch],  # type: ignore[misc]
-                                        [c.request_id for c in batch])
+                                        [c.request_id for c in batch], priority=first.priority,
+                                        slo_ttft_ms=first.slo_ttft_ms, slo_tpot_ms=first.slo_tpot_ms)
                 added.extend(c.request_id for c in batch)
         except Exception as exc:  # noqa: BLE001 - all or nothing: withdraw the group
             for rid in added:
                 engine.abort(rid)
             self._release(len(children))
+            err: BaseException
             if isinstance(exc, ValueError):
-                _deliver(sink, RequestRejected(str(exc)))
+                err = RequestRejected(str(exc))
+            elif isinstance(exc, AdmissionRejected):
+                err = exc  # the server is busy, not the request wrong: a 429
             else:
                 log.error("adding request group %s failed:\n%s", group, traceback.format_exc())
-                _deliver(sink, EngineStepError(f"internal error: {type(exc).__name__} (see the server log)"))
+                err = EngineStepError(f"internal error: {type(exc).__name__} (see the server log)")
+            _deliver(sink, err)
+            _tell(on_added, err)
             return
+        _tell(on_added, None)
         for c in children:
             self._live[c.request_id] = _Live(sink, group, arrival, len(c.prompt_ids))
             self._queued_ids.add(c.request_id)
@@ -360,6 +379,15 @@ def _same_prompt_runs(children: list[Child]) -> list[list[Child]]:
         else:
             runs.append([c])
     return runs
+
+
+def _tell(on_added: Added | None, outcome: BaseException | None) -> None:
+    if on_added is None:
+        return
+    try:
+        on_added(outcome)
+    except Exception:  # noqa: BLE001 - a closed event loop must not take the engine down
+        log.debug("dropped an admission notice for a closed request", exc_info=True)
 
 
 def _deliver(sink: Sink, item: list[RequestOutput] | BaseException) -> None:

@@ -76,7 +76,7 @@ class Metrics:
         self.generation_tokens = Counter("fitserve_generation_tokens", "Generated tokens", registry=r)
         self.requests = Counter("fitserve_requests", "Finished requests by finish reason",
                                 ["finish_reason"], registry=r)
-        self.rejected = Counter("fitserve_requests_rejected", "Requests refused before the engine",
+        self.rejected = Counter("fitserve_requests_rejected", "Requests refused: 503 queue full, 429 slo admission",
                                 ["status"], registry=r)
         self.engine_alive = Gauge("fitserve_engine_alive", "1 while the engine thread runs", registry=r)
         self.spec = _SpecDecodeMetrics(r)

@@ -80,6 +80,11 @@ class _SamplingFields(BaseModel):
     # vLLM's extension: beam search with n beams returned (``n`` is the beam width)
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # vLLM's: lower runs first (needs --scheduling-policy priority; any other value is a 400)
+    priority: int = 0
+    # fitserve's: this request's own targets under --scheduling-policy slo (ms, > 0)
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
     def with_defaults(self, defaults: Mapping[str, float | int]) -> Self:
         """A copy whose omitted (None) fields among DEFAULTED_FIELDS take ``defaults``' values."""

@@ -24,6 +24,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from fitserve.loading.tokenizer import Tokenizer
+from fitserve.sched.slo import AdmissionRejected
 from fitserve.server.engine_loop import EngineLoop, EngineShutdown, EngineStepError, RequestRejected
 from fitserve.server.errors import APIError
 from fitserve.server.protocol import PromptTokensDetails, Usage, chat_body, completion_chunk
@@ -139,16 +140,31 @@ class Run:
         self.index = {c.request_id: k * per_child for k, c in enumerate(children)}
         self.finished: dict[str, RequestOutput] = {}
         self.mailbox: OutputMailbox | None = None
+        self._added: asyncio.Future[BaseException | None] | None = None
         self._submitted = False
         self._closed = False
 
     def submit(self, max_queued: int | None = None) -> bool:
         """Hand the children to the engine; False (nothing queued) if over ``max_queued``."""
-        self.mailbox = OutputMailbox(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        self.mailbox = OutputMailbox(loop)
+        self._added = loop.create_future()
+
+        def on_added(outcome: BaseException | None) -> None:  # engine thread
+            loop.call_soon_threadsafe(_settle, self._added, outcome)
+
         ok = self.engine_loop.submit(self.prep.group, self.children, self.prep.arrival,
-                                     self.mailbox.put, max_queued)
+                                     self.mailbox.put, max_queued, on_added)
         self._submitted = ok
         return ok
+
+    async def added(self) -> None:
+        """Wait until the engine has queued the children; raise the APIError if it refused
+        them (a 400 for a bad request, a 429 when the slo policy turns it away)."""
+        assert self._added is not None, "submit() first"
+        outcome = await self._added
+        if outcome is not None:
+            raise as_api_error(outcome)
 
     @property
     def backlog(self) -> int:
@@ -194,6 +210,11 @@ class Run:
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
+def _settle(fut: asyncio.Future[BaseException | None], outcome: BaseException | None) -> None:
+    if not fut.done():
+        fut.set_result(outcome)
+
+
 def as_api_error(exc: BaseException) -> APIError:
     """Client mistakes (RequestRejected) are 400, a shutdown 503, everything else 500."""
     if isinstance(exc, APIError):
@@ -202,6 +223,9 @@ def as_api_error(exc: BaseException) -> APIError:
         return APIError(503, str(exc), headers={"Retry-After": "5"})
     if isinstance(exc, RequestRejected):
         return APIError(400, str(exc))
+    if isinstance(exc, AdmissionRejected):
+        return APIError(429, str(exc), code="slo_ttft_unreachable",
+                        headers={"Retry-After": str(exc.retry_after_s)})
     if isinstance(exc, EngineStepError):
         return APIError(500, str(exc))
     return APIError(500, f"internal error: {type(exc).__name__}")

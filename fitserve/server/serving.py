@@ -7,6 +7,7 @@ so an invalid request is a 400 with the offending field named and leaves no trac
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -57,17 +58,22 @@ class Prepared:
     include_usage: bool
     arrival: float
     beam: BeamSearchParams | None = None  # use_beam_search: one child per prompt, n beams each
+    priority: int = 0  # scheduling: vLLM's priority, and this request's own SLO targets (ms)
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
     def children(self) -> list[Child]:
         """The engine requests; a child's id ends in its first choice index."""
         if self.beam is not None:
-            return [Child(f"{self.group}-{i * self.n}", ids, self.beam) for i, ids in enumerate(self.prompts)]
+            return [Child(f"{self.group}-{i * self.n}", ids, self.beam, self.priority)
+                    for i, ids in enumerate(self.prompts)]
         out = []
         for i, ids in enumerate(self.prompts):
             for j in range(self.n):
                 seed = None if self.params.seed is None else self.params.seed + j
                 params = dataclasses.replace(self.params, n=1, seed=seed)
-                out.append(Child(f"{self.group}-{i * self.n + j}", ids, params))
+                out.append(Child(f"{self.group}-{i * self.n + j}", ids, params, self.priority,
+                                 self.slo_ttft_ms, self.slo_tpot_ms))
         return out
 
     @property
@@ -209,10 +215,15 @@ def _prepared(
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    for name in ("slo_ttft_ms", "slo_tpot_ms"):
+        v = getattr(req, name)
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise bad_request(f"{name} must be a number of milliseconds > 0, got {v}", name)
     return Prepared(
         group=_new_id(prefix), created=int(time.time()), model=ctx.name, chat=chat,
         prompts=prompts, params=params, n=req.n, stream=req.stream, include_usage=include_usage,
         arrival=time.monotonic(), beam=_beam_params(req, prompts, params, ctx),
+        priority=req.priority, slo_ttft_ms=req.slo_ttft_ms, slo_tpot_ms=req.slo_tpot_ms,
     )
 
 

@@ -99,3 +99,30 @@ def test_bench_cli_writes_reports(server: Server, tmp_path: Path) -> None:
         assert again["goodput"] == round(k / dur, 4)
         if slo.tpot_ms is None or slo.ttft_ms is None:
             assert 4 <= k < 6  # the median request is on the bound, so it meets; the slowest miss
+
+
+def test_bench_cli_sweep_with_overlay(server: Server, tmp_path: Path) -> None:
+    """Two Poisson rates x 2 requests: the sweep table, its JSON, and a PNG with an overlay."""
+    earlier = {"kind": "goodput-sweep", "meta": {"label": "earlier", "slo": {}},
+               "rates": [{"offered_rate": 10.0, "goodput": 5.0}, {"offered_rate": 20.0, "goodput": 4.0}]}
+    (tmp_path / "earlier.json").write_text(json.dumps(earlier))
+    out_json, out_png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    cmd = [sys.executable, "-m", "fitserve.cli", "bench", "--base-url", f"{server.url}/v1", "--api-key", API_KEY,
+           "--request-rate", "10,20", "--num-requests", "2", "--warmup", "0", "--prompt-len", "fixed:6",
+           "--output-len", "fixed:3", "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--label", "now",
+           "--output-json", str(out_json), "--output-png", str(out_png), "--overlay", str(tmp_path / "earlier.json"),
+           "--knee", "15", "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert "goodput sweep" in proc.stdout
+    sweep = json.loads(out_json.read_text())
+    assert sweep["kind"] == "goodput-sweep" and sweep["meta"]["label"] == "now"
+    assert sweep["meta"]["workload"]["num_requests"] == 2
+    rows = sweep["rates"]
+    assert [r["offered_rate"] for r in rows] == [10.0, 20.0]
+    for r in rows:  # loose targets: every request completes and is good
+        assert (r["requests"], r["completed"], r["good"], r["rejected"], r["failed_other"]) == (2, 2, 2, 0, 0)
+        assert r["good_fraction"] == 1.0 and r["goodput"] == r["offered_rate"]  # offered x fraction
+        assert r["goodput_wall"] == r["request_throughput"] > 0
+        assert r["total_output_tokens"] == 6
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

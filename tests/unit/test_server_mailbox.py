@@ -43,8 +43,10 @@ class FakeEngineLoop:
         self.aborted: list[str] = []
 
     def submit(self, group: str, children: Sequence[Child], arrival: float, sink: Any,
-               max_queued: int | None = None) -> bool:
+               max_queued: int | None = None, on_added: Any = None) -> bool:
         self.sink = sink
+        if on_added is not None:
+            on_added(None)  # queued at once
         return True
 
     def abort(self, request_ids: Sequence[str]) -> None:

@@ -1,0 +1,225 @@
+"""Scheduling policies and the SLO rules: what the TPOT target caps, what TTFT admission predicts.
+
+Three policies (``--scheduling-policy``, vLLM's names plus ``slo``):
+
+- ``fcfs``: running requests oldest first, the queue first come first served;
+- ``priority``: requests in ``(priority, arrival)`` order, lower value first (vLLM's), in the
+  queue and among the running; the running request last in that order is preempted first;
+- ``slo``: fcfs order plus two rules driven by the step-time model
+  (:class:`fitserve.plan.step_time.StepTimeModel`) and the TTFT/TPOT targets.
+
+**Rule 1, the chunk cap.** A step that carries decodes must finish within the tightest TPOT
+target among them. Decodes always run; the tokens of prompt chunks in that step are capped at
+the most the model says still fit::
+
+    cap = max(min_prefill_tokens, max x: t(decodes + x tokens, decodes + 1 seqs,
+                                            kv_decodes + x) <= tpot)
+
+``min_prefill_tokens`` (one block) keeps the queue moving when the decodes alone fill the
+target; with no decode in the step there is nothing to protect and the budget is whole.
+
+**Rule 2, admission.** When a request arrives, its TTFT is predicted from the prompt tokens
+queued ahead of it (prompt chunks of running requests, then on-time waiting requests, then its
+own prompt) drained at the capped rate, plus the wait for a free seat when ``max_num_seqs`` is
+taken::
+
+    backlog = remaining prompt tokens of running requests still prefilling
+              + every on-time waiting request's tokens + its own prompt
+    decodes = the running decodes plus every request ahead of it (they will be decoding by
+              then), at most max_num_seqs - 1; cap = rule 1 for those decodes
+    ttft    = seat_wait + full x t(cap) + t(rest)      (full, rest = divmod(backlog, cap);
+              t(x) = t(decodes + x tokens, decodes + 1 seqs, kv of the decodes + x))
+    seat_wait = 0 if a seat is free, else (fewest steps any running request has left to its
+                max_tokens) x t(the running decodes' step)
+
+A request whose predicted TTFT exceeds its target is **rejected** (``slo_action="reject"``:
+:class:`AdmissionRejected`, a 429 with Retry-After on the server) or **deprioritised**
+(``"deprioritize"``: it waits behind every on-time request and is not counted in their
+backlog). With ``deprioritize``, a waiting request that has already waited longer than its
+target is moved behind the on-time ones too. Accepted requests are never dropped.
+
+Torch-free: the scheduler calls these with exact numbers, tests use a fake clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from fitserve.plan.step_time import StepShape, StepTimeModel
+from fitserve.sched.request import SchedRequest
+from fitserve.types import SchedulerOutput
+
+SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
+SLO_ACTIONS = ("reject", "deprioritize")
+
+
+class AdmissionRejected(RuntimeError):
+    """A request the ``slo`` policy turned away: its predicted TTFT misses its target.
+
+    Not a ValueError: the request is valid, the server is busy (HTTP 429, not 400).
+    """
+
+    def __init__(self, request_id: str, predicted_ttft_s: float, target_ttft_s: float) -> None:
+        self.request_id = request_id
+        self.predicted_ttft_s = predicted_ttft_s
+        self.target_ttft_s = target_ttft_s
+        # the queue ahead must drain by the overshoot before this request would make it
+        self.retry_after_s = max(1, math.ceil(predicted_ttft_s - target_ttft_s))
+        super().__init__(
+            f"request {request_id!r} would start after ~{predicted_ttft_s * 1e3:.0f} ms, past its "
+            f"TTFT target of {target_ttft_s * 1e3:.0f} ms (queued prompt tokens ahead of it); retry "
+            f"in {self.retry_after_s} s")
+
+
+@dataclass(frozen=True, slots=True)
+class SLOTargets:
+    """The server's targets in seconds (None: no target) and what to do with a late request."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    action: str = "reject"
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_s", "tpot_s"):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v > 0):
+                raise ValueError(f"SLO target {name} must be > 0, got {v!r}")
+        if self.action not in SLO_ACTIONS:
+            raise ValueError(f"slo action must be one of {', '.join(SLO_ACTIONS)}, got {self.action!r}")
+
+
+def step_shape(out: SchedulerOutput) -> StepShape:
+    """The step-time model's view of a planned step: tokens, sequences, cached tokens read."""
+    return StepShape(
+        new_tokens=sum(len(c.token_ids) for c in out.chunks),
+        seqs=len(out.chunks),
+        kv_tokens_read=sum(c.start_pos + len(c.token_ids) for c in out.chunks),
+    )
+
+
+def prefill_cap(model: StepTimeModel, tpot_s: float, *, decode_tokens: int, decode_seqs: int,
+                decode_kv: int, min_prefill_tokens: int) -> int:
+    """Rule 1: prompt-chunk tokens a step with these decodes may add within ``tpot_s``."""
+    fit = model.max_new_tokens(tpot_s, new_tokens=decode_tokens, seqs=decode_seqs,
+                               kv_tokens_read=decode_kv)
+    return max(min_prefill_tokens, fit)
+
+
+def predict_ttft(model: StepTimeModel, *, backlog_tokens: int, cap: int, decode_tokens: int,
+                 decode_seqs: int, decode_kv: int, seat_wait_s: float = 0.0) -> float:
+    """Rule 2: seconds until a request's last prompt token is computed (its first token).
+
+    The backlog drains ``cap`` tokens per step beside the decodes; the last step carries the
+    remainder: ``seat_wait_s + full x t(cap) + t(rest)`` with
+    ``t(x) = t(decodes + x, decodes + 1, kv + x)``.
+    """
+    cap = max(1, cap)
+
+    def step_s(x: int) -> float:
+        return model.predict(decode_tokens + x, decode_seqs + 1, decode_kv + x)
+
+    full, rest = divmod(max(0, backlog_tokens), cap)
+    return seat_wait_s + full * step_s(cap) + (step_s(rest) if rest else 0.0)
+
+
+class SLOController:
+    """The ``slo`` policy's two rules over the scheduler's running list and queue (see the
+    module docstring). The scheduler owns the lists; this only reads them and marks requests.
+    """
+
+    def __init__(self, targets: SLOTargets, *, max_num_batched_tokens: int, max_num_seqs: int,
+                 min_prefill_tokens: int, step_model: StepTimeModel | None = None) -> None:
+        self.targets = targets
+        self.step_model = step_model
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.min_prefill_tokens = min_prefill_tokens
+        self.num_rejected = 0
+        self.num_deprioritized = 0
+
+    def _model(self) -> StepTimeModel:
+        if self.step_model is None:
+            raise RuntimeError("the slo scheduling policy needs a step-time model (Scheduler.step_model)")
+        return self.step_model
+
+    def tpot_of(self, req: SchedRequest) -> float | None:
+        return req.slo_tpot_s if req.slo_tpot_s is not None else self.targets.tpot_s
+
+    def ttft_of(self, req: SchedRequest) -> float | None:
+        return req.slo_ttft_s if req.slo_ttft_s is not None else self.targets.ttft_s
+
+    @staticmethod
+    def decoding(running: Sequence[SchedRequest]) -> list[SchedRequest]:
+        """Running requests whose next chunk is one token (plus its drafts)."""
+        return [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+
+    def _cap(self, tpot: float | None, tokens: int, seqs: int, kv: int) -> int:
+        if tpot is None or seqs == 0:
+            return self.max_num_batched_tokens
+        cap = prefill_cap(self._model(), tpot, decode_tokens=tokens, decode_seqs=seqs,
+                          decode_kv=kv, min_prefill_tokens=self.min_prefill_tokens)
+        return min(cap, self.max_num_batched_tokens)
+
+    def prefill_cap(self, running: Sequence[SchedRequest]) -> int | None:
+        """Rule 1 for this step: prompt-chunk tokens allowed, None for no cap."""
+        dec = self.decoding(running)
+        tpots = [t for r in dec if (t := self.tpot_of(r)) is not None]
+        if not dec or not tpots:
+            return None
+        tokens = sum(1 + len(r.spec_token_ids) for r in dec)
+        kv = sum(r.num_tokens + len(r.spec_token_ids) for r in dec)
+        return self._cap(min(tpots), tokens, len(dec), kv)
+
+    def predict(self, req: SchedRequest, running: Sequence[SchedRequest],
+                waiting: Iterable[SchedRequest]) -> float:
+        """Rule 2: the TTFT a request arriving now would see (seconds)."""
+        ahead = [r for r in running if r.num_tokens - r.num_computed_tokens > 1]
+        ahead += [r for r in waiting if not r.late]
+        backlog = sum(r.num_tokens - r.num_computed_tokens for r in ahead) + req.num_tokens
+        dec = self.decoding(running)
+        # by the time its prompt runs, the requests ahead of it are decoding too
+        members = [*dec, *ahead][: self.max_num_seqs - 1]
+        seqs = len(members)
+        kv = sum(r.num_tokens for r in members)
+        tpots = [t for r in (*members, req) if (t := self.tpot_of(r)) is not None]
+        cap = self._cap(min(tpots) if tpots else None, seqs, seqs, kv)
+        seats = sum(r.seats for r in running) + sum(r.seats for r in ahead if r not in running)
+        seat_wait_s = 0.0
+        if seats + req.seats > self.max_num_seqs and running:
+            steps = min(max(1, r.max_tokens - len(r.output_token_ids)) for r in running)
+            seat_wait_s = steps * self._model().predict(len(dec), len(dec), sum(r.num_tokens for r in dec))
+        return predict_ttft(self._model(), backlog_tokens=backlog, cap=cap, decode_tokens=seqs,
+                            decode_seqs=seqs, decode_kv=kv, seat_wait_s=seat_wait_s)
+
+    def admit(self, req: SchedRequest, running: Sequence[SchedRequest],
+              waiting: Iterable[SchedRequest]) -> None:
+        """Predict the request's TTFT; reject it (AdmissionRejected) or mark it late if that
+        misses its target. Changes nothing else."""
+        target = self.ttft_of(req)
+        if target is None:
+            return
+        req.predicted_ttft_s = predicted = self.predict(req, running, waiting)
+        if predicted <= target:
+            return
+        if self.targets.action == "reject":
+            self.num_rejected += 1
+            raise AdmissionRejected(req.request_id, predicted, target)
+        req.late = True
+        self.num_deprioritized += 1
+
+    def mark_overdue(self, waiting: Iterable[SchedRequest], now: float) -> bool:
+        """``deprioritize``: requests never started that already waited past their TTFT target
+        become late. True when any changed (the queue must be re-sorted)."""
+        if self.targets.action != "deprioritize":
+            return False
+        changed = False
+        for r in waiting:
+            target = self.ttft_of(r)
+            if (not r.late and r.num_computed_tokens == 0 and r.num_preemptions == 0
+                    and target is not None and now - r.arrival_time > target):
+                r.late = True
+                self.num_deprioritized += 1
+                changed = True
+        return changed
