@@ -21,8 +21,8 @@ y = x line of the PNG). Past the knee FCFS admits every request, queues grow, TT
 blow past the targets and its goodput *falls* with load; the SLO policy rejects the requests it
 predicts would miss, so the ones it admits stay within target and its goodput should stay near
 the knee instead of collapsing. The predicted knee is `fitserve.plan.step_time.predicted_knee`
-of the step-time model the slo server uses (the newest file under $FITSERVE_HOME/step-models
-after it starts, or `--step-model`); the measured knee is the highest offered rate at which FCFS
+of the step-time model the slo server uses (measured first by `fitserve profile --workload
+calibrate` with the servers' engine flags, or `--step-model`); the measured knee is the highest offered rate at which FCFS
 goodput is >= 90% of the offered load. Their agreement is a check of the step-time model.
 
 Outputs in --out-dir: one sweep JSON per policy (`fitserve bench --overlay` reads them), the
@@ -66,12 +66,6 @@ def cpu_description() -> str:
             f"amx/avx512 flags: {' '.join(isa) or 'none'}")
 
 
-def newest_step_model(home: Path) -> Path | None:
-    """The most recently written ``*.json`` under ``home/step-models`` (None when there is none)."""
-    files = list((home / "step-models").glob("*.json"))
-    return max(files, key=lambda f: f.stat().st_mtime) if files else None
-
-
 def predicted_knee_of(path: Path, args: argparse.Namespace) -> float | None:
     """``predicted_knee`` of the step-time model in ``path`` for this benchmark's requests."""
     from fitserve.plan.errors import PlanError
@@ -87,6 +81,23 @@ def predicted_knee_of(path: Path, args: argparse.Namespace) -> float | None:
                           tpot_s=args.slo_tpot_ms / 1000)
 
 
+def calibrate(args: argparse.Namespace) -> Path:
+    """Measure the step-time model the slo server will use: `fitserve profile --workload
+    calibrate` with the servers' engine flags; prints its held-out error; returns the file."""
+    import subprocess
+
+    out = args.out_dir / "calibrate"
+    cmd = [sys.executable, "-m", "fitserve.cli", "profile", "--workload", "calibrate", "--model", args.model,
+           "--max-model-len", str(args.max_model_len), "--output-dir", str(out), *args.serve_arg]
+    print("calibrating:", " ".join(cmd[2:]), flush=True)
+    subprocess.run(cmd, check=True)
+    summary = json.loads((out / "summary.json").read_text())
+    err = summary["held_out_error"]
+    print(f"held-out error of the step-time model ({summary['held_out_steps']} steps): median "
+          f"{err['median_rel']:.1%}, p90 {err['p90_rel']:.1%}, max {err['max_rel']:.1%}", flush=True)
+    return out / "step_model.json"
+
+
 def server_command(policy: str, port: int, args: argparse.Namespace) -> list[str]:
     """`fitserve serve` for one policy; every other flag is the same for all policies."""
     cmd = [sys.executable, "-m", "fitserve.cli", "serve", "--port", str(port), "--model", args.model,
@@ -94,14 +105,12 @@ def server_command(policy: str, port: int, args: argparse.Namespace) -> list[str
            "--scheduling-policy", policy, *args.serve_arg]
     if policy == "slo":
         cmd += ["--slo-ttft-ms", f"{args.slo_ttft_ms:g}", "--slo-tpot-ms", f"{args.slo_tpot_ms:g}",
-                "--slo-action", args.slo_action]
+                "--slo-action", args.slo_action, "--step-model", str(args.step_model)]
     return cmd
 
 
-def run_policy(policy: str, rates: list[float], args: argparse.Namespace) -> tuple[dict[str, Any], Path | None]:
-    """Start the server for ``policy``, sweep the rates; return the sweep and its step-time model."""
-    from fitserve.plan.hardware import fitserve_home
-
+def run_policy(policy: str, rates: list[float], args: argparse.Namespace) -> dict[str, Any]:
+    """Start the server for ``policy`` and sweep the rates on it."""
     port = _free_port()
     out_json = args.out_dir / f"{policy}.json"
     # NOTE: enough requests that --duration, not --num-requests, ends each rate's run
@@ -113,13 +122,9 @@ def run_policy(policy: str, rates: list[float], args: argparse.Namespace) -> tup
         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, output_json=out_json,
         output_png=args.out_dir / f"{policy}.png", label=policy,
     )
-    step_model = None
     with _server(server_command(policy, port, args), f"http://127.0.0.1:{port}/health",
                  args.out_dir / f"{policy}.log"):
-        if policy == "slo":
-            step_model = newest_step_model(fitserve_home())  # written (or reused) at start-up
-        sweep = run_sweep(cfg, rates)  # writes its JSON (an --overlay input) and its own PNG
-    return sweep, step_model
+        return run_sweep(cfg, rates)  # writes its JSON (an --overlay input) and its own PNG
 
 
 def comparison_table(sweeps: dict[str, dict[str, Any]]) -> str:
@@ -161,8 +166,8 @@ def main() -> int:
     p.add_argument("--serve-arg", action="append", default=[],
                    help="one more `fitserve serve` flag for every server (repeat; e.g. --serve-arg=--dtype=float32)")
     p.add_argument("--step-model", type=Path, default=None,
-                   help="step-time model JSON for the predicted knee (default: the newest under "
-                        "$FITSERVE_HOME/step-models once the slo server has started)")
+                   help="step-time model JSON the slo server uses and the predicted knee comes "
+                        "from (default: measured first with fitserve profile --workload calibrate)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, default=Path("bench-slo-results"))
     args = p.parse_args()
@@ -175,16 +180,15 @@ def main() -> int:
           f"Poisson arrivals for {args.duration:g} s per rate; SLO TTFT <= {args.slo_ttft_ms:g} ms, "
           f"TPOT <= {args.slo_tpot_ms:g} ms", flush=True)
 
+    if args.step_model is None:
+        args.step_model = calibrate(args)
+    knee = predicted_knee_of(args.step_model, args)
+    print(f"predicted knee at TPOT {args.slo_tpot_ms:g} ms: "
+          f"{'n/a' if knee is None else f'{knee:.2f} req/s'}", flush=True)
     sweeps: dict[str, dict[str, Any]] = {}
-    step_model: Path | None = args.step_model
     for policy in policies:
-        sweeps[policy], used = run_policy(policy, args.rates, args)
-        step_model = step_model or used
-    if step_model is None:
-        from fitserve.plan.hardware import fitserve_home
-
-        step_model = newest_step_model(fitserve_home())  # an earlier slo run's, if any
-    knee = predicted_knee_of(step_model, args) if step_model is not None else None
+        sweeps[policy] = run_policy(policy, args.rates, args)
+    step_model = args.step_model
     reference = "fcfs" if "fcfs" in sweeps else policies[0]
     measured = measured_knee(sweeps[reference])
 

@@ -39,6 +39,7 @@ from fitserve.loading import IncrementalDetokenizer, LoadedModel, load_model
 from fitserve.model.linear import cpp_ops_available
 from fitserve.model.llama import build_model, check_supported, held_weight_bytes
 from fitserve.plan.formats import resolve_engine_weights
+from fitserve.plan.step_time import StepShape
 from fitserve.plan.weights import engine_format_rule, engine_weight_bytes
 from fitserve.quant.hold import loaded_weights_choice
 from fitserve.runner import ModelRunner
@@ -61,6 +62,9 @@ log = logging.getLogger("fitserve.engine")
 
 FaultHook = Callable[[Sequence[str]], None]
 """Test-only: called with the request ids of each (sub-)step before it runs; raising fails it."""
+
+BUSY_GAP_S = 0.05
+"""A pause between two steps longer than this is idle time, not part of the earlier step."""
 
 STEP_LOG_LEN = 1 << 14
 """Steps :attr:`Engine.step_log` keeps (the newest)."""
@@ -87,6 +91,7 @@ class EngineStats:
     num_steps: int = 0  # model steps run since start
     slo_rejected: int = 0  # requests the slo policy turned away (predicted TTFT too long)
     slo_deprioritized: int = 0  # ... or queued behind the on-time ones
+    slo_step_time_correction: float | None = None  # measured / predicted step time (slo policy)
 
 
 class Engine:
@@ -407,13 +412,22 @@ class Engine:
         return outputs
 
     def _record_step(self, plan: SchedulerOutput, t_start: float, forward_s: float) -> None:
+        slo = self.scheduler.slo
+        if slo is not None and self.step_log:
+            # the previous step's time as a client sees it: start to this start, when the
+            # engine went straight on (a longer gap was idle time, not the step's)
+            prev = self.step_log[-1]
+            gap = t_start - (prev.start + prev.seconds)
+            took = t_start - prev.start if gap < BUSY_GAP_S else prev.seconds
+            slo.observe(StepShape(prev.new_tokens, prev.seqs, prev.kv_tokens_read), took)
         shape = step_shape(plan)
         prefill = sum(len(c.token_ids) for c in plan.chunks if len(c.token_ids) > 1 and not c.num_draft)
         decodes = sum(1 for c in plan.chunks if len(c.token_ids) == 1 or c.num_draft)
         self.step_log.append(StepRecord(
             index=self.num_steps, start=t_start, seconds=time.perf_counter() - t_start,
             forward_seconds=forward_s, new_tokens=shape.new_tokens, seqs=shape.seqs,
-            kv_tokens_read=shape.kv_tokens_read, num_prefill_tokens=prefill, num_decodes=decodes))
+            kv_tokens_read=shape.kv_tokens_read, num_prefill_tokens=prefill, num_decodes=decodes,
+            prefill_cap=plan.prefill_cap))
 
     def _execute(
         self, plan: SchedulerOutput, states: dict[str, RequestSamplingState], top: bool = False
@@ -508,6 +522,7 @@ class Engine:
             num_steps=self.num_steps,
             slo_rejected=0 if self.scheduler.slo is None else self.scheduler.slo.num_rejected,
             slo_deprioritized=0 if self.scheduler.slo is None else self.scheduler.slo.num_deprioritized,
+            slo_step_time_correction=None if self.scheduler.slo is None else self.scheduler.slo.correction,
         )
 
     def request_of(self, scheduler_id: str) -> str:

@@ -56,6 +56,8 @@ class SchedulerOutput:
     # copy-on-write: (src, dst) physical blocks whose K/V the runner copies, in order, before
     # this step's forward writes anything (a shared partial block a request is about to write)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # slo policy: the prompt-chunk tokens this step was allowed beside its decodes (None: no cap)
+    prefill_cap: int | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -80,6 +82,7 @@ class StepRecord:
     kv_tokens_read: int
     num_prefill_tokens: int  # tokens of chunks longer than one token (prompt chunks)
     num_decodes: int  # one-token chunks (drafts ride along a decode's chunk)
+    prefill_cap: int | None = None  # the slo policy's chunk cap in this step (None: none)
 
 
 @dataclass(slots=True)

@@ -289,7 +289,7 @@ class Scheduler:
         if self.slo is not None:
             if self.slo.mark_overdue(self.waiting, self.clock()):
                 self.waiting = deque(sorted(self.waiting, key=self._order_key))
-            self._prefill_left = self.slo.prefill_cap(self.running)
+            self._prefill_left = out.prefill_cap = self.slo.prefill_cap(self.running)
         budget = self._schedule_running(out, budget)
         # NOTE: after a preemption the pool is tight; admitting new work now would only
         # cause more preemptions next step.

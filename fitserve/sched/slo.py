@@ -32,11 +32,25 @@ taken::
     seat_wait = 0 if a seat is free, else (fewest steps any running request has left to its
                 max_tokens) x t(the running decodes' step)
 
-A request whose predicted TTFT exceeds its target is **rejected** (``slo_action="reject"``:
+**Rule 3, TPOT admission.** The decode batch itself must fit the TPOT target: a request is
+admitted only if a step decoding every running and on-time queued request plus it (at most
+``max_num_seqs``; contexts as they are now), beside the minimum prompt chunk, is predicted
+within the tightest TPOT target among them::
+
+    t(B + min_prefill tokens, B + 1 seqs, kv of the B + min_prefill) <= tpot
+
+Without it a TTFT-only rule keeps admitting until the decodes alone overrun every step.
+
+A request whose predicted TTFT or decode step exceeds its target is **rejected**
+(``slo_action="reject"``:
 :class:`AdmissionRejected`, a 429 with Retry-After on the server) or **deprioritised**
 (``"deprioritize"``: it waits behind every on-time request and is not counted in their
 backlog). With ``deprioritize``, a waiting request that has already waited longer than its
 target is moved behind the on-time ones too. Accepted requests are never dropped.
+
+Every rule predicts with the step-time model scaled by a running measured/predicted ratio
+(:meth:`SLOController.observe`, fed by the engine after each step), so a model fitted on an
+idle engine stays honest under serving load.
 
 Torch-free: the scheduler calls these with exact numbers, tests use a fake clock.
 """
@@ -52,25 +66,31 @@ from fitserve.sched.request import SchedRequest
 from fitserve.types import SchedulerOutput
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
+CORRECTION_WEIGHT = 0.2  # of each new measured/predicted ratio in the running correction
+CORRECTION_MIN, CORRECTION_MAX = 0.5, 4.0
 SLO_ACTIONS = ("reject", "deprioritize")
 
 
 class AdmissionRejected(RuntimeError):
-    """A request the ``slo`` policy turned away: its predicted TTFT misses its target.
+    """A request the ``slo`` policy turned away: its predicted TTFT, or the decode step it would
+    join, misses its target (``target`` is "TTFT" or "TPOT").
 
     Not a ValueError: the request is valid, the server is busy (HTTP 429, not 400).
     """
 
-    def __init__(self, request_id: str, predicted_ttft_s: float, target_ttft_s: float) -> None:
+    def __init__(self, request_id: str, target: str, predicted_s: float, target_s: float,
+                 retry_after_s: float) -> None:
         self.request_id = request_id
-        self.predicted_ttft_s = predicted_ttft_s
-        self.target_ttft_s = target_ttft_s
-        # the queue ahead must drain by the overshoot before this request would make it
-        self.retry_after_s = max(1, math.ceil(predicted_ttft_s - target_ttft_s))
-        super().__init__(
-            f"request {request_id!r} would start after ~{predicted_ttft_s * 1e3:.0f} ms, past its "
-            f"TTFT target of {target_ttft_s * 1e3:.0f} ms (queued prompt tokens ahead of it); retry "
-            f"in {self.retry_after_s} s")
+        self.target = target
+        self.predicted_s = predicted_s
+        self.target_s = target_s
+        self.retry_after_s = max(1, math.ceil(retry_after_s))
+        why = (f"would start after ~{predicted_s * 1e3:.0f} ms (queued prompt tokens ahead of it)"
+               if target == "TTFT" else
+               f"would make each decode step ~{predicted_s * 1e3:.0f} ms (the sequences running "
+               "and queued, with it)")
+        super().__init__(f"request {request_id!r} {why}, past its {target} target of "
+                         f"{target_s * 1e3:.0f} ms; retry in {self.retry_after_s} s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,11 +158,42 @@ class SLOController:
         self.min_prefill_tokens = min_prefill_tokens
         self.num_rejected = 0
         self.num_deprioritized = 0
+        # measured / predicted step time, a running average: the rules use the model scaled by it
+        self.correction = 1.0
+        self._scaled: tuple[StepTimeModel, float, StepTimeModel] | None = None
 
     def _model(self) -> StepTimeModel:
-        if self.step_model is None:
+        """The step-time model scaled by the measured correction (see :meth:`observe`)."""
+        m = self.step_model
+        if m is None:
             raise RuntimeError("the slo scheduling policy needs a step-time model (Scheduler.step_model)")
-        return self.step_model
+        k = self.correction
+        if k == 1.0:
+            return m
+        if self._scaled is None or self._scaled[0] is not m or self._scaled[1] != k:
+            self._scaled = (m, k, StepTimeModel(m.a * k, m.b * k, m.c * k, m.d * k, m.source))
+        return self._scaled[2]
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """Feed one step's measured time (start to the next step's start while the engine is
+        busy: what a streaming client waits per token) back into the correction::
+
+            correction <- (1 - CORRECTION_WEIGHT) correction + CORRECTION_WEIGHT x measured / predicted
+
+        clamped to [CORRECTION_MIN, CORRECTION_MAX].
+
+        NOTE: a model calibrated on an idle engine under-predicts a serving one (the HTTP side
+        and the clients share the cores, the GIL and the memory bus); the ratio is the cheap,
+        honest fix, and the server reports it (fitserve_slo_step_time_correction).
+        """
+        if self.step_model is None or seconds <= 0:
+            return
+        predicted = self.step_model.predict_shape(shape)
+        if predicted <= 0:
+            return
+        ratio = seconds / predicted
+        k = (1 - CORRECTION_WEIGHT) * self.correction + CORRECTION_WEIGHT * ratio
+        self.correction = min(CORRECTION_MAX, max(CORRECTION_MIN, k))
 
     def tpot_of(self, req: SchedRequest) -> float | None:
         return req.slo_tpot_s if req.slo_tpot_s is not None else self.targets.tpot_s
@@ -193,19 +244,44 @@ class SLOController:
         return predict_ttft(self._model(), backlog_tokens=backlog, cap=cap, decode_tokens=seqs,
                             decode_seqs=seqs, decode_kv=kv, seat_wait_s=seat_wait_s)
 
+    def decode_step_with(self, req: SchedRequest, running: Sequence[SchedRequest],
+                         waiting: Iterable[SchedRequest]) -> float:
+        """Rule 3: a decode step of every running and on-time queued request plus this one
+        (at most max_num_seqs), with the minimum prompt chunk beside it (seconds)."""
+        seqs, kv = req.seats, req.seats * req.num_tokens  # n > 1: every sample decodes
+        for r in (*running, *(r for r in waiting if not r.late)):
+            if seqs + r.seats > self.max_num_seqs:
+                break
+            seqs, kv = seqs + r.seats, kv + r.seats * r.num_tokens
+        x = self.min_prefill_tokens
+        return self._model().predict(seqs + x, seqs + 1, kv + x)
+
     def admit(self, req: SchedRequest, running: Sequence[SchedRequest],
               waiting: Iterable[SchedRequest]) -> None:
-        """Predict the request's TTFT; reject it (AdmissionRejected) or mark it late if that
-        misses its target. Changes nothing else."""
-        target = self.ttft_of(req)
-        if target is None:
-            return
-        req.predicted_ttft_s = predicted = self.predict(req, running, waiting)
-        if predicted <= target:
+        """Rules 2 and 3: reject the request (AdmissionRejected) or mark it late if its TTFT or
+        the decode step it joins would miss its target. Changes nothing else."""
+        waiting = list(waiting)
+        miss: tuple[str, float, float, float] | None = None
+        ttft = self.ttft_of(req)
+        if ttft is not None:
+            req.predicted_ttft_s = predicted = self.predict(req, running, waiting)
+            if predicted > ttft:
+                miss = ("TTFT", predicted, ttft, predicted - ttft)
+        # the tightest TPOT target among the sequences it would decode beside, its own included
+        tpots = [t for r in (req, *running, *(w for w in waiting if not w.late))
+                 if (t := self.tpot_of(r)) is not None]
+        tpot = min(tpots) if tpots else None
+        if miss is None and tpot is not None:
+            step = self.decode_step_with(req, running, waiting)
+            if step > tpot:
+                # a seat in the batch frees when the running request closest to done ends
+                left = min((max(1, r.max_tokens - len(r.output_token_ids)) for r in running), default=1)
+                miss = ("TPOT", step, tpot, left * tpot)
+        if miss is None:
             return
         if self.targets.action == "reject":
             self.num_rejected += 1
-            raise AdmissionRejected(req.request_id, predicted, target)
+            raise AdmissionRejected(req.request_id, *miss)
         req.late = True
         self.num_deprioritized += 1
 

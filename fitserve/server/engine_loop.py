@@ -333,7 +333,8 @@ class EngineLoop:
             return
         self._last_publish = now
         st = engine.stats(with_owners=True)
-        gauges = EngineGauges(st.num_running, st.num_waiting, st.total_preemptions, st.kv, st.spec_decode)
+        gauges = EngineGauges(st.num_running, st.num_waiting, st.total_preemptions, st.kv, st.spec_decode,
+                              st.slo_deprioritized, st.slo_step_time_correction)
         self.metrics.set_gauges(gauges)
         holders: dict[str, int] = {}  # request -> blocks it holds (a beam search: all its beams')
         for owners in st.block_owners.values():

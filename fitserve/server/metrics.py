@@ -41,6 +41,8 @@ class EngineGauges:
     total_preemptions: int
     kv: KVStats
     spec_decode: SpecDecodeStats | None = None  # None: speculative decoding is off
+    slo_deprioritized: int = 0  # --scheduling-policy slo: requests queued behind on-time ones
+    slo_step_time_correction: float | None = None  # its measured / predicted step time
 
 
 class Metrics:
@@ -79,6 +81,11 @@ class Metrics:
         self.rejected = Counter("fitserve_requests_rejected", "Requests refused: 503 queue full, 429 slo admission",
                                 ["status"], registry=r)
         self.engine_alive = Gauge("fitserve_engine_alive", "1 while the engine thread runs", registry=r)
+        self.slo_deprioritized = Counter("fitserve_slo_deprioritized", "Requests the slo policy "
+                                         "queued behind the on-time ones", registry=r)
+        self.slo_correction = Gauge("fitserve_slo_step_time_correction", "slo policy: measured / "
+                                    "predicted step time (running average)", registry=r)
+        self._last_deprioritized = 0
         self.spec = _SpecDecodeMetrics(r)
         self._lock = threading.Lock()
         self._last_preemptions = 0
@@ -133,6 +140,11 @@ class Metrics:
         self.kv_shared.set(g.kv.shared_blocks)
         if g.spec_decode is not None:
             self.spec.update(g.spec_decode)
+        if g.slo_deprioritized > self._last_deprioritized:
+            self.slo_deprioritized.inc(g.slo_deprioritized - self._last_deprioritized)
+            self._last_deprioritized = g.slo_deprioritized
+        if g.slo_step_time_correction is not None:
+            self.slo_correction.set(g.slo_step_time_correction)
 
     # -- readers (HTTP thread) ----------------------------------------------------------------
     def exposition(self) -> bytes:

@@ -60,7 +60,8 @@ def lens(out: SchedulerOutput) -> dict[str, int]:
     (None, 100),  # no TPOT target: the whole prompt (budget 512)
 ])
 def test_tpot_target_caps_the_prompt_chunk_beside_decodes(tpot_ms: float | None, chunk: int) -> None:
-    s = make(tpot_ms=tpot_ms)
+    # deprioritize: admission (which would turn the 12 ms requests away) queues them anyway
+    s = make(tpot_ms=tpot_ms, action="deprioritize")
     for i in range(4):
         s.add_request(req(f"d{i}", 2))
     assert lens(run(s)) == {f"d{i}": 2 for i in range(4)}  # no decodes yet: nothing capped
@@ -110,7 +111,7 @@ def test_admission_rejects_exactly_the_requests_predicted_to_miss_ttft() -> None
     with pytest.raises(AdmissionRejected) as info:
         s.add_request(req("r2", 32))
     exc = info.value
-    assert exc.predicted_ttft_s == pytest.approx(0.120, abs=1e-12) and exc.target_ttft_s == 0.1
+    assert exc.predicted_s == pytest.approx(0.120, abs=1e-12) and exc.target_s == 0.1 and exc.target == "TTFT"
     assert exc.retry_after_s == 1 and "r2" in str(exc) and "TTFT target" in str(exc)
     assert s.get("r2") is None and s.num_waiting == 2 and s.kv.pool.num_free_blocks == free
     r3 = req("r3", 8)
@@ -119,6 +120,27 @@ def test_admission_rejects_exactly_the_requests_predicted_to_miss_ttft() -> None
     assert s.slo is not None and s.slo.num_rejected == 1
     # the rejected id is free to come back later
     assert [c.request_id for c in run(s).chunks] == ["r0", "r1"]
+
+
+def test_admission_keeps_the_decode_batch_within_the_tpot_target() -> None:
+    """TPOT 30 ms, one block (4 tokens) of prompt beside the decodes: a step of B decodes
+    takes 10 + (B + 4) ms, so B = 16 fits and the 17th request is turned away."""
+    s = make(tpot_ms=30, seqs=64)
+    for i in range(16):
+        s.add_request(req(f"r{i}", 2))
+    with pytest.raises(AdmissionRejected) as info:
+        s.add_request(req("r16", 2))
+    exc = info.value
+    assert exc.target == "TPOT" and exc.target_s == 0.030
+    assert exc.predicted_s == pytest.approx(0.010 + 0.001 * (17 + 4), abs=1e-12)
+    assert "TPOT target of 30 ms" in str(exc) and exc.retry_after_s == 1
+    assert s.num_waiting == 16 and s.get("r16") is None
+    # a request bringing its own tighter target makes the bar lower for the batch it joins
+    t = make(tpot_ms=30)
+    t.add_request(req("tight", 2, slo_tpot_s=0.016))  # 10 + (1 + 4) = 15 ms
+    t.add_request(req("second", 2))  # 10 + (2 + 4) = 16 ms: fits the 16 ms exactly
+    with pytest.raises(AdmissionRejected, match="TPOT target of 16 ms"):
+        t.add_request(req("third", 2))  # 17 ms: fine for its own 30 ms, not for "tight"
 
 
 def test_deprioritize_queues_a_late_request_behind_the_on_time_ones() -> None:
@@ -215,3 +237,25 @@ def test_step_shape_counts_tokens_seqs_and_context_read() -> None:
     ], num_batched_tokens=20)
     shape = step_shape(out)
     assert (shape.new_tokens, shape.seqs, shape.kv_tokens_read) == (20, 3, 16 + 41 + 12)
+
+
+def test_measured_steps_scale_the_model_the_rules_use() -> None:
+    """Steps measured at twice the model's time: the correction moves a fifth of the way each
+    step (1.2, then 1.36) and the chunk cap shrinks with the scaled model."""
+    s = make(tpot_ms=50, action="deprioritize")
+    assert s.slo is not None
+    for i in range(4):
+        s.add_request(req(f"d{i}", 2))
+    run(s)
+    shape = step_shape(SchedulerOutput(chunks=[ScheduledChunk("x", [1] * 10, 0, [0, 1, 2], True)],
+                                       num_batched_tokens=10))
+    s.slo.observe(shape, 2 * MODEL.predict_shape(shape))
+    assert s.slo.correction == pytest.approx(1.2, abs=1e-12)
+    s.slo.observe(shape, 2 * MODEL.predict_shape(shape))
+    assert s.slo.correction == pytest.approx(1.36, abs=1e-12)
+    s.add_request(req("long", 100))
+    # 1.36 x (10 + 4 + x) <= 50  ->  x = floor(50 / 1.36 - 14) = 22
+    assert lens(run(s))["long"] == 22
+    for _ in range(50):  # a wild measurement cannot push it past the clamp
+        s.slo.observe(shape, 100 * MODEL.predict_shape(shape))
+    assert s.slo.correction == 4.0
