@@ -96,6 +96,8 @@ class SchedulerConfig:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     slo_action: str = "reject"
+    # the share of each target the slo rules plan for (fitserve.sched.slo.SLOTargets.headroom)
+    slo_headroom: float = 0.85
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle")

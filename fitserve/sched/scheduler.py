@@ -97,7 +97,8 @@ class Scheduler:
         if self.policy == "slo":
             ttft, tpot = config.slo_ttft_ms, config.slo_tpot_ms
             targets = SLOTargets(None if ttft is None else ttft / 1000,
-                                 None if tpot is None else tpot / 1000, config.slo_action)
+                                 None if tpot is None else tpot / 1000, config.slo_action,
+                                 config.slo_headroom)
             self.slo = SLOController(targets, max_num_batched_tokens=config.max_num_batched_tokens,
                                      max_num_seqs=config.max_num_seqs,
                                      min_prefill_tokens=kv.block_size, step_model=step_model)

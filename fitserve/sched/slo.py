@@ -100,12 +100,17 @@ class SLOTargets:
     ttft_s: float | None = None
     tpot_s: float | None = None
     action: str = "reject"
+    # the rules plan for this share of each target, so that the model's error (held-out p90
+    # ~20% here) and the steps' jitter land inside the target rather than half above it
+    headroom: float = 0.85
 
     def __post_init__(self) -> None:
         for name in ("ttft_s", "tpot_s"):
             v = getattr(self, name)
             if v is not None and not (math.isfinite(v) and v > 0):
                 raise ValueError(f"SLO target {name} must be > 0, got {v!r}")
+        if not 0 < self.headroom <= 1:
+            raise ValueError(f"slo headroom must be in (0, 1], got {self.headroom!r}")
         if self.action not in SLO_ACTIONS:
             raise ValueError(f"slo action must be one of {', '.join(SLO_ACTIONS)}, got {self.action!r}")
 
@@ -196,10 +201,14 @@ class SLOController:
         self.correction = min(CORRECTION_MAX, max(CORRECTION_MIN, k))
 
     def tpot_of(self, req: SchedRequest) -> float | None:
-        return req.slo_tpot_s if req.slo_tpot_s is not None else self.targets.tpot_s
+        """The TPOT the rules plan for: the request's (or the server's) target x headroom."""
+        t = req.slo_tpot_s if req.slo_tpot_s is not None else self.targets.tpot_s
+        return None if t is None else t * self.targets.headroom
 
     def ttft_of(self, req: SchedRequest) -> float | None:
-        return req.slo_ttft_s if req.slo_ttft_s is not None else self.targets.ttft_s
+        """The TTFT the rules plan for: the request's (or the server's) target x headroom."""
+        t = req.slo_ttft_s if req.slo_ttft_s is not None else self.targets.ttft_s
+        return None if t is None else t * self.targets.headroom
 
     @staticmethod
     def decoding(running: Sequence[SchedRequest]) -> list[SchedRequest]:
@@ -281,7 +290,8 @@ class SLOController:
             return
         if self.targets.action == "reject":
             self.num_rejected += 1
-            raise AdmissionRejected(req.request_id, *miss)
+            what, predicted, planned, wait = miss
+            raise AdmissionRejected(req.request_id, what, predicted, planned / self.targets.headroom, wait)
         req.late = True
         self.num_deprioritized += 1
 
@@ -292,7 +302,7 @@ class SLOController:
             return False
         changed = False
         for r in waiting:
-            target = self.ttft_of(r)
+            target = r.slo_ttft_s if r.slo_ttft_s is not None else self.targets.ttft_s
             if (not r.late and r.num_computed_tokens == 0 and r.num_preemptions == 0
                     and target is not None and now - r.arrival_time > target):
                 r.late = True

@@ -30,9 +30,10 @@ class Clock:
 def make(policy: str = "slo", *, budget: int = 512, seqs: int = 8, ttft_ms: float | None = None,
          tpot_ms: float | None = None, action: str = "reject", clock: Clock | None = None,
          num_blocks: int = 256) -> Scheduler:
+    # headroom 1: the rules plan for the targets themselves (the arithmetic below is exact)
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs, max_model_len=1024,
                           scheduling_policy=policy, slo_ttft_ms=ttft_ms, slo_tpot_ms=tpot_ms,
-                          slo_action=action)
+                          slo_action=action, slo_headroom=1.0)
     return Scheduler(cfg, KVCacheManager(num_blocks, 4), step_model=MODEL if policy == "slo" else None,
                      clock=clock or Clock())
 
@@ -259,3 +260,24 @@ def test_measured_steps_scale_the_model_the_rules_use() -> None:
     for _ in range(50):  # a wild measurement cannot push it past the clamp
         s.slo.observe(shape, 100 * MODEL.predict_shape(shape))
     assert s.slo.correction == 4.0
+
+
+def test_headroom_plans_for_a_share_of_the_target() -> None:
+    def sched(**kw: float) -> Scheduler:  # the default headroom, 0.85
+        cfg = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8, max_model_len=1024,
+                              scheduling_policy="slo", **kw)  # type: ignore[arg-type]
+        return Scheduler(cfg, KVCacheManager(256, 4), step_model=MODEL, clock=Clock())
+
+    s = sched(slo_tpot_ms=50)
+    for i in range(4):
+        s.add_request(req(f"d{i}", 2))
+    run(s)
+    s.add_request(req("long", 100))
+    assert lens(run(s))["long"] == 28  # 10 + 4 + x <= 0.85 x 50 = 42.5 ms  ->  x = 28
+    t = sched(slo_ttft_ms=40)
+    with pytest.raises(AdmissionRejected) as info:  # t(30) = 40 ms: the target, not 0.85 of it
+        t.add_request(req("p", 30))
+    assert info.value.target_s == pytest.approx(0.040) and info.value.predicted_s == pytest.approx(0.040)
+    t.add_request(req("q", 23))  # t(23) = 33 ms <= 0.85 x 40 = 34 ms
+    with pytest.raises(ValueError, match="headroom must be in"):
+        Scheduler(SchedulerConfig(scheduling_policy="slo", slo_headroom=1.5), KVCacheManager(8, 4))
