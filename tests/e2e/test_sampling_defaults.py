@@ -94,9 +94,9 @@ class RecordingEngine(Engine):
         super().__init__(config)
         self.seen: list[SamplingParams] = []
 
-    def add_requests(self, prompt: Any, params: Any, request_ids: Any = None) -> list[str]:
+    def add_requests(self, prompt: Any, params: Any, request_ids: Any = None, **scheduling: Any) -> list[str]:
         self.seen.extend(params)  # every request comes through here (add_request too)
-        return super().add_requests(prompt, params, request_ids)
+        return super().add_requests(prompt, params, request_ids, **scheduling)
 
 
 def test_in_process_auto_and_vllm_modes(tmp_path: Path) -> None:

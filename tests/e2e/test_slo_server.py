@@ -8,10 +8,7 @@ are exact: a request's own ``slo_ttft_ms`` below its predicted TTFT is always tu
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -69,9 +66,12 @@ def test_bad_scheduling_fields_are_400(slo_server: Server, extra: dict[str, obje
     assert r.status_code == 400 and needle in r.json()["error"]["message"]
 
 
-def test_a_bad_scheduling_setting_stops_the_server_at_start_up(tmp_path: Path) -> None:
+def test_a_bad_scheduling_setting_stops_the_server_at_start_up(capsys: pytest.CaptureFixture[str]) -> None:
+    from fitserve.cli import main
+
+    # in-process: serve checks these before it loads anything or binds a port
     for flags, needle in ((["--scheduling-policy", "slo"], "needs a target"),
                           (["--slo-ttft-ms", "100"], "apply to --scheduling-policy slo")):
-        proc = subprocess.run([sys.executable, "-m", "fitserve.cli", "serve", *flags],
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 2 and needle in proc.stderr, proc.stderr[-2000:]
+        capsys.readouterr()
+        assert main(["serve", "--port", "1", *flags]) == 2
+        assert needle in capsys.readouterr().err
