@@ -9,6 +9,10 @@ Sampling fields default to ``None`` so that "omitted" and "given" differ: an omi
 temperature/top_p/top_k/min_p/repetition_penalty is filled by :meth:`with_defaults` from the
 defaults the server put in force (the model's recommended ones, else the server's; see
 ``fitserve.loading.generation_defaults``), a given one is kept as sent.
+
+The field descriptions, and the bounds the server enforces (stated in the JSON schema only, see
+:func:`_doc`), make up the request schemas of the OpenAPI document (``fitserve.server.openapi``);
+the response models below are its response schemas.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ MAX_STOP_SEQUENCES = 16
 MAX_STOP_LENGTH = 256
 MAX_PROMPTS_PER_REQUEST = 64
 MAX_MESSAGES = 512
+MAX_STOP_TOKEN_IDS = 64  # serving.py's limit (it has its own constant), stated in the OpenAPI document
 
 # Fields a client may not set. Chat-template knobs run server-side Jinja; the others are
 # features fitserve does not have, and silently ignoring them would change results.
@@ -49,9 +54,49 @@ NonNegInt = Annotated[int, Field(ge=0)]
 StopField = str | list[str] | None
 
 
+def _doc(default: Any, description: str, **by_type: dict[str, Any]) -> Any:
+    """A field with a description and bounds that exist in its JSON schema only.
+
+    ``by_type`` maps a JSON type ("integer", "number", "string", "array") to the keywords that
+    go into the non-null branch of that type (an ``"items"`` entry is merged into the array's
+    items). Validation does not change: the server checks these bounds itself (``serving.py``,
+    ``SamplingParams``), with its own messages; the schema only says what it will accept, for
+    the OpenAPI document (``fitserve.server.openapi``) and for clients.
+    """
+
+    def extra(schema: dict[str, Any]) -> None:
+        branches = [b for b in schema.get("anyOf", [schema]) if b.get("type") != "null"]
+        for b in branches:
+            for key, value in by_type.get(b.get("type", ""), {}).items():
+                if key == "items":
+                    b.setdefault("items", {}).update(value)
+                else:
+                    b[key] = value
+
+    return Field(default, description=description, json_schema_extra=extra)
+
+
+def _prompt_schema(schema: dict[str, Any]) -> None:
+    """prompt: a non-empty string, token ids, or a batch of either (1..MAX_PROMPTS_PER_REQUEST)."""
+    for b in schema["anyOf"]:
+        if b["type"] == "string":
+            b["minLength"] = 1
+            continue
+        b["minItems"] = 1
+        item = b["items"]
+        if item["type"] == "integer":  # token ids of one prompt
+            item["minimum"] = 0
+        else:  # a batch
+            b["maxItems"] = MAX_PROMPTS_PER_REQUEST
+            item.update({"minLength": 1} if item["type"] == "string" else {"minItems": 1})
+            if item["type"] == "array":
+                item["items"]["minimum"] = 0
+
+
 class StreamOptions(BaseModel):
     model_config = _Strict
-    include_usage: bool = False
+    include_usage: bool = Field(False, description="Send a last chunk with `usage` (and no choices) "
+                                                   "before `data: [DONE]`.")
 
 
 class _SamplingFields(BaseModel):
@@ -59,32 +104,64 @@ class _SamplingFields(BaseModel):
 
     model_config = _Strict
 
-    model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    stop: StopField = None
-    stop_token_ids: list[NonNegInt] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None
+    model: str | None = _doc(None, "The served model's id (see GET /v1/models); any other value is a 404. "
+                                   "Optional in fitserve (required by OpenAI).")
+    n: int = _doc(1, f"Choices to generate for each prompt, 1..{MAX_N} (OpenAI allows up to 128). "
+                     "With `use_beam_search` it is the beam width: the n best beams are returned.",
+                  integer={"minimum": 1, "maximum": MAX_N})
+    temperature: float | None = _doc(None, "Sampling temperature >= 0 (0 is greedy); unlike OpenAI no upper "
+                                           "bound of 2. Omitted: the server's default (the model's recommended "
+                                           "one, else 1; see `sampling_defaults` in GET /v1/models).",
+                                     number={"minimum": 0})
+    top_p: float | None = _doc(None, "Nucleus sampling mass, in (0, 1]. Omitted: the server's default.",
+                               number={"exclusiveMinimum": 0, "maximum": 1})
+    top_k: int | None = _doc(None, "vLLM extension (not OpenAI): sample from the k most likely tokens; 0 or -1 "
+                                   "disable it. Omitted: the server's default.", integer={"minimum": -1})
+    min_p: float | None = _doc(None, "vLLM extension (not OpenAI): drop tokens less likely than min_p times the "
+                                     "most likely one, in [0, 1]. Omitted: the server's default.",
+                               number={"minimum": 0, "maximum": 1})
+    presence_penalty: float | None = _doc(None, "OpenAI's presence penalty, in [-2, 2]; default 0.",
+                                          number={"minimum": -2, "maximum": 2})
+    frequency_penalty: float | None = _doc(None, "OpenAI's frequency penalty, in [-2, 2]; default 0.",
+                                           number={"minimum": -2, "maximum": 2})
+    repetition_penalty: float | None = _doc(None, "vLLM extension (not OpenAI): multiplicative penalty on tokens "
+                                                  "already seen, > 0 (1 is none). Omitted: the server's default.",
+                                            number={"exclusiveMinimum": 0})
+    seed: int | None = _doc(None, "Seed of the request's own random stream (any integer, taken modulo 2**64); "
+                                  "choice j uses seed + j.")
+    stop: StopField = _doc(None, f"Up to {MAX_STOP_SEQUENCES} stop strings (OpenAI allows 4) of 1.."
+                                 f"{MAX_STOP_LENGTH} characters; the text stops before the first one.",
+                           string={"minLength": 1, "maxLength": MAX_STOP_LENGTH},
+                           array={"maxItems": MAX_STOP_SEQUENCES,
+                                  "items": {"minLength": 1, "maxLength": MAX_STOP_LENGTH}})
+    stop_token_ids: list[NonNegInt] | None = _doc(None, f"vLLM extension (not OpenAI): up to {MAX_STOP_TOKEN_IDS} "
+                                                        "token ids that end the text (kept out of it).",
+                                                  array={"maxItems": MAX_STOP_TOKEN_IDS})
+    ignore_eos: bool = _doc(False, "vLLM extension (not OpenAI): keep generating past the end-of-sequence token.")
+    skip_special_tokens: bool = _doc(True, "vLLM extension (not OpenAI): leave special tokens out of the text.")
+    include_stop_str_in_output: bool = _doc(False, "vLLM extension (not OpenAI): keep the matched stop string "
+                                                   "at the end of the text.")
+    stream: bool = _doc(False, "Stream the result as server-sent events (text/event-stream), one chunk per "
+                               "new piece of text, ending with `data: [DONE]`.")
+    stream_options: StreamOptions | None = _doc(None, "Only allowed when `stream` is true (else a 400).")
+    user: str | None = _doc(None, "OpenAI's end-user id: accepted and ignored.")
     # vLLM's extension: beam search with n beams returned (``n`` is the beam width)
-    use_beam_search: bool = False
-    length_penalty: float = 1.0
+    use_beam_search: bool = _doc(False, "vLLM extension (not OpenAI): beam search of width `n`, the beams "
+                                        "returned as choices, best first. Not with `stream`, `logprobs`, `stop` "
+                                        "or `stop_token_ids` (a 400).")
+    length_penalty: float = _doc(1.0, "vLLM extension (not OpenAI): beam search only, beams are ranked by "
+                                      "cumulative logprob / length**length_penalty.")
     # vLLM's: lower runs first (needs --scheduling-policy priority; any other value is a 400)
-    priority: int = 0
+    priority: int = _doc(0, "vLLM extension (not OpenAI): lower runs first. Needs a server started with "
+                            "--scheduling-policy priority; elsewhere any value but 0 is a 400.")
     # fitserve's: this request's own targets under --scheduling-policy slo (ms, > 0)
-    slo_ttft_ms: float | None = None
-    slo_tpot_ms: float | None = None
+    slo_ttft_ms: float | None = _doc(None, "fitserve extension: this request's time-to-first-token target in "
+                                           "ms (> 0), replacing the server's under --scheduling-policy slo "
+                                           "(which may answer 429 when it predicts a miss).",
+                                     number={"exclusiveMinimum": 0})
+    slo_tpot_ms: float | None = _doc(None, "fitserve extension: this request's time-per-output-token target "
+                                           "in ms (> 0), under --scheduling-policy slo.",
+                                     number={"exclusiveMinimum": 0})
 
     def with_defaults(self, defaults: Mapping[str, float | int]) -> Self:
         """A copy whose omitted (None) fields among DEFAULTED_FIELDS take ``defaults``' values."""
@@ -95,11 +172,19 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
-    best_of: int | None = None
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="A string, token ids, or a batch of either (at most "
+                    f"{MAX_PROMPTS_PER_REQUEST} prompts; choice i*n + j is sample j of prompt i). Token ids "
+                    "must be in [0, vocabulary size); no prompt may be empty or fill the context.",
+        json_schema_extra=_prompt_schema)
+    max_tokens: int | None = _doc(16, "Most tokens to generate, >= 1 (default 16, as OpenAI); null: up to the "
+                                      "context length. Prompt + max_tokens over the context length is a 400.",
+                                  integer={"minimum": 1})
+    logprobs: int | None = _doc(None, f"Return the chosen tokens' logprobs and the top-N alternatives, N in "
+                                      f"0..{MAX_LOGPROBS} (OpenAI allows 5).",
+                                integer={"minimum": 0, "maximum": MAX_LOGPROBS})
+    echo: bool = _doc(False, "Not supported: only false is accepted.", boolean={"const": False})
+    best_of: int | None = _doc(None, "Not supported beyond OpenAI's default: absent, null or equal to `n`.")
 
 
 class TextPart(BaseModel):
@@ -110,9 +195,10 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = _Strict
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    role: Literal["system", "developer", "user", "assistant"] = Field(
+        description="`developer` is treated as `system`; `tool` messages are not supported.")
+    content: str | list[TextPart] | None = _doc(None, "Text, or text parts (joined); null is empty.")
+    name: str | None = _doc(None, "Accepted; not passed to the chat template.")
 
     def text(self) -> str:
         if self.content is None:
@@ -125,19 +211,48 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    messages: list[ChatMessage] = Field(
+        description=f"The conversation, 1..{MAX_MESSAGES} messages, rendered with the model's own chat "
+                    "template (a client cannot send one).",
+        json_schema_extra={"minItems": 1, "maxItems": MAX_MESSAGES})
+    max_tokens: int | None = _doc(None, "Deprecated by OpenAI in favour of `max_completion_tokens` (which wins "
+                                        "when both are given); >= 1, null: up to the context length.",
+                                  integer={"minimum": 1})
+    max_completion_tokens: int | None = _doc(None, "Most tokens to generate, >= 1; null: up to the context "
+                                                   "length. Prompt + max_completion_tokens over the context "
+                                                   "length is a 400.", integer={"minimum": 1})
+    logprobs: bool = _doc(False, "Return the logprob of each chosen token (in `choices[].logprobs.content`).")
+    top_logprobs: int | None = _doc(None, f"Alternatives per token, 0..{MAX_LOGPROBS}; needs `logprobs: true`.",
+                                    integer={"minimum": 0, "maximum": MAX_LOGPROBS})
 
 
 # -- responses ----------------------------------------------------------------------------------
+# These models describe the bodies the server writes (responses.py builds them as dicts, the same
+# shape); the OpenAPI document (fitserve.server.openapi) publishes their serialization schemas.
+# Closed (extra="forbid": no other key is ever written), and in a body every key is always
+# written, defaults included; stream chunks (_Chunk) leave some keys out, as noted.
+_Body = ConfigDict(extra="forbid", json_schema_serialization_defaults_required=True)
+_Chunk = ConfigDict(extra="forbid")
+
+FinishReasonName = Literal["stop", "length", "abort", "error"]  # fitserve.types.FinishReason's values
+StopReason = str | int | None  # the stop string or stop token id that ended a choice; null: EOS or length
+
+
+def _absent_or_value(schema: dict[str, Any]) -> None:
+    """A stream key that is either left out or has a value (never null)."""
+    branches = [b for b in schema.pop("anyOf", []) if b.get("type") != "null"]
+    if branches:
+        schema.update(branches[0] if len(branches) == 1 else {"anyOf": branches})
+    schema.pop("default", None)
+
+
 class PromptTokensDetails(BaseModel):
-    cached_tokens: int  # prompt tokens served from the prefix cache
+    model_config = _Body
+    cached_tokens: int = Field(description="Prompt tokens served from the prefix cache.")
 
 
 class Usage(BaseModel):
+    model_config = _Body
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
@@ -145,24 +260,165 @@ class Usage(BaseModel):
 
 
 class ErrorBody(BaseModel):
+    model_config = _Body
     message: str
-    type: str
-    param: str | None = None
+    type: str = Field(description="invalid_request_error, authentication_error, not_found_error, "
+                                  "rate_limit_error, server_error or service_unavailable.")
+    param: str | None = Field(None, description="The request field at fault, when there is one.")
     code: str | int | None = None
 
 
+class ErrorResponse(BaseModel):
+    """Every 4xx/5xx body (and an error event in a stream): the OpenAI error shape."""
+
+    model_config = _Body
+    error: ErrorBody
+
+
+class CompletionLogprobs(BaseModel):
+    model_config = _Body
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int] = Field(description="Character offset of each token in the choice's text.")
+
+
+class CompletionChoice(BaseModel):
+    model_config = _Body
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReasonName | None
+    stop_reason: StopReason = Field(description="vLLM extension: the stop string or stop token id that "
+                                                "ended the choice.")
+
+
+class Completion(BaseModel):
+    """A POST /v1/completions response (stream=false)."""
+
+    model_config = _Body
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class TopLogprob(BaseModel):
+    model_config = _Body
+    token: str
+    logprob: float
+    bytes: list[int] = Field(description="The token's UTF-8 bytes.")
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    model_config = _Body
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    model_config = _Body
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    model_config = _Body
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReasonName | None
+    stop_reason: StopReason = Field(description="vLLM extension: the stop string or stop token id that "
+                                                "ended the choice.")
+
+
+class ChatCompletion(BaseModel):
+    """A POST /v1/chat/completions response (stream=false)."""
+
+    model_config = _Body
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChunkChoice(BaseModel):
+    model_config = _Chunk
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReasonName | None
+    stop_reason: StopReason = Field(None, description="Only in the choice's last chunk.")
+
+
+class CompletionChunk(BaseModel):
+    """One `data:` event of a streamed POST /v1/completions."""
+
+    model_config = _Chunk
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = Field(None, description="Only in the last chunk (with no choices), when "
+                                                  "stream_options.include_usage is true.",
+                                json_schema_extra=_absent_or_value)
+
+
+class ChatDelta(BaseModel):
+    model_config = _Chunk
+    role: Literal["assistant"] | None = Field(None, description="Only in the first chunk.",
+                                              json_schema_extra=_absent_or_value)
+    content: str | None = Field(None, description="The new text; left out of a chunk that only finishes.",
+                                json_schema_extra=_absent_or_value)
+
+
+class ChatChunkChoice(BaseModel):
+    model_config = _Chunk
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReasonName | None
+    stop_reason: StopReason = Field(None, description="Only in the choice's last chunk.")
+
+
+class ChatCompletionChunk(BaseModel):
+    """One `data:` event of a streamed POST /v1/chat/completions."""
+
+    model_config = _Chunk
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = Field(None, description="Only in the last chunk (with no choices), when "
+                                                  "stream_options.include_usage is true.",
+                                json_schema_extra=_absent_or_value)
+
+
 class ModelCard(BaseModel):
+    model_config = _Body
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "fitserve"
     max_model_len: int | None = None
     # fitserve extras: what a request that omits a sampling field gets, and where it came from
-    sampling_defaults: dict[str, float | int] | None = None
-    sampling_defaults_source: dict[str, str] | None = None
+    sampling_defaults: dict[str, float | int] | None = Field(
+        None, description="fitserve extension: what a request that omits a sampling field gets.")
+    sampling_defaults_source: dict[str, str] | None = Field(
+        None, description="fitserve extension: where each of sampling_defaults comes from.")
 
 
 class ModelList(BaseModel):
+    model_config = _Body
     object: Literal["list"] = "list"
     data: list[ModelCard]
 
@@ -196,7 +452,7 @@ def chat_body(
 
 __all__ = [
     "DEFAULTED_FIELDS", "MAX_LOGPROBS", "MAX_MESSAGES", "MAX_N", "MAX_PROMPTS_PER_REQUEST", "MAX_STOP_LENGTH",
-    "MAX_STOP_SEQUENCES", "REJECTED_FIELDS", "ChatCompletionRequest", "ChatMessage",
-    "CompletionRequest", "ErrorBody", "ModelCard", "ModelList", "StreamOptions", "Usage",
-    "chat_body", "completion_chunk",
+    "MAX_STOP_SEQUENCES", "MAX_STOP_TOKEN_IDS", "REJECTED_FIELDS", "ChatCompletion", "ChatCompletionChunk",
+    "ChatCompletionRequest", "ChatMessage", "Completion", "CompletionChunk", "CompletionRequest", "ErrorBody",
+    "ErrorResponse", "ModelCard", "ModelList", "StreamOptions", "Usage", "chat_body", "completion_chunk",
 ]

@@ -1,0 +1,87 @@
+"""The OpenAPI document (fitserve.server.openapi) without a server: its shape per settings, and
+that what the server's builders write validates against it. The real server is fuzzed against
+it in tests/e2e/test_openapi_fuzz.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from fitserve.server.app import ServerSettings
+from fitserve.server.errors import error_body
+from fitserve.server.openapi import build_openapi
+from fitserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    Usage,
+    chat_body,
+    completion_chunk,
+)
+
+jsonschema_rs = pytest.importorskip("jsonschema_rs")
+
+
+def validator(doc: dict[str, Any], name: str) -> Any:
+    root = {"$ref": f"#/components/schemas/{name}", "components": doc["components"]}
+    return jsonschema_rs.Draft202012Validator(root)
+
+
+def test_request_schemas_name_the_model_fields_and_the_served_model() -> None:
+    doc = build_openapi(ServerSettings(model_name="m1", api_key="k"))
+    schemas = doc["components"]["schemas"]
+    for model in (CompletionRequest, ChatCompletionRequest):
+        props = schemas[model.__name__]["properties"]
+        assert set(props) == set(model.model_fields)
+        assert props["model"]["anyOf"][0] == {"type": "string", "enum": ["m1"]}
+    assert validator(doc, "CompletionRequest").is_valid({"prompt": "hi", "n": 16, "stop": ["x"] * 16})
+    for bad in ({"prompt": ""}, {"prompt": "hi", "n": 17}, {"prompt": "hi", "top_p": 0}, {"prompt": [[]]},
+                {"prompt": "hi", "echo": True}, {"prompt": "hi", "model": "other"}, {}):
+        assert not validator(doc, "CompletionRequest").is_valid(bad), bad
+    assert not validator(doc, "ChatCompletionRequest").is_valid({"messages": []})
+
+
+def test_security_follows_the_settings() -> None:
+    keyed = build_openapi(ServerSettings(api_key="k"))
+    assert keyed["security"] == [{"bearerAuth": []}]
+    assert keyed["paths"]["/health"]["get"]["security"] == []  # the only open route
+    for path in ("/ready", "/metrics", "/v1/models", "/openapi.json"):
+        assert "security" not in keyed["paths"][path]["get"], path  # the document's: the key
+    assert "401" in keyed["paths"]["/v1/completions"]["post"]["responses"]
+    public = build_openapi(ServerSettings(api_key="k", metrics_public=True))
+    assert public["paths"]["/metrics"]["get"]["security"] == []
+    open_doc = build_openapi(ServerSettings(api_key=None))
+    assert "security" not in open_doc and "securitySchemes" not in open_doc["components"]
+    for item in open_doc["paths"].values():
+        for op in item.values():
+            assert "security" not in op and "401" not in op["responses"]
+
+
+def test_what_the_server_writes_validates() -> None:
+    doc = build_openapi(ServerSettings(api_key="k"))
+    usage = Usage(prompt_tokens=2, completion_tokens=1, total_tokens=3,
+                  prompt_tokens_details=PromptTokensDetails(cached_tokens=0))
+    lps = {"tokens": ["a"], "token_logprobs": [-0.5], "top_logprobs": [{"a": -0.5}], "text_offset": [0]}
+    body = completion_chunk("cmpl-1", 1, "m", [{"index": 0, "text": "a", "logprobs": lps,
+                                                 "finish_reason": "length", "stop_reason": None}], usage=usage)
+    assert validator(doc, "Completion").is_valid(body)
+    entry = {"token": "a", "logprob": -0.5, "bytes": [97]}
+    chat = chat_body("chatcmpl-1", 1, "m", [{"index": 0, "message": {"role": "assistant", "content": "a"},
+                                             "logprobs": {"content": [{**entry, "top_logprobs": [entry]}]},
+                                             "finish_reason": "stop", "stop_reason": 2}], chunk=False, usage=usage)
+    assert validator(doc, "ChatCompletion").is_valid(chat)
+    first = chat_body("chatcmpl-1", 1, "m", [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                              "logprobs": None, "finish_reason": None}], chunk=True)
+    last = chat_body("chatcmpl-1", 1, "m", [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop",
+                                             "stop_reason": None}], chunk=True)
+    assert validator(doc, "ChatCompletionChunk").is_valid(first)
+    assert validator(doc, "ChatCompletionChunk").is_valid(last)
+    assert validator(doc, "CompletionChunk").is_valid(completion_chunk("c", 1, "m", [], usage=usage))
+    assert not validator(doc, "Completion").is_valid({**body, "extra": 1})  # closed
+    assert validator(doc, "ErrorResponse").is_valid(error_body(400, "bad", param="n"))
+    card = ModelCard(id="m", created=1, max_model_len=64, sampling_defaults={"temperature": 1.0},
+                     sampling_defaults_source={"temperature": "server"})
+    assert validator(doc, "ModelList").is_valid(ModelList(data=[card]).model_dump())
