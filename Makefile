@@ -7,7 +7,7 @@ WHEELS  := $(wildcard /opt/wheels)
 PIPOPTS := $(if $(WHEELS),--find-links $(WHEELS),)
 PROMPT  ?= Write a haiku about paged attention.
 
-.PHONY: setup pull serve generate test test-fast lint bench browser clean
+.PHONY: setup pull serve generate test test-fast lint bench soak fuzz browser clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -45,6 +45,14 @@ test-fast: setup
 
 bench: pull
 	$(BIN)/python benchmarks/bench_engine.py
+
+# The long reliability runs (CI runs small versions of both): mixed load with disconnects, and
+# schemathesis over the server's own /openapi.json.
+soak: pull
+	$(BIN)/python benchmarks/soak.py --requests 1000 --rounds 2
+
+fuzz: pull
+	$(BIN)/python benchmarks/fuzz_api.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

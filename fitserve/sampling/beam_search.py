@@ -52,8 +52,19 @@ class BeamSearchParams:
 
 
 def beam_score(cum_logprob: float, num_tokens: int, length_penalty: float) -> float:
-    """The ranking key of a hypothesis with ``num_tokens`` generated tokens."""
-    return cum_logprob / float(max(num_tokens, 1) ** length_penalty)
+    """The ranking key of a hypothesis with ``num_tokens`` generated tokens.
+
+    NOTE: any finite ``length_penalty`` is valid (as in vLLM), so ``len ** lp`` may overflow to
+    infinity or underflow to 0; the score then takes its limit (0, or -inf for a hypothesis
+    with a negative cumulative logprob) instead of raising.
+    """
+    try:
+        denom = float(max(num_tokens, 1)) ** length_penalty
+    except OverflowError:
+        denom = math.inf
+    if denom == 0.0:
+        return 0.0 if cum_logprob == 0.0 else math.copysign(math.inf, cum_logprob)
+    return cum_logprob / denom
 
 
 @dataclass(slots=True)

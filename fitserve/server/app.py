@@ -6,7 +6,7 @@ mistake becomes an OpenAI-style 4xx; FastAPI's own 422 is turned into 400 as wel
 Validation, tokenization and chat-template rendering run in a worker thread (Starlette's
 thread pool), never on the event loop, so a 1 MiB prompt does not stall other streams.
 
-With an API key set, every route but /health and /ready needs it: the /v1 API, /metrics (unless
+With an API key set, every route but /health needs it: the /v1 API, /ready, /metrics (unless
 ``metrics_public``, for Prometheus scrapers) and the dashboard. The key is accepted as
 ``Authorization: Bearer KEY`` or as the password of HTTP Basic auth (what a browser sends for
 the dashboard, which answers 401 with ``WWW-Authenticate: Basic`` so the browser asks for it).
@@ -14,6 +14,7 @@ the dashboard, which answers 401 with ``WWW-Authenticate: Basic`` so the browser
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hmac
@@ -23,7 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,6 +41,7 @@ from fitserve.loading.generation_defaults import (
 )
 from fitserve.server.engine_loop import EngineLoop
 from fitserve.server.errors import APIError, error_body
+from fitserve.server.openapi import build_openapi
 from fitserve.server.protocol import (
     REJECTED_FIELDS,
     ChatCompletionRequest,
@@ -70,6 +72,9 @@ class ServerSettings:
     api_key: str | None = None
     max_waiting: int = 256  # requests queued (submitted, not yet scheduled) before new ones get 503
     max_body_bytes: int = 1 << 20
+    body_timeout_s: float = 30.0  # a body not received in full by then is a 408
+    send_timeout_s: float | None = 60.0  # a stream write waiting this long (client not reading): abort
+    allowed_origins: list[str] = field(default_factory=list)  # CORS: off unless origins are given
     retry_after_s: int = 1
     metrics_public: bool = False  # serve /metrics without the API key (for Prometheus scrapers)
     generation_config: GenerationConfigMode = "auto"  # "vllm": ignore the model's sampling defaults
@@ -121,9 +126,15 @@ def create_app(engine_loop: EngineLoop, settings: ServerSettings | None = None) 
         yield
         engine_loop.stop()
 
-    app = FastAPI(title="fitserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # openapi_url=None: FastAPI's own document would show no bodies (read by hand); see /openapi.json
+    app = FastAPI(title="fitserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.fitserve = state
     _install_error_handlers(app)
+    if settings.allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
 
     def check_auth(request: Request, *, browser: bool = False) -> None:
         key = settings.api_key
@@ -143,6 +154,9 @@ def create_app(engine_loop: EngineLoop, settings: ServerSettings | None = None) 
         if state.draining:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
         job = Run(engine_loop, prep)
+        if len(job.children) > settings.max_waiting:  # a 503 would tell it to retry in vain
+            raise APIError(400, f"this request needs {len(job.children)} sequences (prompts x n), more than "
+                                f"the server queues at once (--max-waiting {settings.max_waiting})", param="n")
         # NOTE: admission is reserved atomically with the submit (EngineLoop.submit), so
         # requests racing each other cannot overshoot max_waiting.
         if not job.submit(settings.max_waiting):
@@ -157,7 +171,7 @@ def create_app(engine_loop: EngineLoop, settings: ServerSettings | None = None) 
                 engine_loop.metrics.rejected.labels(status="429").inc()
             raise
         if prep.stream:
-            return RunStreamingResponse(job, stream_events(job, state.token_text))
+            return RunStreamingResponse(job, stream_events(job, state.token_text), settings.send_timeout_s)
         try:
             return JSONResponse(await collect(job, request, state.token_text))
         except ClientGone:
@@ -168,14 +182,14 @@ def create_app(engine_loop: EngineLoop, settings: ServerSettings | None = None) 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         check_auth(request)
-        raw = await _read_body(request, settings.max_body_bytes)
+        raw = await _read_body(request, settings.max_body_bytes, settings.body_timeout_s)
         prep = await run_in_threadpool(lambda: prepare_completion(state.fill_defaults(_parse(raw, CompletionRequest)), state.context()))
         return await run(request, prep)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         check_auth(request)
-        raw = await _read_body(request, settings.max_body_bytes)
+        raw = await _read_body(request, settings.max_body_bytes, settings.body_timeout_s)
         prep = await run_in_threadpool(lambda: prepare_chat(state.fill_defaults(_parse(raw, ChatCompletionRequest)), state.context()))
         return await run(request, prep)
 
@@ -197,7 +211,8 @@ def create_app(engine_loop: EngineLoop, settings: ServerSettings | None = None) 
                             status_code=503)
 
     @app.get("/ready")
-    async def ready() -> JSONResponse:
+    async def ready(request: Request) -> JSONResponse:
+        check_auth(request)
         ok = engine_loop.ready and not state.draining
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
@@ -224,6 +239,15 @@ def create_app(engine_loop: EngineLoop, settings: ServerSettings | None = None) 
         return JSONResponse({**snap, "model": settings.model_name, "ready": engine_loop.ready,
                              "draining": state.draining, "history": engine_loop.metrics.history()})
 
+    openapi_doc: dict[str, Any] = {}  # built on first use, then served as is
+
+    @app.get("/openapi.json")
+    async def openapi_json(request: Request) -> JSONResponse:
+        check_auth(request)
+        if not openapi_doc:
+            openapi_doc.update(build_openapi(settings))
+        return JSONResponse(openapi_doc)
+
     return app
 
 
@@ -231,16 +255,22 @@ def _asset(name: str) -> str:
     return resources.files("fitserve.server").joinpath("dashboard", name).read_text(encoding="utf-8")
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
+    """The body, at most ``limit`` bytes (else 413), received in full within ``timeout_s`` (else 408)."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise APIError(413, f"request body is larger than {limit} bytes")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body is larger than {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(413, f"request body is larger than {limit} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive in full within {timeout_s:g} s ({size} bytes came)",
+                       code="request_timeout", headers={"Connection": "close"}) from None
     return b"".join(chunks)
 
 
@@ -262,7 +292,9 @@ def _parse(raw: bytes, model: type[_M]) -> _M:
     """Validate a request body (runs in a worker thread with the rest of request preparation)."""
     try:
         data = json.loads(raw)
-    except Exception:  # noqa: BLE001 - bad UTF-8, bad JSON, absurd nesting: all the client's
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
+    except Exception:  # noqa: BLE001 - bad UTF-8, bad JSON: all the client's
         raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
@@ -272,7 +304,29 @@ def _parse(raw: bytes, model: type[_M]) -> _M:
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
+        field = _lone_surrogate_field(data)
+        if field is not None:  # pydantic's JSON parser names it only as a bad escape
+            raise APIError(400, f"{field} contains a lone UTF-16 surrogate escape (\\ud800-\\udfff without "
+                                "its pair): it is not valid Unicode text", param=field) from None
         raise APIError(400, _validation_message(exc), param=_validation_param(exc)) from None
+
+
+def _lone_surrogate_field(data: dict[str, Any]) -> str | None:
+    """The top-level field of ``data`` holding a string that is not valid Unicode, if any."""
+    def bad(v: Any) -> bool:
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+            return False
+        if isinstance(v, dict):
+            return any(bad(k) or bad(x) for k, x in v.items())
+        if isinstance(v, list):
+            return any(bad(x) for x in v)
+        return False
+
+    return next((str(k) for k, v in data.items() if bad(k) or bad(v)), None)
 
 
 def _validation_param(exc: ValidationError) -> str | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -21,6 +22,12 @@ import uvicorn
 
 from fitserve.config import EngineConfig
 from fitserve.engine_args import add_engine_args, engine_config_from_args
+from fitserve.server.connections import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_HEADER_BYTES,
+    GuardedH11Protocol,
+    raise_fd_limit,
+)
 
 
 class _GracefulServer(uvicorn.Server):
@@ -58,7 +65,7 @@ def add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("FITSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every route but /health and /ready "
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(env FITSERVE_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
     p.add_argument("--max-waiting", type=int, default=256,
@@ -66,12 +73,46 @@ def add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get 413")
     p.add_argument("--metrics-public", action="store_true",
                    help="serve /metrics without --api-key (for Prometheus scrapers); the dashboard still needs it")
+    p.add_argument("--allowed-origins", type=_origins, default=[],
+                   help="CORS: origins browsers may call the API from, as a JSON list or comma-separated "
+                        "('*' for any); CORS is off unless given")
+    p.add_argument("--header-timeout", type=_positive, default=DEFAULT_HEADER_TIMEOUT_S,
+                   help="seconds a connection may stay open without starting a request (idle or slow "
+                        "request head) before it is closed")
+    p.add_argument("--max-header-bytes", type=int, default=DEFAULT_MAX_HEADER_BYTES,
+                   help="a larger request head gets 431")
+    p.add_argument("--body-timeout", type=_positive, default=30.0,
+                   help="seconds to receive a request body in full (else 408)")
+    p.add_argument("--send-timeout", type=_positive, default=60.0,
+                   help="seconds a stream write may wait on a client that does not read before the "
+                        "request is aborted")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--seed", type=int, default=0, help="seed of the engine's global RNG")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     _add_sampling_default_args(p)
     p.set_defaults(func=run_serve)
+
+
+def _positive(text: str) -> float:
+    v = float(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return v
+
+
+def _origins(text: str) -> list[str]:
+    """``["https://a", "https://b"]`` (vLLM's form) or ``https://a,https://b``."""
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {exc}") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError("must be a JSON list of strings")
+        return value
+    return [o.strip() for o in text.split(",") if o.strip()]
 
 
 def _add_sampling_default_args(p: Any) -> None:
@@ -107,6 +148,7 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         model_name=args.served_model_name or args.model, api_key=args.api_key or None,
         max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes, metrics_public=args.metrics_public,
+        body_timeout_s=args.body_timeout, send_timeout_s=args.send_timeout, allowed_origins=args.allowed_origins,
         generation_config=args.generation_config,
         default_sampling={k: getattr(args, f"default_{k}") for k in DEFAULTED_FIELDS},
     )
@@ -130,8 +172,15 @@ def run_serve(args: argparse.Namespace) -> int:
 
     loop = EngineLoop(config, Metrics(), engine_factory=load)
     app = create_app(loop, settings)
+    limits = raise_fd_limit()  # thousands of idle connections must not starve new ones
+    if limits is not None and limits[1] < 4096:
+        logging.getLogger("fitserve.server").warning(
+            "the open-file limit is %d: at most that many connections at once (ulimit -n)", limits[1])
+    protocol = GuardedH11Protocol.configured(header_timeout_s=args.header_timeout,
+                                             max_header_bytes=args.max_header_bytes,
+                                             send_buffer_bytes=256 * 1024)
     uv_config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level,
+        app, host=args.host, port=args.port, log_level=args.log_level, http=protocol,
         timeout_graceful_shutdown=max(1, int(round(args.shutdown_timeout))), access_log=False,
     )
     server = _GracefulServer(uv_config, app.state.fitserve)

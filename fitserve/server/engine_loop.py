@@ -29,6 +29,7 @@ down every live request. Client mistakes found by ``add_request`` (ValueError) a
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -39,6 +40,7 @@ from typing import Any
 
 from fitserve.config import EngineConfig
 from fitserve.engine import Engine
+from fitserve.engine_setup import release_freed_host_memory
 from fitserve.sampling import SamplingParams
 from fitserve.sampling.beam_search import BeamSearchParams
 from fitserve.sched.slo import AdmissionRejected
@@ -53,6 +55,14 @@ Sink = Callable[[list[RequestOutput] | BaseException], None]
 
 class EngineShutdown(RuntimeError):
     """Delivered to requests still open when the engine thread stops."""
+
+
+class InjectedEngineDeath(RuntimeError):
+    """Test-only: ``FITSERVE_TEST_KILL_TOKEN`` kills the engine thread (see :meth:`EngineLoop._add`)."""
+
+
+KILL_TOKEN_ENV = "FITSERVE_TEST_KILL_TOKEN"
+TRIM_DELAY_S = 0.5  # idle this long before the C heap is trimmed
 
 
 class RequestRejected(ValueError):
@@ -117,6 +127,9 @@ class EngineLoop:
         self._ready = threading.Event()
         self._done = threading.Event()
         self._last_publish = 0.0
+        # NOTE: test-only: a request whose prompt starts with this token kills the engine thread
+        raw = os.environ.get(KILL_TOKEN_ENV, "").strip()
+        self._kill_token = int(raw) if raw else None
         self._thread = threading.Thread(target=self._run, name="fitserve-engine", daemon=True)
 
     # -- HTTP side ------------------------------------------------------------------------------
@@ -165,6 +178,8 @@ class EngineLoop:
                 return False
             self._queued += len(children)
         self._cmds.put(("add", group, list(children), arrival, sink, on_added))
+        if self._done.is_set():
+            self._refuse_pending()  # the thread is gone: nobody else will answer it
         return True
 
     def _release(self, n: int) -> None:
@@ -204,13 +219,31 @@ class EngineLoop:
         finally:
             self.metrics.engine_alive.set(0)
             self._done.set()
+            self._refuse_pending()
+
+    def _refuse_pending(self) -> None:
+        """Answer every command nobody will run now (the thread ended): adds get a 503."""
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, _, children, _, sink, on_added = cmd
+                self._release(len(children))
+                err = EngineShutdown("the engine is not running")
+                _deliver(sink, err)
+                _tell(on_added, err)
 
     def _loop(self, engine: Engine) -> None:
         self._publish(engine, force=True)
+        trim_due = False  # went idle since the last trim
         while True:
             if not engine.has_unfinished_requests():
                 self._publish(engine, force=True)  # so an idle pool shows as empty at once
-                if not self._handle(engine, self._cmds.get()):  # blocks while idle
+                cmd = self._next_idle_command(trim_due)  # blocks while idle
+                trim_due = False
+                if not self._handle(engine, cmd):
                     return
             while True:
                 try:
@@ -220,8 +253,24 @@ class EngineLoop:
                 if not self._handle(engine, cmd):
                     return
             if engine.has_unfinished_requests():
+                trim_due = True
                 self._step(engine)
             self._publish(engine)
+
+    def _next_idle_command(self, trim_due: bool) -> tuple[Any, ...]:
+        """Wait for a command; on the way, once idle, return freed C heap pages to the OS.
+
+        NOTE: steps allocate tensors whose shapes follow the batch (n, chunk sizes, logprobs);
+        glibc keeps the freed chunks resident, so without the trim the RSS at rest creeps up
+        with the variety of shapes served and says little about what the server holds. The
+        trim waits TRIM_DELAY_S of idleness, so a server between two requests does not pay it.
+        """
+        if trim_due:
+            try:
+                return self._cmds.get(timeout=TRIM_DELAY_S)
+            except queue.Empty:
+                release_freed_host_memory()
+        return self._cmds.get()
 
     def _handle(self, engine: Engine, cmd: tuple[Any, ...]) -> bool:
         kind = cmd[0]
@@ -236,7 +285,7 @@ class EngineLoop:
         elif kind == "stop":
             for rid in list(self._live):
                 engine.abort(rid)
-            self._fail_all(EngineShutdown("the server is shutting down"))
+            self._fail_all(EngineShutdown("the server is shutting down"), "abort")
             self._publish(engine, force=True)
             return False
         return True
@@ -270,10 +319,13 @@ class EngineLoop:
             _tell(on_added, err)
             return
         _tell(on_added, None)
+        self.metrics.added.inc(len(children))
         for c in children:
             self._live[c.request_id] = _Live(sink, group, arrival, len(c.prompt_ids))
             self._queued_ids.add(c.request_id)
             self.metrics.prompt_tokens.inc(len(c.prompt_ids))
+        if self._kill_token is not None and any(c.prompt_ids[:1] == [self._kill_token] for c in children):
+            raise InjectedEngineDeath(f"TEST-ONLY: {KILL_TOKEN_ENV}={self._kill_token} killed the engine thread")
 
     def _step(self, engine: Engine) -> None:
         try:
@@ -319,8 +371,10 @@ class EngineLoop:
             self._queued_ids.discard(rid)
             self._release(1)
 
-    def _fail_all(self, exc: BaseException) -> None:
+    def _fail_all(self, exc: BaseException, reason: str = "error") -> None:
         sinks = {id(v.sink): v.sink for v in self._live.values()}
+        for _ in self._live:
+            self.metrics.observe_finished(reason, None)
         self._release(len(self._queued_ids))
         self._queued_ids.clear()
         self._live.clear()

@@ -76,6 +76,8 @@ class Metrics:
                                registry=r)
         self.prompt_tokens = Counter("fitserve_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("fitserve_generation_tokens", "Generated tokens", registry=r)
+        self.added = Counter("fitserve_requests_added", "Engine requests queued (a client request "
+                             "with n choices adds n; a beam search adds 1)", registry=r)
         self.requests = Counter("fitserve_requests", "Finished requests by finish reason",
                                 ["finish_reason"], registry=r)
         self.rejected = Counter("fitserve_requests_rejected", "Requests refused: 503 queue full, 429 slo admission",
@@ -90,28 +92,40 @@ class Metrics:
         self._lock = threading.Lock()
         self._last_preemptions = 0
         self._last_prefix = (0, 0)  # (queries, hits) already counted
-        # (wall time, value) samples for the dashboard's charts.
-        self._ttft_hist: deque[tuple[float, float]] = deque(maxlen=20_000)
-        self._itl_hist: deque[tuple[float, float]] = deque(maxlen=50_000)
-        self._tok_hist: deque[tuple[float, int]] = deque(maxlen=50_000)
+        # The dashboard's charts: per-second sums, newest last, none older than the window.
+        # NOTE: sums, not samples: memory stays constant however many tokens flow.
+        self._bins: deque[_Bin] = deque()
 
     # -- observations (engine thread) ---------------------------------------------------------
+    def _bin(self, now: float) -> _Bin:
+        """The current second's sums (caller holds the lock); drops bins past the window."""
+        sec = int(now)
+        if not self._bins or self._bins[-1].second != sec:
+            self._bins.append(_Bin(sec))
+            while self._bins[0].second < sec - HISTORY_SECONDS - 1:
+                self._bins.popleft()
+        return self._bins[-1]
+
     def observe_ttft(self, seconds: float) -> None:
         self.ttft.observe(seconds)
         with self._lock:
-            self._ttft_hist.append((time.time(), seconds))
+            b = self._bin(time.time())
+            b.ttft_sum += seconds
+            b.ttft_count += 1
 
     def observe_tokens(self, num_tokens: int, gap_seconds: float | None) -> None:
         """``num_tokens`` new tokens of one request; ``gap_seconds`` since its previous ones."""
         self.generation_tokens.inc(num_tokens)
         now = time.time()
         with self._lock:
-            self._tok_hist.append((now, num_tokens))
+            b = self._bin(now)
+            b.tokens += num_tokens
             if gap_seconds is not None and num_tokens > 0:
                 per_token = gap_seconds / num_tokens
                 for _ in range(num_tokens):
                     self.itl.observe(per_token)
-                self._itl_hist.append((now, per_token))
+                b.itl_sum += per_token
+                b.itl_count += 1
 
     def observe_finished(self, reason: str, e2e_seconds: float | None) -> None:
         self.requests.labels(finish_reason=reason).inc()
@@ -163,17 +177,14 @@ class Metrics:
             return i if 0 <= i < n else None
 
         with self._lock:
-            for t, v in self._ttft_hist:
-                if (i := slot(t)) is not None:
-                    sums[i][0] += v
-                    sums[i][1] += 1
-            for t, v in self._itl_hist:
-                if (i := slot(t)) is not None:
-                    sums[i][2] += v
-                    sums[i][3] += 1
-            for t, k in self._tok_hist:
-                if (i := slot(t)) is not None:
-                    sums[i][4] += k
+            for b in self._bins:
+                if (i := slot(b.second + 0.5)) is not None:
+                    acc = sums[i]
+                    acc[0] += b.ttft_sum
+                    acc[1] += b.ttft_count
+                    acc[2] += b.itl_sum
+                    acc[3] += b.itl_count
+                    acc[4] += b.tokens
         out = []
         for i, (ts, tc, is_, ic, tok) in enumerate(sums):
             out.append({
@@ -183,6 +194,18 @@ class Metrics:
                 "tokens_per_s": round(tok / bucket_s, 2),
             })
         return out
+
+
+@dataclass(slots=True)
+class _Bin:
+    """One second of the dashboard's history: sums of what was observed in it."""
+
+    second: int
+    ttft_sum: float = 0.0
+    ttft_count: int = 0
+    itl_sum: float = 0.0
+    itl_count: int = 0
+    tokens: int = 0
 
 
 class _SpecDecodeMetrics:

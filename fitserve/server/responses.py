@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from fitserve.loading.tokenizer import Tokenizer
 from fitserve.sched.slo import AdmissionRejected
@@ -30,6 +31,8 @@ from fitserve.server.errors import APIError
 from fitserve.server.protocol import PromptTokensDetails, Usage, chat_body, completion_chunk
 from fitserve.server.serving import Prepared
 from fitserve.types import RequestOutput, TokenLogprobs
+
+log = logging.getLogger("fitserve.server")
 
 
 class ClientGone(Exception):
@@ -386,17 +389,43 @@ async def stream_events(run: Run, text: Callable[[int], str]) -> AsyncIterator[s
         run.close()
 
 
-class RunStreamingResponse(StreamingResponse):
-    """A StreamingResponse that aborts its run however the response ends (disconnects too)."""
+class StreamStalled(Exception):
+    """The client stopped reading its stream: one write waited longer than the send timeout."""
 
-    def __init__(self, run: Run, content: AsyncIterator[str]) -> None:
+
+class RunStreamingResponse(StreamingResponse):
+    """A StreamingResponse that aborts its run however the response ends (disconnects too).
+
+    A client that stops reading is a slow reader, not a disconnect: once the socket's buffers
+    are full, a write waits. A write that waits ``send_timeout_s`` ends the response and aborts
+    the request (its KV blocks come back); the unread output the server holds meanwhile is
+    bounded by the mailbox (one entry per child) and the capped socket buffers.
+    """
+
+    def __init__(self, run: Run, content: AsyncIterator[str], send_timeout_s: float | None = None) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.run = run
+        self.send_timeout_s = send_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        timeout = self.send_timeout_s
+
+        async def guarded_send(message: Message) -> None:
+            if timeout is None:
+                await send(message)
+                return
+            try:
+                async with asyncio.timeout(timeout):
+                    await send(message)
+            except TimeoutError:
+                raise StreamStalled() from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, guarded_send)
+        except StreamStalled:
+            log.warning("stream %s: the client read nothing for %.0f s; aborting the request",
+                        self.run.prep.group, timeout)
         finally:
             # NOTE: on a disconnect Starlette cancels the body iterator wherever it is (maybe
             # suspended at a yield, where its own finally would wait for garbage collection).

@@ -12,7 +12,8 @@ MSG = [{"role": "user", "content": "Name three colours."}]
 def test_models_health_ready(server: Server, client) -> None:  # type: ignore[no-untyped-def]
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
-    assert httpx.get(f"{server.url}/ready").status_code == 200
+    assert httpx.get(f"{server.url}/ready").status_code == 401  # the key covers all but /health
+    assert httpx.get(f"{server.url}/ready", headers={"Authorization": "Bearer test-key"}).status_code == 200
 
 
 def test_completion(client) -> None:  # type: ignore[no-untyped-def]

@@ -70,7 +70,7 @@ def http(server: Server) -> Any:
         yield c
 
 
-@settings(max_examples=150, deadline=None, derandomize=True,
+@settings(max_examples=60, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(case=bodies())
 def test_fuzzed_bodies_never_5xx(http: httpx.Client, case: tuple[str, bytes]) -> None:

@@ -188,6 +188,10 @@ def test_racing_requests_never_overshoot_max_waiting(tmp_path: Path) -> None:
                          events, threading.Lock())
         running.start()  # holds the only running slot: nothing else leaves the queue meanwhile
         assert running.first.wait(120)
+        # more sequences than the queue holds can never be admitted: a 400, not a 503 to retry
+        big = httpx.post(f"{srv.url}/v1/completions", timeout=60,
+                         json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "n": 4})
+        assert big.status_code == 400 and "--max-waiting 3" in big.json()["error"]["message"], big.text
         results = asyncio.run(_burst(srv.url, 16))
         accepted = [r for r in results if r[0] == 200]
         refused = [r for r in results if r[0] != 200]
@@ -219,8 +223,9 @@ def test_api_key_guards_metrics_and_dashboard(server: Server) -> None:
         if path.startswith("/dashboard"):  # so a browser asks for the key
             assert r.headers["www-authenticate"].startswith("Basic"), path
     assert "fitserve_kv_blocks_total" in httpx.get(f"{server.url}/metrics", headers=AUTH).text
-    assert httpx.get(f"{server.url}/health").status_code == 200  # /health and /ready stay open
-    assert httpx.get(f"{server.url}/ready").status_code == 200
+    assert httpx.get(f"{server.url}/health").status_code == 200  # /health alone stays open
+    assert httpx.get(f"{server.url}/ready").status_code == 401
+    assert httpx.get(f"{server.url}/ready", headers=AUTH).status_code == 200
 
 
 def test_metrics_public_opens_metrics_only(big_server: Server) -> None:

@@ -72,7 +72,10 @@ function drawRequests(state) {
       const cols = [r.id.replace(/^(chat)?cmpl-/, "").slice(-14), r.state, r.prompt_tokens,
                     r.output_tokens, r.blocks, r.age_s.toFixed(1)];
       const sw = document.createElement("td");
-      sw.innerHTML = `<span class="sw" style="background:${hue(r.id)}"></span>`;
+      const dot = document.createElement("span");  // request data goes in as text, never as HTML
+      dot.className = "sw";
+      dot.style.background = hue(r.id);
+      sw.appendChild(dot);
       tr.appendChild(sw);
       for (const v of cols) {
         const td = document.createElement("td");
