@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import socket
 import subprocess
@@ -26,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from fitserve.bench.soak import SoakConfig, SoakReport, run_round
+from fitserve.kernels.cpu.isa import cpu_model_name, detect_isa
 
 API_KEY = "soak-key"
 
@@ -34,16 +34,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def start(extra: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -97,7 +87,7 @@ def main() -> int:
 
     print(f"soak: {cfg.requests} requests/round x {args.rounds} rounds (+1 warm-up), concurrency "
           f"{cfg.concurrency}, max_tokens {cfg.max_tokens[0]}-{cfg.max_tokens[1]}, n in {cfg.n_values}, "
-          f"{cfg.p_leave:.0%} leave early; CPU {_cpu()}")
+          f"{cfg.p_leave:.0%} leave early; CPU {cpu_model_name()}, ISA {detect_isa().describe()}")
     report = SoakReport()
     try:
         for i in range(args.rounds + 1):
