@@ -84,6 +84,16 @@ def _optional_parsers() -> list[Callable[[Any], object]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) >= 2 and argv[0] == "plan":
+        from fitserve.plan.toolbox import TOOLS
+
+        if argv[1] in TOOLS:
+            # NOTE: routed before argparse: `plan` takes a model as its first positional, and a
+            # tool name there is never a model (no catalog entry or file is called that).
+            from fitserve.plan.toolbox.sheet import run_tool
+
+            return run_tool(argv[1], argv[2:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

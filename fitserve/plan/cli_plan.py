@@ -23,10 +23,18 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``plan`` sub-command to an argparse ``subparsers`` object and return it."""
     p: argparse.ArgumentParser = subparsers.add_parser(
         "plan", help="memory, speed and energy ledger for a model on a machine",
-        description="Plan a model on a machine, line by line. Context suffixes k/m mean x1024.")
+        description="Plan a model on a machine, line by line. Context suffixes k/m mean x1024.",
+        epilog=_tools_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_arguments(p)
     p.set_defaults(func=run_plan)
     return p
+
+
+def _tools_epilog() -> str:
+    from fitserve.plan.toolbox import TOOLS
+
+    rows = "\n".join(f"  plan {name:<9} {help_}" for name, (_, help_) in TOOLS.items())
+    return f"other planner sheets (each with --help, --json, --explain):\n{rows}"
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
