@@ -173,8 +173,9 @@ def speed_section(r: Resolved, batch: int) -> Section:
                           f"{ar.calls_per_step} x {fmt_bytes(ar.bytes_per_call)} = "
                           f"{fmt_seconds(ar.seconds_per_step)}",
                           f"2 x {s.num_layers} layers; each {batch} tokens x {s.hidden_size} x "
-                          f"{r.act_bytes} B; {hw.link_latency_s * 1e6:.0f} us + 2 x "
-                          f"({q.tp}-1)/{q.tp} x bytes / {hw.link_bytes_per_s:.3g} B/s"))
+                          f"{r.act_bytes} B, {ar.algorithm} all-reduce (fastest at this size): "
+                          f"{hw.link_latency_s * 1e6:.0f} us per call + hops + "
+                          f"{ar.wire_bytes_per_call:,.0f} B sent / {hw.link_bytes_per_s:.3g} B/s"))
     if not r.weights.startswith("int4"):
         i4 = model_weight_bytes(s, "int4-g128", tp=q.tp)
         bf = model_weight_bytes(s, "bf16", tp=q.tp)

@@ -9,7 +9,7 @@ from fitserve.plan.flops import attention_crossover_context, flops_per_token, pr
 from fitserve.plan.hardware import get_hardware
 from fitserve.plan.layouts import LayoutQuery, recommend_layout
 from fitserve.plan.model_source import catalog_entry
-from fitserve.plan.parallel import tp_allreduce
+from fitserve.plan.parallel import ring_allreduce_seconds, tp_allreduce
 from fitserve.plan.speed import compute_bound_batch, decode_step, quant_crossover
 from fitserve.plan.weights import model_weight_bytes
 
@@ -74,8 +74,20 @@ def test_allreduce_arithmetic() -> None:
     ar = tp_allreduce(L8, H100, tp=8, tokens=1, act_dtype_bytes=2)
     assert ar.calls_per_step == 64  # 2 per layer
     assert ar.bytes_per_call == 4096 * 2
-    assert ar.wire_bytes_per_call == 2 * 7 / 8 * 8192
-    assert ar.seconds_per_call == pytest.approx(8e-6 + 2 * 7 / 8 * 8192 / 450e9)
+    # decode's 8 KiB message is latency-bound: with 8 us per call and 1 us per hop,
+    #   ring     8 + 2 x 7 x 1 us + 2 x 7/8 x 8192 / 450e9 = 22.03 us
+    #   tree     8 + 2 x 3 x (1 us + 8192 / 450e9)          = 14.11 us
+    #   one-shot 8 + 1 us + 7 x 8192 / 450e9                =  9.13 us  <- fastest
+    assert ar.algorithm == "one-shot"
+    assert ar.wire_bytes_per_call == 7 * 8192
+    assert ar.seconds_per_call == pytest.approx(8e-6 + 1e-6 + 7 * 8192 / 450e9)
+    # a 2048-token prefill step's 16 MiB is bandwidth-bound: the ring's 2 x 7/8 factor wins
+    #   ring 22 us + 1.75 x 16 MiB / 450e9 = 87.2 us; tree 8 + 6 x (1 + 37.3) = 237.7 us;
+    #   one-shot 9 us + 7 x 16 MiB / 450e9 = 270.0 us
+    big = tp_allreduce(L8, H100, tp=8, tokens=2048, act_dtype_bytes=2)
+    assert big.algorithm == "ring"
+    assert big.seconds_per_call == pytest.approx(8e-6 + 14e-6 + 2 * 7 / 8 * 2048 * 8192 / 450e9)
+    assert ring_allreduce_seconds(8192, 8, H100) == pytest.approx(8e-6 + 2 * 7 / 8 * 8192 / 450e9)
 
 
 def test_energy_per_token() -> None:
