@@ -40,6 +40,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if last is not None and args.verbose:
         print(f"[{len(last.token_ids)} tokens, finish_reason={last.finish_reason.value if last.finish_reason else None}]",
               file=sys.stderr)
+        from fitserve.dist.engine_tp import TPModelRunner, collectives_table
+
+        if isinstance(engine.runner, TPModelRunner):
+            print(collectives_table(engine.runner, len(last.token_ids)), file=sys.stderr)
+    engine.shutdown()
     return 0
 
 

@@ -198,5 +198,8 @@ class EngineConfig:
     slo_tpot_ms: float | None = None
     slo_action: str = "reject"
     step_model: str | None = None
+    # Tensor parallelism (vLLM's tensor_parallel_size): this many processes on torch.distributed
+    # (gloo), each holding 1/N of the heads, MLP and vocabulary (fitserve.dist)
+    tensor_parallel_size: int = 1
     # Speculative decoding (off by default): a SpeculativeConfig or its vLLM-style dict
     speculative_config: SpeculativeConfig | dict[str, object] | None = field(default=None, hash=False)

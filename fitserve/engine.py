@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,9 @@ from dataclasses import dataclass, field
 import torch
 
 from fitserve.config import EngineConfig, SchedulerConfig
+from fitserve.dist.comm import CollectiveError
+from fitserve.dist.engine_tp import TPModelRunner, start_tensor_parallel
+from fitserve.dist.group import TPGroup
 from fitserve.engine_beams import BeamSearches
 from fitserve.engine_outputs import Tracked, advance_output, can_speculate, failed_output
 from fitserve.engine_setup import (
@@ -122,10 +126,19 @@ class Engine:
         self.max_model_len = check_max_model_len(cfg.max_model_len, self.spec)
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
-        model = build_model(
-            self.spec, self.loaded.weights, dtype=self.dtype, device=self.device,
-            max_positions=self.max_model_len,
-        )
+        # the spec of the shard this process holds: the whole model, or rank 0's under --tp
+        self.tp_group: TPGroup | None = None
+        shard_spec = self.spec
+        if cfg.tensor_parallel_size > 1:
+            self.tp_group, model, shard_spec = start_tensor_parallel(
+                cfg, self.loaded, dtype=self.dtype, device=self.device,
+                max_positions=self.max_model_len)
+            weakref.finalize(self, self.tp_group.shutdown)
+        else:
+            model = build_model(
+                self.spec, self.loaded.weights, dtype=self.dtype, device=self.device,
+                max_positions=self.max_model_len,
+            )
         if loaded is None:
             self.loaded.weights = {}  # the model holds its own copies; don't keep two
         if self.device.type == "cpu":
@@ -134,14 +147,16 @@ class Engine:
             release_freed_host_memory()
         # One ledger: the planner's function counts the weights; the model must hold exactly that.
         dname = dtype_name(self.dtype)
-        weight_bytes = engine_weight_bytes(self.spec, dname, stored=self.loaded.stored_formats,
+        weight_bytes = engine_weight_bytes(shard_spec, dname, stored=self.loaded.stored_formats,
                                            rule=engine_format_rule(self.weights_choice, dname))
         held = held_weight_bytes(model)  # parameters and packed buffers, each tensor once
         if held != weight_bytes:
             raise RuntimeError(f"the model holds {held:,} B of weights, the ledger says "
                                f"{weight_bytes:,} B (fitserve.plan.weights.engine_weight_bytes)")
-        self.pool = size_kv_pool(cfg, self.spec, self.dtype, self.device, weight_bytes)
+        self.pool = size_kv_pool(cfg, shard_spec, self.dtype, self.device, weight_bytes)
         check_pool_fits(self.pool, self.max_model_len)
+        if self.tp_group is not None:
+            self.tp_group.send_startup(self.pool.num_blocks)
         self.kv = KVCacheManager(self.pool.num_blocks, cfg.block_size,
                                  enable_caching=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -157,11 +172,16 @@ class Engine:
             ),
             self.kv,
         )
-        self.runner = ModelRunner(
-            model, self.spec, num_blocks=self.pool.num_blocks, block_size=cfg.block_size,
-            kv_dtype=self.dtype, device=self.device, compile_decode=not cfg.enforce_eager,
+        self.runner = (ModelRunner if self.tp_group is None else TPModelRunner)(
+            model, shard_spec, num_blocks=self.pool.num_blocks, block_size=cfg.block_size,  # type: ignore[arg-type]
+            kv_dtype=self.dtype, device=self.device,
+            # NOTE: under --tp every step runs eager (collectives inside a compiled graph: later)
+            compile_decode=not cfg.enforce_eager and self.tp_group is None,
             kv_cache_dtype=cfg.kv_cache_dtype, kv_cache_scales=cfg.kv_cache_scales,
         )
+        if isinstance(self.runner, TPModelRunner):
+            assert self.tp_group is not None
+            self.runner.attach(self.tp_group, self.spec, self.dtype)
         if self.runner.kv_cache_bytes != self.pool.allocated_bytes:
             raise RuntimeError(f"the KV cache holds {self.runner.kv_cache_bytes:,} B, the ledger "
                                f"says {self.pool.allocated_bytes:,} B ({self.pool.num_blocks} "
@@ -332,6 +352,11 @@ class Engine:
         self.scheduler.finish(request_id)
         return True
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do without --tp); idempotent."""
+        if self.tp_group is not None:
+            self.tp_group.shutdown()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(len(self._beams))
 
@@ -446,6 +471,8 @@ class Engine:
             if self.fault_hook is not None:
                 self.fault_hook([c.request_id for c in plan.chunks])
             return self.runner.execute(plan, states), {}
+        except CollectiveError:
+            raise  # the tensor-parallel group is broken: every request's, not one request's
         except Exception as exc:  # noqa: BLE001 - isolated below, reported per request
             if len(plan.chunks) == 1:
                 return RunnerOutput(sampled={}), {plan.chunks[0].request_id: exc}

@@ -101,6 +101,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="slo: the step-time model file (fitserve profile --workload calibrate "
                         "writes one); default: the one saved for this model and machine under "
                         "$FITSERVE_HOME/step-models, measured at start-up when there is none")
+    p.add_argument("--tensor-parallel-size", "-tp", "--tp", dest="tensor_parallel_size",
+                   type=int, default=1, metavar="N",
+                   help="run the model over N processes on torch.distributed (gloo), Megatron "
+                        "splits: 1/N of the heads, MLP rows and vocabulary each (vLLM's flag). "
+                        "Spawns N-1 workers here; under torchrun every rank runs this command")
     p.add_argument("--speculative-config", type=parse_speculative_config_arg, default=None,
                    metavar="JSON",
                    help="speculative decoding (off by default), vLLM's JSON: e.g. "
@@ -124,5 +129,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         speculative_config=args.speculative_config, kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_scales=args.kv_cache_scales, scheduling_policy=args.scheduling_policy,
         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, slo_action=args.slo_action,
-        step_model=args.step_model,
+        step_model=args.step_model, tensor_parallel_size=args.tensor_parallel_size,
     )

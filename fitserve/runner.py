@@ -91,18 +91,7 @@ class ModelRunner:
         chunks = decode_rows_first(out.chunks)
         input_ids, positions, batch = self._prepare(chunks)
         hidden = self._forward(input_ids, positions, batch)
-        sample_rows: list[int] = []
-        sample_ids: list[str] = []
-        verify: list[tuple[ScheduledChunk, int]] = []  # (chunk with drafts, its last row)
-        offset = 0
-        for chunk in chunks:
-            offset += len(chunk.token_ids)
-            if chunk.num_draft:
-                verify.append((chunk, offset - 1))
-            elif chunk.sample:  # n>1 children sample from their parent's row too
-                for rid in (chunk.request_id, *chunk.fanout):
-                    sample_rows.append(offset - 1)
-                    sample_ids.append(rid)
+        sample_rows, sample_ids, verify = logits_rows(chunks)
         result = RunnerOutput(sampled={})
         if sample_rows:
             logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
@@ -274,6 +263,25 @@ def compact_blocks(chunks: list[ScheduledChunk], block_size: int) -> dict[int, i
         for b in c.block_table[: -(-(c.start_pos + len(c.token_ids)) // block_size)]:
             out.setdefault(b, len(out))
     return out
+
+
+def logits_rows(chunks: list[ScheduledChunk]
+                ) -> tuple[list[int], list[str], list[tuple[ScheduledChunk, int]]]:
+    """The packed rows whose logits a step needs: (sampling rows, the request id sampling each,
+    (chunk with drafts, its last row) to verify). n>1 children sample from their parent's row."""
+    sample_rows: list[int] = []
+    sample_ids: list[str] = []
+    verify: list[tuple[ScheduledChunk, int]] = []
+    offset = 0
+    for chunk in chunks:
+        offset += len(chunk.token_ids)
+        if chunk.num_draft:
+            verify.append((chunk, offset - 1))
+        elif chunk.sample:
+            for rid in (chunk.request_id, *chunk.fanout):
+                sample_rows.append(offset - 1)
+                sample_ids.append(rid)
+    return sample_rows, sample_ids, verify
 
 
 def runs_as_decode(chunk: ScheduledChunk) -> bool:

@@ -220,6 +220,7 @@ class EngineLoop:
             self.metrics.engine_alive.set(0)
             self._done.set()
             self._refuse_pending()
+            self.engine.shutdown()  # the tensor-parallel workers, if any
 
     def _refuse_pending(self) -> None:
         """Answer every command nobody will run now (the thread ended): adds get a 503."""

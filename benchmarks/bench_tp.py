@@ -1,0 +1,94 @@
+"""Tensor parallelism on this machine: TP=1 vs TP=2 on the default model, with the share of
+time spent in collectives, next to the ledger's predicted scaling for a 70B model on 8 GPUs.
+
+    .venv/bin/python benchmarks/bench_tp.py [--runs 3] [--tokens 64] [--dtype float32]
+
+On a 2-core machine TP=2 runs 2 processes on the 2 cores that TP=1 already uses, so expect no
+speedup: what it shows is what the all-reduces cost (gloo over loopback, ~60 per token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from fitserve.config import EngineConfig
+from fitserve.engine import Engine
+from fitserve.kernels.cpu.isa import cpu_model_name, detect_isa
+from fitserve.plan.hardware import get_hardware
+from fitserve.plan.model_source import catalog_entry
+from fitserve.plan.speed import decode_step
+from fitserve.plan.weights import model_weight_bytes
+from fitserve.sampling import SamplingParams
+
+PROMPT = "Write a short story about a robot who learns to paint. " * 3
+
+
+def measure(tp: int, dtype: str, tokens: int, batch: int) -> tuple[float, float, float]:
+    """(output tok/s, TTFT s, share of rank 0's wall time inside collectives) of one run."""
+    engine = Engine(EngineConfig(dtype=dtype, tensor_parallel_size=tp, num_kv_blocks=256,
+                                 max_model_len=1024))
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+        engine.add_request(PROMPT, SamplingParams(max_tokens=2))  # warm-up
+        while engine.has_unfinished_requests():
+            engine.step()
+        comm0 = engine.tp_group.comm.seconds if engine.tp_group else 0.0
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            engine.add_request(PROMPT, params)
+        ttft = None
+        produced = 0
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            if ttft is None and outs:
+                ttft = time.perf_counter() - t0
+            produced += sum(1 for o in outs if o.new_token_ids)
+        wall = time.perf_counter() - t0
+        comm = (engine.tp_group.comm.seconds - comm0) if engine.tp_group else 0.0
+        return batch * tokens / wall, ttft or 0.0, comm / wall
+    finally:
+        engine.shutdown()
+
+
+def ledger_70b(gpu: str = "h100") -> list[str]:
+    spec = catalog_entry("Llama-3.3-70B").spec
+    hw = get_hardware(gpu)
+    rows = [f"ledger: Llama-3.3-70B bf16 decode on {gpu}, batch 32 at 4096 tokens"]
+    base = None
+    for tp in (1, 2, 4, 8):
+        wb = model_weight_bytes(spec, "bf16", tp=tp)
+        st = decode_step(spec, hw, wb, batch=32, context=4096, kv_dtype="bf16",
+                         weights_fmt="bf16")
+        base = base or st.seconds
+        rows.append(f"  TP{tp}: step {st.seconds * 1e3:7.2f} ms, all-reduce "
+                    f"{st.t_comm * 1e3:5.2f} ms ({st.t_comm / st.seconds:5.1%}), speed-up "
+                    f"x{base / st.seconds:4.2f} (ideal x{tp}), weights/GPU "
+                    f"{wb.total / 1e9:6.1f} GB" + ("  (does not fit one GPU)" if wb.total > hw.memory_bytes else ""))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--dtype", default="float32")
+    args = ap.parse_args()
+    print(f"CPU: {cpu_model_name()} ({detect_isa().describe()}), {time.strftime('%Y-%m-%d')}")
+    for batch in (1, 8):
+        base = None
+        for tp in (1, 2):
+            runs = [measure(tp, args.dtype, args.tokens, batch) for _ in range(args.runs)]
+            tps = statistics.median(r[0] for r in runs)
+            ttft = statistics.median(r[1] for r in runs)
+            share = statistics.median(r[2] for r in runs)
+            base = base or tps
+            print(f"batch {batch:2d} TP{tp}: {tps:7.1f} tok/s (x{tps / base:4.2f} of TP1), TTFT "
+                  f"{ttft * 1e3:6.1f} ms, time in collectives {share:5.1%}  "
+                  f"[median of {args.runs}]")
+    print("\n".join(ledger_70b()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""A tensor-parallel worker (ranks 1..N-1): load, shard, then run rank 0's step plans.
+
+Spawned by fitserve.dist.group (``python -m fitserve.dist.worker --init URL --config JSON``),
+or started by torchrun through the Engine constructor. It holds no scheduler and samples
+nothing: each step it receives the plan (fitserve.dist.step_message), runs its shard of the
+forward (whose all-reduces meet rank 0's) and takes part in the logits gather.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+import time
+
+import torch
+
+from fitserve.config import EngineConfig
+from fitserve.dist.comm import Collectives
+from fitserve.dist.layout import rank_spec
+from fitserve.dist.step_message import HEADER_LEN, SHUTDOWN, decode_step
+from fitserve.dist.tp_model import TPCausalLM, build_tp_model
+from fitserve.runner import ModelRunner, decode_rows_first, logits_rows
+
+log = logging.getLogger("fitserve.dist")
+# NOTE: test-only fault injection: "RANK:STEP:SECONDS" makes that rank sleep before that step
+STALL_ENV = "FITSERVE_TEST_TP_STALL"
+
+
+def _stall(rank: int, step: int) -> None:
+    spec = os.environ.get(STALL_ENV)
+    if spec:
+        r, s, secs = spec.split(":")
+        if int(r) == rank and int(s) == step:
+            time.sleep(float(secs))
+
+
+def _watch_parent() -> None:
+    """Spawned workers exit when the engine process is gone (its collectives would fail too,
+    but an idle worker waits on the control channel for a long time)."""
+    parent = int(os.environ.get("FITSERVE_TP_PARENT", "0"))
+    if not parent:
+        return
+
+    def loop() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(3)
+
+    threading.Thread(target=loop, name="fitserve-tp-parent", daemon=True).start()
+
+
+def build_worker(cfg: EngineConfig, rank: int, world: int, comm: Collectives
+                 ) -> tuple[TPCausalLM, ModelRunner]:
+    from fitserve.engine_setup import (
+        check_max_model_len,
+        release_freed_host_memory,
+        resolve_device,
+        resolve_dtype,
+    )
+    from fitserve.loading import load_model
+    from fitserve.plan.formats import resolve_engine_weights
+
+    device = resolve_device(cfg.device)
+    choice, dtype_arg = resolve_engine_weights(cfg.weights, cfg.quantization, cfg.dtype)
+    dtype = resolve_dtype(dtype_arg, device)
+    loaded = load_model(cfg.model, dtype=dtype, weights=choice)
+    max_len = check_max_model_len(cfg.max_model_len, loaded.spec)
+    model = build_tp_model(loaded.spec, loaded.weights, tp=world, rank=rank, comm=comm,
+                           dtype=dtype, device=device, max_positions=max_len)
+    loaded.weights = {}
+    release_freed_host_memory()
+    start = comm.broadcast(torch.zeros(1, dtype=torch.int64), "startup", control=True,
+                           idle=True)
+    runner = ModelRunner(model, rank_spec(loaded.spec, world, rank),  # type: ignore[arg-type]
+                         num_blocks=int(start[0]), block_size=cfg.block_size, kv_dtype=dtype,
+                         device=device, compile_decode=False, kv_cache_dtype=cfg.kv_cache_dtype,
+                         kv_cache_scales=cfg.kv_cache_scales)
+    return model, runner
+
+
+def serve_steps(rank: int, comm: Collectives, model: TPCausalLM, runner: ModelRunner) -> None:
+    """Run rank 0's step plans until it says SHUTDOWN."""
+    step = 0
+    while True:
+        head = comm.broadcast(torch.zeros(HEADER_LEN, dtype=torch.int64), "control",
+                              control=True, idle=True)
+        if int(head[0]) == SHUTDOWN:
+            return
+        payload = comm.broadcast(torch.zeros(int(head[1]), dtype=torch.int64), "control",
+                                 control=True)
+        plan = decode_step(payload)
+        step += 1
+        _stall(rank, step)
+        with torch.inference_mode():
+            if plan.block_copies:
+                runner.copy_blocks(plan.block_copies)
+            chunks = decode_rows_first(plan.chunks)
+            hidden = runner.forward_chunks(chunks)
+            rows, _, verify = logits_rows(chunks)
+            if rows:
+                model.compute_logits(hidden[torch.tensor(rows)])
+            if verify:
+                raise RuntimeError("speculative decoding does not run under tensor parallelism")
+
+
+def run_worker(cfg: EngineConfig, rank: int, world: int, init: str) -> int:
+    from fitserve.dist.group import init_group
+
+    _watch_parent()
+    comm, dog = init_group(rank, world, init)
+    try:
+        model, runner = build_worker(cfg, rank, world, comm)
+        serve_steps(rank, comm, model, runner)
+    except Exception as exc:
+        log.error("tensor-parallel worker rank %d: %s", rank, exc)
+        print(f"fitserve tp worker rank {rank}: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        dog.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fitserve.dist.worker")
+    p.add_argument("--init", required=True, help="the rendezvous, e.g. tcp://127.0.0.1:29500")
+    p.add_argument("--config", required=True, help="the EngineConfig as JSON")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    cfg = EngineConfig(**json.loads(args.config))
+    return run_worker(cfg, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args.init)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
