@@ -12,6 +12,8 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from fitserve.sampling.guided import GuidedDecoding
+
 # NOTE: vLLM's _SAMPLING_EPS: a temperature below this is treated as greedy, because dividing
 # logits by it would overflow or make sampling numerically indistinguishable from argmax.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -66,6 +68,10 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to its logit before sampling
+    logit_bias: dict[int, float] | None = None
+    # structured output: the output must match this schema / regex / choice / grammar
+    guided: GuidedDecoding | None = None
 
     def __post_init__(self) -> None:
         self.n = _as_int("n", self.n)
@@ -110,6 +116,28 @@ class SamplingParams:
         self.include_stop_str_in_output = _as_bool(
             "include_stop_str_in_output", self.include_stop_str_in_output
         )
+        if self.logit_bias is not None:
+            self.logit_bias = self._normalise_logit_bias(self.logit_bias)
+        if self.guided is not None and not isinstance(self.guided, GuidedDecoding):
+            raise ValueError(f"guided must be a GuidedDecoding, got {self.guided!r}")
+
+    @staticmethod
+    def _normalise_logit_bias(bias: object) -> dict[int, float]:
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
+        out: dict[int, float] = {}
+        for key, value in bias.items():
+            try:
+                token = int(key)  # JSON object keys are strings: "50256"
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+            if token < 0:
+                raise ValueError(f"logit_bias token ids must be non-negative, got {token}")
+            v = _as_float(f"logit_bias[{key}]", value)
+            if not -100.0 <= v <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {v} for {key}")
+            out[token] = v
+        return out
 
     @staticmethod
     def _normalise_stop(stop: object) -> list[str]:
