@@ -162,6 +162,13 @@ def run_serve(args: argparse.Namespace) -> int:
         from fitserve.loading.pull import pull
 
         pull(args.model, progress=True)  # a first run fetches the default model
+    from fitserve.dist.group import launched_externally
+
+    if launched_externally(config.tensor_parallel_size) and int(os.environ["RANK"]) != 0:
+        # under torchrun, ranks > 0 serve rank 0's steps, not HTTP (no second bind of the port)
+        from fitserve.dist.worker import run_worker
+
+        return run_worker(config, int(os.environ["RANK"]), config.tensor_parallel_size, "env://")
 
     def load(cfg: EngineConfig) -> Engine:
         engine = Engine(cfg)
