@@ -17,7 +17,9 @@ from .conftest import hf_greedy
 from .tiny_models import build_tiny
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
-NUM_TOKENS = 64
+# NOTE: 40 new tokens after prompts of up to 40 pass Mistral's window (12) and Llama-3's
+# original context (32) many times over; more tokens only cost time
+NUM_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +30,7 @@ def hf_tokenizer(smollm2_gguf):  # type: ignore[no-untyped-def]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_64_tokens_match(arch: str, tmp_path, hf_tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_greedy_tokens_match(arch: str, tmp_path, hf_tokenizer) -> None:  # type: ignore[no-untyped-def]
     ref_model = build_tiny(arch, tmp_path, hf_tokenizer)
     loaded = load_model(tmp_path, dtype=torch.float32)
     assert loaded.spec.architecture == arch

@@ -42,7 +42,7 @@ FILLERS = [
     "Once",
     "Weather report for Tuesday:",
 ]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 
 def run_all(engine: Engine, prompts: list[str], params: SamplingParams = GREEDY) -> dict[str, list[int]]:
@@ -64,7 +64,7 @@ def alone_tokens(smollm2_loaded) -> list[int]:  # type: ignore[no-untyped-def]
     tokens = run_all(engine, [TARGET])[TARGET]
     other = run_all(engine, [OTHER])[OTHER]
     assert tokens != other, "vacuous: a different prompt gives the same tokens"
-    assert len(tokens) == 64
+    assert len(tokens) == 32
     return tokens
 
 
@@ -99,7 +99,7 @@ def test_chunk_sizes(make_engine, alone_tokens, chunk) -> None:  # type: ignore[
 
 @pytest.mark.slow
 def test_pool_small_enough_to_preempt(make_engine, alone_tokens) -> None:  # type: ignore[no-untyped-def]
-    # 8 requests of ~20-70 tokens + 64 new each need far more than 24 blocks of 16 at once.
+    # 8 requests of ~20-70 tokens + 32 new each need far more than 24 blocks of 16 at once.
     engine = make_engine(num_kv_blocks=24, max_model_len=256)
     out = run_all(engine, [TARGET] + FILLERS[:7])
     assert engine.scheduler.total_preemptions > 0, "vacuous: nothing was preempted"
