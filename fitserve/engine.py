@@ -49,10 +49,13 @@ from fitserve.quant.hold import loaded_weights_choice
 from fitserve.runner import ModelRunner
 from fitserve.sampling import RequestSamplingState, SamplingParams
 from fitserve.sampling.beam_search import BeamSearchParams
+from fitserve.sampling.guided import GuidedDecoding
 from fitserve.sampling.spec_decode.stats import SpecDecodeStats
 from fitserve.sched.request import SchedRequest
 from fitserve.sched.scheduler import Scheduler
 from fitserve.sched.slo import step_shape
+from fitserve.structured.compiler import GrammarCompiler
+from fitserve.structured.requests import guide_states
 from fitserve.types import (
     FinishReason,
     RequestOutput,
@@ -201,6 +204,8 @@ class Engine:
                         "CPU device and the C++ paged attention kernel)")
         self._trim_after_prefill = self.device.type == "cpu"
         self._requests: dict[str, Tracked] = {}
+        # structured output: compiled grammars, cached (its LLTokenizer is built on first use)
+        self.grammars = GrammarCompiler()
         self._beams = BeamSearches(self.scheduler, self.tokenizer, str(self.device))
         self.speculative_config = resolve_speculative_config(cfg.speculative_config)
         self.spec_decode = None if self.speculative_config is None else SpeculativeDecoding(
@@ -269,6 +274,11 @@ class Engine:
         The prompt is computed once: the first request computes it, every request samples its
         first token from those logits, then the others fork its block table (copy-on-write; see
         :mod:`fitserve.sched.scheduler`). All are queued or, on a ValueError, none.
+
+        A request with ``guided`` set gets its own grammar state (:mod:`fitserve.structured`):
+        an invalid schema / regex / grammar, or a ``logit_bias`` id outside the vocabulary, is a
+        ValueError here. Its outputs then always match the grammar; it finishes with
+        ``finish_reason`` stop once the grammar is complete (EOS is allowed only where it is).
         """
         if not params:
             raise ValueError("add_requests needs at least one SamplingParams")
@@ -284,6 +294,7 @@ class Engine:
         prompt_ids = self._checked_prompt(prompt)
         room = self.max_model_len - len(prompt_ids)
         overrides = _slo_overrides(slo_ttft_ms, slo_tpot_ms)
+        guides = guide_states(self.grammars, params, self.tokenizer, self.spec.vocab_size)
         scheds = [SchedRequest(request_id=rid, prompt_token_ids=prompt_ids,
                                max_tokens=room if p.max_tokens is None else min(p.max_tokens, room),
                                priority=priority, slo_ttft_s=overrides[0], slo_tpot_s=overrides[1])
@@ -291,11 +302,13 @@ class Engine:
         scheds[0].fork_children = scheds[1:]
         self.scheduler.add_request(scheds[0])  # validates against the pool before anything is kept
         now = time.monotonic()
-        for sched, p in zip(scheds, params, strict=True):
+        for sched, p, guide in zip(scheds, params, guides, strict=True):
+            sampling = RequestSamplingState.create(p, prompt_ids, sched.output_token_ids, device=str(self.device))
+            sampling.guide = guide
             self._requests[sched.request_id] = Tracked(
                 sched=sched,
                 params=p,
-                sampling=RequestSamplingState.create(p, prompt_ids, sched.output_token_ids, device=str(self.device)),
+                sampling=sampling,
                 detok=IncrementalDetokenizer(self.tokenizer, prompt_ids, p.skip_special_tokens),
                 max_tokens=sched.max_tokens,
                 arrival_time=now,
@@ -305,12 +318,18 @@ class Engine:
         return list(request_ids)
 
     def add_beam_search(
-        self, prompt: str | Sequence[int], params: BeamSearchParams, request_id: str | None = None
+        self, prompt: str | Sequence[int], params: BeamSearchParams, request_id: str | None = None,
+        *, guided: GuidedDecoding | None = None,
     ) -> str:
         """Queue a beam search (vLLM's ``LLM.beam_search`` for one prompt): ``beam_width``
         beams over shared, copy-on-write block tables, advancing in the same steps as every
         other request. Its one output comes at the end: ``RequestOutput.beams``, best first.
+
+        ``guided`` is refused (ValueError): beams are ranked by the model's own logprobs, which
+        a grammar mask on some beams' candidates would make meaningless.
         """
+        if guided is not None:
+            raise ValueError("guided decoding (structured output) is not supported with beam search")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._requests or rid in self._beams:
             raise ValueError(f"request id {rid!r} is already in use")

@@ -38,10 +38,11 @@ class Tracked:
 
 def can_speculate(p: SamplingParams) -> bool:
     """Whether a request's tokens may come from verified drafts: not with penalties (the
-    target distribution at a draft position would depend on which earlier drafts held) nor
-    logprobs (one logprobs entry per step)."""
+    target distribution at a draft position would depend on which earlier drafts held), a
+    grammar (its mask moves with each token too) or logit bias (the verifier's distribution
+    has none), nor logprobs (one logprobs entry per step)."""
     return (p.logprobs is None and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
-            and p.presence_penalty == 0.0)
+            and p.presence_penalty == 0.0 and p.guided is None and not p.logit_bias)
 
 
 def failed_output(rid: str, t: Tracked, exc: Exception, now: float) -> RequestOutput:
@@ -70,7 +71,11 @@ def advance_output(rid: str, t: Tracked, new_tokens: list[int], now: float, *, m
                    eos_token_ids: tuple[int, ...]) -> RequestOutput:
     """Take the request's new tokens (already appended to its outputs; several when
     speculative decoding accepted drafts): release their text, held back where a stop string
-    might still begin, and finish it on the first stop condition (outputs past it are cut)."""
+    might still begin, and finish it on the first stop condition (outputs past it are cut).
+
+    A guided request's grammar state consumes each token first (GuidedDecodingError if the
+    grammar refuses it: the caller fails the request); a grammar that is complete (stopped)
+    finishes the request with finish_reason stop and no stop_reason."""
     if t.first_token_time is None:
         t.first_token_time = now
     outputs = t.sched.output_token_ids
@@ -80,7 +85,10 @@ def advance_output(rid: str, t: Tracked, new_tokens: list[int], now: float, *, m
     window = t.held
     p = t.params
     decision: StopDecision | None = None
+    guide = t.sampling.guide
     for i, token in enumerate(new_tokens):
+        if guide is not None:
+            guide.advance(token)
         delta = t.detok.push(token)
         window += delta
         decision = check_stop(
@@ -97,6 +105,8 @@ def advance_output(rid: str, t: Tracked, new_tokens: list[int], now: float, *, m
             stop_strings=[p.stop] if isinstance(p.stop, str) else (p.stop or []),
             include_stop_str=p.include_stop_str_in_output,
         )
+        if decision is None and guide is not None and guide.is_stopped:
+            decision = StopDecision(FinishReason.STOP, None)
         if decision is not None:
             del outputs[base + i + 1:]  # tokens emitted past the stop are not output
             break

@@ -15,6 +15,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
@@ -42,16 +43,33 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-@lru_cache(maxsize=32)
-def _compile(source: str) -> jinja2.Template:
+def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+@lru_cache(maxsize=32)
+def _compile(source: str) -> jinja2.Template:
     try:
-        return env.from_string(source)
+        return _environment().from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ChatTemplateError(f"chat template does not parse: {exc}") from exc
+
+
+@lru_cache(maxsize=32)
+def template_variables(source: str) -> frozenset[str]:
+    """The names a template reads from its context (``messages``, ``tools``, ``bos_token``...).
+
+    A template that never reads ``tools`` has no place for tool definitions: a caller then has
+    to show them some other way (the server puts them in the system message).
+    """
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(source)))
     except jinja2.TemplateSyntaxError as exc:
         raise ChatTemplateError(f"chat template does not parse: {exc}") from exc
 

@@ -4,7 +4,9 @@ Per row, in this order::
 
     raw logits --log_softmax--> logprobs returned to the user (chosen, rank, top-N)
         |
+        +-- logit_bias (OpenAI's: added to the raw logits)
         +-- repetition penalty (prompt + output tokens), frequency / presence (output tokens)
+        +-- guided rows: tokens the grammar forbids -> -inf (fitserve.structured)
         |
         +-- greedy row: argmax
         +-- random row: / temperature -> top-k -> top-p -> min-p -> softmax
@@ -16,7 +18,8 @@ from its own generator, so its tokens do not depend on what else is in the batch
 
 Top-k, top-p and min-p are each a *threshold* on the (temperature-scaled) logits: a row keeps
 every token whose logit is >= the largest of the three thresholds. Ties at a boundary are kept,
-so the kept set never depends on token-id order.
+so the kept set never depends on token-id order. The grammar mask comes before them, so the
+filters and the greedy argmax choose among the allowed tokens only.
 """
 
 from __future__ import annotations
@@ -24,11 +27,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from itertools import chain
+from typing import TYPE_CHECKING
 
 import torch
 
 from fitserve.sampling.params import SamplingParams
+from fitserve.structured.logits import GuidedMasker, apply_logit_bias
 from fitserve.types import TokenLogprobs
+
+if TYPE_CHECKING:
+    from fitserve.structured.guide import GuideState
 
 _NEG_INF = float("-inf")
 _U64_MASK = (1 << 64) - 1
@@ -44,6 +52,10 @@ class RequestSamplingState:
     ``num_logprobs`` is how many top alternatives to return (None: no logprobs); it is
     ``params.logprobs`` unless the engine asks for more than a client may (beam search reads
     the top 2 x beam_width of each beam).
+
+    ``guide`` is the request's grammar state when ``params.guided`` is set (the engine builds
+    it: fitserve.structured); the sampler only reads it. ``logit_bias`` is ``params.logit_bias``
+    as (token ids, values) tensors, built once.
     """
 
     params: SamplingParams
@@ -51,10 +63,16 @@ class RequestSamplingState:
     output_token_ids: list[int]
     generator: torch.Generator | None = None
     num_logprobs: int | None = None
+    guide: GuideState | None = None
+    logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if self.num_logprobs is None:
             self.num_logprobs = self.params.logprobs
+        bias = self.params.logit_bias
+        if bias and self.logit_bias is None:
+            self.logit_bias = (torch.tensor(list(bias), dtype=torch.long),
+                               torch.tensor(list(bias.values()), dtype=torch.float32))
 
     @classmethod
     def create(
@@ -85,6 +103,7 @@ class Sampler:
     ) -> None:
         self.generator = generator
         self.candidate_width = candidate_width
+        self.masker = GuidedMasker()  # fills and applies grammar masks; counts their time
 
     def __call__(
         self, logits: torch.Tensor, states: list[RequestSamplingState]
@@ -103,7 +122,13 @@ class Sampler:
         # penalties and temperature change them.
         raw_lp = torch.log_softmax(_take(x, lp_rows), dim=-1) if lp_rows else None
 
+        biased = [i for i, s in enumerate(states) if s.logit_bias is not None]
+        if biased:
+            apply_logit_bias(x, biased, [b for i in biased if (b := states[i].logit_bias) is not None])
         _apply_penalties(x, states)
+        guided = [i for i, s in enumerate(states) if s.guide is not None]
+        if guided:
+            self.masker(x, guided, [g for i in guided if (g := states[i].guide) is not None])
 
         tokens = torch.empty(len(states), dtype=torch.long, device=x.device)
         greedy = [i for i, s in enumerate(states) if s.params.greedy]
@@ -135,8 +160,10 @@ class Sampler:
 
         Penalties are not applied: they depend on the tokens generated so far, which change
         inside a speculative chunk, so speculative decoding is only used for requests without
-        them. A state with a non-default repetition / frequency / presence penalty raises
-        ``ValueError`` rather than silently returning a distribution ``__call__`` never uses.
+        them; nor are logit bias and grammar masks (speculative decoding skips those requests
+        too). A state with a non-default repetition / frequency / presence penalty, a bias or
+        a grammar raises ``ValueError`` rather than silently returning a distribution
+        ``__call__`` never uses.
         """
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(
@@ -144,11 +171,12 @@ class Sampler:
             )
         penalised = [i for i, s in enumerate(states)
                      if s.params.repetition_penalty != 1.0 or s.params.frequency_penalty != 0.0
-                     or s.params.presence_penalty != 0.0]
+                     or s.params.presence_penalty != 0.0 or s.guide is not None
+                     or s.logit_bias is not None]
         if penalised:
             raise ValueError(
-                f"probabilities() does not apply penalties; rows {penalised} have a repetition, "
-                "frequency or presence penalty"
+                f"probabilities() does not apply penalties, logit bias or grammars; rows "
+                f"{penalised} have a repetition, frequency or presence penalty, a bias or a grammar"
             )
         x = logits.to(torch.float32, copy=True).contiguous()
         out = torch.zeros_like(x)

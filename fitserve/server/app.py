@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI routes, health, metrics and the dashboard over one EngineLoop.
+"""The FastAPI app: OpenAI routes, vLLM's /tokenize and /detokenize, health, metrics and the
+dashboard over one EngineLoop.
 
 Request bodies are read by hand (with a size cap) and validated strictly, so every client
 mistake becomes an OpenAI-style 4xx; FastAPI's own 422 is turned into 400 as well.
@@ -39,11 +40,13 @@ from fitserve.loading.generation_defaults import (
     GenerationDefaults,
     resolve_default_sampling,
 )
+from fitserve.server.choices import token_text_fn
 from fitserve.server.engine_loop import EngineLoop
 from fitserve.server.errors import APIError, error_body
 from fitserve.server.openapi import build_openapi
 from fitserve.server.protocol import (
     REJECTED_FIELDS,
+    TOKENIZE_REJECTED_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
@@ -55,9 +58,9 @@ from fitserve.server.responses import (
     RunStreamingResponse,
     collect,
     stream_events,
-    token_text_fn,
 )
 from fitserve.server.serving import ModelContext, Prepared, prepare_chat, prepare_completion
+from fitserve.server.tokenize import DetokenizeRequest, detokenize, tokenize, tokenize_model
 
 log = logging.getLogger("fitserve.server")
 _M = TypeVar("_M", bound=BaseModel)
@@ -153,6 +156,7 @@ def create_app(engine_loop: EngineLoop, settings: ServerSettings | None = None) 
     async def run(request: Request, prep: Prepared) -> Response:
         if state.draining:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
+        log.debug("request %s: %d prompt(s) x n=%d, user=%r", prep.group, len(prep.prompts), prep.n, prep.user)
         job = Run(engine_loop, prep)
         if len(job.children) > settings.max_waiting:  # a 503 would tell it to retry in vain
             raise APIError(400, f"this request needs {len(job.children)} sequences (prompts x n), more than "
@@ -169,6 +173,10 @@ def create_app(engine_loop: EngineLoop, settings: ServerSettings | None = None) 
             job.close()
             if isinstance(err, APIError) and err.status == 429:
                 engine_loop.metrics.rejected.labels(status="429").inc()
+            if isinstance(err, APIError) and err.status == 400 and err.param is None:
+                # NOTE: the engine refused it at add_request: with an output constraint, that is
+                # its schema/regex/grammar not compiling (the message says what is wrong).
+                err.param = prep.guided_param
             raise
         if prep.stream:
             return RunStreamingResponse(job, stream_events(job, state.token_text), settings.send_timeout_s)
@@ -192,6 +200,8 @@ def create_app(engine_loop: EngineLoop, settings: ServerSettings | None = None) 
         raw = await _read_body(request, settings.max_body_bytes, settings.body_timeout_s)
         prep = await run_in_threadpool(lambda: prepare_chat(state.fill_defaults(_parse(raw, ChatCompletionRequest)), state.context()))
         return await run(request, prep)
+
+    _add_tokenizer_routes(app, state, check_auth)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
@@ -251,6 +261,25 @@ def create_app(engine_loop: EngineLoop, settings: ServerSettings | None = None) 
     return app
 
 
+def _add_tokenizer_routes(app: FastAPI, state: AppState, check_auth: Callable[[Request], None]) -> None:
+    """vLLM's POST /tokenize and /detokenize (``fitserve.server.tokenize``), behind the API key."""
+    settings = state.settings
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> JSONResponse:
+        check_auth(request)
+        raw = await _read_body(request, settings.max_body_bytes, settings.body_timeout_s)
+        return JSONResponse(await run_in_threadpool(
+            lambda: tokenize(_parse(raw, tokenize_model, TOKENIZE_REJECTED_FIELDS), state.context())))
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> JSONResponse:
+        check_auth(request)
+        raw = await _read_body(request, settings.max_body_bytes, settings.body_timeout_s)
+        return JSONResponse(await run_in_threadpool(
+            lambda: detokenize(_parse(raw, DetokenizeRequest, TOKENIZE_REJECTED_FIELDS), state.context())))
+
+
 def _asset(name: str) -> str:
     return resources.files("fitserve.server").joinpath("dashboard", name).read_text(encoding="utf-8")
 
@@ -288,8 +317,12 @@ def _given_key(request: Request) -> str:
     return ""
 
 
-def _parse(raw: bytes, model: type[_M]) -> _M:
-    """Validate a request body (runs in a worker thread with the rest of request preparation)."""
+def _parse(raw: bytes, model: type[_M] | Callable[[dict[str, Any]], type[_M]],
+           rejected: dict[str, str] = REJECTED_FIELDS) -> _M:
+    """Validate a request body (runs in a worker thread with the rest of request preparation).
+
+    ``model`` is the pydantic model, or a function of the parsed JSON object that picks it.
+    """
     try:
         data = json.loads(raw)
     except RecursionError:
@@ -298,11 +331,12 @@ def _parse(raw: bytes, model: type[_M]) -> _M:
         raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-    for name, why in REJECTED_FIELDS.items():
+    for name, why in rejected.items():
         if data.get(name) not in (None, [], {}):
             raise APIError(400, why, param=name, code="unsupported_parameter")
+    chosen: type[_M] = model if isinstance(model, type) else model(data)
     try:
-        return model.model_validate_json(raw)
+        return chosen.model_validate_json(raw)
     except ValidationError as exc:
         field = _lone_surrogate_field(data)
         if field is not None:  # pydantic's JSON parser names it only as a bad escape

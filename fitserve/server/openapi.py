@@ -24,6 +24,7 @@ from pydantic.json_schema import models_json_schema
 
 from fitserve.server.protocol import (
     REJECTED_FIELDS,
+    TOKENIZE_REJECTED_FIELDS,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -32,6 +33,13 @@ from fitserve.server.protocol import (
     CompletionRequest,
     ErrorResponse,
     ModelList,
+)
+from fitserve.server.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
 )
 
 if TYPE_CHECKING:
@@ -45,7 +53,12 @@ _MODELS: tuple[tuple[type[BaseModel], Any], ...] = (
     (Completion, "serialization"), (ChatCompletion, "serialization"),
     (CompletionChunk, "serialization"), (ChatCompletionChunk, "serialization"),
     (ErrorResponse, "serialization"), (ModelList, "serialization"),
+    (TokenizeCompletionRequest, "validation"), (TokenizeChatRequest, "validation"),
+    (DetokenizeRequest, "validation"), (TokenizeResponse, "serialization"), (DetokenizeResponse, "serialization"),
 )
+# request models with a `model` field (only the served model is a 200)
+_WITH_MODEL = ("CompletionRequest", "ChatCompletionRequest", "TokenizeCompletionRequest", "TokenizeChatRequest",
+               "DetokenizeRequest")
 _ERRORS = {
     400: "Invalid request: bad JSON, a wrong type, a value out of range, a prompt longer than the "
          "context; `error.param` names the field",
@@ -113,6 +126,33 @@ def _generate(summary: str, request: str, body: str, chunk: str) -> dict[str, An
     }}
 
 
+def _tokenizer_paths() -> dict[str, Any]:
+    """vLLM's POST /tokenize and /detokenize."""
+    rejected = ", ".join(f"`{k}`" for k in TOKENIZE_REJECTED_FIELDS)
+    errors = {str(s): _error(s, "A bad request: a wrong type, a token id outside the vocabulary, a "
+                                "conversation the chat template cannot render" if s == 400 else None)
+              for s in (400, 401, 404, 408, 413, 500, 503)}
+
+    def op(op_id: str, summary: str, request: dict[str, Any], response: str) -> dict[str, Any]:
+        return {"post": {
+            "summary": summary, "operationId": op_id, "tags": ["Tokenizer"],
+            "requestBody": {"required": True, "content": {"application/json": {"schema": request}},
+                            "description": "Validated strictly; unknown fields are ignored, except these, "
+                                           f"which are a 400 unless null or empty: {rejected}."},
+            "responses": {"200": {"description": response,
+                                  "content": {"application/json": {"schema": _ref(response)}}}, **errors},
+        }}
+
+    return {
+        "/tokenize": op("tokenize", "Token ids of a prompt, or of a conversation with the chat template applied "
+                                    "(vLLM)",
+                        {"anyOf": [_ref("TokenizeCompletionRequest"), _ref("TokenizeChatRequest")]},
+                        "TokenizeResponse"),
+        "/detokenize": op("detokenize", "The text of token ids (vLLM)", _ref("DetokenizeRequest"),
+                          "DetokenizeResponse"),
+    }
+
+
 def _plain(summary: str, media_type: str, description: str, *, op_id: str, tag: str,
            errors: tuple[int, ...] = (401,), schema: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"get": {
@@ -155,7 +195,7 @@ def build_openapi(settings: ServerSettings) -> dict[str, Any]:
     """The document for a server with these settings (a fresh dict each call)."""
     _, defs = models_json_schema(list(_MODELS), ref_template=_REF)
     schemas: dict[str, Any] = copy.deepcopy(defs["$defs"])
-    for name in ("CompletionRequest", "ChatCompletionRequest"):  # only the served model is a 200
+    for name in _WITH_MODEL:  # only the served model is a 200
         schemas[name]["properties"]["model"]["anyOf"] = [
             {"type": "string", "enum": [settings.model_name]}, {"type": "null"}]
 
@@ -165,6 +205,7 @@ def build_openapi(settings: ServerSettings) -> dict[str, Any]:
                                      "CompletionChunk"),
         "/v1/chat/completions": _generate("Chat completion (OpenAI)", "ChatCompletionRequest",
                                           "ChatCompletion", "ChatCompletionChunk"),
+        **_tokenizer_paths(),
         "/v1/models": _plain("The served model (OpenAI)", "application/json", "A list of one model card",
                              op_id="listModels", tag="OpenAI", errors=(401, 500, 503), schema=_ref("ModelList")),
         **_health_paths(),

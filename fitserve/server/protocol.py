@@ -2,8 +2,10 @@
 
 Requests are validated in strict mode straight from the JSON bytes, so ``"max_tokens": "5"`` or
 ``"n": 1.5`` is a 400, not a silent coercion. Unknown fields are ignored (clients send things
-like ``user`` or ``metadata``), except the ones listed in :data:`REJECTED_FIELDS`: a chat
-template is code, and the server never runs a template a client sent.
+like ``metadata``), except the ones listed in :data:`REJECTED_FIELDS`: a chat template is code,
+and the server never runs a template a client sent; the others are features fitserve does not
+have. Every field a model declares has an effect (or is checked and refused): none is accepted
+and dropped. ``user`` (OpenAI's end-user id) goes into the server's debug log of the request.
 
 Sampling fields default to ``None`` so that "omitted" and "given" differ: an omitted
 temperature/top_p/top_k/min_p/repetition_penalty is filled by :meth:`with_defaults` from the
@@ -12,7 +14,8 @@ defaults the server put in force (the model's recommended ones, else the server'
 
 The field descriptions, and the bounds the server enforces (stated in the JSON schema only, see
 :func:`_doc`), make up the request schemas of the OpenAPI document (``fitserve.server.openapi``);
-the response models below are its response schemas.
+the response models (``fitserve.server.protocol_responses``, re-exported here) are its response
+schemas; the structured-output and tool models are in ``fitserve.server.protocol_structured``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,40 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field
 
 from fitserve.sampling.params import MAX_LOGPROBS
+from fitserve.server.protocol_responses import (  # re-exported (see __all__)
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionChunkChoice,
+    CompletionLogprobs,
+    ErrorBody,
+    ErrorResponse,
+    FinishReasonName,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    StopReason,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    chat_body,
+    completion_chunk,
+)
+from fitserve.server.protocol_structured import (
+    MAX_TOOLS,
+    MessageToolCall,
+    ResponseFormat,
+    StructuredOutputs,
+    ToolChoice,
+    ToolDefinition,
+)
 
 MAX_N = 16  # children per request: each one holds KV blocks, so n is a memory multiplier
 MAX_STOP_SEQUENCES = 16
@@ -39,12 +76,15 @@ REJECTED_FIELDS: dict[str, str] = {
     "add_generation_prompt": "client-supplied chat template arguments are not accepted",
     "continue_final_message": "client-supplied chat template arguments are not accepted",
     "documents": "client-supplied chat template arguments are not accepted",
-    "tools": "tool calling is not supported",
-    "functions": "function calling is not supported",
-    "logit_bias": "logit_bias is not supported",
-    "suffix": "suffix is not supported",
-    "response_format": "response_format is not supported",
+    "functions": "the legacy `functions` field is not supported: use `tools`",
+    "function_call": "the legacy `function_call` field is not supported: use `tool_choice`",
+    "suffix": "suffix (text after the completion, for insertion) is not supported",
+    "guided_whitespace_pattern": "guided_whitespace_pattern is not supported (JSON output is compact)",
 }
+# Tokenizer routes (/tokenize) take vLLM's add_generation_prompt: only the template's code is refused.
+TOKENIZE_REJECTED_FIELDS: dict[str, str] = {
+    k: v for k, v in REJECTED_FIELDS.items() if k not in ("add_generation_prompt", "suffix")}
+MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias
 
 # Request fields an omitted value of which takes the server's default (not SamplingParams').
 DEFAULTED_FIELDS: tuple[str, ...] = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -58,8 +98,8 @@ def _doc(default: Any, description: str, **by_type: dict[str, Any]) -> Any:
     """A field with a description and bounds that exist in its JSON schema only.
 
     ``by_type`` maps a JSON type ("integer", "number", "string", "array") to the keywords that
-    go into the non-null branch of that type (an ``"items"`` entry is merged into the array's
-    items). Validation does not change: the server checks these bounds itself (``serving.py``,
+    go into the non-null branch of that type (an ``"items"`` or ``"additionalProperties"`` entry is
+    merged into the one pydantic wrote). Validation does not change: the server checks these bounds itself (``serving.py``,
     ``SamplingParams``), with its own messages; the schema only says what it will accept, for
     the OpenAPI document (``fitserve.server.openapi``) and for clients.
     """
@@ -68,8 +108,8 @@ def _doc(default: Any, description: str, **by_type: dict[str, Any]) -> Any:
         branches = [b for b in schema.get("anyOf", [schema]) if b.get("type") != "null"]
         for b in branches:
             for key, value in by_type.get(b.get("type", ""), {}).items():
-                if key == "items":
-                    b.setdefault("items", {}).update(value)
+                if key in ("items", "additionalProperties") and isinstance(b.get(key, {}), dict):
+                    b.setdefault(key, {}).update(value)
                 else:
                     b[key] = value
 
@@ -144,7 +184,32 @@ class _SamplingFields(BaseModel):
     stream: bool = _doc(False, "Stream the result as server-sent events (text/event-stream), one chunk per "
                                "new piece of text, ending with `data: [DONE]`.")
     stream_options: StreamOptions | None = _doc(None, "Only allowed when `stream` is true (else a 400).")
-    user: str | None = _doc(None, "OpenAI's end-user id: accepted and ignored.")
+    user: str | None = _doc(None, "OpenAI's end-user id: written to the server's debug log of the request "
+                                  "(with --log-level debug); it changes nothing else.")
+    logit_bias: dict[str, float] | None = _doc(
+        None, f"OpenAI's: token id (as a string) -> a bias in [-100, 100] added to its logit before sampling "
+              f"(-100 bans it, 100 all but forces it); ids in [0, vocabulary size), at most {MAX_LOGIT_BIAS}.",
+        object={"propertyNames": {"pattern": "^(0|[1-9][0-9]{0,8})$"},
+                "additionalProperties": {"minimum": -100, "maximum": 100},
+                "maxProperties": MAX_LOGIT_BIAS})
+    # structured output: at most one of these (a 400 otherwise)
+    response_format: ResponseFormat | None = _doc(
+        None, "OpenAI's: `text` (no constraint), `json_object` (the output is a JSON object) or `json_schema` "
+              "(it matches `json_schema.schema`). At most one of this and the guided_* fields.")
+    guided_json: dict[str, Any] | str | None = _doc(
+        None, "vLLM extension (not OpenAI): the output matches this JSON schema (an object, or its JSON text).")
+    guided_regex: str | None = _doc(None, "vLLM extension (not OpenAI): the whole output matches this regular "
+                                          "expression (Rust regex syntax: no look-arounds or backreferences).",
+                                    string={"minLength": 1})
+    guided_choice: list[str] | None = _doc(None, "vLLM extension (not OpenAI): the output is exactly one of "
+                                                 "these strings (non-empty, at least one).",
+                                           array={"minItems": 1, "items": {"minLength": 1}})
+    guided_grammar: str | None = _doc(None, "vLLM extension (not OpenAI): the output matches this context-free "
+                                            "grammar, GBNF (llama.cpp's) or Lark (llguidance's syntax).",
+                                      string={"minLength": 1})
+    structured_outputs: StructuredOutputs | None = _doc(
+        None, "vLLM extension (its newer form of the guided_* fields): exactly one of json, regex, choice, "
+              "grammar, json_object.")
     # vLLM's extension: beam search with n beams returned (``n`` is the beam width)
     use_beam_search: bool = _doc(False, "vLLM extension (not OpenAI): beam search of width `n`, the beams "
                                         "returned as choices, best first. Not with `stream`, `logprobs`, `stop` "
@@ -183,7 +248,8 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = _doc(None, f"Return the chosen tokens' logprobs and the top-N alternatives, N in "
                                       f"0..{MAX_LOGPROBS} (OpenAI allows 5).",
                                 integer={"minimum": 0, "maximum": MAX_LOGPROBS})
-    echo: bool = _doc(False, "Not supported: only false is accepted.", boolean={"const": False})
+    echo: bool = _doc(False, "Prepend the prompt's text to each choice's text (a token-id prompt is decoded). "
+                             "Not with `logprobs` (fitserve computes no prompt logprobs: a 400).")
     best_of: int | None = _doc(None, "Not supported beyond OpenAI's default: absent, null or equal to `n`.")
 
 
@@ -195,10 +261,16 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = _Strict
-    role: Literal["system", "developer", "user", "assistant"] = Field(
-        description="`developer` is treated as `system`; `tool` messages are not supported.")
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
+        description="`developer` is treated as `system`; a `tool` message (with `tool_call_id`) carries a "
+                    "tool's result.")
     content: str | list[TextPart] | None = _doc(None, "Text, or text parts (joined); null is empty.")
-    name: str | None = _doc(None, "Accepted; not passed to the chat template.")
+    name: str | None = _doc(None, "Passed to the chat template with the message (as transformers does); "
+                                  "most templates do not show it.")
+    tool_calls: list[MessageToolCall] | None = _doc(None, "An assistant message's tool calls (as a response "
+                                                          "returned them).")
+    tool_call_id: str | None = _doc(None, "Required in (and only allowed in) a `tool` message: the call it "
+                                          "answers.")
 
     def text(self) -> str:
         if self.content is None:
@@ -224,235 +296,25 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = _doc(False, "Return the logprob of each chosen token (in `choices[].logprobs.content`).")
     top_logprobs: int | None = _doc(None, f"Alternatives per token, 0..{MAX_LOGPROBS}; needs `logprobs: true`.",
                                     integer={"minimum": 0, "maximum": MAX_LOGPROBS})
-
-
-# -- responses ----------------------------------------------------------------------------------
-# These models describe the bodies the server writes (responses.py builds them as dicts, the same
-# shape); the OpenAPI document (fitserve.server.openapi) publishes their serialization schemas.
-# Closed (extra="forbid": no other key is ever written), and in a body every key is always
-# written, defaults included; stream chunks (_Chunk) leave some keys out, as noted.
-_Body = ConfigDict(extra="forbid", json_schema_serialization_defaults_required=True)
-_Chunk = ConfigDict(extra="forbid")
-
-FinishReasonName = Literal["stop", "length", "abort", "error"]  # fitserve.types.FinishReason's values
-StopReason = str | int | None  # the stop string or stop token id that ended a choice; null: EOS or length
-
-
-def _absent_or_value(schema: dict[str, Any]) -> None:
-    """A stream key that is either left out or has a value (never null)."""
-    branches = [b for b in schema.pop("anyOf", []) if b.get("type") != "null"]
-    if branches:
-        schema.update(branches[0] if len(branches) == 1 else {"anyOf": branches})
-    schema.pop("default", None)
-
-
-class PromptTokensDetails(BaseModel):
-    model_config = _Body
-    cached_tokens: int = Field(description="Prompt tokens served from the prefix cache.")
-
-
-class Usage(BaseModel):
-    model_config = _Body
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-class ErrorBody(BaseModel):
-    model_config = _Body
-    message: str
-    type: str = Field(description="invalid_request_error, authentication_error, not_found_error, "
-                                  "rate_limit_error, server_error or service_unavailable.")
-    param: str | None = Field(None, description="The request field at fault, when there is one.")
-    code: str | int | None = None
-
-
-class ErrorResponse(BaseModel):
-    """Every 4xx/5xx body (and an error event in a stream): the OpenAI error shape."""
-
-    model_config = _Body
-    error: ErrorBody
-
-
-class CompletionLogprobs(BaseModel):
-    model_config = _Body
-    tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
-    text_offset: list[int] = Field(description="Character offset of each token in the choice's text.")
-
-
-class CompletionChoice(BaseModel):
-    model_config = _Body
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None
-    finish_reason: FinishReasonName | None
-    stop_reason: StopReason = Field(description="vLLM extension: the stop string or stop token id that "
-                                                "ended the choice.")
-
-
-class Completion(BaseModel):
-    """A POST /v1/completions response (stream=false)."""
-
-    model_config = _Body
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
-
-
-class TopLogprob(BaseModel):
-    model_config = _Body
-    token: str
-    logprob: float
-    bytes: list[int] = Field(description="The token's UTF-8 bytes.")
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    model_config = _Body
-    content: list[TokenLogprob]
-
-
-class AssistantMessage(BaseModel):
-    model_config = _Body
-    role: Literal["assistant"]
-    content: str
-
-
-class ChatChoice(BaseModel):
-    model_config = _Body
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None
-    finish_reason: FinishReasonName | None
-    stop_reason: StopReason = Field(description="vLLM extension: the stop string or stop token id that "
-                                                "ended the choice.")
-
-
-class ChatCompletion(BaseModel):
-    """A POST /v1/chat/completions response (stream=false)."""
-
-    model_config = _Body
-    id: str
-    object: Literal["chat.completion"]
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class CompletionChunkChoice(BaseModel):
-    model_config = _Chunk
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None
-    finish_reason: FinishReasonName | None
-    stop_reason: StopReason = Field(None, description="Only in the choice's last chunk.")
-
-
-class CompletionChunk(BaseModel):
-    """One `data:` event of a streamed POST /v1/completions."""
-
-    model_config = _Chunk
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChunkChoice]
-    usage: Usage | None = Field(None, description="Only in the last chunk (with no choices), when "
-                                                  "stream_options.include_usage is true.",
-                                json_schema_extra=_absent_or_value)
-
-
-class ChatDelta(BaseModel):
-    model_config = _Chunk
-    role: Literal["assistant"] | None = Field(None, description="Only in the first chunk.",
-                                              json_schema_extra=_absent_or_value)
-    content: str | None = Field(None, description="The new text; left out of a chunk that only finishes.",
-                                json_schema_extra=_absent_or_value)
-
-
-class ChatChunkChoice(BaseModel):
-    model_config = _Chunk
-    index: int
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None
-    finish_reason: FinishReasonName | None
-    stop_reason: StopReason = Field(None, description="Only in the choice's last chunk.")
-
-
-class ChatCompletionChunk(BaseModel):
-    """One `data:` event of a streamed POST /v1/chat/completions."""
-
-    model_config = _Chunk
-    id: str
-    object: Literal["chat.completion.chunk"]
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = Field(None, description="Only in the last chunk (with no choices), when "
-                                                  "stream_options.include_usage is true.",
-                                json_schema_extra=_absent_or_value)
-
-
-class ModelCard(BaseModel):
-    model_config = _Body
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "fitserve"
-    max_model_len: int | None = None
-    # fitserve extras: what a request that omits a sampling field gets, and where it came from
-    sampling_defaults: dict[str, float | int] | None = Field(
-        None, description="fitserve extension: what a request that omits a sampling field gets.")
-    sampling_defaults_source: dict[str, str] | None = Field(
-        None, description="fitserve extension: where each of sampling_defaults comes from.")
-
-
-class ModelList(BaseModel):
-    model_config = _Body
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-def completion_chunk(
-    rid: str, created: int, model: str, choices: list[dict[str, Any]], usage: Usage | None = None
-) -> dict[str, Any]:
-    """A /v1/completions response body or stream chunk (same shape, OpenAI-style)."""
-    body: dict[str, Any] = {
-        "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": choices,
-    }
-    if usage is not None:
-        body["usage"] = usage.model_dump()
-    return body
-
-
-def chat_body(
-    rid: str, created: int, model: str, choices: list[dict[str, Any]], *, chunk: bool,
-    usage: Usage | None = None,
-) -> dict[str, Any]:
-    """A /v1/chat/completions response (``chunk=False``) or stream chunk (``chunk=True``)."""
-    body: dict[str, Any] = {
-        "id": rid, "object": "chat.completion.chunk" if chunk else "chat.completion",
-        "created": created, "model": model, "choices": choices,
-    }
-    if usage is not None:
-        body["usage"] = usage.model_dump()
-    return body
+    tools: list[ToolDefinition] | None = _doc(
+        None, f"OpenAI's: up to {MAX_TOOLS} functions the model may call, shown to it through its chat template "
+              "(or, if the template has no place for tools, in the system message, Hermes style).",
+        array={"maxItems": MAX_TOOLS})
+    tool_choice: ToolChoice | None = _doc(
+        None, "`none` (no tools shown), `auto` (the default with tools: the model decides), `required` (at least "
+              "one call) or a named function (a call to it); `required` and a named function are enforced by a "
+              "grammar, so their calls always parse. `required` or a named function need `tools`.")
+    parallel_tool_calls: bool | None = _doc(
+        None, "OpenAI's: false: at most one tool call per choice. `required` makes exactly one call unless this "
+              "is true (then up to 8); `auto` parses as many as the model makes unless this is false.")
 
 
 __all__ = [
-    "DEFAULTED_FIELDS", "MAX_LOGPROBS", "MAX_MESSAGES", "MAX_N", "MAX_PROMPTS_PER_REQUEST", "MAX_STOP_LENGTH",
-    "MAX_STOP_SEQUENCES", "MAX_STOP_TOKEN_IDS", "REJECTED_FIELDS", "ChatCompletion", "ChatCompletionChunk",
-    "ChatCompletionRequest", "ChatMessage", "Completion", "CompletionChunk", "CompletionRequest", "ErrorBody",
-    "ErrorResponse", "ModelCard", "ModelList", "StreamOptions", "Usage", "chat_body", "completion_chunk",
+    "DEFAULTED_FIELDS", "MAX_LOGIT_BIAS", "MAX_LOGPROBS", "MAX_MESSAGES", "MAX_N", "MAX_PROMPTS_PER_REQUEST",
+    "MAX_STOP_LENGTH", "MAX_STOP_SEQUENCES", "MAX_STOP_TOKEN_IDS", "REJECTED_FIELDS", "TOKENIZE_REJECTED_FIELDS",
+    "AssistantMessage", "ChatChoice", "ChatChunkChoice", "ChatCompletion", "ChatCompletionChunk",
+    "ChatCompletionRequest", "ChatDelta", "ChatLogprobs", "ChatMessage", "Completion", "CompletionChoice",
+    "CompletionChunk", "CompletionChunkChoice", "CompletionLogprobs", "CompletionRequest", "ErrorBody",
+    "ErrorResponse", "FinishReasonName", "ModelCard", "ModelList", "NonNegInt", "PromptTokensDetails", "StopReason",
+    "StreamOptions", "TextPart", "TokenLogprob", "TopLogprob", "Usage", "chat_body", "completion_chunk",
 ]

@@ -17,15 +17,14 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
-from fitserve.loading.tokenizer import Tokenizer
 from fitserve.sched.slo import AdmissionRejected
+from fitserve.server.choices import ChoiceText, chat_logprobs, completion_logprobs
 from fitserve.server.engine_loop import EngineLoop, EngineShutdown, EngineStepError, RequestRejected
 from fitserve.server.errors import APIError
 from fitserve.server.protocol import PromptTokensDetails, Usage, chat_body, completion_chunk
@@ -151,10 +150,10 @@ class Run:
         """Hand the children to the engine; False (nothing queued) if over ``max_queued``."""
         loop = asyncio.get_running_loop()
         self.mailbox = OutputMailbox(loop)
-        self._added = loop.create_future()
+        self._added = added = loop.create_future()
 
         def on_added(outcome: BaseException | None) -> None:  # engine thread
-            loop.call_soon_threadsafe(_settle, self._added, outcome)
+            loop.call_soon_threadsafe(_settle, added, outcome)
 
         ok = self.engine_loop.submit(self.prep.group, self.children, self.prep.arrival,
                                      self.mailbox.put, max_queued, on_added)
@@ -234,38 +233,6 @@ def as_api_error(exc: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(exc).__name__}")
 
 
-# -- logprobs -----------------------------------------------------------------------------------
-def token_text_fn(tok: Tokenizer) -> Callable[[int], str]:
-    @lru_cache(maxsize=65536)
-    def text(token_id: int) -> str:
-        return tok.decode([token_id], skip_special_tokens=False)
-
-    return text
-
-
-def chat_logprobs(lps: list[TokenLogprobs], text: Callable[[int], str]) -> list[dict[str, Any]]:
-    def entry(tid: int, lp: float) -> dict[str, Any]:
-        s = text(tid)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
-
-    return [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]}
-            for t in lps]
-
-
-def completion_logprobs(lps: list[TokenLogprobs], text: Callable[[int], str], offset: int) -> dict[str, Any]:
-    tokens = [text(t.token_id) for t in lps]
-    offsets = []
-    for s in tokens:
-        offsets.append(offset)
-        offset += len(s)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [t.logprob for t in lps],
-        "top_logprobs": [{text(i): lp for i, lp in t.top} for t in lps],
-        "text_offset": offsets,
-    }
-
-
 # -- non-streaming ------------------------------------------------------------------------------
 async def _wait_disconnect(request: Request) -> None:
     # The body is already read, so the next message the server sends is the disconnect.
@@ -295,34 +262,30 @@ async def collect(run: Run, request: Request, text: Callable[[int], str]) -> dic
         out = run.finished[child.request_id]
         k = run.index[child.request_id]
         if out.beams is not None:
-            choices += [_choice(prep.chat, k + j, b.text, None, b.finish_reason.value, b.stop_reason)
+            choices += [_choice(prep, k + j, b.text, None, b.finish_reason.value, b.stop_reason)
                         for j, b in enumerate(out.beams)]
             continue
         reason = out.finish_reason.value if out.finish_reason else None
         lps = out.logprobs if prep.params.logprobs is not None else None
         if prep.chat:
-            choices.append({
-                "index": k, "message": {"role": "assistant", "content": out.text},
-                "logprobs": {"content": chat_logprobs(lps, text)} if lps is not None else None,
-                "finish_reason": reason, "stop_reason": out.stop_reason,
-            })
+            lp_body = {"content": chat_logprobs(lps, text)} if lps is not None else None
         else:
-            choices.append({
-                "index": k, "text": out.text,
-                "logprobs": completion_logprobs(lps, text, 0) if lps is not None else None,
-                "finish_reason": reason, "stop_reason": out.stop_reason,
-            })
+            lp_body = completion_logprobs(lps, text, 0) if lps is not None else None
+        choices.append(_choice(prep, k, out.text or "", lp_body, reason, out.stop_reason))
     if prep.chat:
         return chat_body(prep.group, prep.created, prep.model, choices, chunk=False, usage=run.usage())
     return completion_chunk(prep.group, prep.created, prep.model, choices, usage=run.usage())
 
 
-def _choice(chat: bool, index: int, text: str, logprobs: Any, reason: str | None,
+def _choice(prep: Prepared, index: int, text: str, logprobs: Any, reason: str | None,
             stop_reason: str | int | None) -> dict[str, Any]:
-    if chat:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": reason, "stop_reason": stop_reason}
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
+    """A finished choice of a response body (its echo prepended, its tool calls parsed out)."""
+    shaped = ChoiceText(prep, index)
+    content, calls = shaped.whole(text)
+    if prep.chat:
+        return {"index": index, "message": {"role": "assistant", "content": content, "tool_calls": calls},
+                "logprobs": logprobs, "finish_reason": shaped.finish_reason(reason), "stop_reason": stop_reason}
+    return {"index": index, "text": content or "", "logprobs": logprobs, "finish_reason": reason,
             "stop_reason": stop_reason}
 
 
@@ -338,6 +301,7 @@ async def stream_events(run: Run, text: Callable[[int], str]) -> AsyncIterator[s
     want_lps = prep.params.logprobs is not None
     carry_lps: dict[str, list[TokenLogprobs]] = {rid: [] for rid in run.index}
     sent_chars = dict.fromkeys(run.index, 0)
+    shaped = {rid: ChoiceText(prep, k) for rid, k in run.index.items()}  # echo, tool calls
 
     def body(choices: list[dict[str, Any]], usage: Usage | None = None) -> dict[str, Any]:
         if prep.chat:
@@ -359,27 +323,32 @@ async def stream_events(run: Run, text: Callable[[int], str]) -> AsyncIterator[s
                 rid = out.request_id
                 if want_lps and out.delta_logprobs:
                     carry_lps[rid].extend(out.delta_logprobs)
-                if not out.delta_text and not out.finished:
-                    continue  # held back (a possible stop string): its logprobs go with the next chunk
+                content, calls = shaped[rid].stream(out.delta_text, out.finished)
+                if not content and not calls and not out.finished:
+                    continue  # held back (a possible stop string or tool call): its logprobs go later
                 new_lps = carry_lps[rid] if want_lps else None
                 carry_lps[rid] = []
                 reason = out.finish_reason.value if out.finished and out.finish_reason else None
                 k = run.index[rid]
                 if prep.chat:
+                    delta: dict[str, Any] = {"content": content} if content else {}
+                    if calls:
+                        delta["tool_calls"] = calls
                     choice: dict[str, Any] = {
-                        "index": k, "delta": {"content": out.delta_text} if out.delta_text else {},
+                        "index": k, "delta": delta,
                         "logprobs": {"content": chat_logprobs(new_lps, text)} if new_lps is not None else None,
                     }
+                    reason = shaped[rid].finish_reason(reason)
                 else:
                     choice = {
-                        "index": k, "text": out.delta_text,
+                        "index": k, "text": content,
                         "logprobs": completion_logprobs(new_lps, text, sent_chars[rid]) if new_lps is not None else None,
                     }
                 choice["finish_reason"] = reason
                 if out.finished:
                     choice["stop_reason"] = out.stop_reason
                 choices.append(choice)
-                sent_chars[rid] += len(out.delta_text)
+                sent_chars[rid] += len(content)
             if choices:
                 yield _sse(body(choices))
         if prep.include_usage:

@@ -16,11 +16,13 @@ from typing import Any
 from fitserve.loading.tokenizer import Tokenizer
 from fitserve.sampling import SamplingParams
 from fitserve.sampling.beam_search import BeamSearchParams
+from fitserve.sampling.guided import GuidedDecoding
+from fitserve.server.chat_render import render_chat
 from fitserve.server.engine_loop import Child
 from fitserve.server.errors import APIError, bad_request, param_from_message
+from fitserve.server.guided_fields import Guided, guided_from_request, logit_bias_from_request
 from fitserve.server.protocol import (
     MAX_LOGPROBS,
-    MAX_MESSAGES,
     MAX_N,
     MAX_PROMPTS_PER_REQUEST,
     MAX_STOP_LENGTH,
@@ -28,6 +30,7 @@ from fitserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from fitserve.server.tools import ToolPlan, plan_tools
 
 MAX_STOP_TOKEN_IDS = 64
 
@@ -61,6 +64,10 @@ class Prepared:
     priority: int = 0  # scheduling: vLLM's priority, and this request's own SLO targets (ms)
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    tools: ToolPlan | None = None  # chat with tools: what is parsed out of the output
+    guided_param: str | None = None  # the request field the output constraint came from
+    echo: list[str] | None = None  # completions with echo: each prompt's text, prepended to its choices
+    user: str | None = None  # OpenAI's end-user id (for the request log)
 
     def children(self) -> list[Child]:
         """The engine requests; a child's id ends in its first choice index."""
@@ -100,7 +107,8 @@ def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
 
 
 def _sampling_params(
-    req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
+    req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None,
+    ctx: ModelContext, guided: GuidedDecoding | None,
 ) -> SamplingParams:
     fields: dict[str, Any] = {
         "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
@@ -113,6 +121,7 @@ def _sampling_params(
             stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
             logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            logit_bias=logit_bias_from_request(req.logit_bias, ctx.vocab_size), guided=guided,
             **{k: v for k, v in fields.items() if v is not None},
         )
     except ValueError as exc:
@@ -140,12 +149,21 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:16]}"
 
 
+def _echo(req: CompletionRequest, raw: list[Any], prompts: list[list[int]], ctx: ModelContext) -> list[str] | None:
+    """``echo``: each prompt's text (as sent, or its token ids decoded), else None."""
+    if not req.echo:
+        return None
+    if req.logprobs is not None:
+        raise bad_request("echo with logprobs is not supported: fitserve does not compute the prompt's "
+                          "logprobs (send echo or logprobs, not both)", "echo")
+    return [item if isinstance(item, str) else ctx.tokenizer.decode(ids, skip_special_tokens=False)
+            for item, ids in zip(raw, prompts, strict=True)]
+
+
 def prepare_completion(req: CompletionRequest, ctx: ModelContext) -> Prepared:
     """Validate a /v1/completions request and tokenize its prompt(s)."""
     check_model(req.model, ctx)
     _check_common(req)
-    if req.echo:
-        raise bad_request("echo is not supported", "echo")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of is not supported (it must be absent or equal to n)", "best_of")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
@@ -169,18 +187,18 @@ def prepare_completion(req: CompletionRequest, ctx: ModelContext) -> Prepared:
                 raise bad_request(f"prompt token ids must be in [0, {ctx.vocab_size})", "prompt")
             prompts.append(ids)
     _check_lengths(prompts, req.max_tokens, ctx)
-    params = _sampling_params(req, req.max_tokens, req.logprobs)
-    return _prepared("cmpl", False, req, prompts, params, ctx)
+    echo = _echo(req, raw, prompts, ctx)
+    guided = guided_from_request(req)
+    params = _sampling_params(req, req.max_tokens, req.logprobs, ctx, guided.decoding if guided else None)
+    prep = _prepared("cmpl", False, req, prompts, params, ctx, guided)
+    prep.echo = echo
+    return prep
 
 
 def prepare_chat(req: ChatCompletionRequest, ctx: ModelContext) -> Prepared:
     """Validate a /v1/chat/completions request and render its conversation with the template."""
     check_model(req.model, ctx)
     _check_common(req)
-    if not req.messages:
-        raise bad_request("messages must not be empty", "messages")
-    if len(req.messages) > MAX_MESSAGES:
-        raise bad_request(f"at most {MAX_MESSAGES} messages are allowed", "messages")
     if req.top_logprobs is not None:
         if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {req.top_logprobs}",
@@ -189,28 +207,28 @@ def prepare_chat(req: ChatCompletionRequest, ctx: ModelContext) -> Prepared:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    # "developer" is OpenAI's newer name for "system"; templates only know the latter.
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in req.messages]
-    try:
-        text = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
-        raise bad_request(f"could not apply the chat template: {exc}", "messages") from None
+    guided = guided_from_request(req)
+    tools = plan_tools(req, user_guided=guided is not None)
+    if tools is not None and tools.guided is not None:
+        guided = Guided(tools.guided, "tools")  # the grammar is built from the tools' schemas
+    text = render_chat(ctx.tokenizer, req.messages, tools.shown if tools else [])
     prompts = [ctx.tokenizer.encode(text, add_special_tokens=False)]
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     _check_lengths(prompts, max_tokens, ctx, param)
     try:
-        params = _sampling_params(req, max_tokens, logprobs)
+        params = _sampling_params(req, max_tokens, logprobs, ctx, guided.decoding if guided else None)
     except APIError as exc:
         if exc.param == "max_tokens":
             exc.param = param
         raise
-    return _prepared("chatcmpl", True, req, prompts, params, ctx)
+    prep = _prepared("chatcmpl", True, req, prompts, params, ctx, guided)
+    prep.tools = tools if tools is not None and tools.parses else None
+    return prep
 
 
 def _prepared(
     prefix: str, chat: bool, req: CompletionRequest | ChatCompletionRequest,
-    prompts: list[list[int]], params: SamplingParams, ctx: ModelContext,
+    prompts: list[list[int]], params: SamplingParams, ctx: ModelContext, guided: Guided | None,
 ) -> Prepared:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     if req.stream_options is not None and not req.stream:
@@ -224,6 +242,7 @@ def _prepared(
         prompts=prompts, params=params, n=req.n, stream=req.stream, include_usage=include_usage,
         arrival=time.monotonic(), beam=_beam_params(req, prompts, params, ctx),
         priority=req.priority, slo_ttft_ms=req.slo_ttft_ms, slo_tpot_ms=req.slo_tpot_ms,
+        guided_param=guided.param if guided else None, user=req.user,
     )
 
 
@@ -240,6 +259,9 @@ def _beam_params(req: CompletionRequest | ChatCompletionRequest, prompts: list[l
     if params.stop or params.stop_token_ids:
         raise bad_request("stop and stop_token_ids are not supported with use_beam_search (EOS ends a beam)",
                           "stop")
+    if params.guided is not None or params.logit_bias:
+        which = "logit_bias" if params.logit_bias else "structured output"
+        raise bad_request(f"{which} is not supported with use_beam_search", "use_beam_search")
     room = ctx.max_model_len - max(len(p) for p in prompts)
     try:
         return BeamSearchParams(beam_width=req.n, max_tokens=min(params.max_tokens or room, room),

@@ -1,0 +1,85 @@
+"""Each choice's output on its way to the client: logprobs as OpenAI writes them, the echoed
+prompt in front of a completion, and tool calls parsed out of a chat choice's text.
+
+:class:`ChoiceText` does the last two for one choice, streamed (``stream`` per delta) or whole
+(``whole``); both go through :class:`~fitserve.server.tool_calls.ToolCallParser`, so a streamed
+choice adds up to the same content and calls as the same choice returned at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import lru_cache
+from typing import Any
+
+from fitserve.loading.tokenizer import Tokenizer
+from fitserve.server.serving import Prepared
+from fitserve.server.tool_calls import ToolCallParser
+from fitserve.types import TokenLogprobs
+
+
+class ChoiceText:
+    """One choice's text: ``prep.echo``'s prompt first (completions), tool calls parsed out
+    (chat with tools); otherwise the text as generated."""
+
+    def __init__(self, prep: Prepared, index: int) -> None:
+        self._prefix = prep.echo[index // prep.n] if prep.echo else ""
+        plan = prep.tools
+        self.parser = ToolCallParser(plan.names or (), plan.max_calls) if plan is not None else None
+        self._sent_calls = 0
+
+    def stream(self, delta: str, finished: bool) -> tuple[str, list[dict[str, Any]]]:
+        """The content to send for this delta and the tool-call deltas completed by it."""
+        text, self._prefix = self._prefix + delta, ""
+        if self.parser is None:
+            return text, []
+        content, calls = self.parser.feed(text)
+        if finished:
+            more, rest = self.parser.finish()
+            content, calls = content + more, calls + rest
+        deltas = [c.delta_dict(self._sent_calls + i) for i, c in enumerate(calls)]
+        self._sent_calls += len(calls)
+        return content, deltas
+
+    def whole(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """The finished choice: its content (None when it is only tool calls) and its calls."""
+        content, deltas = self.stream(text, finished=True)
+        calls = [{k: v for k, v in c.items() if k != "index"} for c in deltas]
+        return (None if calls and not content else content), calls
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """OpenAI's "tool_calls" for a choice that stopped (EOS, grammar end) after making calls."""
+        if reason == "stop" and self.parser is not None and self.parser.calls:
+            return "tool_calls"
+        return reason
+
+
+def token_text_fn(tok: Tokenizer) -> Callable[[int], str]:
+    @lru_cache(maxsize=65536)
+    def text(token_id: int) -> str:
+        return tok.decode([token_id], skip_special_tokens=False)
+
+    return text
+
+
+def chat_logprobs(lps: list[TokenLogprobs], text: Callable[[int], str]) -> list[dict[str, Any]]:
+    def entry(tid: int, lp: float) -> dict[str, Any]:
+        s = text(tid)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+    return [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]}
+            for t in lps]
+
+
+def completion_logprobs(lps: list[TokenLogprobs], text: Callable[[int], str], offset: int) -> dict[str, Any]:
+    tokens = [text(t.token_id) for t in lps]
+    offsets = []
+    for s in tokens:
+        offsets.append(offset)
+        offset += len(s)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [t.logprob for t in lps],
+        "top_logprobs": [{text(i): lp for i, lp in t.top} for t in lps],
+        "text_offset": offsets,
+    }
