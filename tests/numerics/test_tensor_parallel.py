@@ -45,15 +45,20 @@ def run_n(engine: Engine, prompt: str) -> list[list[int]]:
 
 
 def _children(pid: int) -> list[int]:
+    """This process's tensor-parallel worker children (other tests may leave other children,
+    e.g. compiler pools, so only ``fitserve.dist.worker`` processes count)."""
     out = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(entry))
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmd = f.read()
             except OSError:
-                pass
+                continue
+            if ppid == pid and b"fitserve.dist.worker" in cmd:
+                out.append(int(entry))
     return out
 
 
