@@ -118,6 +118,7 @@ def test_chunked_writes_equal_the_reference(chunks: list[int], codec: str, seed:
     cache = _cache(codec, "channel-key")
     table = [5, 2, 0, 3, 1, 4]
     pos, per_block = 0, {}
+    writes: dict[int, int] = {}  # block -> chunks that wrote into it
     for n in chunks:
         if pos + n > len(table) * BS:
             break
@@ -127,6 +128,8 @@ def test_chunked_writes_equal_the_reference(chunks: list[int], codec: str, seed:
         # the reference sees a chunk's tokens at once: one scale update per block per chunk
         for p in range(pos, pos + n):
             per_block.setdefault(p // BS, []).append((p % BS, k[p - pos]))
+        for b in {p // BS for p in range(pos, pos + n)}:
+            writes[b] = writes.get(b, 0) + 1
         pos += n
     qmax = CODECS[codec].qmax
     kd, _ = cache.dequantize(torch.tensor(table), torch.float32)
@@ -136,7 +139,10 @@ def test_chunked_writes_equal_the_reference(chunks: list[int], codec: str, seed:
                                    atol=0)
         for off, x in toks:  # within one final scale (fp8: its relative half ulp, plus that)
             err = (kd[:, b, off].double() - x.double()).abs()
-            tol = scale * (1.0 if codec == "int8" else 1.0) + x.double().abs() * 2**-2
+            # NOTE: each chunk into the block may have grown its scale and requantized the
+            # codes already there: one more rounding each (hypothesis found 4 chunks exceeding
+            # a single rounding's bound for fp8_e5m2)
+            tol = (scale + x.double().abs() * 2**-2) * writes[b]
             assert bool((err <= tol + 1e-6).all())
 
 
