@@ -10,10 +10,11 @@ import argparse
 import dataclasses
 import json
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from fitserve.plan.errors import PlanError
-from fitserve.plan.report import ENGINE_DEFAULTS, PlanRequest
+from fitserve.plan.report import ENGINE_DEFAULTS, PlanRequest, Section
 from fitserve.plan.sections_run import Plan, build_plan
 from fitserve.plan.speculative import check_speculative
 from fitserve.plan.units import parse_bytes, parse_tokens
@@ -159,16 +160,12 @@ def _parse_rate(text: str) -> float:
         raise PlanError(f"not a bandwidth: {text!r} (e.g. 3.35T, 864G, 1e12 B/s)") from None
 
 
-def render(plan: Plan, *, explain: bool) -> None:
-    from rich.console import Console
-    from rich.markup import escape
+def print_sections(console: Any, sections: Sequence[Section], *, explain: bool) -> None:
+    """Each section as a rich table (line, value, formula, --explain's arithmetic, and a miss
+    column where a line misses), then its notes: `fitserve plan` and the toolbox sheets."""
     from rich.table import Table
 
-    console = Console()
-    console.print(f"[bold]{plan.title}[/bold]")
-    for w in plan.warnings:
-        console.print(f"[bold yellow]{w}[/bold yellow]")
-    for sec in plan.sections:
+    for sec in sections:
         table = Table(title=sec.title, title_justify="left", show_lines=False)
         table.add_column("line")
         table.add_column("value", justify="right")
@@ -186,6 +183,17 @@ def render(plan: Plan, *, explain: bool) -> None:
         console.print(table)
         for note in sec.notes:
             console.print(f"  [dim]note:[/dim] {note}")
+
+
+def render(plan: Plan, *, explain: bool) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+
+    console = Console()
+    console.print(f"[bold]{plan.title}[/bold]")
+    for w in plan.warnings:
+        console.print(f"[bold yellow]{w}[/bold yellow]")
+    print_sections(console, plan.sections, explain=explain)
     if plan.recommended_layout:
         console.print(f"[bold green]recommended layout: {plan.recommended_layout}[/bold green]")
     if not plan.fits:

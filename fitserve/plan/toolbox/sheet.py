@@ -58,25 +58,14 @@ def build_sheet(name: str, argv: Sequence[str]) -> Sheet:
 
 def render(sheet: Sheet, *, explain: bool) -> None:
     from rich.console import Console
-    from rich.table import Table
+
+    from fitserve.plan.cli_plan import print_sections
 
     console = Console()
     console.print(f"[bold]{sheet.title}[/bold]")
     for w in sheet.warnings:
         console.print(f"[bold yellow]{w}[/bold yellow]")
-    for sec in sheet.sections:
-        table = Table(title=sec.title, title_justify="left")
-        table.add_column("line")
-        table.add_column("value", justify="right")
-        table.add_column("formula", style="dim")
-        if explain:
-            table.add_column("arithmetic", style="cyan")
-        for ln in sec.lines:
-            table.add_row(*([ln.name, ln.shown, ln.formula] + ([ln.explain] if explain else [])),
-                          style="bold red" if ln.miss else None)
-        console.print(table)
-        for note in sec.notes:
-            console.print(f"  [dim]note:[/dim] {note}")
+    print_sections(console, sheet.sections, explain=explain)
     if sheet.verdict:
         style = "bold green" if sheet.ok else "bold red"
         console.print(f"[{style}]{sheet.verdict}[/{style}]", highlight=False)
