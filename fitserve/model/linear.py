@@ -178,43 +178,78 @@ def bind(cand: Candidate, pw: PackedWeight, cache: dict[str, torch.Tensor]
 
 # -- the measured table ----------------------------------------------------------------------
 # NOTE: measured with `python benchmarks/bench_linear.py --runs 7` (and `--dtype f32 --runs 5`):
-# 2 threads, medians after a warm-up, SmolLM2-135M's shapes, on "Intel(R) Xeon(R) Processor"
-# (Sapphire Rapids class), ISA avx2 avx512 avx512_vnni avx512_bf16 avx_vnni amx_bf16 amx_int8
-# (torch: AVX512), table key "avx512_vnni+amx", torch 2.13.0, 2026-12-01. Lists are ordered by
-# the summed time of the class's M values (1 | 4, 16 | 32, 128 | 512). What it showed:
-# - bf16 x: the act_quant kernel (int8 activations, VNNI dot products) is fastest from M=1
-#   to M=128 for every layout (x2-3 faster than dense bf16 at M=1); at M=512 dequantizing to
-#   bf16 + torch's AMX GEMM wins for int8 weights (x1.2-1.8), not for int4 (its unpacking
-#   costs more); torch's _weight_int8pack_mm is second at M <= 4 (per channel only), and
-#   _weight_int4pack_mm_for_cpu second at M <= 4 for int4 (it needs a second weight copy, so
-#   it is never chosen first); dense bf16 itself stays faster than every packed kernel from
-#   M ~32 up for int4 (AMX), which no rule can choose (the dense copy is what we avoid).
-# - f32 x: activations are never quantized (an fp32 engine asked for fp32 numerics: exact
-#   weights, see tests/numerics/test_quantized_vs_transformers.py); the C++ fp32 kernel is the
-#   fastest exact one in every class (aten int8/int4 run f32 x 10-100x slower).
-# - any other ISA or dtype: not measured here; the exact C++ kernel, else the torch path.
+# 2 threads, medians after a warm-up, SmolLM2-135M's shapes. Lists are ordered by the summed
+# time of the class's M values (1 | 4, 16 | 32, 128 | 512). One table per ISA key:
+# - "avx512_vnni+amx": "Intel(R) Xeon(R) Processor" (Sapphire Rapids class), torch 2.13.0,
+#   2026-12-01. bf16 x: the act_quant kernel (int8 activations, VNNI dot products) is fastest
+#   from M=1 to M=128 for every layout (x2-3 faster than dense bf16 at M=1); at M=512
+#   dequantizing to bf16 + torch's AMX GEMM wins for int8 weights (x1.2-1.8), not for int4 (its
+#   unpacking costs more); _weight_int8pack_mm is second at M <= 4 (per channel only), and
+#   _weight_int4pack_mm_for_cpu second at M <= 4 for int4 (it needs a second weight copy, so it
+#   is never chosen first); dense bf16 itself stays faster than every packed kernel from M ~32
+#   up for int4 (AMX), which no rule can choose (the dense copy is what we avoid).
+# - "avx512_vnni": "AMD EPYC" (Zen 4: AVX-512 with BF16/VNNI, no AMX), torch 2.13.0,
+#   2026-12-02. bf16 x: act_quant fastest in every class and layout (x3-5.6 over dense bf16 at
+#   M=1, x1.5-2.5 at M 4-32) except per-channel int8 at M=512, where dequantizing + torch's bf16
+#   GEMM wins (72 vs 89 ms summed); the exact fp32-dequant kernel is 2x slower than act_quant at
+#   M=1 and 4-8x slower from M=16 up.
+# - "avx2": the same Zen 4 with the C++ kernels built for AVX2 and torch held to it
+#   (FITSERVE_CPU_TIER=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2; no AVX2-only CPU
+#   was at hand), 2026-12-02. Without VNNI the act_quant kernel (maddubs) loses at M=1 (0.27 vs
+#   0.16 ms summed for int4) and wins from M=2 up (x1.5-2.2 over the exact kernel);
+#   _weight_int8pack_mm is fastest at M=1 for per-channel int8; torch's bf16 GEMM is slow there.
+# - f32 x, every ISA: activations are never quantized (an fp32 engine asked for fp32 numerics:
+#   exact weights, see tests/numerics/test_quantized_vs_transformers.py); the C++ fp32 kernel is
+#   the fastest exact one in every class on both CPUs (aten int8/int4 run f32 x 10-100x slower).
+# - any other ISA or dtype: not measured; the exact C++ kernel, else the torch path.
 # int4-sym was not timed apart: it runs the same kernels as int4-asym (one add fewer).
 _ANY = "*"
-_HERE = "avx512_vnni+amx"
-_INT4_BF16 = {"1": ("cpp-aq", "aten-int4", "cpp"), "small": ("cpp-aq", "aten-int4", "cpp"),
-              "large": ("cpp-aq", "cpp"), "prefill": ("cpp-aq", "torch", "cpp")}
-_INT8_BF16 = {"1": ("cpp-aq", "aten-int8", "cpp"), "small": ("cpp-aq", "aten-int8", "cpp"),
-              "large": ("cpp-aq", "torch", "cpp"), "prefill": ("torch", "cpp-aq")}
+_Table = dict[str, tuple[str, ...]]  # shape class -> preference (before the closing "torch")
+BF16_TABLES: dict[str, dict[str, _Table]] = {  # ISA key -> layout -> table
+    "avx512_vnni+amx": {
+        "int4": {"1": ("cpp-aq", "aten-int4", "cpp"), "small": ("cpp-aq", "aten-int4", "cpp"),
+                 "large": ("cpp-aq", "cpp"), "prefill": ("cpp-aq", "torch", "cpp")},
+        "int8-channel": {"1": ("cpp-aq", "aten-int8", "cpp"),
+                         "small": ("cpp-aq", "aten-int8", "cpp"),
+                         "large": ("cpp-aq", "torch", "cpp"), "prefill": ("torch", "cpp-aq")},
+        "int8-group": {"1": ("cpp-aq", "cpp"), "small": ("cpp-aq", "cpp"),
+                       "large": ("cpp-aq", "torch", "cpp"), "prefill": ("torch", "cpp-aq")},
+    },
+    "avx512_vnni": {
+        "int4": {"1": ("cpp-aq", "aten-int4", "cpp"), "small": ("cpp-aq", "aten-int4", "cpp"),
+                 "large": ("cpp-aq", "aten-int4", "cpp"), "prefill": ("cpp-aq", "torch", "cpp")},
+        "int8-channel": {"1": ("cpp-aq", "aten-int8", "cpp"),
+                         "small": ("cpp-aq", "aten-int8", "cpp"),
+                         "large": ("cpp-aq", "torch", "cpp"), "prefill": ("torch", "cpp-aq")},
+        "int8-group": {"1": ("cpp-aq", "cpp"), "small": ("cpp-aq", "cpp"),
+                       "large": ("cpp-aq", "torch", "cpp"), "prefill": ("cpp-aq", "torch")},
+    },
+    "avx2": {
+        "int4": {"1": ("cpp", "aten-int4", "cpp-aq"), "small": ("cpp-aq", "aten-int4", "cpp"),
+                 "large": ("cpp-aq", "cpp"), "prefill": ("cpp-aq", "cpp")},
+        "int8-channel": {"1": ("aten-int8", "cpp", "cpp-aq"), "small": ("cpp-aq", "cpp"),
+                         "large": ("cpp-aq", "cpp"), "prefill": ("cpp-aq", "cpp")},
+        "int8-group": {"1": ("cpp", "cpp-aq"), "small": ("cpp-aq", "cpp"),
+                       "large": ("cpp-aq", "cpp"), "prefill": ("cpp-aq", "cpp")},
+    },
+}
+_LAYOUT_TABLE = {"int4-asym": "int4", "int4-sym": "int4", "int8-channel": "int8-channel",
+                 "int8-group": "int8-group"}
 RULES: dict[tuple[str, str, str, str], tuple[str, ...]] = {
     (_ANY, _ANY, _ANY, _ANY): ("cpp", "torch"),
-    **{(_HERE, layout, m, "bf16"): (*prefs, "torch")
-       for layout, table in (("int4-asym", _INT4_BF16), ("int4-sym", _INT4_BF16),
-                             ("int8-channel", _INT8_BF16), ("int8-group", _INT8_BF16))
-       for m, prefs in table.items()},
+    **{(isa, layout, m, "bf16"): (*prefs, "torch")
+       for isa, tables in BF16_TABLES.items()
+       for layout, table_name in _LAYOUT_TABLE.items()
+       for m, prefs in tables[table_name].items()},
 }
 
 
 def isa_key() -> str:
     """The ISA the table is keyed by: the C++ kernel tier, plus "+amx" where bf16 AMX exists."""
-    from fitserve.kernels.cpu.isa import detect_isa
+    from fitserve.kernels.cpu.isa import build_tier, detect_isa
 
-    isa = detect_isa()
-    return isa.tier + ("+amx" if isa.amx_bf16 else "")
+    isa = detect_isa()  # the tier the kernels were compiled for (FITSERVE_CPU_TIER may lower it)
+    return build_tier(isa) + ("+amx" if isa.amx_bf16 else "")
 
 
 def dtype_key(dtype: torch.dtype) -> str:

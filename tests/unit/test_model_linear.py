@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from fitserve.model.linear import (
+    BF16_TABLES,
     CANDIDATES,
     RULES,
     PackedEmbedding,
@@ -171,5 +172,16 @@ def test_table_lookup_and_fallback() -> None:
             for layout in ("int4-asym", "int4-sym", "int8-channel", "int8-group"):
                 assert "cpp-aq" not in preference(isa, layout, m, "f32")
     assert preference("avx512_vnni+amx", "int8-group", "prefill", "bf16")[0] == "torch"
+    # every measured ISA covers every layout and shape class, and only names real candidates
+    for isa, tables in BF16_TABLES.items():
+        for layout in ("int4-asym", "int4-sym", "int8-channel", "int8-group"):
+            for m in ("1", "small", "large", "prefill"):
+                prefs = preference(isa, layout, m, "bf16")
+                assert prefs[-1] == "torch" and len(prefs) >= 2, (isa, layout, m)
+        assert set(tables) == {"int4", "int8-channel", "int8-group"}
+    # the rows that differ between the CPUs measured (Zen 4 without AMX, AVX2 without VNNI)
+    assert preference("avx512_vnni", "int8-group", "prefill", "bf16")[0] == "cpp-aq"
+    assert preference("avx2", "int4-asym", "1", "bf16")[0] == "cpp"
+    assert preference("avx2", "int8-channel", "1", "bf16")[0] == "aten-int8"
     pw = make("int8-g32")
     assert choose(pw, 1, torch.float16).name == "torch"  # only the torch path runs f16 x
