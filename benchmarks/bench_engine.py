@@ -76,7 +76,8 @@ def fitserve_worker(spec: dict[str, Any]) -> dict[str, Any]:
     dtype, weights, eager = FITSERVE_CONFIGS[spec["config"]]
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(model=spec["gguf"], dtype=dtype, weights=weights, device="cpu",
-                                 max_model_len=1024, enforce_eager=eager))
+                                 max_model_len=1024, enforce_eager=eager,
+                                 kv_cache_memory_bytes=spec.get("kv_cache_memory")))
     startup = time.perf_counter() - t0
     new = spec["new_tokens"]
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
@@ -227,6 +228,9 @@ def main() -> None:
     ap.add_argument("--llamacpp-python", default=str(Path.home() / "peers/llamacpp/bin/python"))
     ap.add_argument("--vllm-python", default=str(Path.home() / "peers/vllm/bin/python"))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--kv-cache-memory", default=None,
+                    help="fitserve's KV pool (e.g. 256M: W2 needs ~180 MiB in bf16); default "
+                         "the engine's own (1 GiB on CPU). The pool is resident, so it is in RSS")
     ap.add_argument("--worker", choices=["fitserve", "transformers"], help=argparse.SUPPRESS)
     ap.add_argument("spec", nargs="?", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -239,6 +243,10 @@ def main() -> None:
     from fitserve.loading.pull import fitserve_home
 
     base = workload_spec(args.threads, args.runs, args.w2_requests)
+    if args.kv_cache_memory:
+        from fitserve.engine_args import parse_bytes_arg
+
+        base["kv_cache_memory"] = parse_bytes_arg(args.kv_cache_memory)
     gguf = base["gguf"]
     me = [sys.executable, str(Path(__file__).resolve())]
     results: list[dict[str, Any]] = []
@@ -296,8 +304,9 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     from fitserve.plan.hardware import cpu_hardware
 
     bw = cpu_hardware().mem_bytes_per_s
+    pool = args.kv_cache_memory or "engine default (1 GiB on CPU)"
     print(f"\nCPU: {cpu_description()}\nthreads={args.threads}, medians of {args.runs} runs; "
-          f"copy bandwidth {bw / 1e9:.1f} GB/s (planner's measurement)")
+          f"copy bandwidth {bw / 1e9:.1f} GB/s (planner's measurement); fitserve KV pool {pool}")
     by = {_name(r): r for r in results}
     peers = [p for p in ("llama.cpp", "vllm-cpu", "transformers") if p in by]
     head = f"{'engine':<16}{'W1 TTFT ms':>11}{'W1 tok/s':>10}{'of limit':>9}{'W2 tok/s':>10}{'peak RSS MiB':>13}"

@@ -9,10 +9,13 @@ scheduler's block tables into the flat cache slots each new token writes::
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from fitserve.compiled_step import CompiledDecode
 from fitserve.config import ModelSpec
+from fitserve.decode_loop import DecodeLoop
 from fitserve.kernels.cpu.paged_attention import paged_attention_available
 from fitserve.kernels.dispatch import choose_attention_impl, classify
 from fitserve.model.attention import AttentionBatch, DecodeBatch, PrefillSeq, visible_mask
@@ -66,6 +69,12 @@ class ModelRunner:
         self.compiled: CompiledDecode | None = None
         if compile_decode and self.use_cpp and not self.quantized_kv:
             self.compiled = CompiledDecode(model, self.kv_caches, spec.sliding_window)
+        # eager decode-only steps as one flat loop of prebound ops (fitserve.decode_loop);
+        # FITSERVE_DECODE_LOOP=0 runs them through the modules instead (same bits, slower)
+        self.decode_loop: DecodeLoop | None = None
+        if (self.use_cpp and not self.quantized_kv and os.environ.get("FITSERVE_DECODE_LOOP") != "0"
+                and DecodeLoop.supports(model, kv_dtype)):
+            self.decode_loop = DecodeLoop(model, kv_dtype)
 
     def _impl(self, q_lens: list[int], k_lens: list[int]) -> str:
         return choose_attention_impl(
@@ -162,6 +171,9 @@ class ModelRunner:
         try:
             if self.compiled is not None and self.compiled.applies(batch):
                 return self.compiled(input_ids, positions, batch)
+            if self.decode_loop is not None and self.decode_loop.applies(batch, self.kv_caches,
+                                                                          len(input_ids)):
+                return self.decode_loop(input_ids, positions, batch, self.kv_caches)
             hidden: torch.Tensor = self.model(input_ids, positions, batch, self.kv_caches)
             return hidden
         finally:

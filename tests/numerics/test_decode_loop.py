@@ -1,0 +1,102 @@
+"""The flat decode loop (fitserve.decode_loop) against the module path it replaces: the same
+decode step through ``CausalLM.forward`` and through ``DecodeLoop`` must give bit-identical
+hidden states (same ops, same order), on ragged batches of every shape class, for the default
+model as stored (Q4_1 + Q8_0, bf16 activations) and for tiny models whose linears it does not
+bind (qkv bias: called as modules) or whose attention has a sliding window; and an engine with
+the loop must generate the same greedy tokens as one with FITSERVE_DECODE_LOOP=0."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fitserve.config import EngineConfig
+from fitserve.engine import Engine
+from fitserve.kernels.cpu.paged_attention import paged_attention_available
+from fitserve.runner import decode_rows_first
+from fitserve.sampling import SamplingParams
+from fitserve.types import ScheduledChunk
+
+pytestmark = pytest.mark.skipif(not paged_attention_available(),
+                                reason="the decode loop runs on the C++ kernels")
+
+BLOCK = 16
+BLOCKS_PER_SEQ = 8  # max_model_len 128
+
+
+def prompts(n: int, vocab: int) -> list[list[int]]:
+    """n prompts of ragged lengths 3 .. 40 (some past one block, one past two)."""
+    return [[(7 + 31 * i + 13 * j) % (vocab - 1) + 1 for j in range(3 + (i * 11) % 38)]
+            for i in range(n)]
+
+
+@torch.inference_mode()
+def assert_step_identical(engine: Engine, num_seqs: int) -> None:
+    runner = engine.runner
+    assert runner.decode_loop is not None
+    vocab = engine.spec.vocab_size
+    ps = prompts(num_seqs, vocab)
+    tables = [list(range(1 + i * BLOCKS_PER_SEQ, 1 + (i + 1) * BLOCKS_PER_SEQ)) for i in range(num_seqs)]
+    runner.forward_chunks([ScheduledChunk(f"r{i}", p, 0, t, sample=False)
+                           for i, (p, t) in enumerate(zip(ps, tables, strict=True))])
+    for step in range(3):  # a few decode steps: each writes one more key per sequence
+        chunks = decode_rows_first([ScheduledChunk(f"r{i}", [(5 + i * 17 + step) % vocab],
+                                                   len(p) + step, t, sample=False)
+                                    for i, (p, t) in enumerate(zip(ps, tables, strict=True))])
+        ids, pos, batch = runner._prepare(chunks)
+        assert runner.decode_loop.applies(batch, runner.kv_caches, len(ids))
+        want = runner.model(ids, pos, batch, runner.kv_caches)
+        got = runner.decode_loop(ids, pos, batch, runner.kv_caches)
+        assert got.dtype == want.dtype and torch.equal(got, want), (num_seqs, step)
+
+
+def test_default_model_as_stored_bit_identical(smollm2_gguf: Path) -> None:
+    engine = Engine(EngineConfig(model=str(smollm2_gguf), dtype="bfloat16", device="cpu",
+                                 max_model_len=128, num_kv_blocks=1 + 20 * BLOCKS_PER_SEQ,
+                                 block_size=BLOCK))
+    for n in (1, 3, 20):  # shape classes "1", "small", "large": each binds its own kernels
+        assert_step_identical(engine, n)
+
+
+@pytest.mark.parametrize(("arch", "weights", "dtype"), [
+    ("mistral", "float32", "float32"),  # sliding window 16 < the longer prompts
+    ("qwen2", "int4", "bfloat16"),  # qkv bias: a biased PackedLinear runs as its module
+    ("llama", "int8", "float32"),
+])
+def test_tiny_models_bit_identical(tiny_hf_model_dir: Callable[..., Any], arch: str,
+                                   weights: str, dtype: str) -> None:
+    folder: Path = tiny_hf_model_dir(arch)
+    engine = Engine(EngineConfig(model=str(folder), dtype=dtype, device="cpu", weights=weights,
+                                 max_model_len=128, num_kv_blocks=1 + 20 * BLOCKS_PER_SEQ,
+                                 block_size=BLOCK))
+    for n in (1, 5, 20):
+        assert_step_identical(engine, n)
+
+
+def test_engine_greedy_tokens_identical_without_loop(tiny_hf_model_dir: Callable[..., Any],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    folder: Path = tiny_hf_model_dir("llama")
+    cfg = dict(model=str(folder), dtype="float32", device="cpu", weights="int4",
+               max_model_len=128, max_num_seqs=4)
+    fast = Engine(EngineConfig(**cfg))  # type: ignore[arg-type]
+    monkeypatch.setenv("FITSERVE_DECODE_LOOP", "0")
+    plain = Engine(EngineConfig(**cfg))  # type: ignore[arg-type]
+    assert fast.runner.decode_loop is not None and plain.runner.decode_loop is None
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def run(engine: Engine) -> list[list[int]]:
+        ids = [engine.add_request(p, params) for p in prompts(3, engine.spec.vocab_size)]
+        out: dict[str, list[int]] = {rid: [] for rid in ids}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                out[o.request_id].extend(o.delta_token_ids)
+        return [out[rid] for rid in ids]
+
+    want = run(plain)
+    got = run(fast)
+    assert fast.runner.decode_loop.calls >= 20  # the decode steps took the loop
+    assert got == want
