@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import os
 import platform
@@ -106,6 +107,18 @@ def cpu_has_fast_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+@functools.cache
+def cpu_has_amx_bf16() -> bool:
+    """True where the CPU has AMX bf16 tiles: torch's CPU flash attention then repacks K/V for
+    its bf16 GEMM (``cpublas::need_pack``); without AMX (Zen 4, AVX2) it never does
+    (``fitserve.plan.scratch.cpu_sdpa_bytes``)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_bf16" in f.read()
+    except OSError:
+        return False
 
 
 def cpu_engine_dtype() -> str:

@@ -34,6 +34,7 @@ import os
 from dataclasses import dataclass
 
 from fitserve.config import ModelSpec
+from fitserve.plan.hardware import cpu_has_amx_bf16
 
 # NOTE: torch 2.13's CPU flash attention (aten/native/cpu/FlashAttentionKernel.cpp) tiles the
 # queries by 256 from 768 queries up, by 64 from 192, else by 32, and the keys by 512.
@@ -77,7 +78,7 @@ def flash_q_split(q_len: int) -> int:
 
 def cpu_sdpa_bytes(*, num_heads: int, num_kv_heads: int, head_dim: int, q_len: int,
                    kv_len: int, act_bytes: int, threads: int, masked: bool, batch: int = 1,
-                   packed: bool = True) -> int:
+                   packed: bool | None = None) -> int:
     """Bytes ``F.scaled_dot_product_attention`` allocates on a CPU (torch 2.13: the flash
     kernel for every call the engine makes, GQA without expanding K/V), q [batch, Hq, T, D]
     against K/V [batch, Hkv, L, D]::
@@ -92,11 +93,17 @@ def cpu_sdpa_bytes(*, num_heads: int, num_kv_heads: int, head_dim: int, q_len: i
                           ``packed=False``, an upper bound there)
         ``masked``      + batch x T x L x act_bytes        (the bool mask as a float mask)
 
+    ``packed`` None: as torch does on this CPU, which repacks only where it has AMX bf16
+    (``cpu_has_amx_bf16``).
+
     Measured with torch.profiler memory events, torch 2.13.0, 1 and 2 threads, bf16 and fp32,
     (Hq, Hkv, D) = (9, 3, 64), (4, 1, 24), (8, 2, 32), T x L from 7 x 7 to 2048 x 4096: equal
-    to the byte in fp32; in bf16 equal wherever torch repacks, above it by the repacked K/V
-    where it does not.
+    to the byte in fp32; in bf16 on a Xeon with AMX equal wherever torch repacks, above it by
+    the repacked K/V where it does not; on a Zen 4 (AVX512-BF16, no AMX) torch never repacks
+    and the count without packing is equal to the byte (T x L = 64 x 512 to 1024 x 4096).
     """
+    if packed is None:
+        packed = cpu_has_amx_bf16()
     qs, ks = flash_q_split(q_len), min(FLASH_KV_SPLIT, kv_len)
     out = batch * num_heads * q_len * head_dim * act_bytes
     lse = batch * num_heads * q_len * 4

@@ -37,7 +37,9 @@ def _cpu(**kw: Any) -> Any:
     return cpu_engine_memory_plan(SMOL, **args)
 
 
-def test_cpu_plan_by_hand() -> None:
+def test_cpu_plan_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a CPU with AMX bf16, where torch's SDPA repacks K/V (fitserve.plan.scratch.cpu_sdpa_bytes)
+    monkeypatch.setattr("fitserve.plan.scratch.cpu_has_amx_bf16", lambda: True)
     p = _cpu(runtime_bytes=400 * MIB, load_transient_bytes=390 * MIB)
     assert [m.name for m in p.lines] == ["runtime baseline", "weights", "rope tables",
                                          "loading transient", "activation peak",
