@@ -42,6 +42,7 @@
 #if (defined(FITSERVE_TIER_AVX512_VNNI) || defined(FITSERVE_TIER_AVX512)) && \
     defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
+#include "simd_exp.h"
 #define FS_AVX512 1
 #else
 #define FS_AVX512 0
@@ -147,24 +148,6 @@ inline void row_to_float<c10::Half>(const c10::Half* src, float* dst, int64_t d)
     _mm512_storeu_ps(dst + c, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail_mask(d - c), src + c)));
 }
 
-// exp(x) for x <= 0 (scores minus their running max): Cephes' degree-6 polynomial on
-// [-ln2/2, ln2/2] after x = n ln2 + r, scaled by 2^n; ~1 ulp, and exp(x) -> 0 below -87.
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.33654f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r);
-  y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(y, n);
-}
 
 // Horizontal sums of 16 registers at once: lane j of the result is the sum of a[j]'s lanes.
 // A transpose-and-add tree (~45 ops) instead of 16 separate reductions (~130 ops).
