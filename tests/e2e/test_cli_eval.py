@@ -46,7 +46,11 @@ def test_default_model_against_itself_is_exactly_zero(
     assert same["flip_rate"] == {"mean": 0.0, "lo": 0.0, "hi": 0.0}
     assert same["agreement"]["mean"] == same["agreement_horizon"] == 32
     assert same["ppl"] == same["ppl_ref"] == report["reference"]["ppl"]
-    assert kv8["kv_cache_dtype"] == "int8" and kv8["kl"]["lo"] > 0 and kv8["flip_rate"]["lo"] > 0
+    assert kv8["kv_cache_dtype"] == "int8" and kv8["kl"]["lo"] > 0
+    # NOTE: flips need the int8 error to beat a top-2 margin: on a bf16 engine (CPUs with native
+    # bf16) some do; on an fp32 one (AVX2: "auto" is f32) the KL is ~2e-4 and none may flip
+    if report["reference"]["dtype"] in ("bf16", "bfloat16"):
+        assert kv8["flip_rate"]["lo"] > 0
     (cmp,) = report["comparisons"]
     assert cmp["metrics"]["kl"]["verdict"] == "real" and cmp["metrics"]["kl"]["diff"]["hi"] < 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

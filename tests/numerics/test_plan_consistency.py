@@ -145,8 +145,11 @@ def test_fp32_other_block_size_and_kv_memory(fp32_engine: Engine,
 
 
 @pytest.mark.parametrize(("cfg", "args"), [
+    # 200 MiB hold ~4.5k tokens in f32 (the "auto" dtype on a CPU without native bf16), ~9k in
+    # bf16: plan a context that fits either way
     (dict(block_size=8, kv_cache_memory_bytes=200 * MIB), ["--block-size", "8",
-                                                         "--kv-cache-memory", "200M"]),
+                                                         "--kv-cache-memory", "200M",
+                                                         "--context", "4k"]),
     # 100 blocks hold 1,600 tokens: plan a context that fits (8k would exit 1, not fitting)
     (dict(block_size=16, num_kv_blocks=100), ["--num-kv-blocks", "100", "--context", "1k"]),
     (dict(dtype="float32", kv_cache_memory_bytes=3 * (1 << 30)), ["--dtype", "float32",

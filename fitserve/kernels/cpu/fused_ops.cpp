@@ -21,9 +21,6 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 #include "simd_exp.h"
 
 namespace {
@@ -117,6 +114,46 @@ int64_t silu_mul_vec(const T* g, const T* u, T* y, int64_t n) {
       __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, e));
       if constexpr (std::is_same_v<T, c10::BFloat16>) s = to_bf16_and_back(s);
       store16(y + i, _mm512_mul_ps(s, load16(u + i)));
+    }
+  }
+  return i;
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+// float -> bf16 bits (in the low 16 bits of each lane), round to nearest even
+inline __m256i round_bf16_bits(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7FFF)), lsb),
+                           16);
+}
+inline __m256 to_bf16_and_back(__m256 v) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(round_bf16_bits(v), 16));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(c10::BFloat16* p, __m256 v) {
+  const __m256i b = round_bf16_bits(v);  // 8 x 16-bit values, zero-extended: pack within lanes
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+// The AVX2 twin of the AVX-512 loop above (8 lanes; exp256 gives exp512's values).
+template <typename T>
+int64_t silu_mul_vec(const T* g, const T* u, T* y, int64_t n) {
+  int64_t i = 0;
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; i + 8 <= n; i += 8) {
+      const __m256 gv = load8(g + i);
+      const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+      __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+      if constexpr (std::is_same_v<T, c10::BFloat16>) s = to_bf16_and_back(s);
+      store8(y + i, _mm256_mul_ps(s, load8(u + i)));
     }
   }
   return i;

@@ -47,6 +47,15 @@
 #else
 #define FS_AVX512 0
 #endif
+// The AVX2 + FMA tier (Zen 2/3, Haswell..Ice Lake client): the same tile in 8 lanes.
+#if !FS_AVX512 && defined(FITSERVE_TIER_AVX2) && defined(__AVX2__) && defined(__FMA__) && \
+    defined(__F16C__)
+#include <immintrin.h>
+#include "simd_exp.h"
+#define FS_AVX2 1
+#else
+#define FS_AVX2 0
+#endif
 // bf16 q . k with VDPBF16PS (AVX512_BF16: Cooper Lake, Sapphire Rapids, Zen 4): the products of
 // two bf16 values are exact in fp32 and the sums accumulate in fp32, so nothing is rounded that
 // the fp32 path keeps, while K needs no widening and half the instructions.
@@ -330,6 +339,171 @@ inline TileFn pick_tile_avx512(int64_t head_dim, bool bf16dot) {
 }
 #endif  // FS_AVX512
 
+#if FS_AVX2
+constexpr int64_t kLanes8 = 8;  // fp32 lanes of one AVX2 register
+
+// Lanes [0, n) set (n clipped to 0..8): the mask of _mm256_maskload_ps / a blend.
+inline __m256i tail_mask8(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n, kLanes8))),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+template <>
+inline void row_to_float<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t d) {
+  int64_t c = 0;
+  for (; c + kLanes8 <= d; c += kLanes8)
+    _mm256_storeu_ps(dst + c, _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + c))), 16)));
+  for (; c < d; ++c) dst[c] = static_cast<float>(src[c]);
+}
+
+template <>
+inline void row_to_float<c10::Half>(const c10::Half* src, float* dst, int64_t d) {
+  int64_t c = 0;
+  for (; c + kLanes8 <= d; c += kLanes8)
+    _mm256_storeu_ps(dst + c,
+                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + c))));
+  for (; c < d; ++c) dst[c] = static_cast<float>(src[c]);
+}
+
+// Lane j of the result = the sum of a[j]'s lanes (hadd tree + one cross-lane add).
+inline __m256 reduce8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// s[0..n) = q . rows[0..n) for one query head; NCH = ceil(D / 8) registers per row, the last
+// read through ``tail`` (never past the row: the cache's next bytes may be anything).
+template <int NCH>
+inline void scores_avx2(const float* q, const float* const* rows, int64_t n, __m256i tail,
+                        float* s) {
+  for (int64_t i0 = 0; i0 < n; i0 += kLanes8) {
+    const int64_t cnt = std::min<int64_t>(kLanes8, n - i0);
+    __m256 a[kLanes8];
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < kLanes8; ++j) {
+      const float* r = rows[i0 + (j < cnt ? j : 0)];
+      __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q + (NCH - 1) * kLanes8),
+                                 _mm256_maskload_ps(r + (NCH - 1) * kLanes8, tail));
+#pragma GCC unroll 16
+      for (int c = 0; c < NCH - 1; ++c)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c * kLanes8), _mm256_loadu_ps(r + c * kLanes8),
+                              acc);
+      a[j] = acc;
+    }
+    _mm256_maskstore_ps(s + i0, tail_mask8(cnt), reduce8(a));
+  }
+}
+
+// acc[0..D) += sum_i p[i] rows[i] for one query head, the accumulator held in registers (two
+// sets, even / odd rows, where they fit in AVX2's 16 registers).
+template <int NCH>
+inline void pv_avx2(float* acc, const float* p, const float* const* rows, int64_t n,
+                    __m256i tail) {
+  constexpr int kSets = NCH <= 4 ? 2 : 1;
+  __m256 av[kSets][NCH];
+  for (int c = 0; c < NCH; ++c) {
+    av[0][c] = _mm256_loadu_ps(acc + c * kLanes8);
+    if constexpr (kSets == 2) av[1][c] = _mm256_setzero_ps();
+  }
+  auto row = [&](__m256* v, float pi, const float* r) {
+    const __m256 pb = _mm256_set1_ps(pi);
+#pragma GCC unroll 16
+    for (int c = 0; c < NCH - 1; ++c)
+      v[c] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(r + c * kLanes8), v[c]);
+    v[NCH - 1] = _mm256_fmadd_ps(pb, _mm256_maskload_ps(r + (NCH - 1) * kLanes8, tail),
+                                 v[NCH - 1]);
+  };
+  int64_t i = 0;
+  if constexpr (kSets == 2) {
+    for (; i + 1 < n; i += 2) {
+      row(av[0], p[i], rows[i]);
+      row(av[1], p[i + 1], rows[i + 1]);
+    }
+  }
+  for (; i < n; ++i) row(av[0], p[i], rows[i]);
+  for (int c = 0; c < NCH; ++c) {
+    __m256 sum = av[0][c];
+    if constexpr (kSets == 2) sum = _mm256_add_ps(sum, av[1][c]);
+    _mm256_storeu_ps(acc + c * kLanes8, sum);
+  }
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+
+// Online-softmax update of one query head over a tile of n scores (in place: s becomes p).
+inline void softmax_step_avx2(float* s, int64_t n, float* m, float* l, float* acc, int64_t dpad) {
+  const __m256 neg_inf = _mm256_set1_ps(kNegInf);
+  __m256 mx = neg_inf;
+  for (int64_t i = 0; i < n; i += kLanes8) {
+    const __m256i k = tail_mask8(n - i);
+    mx = _mm256_max_ps(mx, _mm256_blendv_ps(neg_inf, _mm256_maskload_ps(s + i, k),
+                                            _mm256_castsi256_ps(k)));
+  }
+  const float m_new = std::max(*m, hmax8(mx));
+  if (m_new > *m) {  // NOTE: rescale only when the running max moves
+    const float alpha = std::exp(*m - m_new);
+    const __m256 av = _mm256_set1_ps(alpha);
+    for (int64_t c = 0; c < dpad; c += kLanes8)
+      _mm256_storeu_ps(acc + c, _mm256_mul_ps(av, _mm256_loadu_ps(acc + c)));
+    *l *= alpha;
+    *m = m_new;
+  }
+  const __m256 mv = _mm256_set1_ps(m_new);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += kLanes8) {
+    const __m256i k = tail_mask8(n - i);
+    const __m256 p = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_maskload_ps(s + i, k), mv)),
+                                   _mm256_castsi256_ps(k));
+    sum = _mm256_add_ps(sum, p);
+    _mm256_maskstore_ps(s + i, k, p);
+  }
+  *l += hsum8(sum);
+}
+
+template <int NCH>
+void tile_avx2(const Geometry& g, Scratch& w, int64_t n) {
+  const __m256i tail = tail_mask8(g.head_dim - (NCH - 1) * kLanes8);
+  for (int64_t h = 0; h < g.group; ++h) {
+    float* s = w.s.data() + h * kTile;
+    float* acc = w.acc.data() + h * g.dpad;
+    scores_avx2<NCH>(w.q.data() + h * g.dpad, w.krow.data(), n, tail, s);
+    softmax_step_avx2(s, n, &w.m[h], &w.l[h], acc, g.dpad);
+    pv_avx2<NCH>(acc, s, w.vrow.data(), n, tail);
+  }
+}
+
+// The vectorised tile for this head_dim, or nullptr (another head_dim over 128: scalar tile).
+inline TileFn pick_tile_avx2(int64_t head_dim) {
+  switch ((head_dim + kLanes8 - 1) / kLanes8) {
+    case 1: return &tile_avx2<1>;
+    case 2: return &tile_avx2<2>;
+    case 3: return &tile_avx2<3>;
+    case 4: return &tile_avx2<4>;
+    case 5: return &tile_avx2<5>;
+    case 6: return &tile_avx2<6>;
+    case 7: return &tile_avx2<7>;
+    case 8: return &tile_avx2<8>;
+    case 10: return &tile_avx2<10>;
+    case 12: return &tile_avx2<12>;
+    case 16: return &tile_avx2<16>;
+    default: return nullptr;
+  }
+}
+#endif  // FS_AVX2
+
 // The same tile step in plain C++ (any CPU; also what the tests compare the AVX-512 one with).
 void tile_scalar(const Geometry& g, Scratch& w, int64_t n) {
   const int64_t d = g.head_dim;
@@ -485,6 +659,9 @@ void run(const Geometry& g, const at::Tensor& q, const at::Tensor& kc, const at:
     if (TileFn f = pick_tile_avx512(g.head_dim, dot)) tile = f;
     else dot = false;
   }
+#elif FS_AVX2
+  if (vectorized)
+    if (TileFn f = pick_tile_avx2(g.head_dim)) tile = f;
 #else
   (void)vectorized;
 #endif
@@ -652,6 +829,8 @@ std::string paged_attention_isa() {
   return "avx512+bf16dot";
 #elif FS_AVX512
   return "avx512";
+#elif FS_AVX2
+  return "avx2";
 #else
   return "scalar";
 #endif

@@ -52,8 +52,8 @@ def _register_fake() -> None:
 
 
 def kernel_isa() -> str:
-    """"avx512+bf16dot", "avx512" or "scalar": what the loaded build vectorises with ("" when
-    not loaded)."""
+    """"avx512+bf16dot", "avx512", "avx2" or "scalar": what the loaded build vectorises with
+    ("" when not loaded)."""
     if not paged_attention_available():
         return ""
     return str(torch.ops.fitserve.paged_attention_isa())

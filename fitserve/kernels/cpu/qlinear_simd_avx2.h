@@ -58,10 +58,22 @@ struct Simd {
   }
   using HMask = int;
   static HMask hmask(int n) { return n; }
+  // NOTE: a chunk of a group-32 row needs only 1-2 scales: those load as one 16/32-bit scalar
+  // (a stack buffer here stalls on store forwarding, once per weight row and chunk).
   static F load_half(const at::Half* p, int n) {
     if (n >= kLanes) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    if (n <= 2) {
+      uint32_t v = 0;
+      std::memcpy(&v, p, n == 2 ? 4 : (n == 1 ? 2 : 0));
+      return _mm256_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(v)));
+    }
+    if (n <= 4) {
+      uint64_t v = 0;
+      std::memcpy(&v, p, n == 4 ? 8 : static_cast<size_t>(n) * 2);
+      return _mm256_cvtph_ps(_mm_cvtsi64_si128(static_cast<long long>(v)));
+    }
     alignas(16) uint16_t buf[kLanes] = {};
-    std::memcpy(buf, p, (n >= kLanes ? kLanes : n) * sizeof(uint16_t));
+    std::memcpy(buf, p, n * sizeof(uint16_t));
     return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(buf)));
   }
   using P = __m256i;

@@ -11,6 +11,7 @@ import pytest
 
 from fitserve.plan.cli_plan import main
 from fitserve.plan.errors import PlanError
+from fitserve.plan.hardware import cpu_engine_dtype
 from fitserve.plan.kv import sharing_blocks
 
 
@@ -48,11 +49,13 @@ def test_plan_prices_four_beams_over_a_1000_token_prompt(capsys: pytest.CaptureF
                                              "--prompt-tokens", "1000", "--new-tokens", "200"]))
     assert lines == {"blocks, unshared": 300, "blocks, shared": 114,
                      "KV bytes, unshared": 300 * 2_097_152, "KV bytes, shared": 114 * 2_097_152}
-    # SmolLM2-135M on the CPU engine: 23,040 B per token (bf16), 368,640 B per block
+    # SmolLM2-135M on the CPU engine: 30 layers x 2 x 3 KV heads x 64 = 11,520 elements per
+    # token in the dtype "auto" picks on this CPU (bf16 with native bf16, else f32): 368,640 B
+    # (bf16) or 737,280 B (f32) per 16-token block
+    block = 16 * 11_520 * (2 if cpu_engine_dtype() == "bf16" else 4)
     lines = sharing_lines(plan_json(capsys, ["smollm2-135m", "--gpu", "cpu", "--share", "4",
                                              "--prompt-tokens", "1000", "--new-tokens", "200"]))
-    assert (lines["KV bytes, unshared"], lines["KV bytes, shared"]) == (300 * 368_640,
-                                                                      114 * 368_640)
+    assert (lines["KV bytes, unshared"], lines["KV bytes, shared"]) == (300 * block, 114 * block)
 
 
 def test_no_section_without_share_and_bad_share_exits_1(capsys: pytest.CaptureFixture[str]
