@@ -193,11 +193,14 @@ def bind(cand: Candidate, pw: PackedWeight, cache: dict[str, torch.Tensor]
 #   M=1, x1.5-2.5 at M 4-32) except per-channel int8 at M=512, where dequantizing + torch's bf16
 #   GEMM wins (72 vs 89 ms summed); the exact fp32-dequant kernel is 2x slower than act_quant at
 #   M=1 and 4-8x slower from M=16 up.
-# - "avx2": the same Zen 4 with the C++ kernels built for AVX2 and torch held to it
-#   (FITSERVE_CPU_TIER=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2; no AVX2-only CPU
-#   was at hand), 2026-12-02. Without VNNI the act_quant kernel (maddubs) loses at M=1 (0.27 vs
-#   0.16 ms summed for int4) and wins from M=2 up (x1.5-2.2 over the exact kernel);
-#   _weight_int8pack_mm is fastest at M=1 for per-channel int8; torch's bf16 GEMM is slow there.
+# - "avx2": "AMD EPYC" Zen 3 (AVX2 + FMA + F16C, no AVX-512, no VNNI), torch 2.13.0,
+#   2026-12-04 (an earlier table for this key was measured on a Zen 4 with the tier lowered,
+#   while the AVX2 half-scale loads still called memcpy; that made act_quant 2x slower at M=1).
+#   bf16 x: act_quant (maddubs) fastest in every class and layout: x2 over the exact kernel at
+#   M=1 for int4 (0.12 vs 0.23 ms summed), x2-3 at M 4-16, x1.3-1.8 at M 32-128; at M=512 the
+#   two tie for int4 and act_quant wins for int8 (x1.1-1.3). torch's _weight_int8pack_mm and
+#   _weight_int4pack_mm_for_cpu trail act_quant everywhere; they beat the exact kernel only at
+#   M 4-16 (bench output of this run: benchmarks/bench_linear.py --runs 7).
 # - f32 x, every ISA: activations are never quantized (an fp32 engine asked for fp32 numerics:
 #   exact weights, see tests/numerics/test_quantized_vs_transformers.py); the C++ fp32 kernel is
 #   the fastest exact one in every class on both CPUs (aten int8/int4 run f32 x 10-100x slower).
@@ -225,11 +228,12 @@ BF16_TABLES: dict[str, dict[str, _Table]] = {  # ISA key -> layout -> table
                        "large": ("cpp-aq", "torch", "cpp"), "prefill": ("cpp-aq", "torch")},
     },
     "avx2": {
-        "int4": {"1": ("cpp", "aten-int4", "cpp-aq"), "small": ("cpp-aq", "aten-int4", "cpp"),
+        "int4": {"1": ("cpp-aq", "cpp", "aten-int4"), "small": ("cpp-aq", "aten-int4", "cpp"),
                  "large": ("cpp-aq", "cpp"), "prefill": ("cpp-aq", "cpp")},
-        "int8-channel": {"1": ("aten-int8", "cpp", "cpp-aq"), "small": ("cpp-aq", "cpp"),
+        "int8-channel": {"1": ("cpp-aq", "cpp", "aten-int8"),
+                         "small": ("cpp-aq", "aten-int8", "cpp"),
                          "large": ("cpp-aq", "cpp"), "prefill": ("cpp-aq", "cpp")},
-        "int8-group": {"1": ("cpp", "cpp-aq"), "small": ("cpp-aq", "cpp"),
+        "int8-group": {"1": ("cpp-aq", "cpp"), "small": ("cpp-aq", "cpp"),
                        "large": ("cpp-aq", "cpp"), "prefill": ("cpp-aq", "cpp")},
     },
 }

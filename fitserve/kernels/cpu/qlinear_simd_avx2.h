@@ -50,11 +50,13 @@ struct Simd {
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F loadf(const float* p) { return _mm256_loadu_ps(p); }
   static void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
+  // lanes [0, n) set: a masked load / store instead of a variable-size memcpy (a libc call)
+  static __m256i lane_mask(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
   static F loadf(const float* p, int n) {
     if (n >= kLanes) return _mm256_loadu_ps(p);
-    alignas(32) float buf[kLanes] = {};
-    std::memcpy(buf, p, n * sizeof(float));
-    return _mm256_load_ps(buf);
+    return _mm256_maskload_ps(p, lane_mask(n));
   }
   using HMask = int;
   static HMask hmask(int n) { return n; }
@@ -62,15 +64,21 @@ struct Simd {
   // (a stack buffer here stalls on store forwarding, once per weight row and chunk).
   static F load_half(const at::Half* p, int n) {
     if (n >= kLanes) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    if (n <= 2) {
-      uint32_t v = 0;
-      std::memcpy(&v, p, n == 2 ? 4 : (n == 1 ? 2 : 0));
-      return _mm256_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(v)));
+    // (each memcpy has a constant size, so it compiles to one scalar load, never a call)
+    if (n == 1) {
+      uint16_t v;
+      std::memcpy(&v, p, 2);
+      return _mm256_cvtph_ps(_mm_cvtsi32_si128(v));
     }
-    if (n <= 4) {
-      uint64_t v = 0;
-      std::memcpy(&v, p, n == 4 ? 8 : static_cast<size_t>(n) * 2);
-      return _mm256_cvtph_ps(_mm_cvtsi64_si128(static_cast<long long>(v)));
+    if (n == 2) {
+      int32_t v;
+      std::memcpy(&v, p, 4);
+      return _mm256_cvtph_ps(_mm_cvtsi32_si128(v));
+    }
+    if (n == 4) {
+      long long v;
+      std::memcpy(&v, p, 8);
+      return _mm256_cvtph_ps(_mm_cvtsi64_si128(v));
     }
     alignas(16) uint16_t buf[kLanes] = {};
     std::memcpy(buf, p, n * sizeof(uint16_t));
@@ -110,9 +118,7 @@ struct Simd {
   static I dot_w8p(I acc, B w, B a) { return _mm256_add_epi32(acc, dot_w8(prep_w8(w), a)); }
   static void storef(float* p, F v, int n) {
     if (n >= kLanes) return _mm256_storeu_ps(p, v);
-    alignas(32) float buf[kLanes];
-    _mm256_store_ps(buf, v);
-    std::memcpy(p, buf, n * sizeof(float));
+    _mm256_maskstore_ps(p, lane_mask(n), v);
   }
   static void transpose_dwords(const uint8_t* const* rows, int64_t off, uint32_t* out) {
     __m256 r[8], t[8];
