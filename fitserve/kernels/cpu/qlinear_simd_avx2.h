@@ -25,8 +25,8 @@ struct Simd {
 
   static B load_bytes(const void* p, int n) {
     if (n >= kBytes) return _mm256_loadu_si256(static_cast<const __m256i*>(p));
-    alignas(32) uint8_t buf[kBytes] = {};
-    std::memcpy(buf, p, n);
+    alignas(32) uint8_t buf[kBytes] = {};  // a row's tail only: a short loop, no libc call
+    for (int i = 0; i < n; ++i) buf[i] = static_cast<const uint8_t*>(p)[i];
     return _mm256_load_si256(reinterpret_cast<const __m256i*>(buf));
   }
   static B nib_lo(B w) { return _mm256_and_si256(w, _mm256_set1_epi8(0x0F)); }
@@ -60,11 +60,11 @@ struct Simd {
   }
   using HMask = int;
   static HMask hmask(int n) { return n; }
-  // NOTE: a chunk of a group-32 row needs only 1-2 scales: those load as one 16/32-bit scalar
-  // (a stack buffer here stalls on store forwarding, once per weight row and chunk).
+  // NOTE: a chunk of a group-32 row needs only 1-2 scales, loaded once per weight row and chunk:
+  // a variable-size memcpy there compiled to a libc call and made act_quant 2-4x slower at M=1.
+  // Each memcpy below has a constant size (one scalar load); other counts copy in a short loop.
   static F load_half(const at::Half* p, int n) {
     if (n >= kLanes) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    // (each memcpy has a constant size, so it compiles to one scalar load, never a call)
     if (n == 1) {
       uint16_t v;
       std::memcpy(&v, p, 2);
@@ -81,7 +81,7 @@ struct Simd {
       return _mm256_cvtph_ps(_mm_cvtsi64_si128(v));
     }
     alignas(16) uint16_t buf[kLanes] = {};
-    std::memcpy(buf, p, n * sizeof(uint16_t));
+    for (int i = 0; i < n; ++i) buf[i] = p[i].x;
     return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(buf)));
   }
   using P = __m256i;
