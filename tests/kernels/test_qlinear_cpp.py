@@ -172,7 +172,8 @@ def test_int8_matches_float64(dtype: torch.dtype, m: int, group: int | None,
 
 @pytest.mark.parametrize("act_quant", [False, True])
 @pytest.mark.parametrize("m", [1, 4, 14])
-@pytest.mark.parametrize("kind", ["int4-asym-g32", "int4-sym-g64", "int8-g32", "int8-channel"])
+@pytest.mark.parametrize("kind", ["int4-asym-g32", "int4-sym-g32", "int4-sym-g64", "int8-g32",
+                                  "int8-channel"])
 def test_model_shapes(kind: str, m: int, act_quant: bool) -> None:
     """SmolLM2's K = 576 / 1536: rows of 288 / 768 bytes end in partial 64-byte chunks; M = 14
     runs panel tiles of 8 + 4 + 2 rows."""

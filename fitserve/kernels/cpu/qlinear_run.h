@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "qlinear_act.h"
+#include "qlinear_gemv.h"
 #include "qlinear_panel.h"
 #include "qlinear_tiles.h"
 
@@ -121,6 +122,18 @@ void rows_int(const T* x, int64_t M, int64_t kp, const QWeight& w, bool int4, fl
   }
   const QAct xa{A, D, Sg, L.a_stride, L.d_stride};
   const bool asym = w.mins != nullptr, one = w.group == kActBlock;
+#ifdef FITSERVE_QLINEAR_GEMV
+  if (M == 1 && one) {
+    const int64_t nb = block_rows(w.N);
+    at::parallel_for(0, (w.N + nb - 1) / nb, 1, [&](int64_t b0, int64_t b1) {
+      const int64_t n0 = b0 * nb, n1 = std::min(w.N, b1 * nb);
+      if (!int4) g32_gemv<false, false>(w, xa, da, n0, n1, out);
+      else if (asym) g32_gemv<true, true>(w, xa, da, n0, n1, out);
+      else g32_gemv<true, false>(w, xa, da, n0, n1, out);
+    });
+    return;
+  }
+#endif
   if (!int4) run_row_blocks(Int8Aq{w, xa, cm, out}, w.N, M);
   else if (asym && one) run_row_blocks(Int4Aq<true, true>{w, xa, cm, out}, w.N, M);
   else if (asym) run_row_blocks(Int4Aq<true, false>{w, xa, cm, out}, w.N, M);

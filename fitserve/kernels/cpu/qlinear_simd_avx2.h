@@ -36,6 +36,37 @@ struct Simd {
     const I pairs = _mm256_maddubs_epi16(u, s);  // 2 * 15 * 127 < 2^15
     return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
   }
+  // dot_u4(dot_u4(0, lo, alo), hi, ahi) with the two byte-pair sums added as int16 first:
+  // |lo pair + hi pair| <= 4 * 15 * 127 < 2^15
+  static I dot_u4x2(B lo, B alo, B hi, B ahi) {
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, alo), _mm256_maddubs_epi16(hi, ahi));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+  }
+  // G = 32 lane scales of a chunk (qlinear_gemv.h): the first n (<= kLanes / 4) fp16 scales at
+  // p, each on 4 lanes (int4) / the first n (<= kLanes / 8) on 8 lanes (int8); never reads p[n]
+  static F scales_x4(const at::Half* p, int n) {
+    if (n < 2) return _mm256_set1_ps(_cvtsh_ss(p->x));
+    int32_t v;
+    std::memcpy(&v, p, 4);  // [d0 d1] on every dword: cvtph -> d0 d1 d0 d1 ..., then in-lane pick
+    const __m256 f = _mm256_cvtph_ps(_mm_set1_epi32(v));
+    return _mm256_permutevar_ps(f, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+  }
+  static F scales_x8(const at::Half* p, int) { return _mm256_set1_ps(_cvtsh_ss(p->x)); }
+  // A whole span's 8 group scales -> each chunk's lane scales with in-lane shuffles only (one
+  // cross-lane permute per span instead of one per chunk): int4 chunk j = groups 2j, 2j+1 on
+  // lanes 0-3 / 4-7; int8 chunk j = group j on all lanes.
+  struct Span4 { F p; };  // [s0 s2 s4 s6 | s1 s3 s5 s7]
+  static Span4 span4(F sv) {
+    return {_mm256_permutevar8x32_ps(sv, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7))};
+  }
+  template <int j>
+  static F chunk4(const Span4& s) { return _mm256_permute_ps(s.p, j * 0x55); }
+  struct Span8 { F lo, hi; };  // [s0..s3 | s0..s3], [s4..s7 | s4..s7]
+  static Span8 span8(F sv) {
+    return {_mm256_permute2f128_ps(sv, sv, 0x00), _mm256_permute2f128_ps(sv, sv, 0x11)};
+  }
+  template <int j>
+  static F chunk8(const Span8& s) { return _mm256_permute_ps(j < 4 ? s.lo : s.hi, (j % 4) * 0x55); }
   struct W8 { B absw; B w; };
   static W8 prep_w8(B w) { return {_mm256_sign_epi8(w, w), w}; }
   static I dot_w8(const W8& w, B a) {
@@ -47,6 +78,7 @@ struct Simd {
   static F fzero() { return _mm256_setzero_ps(); }
   static F set1(float v) { return _mm256_set1_ps(v); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F loadf(const float* p) { return _mm256_loadu_ps(p); }
   static void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
