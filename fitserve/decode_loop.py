@@ -13,16 +13,24 @@ test_decode_loop.py). It applies to decode-only steps on the fused C++ kernels w
 cache (``applies``); anything else (prefill chunks, a quantized cache, per-head q/k norms, the
 torch fallbacks) runs the module path. A linear it does not know exactly (a tensor-parallel
 wrapper, a ConcatLinear, fp8, a biased packed one) is called as its module: never skipped.
+
+When every linear of the step's shape class is a C++ packed kernel or a dense nn.Linear, the
+per-layer loop itself runs in C++ (``torch.ops.fitserve_step.decode_layers``,
+fitserve/kernels/cpu/decode_step.cpp): the same ops, in the same order, without the ~270
+interpreter round trips of a batch-1 step. ``native = False`` (or FITSERVE_DECODE_NATIVE=0)
+keeps the Python loop.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fitserve.kernels.cpu.decode_step import decode_step_available
 from fitserve.kernels.cpu.fused import fused_ops_available
 from fitserve.kernels.cpu.paged_attention import DEFAULT_PARTITION, paged_attention_available
 from fitserve.model.attention import AttentionBatch
@@ -33,6 +41,9 @@ from fitserve.model.llama import CausalLM, LayerKV
 Linear = Callable[[torch.Tensor], torch.Tensor]
 # input norm weight, eps, qkv, o_proj, post-attention norm weight, eps, gate_up, down
 BoundLayer = tuple[torch.Tensor, float, Linear, Linear, torch.Tensor, float, Linear, Linear]
+# decode_layers' per-step constants of a shape class: norms, eps, linear tensors, linear meta
+NativeArgs = tuple[list[torch.Tensor], list[float], list[torch.Tensor], list[int]]
+_DENSE, _INT4, _INT8 = 0, 1, 2  # decode_step.cpp's LinearKind
 
 
 def linear_call(mod: nn.Module, rows: int, dtype: torch.dtype) -> Linear:
@@ -46,6 +57,27 @@ def linear_call(mod: nn.Module, rows: int, dtype: torch.dtype) -> Linear:
     return mod
 
 
+def native_linear(mod: nn.Module, rows: int, dtype: torch.dtype
+                  ) -> tuple[list[torch.Tensor], list[int]] | None:
+    """``mod`` as decode_step.cpp's 3 tensors + (kind, group, act_quant, has_third), when the
+    C++ loop makes exactly the call ``linear_call`` would; None when it cannot."""
+    none = torch.empty(0)
+    if type(mod) is PackedLinear and mod.bias is None:
+        kernel = mod.kernel(rows, dtype).name
+        if kernel not in ("cpp", "cpp-aq") or mod.k_padded != mod.in_features:
+            return None  # bind() wraps these in Python (another kernel, or x needs padding)
+        aq = int(kernel == "cpp-aq")
+        if mod.kind == "int4":
+            has_mins = mod.mins is not None
+            return ([mod.qweight, mod.scales, mod.mins if has_mins else none],
+                    [_INT4, mod.group_size, aq, int(has_mins)])
+        return [mod.qweight, mod.scales, none], [_INT8, mod.group_size, aq, 0]
+    if type(mod) is nn.Linear:
+        has_bias = mod.bias is not None
+        return [mod.weight, none, mod.bias if has_bias else none], [_DENSE, 0, 0, int(has_bias)]
+    return None
+
+
 def _norm_ok(norm: nn.Module, dtype: torch.dtype) -> bool:
     return type(norm) is RMSNorm and norm.weight.dtype == dtype
 
@@ -56,7 +88,12 @@ class DecodeLoop:
     def __init__(self, model: CausalLM, dtype: torch.dtype) -> None:
         self.model, self.dtype = model, dtype
         self._layers: dict[str, list[BoundLayer]] = {}  # shape class -> bound layers
+        self._native: dict[str, NativeArgs | None] = {}  # shape class -> decode_layers args
+        self.native = os.environ.get("FITSERVE_DECODE_NATIVE") != "0"
+        # the K and V caches as two lists, for the kv_caches list they were taken from
+        self._kv: tuple[list[LayerKV], list[torch.Tensor], list[torch.Tensor]] | None = None
         self.calls = 0  # steps run here (tests check the fast path is the one taken)
+        self.native_calls = 0  # of which through decode_layers
 
     @staticmethod
     def supports(model: nn.Module, dtype: torch.dtype) -> bool:
@@ -91,6 +128,28 @@ class DecodeLoop:
                 ))
         return layers
 
+    def _native_args(self, rows: int) -> NativeArgs | None:
+        key = shape_class(rows)
+        if key not in self._native:
+            norms: list[torch.Tensor] = []
+            eps: list[float] = []
+            tensors: list[torch.Tensor] = []
+            meta: list[int] = []
+            for layer in self.model.layers:
+                for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                    norms.append(norm.weight)
+                    eps.append(float(norm.eps))
+                att, mlp = layer.self_attn, layer.mlp
+                for mod in (att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                    spec = native_linear(mod, rows, self.dtype)
+                    if spec is None:
+                        self._native[key] = None
+                        return None
+                    tensors += spec[0]
+                    meta += spec[1]
+            self._native[key] = (norms, eps, tensors, meta)
+        return self._native[key]
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                  kv_caches: list[LayerKV]) -> torch.Tensor:
         """input_ids, positions [N] -> final hidden states [N, hidden], as CausalLM.forward."""
@@ -111,6 +170,19 @@ class DecodeLoop:
         attention = torch.ops.fitserve.paged_decode_attention.default
 
         x = m.embed_tokens(input_ids)
+        args = self._native_args(n) if self.native and decode_step_available() else None
+        if args is not None:
+            norms, eps, tensors, meta = args
+            if self._kv is None or self._kv[0] is not kv_caches:
+                self._kv = (kv_caches, [kv[0] for kv in kv_caches],  # type: ignore[index]
+                            [kv[1] for kv in kv_caches])  # type: ignore[index]
+            residual, x = torch.ops.fitserve_step.decode_layers.default(
+                x, positions, cos, sin, slots, tables, lens, norms, eps, tensors, meta,
+                self._kv[1], self._kv[2], hq, hkv, hd, scale, window, DEFAULT_PARTITION,
+                interleaved)
+            self.calls += 1
+            self.native_calls += 1
+            return m.norm.add_forward(residual, x)
         residual: torch.Tensor | None = None
         for (w_in, eps_in, qkv_proj, o_proj, w_post, eps_post, gate_up, down), kv in zip(
                 self._bound(n), kv_caches, strict=True):

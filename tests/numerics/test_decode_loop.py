@@ -35,7 +35,10 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def assert_step_identical(engine: Engine, num_seqs: int) -> None:
+def assert_step_identical(engine: Engine, num_seqs: int) -> set[bool]:
+    """Module path == Python loop == decode_layers, bit for bit; returns whether decode_layers
+    ran ({True}), did not ({False}) or both across the steps."""
+    used: set[bool] = set()
     runner = engine.runner
     assert runner.decode_loop is not None
     vocab = engine.spec.vocab_size
@@ -50,8 +53,21 @@ def assert_step_identical(engine: Engine, num_seqs: int) -> None:
         ids, pos, batch = runner._prepare(chunks)
         assert runner.decode_loop.applies(batch, runner.kv_caches, len(ids))
         want = runner.model(ids, pos, batch, runner.kv_caches)
-        got = runner.decode_loop(ids, pos, batch, runner.kv_caches)
-        assert got.dtype == want.dtype and torch.equal(got, want), (num_seqs, step)
+        loop = runner.decode_loop
+        for native in (False, True):  # the Python loop, then decode_layers (C++) where it binds
+            loop.native, before = native, loop.native_calls
+            got = loop(ids, pos, batch, runner.kv_caches)
+            assert got.dtype == want.dtype and torch.equal(got, want), (num_seqs, step, native)
+            used.add(loop.native_calls > before)
+    return used
+
+
+def assert_native_used(used: set[bool]) -> None:
+    """decode_layers ran (every linear bound to a C++ packed kernel or nn.Linear)."""
+    from fitserve.kernels.cpu.decode_step import decode_step_available
+
+    if decode_step_available():
+        assert True in used
 
 
 def test_default_model_as_stored_bit_identical(smollm2_gguf: Path) -> None:
@@ -59,7 +75,9 @@ def test_default_model_as_stored_bit_identical(smollm2_gguf: Path) -> None:
                                  max_model_len=128, num_kv_blocks=1 + 20 * BLOCKS_PER_SEQ,
                                  block_size=BLOCK))
     for n in (1, 3, 20):  # shape classes "1", "small", "large": each binds its own kernels
-        assert_step_identical(engine, n)
+        used = assert_step_identical(engine, n)
+        if n == 1:
+            assert_native_used(used)  # batch 1 runs cpp-aq on every ISA table
 
 
 @pytest.mark.parametrize(("arch", "weights", "dtype"), [
@@ -73,8 +91,11 @@ def test_tiny_models_bit_identical(tiny_hf_model_dir: Callable[..., Any], arch: 
     engine = Engine(EngineConfig(model=str(folder), dtype=dtype, device="cpu", weights=weights,
                                  max_model_len=128, num_kv_blocks=1 + 20 * BLOCKS_PER_SEQ,
                                  block_size=BLOCK))
-    for n in (1, 5, 20):
-        assert_step_identical(engine, n)
+    used = set().union(*(assert_step_identical(engine, n) for n in (1, 5, 20)))
+    if arch == "qwen2":
+        assert used == {False}  # a biased packed qkv: decode_layers does not bind it
+    else:
+        assert_native_used(used)  # dense nn.Linear / exact cpp kernels
 
 
 def test_engine_greedy_tokens_identical_without_loop(tiny_hf_model_dir: Callable[..., Any],
