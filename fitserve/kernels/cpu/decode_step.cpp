@@ -1,0 +1,147 @@
+// fitserve_step::decode_layers: every decoder layer of a decode-only step in one op call.
+//
+// It runs exactly the op sequence of fitserve/decode_loop.py (DecodeLoop._python_layers):
+//
+//   per layer: [add_]rms_norm -> qkv -> rope_write_kv_ -> paged_decode_attention -> o_proj
+//              -> add_rms_norm_ -> gate_up -> silu_and_mul -> down
+//
+// calling the same registered ops (fused_ops.cpp, paged_attention.cpp, qlinear.cpp, at::linear)
+// with the same arguments, so its hidden states are bit-identical to the Python loop's. What it
+// removes is the Python between them: at batch 1 a SmolLM2 step is ~270 op calls of a few
+// microseconds of work each, and ~4 us of interpreter + binding per call was a quarter of it.
+//
+// Linears come as 3 tensors + 4 ints each (kLinearMeta): kind (dense / int4 / int8), group
+// size, act_quant, and whether the third tensor is present (dense: bias; int4: mins).
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <tuple>
+#include <vector>
+
+namespace {
+
+enum LinearKind : int64_t { kDense = 0, kInt4 = 1, kInt8 = 2 };
+constexpr int64_t kLinearMeta = 4;      // kind, group, act_quant, has_third
+constexpr int64_t kLinearTensors = 3;   // dense: weight, bias | int4: q, scales, mins | int8: q, scales, -
+constexpr int64_t kLinearsPerLayer = 4;  // qkv, o_proj, gate_up, down
+
+// The other extensions' ops, looked up on first use (they register when their module loads).
+template <class Sig>
+c10::TypedOperatorHandle<Sig> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  static const auto h = op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>(
+      "fitserve_fused::rms_norm");
+  return h.call(x, w, eps);
+}
+
+at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Tensor& w,
+                         double eps) {
+  static const auto h =
+      op<at::Tensor(at::Tensor&, const at::Tensor&, const at::Tensor&, double)>(
+          "fitserve_fused::add_rms_norm_");
+  return h.call(residual, x, w, eps);
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  static const auto h = op<at::Tensor(const at::Tensor&)>("fitserve_fused::silu_and_mul");
+  return h.call(gate_up);
+}
+
+void rope_write_kv_(at::Tensor& qk, const at::Tensor& v, const at::Tensor& positions,
+                    const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                    at::Tensor& v_cache, const at::Tensor& slots, int64_t num_q_heads,
+                    bool interleaved) {
+  static const auto h =
+      op<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+              const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&, int64_t, bool)>(
+          "fitserve_fused::rope_write_kv_");
+  h.call(qk, v, positions, cos, sin, k_cache, v_cache, slots, num_q_heads, interleaved);
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& tables, const at::Tensor& lens, double scale,
+                     int64_t window, int64_t partition) {
+  static const auto h =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                    const at::Tensor&, double, int64_t, int64_t, bool)>(
+          "fitserve::paged_decode_attention");
+  return h.call(q, k_cache, v_cache, tables, lens, scale, window, partition, true);
+}
+
+at::Tensor linear(const at::Tensor& x, at::TensorList t, at::IntArrayRef meta, int64_t i) {
+  const at::Tensor* ts = t.data() + i * kLinearTensors;
+  const int64_t* m = meta.data() + i * kLinearMeta;
+  const bool third = m[3] != 0;
+  switch (m[0]) {
+    case kDense:
+      return third ? at::linear(x, ts[0], ts[2]) : at::linear(x, ts[0]);
+    case kInt4: {
+      static const auto h =
+          op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                        const std::optional<at::Tensor>&, int64_t, bool)>("fitserve::int4_linear");
+      const std::optional<at::Tensor> mins = third ? std::optional<at::Tensor>(ts[2]) : std::nullopt;
+      return h.call(x.contiguous(), ts[0], ts[1], mins, m[1], m[2] != 0);
+    }
+    case kInt8: {
+      static const auto h =
+          op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool)>(
+              "fitserve::int8_linear");
+      return h.call(x.contiguous(), ts[0], ts[1], m[1], m[2] != 0);
+    }
+  }
+  TORCH_CHECK(false, "decode_layers: unknown linear kind ", m[0]);
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_layers(
+    const at::Tensor& x0, const at::Tensor& positions, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& block_tables,
+    const at::Tensor& seq_lens, at::TensorList norms, at::ArrayRef<double> eps,
+    at::TensorList linears, at::IntArrayRef meta, at::TensorList k_caches,
+    at::TensorList v_caches, int64_t hq, int64_t hkv, int64_t hd, double scale, int64_t window,
+    int64_t partition, bool interleaved) {
+  const int64_t layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers,
+              "decode_layers: one K and one V cache per layer");
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers &&
+                  static_cast<int64_t>(eps.size()) == 2 * layers,
+              "decode_layers: two norms (input, post-attention) per layer");
+  TORCH_CHECK(static_cast<int64_t>(linears.size()) == kLinearsPerLayer * kLinearTensors * layers &&
+                  static_cast<int64_t>(meta.size()) == kLinearsPerLayer * kLinearMeta * layers,
+              "decode_layers: ", kLinearsPerLayer, " linears of ", kLinearTensors,
+              " tensors and ", kLinearMeta, " ints per layer");
+  const int64_t n = x0.size(0), qk_cols = (hq + hkv) * hd, q_size = hq * hd;
+  at::Tensor residual, x = x0;
+  for (int64_t l = 0; l < layers; ++l) {
+    at::Tensor h = l == 0 ? rms_norm(x, norms[0], eps[0])
+                          : add_rms_norm_(residual, x, norms[2 * l], eps[2 * l]);
+    if (l == 0) residual = x;
+    const int64_t li = l * kLinearsPerLayer;
+    const at::Tensor qkv = linear(h, linears, meta, li);
+    at::Tensor qk = qkv.narrow(1, 0, qk_cols).view({n, hq + hkv, hd});
+    const at::Tensor v = qkv.narrow(1, qk_cols, qkv.size(1) - qk_cols).view({n, hkv, hd});
+    at::Tensor kc = k_caches[l], vc = v_caches[l];
+    rope_write_kv_(qk, v, positions, cos, sin, kc, vc, slots, hq, interleaved);
+    const at::Tensor out =
+        attention(qk.narrow(1, 0, hq), kc, vc, block_tables, seq_lens, scale, window, partition);
+    h = add_rms_norm_(residual, linear(out.reshape({n, q_size}), linears, meta, li + 1),
+                      norms[2 * l + 1], eps[2 * l + 1]);
+    x = linear(silu_and_mul(linear(h, linears, meta, li + 2)), linears, meta, li + 3);
+  }
+  return {residual, x};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(fitserve_step, m) {
+  m.def("decode_layers(Tensor x, Tensor positions, Tensor cos, Tensor sin, Tensor slots, "
+        "Tensor block_tables, Tensor seq_lens, Tensor[] norms, float[] eps, Tensor[] linears, "
+        "int[] meta, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int num_q_heads, "
+        "int num_kv_heads, int head_dim, float scale, int window, int partition_size, "
+        "bool interleaved) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(fitserve_step, CPU, m) { m.impl("decode_layers", &decode_layers); }
