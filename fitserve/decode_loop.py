@@ -35,7 +35,7 @@ from fitserve.kernels.cpu.fused import fused_ops_available
 from fitserve.kernels.cpu.paged_attention import DEFAULT_PARTITION, paged_attention_available
 from fitserve.model.attention import AttentionBatch
 from fitserve.model.layers import RMSNorm
-from fitserve.model.linear import PackedLinear, shape_class
+from fitserve.model.linear import DenseLinear, PackedLinear, shape_class
 from fitserve.model.llama import CausalLM, LayerKV
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
@@ -43,7 +43,7 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 BoundLayer = tuple[torch.Tensor, float, Linear, Linear, torch.Tensor, float, Linear, Linear]
 # decode_layers' per-step constants of a shape class: norms, eps, linear tensors, linear meta
 NativeArgs = tuple[list[torch.Tensor], list[float], list[torch.Tensor], list[int]]
-_DENSE, _INT4, _INT8 = 0, 1, 2  # decode_step.cpp's LinearKind
+_DENSE, _INT4, _INT8, _BF16_GEMV = 0, 1, 2, 3  # decode_step.cpp's LinearKind
 
 
 def linear_call(mod: nn.Module, rows: int, dtype: torch.dtype) -> Linear:
@@ -51,8 +51,11 @@ def linear_call(mod: nn.Module, rows: int, dtype: torch.dtype) -> Linear:
     is exactly a bias-free PackedLinear or an nn.Linear, else the module itself."""
     if type(mod) is PackedLinear and mod.bias is None:
         return mod.bound_run(rows, dtype)
-    if type(mod) is nn.Linear:
+    if type(mod) in (nn.Linear, DenseLinear):
         w, b = mod.weight, mod.bias
+        if isinstance(mod, DenseLinear) and mod.gemv_applies(rows, dtype):
+            gemv = torch.ops.fitserve_dense.bf16_gemv.default
+            return lambda x: gemv(x, w, b)
         return lambda x: F.linear(x, w, b)
     return mod
 
@@ -72,9 +75,10 @@ def native_linear(mod: nn.Module, rows: int, dtype: torch.dtype
             return ([mod.qweight, mod.scales, mod.mins if has_mins else none],
                     [_INT4, mod.group_size, aq, int(has_mins)])
         return [mod.qweight, mod.scales, none], [_INT8, mod.group_size, aq, 0]
-    if type(mod) is nn.Linear:
+    if type(mod) in (nn.Linear, DenseLinear):
         has_bias = mod.bias is not None
-        return [mod.weight, none, mod.bias if has_bias else none], [_DENSE, 0, 0, int(has_bias)]
+        kind = _BF16_GEMV if isinstance(mod, DenseLinear) and mod.gemv_applies(rows, dtype) else _DENSE
+        return [mod.weight, none, mod.bias if has_bias else none], [kind, 0, 0, int(has_bias)]
     return None
 
 

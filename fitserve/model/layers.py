@@ -9,6 +9,7 @@ from torch import nn
 
 from fitserve.config import ModelSpec, RopeScaling
 from fitserve.kernels.cpu import fused
+from fitserve.model.linear import DenseLinear
 
 
 class RMSNorm(nn.Module):
@@ -116,8 +117,8 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.intermediate = intermediate
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = DenseLinear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = DenseLinear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))

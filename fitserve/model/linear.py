@@ -283,6 +283,37 @@ def choose(pw: PackedWeight, m: int, dtype: torch.dtype, isa: str | None = None)
 
 
 # -- modules ---------------------------------------------------------------------------------
+_GEMV_PREFERRED: list[bool] = []  # set once (a plain list: torch.compile traces through it)
+
+
+def bf16_gemv_preferred() -> bool:
+    """Whether one-row bf16 dense linears run fitserve_dense::bf16_gemv on this CPU."""
+    if not _GEMV_PREFERRED:
+        from fitserve.kernels.cpu.build import cpp_disabled
+        from fitserve.kernels.cpu.dense_gemv import bf16_gemv_preferred as preferred
+
+        _GEMV_PREFERRED.append(not cpp_disabled() and preferred())
+    return _GEMV_PREFERRED[0]
+
+
+class DenseLinear(nn.Linear):
+    """nn.Linear whose one-row bf16 calls on CPU run fitserve_dense::bf16_gemv where that is
+    the faster kernel (fitserve/kernels/cpu/dense_gemv.py); every other call is F.linear."""
+
+    def gemv_applies(self, rows: int, dtype: torch.dtype) -> bool:
+        w, b = self.weight, self.bias
+        return (rows == 1 and dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+                and w.device.type == "cpu" and w.dim() == 2 and w.is_contiguous()
+                and (b is None or (b.dtype == torch.bfloat16 and b.is_contiguous()))
+                and bf16_gemv_preferred())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and self.gemv_applies(x.shape[0], x.dtype):
+            out: torch.Tensor = torch.ops.fitserve_dense.bf16_gemv.default(x, self.weight, self.bias)
+            return out
+        return F.linear(x, self.weight, self.bias)
+
+
 class PackedLinear(nn.Module):
     """``y = x @ W.T (+ bias)`` with W held packed (buffers ``qweight``, ``scales``, ``mins``).
 

@@ -11,7 +11,7 @@ from fitserve.kernels.cpu import fused
 from fitserve.model.attention import AttentionBatch, paged_attention, write_kv
 from fitserve.model.fp8_linear import Fp8Linear
 from fitserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, StepRope
-from fitserve.model.linear import ConcatLinear, PackedEmbedding, PackedLinear
+from fitserve.model.linear import ConcatLinear, DenseLinear, PackedEmbedding, PackedLinear
 from fitserve.quant.fp8 import Fp8Weight
 from fitserve.quant.hold import HeldTensor
 from fitserve.quant.kv_cache import QuantizedKVCache
@@ -46,8 +46,8 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size, self.kv_size = spec.q_size, spec.kv_size
-        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        self.qkv_proj = DenseLinear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
+        self.o_proj = DenseLinear(self.q_size, spec.hidden_size, bias=False)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.rotary = rotary
@@ -126,7 +126,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, i, self.rotary) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = DenseLinear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -205,9 +205,9 @@ def fuse_hf_weights(spec: ModelSpec, weights: dict[str, HeldTensor]) -> dict[str
     return out
 
 
-def _dense_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Linear:
+def _dense_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> DenseLinear:
     with torch.device("meta"):
-        lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+        lin = DenseLinear(weight.shape[1], weight.shape[0], bias=bias is not None)
     lin.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
     if bias is not None:
         lin.bias = nn.Parameter(bias.to(dtype), requires_grad=False)

@@ -84,6 +84,7 @@ def test_default_model_as_stored_bit_identical(smollm2_gguf: Path) -> None:
     ("mistral", "float32", "float32"),  # sliding window 16 < the longer prompts
     ("qwen2", "int4", "bfloat16"),  # qkv bias: a biased PackedLinear runs as its module
     ("llama", "int8", "float32"),
+    ("llama", "bf16", "bfloat16"),  # dense bf16: DenseLinear (the bf16 GEMV at batch 1 on AVX2)
 ])
 def test_tiny_models_bit_identical(tiny_hf_model_dir: Callable[..., Any], arch: str,
                                    weights: str, dtype: str) -> None:

@@ -10,8 +10,9 @@
 // removes is the Python between them: at batch 1 a SmolLM2 step is ~270 op calls of a few
 // microseconds of work each, and ~4 us of interpreter + binding per call was a quarter of it.
 //
-// Linears come as 3 tensors + 4 ints each (kLinearMeta): kind (dense / int4 / int8), group
-// size, act_quant, and whether the third tensor is present (dense: bias; int4: mins).
+// Linears come as 3 tensors + 4 ints each (kLinearMeta): kind (dense / int4 / int8 / dense bf16
+// GEMV), group size, act_quant, and whether the third tensor is present (dense: bias; int4:
+// mins).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -21,7 +22,7 @@
 
 namespace {
 
-enum LinearKind : int64_t { kDense = 0, kInt4 = 1, kInt8 = 2 };
+enum LinearKind : int64_t { kDense = 0, kInt4 = 1, kInt8 = 2, kBf16Gemv = 3 };
 constexpr int64_t kLinearMeta = 4;      // kind, group, act_quant, has_third
 constexpr int64_t kLinearTensors = 3;   // dense: weight, bias | int4: q, scales, mins | int8: q, scales, -
 constexpr int64_t kLinearsPerLayer = 4;  // qkv, o_proj, gate_up, down
@@ -91,6 +92,12 @@ at::Tensor linear(const at::Tensor& x, at::TensorList t, at::IntArrayRef meta, i
           op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool)>(
               "fitserve::int8_linear");
       return h.call(x.contiguous(), ts[0], ts[1], m[1], m[2] != 0);
+    }
+    case kBf16Gemv: {  // dense bf16, one row (dense_gemv.cpp)
+      static const auto h =
+          op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>(
+              "fitserve_dense::bf16_gemv");
+      return h.call(x, ts[0], third ? std::optional<at::Tensor>(ts[2]) : std::nullopt);
     }
   }
   TORCH_CHECK(false, "decode_layers: unknown linear kind ", m[0]);
