@@ -83,11 +83,13 @@ class _Accumulator:
 
 def _dense_modules(model: CausalLM) -> dict[str, nn.Linear]:
     """Module path -> nn.Linear for every recorded linear; ValueError if one is not dense."""
+    from fitserve.model.linear import DenseLinear
+
     found: dict[str, nn.Linear] = {}
     for i, layer in enumerate(model.layers):
         for path in _LINEARS:
             module = layer.get_submodule(path)
-            if type(module) is not nn.Linear:
+            if type(module) not in (nn.Linear, DenseLinear):  # dense weights, any kernel
                 raise ValueError(f"calibration needs a dense model: layers.{i}.{path} is a "
                                  f"{type(module).__name__}, not nn.Linear (load the model "
                                  "with float weights)")
