@@ -40,7 +40,7 @@ browser:
 # Two workers (pytest-xdist), tests handed out in file groups and stolen back at the end so
 # neither idles: many tests wait on subprocesses, servers and Python, so two share the 2 cores
 # well (one worker: ~27 min from a fresh clone; two: ~19 min of pytest with built kernels on
-# Zen 4, 24.5 min of pytest / 28 min in all from a fresh clone on an AVX2-only Zen 3).
+# Zen 4; on an AVX2-only Zen 3 from a fresh clone 20.9-24.9 min of pytest, ~30 min in all).
 test: pull lint browser
 	$(BIN)/pytest -q -n 2 --dist worksteal
 
