@@ -288,11 +288,10 @@ _GEMV_PREFERRED: list[bool] = []  # set once (a plain list: torch.compile traces
 
 def bf16_gemv_preferred() -> bool:
     """Whether one-row bf16 dense linears run fitserve_dense::bf16_gemv on this CPU."""
-    if not _GEMV_PREFERRED:
-        from fitserve.kernels.cpu.build import cpp_disabled
+    if not _GEMV_PREFERRED:  # (FITSERVE_DISABLE_CPP: the extension does not load -> False)
         from fitserve.kernels.cpu.dense_gemv import bf16_gemv_preferred as preferred
 
-        _GEMV_PREFERRED.append(not cpp_disabled() and preferred())
+        _GEMV_PREFERRED.append(preferred())
     return _GEMV_PREFERRED[0]
 
 

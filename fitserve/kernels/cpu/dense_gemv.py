@@ -2,9 +2,9 @@
 
 ``bf16_gemv_available()`` says whether the op is built and loaded; ``bf16_gemv_preferred()``
 whether fitserve.model.linear.DenseLinear should run it instead of ``F.linear``: measured faster
-on AVX2-only CPUs (Zen 3, 2026-12-04: the step's 121 linears 16.2 -> 11.5 ms, torch's bf16
-matrix-vector product emulates bf16 there); CPUs with native bf16 keep torch's kernel (not
-measured against it).
+on AVX2-only CPUs (Zen 3, 2026-12-04, a standalone timing of the step's 121 linears: 16.2 ->
+11.5 ms; torch's bf16 matrix-vector product emulates bf16 there); CPUs with native bf16 keep
+torch's kernel (not measured against it).
 """
 
 from __future__ import annotations

@@ -105,7 +105,6 @@ void rows_int(const T* x, int64_t M, int64_t kp, const QWeight& w, bool int4, fl
   static thread_local std::vector<float> d_buf, s_buf, da_buf;
   static thread_local std::vector<int32_t> isum_buf;
   const ActLayout L(w.row_bytes, int4 ? w.group / 2 : w.group, int4 ? 2 : 1);
-  const ChunkMap cm = chunk_table(L).view();
   int8_t* A = scratch(a_buf, M * L.a_stride);
   float* D = scratch(d_buf, M * L.d_stride);
   float* Sg = int4 ? scratch(s_buf, M * w.ngroups) : nullptr;
@@ -134,6 +133,7 @@ void rows_int(const T* x, int64_t M, int64_t kp, const QWeight& w, bool int4, fl
     return;
   }
 #endif
+  const ChunkMap cm = chunk_table(L).view();  // the tiles' chunk -> group map (not the GEMV's)
   if (!int4) run_row_blocks(Int8Aq{w, xa, cm, out}, w.N, M);
   else if (asym && one) run_row_blocks(Int4Aq<true, true>{w, xa, cm, out}, w.N, M);
   else if (asym) run_row_blocks(Int4Aq<true, false>{w, xa, cm, out}, w.N, M);

@@ -42,16 +42,6 @@ struct Simd {
     const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, alo), _mm256_maddubs_epi16(hi, ahi));
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
   }
-  // G = 32 lane scales of a chunk (qlinear_gemv.h): the first n (<= kLanes / 4) fp16 scales at
-  // p, each on 4 lanes (int4) / the first n (<= kLanes / 8) on 8 lanes (int8); never reads p[n]
-  static F scales_x4(const at::Half* p, int n) {
-    if (n < 2) return _mm256_set1_ps(_cvtsh_ss(p->x));
-    int32_t v;
-    std::memcpy(&v, p, 4);  // [d0 d1] on every dword: cvtph -> d0 d1 d0 d1 ..., then in-lane pick
-    const __m256 f = _mm256_cvtph_ps(_mm_set1_epi32(v));
-    return _mm256_permutevar_ps(f, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
-  }
-  static F scales_x8(const at::Half* p, int) { return _mm256_set1_ps(_cvtsh_ss(p->x)); }
   // A whole span's 8 group scales -> each chunk's lane scales with in-lane shuffles only (one
   // cross-lane permute per span instead of one per chunk): int4 chunk j = groups 2j, 2j+1 on
   // lanes 0-3 / 4-7; int8 chunk j = group j on all lanes.
