@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -12,6 +13,32 @@ import pytest
 import torch
 
 from fitserve.loading.pull import pull
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, each worker (and every server or process it starts, through
+    OMP_NUM_THREADS) runs torch on its share of the cores, not on all of them.
+
+    NOTE: two workers of 2 threads each on 2 cores make every parallel region wait for a
+    descheduled thread: a served request measured 10x slower (tests/e2e/test_hostile_clients
+    then ran past its deadline in CI). The kernels' thread splits are tested explicitly with 2
+    and 3 threads (the ``threads`` tests in tests/kernels and tests/numerics/test_decode_loop).
+    """
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture()
+def num_threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """torch on ``request.param`` threads for the test (parametrize indirectly)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(threads)
+
 
 TINY_SIZES: dict[str, Any] = dict(
     hidden_size=64,

@@ -77,3 +77,20 @@ def test_dense_linear_runs_gemv_only_for_one_bf16_row(rows: int,
     if rows == 1:  # the op's result, not F.linear's
         assert torch.equal(y, torch.ops.fitserve_dense.bf16_gemv(x, layer.weight, layer.bias))
     check(y[:1], x[:1], layer.weight, layer.bias)
+
+
+def test_thread_splits_give_the_same_bits() -> None:
+    """Each output is one thread's work: 1, 2 or 3 threads give the same bits."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 576, generator=gen).bfloat16()
+    w = (torch.randn(1001, 576, generator=gen) * 0.05).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs.append(torch.ops.fitserve_dense.bf16_gemv(x, w, None))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    check(outs[1], x, w, None)

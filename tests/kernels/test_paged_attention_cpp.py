@@ -163,6 +163,7 @@ def test_partition_merge_is_exact_and_batch_invariant() -> None:
     tables, seq_lens = cache.table_tensor(), torch.tensor(lens, dtype=torch.int32)
     threads = torch.get_num_threads()
     try:
+        torch.set_num_threads(2)
         together = paged_decode_attention(q, cache.k_cache, cache.v_cache, tables, seq_lens, 0.125)
         torch.set_num_threads(1)
         for b in range(len(lens)):

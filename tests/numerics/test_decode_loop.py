@@ -70,7 +70,8 @@ def assert_native_used(used: set[bool]) -> None:
         assert True in used
 
 
-def test_default_model_as_stored_bit_identical(smollm2_gguf: Path) -> None:
+@pytest.mark.parametrize("num_threads", [1, 2], indirect=True)  # the kernels' thread splits too
+def test_default_model_as_stored_bit_identical(smollm2_gguf: Path, num_threads: int) -> None:
     engine = Engine(EngineConfig(model=str(smollm2_gguf), dtype="bfloat16", device="cpu",
                                  max_model_len=128, num_kv_blocks=1 + 20 * BLOCKS_PER_SEQ,
                                  block_size=BLOCK))
