@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from fitserve.config import EngineConfig
-from fitserve.plan import runtime, scratch
+from fitserve.plan import runtime
 from fitserve.plan.cli_plan import _add_arguments, main
 from fitserve.plan.errors import PlanError
 from fitserve.plan.hardware import Hardware
@@ -130,7 +130,7 @@ def test_engine_knob_defaults_are_the_engines() -> None:
 
 def test_cpu_plan_json(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(runtime, "runtime_baseline_bytes", lambda **_: 300 * MIB)
-    monkeypatch.setattr(scratch, "cpu_threads", lambda: 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # what scratch.cpu_threads() reads
     monkeypatch.delenv("FITSERVE_DISABLE_CPP", raising=False)
     assert main(["smollm2-135m", "--gpu", "cpu", "--dtype", "float32", "--weights", "float32",
                  "--block-size", "32",
