@@ -39,8 +39,10 @@ browser:
 
 # Two workers (pytest-xdist), tests handed out in file groups and stolen back at the end so
 # neither idles: many tests wait on subprocesses, servers and Python, so two share the 2 cores
-# well (one worker: ~27 min from a fresh clone; two: ~19 min of pytest with built kernels on
-# Zen 4; on an AVX2-only Zen 3 from a fresh clone 20.9-24.9 min of pytest, ~30 min in all).
+# well. Each worker, and every server it starts, runs torch on its share of the cores
+# (tests/conftest.py): two workers of 2 threads on 2 cores made each parallel region wait for a
+# descheduled thread. On an AVX2-only Zen 3 from a fresh clone: 14.3 min of pytest (was 20.9-27.2
+# with 2 threads per worker).
 test: pull lint browser
 	$(BIN)/pytest -q -n 2 --dist worksteal
 
