@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/profile_engine.py [--dtype bf16] [--threads 2] [--weights auto]
 
-W1 shape: 1 request decoding (context ~40). W2 shape: 32 requests x 128-token prompts (prefill
+First, what the loaded engine holds: its resident memory (/proc/self/status) beside the KV
+pool and the weights the ledger counts. W1 shape: 1 request decoding (context ~40). W2 shape: 32 requests x 128-token prompts (prefill
 timed as the steps until every prompt is in the cache), then batch-32 decode steps. Each decode
 figure is the median of 20 steps after warm-up; the op table is torch.profiler's self CPU time
 over 5 more steps, grouped by ATen op.
@@ -21,9 +22,29 @@ from torch.profiler import profile
 from fitserve.config import EngineConfig
 from fitserve.engine import Engine
 from fitserve.model.linear import PackedLinear
+from fitserve.model.llama import held_weight_bytes
 from fitserve.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+
+def resident_mib() -> dict[str, float]:
+    """VmRSS, RssAnon, RssFile of this process, MiB."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key = line.split(":")[0]
+            if key in ("VmRSS", "RssAnon", "RssFile"):
+                out[key] = int(line.split()[1]) / 1024
+    return out
+
+
+def memory_line(engine: Engine) -> str:
+    r = resident_mib()
+    mib = 1 << 20
+    return (f"after loading: RSS {r['VmRSS']:.0f} MiB (anonymous {r['RssAnon']:.0f}, file-backed "
+            f"{r['RssFile']:.0f}); KV pool {engine.pool.allocated_bytes / mib:.0f} MiB, weights "
+            f"{held_weight_bytes(engine.runner.model) / mib:.0f} MiB")
 
 
 def step_ms(engine: Engine, steps: int = 20) -> float:
@@ -99,6 +120,7 @@ def main() -> None:
 
     engine = Engine(EngineConfig(dtype=dtype, device="cpu", max_model_len=1024,
                                  weights=args.weights))
+    print(memory_line(engine))
     engine.add_request("The capital of France is", GREEDY)
     step_ms(engine, 5)
     print(f"W1 decode step ({args.dtype}, {args.threads} threads): {step_ms(engine):.2f} ms median")
