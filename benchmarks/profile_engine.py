@@ -3,8 +3,9 @@
     .venv/bin/python benchmarks/profile_engine.py [--dtype bf16] [--threads 2] [--weights auto]
 
 First, what the loaded engine holds: its resident memory (/proc/self/status) beside the KV
-pool and the weights the ledger counts. W1 shape: 1 request decoding (context ~40). W2 shape: 32 requests x 128-token prompts (prefill
-timed as the steps until every prompt is in the cache), then batch-32 decode steps. Each decode
+pool and the weights the ledger counts. W1 shape: 1 request decoding (context ~40). W2 shape:
+32 requests x 128-token prompts (prefill timed as the steps until every prompt is in the
+cache), then batch-32 decode steps. Each decode
 figure is the median of 20 steps after warm-up; the op table is torch.profiler's self CPU time
 over 5 more steps, grouped by ATen op.
 """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
@@ -21,8 +22,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
     NOTE: two workers of 2 threads each on 2 cores make every parallel region wait for a
     descheduled thread: a served request measured 10x slower (tests/e2e/test_hostile_clients
-    then ran past its deadline in CI). The kernels' thread splits are tested explicitly with 2
-    and 3 threads (the ``threads`` tests in tests/kernels and tests/numerics/test_decode_loop).
+    then ran past its deadline in CI). The kernels' thread splits are tested explicitly on 2
+    and 3 threads (``test_thread_splits_give_the_same_bits`` in tests/kernels, the decode-loop
+    bit-identity test in tests/numerics/test_decode_loop.py).
     """
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
@@ -31,13 +33,22 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(threads)
 
 
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch on ``n`` threads inside the block, the previous count after it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture()
 def num_threads(request: pytest.FixtureRequest) -> Iterator[int]:
     """torch on ``request.param`` threads for the test (parametrize indirectly)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(threads)
+    with torch_threads(request.param):
+        yield request.param
 
 
 TINY_SIZES: dict[str, Any] = dict(
@@ -128,7 +139,5 @@ def tiny_hf_model_dir(tmp_path: Path, smollm2_tokenizer_dir: Path) -> Callable[.
 def one_thread() -> Iterator[None]:
     """torch on one thread for the test. NOTE: for many small tensors: on a shared 2-core
     machine every op of a multi-threaded pool waits for a busy core (up to 10x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield

@@ -13,6 +13,7 @@ import torch
 
 from fitserve.kernels.cpu.dense_gemv import bf16_gemv_available
 from fitserve.model.linear import DenseLinear
+from tests.conftest import torch_threads
 
 if not bf16_gemv_available():
     pytest.skip("dense_gemv.cpp could not be built here", allow_module_level=True)
@@ -84,13 +85,9 @@ def test_thread_splits_give_the_same_bits() -> None:
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(1, 576, generator=gen).bfloat16()
     w = (torch.randn(1001, 576, generator=gen) * 0.05).bfloat16()
-    threads = torch.get_num_threads()
-    try:
-        outs = []
-        for t in (1, 2, 3):
-            torch.set_num_threads(t)
+    outs = []
+    for t in (1, 2, 3):
+        with torch_threads(t):
             outs.append(torch.ops.fitserve_dense.bf16_gemv(x, w, None))
-    finally:
-        torch.set_num_threads(threads)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     check(outs[1], x, w, None)

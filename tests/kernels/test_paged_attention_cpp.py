@@ -34,6 +34,7 @@ from fitserve.kernels.cpu.paged_attention import (
 )
 from fitserve.model.attention import AttentionBatch, paged_attention, write_kv
 from fitserve.runner import build_decode_batch, build_prefill_seq
+from tests.conftest import torch_threads
 
 
 def _expect_available() -> bool:
@@ -161,17 +162,13 @@ def test_partition_merge_is_exact_and_batch_invariant() -> None:
     cache = Paged(lens, hkv=3, d=64, bs=16, dtype=torch.bfloat16, window=None, seed=3)
     q = torch.randn(len(lens), 9, 64).bfloat16()
     tables, seq_lens = cache.table_tensor(), torch.tensor(lens, dtype=torch.int32)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
+    with torch_threads(2):
         together = paged_decode_attention(q, cache.k_cache, cache.v_cache, tables, seq_lens, 0.125)
-        torch.set_num_threads(1)
+    with torch_threads(1):
         for b in range(len(lens)):
             alone = paged_decode_attention(q[b : b + 1], cache.k_cache, cache.v_cache,
                                            tables[b : b + 1], seq_lens[b : b + 1], 0.125)
             assert torch.equal(alone[0], together[b])
-    finally:
-        torch.set_num_threads(threads)
     # and a split really happened: one partition per sequence gives different last bits
     unsplit = paged_decode_attention(q.float(), cache.k_cache, cache.v_cache, tables, seq_lens,
                                      0.125, partition_size=1 << 20)

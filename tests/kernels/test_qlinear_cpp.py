@@ -30,6 +30,7 @@ from fitserve.kernels.cpu.qlinear import (
     qlinear_ops_available,
     qlinear_tier,
 )
+from tests.conftest import torch_threads
 
 if not qlinear_ops_available():
     pytest.skip("the qlinear C++ extension could not be built here (no compiler, a failed build "
@@ -352,14 +353,10 @@ def test_thread_splits_give_the_same_bits(kind: str, act_quant: bool) -> None:
 
         def run(x: torch.Tensor) -> torch.Tensor:
             return int8_linear(x, q8, s8, g8, act_quant)
-    threads = torch.get_num_threads()
-    try:
-        for m in (1, 4, 14, 33, 200):
-            x = make_x(m, k, w64.shape[1], torch.float32, gen)
-            outs = []
-            for t in (1, 2, 3):
-                torch.set_num_threads(t)
+    for m in (1, 4, 14, 33, 200):
+        x = make_x(m, k, w64.shape[1], torch.float32, gen)
+        outs = []
+        for t in (1, 2, 3):
+            with torch_threads(t):
                 outs.append(run(x))
-            assert all(torch.equal(outs[0], o) for o in outs[1:]), (kind, m)
-    finally:
-        torch.set_num_threads(threads)
+        assert all(torch.equal(outs[0], o) for o in outs[1:]), (kind, m)
