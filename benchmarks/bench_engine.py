@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/bench_engine.py                      # every config, every peer found
     .venv/bin/python benchmarks/bench_engine.py --configs q4_1 --peers llamacpp --runs 5 --json out.json
 
-Each engine runs in its own process (so its peak RSS is its own) on the same token ids, with the
+Each engine runs in its own process (so its peak RSS is its own; vLLM's is its process tree's,
+sampled, as its engine core is a child process) on the same token ids, with the
 same thread count, greedy decoding and EOS ignored, one warm-up run, then --runs timed runs;
 the tables report medians. W1: 1 request, 32-token prompt, 128 new tokens (TTFT, decode tok/s,
 decode as a fraction of the bandwidth limit of the bytes that config reads per token). W2: 32
@@ -230,7 +231,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--kv-cache-memory", default=None,
                     help="fitserve's KV pool (e.g. 256M: W2 needs ~180 MiB in bf16); default "
-                         "the engine's own (1 GiB on CPU). The pool is resident, so it is in RSS")
+                         "the engine's own (1 GiB on CPU). Only the blocks a run touches are resident")
     ap.add_argument("--worker", choices=["fitserve", "transformers"], help=argparse.SUPPRESS)
     ap.add_argument("spec", nargs="?", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -332,6 +333,10 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
                      if "startup_cold_s" in r else f"start-up {r['startup_s']:.1f} s")
             print(f"  {_name(r)}: {r['weight_bytes_read'] / 1e6:.1f} MB of weights read per token -> "
                   f"W1 limit {bw / r['weight_bytes_read']:.0f} tok/s; {start}")
+    q4, bf = by.get("fitserve q4_1"), by.get("fitserve bf16")
+    if q4 and bf and q4.get("peak_rss_mib") and bf.get("peak_rss_mib"):
+        print(f"  peak RSS, fitserve q4_1 / bf16 (W1 then W2, one process each): "
+              f"{q4['peak_rss_mib'] / bf['peak_rss_mib']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -109,7 +109,9 @@ def main() -> int:
     growth = report.rss_growth_mib
     if growth is not None:
         print(f"RSS after round 1: {report.rounds[0].rest.rss_mib:.1f} MiB, after round {len(report.rounds)}: "
-              f"{report.rounds[-1].rest.rss_mib:.1f} MiB, growth {growth:+.1f} MiB (bound {args.rss_bound_mib} MiB)")
+              f"{report.rounds[-1].rest.rss_mib:.1f} MiB (KV pool resident {report.rounds[0].rest.kv_resident_mib:.1f} -> "
+              f"{report.rounds[-1].rest.kv_resident_mib:.1f} MiB), growth beyond the KV pool {growth:+.1f} MiB "
+              f"(bound {args.rss_bound_mib} MiB)")
     if args.json:
         args.json.write_text(json.dumps({"rounds": [r.to_dict() for r in report.rounds],
                                          "rss_growth_mib": growth}, indent=2))

@@ -98,6 +98,7 @@ class EngineStats:
     num_steps: int = 0  # model steps run since start
     slo_rejected: int = 0  # requests the slo policy turned away (predicted TTFT too long)
     slo_deprioritized: int = 0  # ... or queued behind the on-time ones
+    kv_block_bytes: int = 0  # bytes of one KV block, all layers (kv.touched_blocks x this: resident)
     slo_step_time_correction: float | None = None  # measured / predicted step time (slo policy)
 
 
@@ -569,6 +570,7 @@ class Engine:
             slo_rejected=0 if self.scheduler.slo is None else self.scheduler.slo.num_rejected,
             slo_deprioritized=0 if self.scheduler.slo is None else self.scheduler.slo.num_deprioritized,
             slo_step_time_correction=None if self.scheduler.slo is None else self.scheduler.slo.correction,
+            kv_block_bytes=self.pool.block_bytes,
         )
 
     def request_of(self, scheduler_id: str) -> str:

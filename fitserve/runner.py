@@ -18,6 +18,7 @@ from fitserve.config import ModelSpec
 from fitserve.decode_loop import DecodeLoop
 from fitserve.kernels.cpu.paged_attention import paged_attention_available
 from fitserve.kernels.dispatch import choose_attention_impl, classify
+from fitserve.lazy_memory import lazy_zeros
 from fitserve.model.attention import AttentionBatch, DecodeBatch, PrefillSeq, visible_mask
 from fitserve.model.llama import CausalLM, LayerKV
 from fitserve.plan.formats import kv_format as kv_format_entry
@@ -247,7 +248,8 @@ def _table_name(dtype: torch.dtype) -> str:
 def make_kv_caches(spec: ModelSpec, kv_format: str, *, num_blocks: int, block_size: int,
                    dtype: torch.dtype, device: torch.device) -> list[LayerKV]:
     """One cache per layer in ``kv_format`` (a KV_FORMATS name): dense (K, V) tensors of
-    ``dtype`` [kv_heads, num_blocks, block_size, head_dim] (head-major), or a QuantizedKVCache."""
+    ``dtype`` [kv_heads, num_blocks, block_size, head_dim] (head-major), or a QuantizedKVCache.
+    Zero-filled; on the CPU resident only as blocks are first written (``lazy_zeros``)."""
     fmt = kv_format_entry(kv_format)
     if fmt.codec:
         key_layout = "channel-key" if fmt.key_scales == "channel" else "token"
@@ -256,7 +258,7 @@ def make_kv_caches(spec: ModelSpec, kv_format: str, *, num_blocks: int, block_si
                                  head_dim=spec.head_dim, device=device)
                 for _ in range(spec.num_layers)]
     shape = (spec.num_kv_heads, num_blocks, block_size, spec.head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+    return [(lazy_zeros(shape, dtype, device), lazy_zeros(shape, dtype, device))
             for _ in range(spec.num_layers)]
 
 

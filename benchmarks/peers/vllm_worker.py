@@ -9,24 +9,56 @@ it. Prints one JSON object. Greedy, EOS ignored.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import sys
 import time
 
 
-def peak_rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+class TreeRSS:
+    """The peak of this process tree's summed RSS, sampled every 50 ms.
+
+    vLLM runs its engine core (model, KV cache) in a child process, so this process's own
+    VmHWM misses most of the memory. Each process's RSS counts the shared library pages it
+    maps, so the sum counts those once per process (an overcount of a few tens of MiB).
+    """
+
+    def __init__(self) -> None:
+        import threading
+
+        import psutil
+
+        self._me = psutil.Process()
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> int:
+        import psutil
+
+        total = 0
+        for p in [self._me, *self._me.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):  # a child that just exited
+                total += p.memory_info().rss
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, self._sample())
+
+    def peak_mib(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, self._sample()) / (1 << 20)
 
 
 def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    tree = TreeRSS()
     with open(sys.argv[1]) as f:
         spec = json.load(f)
     new, runs = spec["new_tokens"], spec["runs"]
@@ -58,7 +90,7 @@ def main() -> None:
     timed(batch, full)
     w2 = [len(batch) * new / timed(batch, full) for _ in range(runs)]
     out["W2"] = {"tok_s": statistics.median(w2), "runs": w2}
-    out["peak_rss_mib"] = peak_rss_mib()
+    out["peak_rss_mib"] = tree.peak_mib()
     print(json.dumps(out))
 
 

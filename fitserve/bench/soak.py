@@ -4,8 +4,10 @@ A round sends ``requests`` requests, ``concurrency`` at a time: completions and 
 and not, random ``n`` (1-4), random ``max_tokens``, stop strings, and clients that leave early
 (a stream closed after a few chunks, a plain request cancelled while it waits). After each
 round the server must come back to rest: no KV block in use, no request in its table. Across
-rounds, the server's RSS must settle: the growth from round 1 to round 2 of the same load is
-what a leak looks like, and :func:`soak` reports it.
+rounds, the server's RSS must settle: the growth from round 1 to round 2 of the same load, less
+what the KV pool's newly touched blocks account for (the pool is backed as blocks are first
+written, and a growing prefix cache touches more of it, by design), is what a leak looks like,
+and :func:`soak` reports it.
 
 Accounting, per request the server accepted (HTTP 200): a client that stayed got every choice
 exactly once with one finish_reason each and, for a stream, exactly one ``[DONE]``; the server's
@@ -73,6 +75,7 @@ class ServerState:
     waiting: int
     finished: dict[str, float]
     added: float  # engine requests the server queued, since it started
+    kv_resident_mib: float = 0.0  # the KV pool's touched blocks (fitserve_kv_cache_resident_bytes)
 
     @property
     def at_rest(self) -> bool:
@@ -137,7 +140,7 @@ class RoundReport:
             "engine_requests_finished": self.finished, "lost": self.lost,
             "answered_twice": self.duplicates, "missing_choices": self.missing, "5xx": self.fivexx,
             "transport_errors": self.transport_errors, "kv_blocks_used": self.rest.kv_blocks_used,
-            "requests_in_table": self.rest.requests_in_table, "rss_mib": self.rest.rss_mib,
+            "requests_in_table": self.rest.requests_in_table, "rss_mib": self.rest.rss_mib, "kv_resident_mib": self.rest.kv_resident_mib,
             "wall_s": round(self.wall_s, 1),
         }
 
@@ -262,7 +265,9 @@ def server_state(base: str, headers: dict[str, str], pid: int | None) -> ServerS
     waiting = int(sum(_metric_values(text, "fitserve_num_requests_waiting").values()))
     state = httpx.get(f"{base}/dashboard/state", headers=headers, timeout=30).json()
     added = sum(_metric_values(text, "fitserve_requests_added_total").values())
-    return ServerState(_rss_mib(pid), used, len(state.get("requests", [])), running, waiting, finished, added)
+    kv_resident = sum(_metric_values(text, "fitserve_kv_cache_resident_bytes").values()) / (1 << 20)
+    return ServerState(_rss_mib(pid), used, len(state.get("requests", [])), running, waiting, finished,
+                       added, kv_resident)
 
 
 def wait_rest(base: str, headers: dict[str, str], pid: int | None, timeout_s: float = 60.0) -> ServerState:
@@ -314,9 +319,12 @@ class SoakReport:
 
     @property
     def rss_growth_mib(self) -> float | None:
-        """RSS after the last round minus after the first (the same load each round)."""
-        a, b = self.rounds[0].rest.rss_mib, self.rounds[-1].rest.rss_mib
-        return None if a is None or b is None else b - a
+        """RSS after the last round minus after the first (the same load each round), less the
+        growth of the KV pool's resident blocks."""
+        first, last = self.rounds[0].rest, self.rounds[-1].rest
+        if first.rss_mib is None or last.rss_mib is None:
+            return None
+        return (last.rss_mib - first.rss_mib) - (last.kv_resident_mib - first.kv_resident_mib)
 
     def ok(self, rss_bound_mib: float) -> bool:
         growth = self.rss_growth_mib

@@ -5,21 +5,29 @@ runner. A block is free when its reference count is 0. Sharing (prefix caching, 
 forks) is an ``incref`` on blocks someone already holds, or a ``touch`` that revives a free
 block still holding a cached prefix.
 
-Free list: one queue in least-recently-freed order, holding both empty blocks and *evictable*
-cached ones (ref count 0, K/V still valid, hash kept). Allocation takes from the front; taking a
-cached block evicts it (its hash is forgotten). A prefix hit takes a block out of the middle::
+Free blocks come in three kinds, taken in this order by ``allocate``:
 
-    start           free = [0, 1, 2, 3, 4, 5]
-    allocate(2)     -> [0, 1]        free = [2, 3, 4, 5]
+1. *empty*: used before, no cached prefix (FIFO: least recently freed first);
+2. *fresh*: never handed out, ids ``num_touched_blocks ..`` in order;
+3. *evictable*: ref count 0 but K/V still valid and hash kept (LRU: least recently freed is
+   evicted first; taking one forgets its hash).
+
+Why this order: the runner's cache tensors are lazily backed on CPU (a page becomes resident
+when a block in it is first written), so a fresh block costs memory an empty one does not, and
+an evictable one is a prefix hit not yet made. Hence ``num_touched_blocks`` -- the blocks whose
+memory is resident -- is exactly the most blocks ever held or cached at once, and the cache
+never gives up a prefix while the pool has room it has not touched::
+
+    start           empty = [], fresh = 0.., evictable = []          (6 blocks)
+    allocate(2)     -> [0, 1]        touched = 2
     cache_block(0, h0)               cached = {h0: 0}
-    decref([1, 0])  both 1 -> 0      free = [2, 3, 4, 5, 1, 0*]    (* evictable, still cached)
-    touch([0])      a hit on h0      free = [2, 3, 4, 5, 1]        ref(0) = 1
-    decref([0]); allocate(6)         -> [2, 3, 4, 5, 1, 0]         0 evicted: cached = {}
+    decref([1, 0])  both 1 -> 0      empty = [1], evictable = [0]
+    touch([0])      a hit on h0      evictable = []                 ref(0) = 1
+    decref([0]); allocate(6)         -> [1, 2, 3, 4, 5, 0]          0 evicted: cached = {}
 
-NOTE: the free list is an OrderedDict (block id -> None), a hash map over a doubly linked list:
-O(1) pop from the front, append at the back and removal from the middle, the three moves of an
-LRU list (vLLM links its block objects by hand for the same three moves). A plain dict would
-not do: popping its front leaves holes that ``next(iter(d))`` has to skip.
+NOTE: the empty and evictable lists are OrderedDicts (block id -> None), a hash map over a
+doubly linked list: O(1) pop from the front, append at the back and removal from the middle,
+the three moves of an LRU list (vLLM links its block objects by hand for the same three moves).
 """
 
 from __future__ import annotations
@@ -45,25 +53,24 @@ class BlockPool:
             raise ValueError(f"a block pool needs at least 1 block, got num_blocks={num_blocks}")
         self.num_blocks: int = num_blocks
         self._ref_counts: list[int] = [0] * num_blocks
-        # NOTE: FIFO reuse (freed blocks queue at the back) keeps recently freed blocks intact
-        # the longest: the least recently freed cached block is the one evicted.
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._empty: OrderedDict[int, None] = OrderedDict()  # freed, no hash; FIFO
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # freed, hash kept; LRU
+        self._next_fresh = 0  # ids >= this were never handed out
         self._hash: list[BlockHash | None] = [None] * num_blocks
         self._cached: dict[BlockHash, int] = {}  # hash -> the one block registered under it
-        self._num_free_cached = 0  # blocks with ref count 0 that still hold a hash
         self.num_evictions: int = 0  # cached blocks reclaimed for new use, since start
 
     # ---------------------------------------------------------------- counts
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks with reference count 0 (empty or evictable cached): what allocate can take."""
-        return len(self._free)
+        """Blocks with reference count 0 (empty, fresh or evictable): what allocate can take."""
+        return len(self._empty) + (self.num_blocks - self._next_fresh) + len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
         """Blocks with reference count >= 1 (a shared block counts once)."""
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
 
     @property
     def num_cached_blocks(self) -> int:
@@ -73,29 +80,42 @@ class BlockPool:
     @property
     def num_evictable_cached_blocks(self) -> int:
         """Free blocks that still hold a cached prefix (reclaimed only when the pool needs them)."""
-        return self._num_free_cached
+        return len(self._evictable)
+
+    @property
+    def num_touched_blocks(self) -> int:
+        """Blocks ever handed out (ids 0 .. this - 1): the part of a lazily backed cache that is
+        resident. Equals the most blocks held or evictable at any one time since start."""
+        return self._next_fresh
 
     # ---------------------------------------------------------------- allocation and refs
 
     def allocate(self, n: int) -> list[int]:
-        """Take ``n`` free blocks, each with reference count 1, least recently freed first.
+        """Take ``n`` free blocks, each with reference count 1: empty ones first, then fresh,
+        then evictable (least recently freed first; its hash is dropped).
 
-        A cached block taken this way is evicted (its hash is dropped). Raises
-        NoFreeBlocksError (pool unchanged) if fewer than ``n`` blocks are free.
+        Raises NoFreeBlocksError (pool unchanged) if fewer than ``n`` blocks are free.
         """
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
-        if n > len(self._free):
+        free = self.num_free_blocks
+        if n > free:
             raise NoFreeBlocksError(
-                f"asked for {n} blocks but only {len(self._free)} of {self.num_blocks} are free"
+                f"asked for {n} blocks but only {free} of {self.num_blocks} are free"
             )
         out: list[int] = []
         for _ in range(n):
-            b, _ = self._free.popitem(last=False)
-            if self._hash[b] is not None:
-                self._evict(b)
-            self._ref_counts[b] = 1
-            out.append(b)
+            if self._empty:
+                blk, _ = self._empty.popitem(last=False)
+            elif self._next_fresh < self.num_blocks:
+                blk = self._next_fresh
+                self._next_fresh += 1
+            else:
+                blk, _ = self._evictable.popitem(last=False)
+                self._forget(blk)
+                self.num_evictions += 1
+            self._ref_counts[blk] = 1
+            out.append(blk)
         return out
 
     def incref(self, block_ids: Iterable[int]) -> None:
@@ -121,8 +141,7 @@ class BlockPool:
                 raise ValueError(f"touch on block {b}, which holds no cached prefix")
         for b, c in counts.items():
             if self._ref_counts[b] == 0:
-                del self._free[b]
-                self._num_free_cached -= 1
+                del self._evictable[b]
             self._ref_counts[b] += c
 
     def decref(self, block_ids: Iterable[int]) -> None:
@@ -142,9 +161,10 @@ class BlockPool:
         for b in ids:  # in the caller's order, so the free list order is deterministic
             self._ref_counts[b] -= 1
             if self._ref_counts[b] == 0:
-                self._free[b] = None
-                if self._hash[b] is not None:
-                    self._num_free_cached += 1
+                if self._hash[b] is None:
+                    self._empty[b] = None
+                else:
+                    self._evictable[b] = None
 
     def ref_count(self, block_id: int) -> int:
         """The number of holders of ``block_id`` (0 = free)."""
@@ -153,11 +173,11 @@ class BlockPool:
 
     def evictable_block_ids(self) -> list[int]:
         """Free blocks still holding a cached prefix, next to be evicted first."""
-        return [b for b in self._free if self._hash[b] is not None]
+        return list(self._evictable)
 
     def free_block_ids(self) -> list[int]:
-        """The free list, front (next to be allocated) first."""
-        return list(self._free)
+        """Every free block in the order ``allocate`` takes them: empty, fresh, evictable."""
+        return [*self._empty, *range(self._next_fresh, self.num_blocks), *self._evictable]
 
     # ---------------------------------------------------------------- the prefix cache
 
@@ -192,20 +212,20 @@ class BlockPool:
         return self._hash[block_id]
 
     def reset_prefix_cache(self) -> int:
-        """Forget every evictable cached block (held ones stay cached); returns how many."""
-        dropped = [b for b in self._free if self._hash[b] is not None]
-        for b in dropped:
-            self._evict(b, count=False)
+        """Forget every evictable cached block (held ones stay cached); returns how many.
+        They become empty blocks, in their eviction order."""
+        dropped = list(self._evictable)
+        self._evictable.clear()
+        for blk in dropped:
+            self._forget(blk)
+            self._empty[blk] = None
         return len(dropped)
 
-    def _evict(self, block_id: int, count: bool = True) -> None:
+    def _forget(self, block_id: int) -> None:
         h = self._hash[block_id]
         assert h is not None and self._ref_counts[block_id] == 0
         del self._cached[h]
         self._hash[block_id] = None
-        self._num_free_cached -= 1
-        if count:
-            self.num_evictions += 1
 
     def _check_id(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:

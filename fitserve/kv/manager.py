@@ -67,6 +67,9 @@ class KVStats:
     shared_blocks: int = 0  # held blocks in more than one table (forks, beams, prefix hits)
     cached_blocks: int = 0  # blocks registered under a prefix hash, held or evictable
     evictable_cached_blocks: int = 0  # cached blocks nobody holds (counted in free_blocks)
+    # blocks ever handed out (BlockPool.num_touched_blocks): on CPU the runner's cache is backed
+    # lazily, so this many blocks of the pool are resident, the rest costs no memory yet
+    touched_blocks: int = 0
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -299,4 +302,5 @@ class KVCacheManager:
             shared_blocks=shared,
             cached_blocks=self.pool.num_cached_blocks,
             evictable_cached_blocks=self.pool.num_evictable_cached_blocks,
+            touched_blocks=self.pool.num_touched_blocks,
         )

@@ -26,6 +26,11 @@ and the ledger adds the lines up to the process's peak resident set:
                     MLP-phase activations,                                   phases, never
                     final hidden states + logits + sampler copies)          at once
 
+The KV pool is backed lazily (``fitserve.lazy_memory``): a block's pages become resident when it
+is first written, and the block pool reuses used blocks before fresh ones, so a run holds
+``peak_with_kv(touched blocks x block_bytes)``; ``peak_bytes`` is that with every block touched,
+the bound a long-running server reaches once its traffic (or its prefix cache) fills the pool.
+
 The phases follow each other within a step (a layer's attention scratch is freed before its
 MLP runs, the last layer's before the logits are made), so the peak is their max, not their
 sum; ``plan.scratch`` has the attention and sampler terms and how they were measured.
@@ -343,7 +348,8 @@ def cpu_engine_memory_plan(spec: ModelSpec, *, weight_bytes: int, max_num_batche
           if dequant else []),
         MemoryLine("KV pool", "num_kv_blocks x block_bytes", blocks * block,
                    f"{how} = {pool:,} B -> {blocks} blocks x {block:,} B "
-                   f"(block_size={block_size})"),
+                   f"(block_size={block_size}); resident as blocks are first written, "
+                   f"all of it once the run has held or cached that many at once"),
     )
     resident = runtime_bytes + weight_bytes + rope
     peak = resident + max(load_transient_bytes, running)

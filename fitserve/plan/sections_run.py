@@ -43,6 +43,11 @@ class EngineSummary:
     max_num_seqs: int
     max_num_batched_tokens: int
     lines: dict[str, int]
+    # cpu: peak_bytes = resident_bytes + max(load_bytes, kv_allocated_bytes + step_bytes); a run
+    # that touched fewer KV blocks peaks at the same with its touched bytes in place of the pool
+    resident_bytes: int = 0
+    load_bytes: int = 0
+    step_bytes: int = 0
 
 
 def engine_summary(r: Resolved, mp: EngineMemoryPlan) -> EngineSummary:
@@ -50,7 +55,8 @@ def engine_summary(r: Resolved, mp: EngineMemoryPlan) -> EngineSummary:
         mp.device, r.act_dtype, r.weights, mp.kv_dtype, mp.block_size, mp.block_bytes,
         mp.kv_bytes_per_token, mp.num_kv_blocks, mp.kv_pool_bytes, mp.kv_allocated_bytes,
         mp.line("weights").bytes, mp.peak_bytes, mp.max_num_seqs,
-        r.req.max_num_batched_tokens, {m.name: m.bytes for m in mp.lines})
+        r.req.max_num_batched_tokens, {m.name: m.bytes for m in mp.lines},
+        mp.resident_bytes, mp.load_bytes, mp.step_bytes)
 
 
 def memory_section(r: Resolved, mp: EngineMemoryPlan, fc: FitCheck) -> Section:
@@ -74,7 +80,9 @@ def memory_section(r: Resolved, mp: EngineMemoryPlan, fc: FitCheck) -> Section:
                           "runtime + weights + rope + max(loading transient, KV pool + step "
                           f"peak {mp.step_bytes:,} B = masks and block tables + max(attention phase: "
                           "activations + attention scratch, mlp phase, sampling phase: hidden + "
-                          f"logits + sampler); set by the {mp.step_phase} phase)",
+                          f"logits + sampler); set by the {mp.step_phase} phase); the bound with "
+                          "every KV block touched: a run that has held fewer blocks at once "
+                          "holds that much less",
                           marks.get("total (peak RSS)", "")))
     notes = [f"per GPU of {fmt_bytes(r.hw.memory_bytes)} ({r.hw.name}); ceiling because: "
              + "; ".join(ceil.reasons)]

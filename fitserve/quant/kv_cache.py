@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fitserve.lazy_memory import lazy_zeros
+
 KEY_LAYOUTS = ("token", "channel-key")
 
 
@@ -87,11 +89,12 @@ class QuantizedKVCache:
         self.block_size = block_size
         h, nb, bs, d = num_kv_heads, num_blocks, block_size, head_dim
         store = self.codec.storage
-        self.k_codes = torch.zeros(h, nb, bs, d, dtype=store, device=device)
-        self.v_codes = torch.zeros(h, nb, bs, d, dtype=store, device=device)
+        # resident on the CPU only as blocks are first written (fitserve.lazy_memory)
+        self.k_codes = lazy_zeros((h, nb, bs, d), store, device)
+        self.v_codes = lazy_zeros((h, nb, bs, d), store, device)
         key_scale_shape = (h, nb, d) if key_layout == "channel-key" else (h, nb, bs)
-        self.k_scales = torch.zeros(key_scale_shape, dtype=torch.float32, device=device)
-        self.v_scales = torch.zeros(h, nb, bs, dtype=torch.float32, device=device)
+        self.k_scales = lazy_zeros(key_scale_shape, torch.float32, device)
+        self.v_scales = lazy_zeros((h, nb, bs), torch.float32, device)
 
     @property
     def nbytes(self) -> int:

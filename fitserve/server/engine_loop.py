@@ -389,7 +389,7 @@ class EngineLoop:
         self._last_publish = now
         st = engine.stats(with_owners=True)
         gauges = EngineGauges(st.num_running, st.num_waiting, st.total_preemptions, st.kv, st.spec_decode,
-                              st.slo_deprioritized, st.slo_step_time_correction)
+                              st.slo_deprioritized, st.slo_step_time_correction, st.kv_block_bytes)
         self.metrics.set_gauges(gauges)
         holders: dict[str, int] = {}  # request -> blocks it holds (a beam search: all its beams')
         for owners in st.block_owners.values():

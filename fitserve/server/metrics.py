@@ -43,6 +43,7 @@ class EngineGauges:
     spec_decode: SpecDecodeStats | None = None  # None: speculative decoding is off
     slo_deprioritized: int = 0  # --scheduling-policy slo: requests queued behind on-time ones
     slo_step_time_correction: float | None = None  # its measured / predicted step time
+    kv_block_bytes: int = 0  # one KV block's bytes: kv.touched_blocks x this are resident
 
 
 class Metrics:
@@ -61,6 +62,11 @@ class Metrics:
         self.preemptions = Counter("fitserve_preemptions", "Requests preempted (blocks taken back)", registry=r)
         self.kv_used = Gauge("fitserve_kv_blocks_used", "KV cache blocks in use", registry=r)
         self.kv_total = Gauge("fitserve_kv_blocks_total", "KV cache blocks in the pool", registry=r)
+        self.kv_touched = Gauge("fitserve_kv_blocks_touched", "KV blocks ever used: on CPU the "
+                                "pool is backed as blocks are first written, so these are resident",
+                                registry=r)
+        self.kv_resident = Gauge("fitserve_kv_cache_resident_bytes", "Bytes of the KV pool resident "
+                                 "on CPU: touched blocks x block bytes", registry=r)
         self.kv_usage = Gauge("fitserve_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r)
         self.kv_frag = Gauge("fitserve_kv_fragmentation_ratio",
                              "Unused fraction of allocated KV slots (internal fragmentation)", registry=r)
@@ -152,6 +158,8 @@ class Metrics:
         self._last_prefix = (queries, hits)
         self.prefix_evictable.set(g.kv.evictable_cached_blocks)
         self.kv_shared.set(g.kv.shared_blocks)
+        self.kv_touched.set(g.kv.touched_blocks)
+        self.kv_resident.set(g.kv.touched_blocks * g.kv_block_bytes)
         if g.spec_decode is not None:
             self.spec.update(g.spec_decode)
         if g.slo_deprioritized > self._last_deprioritized:

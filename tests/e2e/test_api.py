@@ -119,5 +119,11 @@ def test_metrics_exposed(server: Server, auth: dict[str, str]) -> None:
         assert name in text, name
     assert server.metric("fitserve_kv_blocks_total") == 256
     assert server.metric("fitserve_generation_tokens_total") > 0
+    # blocks are reused before fresh ones are touched; the resident bytes are theirs
+    touched = server.metric("fitserve_kv_blocks_touched")
+    assert 1 <= touched <= 256
+    # SmolLM2 in float32 (the server fixture): 16 tokens x 30 layers x 2 (K, V) x 3 KV heads x
+    # 64 x 4 B per block
+    assert server.metric("fitserve_kv_cache_resident_bytes") == touched * 16 * 46_080
     assert server.metric("fitserve_prefix_cache_queries_total") >= server.metric(
         "fitserve_prefix_cache_hits_total")

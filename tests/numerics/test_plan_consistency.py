@@ -7,8 +7,10 @@ For the real default model (SmolLM2-135M, the Q4_1 GGUF) and the same options on
   the plan's weights line: by default the Q4_1 file held as stored (packed), and dense fp32;
 - the ledger's other lines (RoPE tables, activations, attention scratch, logits, sampler) are
   the engine's own ledger's, for the same max_model_len;
-- (slow) the peak RSS of a W2 run in a fresh process is within 15% of the plan's total, and so
-  is that of a long-context run (3 requests of ~4,000 prompt tokens, max_model_len 4096).
+- the KV pool is resident only for the blocks the engine has handed out (touched_blocks);
+- (slow) the peak RSS of a W2 run in a fresh process is within 15% of the plan's total with the
+  KV blocks the run touched in place of the whole pool, and so is that of a long-context run
+  (3 requests of ~4,000 prompt tokens, max_model_len 4096).
 """
 
 from __future__ import annotations
@@ -53,6 +55,12 @@ def plan_json(capsys: pytest.CaptureFixture[str], model: str, args: list[str]) -
     summary: dict[str, Any] = out["engine"]
     assert summary["device"] == "cpu"
     return summary
+
+
+def peak_with_kv(plan: dict[str, Any], kv_bytes: int) -> int:
+    """The ledger's peak RSS with ``kv_bytes`` of the KV pool resident (the plan's JSON summary;
+    EngineMemoryPlan.peak_with_kv)."""
+    return int(plan["resident_bytes"] + max(plan["load_bytes"], kv_bytes + plan["step_bytes"]))
 
 
 def weight_bytes(engine: Engine) -> int:
@@ -119,6 +127,33 @@ def test_default_options(default_engine: Engine, smollm2_path: Path,
         assert (plan["kv_bytes_per_token"], plan["num_kv_blocks"]) == (23_040, 2_912)
         assert plan["weight_bytes"] == 96_506_496
     assert plan_memory.DEFAULT_CPU_KV_BYTES is DEFAULT_CPU_KV_BYTES  # one constant, the planner's
+
+
+def test_kv_pool_is_resident_only_for_the_blocks_handed_out(default_engine: Engine) -> None:
+    """The runner's cache tensors cost memory only where blocks were written: after requests of
+    ragged lengths, the KV tensors' resident pages (mincore) are the touched blocks' bytes."""
+    from fitserve.lazy_memory import resident_bytes
+    from fitserve.sampling import SamplingParams
+
+    engine = default_engine
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    for i, n in enumerate((5, 40, 17, 33)):
+        engine.add_request([100 + (i * 977 + j * 131) % 40000 for j in range(n)], params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = engine.kv.stats()
+    assert stats.used_blocks == 0
+    # (5+2, 40+2, 17+2, 33+2 tokens written) -> 1 + 3 + 2 + 3 blocks, all held at once
+    assert stats.touched_blocks == 9
+    tensors = [t for kv in engine.runner.kv_caches for t in kv]  # type: ignore[union-attr]
+    resident = [resident_bytes(t) for t in tensors]
+    if any(r is None for r in resident):
+        pytest.skip("mincore is not available here")
+    touched = stats.touched_blocks * engine.pool.block_bytes
+    # pages are 4 KiB: one head's slice of a block (16 x 64 x 2 B = 2 KiB) may share its page
+    # with an untouched block, at most one page per (layer, K/V, head)
+    slack = len(tensors) * engine.spec.num_kv_heads * 4096
+    assert touched <= sum(r for r in resident if r is not None) <= touched + slack
 
 
 def test_weights_line_names_the_dequantization(capsys: pytest.CaptureFixture[str]) -> None:
@@ -190,7 +225,8 @@ W2_CHILD = textwrap.dedent("""
         if line.startswith("VmHWM:"):
             hwm = int(line.split()[1]) * 1024
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"tokens": tokens, "seconds": seconds, "vm_hwm": hwm, "ru_maxrss": maxrss}))
+    print(json.dumps({"tokens": tokens, "seconds": seconds, "vm_hwm": hwm, "ru_maxrss": maxrss,
+                      "touched_blocks": engine.kv.stats().touched_blocks}))
 """)
 
 
@@ -207,13 +243,19 @@ def test_w2_peak_rss_within_15_percent_of_plan(smollm2_path: Path,
     # NOTE: VmHWM, not ru_maxrss: Linux carries ru_maxrss across fork+exec, so the child would
     # report the (multi-GiB) pytest parent's high-water mark when it is the larger one.
     peak = run["vm_hwm"]
-    ratio = peak / plan["peak_bytes"]
+    kv = run["touched_blocks"] * plan["block_bytes"]
+    expected = peak_with_kv(plan, kv)
+    ratio = peak / expected
     lines = ", ".join(f"{k} {v / MIB:.1f}" for k, v in plan["lines"].items())
-    print(f"W2 peak RSS {peak / MIB:.1f} MiB vs ledger {plan['peak_bytes'] / MIB:.1f} MiB "
-          f"(x{ratio:.3f}); lines MiB: {lines}; {run['seconds']:.1f} s")
-    assert 0.85 <= ratio <= 1.15, (
-        f"W2 peak RSS {peak / MIB:.1f} MiB is x{ratio:.3f} the ledger's "
-        f"{plan['peak_bytes'] / MIB:.1f} MiB ({lines})")
+    report = (f"W2 peak RSS {peak / MIB:.1f} MiB vs ledger {expected / MIB:.1f} MiB with the "
+              f"{run['touched_blocks']} KV blocks it touched ({kv / MIB:.1f} MiB of the pool's "
+              f"{plan['kv_allocated_bytes'] / MIB:.1f}) (x{ratio:.3f}); bound with every block "
+              f"touched {plan['peak_bytes'] / MIB:.1f} MiB; lines MiB: {lines}; "
+              f"{run['seconds']:.1f} s")
+    print(report)
+    # 32 x 160 tokens = 320 blocks at the peak, and no more: used blocks are reused first
+    assert run["touched_blocks"] == 32 * 10, report
+    assert 0.85 <= ratio <= 1.15, report
 
 
 LONG_CHILD = textwrap.dedent("""
@@ -241,6 +283,7 @@ LONG_CHILD = textwrap.dedent("""
             status[key] = int(value.split()[0]) * 1024
     print(json.dumps({"tokens": tokens, "seconds": seconds, "status": status,
                       "max_model_len": engine.max_model_len,
+                      "touched_blocks": engine.kv.stats().touched_blocks,
                       "engine_lines": {m.name: m.bytes for m in plan.lines},
                       "engine_peak": plan.peak_bytes}))
 """)
@@ -267,13 +310,18 @@ def long_context_run(smollm2_path: Path, capsys: pytest.CaptureFixture[str],
     assert {k: v for k, v in run["engine_lines"].items() if k not in measured_apart} == {
         k: v for k, v in lines.items() if k not in measured_apart}
     assert lines["rope tables"] == 2 * 4096 * 32 * 4
+    # 3 x 4,003 tokens written, 251 blocks each; the first request can finish (and free its
+    # blocks for reuse) before the last one has allocated its final block
+    assert 2 * 251 < run["touched_blocks"] <= 3 * 251
     peak = run["status"]["VmHWM"]  # NOTE: VmHWM, not ru_maxrss (see the W2 test)
-    ratio = peak / plan["peak_bytes"]
+    expected = peak_with_kv(plan, run["touched_blocks"] * plan["block_bytes"])
+    ratio = peak / expected
     text = ", ".join(f"{k} {v / MIB:.1f}" for k, v in lines.items())
     status = ", ".join(f"{k} {v / MIB:.1f}" for k, v in run["status"].items())
-    report = (f"long-context peak RSS {peak / MIB:.1f} MiB vs ledger "
-              f"{plan['peak_bytes'] / MIB:.1f} MiB (x{ratio:.3f}); lines MiB: {text}; at exit "
-              f"MiB: {status}; {run['seconds']:.1f} s")
+    report = (f"long-context peak RSS {peak / MIB:.1f} MiB vs ledger {expected / MIB:.1f} MiB "
+              f"with the {run['touched_blocks']} KV blocks it touched (x{ratio:.3f}; bound "
+              f"with every block touched {plan['peak_bytes'] / MIB:.1f} MiB); lines MiB: "
+              f"{text}; at exit MiB: {status}; {run['seconds']:.1f} s")
     print(report)
     return ratio, report
 

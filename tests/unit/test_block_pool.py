@@ -1,8 +1,11 @@
-"""BlockPool: deterministic allocation, reference counts, double free, exhaustion."""
+"""BlockPool: deterministic allocation (empty, then fresh, then evictable blocks), reference
+counts, double free, exhaustion, and the touched-block count a lazily backed cache is resident for."""
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fitserve.kv.block_pool import BlockPool, NoFreeBlocksError
 
@@ -29,6 +32,30 @@ def test_freed_blocks_go_to_the_back_of_the_free_list() -> None:
     assert pool.allocate(2) == [2, 0]
 
 
+def test_freed_blocks_are_reused_before_fresh_ones() -> None:
+    pool = BlockPool(8)
+    pool.allocate(3)
+    pool.decref([1])
+    assert pool.free_block_ids() == [1, 3, 4, 5, 6, 7]
+    assert pool.allocate(2) == [1, 3]
+    assert pool.num_touched_blocks == 4
+    pool.decref([0, 1, 2, 3])
+    for _ in range(5):  # a churn of short requests stays on the blocks it already touched
+        pool.decref(pool.allocate(4))
+    assert pool.num_touched_blocks == 4
+
+
+def test_evictable_blocks_are_taken_only_after_fresh_ones() -> None:
+    pool = BlockPool(4)
+    a = pool.allocate(2)
+    assert pool.cache_block(a[0], b"h0")
+    pool.decref(a)  # a[0] evictable, a[1] empty
+    assert pool.free_block_ids() == [1, 2, 3, 0]
+    assert pool.allocate(3) == [1, 2, 3] and pool.lookup(b"h0") == 0
+    assert pool.allocate(1) == [0] and pool.lookup(b"h0") is None
+    assert pool.num_evictions == 1 and pool.num_touched_blocks == 4
+
+
 def test_exhaustion_raises_and_leaves_pool_unchanged() -> None:
     pool = BlockPool(3)
     pool.allocate(2)
@@ -53,7 +80,8 @@ def test_incref_decref_sharing() -> None:
     assert pool.ref_count(0) == 1
     pool.decref([0])
     assert pool.num_free_blocks == 3
-    assert pool.allocate(3) == [2, 1, 0]
+    # used blocks are reused before the never-touched one, in the order they were freed
+    assert pool.allocate(3) == [1, 0, 2]
 
 
 def test_double_free_raises_and_changes_nothing() -> None:
@@ -85,3 +113,34 @@ def test_out_of_range_ids() -> None:
         pool.decref([-1])
     with pytest.raises(ValueError, match="negative"):
         pool.allocate(-1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "free", "cache", "hit", "reset"]),
+                          st.integers(0, 6)), max_size=60))
+def test_touched_blocks_are_the_most_ever_held_or_cached_at_once(ops: list[tuple[str, int]]) -> None:
+    """What a lazily backed cache keeps resident is the workload's peak, not the pool: after any
+    sequence of operations, num_touched_blocks == max over time of (held + evictable)."""
+    pool = BlockPool(12)
+    held: list[int] = []  # one entry per reference
+    peak = 0
+    for op, k in ops:
+        if op == "alloc" and k <= pool.num_free_blocks:
+            held += pool.allocate(k)
+        elif op == "free" and held:
+            pool.decref([held.pop(k % len(held))])
+        elif op == "cache" and held:
+            b = held[k % len(held)]
+            if pool.block_hash(b) is None:
+                pool.cache_block(b, f"h{b}-{k}".encode())
+        elif op == "hit" and pool.num_cached_blocks:
+            cached = [b for b in range(12) if pool.block_hash(b) is not None]
+            b = cached[k % len(cached)]
+            pool.touch([b])
+            held.append(b)
+        elif op == "reset":
+            pool.reset_prefix_cache()
+        peak = max(peak, pool.num_used_blocks + pool.num_evictable_cached_blocks)
+        assert pool.num_touched_blocks == peak
+        assert all(pool.ref_count(b) == 0 and pool.block_hash(b) is None
+                   for b in range(pool.num_touched_blocks, 12))

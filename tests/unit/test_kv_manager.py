@@ -54,12 +54,13 @@ def test_fragmentation_exact() -> None:
         allocated_slots=48,
         used_slots=25,
         fragmentation=23 / 48,
+        touched_blocks=3,
     )
     kv.allocate("b", 32)  # fills b's second block
     assert kv.stats().used_slots == 37
     assert kv.stats().fragmentation == 11 / 48
     kv.free("a")
-    assert kv.stats() == KVStats(10, 2, 8, 32, 32, 0.0)
+    assert kv.stats() == KVStats(10, 2, 8, 32, 32, 0.0, touched_blocks=3)
 
 
 def test_free_returns_every_block_and_unknown_is_noop() -> None:
@@ -71,8 +72,8 @@ def test_free_returns_every_block_and_unknown_is_noop() -> None:
     kv.free("nope")
     assert kv.pool.num_free_blocks == 5
     assert not kv.has_request("a")
-    # freed tail-first to the back of the free list: 4, 5, then a's 2, 1, 0
-    assert kv.pool.allocate(5) == [4, 5, 2, 1, 0]
+    # freed tail-first: a's used 2, 1, 0 are reused before the never touched 4, 5
+    assert kv.pool.allocate(5) == [2, 1, 0, 4, 5]
 
 
 def test_fork_shares_blocks_and_free_order_does_not_matter() -> None:
@@ -84,7 +85,8 @@ def test_fork_shares_blocks_and_free_order_does_not_matter() -> None:
         assert [kv.pool.ref_count(b) for b in (0, 1)] == [2, 2]
         assert kv.block_owners() == {0: ["p", "c"], 1: ["p", "c"]}
         # shared blocks count once: 2 blocks, 8 slots, 6 used
-        assert kv.stats() == KVStats(6, 2, 4, 8, 6, 2 / 8, shared_blocks=2)
+        assert kv.stats() == KVStats(6, 2, 4, 8, 6, 2 / 8, shared_blocks=2,
+                                     touched_blocks=2)
         kv.allocate("c", 9)  # child grows on its own: [0, 1, 2]
         assert kv.block_owners() == {0: ["p", "c"], 1: ["p", "c"], 2: ["c"]}
         assert kv.stats().used_slots == 9

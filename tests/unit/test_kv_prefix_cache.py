@@ -73,16 +73,17 @@ def test_freed_cached_block_stays_cached_until_the_pool_needs_it() -> None:
     assert pool.allocate(2) == [0, 1]
     assert pool.cache_block(0, h("a"))
     pool.decref([1, 0])
-    assert pool.free_block_ids() == [2, 3, 4, 5, 1, 0]
+    # empty 1 first, then the never used 2..5, then the evictable 0
+    assert pool.free_block_ids() == [1, 2, 3, 4, 5, 0]
     assert (pool.num_free_blocks, pool.num_cached_blocks, pool.num_evictable_cached_blocks) == (6, 1, 1)
     assert pool.lookup(h("a")) == 0 and pool.block_hash(0) == h("a")
-    # a hit revives it from the middle of the free list
+    # a hit revives it from the free list
     pool.touch([0])
-    assert pool.ref_count(0) == 1 and pool.free_block_ids() == [2, 3, 4, 5, 1]
+    assert pool.ref_count(0) == 1 and pool.free_block_ids() == [1, 2, 3, 4, 5]
     assert pool.num_evictable_cached_blocks == 0
     pool.decref([0])
-    # allocation takes least recently freed first; taking 0 evicts its hash
-    assert pool.allocate(5) == [2, 3, 4, 5, 1]
+    # every other free block goes first; taking 0 evicts its hash
+    assert pool.allocate(5) == [1, 2, 3, 4, 5]
     assert pool.lookup(h("a")) == 0 and pool.num_evictions == 0
     assert pool.allocate(1) == [0]
     assert pool.lookup(h("a")) is None and pool.block_hash(0) is None
@@ -184,12 +185,13 @@ def test_allocate_from_hits_shares_and_revives() -> None:
     assert kv.block_owners() == {0: ["a", "b"], 1: ["a", "b"], 2: ["a"], 3: ["b"]}
     kv.free("a")
     kv.free("b")
-    assert kv.pool.free_block_ids() == [4, 5, 2, 3, 1, 0]
+    # the empty 2 and 3 (freed tail first), the never used 4 and 5, the evictable 1 and 0
+    assert kv.pool.free_block_ids() == [2, 3, 4, 5, 1, 0]
     assert kv.stats().evictable_cached_blocks == 2
-    # revived from the free list: both hits leave it, one block is new (4, the front)
+    # revived from the free list: both hits leave it, one block is new (2, the front)
     assert kv.allocate("c", 9, kv.get_computed_blocks(hashes, 9))
-    assert kv.block_table("c") == [0, 1, 4]
-    assert kv.pool.free_block_ids() == [5, 2, 3]
+    assert kv.block_table("c") == [0, 1, 2]
+    assert kv.pool.free_block_ids() == [3, 4, 5]
     kv.cache_blocks("c", hashes, 9)  # its hits are registered already: nothing changes
     assert kv.pool.num_cached_blocks == 2
 
@@ -199,7 +201,7 @@ def test_allocate_from_hits_is_all_or_nothing() -> None:
     hashes = chain(list(range(8)), 4)
     kv.allocate("a", 8)
     kv.cache_blocks("a", hashes, 8)
-    kv.free("a")  # tail first, behind the never used 2 and 3
+    kv.free("a")  # tail first, after the never used 2 and 3
     assert kv.pool.free_block_ids() == [2, 3, 1, 0]
     kv.allocate("x", 8)  # takes 2, 3
     hits = kv.get_computed_blocks(hashes, 9)
@@ -261,7 +263,7 @@ def test_stats_count_cached_blocks_and_prefix_queries() -> None:
     assert kv.stats() == KVStats(
         num_blocks=10, used_blocks=0, free_blocks=10, allocated_slots=0, used_slots=0,
         fragmentation=0.0, prefix_cache_queries=9, prefix_cache_hits=0, cached_blocks=2,
-        evictable_cached_blocks=2,
+        evictable_cached_blocks=2, touched_blocks=3,
     )
     hits = kv.get_computed_blocks(hashes, 10)
     kv.allocate("b", 10, hits)

@@ -31,8 +31,9 @@ def test_second_request_with_a_long_shared_prefix_computes_only_its_suffix() -> 
     b = SchedRequest("B", shared + [7, 8], 4)
     s.add_request(b)
     out = step(s)
-    # A's blocks for positions 0..19 are cached (A freed them: evictable); B starts at 20
-    assert summary(out) == [("B", 20, 2, [0, 1, 2, 3, 4, 7], True)]
+    # A's blocks for positions 0..19 are cached (A freed them: evictable); B starts at 20, its
+    # new block is A's partial last one (6: empty, reused before the never touched 7)
+    assert summary(out) == [("B", 20, 2, [0, 1, 2, 3, 4, 6], True)]
     outs = [out, *run(s)]
     assert prefill_tokens(outs, "B") == 2 + 3
     assert b.num_cached_tokens == 20 and b.output_token_ids == alone(shared + [7, 8], 4)

@@ -150,7 +150,7 @@ def test_max_num_seqs_respected() -> None:
     assert [c.request_id for c in out.chunks] == ["A", "B"]
     assert s.num_running == 0
     out = step(s)
-    assert summary(out) == [("C", 0, 3, [2], True)]
+    assert summary(out) == [("C", 0, 3, [1], True)]  # a freed block, before the untouched 2
 
 
 def test_preemption_newest_first_then_resume_recomputes() -> None:
