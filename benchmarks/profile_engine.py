@@ -44,8 +44,9 @@ def memory_line(engine: Engine) -> str:
     r = resident_mib()
     mib = 1 << 20
     return (f"after loading: RSS {r['VmRSS']:.0f} MiB (anonymous {r['RssAnon']:.0f}, file-backed "
-            f"{r['RssFile']:.0f}); KV pool {engine.pool.allocated_bytes / mib:.0f} MiB, weights "
-            f"{held_weight_bytes(engine.runner.model) / mib:.0f} MiB")
+            f"{r['RssFile']:.0f}); KV pool {engine.pool.allocated_bytes / mib:.0f} MiB reserved, "
+            f"{engine.kv.stats().touched_blocks * engine.pool.block_bytes / mib:.0f} MiB of it "
+            f"touched (resident); weights {held_weight_bytes(engine.runner.model) / mib:.0f} MiB")
 
 
 def step_ms(engine: Engine, steps: int = 20) -> float:
