@@ -98,8 +98,8 @@ class EngineStats:
     num_steps: int = 0  # model steps run since start
     slo_rejected: int = 0  # requests the slo policy turned away (predicted TTFT too long)
     slo_deprioritized: int = 0  # ... or queued behind the on-time ones
-    kv_block_bytes: int = 0  # bytes of one KV block, all layers (kv.touched_blocks x this: resident)
     slo_step_time_correction: float | None = None  # measured / predicted step time (slo policy)
+    kv_block_bytes: int = 0  # bytes of one KV block, all layers (kv.touched_blocks x this: resident)
 
 
 class Engine:

@@ -24,10 +24,10 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device 
     """``torch.zeros(shape, dtype)``; on the CPU backed by a mapping that costs no memory
     until written. Other devices get plain ``torch.zeros``."""
     numel = math.prod(shape)
-    itemsize = torch.empty((), dtype=dtype).element_size()
     if torch.device(device).type != "cpu" or numel == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
-    buf = mmap.mmap(-1, numel * itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
                     prot=mmap.PROT_READ | mmap.PROT_WRITE)
     if hasattr(mmap, "MADV_NOHUGEPAGE"):
         buf.madvise(mmap.MADV_NOHUGEPAGE)
@@ -44,7 +44,7 @@ def resident_bytes(t: torch.Tensor) -> int | None:
     libc_name = ctypes.util.find_library("c")
     if libc_name is None or t.device.type != "cpu":
         return None
-    libc = ctypes.CDLL(libc_name, use_errno=True)
+    libc = ctypes.CDLL(libc_name)
     page = mmap.PAGESIZE
     start = t.untyped_storage().data_ptr()
     nbytes = t.untyped_storage().nbytes()

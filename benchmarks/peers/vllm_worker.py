@@ -13,7 +13,10 @@ import contextlib
 import json
 import statistics
 import sys
+import threading
 import time
+
+import psutil
 
 
 class TreeRSS:
@@ -25,10 +28,6 @@ class TreeRSS:
     """
 
     def __init__(self) -> None:
-        import threading
-
-        import psutil
-
         self._me = psutil.Process()
         self.peak = 0
         self._stop = threading.Event()
@@ -36,8 +35,6 @@ class TreeRSS:
         self._thread.start()
 
     def _sample(self) -> int:
-        import psutil
-
         total = 0
         for p in [self._me, *self._me.children(recursive=True)]:
             with contextlib.suppress(psutil.Error):  # a child that just exited

@@ -140,7 +140,8 @@ class RoundReport:
             "engine_requests_finished": self.finished, "lost": self.lost,
             "answered_twice": self.duplicates, "missing_choices": self.missing, "5xx": self.fivexx,
             "transport_errors": self.transport_errors, "kv_blocks_used": self.rest.kv_blocks_used,
-            "requests_in_table": self.rest.requests_in_table, "rss_mib": self.rest.rss_mib, "kv_resident_mib": self.rest.kv_resident_mib,
+            "requests_in_table": self.rest.requests_in_table, "rss_mib": self.rest.rss_mib,
+            "kv_resident_mib": self.rest.kv_resident_mib,
             "wall_s": round(self.wall_s, 1),
         }
 
