@@ -22,9 +22,10 @@ and the ledger adds the lines up to the process's peak resident set:
     = peak RSS
 
     step peak = attention masks and block tables (alive the whole step)
-              + max(attention-phase activations + attention call scratch,   one layer's
-                    MLP-phase activations,                                   phases, never
-                    final hidden states + logits + sampler copies)          at once
+              + max(attention-phase activations + attention call scratch   one layer's
+                      (+ a quantized cache's dequantized K/V),               phases, never
+                    MLP-phase activations,                                   at once
+                    final hidden states + logits + sampler copies)
 
 The KV pool is backed lazily (``fitserve.lazy_memory``): a block's pages become resident when it
 is first written, and the block pool reuses used blocks before fresh ones, so a run holds
@@ -318,10 +319,11 @@ def cpu_engine_memory_plan(spec: ModelSpec, *, weight_bytes: int, max_num_batche
         fused_decode=not cpp_kernels_disabled() if fused_decode is None else fused_decode)
     logits = _logits_line(spec, max_num_seqs)
     sampler = sampler_bytes(spec, max_num_seqs)
-    step, phase = cpu_step_bytes(spec, budget, act_dtype_bytes, scratch, logits.bytes + sampler)
     dequant = kv_dequant_scratch_bytes(spec, kv_dtype, blocks, block_size, max_num_seqs, mml,
                                        act_dtype_bytes)
-    running = blocks * block + step + dequant
+    step, phase = cpu_step_bytes(spec, budget, act_dtype_bytes, scratch, logits.bytes + sampler,
+                                 dequant)
+    running = blocks * block + step
     rope = rope_table_bytes(spec, mml)
     lines = (
         MemoryLine("runtime baseline", "measured VmRSS", runtime_bytes,
@@ -376,16 +378,18 @@ def kv_dequant_scratch_bytes(spec: ModelSpec, kv_dtype: str, num_blocks: int, bl
 
 
 def cpu_step_bytes(spec: ModelSpec, num_tokens: int, act_dtype_bytes: int,
-                   scratch: AttentionScratch, logits_bytes: int) -> tuple[int, str]:
+                   scratch: AttentionScratch, logits_bytes: int,
+                   kv_dequant_bytes: int = 0) -> tuple[int, str]:
     """(step peak, the phase that sets it): the masks + the largest of three phases.
 
-    attention: the attention-phase activations + the attention call's scratch (one layer);
-    mlp: the MLP-phase activations; sampling: the final hidden states [N, H] + the logits and
-    the sampler's copies (``logits_bytes``). Each layer frees its attention scratch before its
-    MLP runs, and the last layer's activations before the logits are made.
+    attention: the attention-phase activations + the attention call's scratch (one layer) +
+    a quantized cache's dequantized K/V (``kv_dequant_bytes``, one layer's, freed with its
+    attention); mlp: the MLP-phase activations; sampling: the final hidden states [N, H] + the
+    logits and the sampler's copies (``logits_bytes``). Each layer frees its attention scratch
+    before its MLP runs, and the last layer's activations before the logits are made.
     """
     attn, mlp = activation_phase_bytes(spec, num_tokens, act_dtype_bytes)
-    phases = {"attention": attn + scratch.kernel_bytes, "mlp": mlp,
+    phases = {"attention": attn + scratch.kernel_bytes + kv_dequant_bytes, "mlp": mlp,
               "sampling": num_tokens * spec.hidden_size * act_dtype_bytes + logits_bytes}
     name = max(phases, key=lambda k: phases[k])
     return scratch.step_tensor_bytes + phases[name], name

@@ -79,7 +79,7 @@ def memory_section(r: Resolved, mp: EngineMemoryPlan, fc: FitCheck) -> Section:
         lines.append(Line("total (peak RSS)", "peak_bytes", mp.peak_bytes, fmt_bytes(mp.peak_bytes),
                           "runtime + weights + rope + max(loading transient, KV pool + step "
                           f"peak {mp.step_bytes:,} B = masks and block tables + max(attention phase: "
-                          "activations + attention scratch, mlp phase, sampling phase: hidden + "
+                          "activations + attention scratch (+ KV dequant scratch), mlp phase, sampling phase: hidden + "
                           f"logits + sampler); set by the {mp.step_phase} phase); the bound with "
                           "every KV block touched: a run that has held fewer blocks at once "
                           "holds that much less",

@@ -192,3 +192,41 @@ def test_the_ledger_counts_the_dequant_scratch_of_a_quantized_cache() -> None:
     per_block = BS * H * D * (2 * 2 + 8)
     assert plan("int8-kc", 2)["KV dequant scratch"] == 2 * (32 // BS) * per_block  # seqs bound
     assert plan("fp8_e4m3", 100)["KV dequant scratch"] == NB * 10 * per_block  # pool bound
+
+
+def test_the_dequant_scratch_is_in_the_step_peak_and_the_touched_bound() -> None:
+    """The dequantized K/V live in a layer's attention phase: part of the step peak, so
+    ``peak_with_kv`` (the bound for the blocks a run touched, what ``plan.fit`` checks) counts
+    them as ``peak_bytes`` does (it left them out before)."""
+    from fitserve.plan.formats import kv_format
+    from fitserve.plan.memory import EngineMemoryPlan, cpu_engine_memory_plan, cpu_step_bytes
+    from fitserve.plan.scratch import (
+        cpp_kernels_disabled,
+        cpu_attention_scratch,
+        cpu_threads,
+        sampler_bytes,
+    )
+
+    def plan(kv: str) -> EngineMemoryPlan:
+        return cpu_engine_memory_plan(SPEC, weight_bytes=0, max_num_batched_tokens=64,
+                                      max_num_seqs=2, block_size=BS, kv_dtype=kv,
+                                      act_dtype_bytes=2, kv_blocks=4096, max_model_len=4096)
+
+    q = plan("fp8_e4m3")
+    dequant = q.line("KV dequant scratch").bytes
+    assert dequant == 2 * (4096 // BS) * BS * H * D * (2 * 2 + 8)  # 2 sequences' blocks
+    assert q.step_phase == "attention"
+    assert q.peak_with_kv(q.kv_allocated_bytes) == q.peak_bytes
+    assert q.peak_with_kv(0) == q.resident_bytes + max(q.load_bytes, q.step_bytes)
+    assert q.step_bytes >= dequant
+    # exactly the attention phase plus the scratch (that phase sets the peak here)
+
+    sc = cpu_attention_scratch(SPEC, max_num_batched_tokens=64, max_model_len=4096,
+                               max_num_seqs=2, block_size=BS, act_bytes=2,
+                               kv_bytes=kv_format("fp8_e4m3").element_bytes,
+                               threads=cpu_threads(), fused_decode=not cpp_kernels_disabled())
+    rest = q.line("logits").bytes + sampler_bytes(SPEC, 2)
+    without, _ = cpu_step_bytes(SPEC, 64, 2, sc, rest)
+    assert cpu_step_bytes(SPEC, 64, 2, sc, rest, dequant) == (q.step_bytes, "attention")
+    assert without < q.step_bytes <= without + dequant
+
