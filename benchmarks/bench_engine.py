@@ -237,22 +237,25 @@ def fitserve_job(me: list[str], base: dict[str, Any], cfg: str) -> dict[str, Any
     return r
 
 
-def merge_rounds(rs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One engine's results of every round as one: the runs pooled and their medians taken,
-    the highest peak RSS, the median start-up; ``rounds`` keeps each round's own result."""
-    out = dict(rs[0])
+def merge_rounds(rs: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """One engine's results of every round (None: that round's worker failed) as one: W1 / W2
+    tok/s the median of all runs pooled, TTFT the median of the rounds' medians (the workers
+    report no per-run TTFT), the highest peak RSS, the median start-up; ``rounds`` keeps each
+    round's own result, None included, so that round i of two engines pairs up."""
+    ok = [r for r in rs if r]
+    out = dict(ok[0])
     if len(rs) == 1:
         return out
     for w in ("W1", "W2"):
-        if all(w in r for r in rs):
-            runs = [x for r in rs for x in r[w]["runs"]]
-            out[w] = {**rs[0][w], "tok_s": statistics.median(runs), "runs": runs}
-            if "ttft_ms" in rs[0][w]:
-                out[w]["ttft_ms"] = statistics.median(r[w]["ttft_ms"] for r in rs)
-    out["peak_rss_mib"] = max(r.get("peak_rss_mib", float("nan")) for r in rs)
+        if all(w in r for r in ok):
+            runs = [x for r in ok for x in r[w]["runs"]]
+            out[w] = {**ok[0][w], "tok_s": statistics.median(runs), "runs": runs}
+            if "ttft_ms" in ok[0][w]:
+                out[w]["ttft_ms"] = statistics.median(r[w]["ttft_ms"] for r in ok)
+    out["peak_rss_mib"] = max(r.get("peak_rss_mib", float("nan")) for r in ok)
     for key in ("startup_s", "startup_cold_s"):
-        if all(key in r for r in rs):
-            out[key] = statistics.median(r[key] for r in rs)
+        if all(key in r for r in ok):
+            out[key] = statistics.median(r[key] for r in ok)
     out["rounds"] = rs
     return out
 
@@ -319,18 +322,16 @@ def main() -> None:
             print(f"vLLM skipped: no {args.vllm_python} (see ../shared/PEERS.md)")
     # NOTE: round-robin, so a slow period of a shared host falls on every engine of a round
     # alike rather than on whichever engine happened to run then
-    rounds: list[dict[str, dict[str, Any]]] = []
+    rounds: list[dict[str, dict[str, Any] | None]] = []
     for i in range(args.rounds):
-        done: dict[str, dict[str, Any]] = {}
+        done: dict[str, dict[str, Any] | None] = {}
         for name, job in jobs:
             print(f"{name} ..." + (f" (round {i + 1} of {args.rounds})" if args.rounds > 1 else ""),
                   file=sys.stderr)
-            r = job()
-            if r:
-                done[name] = r
+            done[name] = job()
         rounds.append(done)
-    results = [merge_rounds([rd[name] for rd in rounds if name in rd])
-               for name, _ in jobs if any(name in rd for rd in rounds)]
+    results = [merge_rounds([rd[name] for rd in rounds])
+               for name, _ in jobs if any(rd[name] for rd in rounds)]
     report(results, args)
     if args.json:
         with open(args.json, "w") as f:
@@ -377,33 +378,30 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
             print(f"  {_name(r)}: {r['weight_bytes_read'] / 1e6:.1f} MB of weights read per token -> "
                   f"W1 limit {bw / r['weight_bytes_read']:.0f} tok/s; {start}")
     if args.rounds > 1:
-        paired_ratios(results, peers)
+        paired_ratios(results, by, peers)
     q4, bf = by.get("fitserve q4_1"), by.get("fitserve bf16")
     if q4 and bf and q4.get("peak_rss_mib") and bf.get("peak_rss_mib"):
         print(f"  peak RSS, fitserve q4_1 / bf16 (W1 then W2, one process each): "
               f"{q4['peak_rss_mib'] / bf['peak_rss_mib']:.2f}x")
 
 
-def paired_ratios(results: list[dict[str, Any]], peers: list[str]) -> None:
+def paired_ratios(results: list[dict[str, Any]], by: dict[str, dict[str, Any]],
+                  peers: list[str]) -> None:
     """Each fitserve config against each peer, round by round (the two ran minutes apart):
-    the rounds' W1 and W2 ratios of medians, and their median."""
-    by = {_name(r): r for r in results}
+    the rounds' W1 and W2 ratios of medians, and their median (rounds where either failed are
+    left out)."""
     for r in results:
         if r["engine"] != "fitserve":
             continue
         for p in peers:
-            mine, theirs = r.get("rounds", []), by[p].get("rounds", [])
-            if len(mine) != len(theirs) or not mine:
-                continue
+            pairs = [(a, b) for a, b in zip(r["rounds"], by[p]["rounds"], strict=True) if a and b]
             parts = []
             for w in ("W1", "W2"):
-                ratios = [a[w]["tok_s"] / b[w]["tok_s"] for a, b in zip(mine, theirs, strict=True)
-                          if w in a and w in b]
+                ratios = [a[w]["tok_s"] / b[w]["tok_s"] for a, b in pairs if w in a and w in b]
                 if ratios:
                     each = " ".join(f"{x:.2f}" for x in ratios)
                     parts.append(f"{w} {each} (median {statistics.median(ratios):.2f}x)")
             print(f"  {_name(r)} / {p}, per round: " + "; ".join(parts))
-
 
 if __name__ == "__main__":
     main()

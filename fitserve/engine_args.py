@@ -59,8 +59,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-memory", type=parse_bytes_arg, default=None, help="KV pool size, e.g. 512M or 2G (on CPU: "
-                   "reserved at start, resident as blocks are first written)")
+    p.add_argument("--kv-cache-memory", type=parse_bytes_arg, default=None,
+                   help="KV pool size, e.g. 512M or 2G (on CPU: reserved at start, resident as "
+                        "blocks are first written)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--weights", default="auto", choices=list(ENGINE_WEIGHT_CHOICES),

@@ -79,10 +79,10 @@ def memory_section(r: Resolved, mp: EngineMemoryPlan, fc: FitCheck) -> Section:
         lines.append(Line("total (peak RSS)", "peak_bytes", mp.peak_bytes, fmt_bytes(mp.peak_bytes),
                           "runtime + weights + rope + max(loading transient, KV pool + step "
                           f"peak {mp.step_bytes:,} B = masks and block tables + max(attention phase: "
-                          "activations + attention scratch (+ KV dequant scratch), mlp phase, sampling phase: hidden + "
-                          f"logits + sampler); set by the {mp.step_phase} phase); the bound with "
-                          "every KV block touched: a run that has held fewer blocks at once "
-                          "holds that much less",
+                          "activations + attention scratch (+ KV dequant scratch), mlp phase, "
+                          "sampling phase: hidden + logits + sampler); set by the "
+                          f"{mp.step_phase} phase); the bound with every KV block touched: a "
+                          "run that has held fewer blocks at once holds that much less",
                           marks.get("total (peak RSS)", "")))
     notes = [f"per GPU of {fmt_bytes(r.hw.memory_bytes)} ({r.hw.name}); ceiling because: "
              + "; ".join(ceil.reasons)]
