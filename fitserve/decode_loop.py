@@ -17,13 +17,15 @@ wrapper, a ConcatLinear, fp8, a biased packed one) is called as its module: neve
 When every linear of the step's shape class is a C++ packed kernel or a dense nn.Linear, the
 per-layer loop itself runs in C++ (``torch.ops.fitserve_step.decode_layers``,
 fitserve/kernels/cpu/decode_step.cpp): the same ops, in the same order, without the ~270
-interpreter round trips of a batch-1 step. ``native = False`` (or FITSERVE_DECODE_NATIVE=0)
-keeps the Python loop.
+interpreter round trips of a batch-1 step. Its per-model arguments (weights, norms, caches)
+are a plan made once per shape class (``decode_plan``, an integer handle). ``native = False``
+(or FITSERVE_DECODE_NATIVE=0) keeps the Python loop.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -41,7 +43,7 @@ from fitserve.model.llama import CausalLM, LayerKV
 Linear = Callable[[torch.Tensor], torch.Tensor]
 # input norm weight, eps, qkv, o_proj, post-attention norm weight, eps, gate_up, down
 BoundLayer = tuple[torch.Tensor, float, Linear, Linear, torch.Tensor, float, Linear, Linear]
-# decode_layers' per-step constants of a shape class: norms, eps, linear tensors, linear meta
+# decode_plan's per-model lists of a shape class: norms, eps, linear tensors, linear meta
 NativeArgs = tuple[list[torch.Tensor], list[float], list[torch.Tensor], list[int]]
 _DENSE, _INT4, _INT8, _BF16_GEMV = 0, 1, 2, 3  # decode_step.cpp's LinearKind
 
@@ -86,16 +88,29 @@ def _norm_ok(norm: nn.Module, dtype: torch.dtype) -> bool:
     return type(norm) is RMSNorm and norm.weight.dtype == dtype
 
 
+def _drop_plans(handles: list[int]) -> None:
+    """Release decode_plan handles (the weights and caches they hold) and forget them."""
+    try:
+        for h in handles:
+            torch.ops.fitserve_step.drop_decode_plan(h)
+    except (AttributeError, RuntimeError):  # interpreter shutdown: the op may be gone already
+        pass
+    handles.clear()
+
+
 class DecodeLoop:
     """``applies(batch, kv_caches)`` says whether a step can run here; ``__call__`` runs it."""
 
     def __init__(self, model: CausalLM, dtype: torch.dtype) -> None:
         self.model, self.dtype = model, dtype
         self._layers: dict[str, list[BoundLayer]] = {}  # shape class -> bound layers
-        self._native: dict[str, NativeArgs | None] = {}  # shape class -> decode_layers args
+        # shape class -> decode_plan handle (None: a linear decode_layers cannot run), for the
+        # kv_caches list _plans_kv; every live handle is in _handles, dropped with the loop
+        self._plans: dict[str, int | None] = {}
+        self._plans_kv: list[LayerKV] | None = None
+        self._handles: list[int] = []
+        weakref.finalize(self, _drop_plans, self._handles)
         self.native = os.environ.get("FITSERVE_DECODE_NATIVE") != "0"
-        # the K and V caches as two lists, for the kv_caches list they were taken from
-        self._kv: tuple[list[LayerKV], list[torch.Tensor], list[torch.Tensor]] | None = None
         self.calls = 0  # steps run here (tests check the fast path is the one taken)
         self.native_calls = 0  # of which through decode_layers
 
@@ -133,26 +148,45 @@ class DecodeLoop:
         return layers
 
     def _native_args(self, rows: int) -> NativeArgs | None:
+        """decode_plan's per-model lists for ``rows``: norms, eps, linear tensors and meta."""
+        norms: list[torch.Tensor] = []
+        eps: list[float] = []
+        tensors: list[torch.Tensor] = []
+        meta: list[int] = []
+        for layer in self.model.layers:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norms.append(norm.weight)
+                eps.append(float(norm.eps))
+            att, mlp = layer.self_attn, layer.mlp
+            for mod in (att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                spec = native_linear(mod, rows, self.dtype)
+                if spec is None:
+                    return None
+                tensors += spec[0]
+                meta += spec[1]
+        return norms, eps, tensors, meta
+
+    def _plan(self, rows: int, kv_caches: list[LayerKV]) -> int | None:
+        """The decode_plan handle of ``rows``' shape class over ``kv_caches`` (made on first use;
+        all are made again for another cache list), or None where decode_layers cannot run."""
+        if self._plans_kv is not kv_caches:
+            _drop_plans(self._handles)
+            self._plans.clear()
+            self._plans_kv = kv_caches
         key = shape_class(rows)
-        if key not in self._native:
-            norms: list[torch.Tensor] = []
-            eps: list[float] = []
-            tensors: list[torch.Tensor] = []
-            meta: list[int] = []
-            for layer in self.model.layers:
-                for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-                    norms.append(norm.weight)
-                    eps.append(float(norm.eps))
-                att, mlp = layer.self_attn, layer.mlp
-                for mod in (att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                    spec = native_linear(mod, rows, self.dtype)
-                    if spec is None:
-                        self._native[key] = None
-                        return None
-                    tensors += spec[0]
-                    meta += spec[1]
-            self._native[key] = (norms, eps, tensors, meta)
-        return self._native[key]
+        if key not in self._plans:
+            args = self._native_args(rows)
+            handle = None
+            if args is not None:
+                first = self.model.layers[0].self_attn
+                rotary = self.model.rotary
+                handle = torch.ops.fitserve_step.decode_plan(
+                    *args, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches],  # type: ignore[index]
+                    first.num_heads, first.num_kv, first.head_dim, first.scale, DEFAULT_PARTITION,
+                    rotary.interleaved)
+                self._handles.append(handle)
+            self._plans[key] = handle
+        return self._plans[key]
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                  kv_caches: list[LayerKV]) -> torch.Tensor:
@@ -161,32 +195,27 @@ class DecodeLoop:
         d = batch.decode
         assert d is not None and d.seq_lens is not None
         n = input_ids.shape[0]
+        cos, sin = m.rotary.cos, m.rotary.sin
+        slots, tables, lens = batch.slot_mapping, d.block_tables, d.seq_lens
+        window = 0 if d.window is None else int(d.window)
+        x = m.embed_tokens(input_ids)
+        plan = self._plan(n, kv_caches) if self.native and decode_step_available() else None
+        if plan is not None:
+            residual, x = torch.ops.fitserve_step.decode_layers.default(
+                x, positions, cos, sin, slots, tables, lens, plan, window)
+            self.calls += 1
+            self.native_calls += 1
+            return m.norm.add_forward(residual, x)
+
         first = m.layers[0].self_attn
         hq, hkv, hd = first.num_heads, first.num_kv, first.head_dim
         qk_cols, q_size, scale = first.q_size + first.kv_size, first.q_size, first.scale
-        cos, sin, interleaved = m.rotary.cos, m.rotary.sin, m.rotary.interleaved
-        slots, tables, lens = batch.slot_mapping, d.block_tables, d.seq_lens
-        window = 0 if d.window is None else int(d.window)
+        interleaved = m.rotary.interleaved
         rms_norm = torch.ops.fitserve_fused.rms_norm.default
         add_rms_norm_ = torch.ops.fitserve_fused.add_rms_norm_.default
         rope_write_kv_ = torch.ops.fitserve_fused.rope_write_kv_.default
         silu_and_mul = torch.ops.fitserve_fused.silu_and_mul.default
         attention = torch.ops.fitserve.paged_decode_attention.default
-
-        x = m.embed_tokens(input_ids)
-        args = self._native_args(n) if self.native and decode_step_available() else None
-        if args is not None:
-            norms, eps, tensors, meta = args
-            if self._kv is None or self._kv[0] is not kv_caches:
-                self._kv = (kv_caches, [kv[0] for kv in kv_caches],  # type: ignore[index]
-                            [kv[1] for kv in kv_caches])  # type: ignore[index]
-            residual, x = torch.ops.fitserve_step.decode_layers.default(
-                x, positions, cos, sin, slots, tables, lens, norms, eps, tensors, meta,
-                self._kv[1], self._kv[2], hq, hkv, hd, scale, window, DEFAULT_PARTITION,
-                interleaved)
-            self.calls += 1
-            self.native_calls += 1
-            return m.norm.add_forward(residual, x)
         residual: torch.Tensor | None = None
         for (w_in, eps_in, qkv_proj, o_proj, w_post, eps_post, gate_up, down), kv in zip(
                 self._bound(n), kv_caches, strict=True):

@@ -406,11 +406,18 @@ class PackedEmbedding(nn.Module):
         self.register_buffer("qweight", pw.qweight)
         self.register_buffer("scales", pw.scales)
         self.register_buffer("mins", pw.mins)
+        self._packed = pw
 
     @property
     def packed(self) -> PackedWeight:
-        return PackedWeight(self.kind, self.num_embeddings, self.embedding_dim, self.k_padded,
-                            self.group_size, self.qweight, self.scales, self.mins)
+        # made again only when a buffer was replaced (.to(), load_state_dict): building and
+        # checking a PackedWeight per decode step cost more than gathering the token's row
+        pw = self._packed
+        if pw.qweight is not self.qweight or pw.scales is not self.scales or pw.mins is not self.mins:
+            pw = self._packed = PackedWeight(self.kind, self.num_embeddings, self.embedding_dim,
+                                             self.k_padded, self.group_size, self.qweight,
+                                             self.scales, self.mins)
+        return pw
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)

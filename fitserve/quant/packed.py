@@ -213,10 +213,11 @@ def dequantize(pw: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Te
 def gather_rows(pw: PackedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows ``ids`` of the dequantized weight ``[len(ids), K]`` without dequantizing the rest
     (the packed embedding: gather the packed rows, then dequantize them)."""
-    mins = None if pw.mins is None else pw.mins[ids]
-    qrows = pw.qweight[ids]
+    mins = None if pw.mins is None else pw.mins.index_select(0, ids)
+    qrows = pw.qweight.index_select(0, ids)
     q = unpack_int4(qrows, pw.group_size) if pw.kind == "int4" else qrows
-    w = dequantize_rows(pw.kind, q, pw.scales[ids], mins, pw.group_size)[:, : pw.K]
+    w = dequantize_rows(pw.kind, q, pw.scales.index_select(0, ids), mins, pw.group_size)
+    w = w[:, : pw.K] if pw.K_padded != pw.K else w
     return w.to(dtype)
 
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fitserve.kernels.cpu.fused import argmax
 from fitserve.sampling.params import SamplingParams
 from fitserve.structured.logits import GuidedMasker, apply_logit_bias
 from fitserve.types import TokenLogprobs
@@ -115,6 +116,8 @@ class Sampler:
             )
         if not states:
             return [], []
+        if all(_plain_greedy(s) for s in states):  # nothing changes the logits: no copy
+            return argmax(logits).tolist(), [None] * len(states)
         # A private fp32 copy: penalties and filters then work in place on it.
         x = logits.to(torch.float32, copy=True).contiguous()
         lp_rows = [i for i, s in enumerate(states) if s.num_logprobs is not None]
@@ -134,7 +137,7 @@ class Sampler:
         greedy = [i for i, s in enumerate(states) if s.params.greedy]
         rand = [i for i, s in enumerate(states) if not s.params.greedy]
         if greedy:
-            _put(tokens, greedy, _take(x, greedy).argmax(dim=-1))
+            _put(tokens, greedy, argmax(_take(x, greedy)))
         if rand:
             chosen = self._sample(_take(x, rand), [states[i] for i in rand])
             _put(tokens, rand, chosen)
@@ -183,7 +186,7 @@ class Sampler:
         greedy = [i for i, s in enumerate(states) if s.params.greedy]
         rand = [i for i, s in enumerate(states) if not s.params.greedy]
         if greedy:
-            best = _take(x, greedy).argmax(dim=-1, keepdim=True)
+            best = argmax(_take(x, greedy)).unsqueeze(1)
             _put(out, greedy, torch.zeros_like(_take(x, greedy)).scatter_(1, best, 1.0))
         if rand:
             xr = _take(x, rand)  # may be x itself: it is our private copy, so mutating is fine
@@ -296,6 +299,15 @@ class Sampler:
             todo = [r for r, s in zip(todo, short.tolist(), strict=True) if s]
             width = min(width * 16, vocab)
         return out
+
+
+def _plain_greedy(s: RequestSamplingState) -> bool:
+    """The token is the argmax of the raw logits: greedy, and no logprobs, bias, grammar or
+    penalty."""
+    p = s.params
+    return (p.greedy and s.num_logprobs is None and s.logit_bias is None and s.guide is None
+            and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+            and p.presence_penalty == 0.0)
 
 
 def _apply_penalties(x: torch.Tensor, states: list[RequestSamplingState]) -> None:

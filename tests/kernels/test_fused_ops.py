@@ -124,3 +124,34 @@ def test_ops_trace_under_torch_compile() -> None:
     x, w = torch.randn(3, 32), torch.randn(32)
     compiled = torch.compile(f, fullgraph=True, backend="eager")
     assert torch.equal(compiled(x, w), f(x, w))
+
+
+def _argmax64(x: torch.Tensor) -> torch.Tensor:
+    """The first index of each row's largest value, the first NaN where a row has one."""
+    out = []
+    for row in x.double():
+        nan = row.isnan().nonzero()
+        out.append(int(nan[0]) if len(nan) else int((row == row.max()).nonzero()[0]))
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("rows,vocab", [(1, 49152), (33, 1000), (3, 7), (2, 1), (4, 8 * 37 + 5)])
+def test_argmax_is_the_first_largest(dtype: torch.dtype, rows: int, vocab: int) -> None:
+    gen = torch.Generator().manual_seed(rows * vocab)
+    x = (torch.randn(rows, vocab, generator=gen) * 4).to(dtype)
+    assert torch.equal(fused.argmax(x), _argmax64(x))
+    if vocab > 2:  # ties: the first of two equal maxima, placed in different vector lanes
+        x[:, vocab - 1] = x.max() + 1
+        x[:, vocab // 3] = x[:, vocab - 1]
+        assert torch.equal(fused.argmax(x), _argmax64(x))
+        assert (fused.argmax(x) == vocab // 3).all()
+    # NaN beats everything (torch's rule): row 0 in the tail, the last row before a tie
+    x[0, vocab - 1] = float("nan")
+    x[-1, vocab // 2] = float("nan")
+    assert torch.equal(fused.argmax(x), _argmax64(x))
+    assert torch.equal(fused.argmax(x), x.argmax(-1))
+    inf = torch.full((rows, vocab), float("-inf"), dtype=dtype)
+    assert torch.equal(fused.argmax(inf), torch.zeros(rows, dtype=torch.long))
+    signed_zero = torch.tensor([[-0.0, 0.0, -1.0]], dtype=dtype)
+    assert fused.argmax(signed_zero).tolist() == signed_zero.argmax(-1).tolist() == [0]

@@ -176,10 +176,11 @@ def test_int8_matches_float64(dtype: torch.dtype, m: int, group: int | None,
 @pytest.mark.parametrize("kind", ["int4-asym-g32", "int4-sym-g32", "int4-sym-g64", "int8-g32",
                                   "int8-channel"])
 def test_model_shapes(kind: str, m: int, act_quant: bool) -> None:
-    """SmolLM2's K = 576 / 1536: rows of 288 / 768 bytes end in partial 64-byte chunks; M = 14
-    runs panel tiles of 8 + 4 + 2 rows."""
+    """SmolLM2's K = 576 / 960 / 1536: rows of 18 / 30 / 48 groups of 32, so the batch-1 GEMV
+    ends a row in a partial span of 2 / 6 / no groups (416: 13 groups, an int4 row ends in a
+    half chunk); M = 14 runs panel tiles of 8 + 4 + 2 rows."""
     gen = torch.Generator().manual_seed(5)
-    for n, k in ((96, 576), (40, 1536)):
+    for n, k in ((96, 576), (48, 960), (40, 1536), (24, 416)):
         if kind.startswith("int4"):
             g = int(kind.split("-g")[1])
             qweight, scales, mins, w64 = make_int4(n, k, g, "asym" in kind, gen)

@@ -207,8 +207,9 @@ def test_sampler_within_its_bound() -> None:
             return sampler((hidden @ weight.T).float(), states)
 
         peaks[name] = peak_extra(sample) / unit
-    # the f32 logits and the sampler's private copy (+ a few [B] index tensors)
-    assert 2.0 <= peaks["greedy"] < 2.01
+    # plain greedy takes the argmax of the logits themselves (no private copy): the peak is the
+    # f32 logits made from the bf16 product (1 + 0.5), not the sampler
+    assert 1.5 <= peaks["greedy"] < 1.51
     assert peaks["temperature"] < 5.01  # + the exponential race: probs, draws, q
     assert peaks["worst found"] <= 1 + S.SAMPLER_F32_COPIES, peaks
 

@@ -123,3 +123,37 @@ def test_engine_greedy_tokens_identical_without_loop(tiny_hf_model_dir: Callable
     got = run(fast)
     assert fast.runner.decode_loop.calls >= 20  # the decode steps took the loop
     assert got == want
+
+
+def test_decode_plans_follow_the_caches_and_are_released(tiny_hf_model_dir: Callable[..., Any]
+                                                          ) -> None:
+    """decode_layers reads weights and caches from a plan (an integer handle): a new cache list
+    gets new plans (the K/V it writes must be the caches the step passes) and the old handles
+    are gone; dropping the loop releases its plans."""
+    from fitserve.kernels.cpu.decode_step import decode_step_available
+
+    if not decode_step_available():
+        pytest.skip("decode_step.cpp is not built here")
+    folder: Path = tiny_hf_model_dir("llama")
+    engine = Engine(EngineConfig(model=str(folder), dtype="float32", device="cpu",
+                                 weights="int8", max_model_len=128,
+                                 num_kv_blocks=1 + 20 * BLOCKS_PER_SEQ, block_size=BLOCK))
+    assert_native_used(assert_step_identical(engine, 1))
+    loop = engine.runner.decode_loop
+    assert loop is not None
+    old = list(loop._handles)
+    assert old, "the step made no plan"
+    engine.runner.kv_caches = [(k.clone(), v.clone()) for k, v in engine.runner.kv_caches]
+    assert_native_used(assert_step_identical(engine, 1))  # same tokens, the new caches written
+    assert loop._handles and not set(old) & set(loop._handles)
+    x = torch.zeros(1, engine.spec.hidden_size)
+    with pytest.raises(RuntimeError, match="no decode plan"):
+        torch.ops.fitserve_step.decode_layers(x, x, x, x, x, x, x, old[0], 0)
+    live = list(loop._handles)
+    engine.runner.decode_loop = None
+    del loop
+    import gc
+
+    gc.collect()
+    with pytest.raises(RuntimeError, match="no decode plan"):
+        torch.ops.fitserve_step.decode_layers(x, x, x, x, x, x, x, live[0], 0)

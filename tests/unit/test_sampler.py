@@ -183,6 +183,19 @@ def test_greedy_is_argmax(dtype: torch.dtype) -> None:
     assert lps == [None] * 16
 
 
+def test_plain_greedy_rows_take_the_same_tokens_as_the_full_path() -> None:
+    """A batch of plain greedy rows skips the fp32 copy; one row asking for logprobs sends the
+    same batch down the full path: the tokens must not differ (ties included: the first index)."""
+    x = torch.randn(8, 3000, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    x[2, 17] = x[2, 2900] = x[2].max() + 1
+    plain = make_states(SamplingParams(temperature=0.0), 8)
+    mixed = [*plain[:7], *make_states(SamplingParams(temperature=0.0, logprobs=1), 1)]
+    fast, _ = Sampler()(x, plain)
+    full, lps = Sampler()(x, mixed)
+    assert fast == full == x.float().argmax(dim=-1).tolist()
+    assert fast[2] == 17 and lps[7] is not None
+
+
 def test_penalties_match_reference_values() -> None:
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(6, 50, generator=gen, dtype=torch.float64) * 3

@@ -10,6 +10,12 @@
 // removes is the Python between them: at batch 1 a SmolLM2 step is ~270 op calls of a few
 // microseconds of work each, and ~4 us of interpreter + binding per call was a quarter of it.
 //
+// What does not change from step to step (norm weights, linears, KV caches, head shapes) is a
+// plan, made once by decode_plan and named by an integer handle. NOTE: passing it as lists
+// (~500 tensors + 500 ints for SmolLM2-135M) cost 0.3-0.6 ms of argument conversion per step,
+// and a TorchScript custom class ~40 us; an int costs nothing. So decode_layers writes caches
+// that are not among its arguments: it is an eager-only op (DecodeLoop), never traced.
+//
 // Linears come as 3 tensors + 4 ints each (kLinearMeta): kind (dense / int4 / int8 / dense bf16
 // GEMV), group size, act_quant, and whether the third tensor is present (dense: bias; int4:
 // mins).
@@ -17,7 +23,10 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <memory>
+#include <mutex>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -103,39 +112,78 @@ at::Tensor linear(const at::Tensor& x, at::TensorList t, at::IntArrayRef meta, i
   TORCH_CHECK(false, "decode_layers: unknown linear kind ", m[0]);
 }
 
+struct Plan {
+  std::vector<at::Tensor> norms, linears, k_caches, v_caches;
+  std::vector<double> eps;
+  std::vector<int64_t> meta;
+  int64_t hq, hkv, hd, partition;
+  double scale;
+  bool interleaved;
+};
+
+std::mutex plans_mutex;
+std::unordered_map<int64_t, std::shared_ptr<const Plan>> plans;
+int64_t next_plan = 1;
+
+int64_t decode_plan(at::TensorList norms, at::ArrayRef<double> eps, at::TensorList linears,
+                    at::IntArrayRef meta, at::TensorList k_caches, at::TensorList v_caches,
+                    int64_t hq, int64_t hkv, int64_t hd, double scale, int64_t partition,
+                    bool interleaved) {
+  const int64_t layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers,
+              "decode_plan: one K and one V cache per layer");
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers &&
+                  static_cast<int64_t>(eps.size()) == 2 * layers,
+              "decode_plan: two norms (input, post-attention) per layer");
+  TORCH_CHECK(static_cast<int64_t>(linears.size()) == kLinearsPerLayer * kLinearTensors * layers &&
+                  static_cast<int64_t>(meta.size()) == kLinearsPerLayer * kLinearMeta * layers,
+              "decode_plan: ", kLinearsPerLayer, " linears of ", kLinearTensors,
+              " tensors and ", kLinearMeta, " ints per layer");
+  auto plan = std::make_shared<Plan>(Plan{
+      norms.vec(), linears.vec(), k_caches.vec(), v_caches.vec(), eps.vec(), meta.vec(), hq,
+      hkv, hd, partition, scale, interleaved});
+  std::lock_guard<std::mutex> lock(plans_mutex);
+  plans.emplace(next_plan, std::move(plan));
+  return next_plan++;
+}
+
+void drop_decode_plan(int64_t handle) {
+  std::lock_guard<std::mutex> lock(plans_mutex);
+  plans.erase(handle);
+}
+
 std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& x0, const at::Tensor& positions, const at::Tensor& cos,
     const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& block_tables,
-    const at::Tensor& seq_lens, at::TensorList norms, at::ArrayRef<double> eps,
-    at::TensorList linears, at::IntArrayRef meta, at::TensorList k_caches,
-    at::TensorList v_caches, int64_t hq, int64_t hkv, int64_t hd, double scale, int64_t window,
-    int64_t partition, bool interleaved) {
-  const int64_t layers = static_cast<int64_t>(k_caches.size());
-  TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers,
-              "decode_layers: one K and one V cache per layer");
-  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers &&
-                  static_cast<int64_t>(eps.size()) == 2 * layers,
-              "decode_layers: two norms (input, post-attention) per layer");
-  TORCH_CHECK(static_cast<int64_t>(linears.size()) == kLinearsPerLayer * kLinearTensors * layers &&
-                  static_cast<int64_t>(meta.size()) == kLinearsPerLayer * kLinearMeta * layers,
-              "decode_layers: ", kLinearsPerLayer, " linears of ", kLinearTensors,
-              " tensors and ", kLinearMeta, " ints per layer");
+    const at::Tensor& seq_lens, int64_t handle, int64_t window) {
+  std::shared_ptr<const Plan> plan;
+  {
+    std::lock_guard<std::mutex> lock(plans_mutex);
+    const auto it = plans.find(handle);
+    TORCH_CHECK(it != plans.end(), "decode_layers: no decode plan ", handle);
+    plan = it->second;
+  }
+  const Plan& p = *plan;
+  const at::TensorList norms = p.norms, linears = p.linears;
+  const at::IntArrayRef meta = p.meta;
+  const int64_t layers = static_cast<int64_t>(p.k_caches.size());
+  const int64_t hq = p.hq, hkv = p.hkv, hd = p.hd;
   const int64_t n = x0.size(0), qk_cols = (hq + hkv) * hd, q_size = hq * hd;
   at::Tensor residual, x = x0;
   for (int64_t l = 0; l < layers; ++l) {
-    at::Tensor h = l == 0 ? rms_norm(x, norms[0], eps[0])
-                          : add_rms_norm_(residual, x, norms[2 * l], eps[2 * l]);
+    at::Tensor h = l == 0 ? rms_norm(x, norms[0], p.eps[0])
+                          : add_rms_norm_(residual, x, norms[2 * l], p.eps[2 * l]);
     if (l == 0) residual = x;
     const int64_t li = l * kLinearsPerLayer;
     const at::Tensor qkv = linear(h, linears, meta, li);
     at::Tensor qk = qkv.narrow(1, 0, qk_cols).view({n, hq + hkv, hd});
     const at::Tensor v = qkv.narrow(1, qk_cols, qkv.size(1) - qk_cols).view({n, hkv, hd});
-    at::Tensor kc = k_caches[l], vc = v_caches[l];
-    rope_write_kv_(qk, v, positions, cos, sin, kc, vc, slots, hq, interleaved);
-    const at::Tensor out =
-        attention(qk.narrow(1, 0, hq), kc, vc, block_tables, seq_lens, scale, window, partition);
+    at::Tensor kc = p.k_caches[l], vc = p.v_caches[l];
+    rope_write_kv_(qk, v, positions, cos, sin, kc, vc, slots, hq, p.interleaved);
+    const at::Tensor out = attention(qk.narrow(1, 0, hq), kc, vc, block_tables, seq_lens, p.scale,
+                                     window, p.partition);
     h = add_rms_norm_(residual, linear(out.reshape({n, q_size}), linears, meta, li + 1),
-                      norms[2 * l + 1], eps[2 * l + 1]);
+                      norms[2 * l + 1], p.eps[2 * l + 1]);
     x = linear(silu_and_mul(linear(h, linears, meta, li + 2)), linears, meta, li + 3);
   }
   return {residual, x};
@@ -143,12 +191,15 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
 
 }  // namespace
 
+// decode_plan / drop_decode_plan take no tensor to dispatch on: plain functions (catch-all)
 TORCH_LIBRARY(fitserve_step, m) {
+  m.def("decode_plan(Tensor[] norms, float[] eps, Tensor[] linears, int[] meta, "
+        "Tensor[] k_caches, Tensor[] v_caches, int num_q_heads, int num_kv_heads, "
+        "int head_dim, float scale, int partition_size, bool interleaved) -> int",
+        &decode_plan);
+  m.def("drop_decode_plan(int plan) -> ()", &drop_decode_plan);
   m.def("decode_layers(Tensor x, Tensor positions, Tensor cos, Tensor sin, Tensor slots, "
-        "Tensor block_tables, Tensor seq_lens, Tensor[] norms, float[] eps, Tensor[] linears, "
-        "int[] meta, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int num_q_heads, "
-        "int num_kv_heads, int head_dim, float scale, int window, int partition_size, "
-        "bool interleaved) -> (Tensor, Tensor)");
+        "Tensor block_tables, Tensor seq_lens, int plan, int window) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fitserve_step, CPU, m) { m.impl("decode_layers", &decode_layers); }

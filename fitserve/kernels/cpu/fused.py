@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from fitserve.kernels.cpu.build import load_extension
 
-__all__ = ["add_rms_norm_", "fused_ops_available", "rms_norm", "rope_write_kv_", "silu_and_mul"]
+__all__ = ["add_rms_norm_", "argmax", "fused_ops_available", "rms_norm", "rope_write_kv_", "silu_and_mul"]
 
 
 # NOTE: a plain module-level cache (not functools.cache, whose lock torch.compile cannot trace):
@@ -50,6 +50,10 @@ def _register_fakes() -> None:
           sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
           num_q_heads: int, interleaved: bool) -> None:
         return None
+
+    @torch.library.register_fake(lib + "argmax")
+    def _(x: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(x.shape[0], dtype=torch.long)
 
 
 def _use_cpp(x: torch.Tensor) -> bool:
@@ -104,3 +108,13 @@ def rope_write_kv_(qk: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
     torch.ops.fitserve_fused.rope_write_kv_(qk, v, positions, cos, sin, k_cache, v_cache, slots,
                                             num_q_heads, interleaved)
     return True
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of logits x [B, V]: the first index of each row's largest value, a
+    NaN counting as the largest (torch's rule); the C++ op is two vector passes where torch's
+    CPU argmax is a scalar loop."""
+    if _use_cpp(x) and x.dim() == 2 and x.shape[1] > 0:
+        out: torch.Tensor = torch.ops.fitserve_fused.argmax(x)
+        return out
+    return x.argmax(dim=-1)

@@ -9,9 +9,9 @@
 // A row is walked kLanes groups at a time (a "span": kLanes / GPC chunks). Once per span and
 // row, the kLanes fp16 weight scales are converted and multiplied by the activation blocks'
 // scales (one vector op for all of them); each chunk then takes its lanes' products with an
-// in-lane shuffle (S::span4 / chunk4, span8 / chunk8: one cross-lane permute per span; the
-// row's last, partial span permutes per chunk). The low / high nibble dots of an int4 lane are
-// summed as int16 before widening (S::dot_u4x2).
+// in-lane shuffle (S::span4 / chunk4, span8 / chunk8: one cross-lane permute per span, the
+// row's last, partial span included). The low / high nibble dots of an int4 lane are summed as
+// int16 before widening (S::dot_u4x2).
 //
 // NOTE: why not the general tile at M = 1: with NT = 4 rows of lo / hi / scales live across a
 // chunk it ran out of AVX2 registers (accumulators spilled to the stack every chunk) and
@@ -47,27 +47,14 @@ template <int N, class Fn>
   unrolled_impl<N>(f, std::make_integer_sequence<int, N>{});
 }
 
-// lane l of chunk j of a span -> the span group it belongs to (int4: GPC = kBytes / 16 groups
-// per chunk, 4 lanes each; int8: kBytes / 32 groups, 8 lanes each)
-template <int kGroupBytes>
-struct SpanPerm {
-  static constexpr int GPC = S::kBytes / kGroupBytes, LPG = S::kLanes / GPC, CPS = S::kLanes / GPC;
-  int32_t idx[CPS][S::kLanes];
-  constexpr SpanPerm() : idx() {
-    for (int j = 0; j < CPS; ++j)
-      for (int l = 0; l < S::kLanes; ++l) idx[j][l] = j * GPC + l / LPG;
-  }
-};
-
 // y[n] for rows [n_begin, n_end): kInt4 (asymmetric with mins when kAsym) or int8.
 // dg: the activation scale of each 32-column block (= group).
 template <bool kInt4, bool kAsym>
 void g32_gemv(const QWeight& w, const QAct& x, const float* dg, int64_t n_begin, int64_t n_end,
               float* out) {
   constexpr int kGroupBytes = kInt4 ? 16 : 32;
-  using Perm = SpanPerm<kGroupBytes>;
-  constexpr int GPC = Perm::GPC, CPS = Perm::CPS, NT = kGemvRows;
-  static constexpr Perm perm{};
+  // GPC: groups per chunk; CPS: chunks per span (kLanes groups)
+  constexpr int GPC = S::kBytes / kGroupBytes, CPS = S::kLanes / GPC, NT = kGemvRows;
   const int64_t G = w.ngroups;
   // one chunk of row q at chunk index c (nb bytes of it), lane scales ls
   auto chunk = [&](const uint8_t* q, int64_t c, int nb, S::F ls, S::F& acc)
@@ -106,10 +93,19 @@ void g32_gemv(const QWeight& w, const QAct& x, const float* dg, int64_t n_begin,
         const int cnt = static_cast<int>(G - g0);
         const S::F sv = S::mul(S::load_half(sc + g0, cnt), S::loadf(dg + g0, cnt));
         const int64_t c0 = g0 / GPC;
-        for (int j = 0; j * GPC < cnt; ++j) {
-          const int64_t left = w.row_bytes - (c0 + j) * S::kBytes;
-          chunk(q, c0 + j, static_cast<int>(std::min<int64_t>(S::kBytes, left)),
-                S::permute(sv, S::load_perm(perm.idx[j])), acc);
+        // a partial span: the same in-lane shuffles, chunks past the row skipped; only an int4
+        // row of an odd group count ends in a half chunk (16 bytes)
+        const int whole = cnt / GPC, part = (cnt % GPC) * kGroupBytes;
+        auto tail = [&](auto j, S::F ls) __attribute__((always_inline)) {
+          if (j < whole) chunk(q, c0 + j, S::kBytes, ls, acc);
+          else if (j == whole && part) chunk(q, c0 + j, part, ls, acc);
+        };
+        if constexpr (kInt4) {
+          const auto sp = S::span4(sv);
+          unrolled<CPS>([&](auto j) { tail(j, S::template chunk4<j>(sp)); });
+        } else {
+          const auto sp = S::span8(sv);
+          unrolled<CPS>([&](auto j) { tail(j, S::template chunk8<j>(sp)); });
         }
       }
       if constexpr (kInt4) {  // offsets: y += sum_g c_g * S_g, c_g = min (Q4_1) or -8 * scale

@@ -25,6 +25,9 @@ struct Simd {
 
   static B load_bytes(const void* p, int n) {
     if (n >= kBytes) return _mm256_loadu_si256(static_cast<const __m256i*>(p));
+    if (n == 16)  // the half chunk ending an int4 group-32 row of an odd group count
+      return _mm256_inserti128_si256(_mm256_setzero_si256(),
+                                     _mm_loadu_si128(static_cast<const __m128i*>(p)), 0);
     alignas(32) uint8_t buf[kBytes] = {};  // a row's tail only: a short loop, no libc call
     for (int i = 0; i < n; ++i) buf[i] = static_cast<const uint8_t*>(p)[i];
     return _mm256_load_si256(reinterpret_cast<const __m256i*>(buf));
@@ -83,7 +86,7 @@ struct Simd {
   static HMask hmask(int n) { return n; }
   // NOTE: a chunk of a group-32 row needs only 1-2 scales, loaded once per weight row and chunk:
   // a variable-size memcpy there compiled to a libc call and made act_quant 2-4x slower at M=1.
-  // Each memcpy below has a constant size (one scalar load); other counts copy in a short loop.
+  // Each memcpy below has a constant size (one scalar load); other counts build on them.
   static F load_half(const at::Half* p, int n) {
     if (n >= kLanes) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     if (n == 1) {
@@ -101,9 +104,35 @@ struct Simd {
       std::memcpy(&v, p, 8);
       return _mm256_cvtph_ps(_mm_cvtsi64_si128(v));
     }
-    alignas(16) uint16_t buf[kLanes] = {};
-    for (int i = 0; i < n; ++i) buf[i] = p[i].x;
-    return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(buf)));
+    return _mm256_cvtph_ps(load_u16(reinterpret_cast<const uint16_t*>(p), n));
+  }
+  // n < 8 uint16 into the low lanes of a zeroed vector from constant-size loads. NOTE: a loop
+  // into a stack buffer read back as one vector stalls on store forwarding; where a row's group
+  // count left 3, 5, 6 or 7 (K = 960: 30 groups) that made the batch-1 int4 GEMV 1.5x slower.
+  static __m128i load_u16(const uint16_t* p, int n) {
+    __m128i v = _mm_setzero_si128();
+    int i = 0;
+    if (n & 4) {
+      long long q;
+      std::memcpy(&q, p, 8);
+      v = _mm_cvtsi64_si128(q);
+      i = 4;
+    }
+    if (n & 2) {
+      int32_t d;
+      std::memcpy(&d, p + i, 4);
+      v = i ? _mm_insert_epi32(v, d, 2) : _mm_insert_epi32(v, d, 0);
+      i += 2;
+    }
+    if (n & 1) {
+      switch (i) {
+        case 0: v = _mm_insert_epi16(v, p[0], 0); break;
+        case 2: v = _mm_insert_epi16(v, p[2], 2); break;
+        case 4: v = _mm_insert_epi16(v, p[4], 4); break;
+        default: v = _mm_insert_epi16(v, p[6], 6); break;
+      }
+    }
+    return v;
   }
   using P = __m256i;
   static P load_perm(const int32_t* idx) {
