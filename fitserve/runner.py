@@ -104,7 +104,7 @@ class ModelRunner:
         sample_rows, sample_ids, verify = logits_rows(chunks)
         result = RunnerOutput(sampled={})
         if sample_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+            logits = self.model.compute_logits(self._rows(hidden, sample_rows))
             tokens, logprobs = self.sampler(logits, [states[r] for r in sample_ids])
             result.sampled.update(zip(sample_ids, tokens, strict=True))
             if self.keep_hidden:
@@ -115,6 +115,13 @@ class ModelRunner:
         if verify:
             self._verify(hidden, verify, states, result)
         return result
+
+    def _rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """``hidden[rows]``; ``hidden`` itself when that is every row in order (a decode-only
+        step samples each of its rows: no index tensor, no copy)."""
+        if len(rows) == hidden.shape[0] and rows == list(range(len(rows))):
+            return hidden
+        return hidden[torch.tensor(rows, device=self.device)]
 
     def _verify(self, hidden: torch.Tensor, verify: list[tuple[ScheduledChunk, int]],
                 states: dict[str, RequestSamplingState], result: RunnerOutput) -> None:

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <tuple>
 #include <type_traits>
@@ -115,6 +116,29 @@ inline void layout_int4_row(const int8_t* aq, const float* da, const int32_t* is
   }
   group_sums(da, isum, kp, group, Sg);
 }
+
+#if defined(FITSERVE_TIER_AVX2)
+// The batch-1 GEMV's int4 layout for G = 32 (qlinear_gemv.h reads the bytes and S_g, never the
+// lane scales): block g's low 16 columns go to the lo half of chunk g / 2, its high 16 to the
+// hi half, at byte 16 * (g % 2): layout_int4_row's order, as 16-byte copies instead of a loop
+// over bytes (it ran on every linear of a decode step).
+inline void layout_int4_g32_gemv(const int8_t* aq, const float* da, const int32_t* isum,
+                                 int64_t kp, const ActLayout& L, int8_t* A, float* Sg) {
+  static_assert(S::kBytes == 32, "two groups of 16 bytes per chunk");
+  const int64_t G = kp / kActBlock;
+  for (int64_t g = 0; g < G; ++g) {
+    int8_t* dst = A + (g / 2) * 2 * S::kBytes + 16 * (g % 2);
+    std::memcpy(dst, aq + g * kActBlock, 16);
+    std::memcpy(dst + S::kBytes, aq + g * kActBlock + 16, 16);
+    Sg[g] = da[g] * static_cast<float>(isum[g]);  // group_sums for one block per group
+  }
+  if (G % 2) {  // the last chunk's second group is past the row
+    int8_t* dst = A + (L.nchunks - 1) * 2 * S::kBytes + 16;
+    std::memset(dst, 0, 16);
+    std::memset(dst + S::kBytes, 0, 16);
+  }
+}
+#endif
 
 // int8 layout of one row: A [nchunks][kBytes] (biased by kAct8Xor), D [nchunks][kLanes].
 inline void layout_int8_row(const int8_t* aq, const float* da, const ActLayout& L, int8_t* A,

@@ -111,18 +111,12 @@ void rows_int(const T* x, int64_t M, int64_t kp, const QWeight& w, bool int4, fl
   int8_t* aq = scratch(aq_buf, kp);
   float* da = scratch(da_buf, kp / kActBlock);
   int32_t* isum = scratch(isum_buf, kp / kActBlock);
-  for (int64_t m = 0; m < M; ++m) {  // M < kPanelMinRows: not worth a parallel region
-    quantize_row(x + m * kp, kp, aq, da, isum);
-    if (int4)
-      layout_int4_row(aq, da, isum, kp, w.group, L, A + m * L.a_stride, D + m * L.d_stride,
-                      Sg + m * w.ngroups);
-    else
-      layout_int8_row(aq, da, L, A + m * L.a_stride, D + m * L.d_stride);
-  }
-  const QAct xa{A, D, Sg, L.a_stride, L.d_stride};
   const bool asym = w.mins != nullptr, one = w.group == kActBlock;
 #ifdef FITSERVE_QLINEAR_GEMV
-  if (M == 1 && one) {
+  if (M == 1 && one) {  // the GEMV reads the bytes and S_g only: no lane scales to lay out
+    quantize_row(x, kp, aq, da, isum);
+    if (int4) layout_int4_g32_gemv(aq, da, isum, kp, L, A, Sg);
+    const QAct xa{int4 ? A : aq, nullptr, Sg, L.a_stride, L.d_stride};
     const int64_t nb = block_rows(w.N);
     at::parallel_for(0, (w.N + nb - 1) / nb, 1, [&](int64_t b0, int64_t b1) {
       const int64_t n0 = b0 * nb, n1 = std::min(w.N, b1 * nb);
@@ -133,6 +127,15 @@ void rows_int(const T* x, int64_t M, int64_t kp, const QWeight& w, bool int4, fl
     return;
   }
 #endif
+  for (int64_t m = 0; m < M; ++m) {  // M < kPanelMinRows: not worth a parallel region
+    quantize_row(x + m * kp, kp, aq, da, isum);
+    if (int4)
+      layout_int4_row(aq, da, isum, kp, w.group, L, A + m * L.a_stride, D + m * L.d_stride,
+                      Sg + m * w.ngroups);
+    else
+      layout_int8_row(aq, da, L, A + m * L.a_stride, D + m * L.d_stride);
+  }
+  const QAct xa{A, D, Sg, L.a_stride, L.d_stride};
   const ChunkMap cm = chunk_table(L).view();  // the tiles' chunk -> group map (not the GEMV's)
   if (!int4) run_row_blocks(Int8Aq{w, xa, cm, out}, w.N, M);
   else if (asym && one) run_row_blocks(Int4Aq<true, true>{w, xa, cm, out}, w.N, M);
