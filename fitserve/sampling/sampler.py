@@ -172,10 +172,7 @@ class Sampler:
             raise ValueError(
                 f"logits must be [len(states), V] = [{len(states)}, V], got {list(logits.shape)}"
             )
-        penalised = [i for i, s in enumerate(states)
-                     if s.params.repetition_penalty != 1.0 or s.params.frequency_penalty != 0.0
-                     or s.params.presence_penalty != 0.0 or s.guide is not None
-                     or s.logit_bias is not None]
+        penalised = [i for i, s in enumerate(states) if _changes_logits(s)]
         if penalised:
             raise ValueError(
                 f"probabilities() does not apply penalties, logit bias or grammars; rows "
@@ -301,13 +298,16 @@ class Sampler:
         return out
 
 
-def _plain_greedy(s: RequestSamplingState) -> bool:
-    """The token is the argmax of the raw logits: greedy, and no logprobs, bias, grammar or
-    penalty."""
+def _changes_logits(s: RequestSamplingState) -> bool:
+    """A penalty, a logit bias or a grammar applies to this row's logits before sampling."""
     p = s.params
-    return (p.greedy and s.num_logprobs is None and s.logit_bias is None and s.guide is None
-            and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
-            and p.presence_penalty == 0.0)
+    return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+            or p.presence_penalty != 0.0 or s.guide is not None or s.logit_bias is not None)
+
+
+def _plain_greedy(s: RequestSamplingState) -> bool:
+    """The token is the argmax of the raw logits: greedy, no logprobs, nothing changes them."""
+    return s.params.greedy and s.num_logprobs is None and not _changes_logits(s)
 
 
 def _apply_penalties(x: torch.Tensor, states: list[RequestSamplingState]) -> None:

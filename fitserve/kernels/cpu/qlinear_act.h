@@ -130,13 +130,13 @@ inline void layout_int4_g32_gemv(const int8_t* aq, const float* da, const int32_
     int8_t* dst = A + (g / 2) * 2 * S::kBytes + 16 * (g % 2);
     std::memcpy(dst, aq + g * kActBlock, 16);
     std::memcpy(dst + S::kBytes, aq + g * kActBlock + 16, 16);
-    Sg[g] = da[g] * static_cast<float>(isum[g]);  // group_sums for one block per group
   }
   if (G % 2) {  // the last chunk's second group is past the row
     int8_t* dst = A + (L.nchunks - 1) * 2 * S::kBytes + 16;
     std::memset(dst, 0, 16);
     std::memset(dst + S::kBytes, 0, 16);
   }
+  group_sums(da, isum, kp, kActBlock, Sg);
 }
 #endif
 
