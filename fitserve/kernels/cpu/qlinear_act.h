@@ -17,7 +17,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "qlinear_tiles.h"
+#include "qlinear_gemv.h"  // FITSERVE_QLINEAR_GEMV (and qlinear_tiles.h)
 
 namespace fitserve::qlinear {
 
@@ -117,26 +117,37 @@ inline void layout_int4_row(const int8_t* aq, const float* da, const int32_t* is
   group_sums(da, isum, kp, group, Sg);
 }
 
-#if defined(FITSERVE_TIER_AVX2)
+#ifdef FITSERVE_QLINEAR_GEMV
 // The batch-1 GEMV's int4 layout for G = 32 (qlinear_gemv.h reads the bytes and S_g, never the
-// lane scales): block g's low 16 columns go to the lo half of chunk g / 2, its high 16 to the
-// hi half, at byte 16 * (g % 2): layout_int4_row's order, as 16-byte copies instead of a loop
-// over bytes (it ran on every linear of a decode step).
+// lane scales): a chunk holds GPC = kBytes / 16 groups; block g's low 16 columns go to the lo
+// half of chunk g / GPC, its high 16 to the hi half, at byte 16 * (g % GPC): layout_int4_row's
+// order, as 16-byte copies instead of a loop over bytes (it runs on every linear of a decode
+// step).
 inline void layout_int4_g32_gemv(const int8_t* aq, const float* da, const int32_t* isum,
                                  int64_t kp, const ActLayout& L, int8_t* A, float* Sg) {
-  static_assert(S::kBytes == 32, "two groups of 16 bytes per chunk");
+  constexpr int64_t GPC = S::kBytes / 16;
   const int64_t G = kp / kActBlock;
   for (int64_t g = 0; g < G; ++g) {
-    int8_t* dst = A + (g / 2) * 2 * S::kBytes + 16 * (g % 2);
+    int8_t* dst = A + (g / GPC) * 2 * S::kBytes + 16 * (g % GPC);
     std::memcpy(dst, aq + g * kActBlock, 16);
     std::memcpy(dst + S::kBytes, aq + g * kActBlock + 16, 16);
   }
-  if (G % 2) {  // the last chunk's second group is past the row
-    int8_t* dst = A + (L.nchunks - 1) * 2 * S::kBytes + 16;
+  for (int64_t g = G; g % GPC; ++g) {  // the last chunk's groups past the row
+    int8_t* dst = A + (g / GPC) * 2 * S::kBytes + 16 * (g % GPC);
     std::memset(dst, 0, 16);
     std::memset(dst + S::kBytes, 0, 16);
   }
   group_sums(da, isum, kp, kActBlock, Sg);
+}
+
+// The int8 GEMV's per-lane start where it reads weights unsigned (S::kGemvW8Unsigned):
+// bias[l] = -128 * (sum of aq[4l .. 4l+3]), 0 past the row; nchunks * kLanes entries.
+inline void gemv_w8_lane_bias(const int8_t* aq, int64_t kp, const ActLayout& L, int32_t* bias) {
+  for (int64_t l = 0; l < L.nchunks * S::kLanes; ++l) {
+    int32_t s = 0;
+    if (4 * l < kp) s = aq[4 * l] + aq[4 * l + 1] + aq[4 * l + 2] + aq[4 * l + 3];
+    bias[l] = -128 * s;
+  }
 }
 #endif
 

@@ -18,7 +18,9 @@
 // branched on each chunk's scale count; per 64 int4 weights and row it issued ~20 vector ops
 // where this issues ~11, and a decode step is nothing but this loop over 96 MB. A cross-lane
 // vpermps per chunk instead of the in-lane shuffle cost 7% (int4) / 13% (int8) at 1 thread on
-// Zen 3.
+// Zen 3. On Zen 4 (avx512_vnni tier) this path replaced the tiles at M = 1 on 2026-12-04:
+// SmolLM2's batch-1 linears back to back (benchmarks/profile_engine.py) went from 5.37 to 3.67
+// ms for the 120 int4 projections and from 2.47 to 0.73 ms for the int8 lm_head.
 #pragma once
 
 #include <algorithm>
@@ -29,9 +31,10 @@
 
 namespace fitserve::qlinear {
 
-// Only tiers whose Simd has dot_u4x2 (avx2; the AVX-512 tiers keep the tiles until this path
-// can be tested on such a CPU).
-#if defined(FITSERVE_TIER_AVX2)
+// Tiers whose Simd has dot_u4x2 / span4 / gemv_dot_w8 (avx2, avx512, avx512_vnni; scalar
+// keeps the tiles).
+#if defined(FITSERVE_TIER_AVX2) || defined(FITSERVE_TIER_AVX512) || \
+    defined(FITSERVE_TIER_AVX512_VNNI)
 #define FITSERVE_QLINEAR_GEMV 1
 
 constexpr int kGemvRows = 4;  // weight rows per prefetch step
@@ -65,8 +68,11 @@ void g32_gemv(const QWeight& w, const QAct& x, const float* dg, int64_t n_begin,
       const int8_t* a = x.a + c * 2 * S::kBytes;
       t = S::dot_u4x2(S::nib_lo(wb), S::load_bytes(a, S::kBytes), S::nib_hi(wb),
                       S::load_bytes(a + S::kBytes, S::kBytes));
-    } else {
-      t = S::dot_w8(S::prep_w8(wb), S::load_bytes(x.a + c * S::kBytes, S::kBytes));
+    } else {  // activations past the row are masked like the weights (x.a is kp bytes)
+      const S::B a = S::load_bytes(x.a + c * S::kBytes, nb);
+      t = S::gemv_dot_w8(wb, a, S::kGemvW8Unsigned
+                                    ? S::load_bytes(x.lane_bias + c * S::kLanes, S::kBytes)
+                                    : S::izero());
     }
     acc = S::fmadd(S::cvt(t), ls, acc);
   };

@@ -115,8 +115,15 @@ void rows_int(const T* x, int64_t M, int64_t kp, const QWeight& w, bool int4, fl
 #ifdef FITSERVE_QLINEAR_GEMV
   if (M == 1 && one) {  // the GEMV reads the bytes and S_g only: no lane scales to lay out
     quantize_row(x, kp, aq, da, isum);
-    if (int4) layout_int4_g32_gemv(aq, da, isum, kp, L, A, Sg);
-    const QAct xa{int4 ? A : aq, nullptr, Sg, L.a_stride, L.d_stride};
+    int32_t* bias = nullptr;
+    if (int4) {
+      layout_int4_g32_gemv(aq, da, isum, kp, L, A, Sg);
+    } else if (S::kGemvW8Unsigned) {
+      static thread_local std::vector<int32_t> bias_buf;
+      bias = scratch(bias_buf, L.nchunks * S::kLanes);
+      gemv_w8_lane_bias(aq, kp, L, bias);
+    }
+    const QAct xa{int4 ? A : aq, nullptr, Sg, L.a_stride, L.d_stride, bias};
     const int64_t nb = block_rows(w.N);
     at::parallel_for(0, (w.N + nb - 1) / nb, 1, [&](int64_t b0, int64_t b1) {
       const int64_t n0 = b0 * nb, n1 = std::min(w.N, b1 * nb);

@@ -60,6 +60,9 @@ struct Simd {
   }
   template <int j>
   static F chunk8(const Span8& s) { return _mm256_permute_ps(j < 4 ? s.lo : s.hi, (j % 4) * 0x55); }
+  // the batch-1 GEMV's int8 dot of plain (unbiased) activations: the sign trick below
+  static constexpr bool kGemvW8Unsigned = false;
+  static I gemv_dot_w8(B w, B a, I) { return dot_w8(prep_w8(w), a); }
   struct W8 { B absw; B w; };
   static W8 prep_w8(B w) { return {_mm256_sign_epi8(w, w), w}; }
   static I dot_w8(const W8& w, B a) {

@@ -67,6 +67,52 @@ struct Simd {
   }
 #endif
 
+  // ---- the batch-1 GEMV (qlinear_gemv.h)
+  // dot_u4(dot_u4(0, lo, alo), hi, ahi); without VNNI the two byte-pair sums are added as int16
+  // first (|lo pair + hi pair| <= 4 * 15 * 127 < 2^15)
+  static I dot_u4x2(B lo, B alo, B hi, B ahi) {
+#if defined(FITSERVE_TIER_AVX512_VNNI)
+    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(izero(), lo, alo), hi, ahi);
+#else
+    const I pairs = _mm512_add_epi16(_mm512_maddubs_epi16(lo, alo), _mm512_maddubs_epi16(hi, ahi));
+    return _mm512_madd_epi16(pairs, _mm512_set1_epi16(1));
+#endif
+  }
+  // A span's 16 group scales -> each chunk's lane scales with one in-lane permute per chunk
+  // (the cross-lane permutes happen once per span). int4 chunk j = groups 4j..4j+3, one per
+  // 128-bit lane: the span is the 4 x 4 transpose, [s0 s4 s8 s12 | s1 s5 s9 s13 | ...], and
+  // chunk j broadcasts element j within each 128-bit lane.
+  struct Span4 { F p; };
+  static Span4 span4(F sv) {
+    return {_mm512_permutexvar_ps(
+        _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sv)};
+  }
+  template <int j>
+  static F chunk4(const Span4& s) { return _mm512_permute_ps(s.p, j * 0x55); }
+  // int8 chunk j = groups 2j (lanes 0-7), 2j+1 (lanes 8-15): lo = [s0 s2 s4 s6] x 2 then
+  // [s1 s3 s5 s7] x 2 for chunks 0-3, hi the same from s8 for chunks 4-7
+  struct Span8 { F lo, hi; };
+  static Span8 span8(F sv) {
+    return {_mm512_permutexvar_ps(
+                _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 1, 3, 5, 7, 1, 3, 5, 7), sv),
+            _mm512_permutexvar_ps(
+                _mm512_setr_epi32(8, 10, 12, 14, 8, 10, 12, 14, 9, 11, 13, 15, 9, 11, 13, 15), sv)};
+  }
+  template <int j>
+  static F chunk8(const Span8& s) { return _mm512_permute_ps(j < 4 ? s.lo : s.hi, (j % 4) * 0x55); }
+#if defined(FITSERVE_TIER_AVX512_VNNI)
+  // NOTE: the weights are read unsigned (w ^ 0x80 = w + 128), so dpbusd gives dot(w, a) +
+  // 128 * sum(a); the per-lane -128 * sum(a) is computed once per call (QAct::lane_bias) and is
+  // the accumulator's start: exact, one xor per chunk instead of prep_w8's second dpbusd.
+  static constexpr bool kGemvW8Unsigned = true;
+  static I gemv_dot_w8(B w, B a, I lane_bias) {
+    return _mm512_dpbusd_epi32(lane_bias, _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))), a);
+  }
+#else
+  static constexpr bool kGemvW8Unsigned = false;
+  static I gemv_dot_w8(B w, B a, I) { return dot_w8(prep_w8(w), a); }
+#endif
+
   static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
   static F fzero() { return _mm512_setzero_ps(); }
   static F set1(float v) { return _mm512_set1_ps(v); }

@@ -43,6 +43,9 @@ struct QAct {
   const float* d;    // per x row: d_stride lane scales
   const float* s;    // int4 only: per x row, ngroups of S_g
   int64_t a_stride, d_stride;
+  // the batch-1 int8 GEMV where its weights are read unsigned (S::kGemvW8Unsigned): per chunk
+  // lane, -128 * the sum of that lane's 4 activation bytes
+  const int32_t* lane_bias = nullptr;
 };
 
 #define FS_UNROLL _Pragma("GCC unroll 16")
