@@ -86,7 +86,7 @@ struct Scratch {
   std::vector<float> q, k, v, s, acc, m, l;
   std::vector<const float*> krow, vrow;
   std::vector<uint16_t> qb;            // bf16 path: raw q rows, zero-padded to 32 lanes
-  std::vector<const uint16_t*> kraw;   // bf16 path: K rows in the cache, unconverted
+  std::vector<const uint16_t*> kraw, vraw;  // bf16 path: K / V rows in the cache, unconverted
   void reserve(int64_t g, int64_t dpad) {
     if (static_cast<int64_t>(q.size()) >= g * dpad && static_cast<int64_t>(m.size()) >= g &&
         static_cast<int64_t>(k.size()) >= kTile * dpad)
@@ -95,6 +95,7 @@ struct Scratch {
     const int64_t dm = std::max<int64_t>(dpad, static_cast<int64_t>(k.size()) / kTile);
     qb.assign(gm * (dm + 2 * kLanes), 0);
     kraw.assign(kTile, nullptr);
+    vraw.assign(kTile, nullptr);
     q.assign(gm * dm, 0.f);
     k.assign(kTile * dm, 0.f);
     v.assign(kTile * dm, 0.f);
@@ -292,25 +293,101 @@ inline void scores_bf16dot(const uint16_t* q, const uint16_t* const* rows, int64
 }
 #endif
 
-// kBf16Dot: q . k from the raw bf16 rows (Scratch::qb / kraw), else from the fp32 ones.
+#if FS_BF16DOT
+// acc_h[0..D) += sum_i p_h[i] v_i for HB query heads h0 .. h0+HB-1 of the group, from raw bf16
+// V rows: each row is widened in registers once for all HB heads (no fp32 copy of the tile, no
+// reload per head). The HB * NCH accumulators stay in registers; where they are 8 or fewer, a
+// second set takes the odd rows (one set would be a latency-bound chain of dependent FMAs).
+template <int NCH, int HB>
+inline void pv_heads_bf16(float* acc, int64_t dpad, const float* s, const uint16_t* const* rows,
+                          int64_t n, __mmask16 tail) {
+  constexpr int kSets = HB * NCH <= 8 ? 2 : 1;
+  __m512 av[kSets][HB][NCH];
+#pragma GCC unroll 16
+  for (int j = 0; j < HB; ++j)
+#pragma GCC unroll 16
+    for (int c = 0; c < NCH; ++c) {
+      av[0][j][c] = _mm512_loadu_ps(acc + j * dpad + c * kLanes);
+      if constexpr (kSets == 2) av[1][j][c] = _mm512_setzero_ps();
+    }
+  auto row = [&](auto& a, int64_t i) __attribute__((always_inline)) {
+    __m512 pb[HB];
+#pragma GCC unroll 16
+    for (int j = 0; j < HB; ++j) pb[j] = _mm512_set1_ps(s[j * kTile + i]);
+#pragma GCC unroll 16
+    for (int c = 0; c < NCH; ++c) {
+      const __m512 v = bf16x16_to_f32(_mm256_maskz_loadu_epi16(
+          c == NCH - 1 ? tail : static_cast<__mmask16>(0xFFFF), rows[i] + c * kLanes));
+#pragma GCC unroll 16
+      for (int j = 0; j < HB; ++j) a[j][c] = _mm512_fmadd_ps(pb[j], v, a[j][c]);
+    }
+  };
+  int64_t i = 0;
+  if constexpr (kSets == 2)
+    for (; i + 1 < n; i += 2) {
+      row(av[0], i);
+      row(av[1], i + 1);
+    }
+  for (; i < n; ++i) row(av[0], i);
+#pragma GCC unroll 16
+  for (int j = 0; j < HB; ++j)
+#pragma GCC unroll 16
+    for (int c = 0; c < NCH; ++c) {
+      __m512 sum = av[0][j][c];
+      if constexpr (kSets == 2) sum = _mm512_add_ps(sum, av[1][j][c]);
+      _mm512_storeu_ps(acc + j * dpad + c * kLanes, sum);
+    }
+}
+
+// Every head of the group, in blocks of up to 16 / NCH heads (16 accumulator registers).
+template <int NCH>
+inline void pv_group_bf16(const Geometry& g, Scratch& w, int64_t n, __mmask16 tail) {
+  constexpr int kMaxHB = NCH >= 16 ? 1 : 16 / NCH;
+  for (int64_t h0 = 0; h0 < g.group;) {
+    const int64_t hb = std::min<int64_t>(kMaxHB, g.group - h0);
+    float* acc = w.acc.data() + h0 * g.dpad;
+    const float* s = w.s.data() + h0 * kTile;
+    const uint16_t* const* rows = w.vraw.data();
+    switch (hb) {
+#define FS_PV_CASE(H) \
+  case H:             \
+    if constexpr (H <= kMaxHB) pv_heads_bf16<NCH, H>(acc, g.dpad, s, rows, n, tail); \
+    break;
+      FS_PV_CASE(1) FS_PV_CASE(2) FS_PV_CASE(3) FS_PV_CASE(4) FS_PV_CASE(5) FS_PV_CASE(6)
+      FS_PV_CASE(7) FS_PV_CASE(8) FS_PV_CASE(9) FS_PV_CASE(10) FS_PV_CASE(11) FS_PV_CASE(12)
+      FS_PV_CASE(13) FS_PV_CASE(14) FS_PV_CASE(15) FS_PV_CASE(16)
+#undef FS_PV_CASE
+      default: break;
+    }
+    h0 += hb;
+  }
+}
+#endif
+
+// kBf16Dot: q . k from the raw bf16 rows (Scratch::qb / kraw) and P @ V from the raw V rows
+// (vraw), all heads of the group per V row; else both from the fp32 rows.
 template <int NCH, bool kBf16Dot>
 void tile_avx512(const Geometry& g, Scratch& w, int64_t n) {
   const __mmask16 tail = tail_mask(g.head_dim - (NCH - 1) * kLanes);
+#if FS_BF16DOT
+  if constexpr (kBf16Dot) {
+    constexpr int kNc2 = (NCH + 1) / 2;
+    const int64_t rest = g.head_dim - (kNc2 - 1) * 2 * kLanes;  // 1..32
+    const __mmask32 tail32 = rest >= 32 ? 0xFFFFFFFFu : ((1u << rest) - 1u);
+    for (int64_t h = 0; h < g.group; ++h) {
+      float* s = w.s.data() + h * kTile;
+      scores_bf16dot<kNc2>(w.qb.data() + h * (g.dpad + 2 * kLanes), w.kraw.data(), n, tail32,
+                           g.scale, s);
+      softmax_step_avx512(s, n, &w.m[h], &w.l[h], w.acc.data() + h * g.dpad, g.dpad);
+    }
+    pv_group_bf16<NCH>(g, w, n, tail);
+    return;
+  }
+#endif
   for (int64_t h = 0; h < g.group; ++h) {
     float* s = w.s.data() + h * kTile;
     float* acc = w.acc.data() + h * g.dpad;
-#if FS_BF16DOT
-    if constexpr (kBf16Dot) {
-      constexpr int kNc2 = (NCH + 1) / 2;
-      const int64_t rest = g.head_dim - (kNc2 - 1) * 2 * kLanes;  // 1..32
-      const __mmask32 tail32 = rest >= 32 ? 0xFFFFFFFFu : ((1u << rest) - 1u);
-      scores_bf16dot<kNc2>(w.qb.data() + h * (g.dpad + 2 * kLanes), w.kraw.data(), n, tail32,
-                           g.scale, s);
-    } else
-#endif
-    {
-      scores_avx512<NCH>(w.q.data() + h * g.dpad, w.krow.data(), n, tail, s);
-    }
+    scores_avx512<NCH>(w.q.data() + h * g.dpad, w.krow.data(), n, tail, s);
     softmax_step_avx512(s, n, &w.m[h], &w.l[h], acc, g.dpad);
     pv_avx512<NCH>(acc, s, w.vrow.data(), n, tail);
   }
@@ -564,10 +641,21 @@ inline void prefetch_rows(const Geometry& g, const T* kh, const T* vh, const int
 }
 
 // One work item: keys [t_begin, t_end) of sequence b for KV head kvh. Leaves (acc, m, l) in w.
-// kDot (bf16 q and cache, VDPBF16PS tile): q and K stay raw bf16, only V rows are widened.
+// kDot (bf16 q and cache, VDPBF16PS tile): q, K and V stay raw bf16 (V widened in registers).
+// The keys of the work item a thread runs next, whose first tile the current item's last tile
+// prefetches (t_from == t_to: none).
+template <typename T>
+struct NextRows {
+  const T* kh = nullptr;
+  const T* vh = nullptr;
+  const int32_t* table = nullptr;
+  int64_t t_from = 0, t_to = 0;
+};
+
 template <typename T, typename QT, bool kDot>
 void attend(const Geometry& g, const QT* q, const T* kc, const T* vc, const int32_t* table,
-            int64_t b, int64_t kvh, int64_t t_begin, int64_t t_end, Scratch& w, TileFn tile) {
+            int64_t b, int64_t kvh, int64_t t_begin, int64_t t_end, Scratch& w, TileFn tile,
+            const NextRows<T>& next) {
   const int64_t d = g.head_dim;
   for (int64_t h = 0; h < g.group; ++h) {
     const QT* qr = q + b * g.q_stride_b + (kvh * g.group + h) * g.q_stride_h;
@@ -589,7 +677,10 @@ void attend(const Geometry& g, const QT* q, const T* kc, const T* vc, const int3
   prefetch_rows(g, kh, vh, table, t_begin, std::min(t_begin + kTile, t_end));
   for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) {
     const int64_t n = std::min(kTile, t_end - t0);
-    prefetch_rows(g, kh, vh, table, t0 + n, std::min(t0 + n + kTile, t_end));  // next tile
+    if (t0 + n < t_end)  // the next tile, else the next item's first (items are short:
+      prefetch_rows(g, kh, vh, table, t0 + n, std::min(t0 + n + kTile, t_end));
+    else  // at W2's ~200 keys a third of the tiles were an item's first, never prefetched)
+      prefetch_rows(g, next.kh, next.vh, next.table, next.t_from, next.t_to);
     int64_t blk = t0 / g.block_size, off = t0 % g.block_size;
     for (int64_t i = 0; i < n; ++i) {
       const int64_t page = table[blk];
@@ -598,10 +689,9 @@ void attend(const Geometry& g, const QT* q, const T* kc, const T* vc, const int3
       if constexpr (std::is_same_v<T, float>) {  // fp32 rows are read in place
         w.krow[i] = kr;
         w.vrow[i] = vr;
-      } else if constexpr (kDot) {  // K read in place as bf16, V widened
+      } else if constexpr (kDot) {  // K and V read in place as bf16
         w.kraw[i] = reinterpret_cast<const uint16_t*>(kr);
-        row_to_float(vr, w.v.data() + i * g.dpad, d);
-        w.vrow[i] = w.v.data() + i * g.dpad;
+        w.vraw[i] = reinterpret_cast<const uint16_t*>(vr);
       } else {  // 16-bit rows widen into the tile buffer (L1-resident) once per group
         row_to_float(kr, w.k.data() + i * g.dpad, d);
         row_to_float(vr, w.v.data() + i * g.dpad, d);
@@ -681,10 +771,21 @@ void run(const Geometry& g, const at::Tensor& q, const at::Tensor& kc, const at:
       const int64_t p = first_part[b] + local % num_parts[b];
       int64_t t0 = 0, t1 = 0;
       partition_range(g, lens[b], p, &t0, &t1);
+      NextRows<T> next;
+      if (it + 1 < end) {
+        const int64_t nb = item_seq[it + 1], nl = it + 1 - item_start[nb];
+        const int64_t nkvh = nl / num_parts[nb];
+        partition_range(g, lens[nb], first_part[nb] + nl % num_parts[nb], &next.t_from,
+                        &next.t_to);
+        next.t_to = std::min(next.t_to, next.t_from + kTile);
+        next.kh = kp + nkvh * g.k_stride_h;
+        next.vh = vp + nkvh * g.v_stride_h;
+        next.table = tp + nb * g.max_blocks;
+      }
       if (dot)
-        attend<T, QT, true>(g, qp, kp, vp, tp + b * g.max_blocks, b, kvh, t0, t1, w, tile);
+        attend<T, QT, true>(g, qp, kp, vp, tp + b * g.max_blocks, b, kvh, t0, t1, w, tile, next);
       else
-        attend<T, QT, false>(g, qp, kp, vp, tp + b * g.max_blocks, b, kvh, t0, t1, w, tile);
+        attend<T, QT, false>(g, qp, kp, vp, tp + b * g.max_blocks, b, kvh, t0, t1, w, tile, next);
       if (num_parts[b] == 1) {
         for (int64_t h = 0; h < g.group; ++h) {
           QT* o = op + b * g.out_stride_b + (kvh * g.group + h) * d;
