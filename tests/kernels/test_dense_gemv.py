@@ -8,6 +8,11 @@ values (+ the bf16 bias).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -91,3 +96,35 @@ def test_thread_splits_give_the_same_bits() -> None:
             outs.append(torch.ops.fitserve_dense.bf16_gemv(x, w, None))
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     check(outs[1], x, w, None)
+
+
+def test_tier_is_the_one_asked_for() -> None:
+    want = os.environ.get("FITSERVE_CPU_TIER")
+    if not want:
+        pytest.skip("FITSERVE_CPU_TIER is not set (the tier subprocess test sets it)")
+    from fitserve.kernels.cpu.isa import build_tier, detect_isa
+
+    assert build_tier(detect_isa()) == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tier", ["avx2", "scalar"])
+def test_lower_tiers_match_float64(tier: str) -> None:
+    """The FMA loop (avx2 tier) and the plain loop (scalar), built with FITSERVE_CPU_TIER on a
+    CPU whose own tier runs VDPBF16PS, pass the same float64 checks."""
+    if os.environ.get("FITSERVE_CPU_TIER"):
+        pytest.skip("already inside a tier subprocess")
+    from fitserve.kernels.cpu.isa import TIERS, detect_isa
+
+    if TIERS.index(detect_isa().tier) <= TIERS.index(tier):
+        pytest.skip(f"this CPU's own tier is {detect_isa().tier}: covered by the tests above")
+    env = {**os.environ, "FITSERVE_CPU_TIER": tier}
+    root = Path(__file__).resolve().parents[2]
+    sel = "tier_is or matches_float64 or nan_and_inf or thread_splits"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-k", sel,
+         str(Path(__file__).resolve())],
+        cwd=root, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1]

@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -299,3 +300,31 @@ def test_scale_is_applied_once() -> None:
     wrong = cache.reference(q, 1.0)  # unscaled scores: a clearly different answer
     _check(out, cache.reference(q, 1 / math.sqrt(64)))
     assert (out.double() - wrong).abs().max() > 1e-2
+
+
+@pytestmark_cpp
+def test_tier_is_the_one_asked_for() -> None:
+    if os.environ.get("FITSERVE_CPU_TIER") != "avx2":
+        pytest.skip("FITSERVE_CPU_TIER is not avx2 (the tier subprocess test sets it)")
+    assert kernel_isa() == "avx2"
+
+
+@pytestmark_cpp
+@pytest.mark.slow
+def test_avx2_build_passes_the_reference() -> None:
+    """The AVX2 tile, built with FITSERVE_CPU_TIER=avx2 on an AVX-512 CPU (whose own build runs
+    the AVX-512 tiles), passes the same float64 checks."""
+    if os.environ.get("FITSERVE_CPU_TIER"):
+        pytest.skip("already inside a tier subprocess")
+    if not kernel_isa().startswith("avx512"):
+        pytest.skip(f"this CPU's own build is {kernel_isa()}: covered by the tests above")
+    env = {**os.environ, "FITSERVE_CPU_TIER": "avx2"}
+    root = Path(__file__).resolve().parents[2]
+    sel = "tier_is or matches_float64 or batch_invariant"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-k", sel,
+         str(Path(__file__).resolve())],
+        cwd=root, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1]
