@@ -6,6 +6,8 @@ import contextlib
 import itertools
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -141,3 +143,26 @@ def one_thread() -> Iterator[None]:
     machine every op of a multi-threaded pool waits for a busy core (up to 10x slower)."""
     with torch_threads(1):
         yield
+
+
+def run_tests_at_tier(test_file: str, tier: str, select: str) -> None:
+    """Run ``select`` (a ``-k`` expression) of ``test_file`` in a pytest subprocess whose C++
+    kernels are built for ``tier`` (FITSERVE_CPU_TIER): the paths a CPU's own tier never takes
+    are checked against the same references. Skips inside such a subprocess and where ``tier``
+    is not below this CPU's own. The subprocess must pass, and pass without skipping its last
+    selected test (the ``tier_is`` check each file has)."""
+    if os.environ.get("FITSERVE_CPU_TIER"):
+        pytest.skip("already inside a tier subprocess")
+    from fitserve.kernels.cpu.isa import TIERS, detect_isa
+
+    if TIERS.index(detect_isa().tier) <= TIERS.index(tier):
+        pytest.skip(f"this CPU's own tier is {detect_isa().tier}: covered by the tests above")
+    path = Path(test_file).resolve()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-k", select,
+         str(path)],
+        cwd=Path(__file__).resolve().parents[1], env={**os.environ, "FITSERVE_CPU_TIER": tier},
+        capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1]

@@ -9,16 +9,13 @@ values (+ the bf16 bias).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from fitserve.kernels.cpu.dense_gemv import bf16_gemv_available
 from fitserve.model.linear import DenseLinear
-from tests.conftest import torch_threads
+from tests.conftest import run_tests_at_tier, torch_threads
 
 if not bf16_gemv_available():
     pytest.skip("dense_gemv.cpp could not be built here", allow_module_level=True)
@@ -112,19 +109,4 @@ def test_tier_is_the_one_asked_for() -> None:
 def test_lower_tiers_match_float64(tier: str) -> None:
     """The FMA loop (avx2 tier) and the plain loop (scalar), built with FITSERVE_CPU_TIER on a
     CPU whose own tier runs VDPBF16PS, pass the same float64 checks."""
-    if os.environ.get("FITSERVE_CPU_TIER"):
-        pytest.skip("already inside a tier subprocess")
-    from fitserve.kernels.cpu.isa import TIERS, detect_isa
-
-    if TIERS.index(detect_isa().tier) <= TIERS.index(tier):
-        pytest.skip(f"this CPU's own tier is {detect_isa().tier}: covered by the tests above")
-    env = {**os.environ, "FITSERVE_CPU_TIER": tier}
-    root = Path(__file__).resolve().parents[2]
-    sel = "tier_is or matches_float64 or nan_and_inf or thread_splits"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-k", sel,
-         str(Path(__file__).resolve())],
-        cwd=root, env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1]
+    run_tests_at_tier(__file__, tier, "tier_is or matches_float64 or nan_and_inf or thread_splits")

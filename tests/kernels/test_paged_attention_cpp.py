@@ -21,7 +21,6 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -35,7 +34,7 @@ from fitserve.kernels.cpu.paged_attention import (
 )
 from fitserve.model.attention import AttentionBatch, paged_attention, write_kv
 from fitserve.runner import build_decode_batch, build_prefill_seq
-from tests.conftest import torch_threads
+from tests.conftest import run_tests_at_tier, torch_threads
 
 
 def _expect_available() -> bool:
@@ -314,17 +313,4 @@ def test_tier_is_the_one_asked_for() -> None:
 def test_avx2_build_passes_the_reference() -> None:
     """The AVX2 tile, built with FITSERVE_CPU_TIER=avx2 on an AVX-512 CPU (whose own build runs
     the AVX-512 tiles), passes the same float64 checks."""
-    if os.environ.get("FITSERVE_CPU_TIER"):
-        pytest.skip("already inside a tier subprocess")
-    if not kernel_isa().startswith("avx512"):
-        pytest.skip(f"this CPU's own build is {kernel_isa()}: covered by the tests above")
-    env = {**os.environ, "FITSERVE_CPU_TIER": "avx2"}
-    root = Path(__file__).resolve().parents[2]
-    sel = "tier_is or matches_float64 or batch_invariant"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-k", sel,
-         str(Path(__file__).resolve())],
-        cwd=root, env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1]
+    run_tests_at_tier(__file__, "avx2", "tier_is or matches_float64 or batch_invariant")

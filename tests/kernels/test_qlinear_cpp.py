@@ -17,9 +17,6 @@ dequantized in float64: ``w = scale * q + min`` (int4 asym), ``scale * (q - 8)``
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,7 +27,7 @@ from fitserve.kernels.cpu.qlinear import (
     qlinear_ops_available,
     qlinear_tier,
 )
-from tests.conftest import torch_threads
+from tests.conftest import run_tests_at_tier, torch_threads
 
 if not qlinear_ops_available():
     pytest.skip("the qlinear C++ extension could not be built here (no compiler, a failed build "
@@ -318,22 +315,8 @@ def test_tier_is_the_one_asked_for() -> None:
 @pytest.mark.parametrize("tier", ["avx2", "scalar", "avx512"])
 def test_lower_tiers_match_float64(tier: str) -> None:
     """The AVX2 and scalar code paths, built here with FITSERVE_CPU_TIER, pass the same tests."""
-    if os.environ.get("FITSERVE_CPU_TIER"):
-        pytest.skip("already inside a tier subprocess")
-    from fitserve.kernels.cpu.isa import TIERS, detect_isa
-
-    if TIERS.index(detect_isa().tier) <= TIERS.index(tier):
-        pytest.skip(f"this CPU's own tier is {detect_isa().tier}: covered by the tests above")
-    env = {**os.environ, "FITSERVE_CPU_TIER": tier}
-    root = Path(__file__).resolve().parents[2]
-    sel = "tier_is or (matches_float64 and not bfloat16) or tight or model_shapes or nan_in_x"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-k", sel,
-         str(Path(__file__).resolve())],
-        cwd=root, env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1]
+    run_tests_at_tier(__file__, tier, "tier_is or (matches_float64 and not bfloat16) or tight "
+                                      "or model_shapes or nan_in_x")
 
 
 @pytest.mark.parametrize("act_quant", [False, True])

@@ -22,11 +22,17 @@
 
 namespace {
 
-// xb: x as bf16; x: the same values in fp32
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+constexpr bool kBf16Dot = true;  // row_dot reads x as bf16 (no fp32 copy of x needed)
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
+// xb: x as bf16; x: the same values in fp32 (only read where !kBf16Dot)
 float row_dot(const c10::BFloat16* w, const c10::BFloat16* xb, const float* x, int64_t K) {
   int64_t k = 0;
   float s = 0.f;
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)  // kBf16Dot
   // VDPBF16PS: pairs of bf16 products (exact in fp32) added in fp32, 32 weights per
   // instruction and no widening; 4 accumulators, the row's tail through a masked load
   (void)x;
@@ -90,11 +96,13 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight,
     TORCH_CHECK(bias->numel() == N && bias->is_contiguous() &&
                     bias->scalar_type() == at::kBFloat16,
                 "bf16_gemv: bias must be a contiguous bfloat16 [N]");
-  static thread_local std::vector<float> xf;
-  xf.resize(K);
   const at::Tensor xc = x.contiguous();  // kept alive: xb points into it
   const auto* xb = xc.data_ptr<c10::BFloat16>();
-  for (int64_t k = 0; k < K; ++k) xf[k] = static_cast<float>(xb[k]);
+  static thread_local std::vector<float> xf;
+  if (!kBf16Dot) {
+    xf.resize(K);
+    for (int64_t k = 0; k < K; ++k) xf[k] = static_cast<float>(xb[k]);
+  }
   at::Tensor out = at::empty({1, N}, x.options());
   auto* y = out.data_ptr<c10::BFloat16>();
   const auto* w = weight.data_ptr<c10::BFloat16>();

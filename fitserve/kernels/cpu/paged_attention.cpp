@@ -339,27 +339,22 @@ inline void pv_heads_bf16(float* acc, int64_t dpad, const float* s, const uint16
     }
 }
 
+// pv_heads_bf16<NCH, hb> for a run-time hb in 1..H.
+template <int NCH, int H>
+inline void pv_heads_bf16_n(int64_t hb, float* acc, int64_t dpad, const float* s,
+                            const uint16_t* const* rows, int64_t n, __mmask16 tail) {
+  if (hb == H) pv_heads_bf16<NCH, H>(acc, dpad, s, rows, n, tail);
+  else if constexpr (H > 1) pv_heads_bf16_n<NCH, H - 1>(hb, acc, dpad, s, rows, n, tail);
+}
+
 // Every head of the group, in blocks of up to 16 / NCH heads (16 accumulator registers).
 template <int NCH>
 inline void pv_group_bf16(const Geometry& g, Scratch& w, int64_t n, __mmask16 tail) {
   constexpr int kMaxHB = NCH >= 16 ? 1 : 16 / NCH;
-  for (int64_t h0 = 0; h0 < g.group;) {
-    const int64_t hb = std::min<int64_t>(kMaxHB, g.group - h0);
-    float* acc = w.acc.data() + h0 * g.dpad;
-    const float* s = w.s.data() + h0 * kTile;
-    const uint16_t* const* rows = w.vraw.data();
-    switch (hb) {
-#define FS_PV_CASE(H) \
-  case H:             \
-    if constexpr (H <= kMaxHB) pv_heads_bf16<NCH, H>(acc, g.dpad, s, rows, n, tail); \
-    break;
-      FS_PV_CASE(1) FS_PV_CASE(2) FS_PV_CASE(3) FS_PV_CASE(4) FS_PV_CASE(5) FS_PV_CASE(6)
-      FS_PV_CASE(7) FS_PV_CASE(8) FS_PV_CASE(9) FS_PV_CASE(10) FS_PV_CASE(11) FS_PV_CASE(12)
-      FS_PV_CASE(13) FS_PV_CASE(14) FS_PV_CASE(15) FS_PV_CASE(16)
-#undef FS_PV_CASE
-      default: break;
-    }
-    h0 += hb;
+  for (int64_t h0 = 0; h0 < g.group; h0 += kMaxHB) {
+    pv_heads_bf16_n<NCH, kMaxHB>(std::min<int64_t>(kMaxHB, g.group - h0),
+                                 w.acc.data() + h0 * g.dpad, g.dpad, w.s.data() + h0 * kTile,
+                                 w.vraw.data(), n, tail);
   }
 }
 #endif
@@ -640,8 +635,6 @@ inline void prefetch_rows(const Geometry& g, const T* kh, const T* vh, const int
   }
 }
 
-// One work item: keys [t_begin, t_end) of sequence b for KV head kvh. Leaves (acc, m, l) in w.
-// kDot (bf16 q and cache, VDPBF16PS tile): q, K and V stay raw bf16 (V widened in registers).
 // The keys of the work item a thread runs next, whose first tile the current item's last tile
 // prefetches (t_from == t_to: none).
 template <typename T>
@@ -652,10 +645,13 @@ struct NextRows {
   int64_t t_from = 0, t_to = 0;
 };
 
+// One work item: keys [t_begin, t_end) of sequence b for KV head kvh. Leaves (acc, m, l) in w.
+// kDot (bf16 q and cache, VDPBF16PS tile): q, K and V stay raw bf16 (V widened in registers).
+// first_prefetched: the thread's previous item already prefetched this item's first tile.
 template <typename T, typename QT, bool kDot>
 void attend(const Geometry& g, const QT* q, const T* kc, const T* vc, const int32_t* table,
             int64_t b, int64_t kvh, int64_t t_begin, int64_t t_end, Scratch& w, TileFn tile,
-            const NextRows<T>& next) {
+            bool first_prefetched, const NextRows<T>& next) {
   const int64_t d = g.head_dim;
   for (int64_t h = 0; h < g.group; ++h) {
     const QT* qr = q + b * g.q_stride_b + (kvh * g.group + h) * g.q_stride_h;
@@ -674,7 +670,8 @@ void attend(const Geometry& g, const QT* q, const T* kc, const T* vc, const int3
   }
   const T* kh = kc + kvh * g.k_stride_h;
   const T* vh = vc + kvh * g.v_stride_h;
-  prefetch_rows(g, kh, vh, table, t_begin, std::min(t_begin + kTile, t_end));
+  if (!first_prefetched)
+    prefetch_rows(g, kh, vh, table, t_begin, std::min(t_begin + kTile, t_end));
   for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) {
     const int64_t n = std::min(kTile, t_end - t0);
     if (t0 + n < t_end)  // the next tile, else the next item's first (items are short:
@@ -782,10 +779,13 @@ void run(const Geometry& g, const at::Tensor& q, const at::Tensor& kc, const at:
         next.vh = vp + nkvh * g.v_stride_h;
         next.table = tp + nb * g.max_blocks;
       }
+      const bool first_prefetched = it > begin;
       if (dot)
-        attend<T, QT, true>(g, qp, kp, vp, tp + b * g.max_blocks, b, kvh, t0, t1, w, tile, next);
+        attend<T, QT, true>(g, qp, kp, vp, tp + b * g.max_blocks, b, kvh, t0, t1, w, tile,
+                            first_prefetched, next);
       else
-        attend<T, QT, false>(g, qp, kp, vp, tp + b * g.max_blocks, b, kvh, t0, t1, w, tile, next);
+        attend<T, QT, false>(g, qp, kp, vp, tp + b * g.max_blocks, b, kvh, t0, t1, w, tile,
+                             first_prefetched, next);
       if (num_parts[b] == 1) {
         for (int64_t h = 0; h < g.group; ++h) {
           QT* o = op + b * g.out_stride_b + (kvh * g.group + h) * d;
