@@ -30,7 +30,7 @@ generate: pull
 
 lint: setup
 	$(BIN)/ruff check fitserve tests benchmarks
-	$(BIN)/mypy fitserve/plan fitserve/kv fitserve/sched
+	$(BIN)/mypy fitserve/ledger fitserve/tools/planner fitserve/tools/sheets fitserve/kv fitserve/sched
 
 # Headless Chromium for the dashboard test (Debian packages; the test skips without them).
 browser:

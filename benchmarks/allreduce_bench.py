@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from fitserve.plan.units import parse_bytes
+from fitserve.ledger.units import parse_bytes
 
 
 def main() -> None:

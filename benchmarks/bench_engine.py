@@ -78,7 +78,7 @@ def fitserve_worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from fitserve.config import EngineConfig
-    from fitserve.engine import Engine
+    from fitserve.engine.core import Engine
     from fitserve.sampling import SamplingParams
 
     torch.set_num_threads(spec["threads"])
@@ -289,12 +289,12 @@ def main() -> None:
         print(json.dumps(fn(spec)))
         return
 
+    from fitserve.ledger.hardware import measure_copy_bandwidth
     from fitserve.loading.pull import fitserve_home
-    from fitserve.plan.hardware import measure_copy_bandwidth
 
     base = workload_spec(args.threads, args.runs, args.w2_requests)
     if args.kv_cache_memory:
-        from fitserve.engine_args import parse_bytes_arg
+        from fitserve.cli.engine_args import parse_bytes_arg
 
         base["kv_cache_memory"] = parse_bytes_arg(args.kv_cache_memory)
     gguf = base["gguf"]
@@ -352,7 +352,7 @@ def _name(r: dict[str, Any]) -> str:
 
 
 def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    from fitserve.plan.hardware import cpu_hardware
+    from fitserve.ledger.hardware import cpu_hardware
 
     cached = cpu_hardware().mem_bytes_per_s
     pool = args.kv_cache_memory or "engine default (1 GiB on CPU)"

@@ -1,8 +1,8 @@
 """Time the engine's attention backend, shape class by shape class, and check the dispatch rule.
 
-What is timed is exactly what a decoder layer runs: ``fitserve.model.attention.paged_attention``
+What is timed is exactly what a decoder layer runs: ``fitserve.model.attention.paged.paged_attention``
 on an ``AttentionBatch`` whose ``DecodeBatch`` / ``PrefillSeq`` come from the runner's own
-builders (``fitserve.runner.build_decode_batch`` / ``build_prefill_seq``), over the engine's
+builders (``fitserve.runner.model_runner.build_decode_batch`` / ``build_prefill_seq``), over the engine's
 head-major paged cache [Hkv, num_blocks, block_size, D] in the engine's dtype (``auto``: bf16 on
 CPUs with AVX512-BF16/AMX), with shuffled block tables (blocks come from a pool, not in order),
 q a strided slice of the fused q/k projection as in the model, and the SmolLM2-135M geometry
@@ -18,7 +18,7 @@ dispatch check on ``--stat`` (median by default; on a loaded machine the 2-threa
 multiples of the scheduler's time slice, so ``--stat min`` ranks the kernels instead). "prep" is
 the per-step cost of building the batch tensors (paid once per step, not per layer).
 
-The last table puts the dispatch rule's pick (fitserve.kernels.dispatch) next to the measured
+The last table puts the dispatch rule's pick (fitserve.model.attention.dispatch) next to the measured
 fastest for every case; ``--partitions`` also times the C++ kernel's partition sizes.
 
 Run: .venv/bin/python benchmarks/bench_kernels.py [--quick] [--threads N] [--dtype bfloat16]
@@ -35,16 +35,16 @@ from dataclasses import dataclass
 
 import torch
 
-from fitserve.engine_setup import resolve_dtype
+from fitserve.engine.builder import resolve_dtype
 from fitserve.kernels.cpu.isa import cpu_model_name, detect_isa
 from fitserve.kernels.cpu.paged_attention import (
     DEFAULT_PARTITION,
     paged_attention_available,
     paged_decode_attention,
 )
-from fitserve.kernels.dispatch import ShapeClass, choose_attention_impl, classify
-from fitserve.model.attention import AttentionBatch, paged_attention
-from fitserve.runner import build_decode_batch, build_prefill_seq
+from fitserve.model.attention.dispatch import ShapeClass, choose_attention_impl, classify
+from fitserve.model.attention.paged import AttentionBatch, paged_attention
+from fitserve.runner.model_runner import build_decode_batch, build_prefill_seq
 
 HQ, HKV, D, BS = 9, 3, 64, 16  # SmolLM2-135M; the engine's default block size
 LAYERS = 30

@@ -64,9 +64,9 @@ def fitserve_worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from fitserve.config import EngineConfig
-    from fitserve.engine import Engine
+    from fitserve.engine.core import Engine
+    from fitserve.ledger.params import count_params
     from fitserve.model.llama import held_weight_bytes
-    from fitserve.plan.params import count_params
     from fitserve.sampling import SamplingParams
 
     torch.set_num_threads(spec["threads"])
@@ -132,9 +132,9 @@ def quality(reference: dict[str, Any], candidates: dict[str, dict[str, Any]], to
             ) -> dict[str, dict[str, Any]]:
     """name -> `fitserve eval --json`'s candidate entry (KL, flip rate, perplexity, greedy
     agreement, each {"mean", "lo", "hi"}) on the shipped held-out text."""
-    from fitserve.quant.cli_eval import build_report
-    from fitserve.quant.eval import DEFAULT_BOOTSTRAP, DEFAULT_HORIZON
-    from fitserve.quant.eval_run import ModelChoice, run_eval
+    from fitserve.tools.eval.cli import build_report
+    from fitserve.tools.eval.eval import DEFAULT_BOOTSTRAP, DEFAULT_HORIZON
+    from fitserve.tools.eval.eval_run import ModelChoice, run_eval
 
     ref = ModelChoice(**reference, label="reference")
     cands = [ModelChoice(**c, label=name) for name, c in candidates.items()]
@@ -161,8 +161,8 @@ def sensitivity(gguf: str, args: argparse.Namespace) -> dict[str, Any]:
     """Per-layer sweep (RTN int4-g128 one layer at a time) on the default model in float32."""
     import torch
 
-    from fitserve.quant.eval_run import ModelChoice, encode_text, load_scorer, read_text
-    from fitserve.quant.sensitivity import format_sweep, run_sweep, sweep_dict
+    from fitserve.tools.eval.eval_run import ModelChoice, encode_text, load_scorer, read_text
+    from fitserve.tools.eval.sensitivity import format_sweep, run_sweep, sweep_dict
 
     sc = load_scorer(ModelChoice(model=gguf, weights="float32", dtype="float32"),
                      torch.device("cpu"), 1024)
@@ -215,9 +215,9 @@ def print_weights(speed: dict[str, Any], peer: dict[str, Any] | None,
 
 def part_kv(args: argparse.Namespace, base: dict[str, Any], gguf: str, me: list[str],
             out: dict[str, Any]) -> None:
+    from fitserve.ledger.formats import resolve_engine_kv_format
+    from fitserve.ledger.kv import kv_block_bytes, kv_bytes_per_token
     from fitserve.loading import load_model
-    from fitserve.plan.formats import resolve_engine_kv_format
-    from fitserve.plan.kv import kv_block_bytes, kv_bytes_per_token
 
     spec = load_model(gguf).spec
     rows: dict[str, Any] = {}
@@ -300,7 +300,7 @@ def part_random(args: argparse.Namespace, out: dict[str, Any]) -> None:
 
 
 def part_extras(args: argparse.Namespace, gguf: str, out: dict[str, Any]) -> None:
-    from fitserve.quant.fp8_attention import format_report, report
+    from fitserve.tools.labs.fp8_attention import format_report, report
 
     print("\nFP8 attention simulation (64 queries x 2048 keys, d=128, 4 outlier channels in K)")
     print(format_report(report()))
@@ -319,7 +319,7 @@ def smoothquant_demo(gguf: str) -> dict[str, float]:
     import transformers as tf
 
     from fitserve.loading import load_tokenizer
-    from fitserve.quant.smoothquant import (
+    from fitserve.tools.quantize.smoothquant import (
         calibrate_amax,
         inject_outliers_,
         smooth_model_,
@@ -359,8 +359,8 @@ def calibration_shift(gguf: str) -> dict[str, Any]:
     import torch
 
     from fitserve.loading import load_model
-    from fitserve.quant.calibration import calibration_shift as shift
-    from fitserve.quant.calibration import format_shift
+    from fitserve.tools.quantize.calibration import calibration_shift as shift
+    from fitserve.tools.quantize.calibration import format_shift
 
     loaded = load_model(gguf, torch.float32)
     texts = {"prose": (DATA / "austen_persuasion.txt").read_text(),
@@ -372,7 +372,7 @@ def calibration_shift(gguf: str) -> dict[str, Any]:
     return kl
 
 
-DATA = Path(__file__).resolve().parents[1] / "fitserve/quant/data"
+DATA = Path(__file__).resolve().parents[1] / "fitserve/tools/eval/data"
 
 
 def calibration_file() -> Path:

@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from fitserve.bench.cli_bench import BenchConfig, run_bench
+from fitserve.tools.bench.cli import BenchConfig, run_bench
 
 
 def _free_port() -> int:

@@ -30,7 +30,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from fitserve.config import EngineConfig
-    from fitserve.engine import Engine
+    from fitserve.engine.core import Engine
     from fitserve.sampling import SamplingParams
     from fitserve.sampling.beam_search import BeamSearchParams
 

@@ -8,7 +8,7 @@ What it does: starts `fitserve serve` on 127.0.0.1 once per policy (the default 
 flags each time; `--scheduling-policy fcfs`, then `--scheduling-policy slo --slo-ttft-ms T1
 --slo-tpot-ms T2 --slo-action A`), and on each runs the same open-loop Poisson sweep: for every
 rate, `--duration` seconds of requests of fixed prompt and output lengths (ignore_eos, greedy),
-a fresh load run per rate (`fitserve bench --request-rate R1,R2,...`, see fitserve.bench.sweep).
+a fresh load run per rate (`fitserve bench --request-rate R1,R2,...`, see fitserve.tools.bench.sweep).
 
 What it measures, per rate and policy: the **goodput**, requests per second that met both
 targets (TTFT <= T1 and TPOT <= T2; offered rate x the fraction of requests that did, so the
@@ -20,7 +20,7 @@ How to read it: below capacity both policies serve everything and goodput = offe
 y = x line of the PNG). Past the knee FCFS admits every request, queues grow, TTFT and then TPOT
 blow past the targets and its goodput *falls* with load; the SLO policy rejects the requests it
 predicts would miss, so the ones it admits stay within target and its goodput should stay near
-the knee instead of collapsing. The predicted knee is `fitserve.plan.step_time.predicted_knee`
+the knee instead of collapsing. The predicted knee is `fitserve.ledger.step_time.predicted_knee`
 of the step-time model the slo server uses (measured first by `fitserve profile --workload
 calibrate` with the servers' engine flags, or `--step-model`); the measured knee is the highest offered rate at which FCFS
 goodput is >= 90% of the offered load. Their agreement is a check of the step-time model.
@@ -40,8 +40,8 @@ from typing import Any
 
 from bench_serving import _free_port, _server
 
-from fitserve.bench.cli_bench import BenchConfig, run_sweep
-from fitserve.bench.sweep import measured_knee, parse_rates, write_goodput_png
+from fitserve.tools.bench.cli import BenchConfig, run_sweep
+from fitserve.tools.bench.sweep import measured_knee, parse_rates, write_goodput_png
 
 POLICIES = ("fcfs", "slo")
 
@@ -68,8 +68,8 @@ def cpu_description() -> str:
 
 def predicted_knee_of(path: Path, args: argparse.Namespace) -> float | None:
     """``predicted_knee`` of the step-time model in ``path`` for this benchmark's requests."""
-    from fitserve.plan.errors import PlanError
-    from fitserve.plan.step_time import load_step_model, predicted_knee
+    from fitserve.ledger.errors import PlanError
+    from fitserve.ledger.step_time import load_step_model, predicted_knee
 
     try:
         model = load_step_model(path)

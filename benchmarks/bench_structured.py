@@ -98,7 +98,7 @@ def main() -> None:
     import torch
 
     from fitserve.config import EngineConfig
-    from fitserve.engine import Engine
+    from fitserve.engine.core import Engine
     from fitserve.kernels.cpu.isa import cpu_model_name, detect_isa
     from fitserve.sampling import SamplingParams
     from fitserve.sampling.guided import GuidedDecoding

@@ -19,13 +19,13 @@ import time
 from pathlib import Path
 
 from fitserve.config import EngineConfig
-from fitserve.engine import Engine
+from fitserve.engine.core import Engine
 from fitserve.kernels.cpu.isa import cpu_model_name, detect_isa
-from fitserve.plan.hardware import get_hardware
-from fitserve.plan.model_source import catalog_entry
-from fitserve.plan.speed import decode_step
-from fitserve.plan.weights import model_weight_bytes
+from fitserve.ledger.hardware import get_hardware
+from fitserve.ledger.speed import decode_step
+from fitserve.ledger.weights import model_weight_bytes
 from fitserve.sampling import SamplingParams
+from fitserve.tools.planner.model_source import catalog_entry
 
 PROMPT = "Write a short story about a robot who learns to paint. " * 3
 

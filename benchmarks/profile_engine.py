@@ -21,7 +21,7 @@ import torch
 from torch.profiler import profile
 
 from fitserve.config import EngineConfig
-from fitserve.engine import Engine
+from fitserve.engine.core import Engine
 from fitserve.model.linear import PackedLinear
 from fitserve.model.llama import held_weight_bytes
 from fitserve.sampling import SamplingParams

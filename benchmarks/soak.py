@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/soak.py --requests 1000 --rounds 3
 
 Starts its own server on the default model (or uses --url), runs a warm-up round, then
-``--rounds`` rounds of the same ``--requests`` mixed requests (see fitserve.bench.soak), and
+``--rounds`` rounds of the same ``--requests`` mixed requests (see fitserve.tools.bench.soak), and
 prints per round: requests sent, statuses, clients that left early, engine requests queued and
 finished by reason, answered-twice / lost counts, KV blocks in use at rest, requests left in the
 table and the server's RSS. Exit 1 on any 5xx, lost or duplicated answer, leaked block, or an RSS
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import httpx
 
-from fitserve.bench.soak import SoakConfig, SoakReport, run_round
 from fitserve.kernels.cpu.isa import cpu_model_name, detect_isa
+from fitserve.tools.bench.soak import SoakConfig, SoakReport, run_round
 
 API_KEY = "soak-key"
 

@@ -6,11 +6,11 @@ __all__ = ["LLM", "BeamSearchParams", "Engine", "SamplingParams", "EngineConfig"
 def __getattr__(name: str) -> object:
     # Lazy so that `fitserve plan` and the torch-free parts import without torch start-up cost.
     if name == "LLM":
-        from fitserve.llm import LLM
+        from fitserve.engine.llm import LLM
 
         return LLM
     if name == "Engine":
-        from fitserve.engine import Engine
+        from fitserve.engine.core import Engine
 
         return Engine
     if name == "SamplingParams":

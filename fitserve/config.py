@@ -155,7 +155,7 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Everything needed to start an engine; "auto" values are resolved by fitserve.engine_setup."""
+    """Everything needed to start an engine; "auto" values are resolved by fitserve.engine.builder."""
 
     model: str = "smollm2-135m"
     dtype: str = "auto"  # "float32" | "bfloat16" | "float16" | "auto"
@@ -169,7 +169,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     long_prefill_token_threshold: int | None = None
     seed: int = 0
-    # How the weights are held (fitserve.plan.formats.engine_tensor_format per tensor):
+    # How the weights are held (fitserve.ledger.formats.engine_tensor_format per tensor):
     # "auto" = "as-stored" (GGUF Q4_0/Q4_1/Q8_0 packed as stored, the rest in the model dtype;
     # an HF folder in the model dtype), "bf16" | "float32" (every weight dense in that dtype,
     # which is then the model dtype), "int4" | "int8" (RTN at load, see plan.formats.RTN_FORMATS).
@@ -177,7 +177,7 @@ class EngineConfig:
     # vLLM's spelling of RTN at load: None | "int4" | "int8" (the same as weights="int4"/"int8").
     quantization: str | None = None
     # True: every step runs eager. False: CPU decode-only steps run under torch.compile
-    # (fitserve.compiled_step), compiled at start-up for the batch classes max_num_seqs reaches.
+    # (fitserve.runner.compiled_step), compiled at start-up for the batch classes max_num_seqs reaches.
     enforce_eager: bool = True
     # Automatic prefix caching (vLLM's): full KV blocks are kept under a hash of their prefix
     # and reused by later requests that share it (fitserve.kv.prefix_hash).
@@ -186,7 +186,7 @@ class EngineConfig:
     # "fp8" (= "fp8_e4m3") | "fp8_e5m2" | "int8" codes with float32 scales laid out as
     # kv_cache_scales says: "token" (K and V per token) or "channel-key" (K per channel per
     # block, V per token); "auto": channel-key for int8, token for fp8
-    # (fitserve.plan.formats.resolve_engine_kv_format).
+    # (fitserve.ledger.formats.resolve_engine_kv_format).
     kv_cache_dtype: str = "auto"
     kv_cache_scales: str = "auto"
     # Scheduling (vLLM's --scheduling-policy, plus "slo"): "fcfs" | "priority" | "slo", the

@@ -3,17 +3,19 @@ runner that sends each step's plan to the workers before running its own shard."
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from fitserve.config import EngineConfig, ModelSpec
 from fitserve.dist.comm import CollectiveError, OpCount
-from fitserve.dist.group import TPGroup
+from fitserve.dist.group import TPGroup, launched_externally
 from fitserve.dist.layout import check_tp_layout, rank_spec
 from fitserve.dist.shard import row_parallel_groups
 from fitserve.dist.tp_model import TPCausalLM, build_tp_model
+from fitserve.ledger.parallel import tp_step_collectives
 from fitserve.loading import LoadedModel
-from fitserve.plan.parallel import tp_step_collectives
-from fitserve.runner import ModelRunner, logits_rows
+from fitserve.runner.model_runner import ModelRunner, logits_rows
 from fitserve.sampling import RequestSamplingState
 from fitserve.types import RunnerOutput, SchedulerOutput
 
@@ -35,6 +37,11 @@ def start_tensor_parallel(cfg: EngineConfig, loaded: LoadedModel, *, dtype: torc
     """Spawn (or join) the group and build rank 0's shard: (group, model, rank 0's spec)."""
     tp = cfg.tensor_parallel_size
     check_tp_config(cfg, loaded, device)
+    if launched_externally(tp) and int(os.environ["RANK"]) != 0:
+        # under torchrun, a rank > 0 becomes a worker inside the Engine constructor
+        from fitserve.dist.worker import run_worker
+
+        raise SystemExit(run_worker(cfg, int(os.environ["RANK"]), tp, "env://"))
     group = TPGroup(cfg, tp, str(loaded.path))
     try:
         model = build_tp_model(loaded.spec, loaded.weights, tp=tp, rank=0, comm=group.comm,

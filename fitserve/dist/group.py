@@ -84,11 +84,7 @@ class TPGroup:
         self.tp = tp
         self.procs: list[subprocess.Popen[bytes]] = []
         self.closed = False
-        if launched_externally(tp):
-            if int(os.environ["RANK"]) != 0:
-                from fitserve.dist.worker import run_worker
-
-                raise SystemExit(run_worker(cfg, int(os.environ["RANK"]), tp, "env://"))
+        if launched_externally(tp):  # ranks > 0 never get here: start_tensor_parallel
             init = "env://"
         else:
             port = _free_port()

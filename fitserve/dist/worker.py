@@ -23,7 +23,7 @@ from fitserve.dist.comm import Collectives
 from fitserve.dist.layout import rank_spec
 from fitserve.dist.step_message import HEADER_LEN, SHUTDOWN, decode_step
 from fitserve.dist.tp_model import TPCausalLM, build_tp_model
-from fitserve.runner import ModelRunner, decode_rows_first, logits_rows
+from fitserve.runner.model_runner import ModelRunner, decode_rows_first, logits_rows
 
 log = logging.getLogger("fitserve.dist")
 # NOTE: test-only fault injection: "RANK:STEP:SECONDS" makes that rank sleep before that step
@@ -56,14 +56,14 @@ def _watch_parent() -> None:
 
 def build_worker(cfg: EngineConfig, rank: int, world: int, comm: Collectives
                  ) -> tuple[TPCausalLM, ModelRunner]:
-    from fitserve.engine_setup import (
+    from fitserve.engine.builder import (
         check_max_model_len,
         release_freed_host_memory,
         resolve_device,
         resolve_dtype,
     )
+    from fitserve.ledger.formats import resolve_engine_weights
     from fitserve.loading import load_model
-    from fitserve.plan.formats import resolve_engine_weights
 
     device = resolve_device(cfg.device)
     choice, dtype_arg = resolve_engine_weights(cfg.weights, cfg.quantization, cfg.dtype)

@@ -25,6 +25,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from fitserve.config import ModelSpec
+from fitserve.ledger.formats import GGUF_PACKED
 from fitserve.loading.errors import ModelLoadError, UnsupportedTensorTypeError
 from fitserve.loading.generation_defaults import GenerationDefaults, from_gguf_metadata
 from fitserve.loading.gguf_spec import (  # noqa: F401 (the spec part lives there; re-exported)
@@ -37,7 +38,6 @@ from fitserve.loading.gguf_spec import (  # noqa: F401 (the spec part lives ther
 )
 from fitserve.loading.hf_config import check_weights
 from fitserve.loading.tokenizer import Tokenizer, byte_level_bpe
-from fitserve.plan.formats import GGUF_PACKED
 from fitserve.quant.gguf_map import packed_from_gguf
 from fitserve.quant.hold import HeldTensor, dtype_table_name, held_format, hold
 

@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from fitserve.config import SUPPORTED_ARCHITECTURES, ModelSpec, RopeScaling
+from fitserve.ledger.errors import PlanError
+from fitserve.ledger.formats import weight_format
 from fitserve.loading import hf_defaults as d
 from fitserve.loading.errors import ModelLoadError, UnsupportedArchitectureError
 from fitserve.loading.weight_names import check_weights as check_weights  # re-exported
 from fitserve.loading.weight_names import expected_weight_shapes as expected_weight_shapes
-from fitserve.plan.errors import PlanError
-from fitserve.plan.formats import weight_format
 
 # HF class names -> model_type, for configs that only name ``architectures``.
 _ARCH_ALIASES: dict[str, str] = {
@@ -342,7 +342,7 @@ def packed_formats(config: Mapping[str, Any], source: object) -> dict[str, str] 
     Raises :class:`ModelLoadError` naming ``source`` for another ``quant_method`` (AWQ, GPTQ,
     compressed-tensors ... checkpoints: their layouts are not the engine's), a missing or empty
     ``formats``, a name that is not a ``.weight`` or a format that is not an engine packed
-    layout of ``fitserve.plan.formats`` (spelled as the table spells it).
+    layout of ``fitserve.ledger.formats`` (spelled as the table spells it).
     """
     quant = config.get("quantization_config")
     if not quant:

@@ -4,7 +4,7 @@ Data only, torch-free. A key absent from config.json takes the default of that m
 transformers config class (transformers 5.24, ``models/<type>/configuration_<type>.py``); a
 key present with ``null`` means "none" as transformers reads it. ``GENERIC`` (LlamaConfig's
 defaults) covers a model type the table does not list. Only the keys fitserve reads are here,
-and only where a class differs from ``GENERIC``; tests/unit/test_model_reader.py checks every
+and only where a class differs from ``GENERIC``; tests/unit/loading/test_model_reader.py checks every
 row against ``transformers.AutoConfig.for_model``.
 
 NOTE: ``rope_theta`` stands for the class's ``default_theta`` (it is not a config field in

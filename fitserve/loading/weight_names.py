@@ -1,6 +1,6 @@
 """The Hugging Face weight names (and shapes) the engine holds for a spec, and their check.
 
-Torch-free: the planner's weight ledger (``fitserve.plan.weights``) counts the same tensors.
+Torch-free: the planner's weight ledger (``fitserve.ledger.weights``) counts the same tensors.
 """
 
 from __future__ import annotations

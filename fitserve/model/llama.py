@@ -8,7 +8,7 @@ from torch import nn
 
 from fitserve.config import SUPPORTED_ARCHITECTURES, ModelSpec
 from fitserve.kernels.cpu import fused
-from fitserve.model.attention import AttentionBatch, paged_attention, write_kv
+from fitserve.model.attention.paged import AttentionBatch, paged_attention, write_kv
 from fitserve.model.fp8_linear import Fp8Linear
 from fitserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, StepRope
 from fitserve.model.linear import ConcatLinear, DenseLinear, PackedEmbedding, PackedLinear

@@ -19,8 +19,8 @@ Folder layout::
         "formats": {HF weight name: "int4-g32-asym" | "int8-ch" | ...}, ... method details}
 
 The codes follow ``fitserve.quant.packed``'s contract; ``formats`` names each tensor's layout
-in the one formats table (``fitserve.plan.formats``), which is what both the loader
-(``fitserve.loading.safetensors``) and the planner (``fitserve.plan.model_source``) read, so the
+in the one formats table (``fitserve.ledger.formats``), which is what both the loader
+(``fitserve.loading.safetensors``) and the planner (``fitserve.tools.planner.model_source``) read, so the
 plan counts the very bytes the engine holds. K (the logical width) is not stored: it is the
 spec's (``expected_weight_shapes``), and ``K_padded = ceil(K / G) * G`` follows from it.
 """
@@ -37,10 +37,10 @@ from typing import Any
 import torch
 
 from fitserve.config import ModelSpec
+from fitserve.ledger.formats import weight_format
 from fitserve.loading.generation_defaults import GenerationDefaults
 from fitserve.loading.hf_config import FITSERVE_QUANT_METHOD
 from fitserve.loading.tokenizer import Tokenizer
-from fitserve.plan.formats import weight_format
 from fitserve.quant.hold import HeldTensor
 from fitserve.quant.packed import PackedWeight, channel_group, padded_k
 

@@ -21,7 +21,7 @@ Logical weight ``W [N out, K in]``, ``y = x @ W.T``; ``w = scale * float(code)``
 the format's largest finite value (e4m3: 448, e5m2: 57344). An all-zero group gets scale 1 and
 codes 0 (dequantizes to exactly 0, and the scale stays a usable reciprocal for kernels).
 
-Error bound (checked against float64 in tests/unit/test_quant_fp8.py): with ``x = w / scale``
+Error bound (checked against float64 in tests/unit/quant/test_quant_fp8.py): with ``x = w / scale``
 and round-to-nearest-even into a format of ``m`` mantissa bits (e4m3: 3, e5m2: 2),
 
     normal   |x| >= 2^emin          |w_hat - w| <= 2^-(m+1) |w|       e4m3: 1/16, e5m2: 1/8

@@ -1,6 +1,6 @@
 """Turn a loaded tensor into the form the engine holds it in (dense dtype, or packed by RTN).
 
-The choice of format per tensor is the planner's rule (``fitserve.plan.formats
+The choice of format per tensor is the planner's rule (``fitserve.ledger.formats
 .engine_tensor_format``), so the engine allocates what `fitserve plan` prints. Loaders call
 ``hold`` tensor by tensor, so at most one tensor's float copy exists at a time.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from fitserve.plan.formats import engine_tensor_format, tensor_role, weight_format
+from fitserve.ledger.formats import engine_tensor_format, tensor_role, weight_format
 from fitserve.quant.fp8 import Fp8Weight, quantize_fp8
 from fitserve.quant.packed import PackedWeight
 from fitserve.quant.rtn import quantize

@@ -2,7 +2,7 @@
 
 Codes are head-major like the dense cache, ``[Hkv, num_blocks, block_size, D]`` one byte each
 (int8 as int8; fp8 as its bits in uint8: CPU torch has no index_copy for float8). Two scale
-layouts (``fitserve.plan.formats.KV_FORMATS`` prices both)::
+layouts (``fitserve.ledger.formats.KV_FORMATS`` prices both)::
 
     "token"        K and V: one scale per token per KV head    scales [Hkv, NB, bs]
                    (absmax over head_dim / qmax)
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fitserve.lazy_memory import lazy_zeros
+from fitserve.runner.lazy_memory import lazy_zeros
 
 KEY_LAYOUTS = ("token", "channel-key")
 
@@ -89,7 +89,7 @@ class QuantizedKVCache:
         self.block_size = block_size
         h, nb, bs, d = num_kv_heads, num_blocks, block_size, head_dim
         store = self.codec.storage
-        # resident on the CPU only as blocks are first written (fitserve.lazy_memory)
+        # resident on the CPU only as blocks are first written (fitserve.runner.lazy_memory)
         self.k_codes = lazy_zeros((h, nb, bs, d), store, device)
         self.v_codes = lazy_zeros((h, nb, bs, d), store, device)
         key_scale_shape = (h, nb, d) if key_layout == "channel-key" else (h, nb, bs)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fitserve.plan.formats import packed_format_name
+from fitserve.ledger.formats import packed_format_name
 
 KINDS = ("int4", "int8")
 # NOTE: per-channel int8 still pads K to a multiple of 32: the kernels quantize activations in
@@ -86,7 +86,7 @@ class PackedWeight:
 
     @property
     def format(self) -> str:
-        """The name of this layout in the formats table (``fitserve.plan.formats``)."""
+        """The name of this layout in the formats table (``fitserve.ledger.formats``)."""
         return packed_format_name(self.kind, self.group_size, symmetric=self.symmetric,
                                   per_channel=self.per_channel)
 

@@ -118,7 +118,7 @@ def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> PackedWeigh
 
 def quantize(w: torch.Tensor, fmt: str) -> PackedWeight:
     """RTN ``w`` into a packed format of the formats table (``int4-g32-asym``, ``int8-ch`` ...)."""
-    from fitserve.plan.formats import weight_format
+    from fitserve.ledger.formats import weight_format
 
     layout = weight_format(fmt).packed
     if layout is None:

@@ -52,8 +52,8 @@ from collections.abc import Callable
 from fitserve.config import SchedulerConfig
 from fitserve.kv.manager import KVCacheManager
 from fitserve.kv.prefix_hash import extend_block_hashes
-from fitserve.plan.kv import sharing_blocks
-from fitserve.plan.step_time import StepTimeModel
+from fitserve.ledger.kv import sharing_blocks
+from fitserve.ledger.step_time import StepTimeModel
 from fitserve.sched.request import SchedRequest
 from fitserve.sched.slo import SCHEDULING_POLICIES, SLOController, SLOTargets
 from fitserve.types import RequestStatus, ScheduledChunk, SchedulerOutput

@@ -6,7 +6,7 @@ Three policies (``--scheduling-policy``, vLLM's names plus ``slo``):
 - ``priority``: requests in ``(priority, arrival)`` order, lower value first (vLLM's), in the
   queue and among the running; the running request last in that order is preempted first;
 - ``slo``: fcfs order plus two rules driven by the step-time model
-  (:class:`fitserve.plan.step_time.StepTimeModel`) and the TTFT/TPOT targets.
+  (:class:`fitserve.ledger.step_time.StepTimeModel`) and the TTFT/TPOT targets.
 
 **Rule 1, the chunk cap.** A step that carries decodes must finish within the tightest TPOT
 target among them. Decodes always run; the tokens of prompt chunks in that step are capped at
@@ -61,7 +61,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from fitserve.plan.step_time import StepShape, StepTimeModel
+from fitserve.ledger.step_time import StepShape, StepTimeModel
 from fitserve.sched.request import SchedRequest
 from fitserve.types import SchedulerOutput
 

@@ -23,7 +23,6 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, TypeVar
 
@@ -36,9 +35,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fitserve.loading.generation_defaults import (
     DefaultSampling,
-    GenerationConfigMode,
-    GenerationDefaults,
-    resolve_default_sampling,
 )
 from fitserve.server.choices import token_text_fn
 from fitserve.server.engine_loop import EngineLoop
@@ -60,32 +56,12 @@ from fitserve.server.responses import (
     stream_events,
 )
 from fitserve.server.serving import ModelContext, Prepared, prepare_chat, prepare_completion
+from fitserve.server.settings import ServerSettings
 from fitserve.server.tokenize import DetokenizeRequest, detokenize, tokenize, tokenize_model
 
 log = logging.getLogger("fitserve.server")
 _M = TypeVar("_M", bound=BaseModel)
 _Req = TypeVar("_Req", CompletionRequest, ChatCompletionRequest)
-
-
-@dataclass(slots=True)
-class ServerSettings:
-    """Limits and identity of a server; the CLI fills these from its flags."""
-
-    model_name: str = "smollm2-135m"
-    api_key: str | None = None
-    max_waiting: int = 256  # requests queued (submitted, not yet scheduled) before new ones get 503
-    max_body_bytes: int = 1 << 20
-    body_timeout_s: float = 30.0  # a body not received in full by then is a 408
-    send_timeout_s: float | None = 60.0  # a stream write waiting this long (client not reading): abort
-    allowed_origins: list[str] = field(default_factory=list)  # CORS: off unless origins are given
-    retry_after_s: int = 1
-    metrics_public: bool = False  # serve /metrics without the API key (for Prometheus scrapers)
-    generation_config: GenerationConfigMode = "auto"  # "vllm": ignore the model's sampling defaults
-    default_sampling: dict[str, float | int | None] = field(default_factory=dict)  # --default-* given
-
-    def resolve_sampling(self, model: GenerationDefaults) -> DefaultSampling:
-        """The defaults omitted request fields get with this model (see generation_defaults)."""
-        return resolve_default_sampling(model, self.generation_config, self.default_sampling)
 
 
 class AppState:

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from fitserve.config import EngineConfig
-from fitserve.engine import Engine
-from fitserve.engine_setup import release_freed_host_memory
+from fitserve.engine.builder import release_freed_host_memory
+from fitserve.engine.core import Engine
 from fitserve.sampling import SamplingParams
 from fitserve.sampling.beam_search import BeamSearchParams
 from fitserve.sched.slo import AdmissionRejected

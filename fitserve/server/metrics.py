@@ -23,7 +23,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from fitserve.kv.manager import KVStats
-from fitserve.sampling.spec_decode.stats import SpecDecodeStats
+from fitserve.spec_decode.stats import SpecDecodeStats
 
 # CPU-friendly buckets: a 135M model on two cores has TTFTs of 0.05-10 s.
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)

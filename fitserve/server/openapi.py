@@ -43,7 +43,7 @@ from fitserve.server.tokenize import (
 )
 
 if TYPE_CHECKING:
-    from fitserve.server.app import ServerSettings
+    from fitserve.server.settings import ServerSettings
 
 OPENAPI_VERSION = "3.1.0"
 _REF = "#/components/schemas/{model}"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from fitserve.llm import LLM
+from fitserve.engine.llm import LLM
 from fitserve.sampling.beam_search import BeamSearchParams
 from tests.e2e.conftest import MODEL
 

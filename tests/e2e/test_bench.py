@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from fitserve.bench.loadgen import RequestResult
-from fitserve.bench.report import SLO, percentile, summarize
-from fitserve.bench.workloads import LengthDist, make_workload
+from fitserve.tools.bench.loadgen import RequestResult
+from fitserve.tools.bench.report import SLO, percentile, summarize
+from fitserve.tools.bench.workloads import LengthDist, make_workload
 from tests.e2e.conftest import API_KEY, Server
 
 

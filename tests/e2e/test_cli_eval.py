@@ -62,7 +62,7 @@ def test_int8_beats_int4_on_a_float_model(tiny_hf_model_dir: Callable[..., Any],
 
     NOTE: not on the default model's file: it is GGUF Q4_1 (int4-g32-asym already), so
     `--weights int4` re-quantizes onto the same grid (almost lossless) while int8-ch does not;
-    there int4 measures the lower KL (see tests/unit/test_quant_sensitivity.py).
+    there int4 measures the lower KL (see tests/unit/tools/eval/test_quant_sensitivity.py).
     """
     folder = tiny_hf_model_dir("llama", vocab_size=49152, initializer_range=0.3,
                                tie_word_embeddings=True)

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from fitserve.config import EngineConfig
-from fitserve.engine import Engine
+from fitserve.engine.core import Engine
 from fitserve.sampling import SamplingParams
 
 

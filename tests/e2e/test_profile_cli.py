@@ -23,10 +23,10 @@ import pytest
 
 from fitserve.cli import main
 from fitserve.config import EngineConfig
-from fitserve.plan.errors import PlanError
-from fitserve.plan.hardware import fitserve_home
-from fitserve.plan.step_time import load_step_model
-from fitserve.profiling.sweep import QUICK_SWEEP, ClippedSweep, EngineLimits, clip_sweep
+from fitserve.engine.calibration_sweep import QUICK_SWEEP, ClippedSweep, EngineLimits, clip_sweep
+from fitserve.ledger.errors import PlanError
+from fitserve.ledger.hardware import fitserve_home
+from fitserve.ledger.step_time import load_step_model
 
 
 @pytest.fixture()
@@ -134,7 +134,7 @@ def test_bad_flags_exit_nonzero_naming_the_problem(tmp_path: Path, capsys: pytes
 def slo_engine(tiny_llama: Path, profile_home: Path, one_thread: None) -> Iterator[Any]:
     """A tiny engine with the slo policy (it resolves its step-time model at start: nothing is
     saved in the fresh FITSERVE_HOME, so it calibrates) and small limits the sweep must clip to."""
-    from fitserve.engine import Engine
+    from fitserve.engine.core import Engine
 
     yield Engine(EngineConfig(model=str(tiny_llama), dtype="float32", device="cpu", max_model_len=160,
                               max_num_seqs=6, max_num_batched_tokens=96, num_kv_blocks=48,
@@ -143,7 +143,7 @@ def slo_engine(tiny_llama: Path, profile_home: Path, one_thread: None) -> Iterat
 
 def test_calibrate_then_resolve_saves_and_reloads(slo_engine: Any, profile_home: Path,
                                                   tmp_path: Path) -> None:
-    from fitserve.profiling.calibrate import (
+    from fitserve.engine.calibrate import (
         calibrate_step_model,
         resolve_step_model,
         step_model_path,

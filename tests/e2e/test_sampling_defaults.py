@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from fitserve.config import EngineConfig
-from fitserve.engine import Engine
+from fitserve.engine.core import Engine
 from fitserve.loading.generation_defaults import NEUTRAL, SERVER_DEFAULTS
 from fitserve.loading.pull import pull
 from fitserve.sampling import SamplingParams
@@ -23,7 +23,7 @@ from fitserve.server.engine_loop import EngineLoop
 from fitserve.server.metrics import Metrics
 from tests.e2e.conftest import API_KEY, MODEL, Server, start_server, stop_server
 from tests.gguf_meta import copy_gguf_with_sampling
-from tests.unit.test_loading_gguf import write_gguf
+from tests.unit.loading.test_loading_gguf import write_gguf
 
 GGUF_SOURCE = "model GGUF general.sampling.*"
 PROMPT = "The three primary colours are"

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from fitserve.plan.step_time import StepTimeModel, save_step_model
+from fitserve.ledger.step_time import StepTimeModel, save_step_model
 from tests.e2e.conftest import MODEL, Server, start_server, stop_server
 
 openai = pytest.importorskip("openai")

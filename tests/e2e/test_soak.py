@@ -1,4 +1,4 @@
-"""A CI-sized soak (fitserve.bench.soak; the long run is benchmarks/soak.py): two rounds of the
+"""A CI-sized soak (fitserve.tools.bench.soak; the long run is benchmarks/soak.py): two rounds of the
 same mixed load on the shared server, with clients that leave early, random n, stop strings,
 streaming and not. Each round must balance exactly (every engine request the server queued is
 finished once: answered, or aborted because its client left), leave no KV block used and no
@@ -6,7 +6,7 @@ request in the table, and the second round must not grow RSS by more than RSS_BO
 
 from __future__ import annotations
 
-from fitserve.bench.soak import SoakConfig, soak
+from fitserve.tools.bench.soak import SoakConfig, soak
 from tests.e2e.conftest import API_KEY, MODEL, Server
 
 RSS_BOUND_MIB = 32.0

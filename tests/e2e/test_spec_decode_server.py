@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fitserve.llm import LLM
+from fitserve.engine.llm import LLM
 from fitserve.sampling import SamplingParams
 from tests.e2e.conftest import MODEL, Server, start_server, stop_server
 

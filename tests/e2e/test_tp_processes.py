@@ -20,7 +20,7 @@ import pytest
 
 from fitserve.config import EngineConfig
 from fitserve.dist.comm import CollectiveError
-from fitserve.engine import Engine
+from fitserve.engine.core import Engine
 from fitserve.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow

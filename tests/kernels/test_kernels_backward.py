@@ -6,9 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fitserve.kernels.backward import flash_attention, tiled_attention_backward
-from fitserve.kernels.reference import naive_attention
-from fitserve.kernels.tiled import tiled_attention
+from fitserve.tools.labs.backward import flash_attention, tiled_attention_backward
+from fitserve.tools.labs.reference import naive_attention
+from fitserve.tools.labs.tiled import tiled_attention
 
 SETTINGS = settings(max_examples=25, deadline=None, derandomize=True)
 

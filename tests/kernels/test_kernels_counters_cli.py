@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from fitserve.kernels.cli_kernels import add_kernels_parser, parse_shape, run_kernels
-from fitserve.kernels.counters import (
+from fitserve.tools.labs.cli import add_kernels_parser, parse_shape, run_kernels
+from fitserve.tools.labs.counters import (
     AttnShape,
     naive_forward,
     split_kv_decode,

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from fitserve.kernels.cpu.paged_attention import paged_attention_available
-from fitserve.kernels.dispatch import IMPLS, ShapeClass, choose_attention_impl, classify
-from fitserve.model.attention import AttentionBatch, paged_attention, write_kv
-from fitserve.runner import build_decode_batch, build_prefill_seq
+from fitserve.model.attention.dispatch import IMPLS, ShapeClass, choose_attention_impl, classify
+from fitserve.model.attention.paged import AttentionBatch, paged_attention, write_kv
+from fitserve.runner.model_runner import build_decode_batch, build_prefill_seq
 
 BS, HQ, HKV, D = 16, 4, 2, 16
 BATCH = {"1": 1, "small": 3, "large": 9}
@@ -30,7 +30,7 @@ def test_classify() -> None:
 
 
 def test_cpu_rule() -> None:
-    # numbers behind each line: fitserve/kernels/dispatch.py's docstring (bench_kernels.py)
+    # numbers behind each line: fitserve/model/attention/dispatch.py's docstring (bench_kernels.py)
     for t, s in ((128, 0), (256, 0), (1024, 0), (256, 1792), (512, 7680)):
         assert choose_attention_impl(classify("cpu", [t], [s + t])) == "sdpa"
         assert choose_attention_impl(classify("cpu", [t], [s + t], cpp=True)) == "sdpa"

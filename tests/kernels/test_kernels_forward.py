@@ -7,14 +7,14 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fitserve.kernels.masks import (
+from fitserve.tools.labs.masks import (
     bottom_right_positions,
     library_default_causal_mask,
     visible_mask,
 )
-from fitserve.kernels.online_softmax import OnlineSoftmax, unguarded_update
-from fitserve.kernels.reference import naive_attention
-from fitserve.kernels.tiled import tiled_attention
+from fitserve.tools.labs.online_softmax import OnlineSoftmax, unguarded_update
+from fitserve.tools.labs.reference import naive_attention
+from fitserve.tools.labs.tiled import tiled_attention
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True)
 

@@ -6,11 +6,11 @@ import math
 
 import torch
 
-from fitserve.kernels.online_softmax import ACC_DTYPE, OnlineSoftmax
-from fitserve.kernels.paged import paged_attention
-from fitserve.kernels.rmsnorm import rms_norm
-from fitserve.kernels.split_kv import split_kv_decode
-from fitserve.kernels.tiled import tiled_attention
+from fitserve.tools.labs.online_softmax import ACC_DTYPE, OnlineSoftmax
+from fitserve.tools.labs.paged import paged_attention
+from fitserve.tools.labs.rmsnorm import rms_norm
+from fitserve.tools.labs.split_kv import split_kv_decode
+from fitserve.tools.labs.tiled import tiled_attention
 
 
 def test_bf16_running_sum_stalls_at_256() -> None:

@@ -9,13 +9,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fitserve.kernels.rmsnorm import (
+from fitserve.tools.labs.rmsnorm import (
     rms_norm,
     rms_norm_eager,
     rms_norm_reference,
     rmsnorm_bytes,
 )
-from fitserve.kernels.rope import (
+from fitserve.tools.labs.rope import (
     apply_rope,
     apply_rope_reference,
     half_to_interleaved,

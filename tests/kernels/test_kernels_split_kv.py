@@ -6,9 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fitserve.kernels.online_softmax import merge_lse
-from fitserve.kernels.reference import naive_attention
-from fitserve.kernels.split_kv import choose_num_splits, split_kv_decode, wave_efficiency
+from fitserve.tools.labs.online_softmax import merge_lse
+from fitserve.tools.labs.reference import naive_attention
+from fitserve.tools.labs.split_kv import choose_num_splits, split_kv_decode, wave_efficiency
 
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True)
 

@@ -13,10 +13,10 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from fitserve.kernels.reference import naive_attention  # noqa: E402
 from fitserve.kernels.triton import interpreter_enabled  # noqa: E402
 from fitserve.kernels.triton.decode import triton_paged_decode  # noqa: E402
 from fitserve.kernels.triton.forward import triton_attention_forward  # noqa: E402
+from fitserve.tools.labs.reference import naive_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and not interpreter_enabled():

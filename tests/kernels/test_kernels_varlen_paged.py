@@ -6,10 +6,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fitserve.kernels.paged import gather_keys, paged_attention
-from fitserve.kernels.reference import naive_attention
-from fitserve.kernels.tiled import tiled_attention
-from fitserve.kernels.varlen import varlen_attention
+from fitserve.tools.labs.paged import gather_keys, paged_attention
+from fitserve.tools.labs.reference import naive_attention
+from fitserve.tools.labs.tiled import tiled_attention
+from fitserve.tools.labs.varlen import varlen_attention
 
 SETTINGS = settings(max_examples=25, deadline=None, derandomize=True)
 

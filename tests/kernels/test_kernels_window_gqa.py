@@ -6,11 +6,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fitserve.kernels.gqa import gqa_intensity, pack_gqa, unpack_gqa
-from fitserve.kernels.reference import naive_attention
-from fitserve.kernels.tiled import TileStats, tiled_attention
-from fitserve.kernels.varlen import varlen_attention
-from fitserve.kernels.window import (
+from fitserve.tools.labs.gqa import gqa_intensity, pack_gqa, unpack_gqa
+from fitserve.tools.labs.reference import naive_attention
+from fitserve.tools.labs.tiled import TileStats, tiled_attention
+from fitserve.tools.labs.varlen import varlen_attention
+from fitserve.tools.labs.window import (
     TileCounts,
     brute_force_key_tiles,
     count_key_tiles,

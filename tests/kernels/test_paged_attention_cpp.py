@@ -32,8 +32,8 @@ from fitserve.kernels.cpu.paged_attention import (
     paged_attention_available,
     paged_decode_attention,
 )
-from fitserve.model.attention import AttentionBatch, paged_attention, write_kv
-from fitserve.runner import build_decode_batch, build_prefill_seq
+from fitserve.model.attention.paged import AttentionBatch, paged_attention, write_kv
+from fitserve.runner.model_runner import build_decode_batch, build_prefill_seq
 from tests.conftest import run_tests_at_tier, torch_threads
 
 

@@ -5,7 +5,7 @@ torch's CPU allocator, in order): the largest running sum during the call is the
 beyond what existed before it. The engine's own code runs (``_chunk_attention``,
 ``_decode_attention``, ``ModelRunner.execute``, ``Sampler``) on random tensors and a random
 2-layer model with SmolLM2's attention geometry (9 query heads, 3 KV heads, head_dim 64), in
-bf16 and fp32, and the formulas of fitserve.plan.scratch / memory must equal the measurement,
+bf16 and fp32, and the formulas of fitserve.ledger.scratch / memory must equal the measurement,
 or exceed it by exactly the term torch skipped (stated per test). Plain C++ allocations
 (``new``) are invisible to the profiler: the fused decode kernel's partials are checked apart.
 """
@@ -21,13 +21,13 @@ import torch
 
 from fitserve.config import ModelSpec
 from fitserve.kernels.cpu.paged_attention import DEFAULT_PARTITION, paged_attention_available
-from fitserve.kernels.dispatch import choose_attention_impl, classify
-from fitserve.model.attention import _chunk_attention, _decode_attention
+from fitserve.ledger import scratch as S
+from fitserve.ledger.memory import cpu_engine_memory_plan, cpu_step_bytes
+from fitserve.model.attention.dispatch import choose_attention_impl, classify
+from fitserve.model.attention.paged import _chunk_attention, _decode_attention
 from fitserve.model.layers import RotaryEmbedding
 from fitserve.model.llama import CausalLM
-from fitserve.plan import scratch as S
-from fitserve.plan.memory import cpu_engine_memory_plan, cpu_step_bytes
-from fitserve.runner import ModelRunner, build_decode_batch, build_prefill_seq
+from fitserve.runner.model_runner import ModelRunner, build_decode_batch, build_prefill_seq
 from fitserve.sampling import SamplingParams
 from fitserve.sampling.sampler import RequestSamplingState, Sampler
 from fitserve.types import ScheduledChunk, SchedulerOutput

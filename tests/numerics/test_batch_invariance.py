@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fitserve.engine import Engine
-from fitserve.llm import LLM
+from fitserve.engine.core import Engine
+from fitserve.engine.llm import LLM
 from fitserve.loading import LoadedModel, load_model
 from fitserve.sampling import SamplingParams
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from fitserve.config import EngineConfig
-from fitserve.engine import Engine
+from fitserve.engine.core import Engine
 from fitserve.loading import LoadedModel, load_model
 from fitserve.sampling import SamplingParams
 from fitserve.sampling.beam_search import BeamSearchParams

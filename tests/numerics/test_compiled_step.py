@@ -1,4 +1,4 @@
-"""The compiled decode step (fitserve.compiled_step) against the eager one: in fp32 the greedy
+"""The compiled decode step (fitserve.runner.compiled_step) against the eager one: in fp32 the greedy
 tokens must be identical, token for token, for batched and single sequences, dense and packed
 weights. Random-weight tiny models (two layers) keep the compiler's time small; the graph is the
 same code the default model compiles."""
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from fitserve.config import EngineConfig
-from fitserve.engine import Engine
+from fitserve.engine.core import Engine
 from fitserve.kernels.cpu.paged_attention import paged_attention_available
 from fitserve.sampling import SamplingParams
 

@@ -1,4 +1,4 @@
-"""The flat decode loop (fitserve.decode_loop) against the module path it replaces: the same
+"""The flat decode loop (fitserve.runner.decode_loop) against the module path it replaces: the same
 decode step through ``CausalLM.forward`` and through ``DecodeLoop`` must give bit-identical
 hidden states (same ops, same order), on ragged batches of every shape class, for the default
 model as stored (Q4_1 + Q8_0, bf16 activations) and for tiny models whose linears it does not
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from fitserve.config import EngineConfig
-from fitserve.engine import Engine
+from fitserve.engine.core import Engine
 from fitserve.kernels.cpu.paged_attention import paged_attention_available
-from fitserve.runner import decode_rows_first
+from fitserve.runner.model_runner import decode_rows_first
 from fitserve.sampling import SamplingParams
 from fitserve.types import ScheduledChunk
 

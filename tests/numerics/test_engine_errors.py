@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fitserve.config import EngineConfig
-from fitserve.engine import Engine
+from fitserve.engine.core import Engine
 from fitserve.loading import ModelLoadError
 from fitserve.sampling import SamplingParams
 

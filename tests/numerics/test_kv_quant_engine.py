@@ -19,14 +19,14 @@ import pytest
 import torch
 
 from fitserve.config import EngineConfig
-from fitserve.engine import Engine
+from fitserve.engine.core import Engine
+from fitserve.ledger.kv import kv_block_bytes
 from fitserve.loading import LoadedModel, load_model
 from fitserve.model import llama as llama_mod
 from fitserve.model.llama import build_model
-from fitserve.plan.kv import kv_block_bytes
 from fitserve.quant.kv_cache import CODECS
+from fitserve.runner.teacher_forcing import score_logits
 from fitserve.sampling import SamplingParams
-from fitserve.scoring import score_logits
 
 from .test_prefix_caching import check_on_equals_off
 from .tiny_models import build_tiny

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from fitserve.config import EngineConfig
-from fitserve.engine import Engine
-from fitserve.llm import LLM
+from fitserve.engine.core import Engine
+from fitserve.engine.llm import LLM
 from fitserve.loading import LoadedModel
 from fitserve.sampling import SamplingParams
 from fitserve.types import RunnerOutput, SchedulerOutput

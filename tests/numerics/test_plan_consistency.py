@@ -29,9 +29,9 @@ import torch
 
 from fitserve.cli import main as fitserve_main
 from fitserve.config import EngineConfig
-from fitserve.engine import Engine
-from fitserve.engine_setup import DEFAULT_CPU_KV_BYTES, size_kv_pool
-from fitserve.plan import memory as plan_memory
+from fitserve.engine.builder import DEFAULT_CPU_KV_BYTES, size_kv_pool
+from fitserve.engine.core import Engine
+from fitserve.ledger import memory as plan_memory
 
 REPO = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
@@ -96,7 +96,7 @@ def check_engine_matches_plan(engine: Engine, plan: dict[str, Any]) -> None:
     assert plan["kv_allocated_bytes"] == plan["num_kv_blocks"] * plan["block_bytes"]
     assert plan["lines"]["KV pool"] == plan["kv_allocated_bytes"]
     assert weight_bytes(engine) == plan["weight_bytes"] == plan["lines"]["weights"]
-    # the engine's own ledger (fitserve.engine_setup) has the same lines as the plan
+    # the engine's own ledger (fitserve.engine.builder) has the same lines as the plan
     mp = pool.memory_plan
     assert mp is not None and mp.device == "cpu"
     assert [m.name for m in mp.lines] == list(plan["lines"])
@@ -132,7 +132,7 @@ def test_default_options(default_engine: Engine, smollm2_path: Path,
 def test_kv_pool_is_resident_only_for_the_blocks_handed_out(default_engine: Engine) -> None:
     """The runner's cache tensors cost memory only where blocks were written: after requests of
     ragged lengths, the KV tensors' resident pages (mincore) are the touched blocks' bytes."""
-    from fitserve.lazy_memory import resident_bytes
+    from fitserve.runner.lazy_memory import resident_bytes
     from fitserve.sampling import SamplingParams
 
     engine = default_engine
@@ -207,7 +207,7 @@ def test_pool_sizing_matches_plan(default_engine: Engine, cfg: dict[str, Any], a
 W2_CHILD = textwrap.dedent("""
     import json, resource, sys, time
     from fitserve.config import EngineConfig
-    from fitserve.engine import Engine
+    from fitserve.engine.core import Engine
     from fitserve.sampling import SamplingParams
 
     engine = Engine(EngineConfig(model=sys.argv[1], device="cpu"))
@@ -261,7 +261,7 @@ def test_w2_peak_rss_within_15_percent_of_plan(smollm2_path: Path,
 LONG_CHILD = textwrap.dedent("""
     import json, sys, time
     from fitserve.config import EngineConfig
-    from fitserve.engine import Engine
+    from fitserve.engine.core import Engine
     from fitserve.sampling import SamplingParams
 
     cfg = json.loads(sys.argv[2])

@@ -29,8 +29,8 @@ from gguf import GGMLQuantizationType as Q
 
 from fitserve.cli import main as fitserve_main
 from fitserve.config import EngineConfig
-from fitserve.engine import Engine
-from fitserve.plan.model_source import resolve_model
+from fitserve.engine.core import Engine
+from fitserve.tools.planner.model_source import resolve_model
 from tests.tiny_gguf import TinyGGUF, write_tiny_gguf
 
 KV_BUDGET = 1 << 20

@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as Q
 
 from fitserve.cli import main as fitserve_main
 from fitserve.config import EngineConfig
-from fitserve.engine import Engine
+from fitserve.engine.core import Engine
 from fitserve.model.linear import PackedEmbedding, PackedLinear
 from tests.numerics.test_plan_engine_agree import COMMON, COMMON_ARGS, held_by_model
 from tests.tiny_gguf import TinyGGUF, write_tiny_gguf
@@ -97,7 +97,7 @@ def test_hf_fp8_plan_equals_engine(tiny_hf_model_dir: Callable[..., Any],
     the planner's bytes are what the model holds, and its logits are those of the dense model
     holding the dequantized fp8 weights (the plain algorithm)."""
     from fitserve.model.fp8_linear import Fp8Linear
-    from fitserve.scoring import score_logits
+    from fitserve.runner.teacher_forcing import score_logits
 
     folder = tiny_hf_model_dir("llama")
     engine = check(folder, "fp8", capsys)

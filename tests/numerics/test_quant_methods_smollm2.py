@@ -1,6 +1,6 @@
 """GPTQ and AWQ each beat RTN on the default model (SmolLM2-135M; reference: its float32 model).
 
-Calibration: the first 512 tokens of *Persuasion* (fitserve/quant/data, shipped public-domain
+Calibration: the first 512 tokens of *Persuasion* (fitserve/tools/eval/data, shipped public-domain
 text); held out: 512 tokens from further into the book (text the calibration never saw). The
 decoder's linears are quantized to int4, group 128, asymmetric (f16 min), by each method, then
 dequantized into a dense float32 model, so the KL is the weights' error and no kernel's.
@@ -22,19 +22,19 @@ import torch
 
 from fitserve.loading import LoadedModel
 from fitserve.model.llama import build_model
-from fitserve.quant.awq import awq_transform
-from fitserve.quant.calibration import (
+from fitserve.quant.packed import dequantize
+from fitserve.quant.rtn import quantize_int4
+from fitserve.runner.teacher_forcing import score_logits
+from fitserve.tools.quantize.awq import awq_transform
+from fitserve.tools.quantize.calibration import (
     calibration_token_ids,
     collect_linear_stats,
     linear_weight_names,
     read_calibration_text,
 )
-from fitserve.quant.gptq import gptq_quantize_weights
-from fitserve.quant.packed import dequantize
-from fitserve.quant.rtn import quantize_int4
-from fitserve.scoring import score_logits
+from fitserve.tools.quantize.gptq import gptq_quantize_weights
 
-TEXT = Path(__file__).resolve().parents[2] / "fitserve/quant/data/austen_persuasion.txt"
+TEXT = Path(__file__).resolve().parents[2] / "fitserve/tools/eval/data/austen_persuasion.txt"
 TOKENS = 512
 HELD_OUT_PIECE = 4  # tokens 2044..2555 of the text: well past the calibration piece
 BITS, GROUP, SYM = 4, 128, False

@@ -16,11 +16,11 @@ from gguf import GGMLQuantizationType as Q
 
 from fitserve.cli import main as fitserve_main
 from fitserve.config import EngineConfig
-from fitserve.engine import Engine
+from fitserve.engine.core import Engine
 from fitserve.loading import load_model
 from fitserve.quant.checkpoint import prepare_output, write_checkpoint
-from fitserve.quant.methods import quantize_loaded
 from fitserve.sampling import SamplingParams
+from fitserve.tools.quantize.methods import quantize_loaded
 from tests.numerics.test_plan_engine_agree import held_by_model
 from tests.numerics.test_plan_engine_packed import check, packed_formats
 from tests.tiny_gguf import TinyGGUF, write_tiny_gguf

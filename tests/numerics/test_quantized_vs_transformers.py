@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from fitserve.config import EngineConfig
-from fitserve.engine import Engine
+from fitserve.engine.core import Engine
 from fitserve.loading import LoadedModel, load_model
 from fitserve.model.linear import CANDIDATES, PackedLinear
 from fitserve.quant import dequantize, quantize
@@ -45,7 +45,7 @@ PROMPTS = [
 NUM_TOKENS = 32
 MIN_IDENTICAL = 4  # of 6: "most" (measured: 6 of 6 on the exact path, int4/int8 RTN 6 of 6)
 # NOTE: exact path. Both sides hold bit-identical fp32 weights (torch.equal, see
-# tests/unit/test_quant_gguf.py) and run fp32 activations; they differ only in summation order
+# tests/unit/quant/test_quant_gguf.py) and run fp32 activations; they differ only in summation order
 # (the packed kernel's fp32 FMA order, fused q/k/v, paged attention vs SDPA). Each op is then
 # off by ~K * 2^-24 relative (~3e-5 for K = 576), compounding over 30 layers: the largest gap
 # measured on these prompts is 2.7e-5 nats. 1e-3 nats leaves room for other summation orders

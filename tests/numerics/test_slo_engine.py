@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from fitserve.engine import Engine
-from fitserve.plan.errors import PlanError
-from fitserve.plan.step_time import StepTimeModel, save_step_model
+from fitserve.engine.core import Engine
+from fitserve.ledger.errors import PlanError
+from fitserve.ledger.step_time import StepTimeModel, save_step_model
 from fitserve.sampling import SamplingParams
 from fitserve.sched.slo import AdmissionRejected
 
@@ -109,7 +109,7 @@ def test_bad_request_scheduling_fields(make_engine, step_model_file: Path, tmp_p
 
 
 def test_llm_generate_takes_vllm_priorities(make_engine) -> None:  # type: ignore[no-untyped-def]
-    from fitserve.llm import LLM
+    from fitserve.engine.llm import LLM
 
     def llm_over(engine: Engine) -> LLM:
         llm = LLM.__new__(LLM)

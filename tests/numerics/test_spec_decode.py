@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from fitserve.config import EngineConfig
-from fitserve.engine import Engine
+from fitserve.engine.core import Engine
 from fitserve.loading import LoadedModel, load_model
 from fitserve.sampling import SamplingParams
-from fitserve.sampling.spec_decode import rejection
+from fitserve.spec_decode import rejection
 
 from .tiny_models import build_tiny
 

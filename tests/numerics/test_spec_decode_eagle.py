@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fitserve.config import EngineConfig
-from fitserve.engine import Engine
+from fitserve.engine.core import Engine
 from fitserve.loading import LoadedModel, load_model
 from fitserve.model.eagle_head import EagleHead
 from fitserve.sampling import SamplingParams

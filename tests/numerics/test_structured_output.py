@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fitserve.config import EngineConfig, SpeculativeConfig
-from fitserve.engine import Engine
+from fitserve.engine.core import Engine
 from fitserve.loading import LoadedModel
 from fitserve.sampling import SamplingParams
 from fitserve.sampling.beam_search import BeamSearchParams

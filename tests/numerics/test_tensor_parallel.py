@@ -16,8 +16,8 @@ import pytest
 from fitserve.config import EngineConfig
 from fitserve.dist.engine_tp import TPModelRunner
 from fitserve.dist.layout import rank_spec
-from fitserve.engine import Engine
-from fitserve.plan.kv import kv_block_bytes
+from fitserve.engine.core import Engine
+from fitserve.ledger.kv import kv_block_bytes
 from fitserve.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -1,41 +1,50 @@
-"""The import graph of fitserve: no cycles, and torch stays out of the torch-free parts.
+"""The import graph of fitserve: the layering the tree promises, checked on the source.
 
-Every .py under fitserve/ is parsed with ``ast``; imports of fitserve modules are collected,
-at module level and inside functions (``if TYPE_CHECKING:`` blocks are left out: they never
-run). Checked:
+Every .py under fitserve/ is parsed with ``ast``; imports of fitserve modules are collected at
+three levels: module level (what runs when the module is imported), inside functions (lazy
+imports, which run later), and in ``if TYPE_CHECKING:`` blocks (which never run, but still say
+"this module needs that one"). Checked:
 
-(a) no import cycle among MODULE-LEVEL imports (what runs when a module is imported; imports
-    inside functions run later and may go "up" on purpose, e.g. PEP 562 lazy names);
-(b) fitserve.kv, fitserve.sched, fitserve.plan and the model readers import neither torch nor
-    anything that imports it: their own imports at any level, and transitively every
-    module-level import of what they reach, including the package ``__init__`` modules that
-    importing a submodule runs; then the same at run time, in a fresh interpreter.
+(a) no import cycle among the modules, with every level's imports counted: a cycle hidden
+    behind a function-level or TYPE_CHECKING import is still two modules that need each other;
+(b) nothing on the serving path imports fitserve.tools (the offline commands and studies):
+    only fitserve.tools itself and the CLI entry point (fitserve.cli.main) may;
+(c) fitserve.kv, fitserve.sched, fitserve.ledger, the planner and its sheets, and the model
+    readers import neither torch nor anything that imports it: their own imports at any level,
+    and transitively every module-level import of what they reach, including the package
+    ``__init__`` modules that importing a submodule runs; then the same at run time, in a fresh
+    interpreter.
+
+The checks are functions of a source tree, so the last tests plant a cycle and a serving-path
+import of tools/ in a copy of the package and show that each check reports it.
 """
 
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "fitserve"
-TORCH_FREE_ROOTS = ("fitserve.kv", "fitserve.sched", "fitserve.plan")
+TORCH_FREE_ROOTS = ("fitserve.kv", "fitserve.sched", "fitserve.ledger", "fitserve.tools.planner",
+                    "fitserve.tools.sheets")
 READERS = ("fitserve.loading.hf_config", "fitserve.loading.gguf_spec",
            "fitserve.loading.hf_defaults", "fitserve.loading.weight_names",
            "fitserve.loading.errors")
 TORCH_LIKE = ("torch", "triton", "transformers", "safetensors.torch")
+TOOLS = "fitserve.tools"
+MAY_IMPORT_TOOLS = ("fitserve.cli.main",)  # the entry point wires the offline subcommands
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
-
-
-MODULES: dict[str, Path] = {module_name(p): p for p in PKG.rglob("*.py")}
 
 
 def _is_type_checking(node: ast.If) -> bool:
@@ -44,121 +53,172 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
-def _resolve(base: str, names: list[str]) -> list[str]:
-    """Targets of ``from base import names``: base.name where that is a module, else base."""
-    out = [f"{base}.{n}" for n in names if f"{base}.{n}" in MODULES]
-    if len(out) < len(names):
-        out.append(base)
-    return out
+@dataclass(slots=True)
+class Imports:
+    """One module's imports (fitserve modules and external top-level names) by level."""
+
+    top: set[str]  # module level: run on import
+    lazy: set[str]  # inside functions: run when called
+    typing: set[str]  # under ``if TYPE_CHECKING:``: never run
+
+    @property
+    def every(self) -> set[str]:
+        return self.top | self.lazy | self.typing
+
+    @property
+    def run(self) -> set[str]:
+        return self.top | self.lazy
 
 
-def imports(module: str) -> tuple[set[str], set[str]]:
-    """(module-level, all) imported names: fitserve modules and external top-level ones."""
-    path = MODULES[module]
-    tree = ast.parse(path.read_text(), str(path))
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    top: set[str] = set()
-    every: set[str] = set()
+class Graph:
+    """The import graph of the package under ``root`` (a folder holding ``fitserve/``)."""
 
-    def visit(node: ast.AST, at_top: bool) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child):
-                for sub in child.orelse:
-                    visit_stmt(sub, at_top)
+    def __init__(self, root: Path) -> None:
+        self.modules = {module_name(p, root): p for p in (root / "fitserve").rglob("*.py")}
+        self.imports = {m: self._scan(m) for m in self.modules}
+
+    def _resolve(self, base: str, names: list[str]) -> list[str]:
+        """Targets of ``from base import names``: base.name where that is a module, else base."""
+        out = [f"{base}.{n}" for n in names if f"{base}.{n}" in self.modules]
+        if len(out) < len(names):
+            out.append(base)
+        return out
+
+    def _scan(self, module: str) -> Imports:
+        path = self.modules[module]
+        tree = ast.parse(path.read_text(), str(path))
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        found = Imports(set(), set(), set())
+
+        def visit(node: ast.AST, level: str) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.If) and _is_type_checking(child):
+                    for sub in child.body:
+                        visit_stmt(sub, "typing")
+                    for sub in child.orelse:
+                        visit_stmt(sub, level)
+                    continue
+                visit_stmt(child, level)
+
+        def visit_stmt(child: ast.AST, level: str) -> None:
+            names: list[str] = []
+            if isinstance(child, ast.Import):
+                names = [a.name for a in child.names]
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = package.rsplit(".", child.level - 1)[0] if child.level > 1 else package
+                    base = f"{base}.{child.module}" if child.module else base
+                else:
+                    base = child.module or ""
+                names = (self._resolve(base, [a.name for a in child.names])
+                         if base.startswith("fitserve") else [base])
+            getattr(found, level).update(names)
+            inner = level
+            if level == "top" and isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef |
+                                             ast.Lambda):
+                inner = "lazy"
+            visit(child, inner)
+
+        visit(tree, "top")
+        return found
+
+    def parents(self, module: str) -> list[str]:
+        """The packages whose __init__ runs before ``module`` (fitserve, fitserve.x, ...)."""
+        parts = module.split(".")
+        return [p for p in (".".join(parts[:i]) for i in range(1, len(parts)))
+                if p in self.modules]
+
+    def cycles(self) -> list[list[str]]:
+        """Every cycle the depth-first walk meets, over imports of every level."""
+        edges = {m: {t for t in self.imports[m].every if t in self.modules and t != m}
+                 for m in self.modules}
+        state: dict[str, int] = {}  # 1: on the stack, 2: done
+        stack: list[str] = []
+        found: list[list[str]] = []
+
+        def dfs(m: str) -> None:
+            state[m] = 1
+            stack.append(m)
+            for t in sorted(edges[m]):
+                if state.get(t) == 1:
+                    found.append(stack[stack.index(t):] + [t])
+                elif t not in state:
+                    dfs(t)
+            stack.pop()
+            state[m] = 2
+
+        for m in sorted(self.modules):
+            if m not in state:
+                dfs(m)
+        return found
+
+    def serving_imports_of_tools(self) -> list[str]:
+        """``module -> tools module`` for every import of fitserve.tools from outside it."""
+        bad = []
+        for m, imp in sorted(self.imports.items()):
+            if m == TOOLS or m.startswith(TOOLS + ".") or m in MAY_IMPORT_TOOLS:
                 continue
-            visit_stmt(child, at_top)
+            bad += [f"{m} -> {t}" for t in sorted(imp.every)
+                    if t == TOOLS or t.startswith(TOOLS + ".")]
+        return bad
 
-    def visit_stmt(child: ast.AST, at_top: bool) -> None:
-        found: list[str] = []
-        if isinstance(child, ast.Import):
-            found = [a.name for a in child.names]
-        elif isinstance(child, ast.ImportFrom):
-            if child.level:
-                base = package.rsplit(".", child.level - 1)[0] if child.level > 1 else package
-                base = f"{base}.{child.module}" if child.module else base
-            else:
-                base = child.module or ""
-            found = (_resolve(base, [a.name for a in child.names])
-                     if base.startswith("fitserve") else [base])
-        every.update(found)
-        if at_top:
-            top.update(found)
-        inner = at_top and not isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef |
-                                          ast.Lambda)
-        visit(child, inner)
+    def torch_reached_from(self, starts: list[str]) -> list[str]:
+        """Chains ``torch-like <- ... <- start`` for each torch-free start that reaches torch."""
+        bad: list[str] = []
+        for start in starts:
+            # its own imports at any level that runs, then module-level imports of all it reaches
+            seen: dict[str, str] = {}
+            todo = [(t, start) for t in self.imports[start].run | set(self.parents(start))]
+            while todo:
+                mod, via = todo.pop()
+                if mod in seen:
+                    continue
+                seen[mod] = via
+                if mod.startswith(TORCH_LIKE) or mod.split(".")[0] in ("torch", "triton"):
+                    chain = [mod]
+                    while chain[-1] != start:
+                        chain.append(seen.get(chain[-1], start))
+                    bad.append(" <- ".join(chain))
+                    continue
+                if mod in self.modules:
+                    todo += [(t, mod) for t in self.imports[mod].top | set(self.parents(mod))]
+        return sorted(set(bad))
 
-    visit(tree, True)
-    return top, every
+    def torch_free_set(self) -> list[str]:
+        roots = [m for m in self.modules if m.startswith(TORCH_FREE_ROOTS)]
+        return sorted({*roots, *READERS})
 
 
-GRAPH = {m: imports(m) for m in MODULES}
-
-
-def parents(module: str) -> list[str]:
-    """The packages whose __init__ runs before ``module`` (fitserve, fitserve.x, ...)."""
-    parts = module.split(".")
-    return [".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in MODULES]
+GRAPH = Graph(ROOT)
 
 
 def test_graph_sees_known_edges() -> None:
-    """The walker itself: known imports of each kind are found (else the checks prove nothing)."""
-    top, every = GRAPH["fitserve.engine"]
-    assert "fitserve.engine_setup" in top and "torch" in top
-    _, every = GRAPH["fitserve.cli"]
-    assert "fitserve.engine" in every and "fitserve.engine" not in GRAPH["fitserve.cli"][0]
-    assert "fitserve.loading.hf_defaults" in GRAPH["fitserve.loading.hf_config"][0]  # from pkg
-    assert "fitserve.loading.gguf" in GRAPH["fitserve.loading"][1]  # lazy, inside a function
-    assert "fitserve.loading.gguf" not in GRAPH["fitserve.loading"][0]
+    """The walker itself: known imports of each level are found (else the checks prove nothing)."""
+    core = GRAPH.imports["fitserve.engine.core"]
+    assert "fitserve.engine.builder" in core.top and "torch" in core.top
+    assert "fitserve.engine.calibrate" in core.lazy  # the slo policy's step model
+    main = GRAPH.imports["fitserve.cli.main"]
+    assert "fitserve.engine.core" in main.lazy and "fitserve.engine.core" not in main.top
+    assert "fitserve.loading.hf_defaults" in GRAPH.imports["fitserve.loading.hf_config"].top
+    loading = GRAPH.imports["fitserve.loading"]
+    assert "fitserve.loading.gguf" in loading.lazy and "fitserve.loading.gguf" not in loading.top
+    assert "fitserve.server.settings" in GRAPH.imports["fitserve.server.openapi"].typing
+    assert "fitserve.tools.planner.cli" in main.lazy
 
 
-def test_no_module_level_import_cycle() -> None:
-    edges = {m: {t for t in GRAPH[m][0] if t in MODULES and t != m} for m in MODULES}
-    state: dict[str, int] = {}  # 1: on the stack, 2: done
-    stack: list[str] = []
-    cycles: list[list[str]] = []
-
-    def dfs(m: str) -> None:
-        state[m] = 1
-        stack.append(m)
-        for t in sorted(edges[m]):
-            if state.get(t) == 1:
-                cycles.append(stack[stack.index(t):] + [t])
-            elif t not in state:
-                dfs(t)
-        stack.pop()
-        state[m] = 2
-
-    for m in sorted(MODULES):
-        if m not in state:
-            dfs(m)
+def test_no_import_cycle_at_any_level() -> None:
+    cycles = GRAPH.cycles()
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-def torch_free_set() -> list[str]:
-    roots = [m for m in MODULES if m.startswith(TORCH_FREE_ROOTS)]
-    return sorted({*roots, *READERS})
+def test_serving_path_never_imports_tools() -> None:
+    bad = GRAPH.serving_imports_of_tools()
+    assert not bad, "fitserve.tools imported from the serving path:\n" + "\n".join(bad)
 
 
 def test_torch_free_parts_never_reach_torch() -> None:
-    bad: list[str] = []
-    for start in torch_free_set():
-        # its own imports at any level, then module-level imports of all it reaches
-        seen: dict[str, str] = {}
-        todo = [(t, start) for t in GRAPH[start][1] | set(parents(start))]
-        while todo:
-            mod, via = todo.pop()
-            if mod in seen:
-                continue
-            seen[mod] = via
-            if mod.startswith(TORCH_LIKE) or mod.split(".")[0] in ("torch", "triton"):
-                chain = [mod]
-                while chain[-1] != start:
-                    chain.append(seen.get(chain[-1], start))
-                bad.append(" <- ".join(chain))
-                continue
-            if mod in MODULES:
-                todo += [(t, mod) for t in GRAPH[mod][0] | set(parents(mod))]
-    assert not bad, "torch reached from torch-free modules:\n" + "\n".join(sorted(set(bad)))
+    bad = GRAPH.torch_reached_from(GRAPH.torch_free_set())
+    assert not bad, "torch reached from torch-free modules:\n" + "\n".join(bad)
 
 
 def test_torch_free_at_run_time(tmp_path: Path) -> None:
@@ -170,11 +230,11 @@ def test_torch_free_at_run_time(tmp_path: Path) -> None:
                                           '"num_attention_heads": 4, "vocab_size": 320}')
     code = (
         "import sys\n"
-        "import fitserve.plan.cli_plan, fitserve.kv, fitserve.sched\n"
+        "import fitserve.tools.planner.cli, fitserve.ledger.memory, fitserve.kv, fitserve.sched\n"
         f"import {', '.join(READERS)}\n"
-        "from fitserve.plan.model_source import resolve_model\n"
-        "from fitserve.plan.sections_run import build_plan\n"
-        "from fitserve.plan.report import PlanRequest\n"
+        "from fitserve.tools.planner.model_source import resolve_model\n"
+        "from fitserve.tools.planner.sections_run import build_plan\n"
+        "from fitserve.tools.planner.report import PlanRequest\n"
         "resolve_model('SmolLM2-135M')\n"
         f"assert resolve_model({str(gguf_file)!r}).spec.attention_bias\n"
         f"assert resolve_model({str(tmp_path)!r}).spec.qk_norm\n"
@@ -188,3 +248,52 @@ def test_torch_free_at_run_time(tmp_path: Path) -> None:
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def _planted_copy(tmp_path: Path, plants: dict[str, str]) -> Graph:
+    """A copy of fitserve/ with ``plants`` (module path -> text) appended, and its graph."""
+    shutil.copytree(PKG, tmp_path / "fitserve", ignore=shutil.ignore_patterns("__pycache__", "*.so",
+                                                                             "*.cpp", "*.h"))
+    for rel, text in plants.items():
+        with (tmp_path / "fitserve" / rel).open("a") as f:
+            f.write(text)
+    return Graph(tmp_path)
+
+
+def test_checks_catch_planted_cycles_at_every_level(tmp_path: Path) -> None:
+    """A cycle closed by a function-level import and one closed by a TYPE_CHECKING import are
+    both reported (the old check, module level only, saw neither)."""
+    graph = _planted_copy(tmp_path, {
+        # kv.block_pool is imported by kv.manager at module level; close it inside a function
+        "kv/block_pool.py": "\n\ndef _planted():\n    from fitserve.kv.manager import KVCacheManager\n"
+                            "    return KVCacheManager\n",
+        # sched.request is imported by sched.scheduler; close it under TYPE_CHECKING
+        "sched/request.py": "\n\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                            "    from fitserve.sched.scheduler import Scheduler\n",
+    })
+    found = {" -> ".join(c) for c in graph.cycles()}
+    assert any("fitserve.kv.block_pool" in c and "fitserve.kv.manager" in c for c in found), found
+    assert any("fitserve.sched.request" in c and "fitserve.sched.scheduler" in c
+               for c in found), found
+    assert not GRAPH.cycles()  # and the real tree has none
+
+
+def test_checks_catch_a_serving_path_import_of_tools(tmp_path: Path) -> None:
+    graph = _planted_copy(tmp_path, {
+        "engine/outputs.py": "\n\ndef _planted():\n    from fitserve.tools.planner import cli\n"
+                             "    return cli\n",
+        "server/metrics.py": "\n\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                             "    from fitserve.tools.bench.loadgen import RequestResult\n",
+    })
+    bad = graph.serving_imports_of_tools()
+    assert "fitserve.engine.outputs -> fitserve.tools.planner.cli" in bad, bad
+    assert "fitserve.server.metrics -> fitserve.tools.bench.loadgen" in bad, bad
+    assert not GRAPH.serving_imports_of_tools()
+
+
+def test_checks_catch_torch_reached_from_the_ledger(tmp_path: Path) -> None:
+    graph = _planted_copy(tmp_path, {"ledger/units.py": "\n\ndef _planted():\n"
+                                                        "    from fitserve.model import layers\n"
+                                                        "    return layers\n"})
+    bad = graph.torch_reached_from(["fitserve.ledger.units"])
+    assert any(b.startswith("torch <- ") and b.endswith("fitserve.ledger.units") for b in bad), bad

@@ -1,6 +1,6 @@
 // fitserve_step::decode_layers: every decoder layer of a decode-only step in one op call.
 //
-// It runs exactly the op sequence of fitserve/decode_loop.py (DecodeLoop._python_layers):
+// It runs exactly the op sequence of fitserve/runner/decode_loop.py (DecodeLoop._python_layers):
 //
 //   per layer: [add_]rms_norm -> qkv -> rope_write_kv_ -> paged_decode_attention -> o_proj
 //              -> add_rms_norm_ -> gate_up -> silu_and_mul -> down

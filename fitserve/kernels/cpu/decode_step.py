@@ -1,7 +1,7 @@
 """The decoder layers of a decode-only step as one C++ op (decode_step.cpp).
 
 ``torch.ops.fitserve_step.decode_layers`` calls the same registered ops as the Python loop in
-fitserve/decode_loop.py, in the same order; it needs fused_ops, paged_attention and (for packed
+fitserve/runner/decode_loop.py, in the same order; it needs fused_ops, paged_attention and (for packed
 linears) qlinear loaded first, which ``decode_step_available`` makes sure of.
 """
 

@@ -5,7 +5,7 @@ sequence b, reading them page by page through the block table, and writes a part
 (O_p fp32 [D], LSE_p) -- (0, -inf) when the split holds no visible key.
 
 Phase 2, grid (B * Hq): merges the P partials: lse = log sum exp(LSE_p),
-O = sum exp(LSE_p - lse) O_p. The split count comes from split_kv.choose_num_splits.
+O = sum exp(LSE_p - lse) O_p. The split count comes from fitserve.kernels.split_plan.choose_num_splits.
 """
 
 from __future__ import annotations

@@ -1,0 +1,5 @@
+"""``python -m fitserve.cli``."""
+
+from fitserve.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,200 @@
+"""``fitserve serve``: the OpenAI-compatible server on uvicorn, with graceful shutdown.
+
+On SIGTERM/SIGINT the server stops accepting connections, refuses new requests on open ones
+(503), lets in-flight requests finish for up to ``--shutdown-timeout`` seconds, aborts the rest,
+stops the engine thread and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Generator
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from fitserve.cli.engine_args import add_engine_args, engine_config_from_args
+from fitserve.config import EngineConfig
+from fitserve.server.connections import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_HEADER_BYTES,
+    GuardedH11Protocol,
+    raise_fd_limit,
+)
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn.Server that marks the app draining on a signal and does not re-raise it.
+
+    NOTE: uvicorn re-raises the captured signal after a graceful shutdown, which would make
+    the process die *by* SIGTERM (exit status -15) instead of exiting 0.
+    """
+
+    def __init__(self, config: uvicorn.Config, app_state: Any) -> None:
+        super().__init__(config)
+        self.app_state = app_state
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.app_state.draining = True
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C: stop waiting
+        self.should_exit = True
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        sigs = (signal.SIGINT, signal.SIGTERM)
+        old = {s: signal.signal(s, self.handle_exit) for s in sigs}
+        try:
+            yield
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+
+
+def add_serve_parser(subparsers: Any) -> None:
+    """Register ``fitserve serve`` on the CLI's subparsers."""
+    p = subparsers.add_parser("serve", help="serve a model over the OpenAI HTTP API")
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("FITSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(env FITSERVE_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="queued requests before new ones get 503 + Retry-After")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get 413")
+    p.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without --api-key (for Prometheus scrapers); the dashboard still needs it")
+    p.add_argument("--allowed-origins", type=_origins, default=[],
+                   help="CORS: origins browsers may call the API from, as a JSON list or comma-separated "
+                        "('*' for any); CORS is off unless given")
+    p.add_argument("--header-timeout", type=_positive, default=DEFAULT_HEADER_TIMEOUT_S,
+                   help="seconds a connection may stay open without starting a request (idle or slow "
+                        "request head) before it is closed")
+    p.add_argument("--max-header-bytes", type=int, default=DEFAULT_MAX_HEADER_BYTES,
+                   help="a larger request head gets 431")
+    p.add_argument("--body-timeout", type=_positive, default=30.0,
+                   help="seconds to receive a request body in full (else 408)")
+    p.add_argument("--send-timeout", type=_positive, default=60.0,
+                   help="seconds a stream write may wait on a client that does not read before the "
+                        "request is aborted")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--seed", type=int, default=0, help="seed of the engine's global RNG")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_sampling_default_args(p)
+    p.set_defaults(func=run_serve)
+
+
+def _positive(text: str) -> float:
+    v = float(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return v
+
+
+def _origins(text: str) -> list[str]:
+    """``["https://a", "https://b"]`` (vLLM's form) or ``https://a,https://b``."""
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {exc}") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError("must be a JSON list of strings")
+        return value
+    return [o.strip() for o in text.split(",") if o.strip()]
+
+
+def _add_sampling_default_args(p: Any) -> None:
+    """What requests that omit a sampling field get (see fitserve.loading.generation_defaults)."""
+    from fitserve.loading.generation_defaults import SERVER_DEFAULTS
+
+    p.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
+                   help="auto: the model's recommended sampling defaults (generation_config.json, "
+                        "GGUF general.sampling.*); vllm: ignore them")
+    for name, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("min_p", float),
+                       ("repetition_penalty", float)):
+        p.add_argument(f"--default-{name.replace('_', '-')}", type=kind, default=None, dest=f"default_{name}",
+                       help=f"{name} of requests that omit it; overrides the model's (built-in default "
+                            f"when the model has none: {SERVER_DEFAULTS[name]})")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Load the model in the engine thread while uvicorn already answers /health (503)."""
+    from fitserve.engine.builder import check_scheduling
+    from fitserve.engine.core import Engine
+    from fitserve.loading.generation_defaults import GenerationDefaults
+    from fitserve.server.app import ServerSettings, create_app
+    from fitserve.server.engine_loop import EngineLoop
+    from fitserve.server.metrics import Metrics
+    from fitserve.server.protocol import DEFAULTED_FIELDS
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config: EngineConfig = engine_config_from_args(args)
+    if args.seed:
+        import dataclasses
+
+        config = dataclasses.replace(config, seed=args.seed)
+    settings = ServerSettings(
+        model_name=args.served_model_name or args.model, api_key=args.api_key or None,
+        max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes, metrics_public=args.metrics_public,
+        body_timeout_s=args.body_timeout, send_timeout_s=args.send_timeout, allowed_origins=args.allowed_origins,
+        generation_config=args.generation_config,
+        default_sampling={k: getattr(args, f"default_{k}") for k in DEFAULTED_FIELDS},
+    )
+    try:
+        settings.resolve_sampling(GenerationDefaults())  # a bad --default-* value fails now
+        check_scheduling(config)  # and a bad --scheduling-policy / SLO setting
+    except ValueError as exc:
+        print(f"fitserve serve: {exc}", file=sys.stderr)
+        return 2
+    if args.model == "smollm2-135m":
+        from fitserve.loading.pull import pull
+
+        pull(args.model, progress=True)  # a first run fetches the default model
+    from fitserve.dist.group import launched_externally
+
+    if launched_externally(config.tensor_parallel_size) and int(os.environ["RANK"]) != 0:
+        # under torchrun, ranks > 0 serve rank 0's steps, not HTTP (no second bind of the port)
+        from fitserve.dist.worker import run_worker
+
+        return run_worker(config, int(os.environ["RANK"]), config.tensor_parallel_size, "env://")
+
+    def load(cfg: EngineConfig) -> Engine:
+        engine = Engine(cfg)
+        logging.getLogger("fitserve.server").info(
+            "sampling defaults for requests that omit them: %s",
+            settings.resolve_sampling(engine.loaded.generation_defaults).describe())
+        return engine
+
+    loop = EngineLoop(config, Metrics(), engine_factory=load)
+    app = create_app(loop, settings)
+    limits = raise_fd_limit()  # thousands of idle connections must not starve new ones
+    if limits is not None and limits[1] < 4096:
+        logging.getLogger("fitserve.server").warning(
+            "the open-file limit is %d: at most that many connections at once (ulimit -n)", limits[1])
+    protocol = GuardedH11Protocol.configured(header_timeout_s=args.header_timeout,
+                                             max_header_bytes=args.max_header_bytes,
+                                             send_buffer_bytes=256 * 1024)
+    uv_config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, http=protocol,
+        timeout_graceful_shutdown=max(1, int(round(args.shutdown_timeout))), access_log=False,
+    )
+    server = _GracefulServer(uv_config, app.state.fitserve)
+    # A model that cannot load ends the process (exit 1) rather than serving 503s forever.
+    loop.on_load_error = lambda _exc: setattr(server, "should_exit", True)
+    server.run()
+    if loop.error is not None and not loop.ready:
+        print(f"fitserve serve: engine failed: {loop.error}")
+        return 1
+    return 0

@@ -1,0 +1,18 @@
+"""The engine: core loop (add / abort / step / stats), builder (device, dtype, KV pool sizing and
+start-up checks), outputs (detokenize, stops), beams, the step-time model's calibration, and the
+offline LLM."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["Engine"]
+
+
+def __getattr__(name: str) -> Any:
+    # NOTE: lazy, so importing a light submodule (outputs, builder) does not load the core loop
+    if name == "Engine":
+        from fitserve.engine.core import Engine
+
+        return Engine
+    raise AttributeError(f"module 'fitserve.engine' has no attribute {name!r}")

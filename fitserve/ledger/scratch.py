@@ -1,0 +1,243 @@
+"""Transient bytes of one CPU engine step beyond the activations: attention and sampling.
+
+What fitserve's engine allocates on a CPU while a step runs, as functions of the step token
+budget (``max_num_batched_tokens``), the context (``max_model_len``) and the batch
+(``max_num_seqs``), read off the engine's code (fitserve/model/attention/paged.py, runner.py,
+sampling/sampler.py, kernels/cpu/paged_attention.cpp) and measured with torch.profiler's
+memory events on torch 2.13.0 (tests/numerics/test_attention_scratch.py repeats the check).
+
+Prefill chunks run one sequence at a time (``_chunk_attention``), T queries against L = S + T
+keys; the worst is T = min(budget, max_model_len) queries against L = max_model_len keys::
+
+    gathered K, V copies      2 x Hkv x ceil(L / block) x block x D x kv_bytes  (whole blocks)
+    bool mask [T, L]          built by the runner for a chunk after cached tokens (or a
+                              window shorter than it), alive the whole step: budget x L x 1 B,
+                              with the block tables (int64: seqs x ceil(L / block) x 8 B)
+    SDPA (CPU flash kernel)   see ``cpu_sdpa_bytes``: output, logsumexp, per-thread tiles,
+                              the bool mask as an additive float mask [T, L] in the model dtype,
+                              and in bf16/f16 a repacked copy of K and V
+
+Decode on the CPU runs the fused C++ kernel (``cpu_paged``): no gather, no score matrix, only
+its output and, for sequences longer than one 256-key partition, fp32 partial results per
+(sequence, KV head, partition). Without the kernel (no compiler, ``FITSERVE_DISABLE_CPP=1``)
+decode gathers every sequence's blocks (``gather_decode_bytes``): the dispatch rule runs the
+eager "naive" path up to 4096 keys (fp32 scores [Hq, B, L] and probabilities) and SDPA beyond.
+
+Scratch lives inside one layer's attention call and is freed before the next layer, so it
+coexists with that layer's attention-phase activations, never with its MLP (see
+``memory.cpu_step_bytes``); the bool masks live for the whole step.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from fitserve.config import ModelSpec
+from fitserve.ledger.hardware import cpu_has_amx_bf16
+
+# NOTE: torch 2.13's CPU flash attention (aten/native/cpu/FlashAttentionKernel.cpp) tiles the
+# queries by 256 from 768 queries up, by 64 from 192, else by 32, and the keys by 512.
+FLASH_KV_SPLIT = 512
+# NOTE: the fused decode kernel's partition (fitserve.kernels.cpu.paged_attention
+# DEFAULT_PARTITION) and its fp32 lane padding of head_dim (kLanes in paged_attention.cpp).
+PAGED_PARTITION = 256
+PAGED_LANES = 16
+# NOTE: the gather decode path's switch from "naive" to "sdpa" (fitserve.model.attention.dispatch:
+# "long" is up to 4096 keys); tests/numerics/test_attention_scratch.py pins both constants.
+GATHER_NAIVE_MAX_KEYS = 4096
+# NOTE: fp32 [B, V] tensors the sampler holds at its deepest point besides the f32 logits,
+# measured (torch.profiler, B=64, V=49,152): greedy rows 1 (its private copy), temperature
+# sampling 4 (4.25 with top-k, top-p and min-p), a top-p nucleus that outgrows the 256 and 4096
+# candidates (a full-vocabulary sort: values, int64 indices, gathered probabilities, cumulative
+# sums) 10.25, with top-k, min-p, logprobs and a greedy row in the batch (every row subset a
+# copy) 14.06, the worst combination found; 15 bounds it.
+SAMPLER_F32_COPIES = 15
+
+
+def cpu_threads() -> int:
+    """Threads torch's CPU kernels use at most: OMP_NUM_THREADS when set, else every logical
+    CPU (torch defaults to the physical cores, never more), so a bound of per-thread tiles."""
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return max(1, os.cpu_count() or 1)
+
+
+def cpp_kernels_disabled() -> bool:
+    """True when FITSERVE_DISABLE_CPP forces the pure-torch paths (the planner's view of
+    whether the fused decode kernel runs; fitserve.kernels.cpu.build reads the same variable)."""
+    return os.environ.get("FITSERVE_DISABLE_CPP", "") not in ("", "0")
+
+
+def flash_q_split(q_len: int) -> int:
+    """Queries per tile of torch's CPU flash attention for ``q_len`` queries."""
+    split = 256 if q_len >= 768 else 64 if q_len >= 192 else 32
+    return min(split, q_len)
+
+
+def cpu_sdpa_bytes(*, num_heads: int, num_kv_heads: int, head_dim: int, q_len: int,
+                   kv_len: int, act_bytes: int, threads: int, masked: bool, batch: int = 1,
+                   packed: bool | None = None) -> int:
+    """Bytes ``F.scaled_dot_product_attention`` allocates on a CPU (torch 2.13: the flash
+    kernel for every call the engine makes, GQA without expanding K/V), q [batch, Hq, T, D]
+    against K/V [batch, Hkv, L, D]::
+
+        output          batch x Hq x T x D x act_bytes
+        logsumexp       batch x Hq x T x 4
+        per thread      (qs x ks + 2 qs + qs x D) x 4      qs = flash_q_split(T), ks = min(512, L)
+        bf16 / f16      + per thread qs x ks x act_bytes   (the reduced copy of the tile)
+          ``packed``    + per thread ks x D x act_bytes + 2 x batch x Hkv x L x D x act_bytes
+                          (K and V repacked for the bf16 GEMM; torch skips it for small T,
+                          e.g. T = 16 against 3000 keys, and always at T = 1: counted unless
+                          ``packed=False``, an upper bound there)
+        ``masked``      + batch x T x L x act_bytes        (the bool mask as a float mask)
+
+    ``packed`` None: as torch does on this CPU, which repacks only where it has AMX bf16
+    (``cpu_has_amx_bf16``).
+
+    Measured with torch.profiler memory events, torch 2.13.0, 1 and 2 threads, bf16 and fp32,
+    (Hq, Hkv, D) = (9, 3, 64), (4, 1, 24), (8, 2, 32), T x L from 7 x 7 to 2048 x 4096: equal
+    to the byte in fp32; in bf16 on a Xeon with AMX equal wherever torch repacks, above it by
+    the repacked K/V where it does not; on a Zen 4 (AVX512-BF16, no AMX) torch never repacks
+    and the count without packing is equal to the byte (T x L = 64 x 512 to 1024 x 4096).
+    """
+    if packed is None:
+        packed = cpu_has_amx_bf16()
+    qs, ks = flash_q_split(q_len), min(FLASH_KV_SPLIT, kv_len)
+    out = batch * num_heads * q_len * head_dim * act_bytes
+    lse = batch * num_heads * q_len * 4
+    tiles = threads * (qs * ks + 2 * qs + qs * head_dim) * 4
+    if act_bytes < 4:
+        tiles += threads * qs * ks * act_bytes
+        if packed:
+            tiles += threads * ks * head_dim * act_bytes
+            tiles += 2 * batch * num_kv_heads * kv_len * head_dim * act_bytes
+    mask = batch * q_len * kv_len * act_bytes if masked else 0
+    return out + lse + tiles + mask
+
+
+def gathered_kv_bytes(spec: ModelSpec, batch: int, kv_len: int, block_size: int,
+                      kv_bytes: int) -> int:
+    """K and V copies of ``batch`` sequences' blocks (``gather_blocks``: whole blocks)."""
+    blocks = -(-kv_len // block_size)
+    return 2 * spec.num_kv_heads * batch * blocks * block_size * spec.head_dim * kv_bytes
+
+
+def prefill_chunk_bytes(spec: ModelSpec, q_len: int, kv_len: int, *, block_size: int,
+                        act_bytes: int, kv_bytes: int, threads: int, masked: bool) -> int:
+    """One prefill chunk's attention call, beyond the runner's bool mask: the gathered K/V
+    copies plus what SDPA allocates (``cpu_sdpa_bytes``)."""
+    return gathered_kv_bytes(spec, 1, kv_len, block_size, kv_bytes) + cpu_sdpa_bytes(
+        num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+        q_len=q_len, kv_len=kv_len, act_bytes=act_bytes, threads=threads, masked=masked)
+
+
+def paged_decode_bytes(spec: ModelSpec, batch: int, kv_len: int, act_bytes: int) -> int:
+    """The fused C++ decode kernel over ``batch`` sequences of ``kv_len`` keys: its output
+    [B, Hq, D] and, when a sequence spans several partitions, the fp32 partials of every
+    (sequence, KV head, partition): G x (dpad + 2) floats each (accumulators, max, sum).
+
+    NOTE: the partials are a plain C++ allocation (``new float[]``), invisible to torch's
+    profiler: counted from paged_attention.cpp, not measured.
+    """
+    out = batch * spec.num_heads * spec.head_dim * act_bytes
+    parts = -(-kv_len // PAGED_PARTITION)
+    if parts <= 1:
+        return out
+    group = spec.num_heads // max(1, spec.num_kv_heads)
+    dpad = -(-spec.head_dim // PAGED_LANES) * PAGED_LANES
+    return out + batch * spec.num_kv_heads * parts * group * (dpad + 2) * 4
+
+
+def gather_decode_bytes(spec: ModelSpec, batch: int, kv_len: int, *, block_size: int,
+                        act_bytes: int, kv_bytes: int, threads: int) -> int:
+    """Decode without the fused kernel (``_decode_attention``, "naive" or "sdpa").
+
+    "naive", up to GATHER_NAIVE_MAX_KEYS keys: gathered K/V + scores and probabilities over
+    Lw = whole blocks of keys, Hq x B x Lw x (4 fp32 scores + 4 fp32 probabilities + act_bytes
+    for the model-dtype scores, or the probabilities cast back, in bf16) + q x scale, the output
+    and its reshaped copy (3 x B x Hq x D x act_bytes). "sdpa" beyond: gathered K/V + SDPA with
+    one query per sequence and a [B, 1, 1, Lw] mask (``cpu_sdpa_bytes``, nothing repacked).
+    Measured (profiler, torch 2.13.0, B x L = 8 x 1000, 32 x 4096, 4 x 6000): equal in fp32
+    and for "sdpa", 2 x B x Hq x D x 2 B above "naive" in bf16.
+    """
+    lw = -(-kv_len // block_size) * block_size
+    gathered = gathered_kv_bytes(spec, batch, kv_len, block_size, kv_bytes)
+    if kv_len <= GATHER_NAIVE_MAX_KEYS:
+        per_score = 8 + (act_bytes if act_bytes < 4 else 0)
+        return (gathered + spec.num_heads * batch * lw * per_score
+                + 3 * batch * spec.num_heads * spec.head_dim * act_bytes)
+    return gathered + cpu_sdpa_bytes(
+        num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+        q_len=1, kv_len=lw, act_bytes=act_bytes, threads=threads, masked=True, batch=batch,
+        packed=False)
+
+
+@dataclass(frozen=True)
+class AttentionScratch:
+    """The attention scratch of one engine step at its worst, on a CPU.
+
+    ``kernel_bytes`` is per layer (the worst prefill chunk or the worst decode batch, which run
+    one after the other); ``step_tensor_bytes`` (the runner's masks and block tables) lives for
+    the whole step.
+    """
+
+    prefill_queries: int  # T of the worst chunk
+    keys: int  # L = max_model_len
+    prefill_bytes: int  # its gathered K/V + SDPA (float mask included)
+    decode_batch: int
+    decode_bytes: int
+    step_tensor_bytes: int  # the runner's bool masks (+ visible/hidden of gather decode), tables
+    fused_decode: bool
+    threads: int
+
+    @property
+    def kernel_bytes(self) -> int:
+        return max(self.prefill_bytes, self.decode_bytes)
+
+    @property
+    def total_bytes(self) -> int:
+        """The ledger line: masks + the worst attention call."""
+        return self.step_tensor_bytes + self.kernel_bytes
+
+
+def cpu_attention_scratch(spec: ModelSpec, *, max_num_batched_tokens: int, max_model_len: int,
+                          max_num_seqs: int, block_size: int, act_bytes: int, kv_bytes: int,
+                          threads: int, fused_decode: bool = True) -> AttentionScratch:
+    """The worst attention scratch of a step (see the module docstring for each term).
+
+    Prefill: T = min(budget, max_model_len) queries against max_model_len keys, masked (a
+    chunk after cached tokens; a plain causal first chunk needs less). Decode: min(max_num_seqs,
+    budget) sequences of max_model_len keys (the gather path: its worst of "naive" at up to
+    4096 keys and "sdpa" beyond). Step tensors: prefill chunks' T_i x L_i bool masks sum to at
+    most budget x max_model_len bytes; the gather decode path adds 2 x B x Lw bools; every
+    sequence's block table (int64 ids, at most max_num_seqs x ceil(max_model_len / block)).
+    """
+    t = max(1, min(max_num_batched_tokens, max_model_len))
+    keys = max(1, max_model_len)
+    batch = max(1, min(max_num_seqs, max_num_batched_tokens))
+    prefill = prefill_chunk_bytes(spec, t, keys, block_size=block_size, act_bytes=act_bytes,
+                                  kv_bytes=kv_bytes, threads=threads, masked=True)
+    blocks = -(-keys // block_size)
+    masks = max_num_batched_tokens * keys + max_num_seqs * blocks * 8
+    if fused_decode:
+        decode = paged_decode_bytes(spec, batch, keys, act_bytes)
+    else:
+        kw = dict(block_size=block_size, act_bytes=act_bytes, kv_bytes=kv_bytes,
+                  threads=threads)
+        decode = gather_decode_bytes(spec, batch, min(keys, GATHER_NAIVE_MAX_KEYS), **kw)
+        if keys > GATHER_NAIVE_MAX_KEYS:
+            decode = max(decode, gather_decode_bytes(spec, batch, keys, **kw))
+        masks += 2 * batch * blocks * block_size
+    return AttentionScratch(t, keys, prefill, batch, decode, masks, fused_decode, threads)
+
+
+def rope_table_bytes(spec: ModelSpec, max_model_len: int) -> int:
+    """The model's fp32 RoPE cos and sin tables: 2 x max_model_len x ceil(D / 2) x 4 B."""
+    return 2 * max_model_len * ((spec.head_dim + 1) // 2) * 4
+
+
+def sampler_bytes(spec: ModelSpec, max_num_seqs: int) -> int:
+    """The sampler's fp32 working copies of the logits at its worst (SAMPLER_F32_COPIES)."""
+    return SAMPLER_F32_COPIES * max_num_seqs * spec.vocab_size * 4

@@ -1,0 +1,172 @@
+"""Roofline times: a decode step at batch B, a prefill (TTFT floor), and where they turn.
+
+    t_memory  = (weight bytes read + KV bytes read) / memory bandwidth
+    t_compute = FLOPs / peak FLOP/s
+    step      = max(t_memory, t_compute) + t_allreduce      (collectives not overlapped)
+
+Per rank under tensor parallelism. MoE: a step reads the experts its batch touches, expected
+E x (1 - (1 - k/E)^B) of E per layer. Attention reads only the window on sliding layers.
+These are floors: real kernels reach some fraction of both peaks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fitserve.config import ModelSpec
+from fitserve.ledger.flops import flops_per_token, prefill_flops
+from fitserve.ledger.formats import weight_format
+from fitserve.ledger.hardware import Hardware
+from fitserve.ledger.kv import request_kv
+from fitserve.ledger.parallel import tp_allreduce
+from fitserve.ledger.weights import WeightBytes, model_weight_bytes
+
+MAX_BATCH = 1 << 16
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One forward step on one rank: bytes, FLOPs and the roofline time."""
+
+    batch: int
+    context: int
+    weight_bytes: float
+    kv_bytes: float
+    flops: float
+    t_memory: float
+    t_compute: float
+    t_comm: float
+
+    @property
+    def seconds(self) -> float:
+        return max(self.t_memory, self.t_compute) + self.t_comm
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.t_compute >= self.t_memory else "memory"
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode throughput of the whole TP group: batch tokens per step."""
+        return self.batch / self.seconds
+
+    def describe(self) -> str:
+        """One line: the roofline with its numbers filled in."""
+        return (f"max(({self.weight_bytes:,.0f} + {self.kv_bytes:,.0f}) B / bandwidth = "
+                f"{self.t_memory * 1e3:.3f} ms, {self.flops:.4g} FLOPs / peak = "
+                f"{self.t_compute * 1e3:.3f} ms) + comm {self.t_comm * 1e3:.3f} ms = "
+                f"{self.seconds * 1e3:.3f} ms ({self.bound}-bound)")
+
+
+def experts_touched_fraction(spec: ModelSpec, batch: int) -> float:
+    """Expected share of routed experts a batch of ``batch`` tokens uses in one layer."""
+    if not spec.num_experts:
+        return 1.0
+    return 1.0 - (1.0 - spec.num_experts_per_token / spec.num_experts) ** batch
+
+
+def weight_bytes_read(spec: ModelSpec, wb: WeightBytes, batch: int) -> float:
+    expert = sum(line.bytes for line in wb.lines if line.name.startswith("expert_"))
+    return wb.total - expert + expert * experts_touched_fraction(spec, batch)
+
+
+def decode_step(spec: ModelSpec, hw: Hardware, wb: WeightBytes, *, batch: int, context: int,
+                kv_dtype: str, weights_fmt: str, act_dtype_bytes: int = 2) -> StepTime:
+    """A decode step of ``batch`` sequences each at ``context`` tokens, on one of wb.tp ranks."""
+    tp = wb.tp
+    w = weight_bytes_read(spec, wb, batch)
+    kv = batch * request_kv(spec, context, kv_dtype, tp=tp).bytes_reclaimed
+    flops = batch * flops_per_token(spec, context).total / tp
+    comm = tp_allreduce(spec, hw, tp=tp, tokens=batch, act_dtype_bytes=act_dtype_bytes)
+    return StepTime(batch, context, w, kv, flops, (w + kv) / hw.mem_bytes_per_s,
+                    flops / hw.peak_flops(weights_fmt), comm.seconds_per_step)
+
+
+def decode_step_roofline(spec: ModelSpec, hw: Hardware, *, batch: int, context: int,
+                         weight_fmt: str, kv_dtype: str, tp: int = 1,
+                         act_dtype_bytes: int = 2) -> StepTime:
+    """The roofline floor of one decode step: ``batch`` sequences, each ``context`` tokens in.
+
+        t_memory  = (weight bytes read + batch x KV bytes of ``context`` tokens) / hw bandwidth
+        t_compute = batch x flops_per_token(context) / hw.peak_flops(weight_fmt)
+        seconds   = max(t_memory, t_compute) + TP all-reduce time
+
+    ``weight_fmt``: a plain dtype ("bf16", "f32") means every tensor in it, as fitserve's engine
+    holds them; a quantized format ("int4-g128", "Q4_K_M", ...) keeps embedding, lm_head and
+    vectors in bf16. The W1 benchmark calls it with ``hw = cpu_hardware()``; read ``.seconds``,
+    ``.t_memory``, ``.t_compute``, ``.weight_bytes``, ``.kv_bytes``, ``.flops``, ``.bound``.
+    """
+    f = weight_format(weight_fmt)
+    plain = f.block_elements == 1 and not f.row_scale_bytes and not f.tensor_scale_bytes
+    wb = model_weight_bytes(spec, weight_fmt, tp=tp, base_dtype=f.name if plain else "bf16")
+    return decode_step(spec, hw, wb, batch=batch, context=context, kv_dtype=kv_dtype,
+                       weights_fmt=weight_fmt, act_dtype_bytes=act_dtype_bytes)
+
+
+def prefill_time(spec: ModelSpec, hw: Hardware, wb: WeightBytes, *, prompt_len: int,
+                 kv_dtype: str, weights_fmt: str, act_dtype_bytes: int = 2) -> StepTime:
+    """The TTFT floor: one prefill of ``prompt_len`` tokens (weights read once, KV written)."""
+    tp = wb.tp
+    kv = request_kv(spec, prompt_len, kv_dtype, tp=tp).bytes_reclaimed
+    w = weight_bytes_read(spec, wb, prompt_len)
+    flops = prefill_flops(spec, prompt_len).total / tp
+    comm = tp_allreduce(spec, hw, tp=tp, tokens=prompt_len, act_dtype_bytes=act_dtype_bytes)
+    return StepTime(1, prompt_len, w, kv, flops, (w + kv) / hw.mem_bytes_per_s,
+                    flops / hw.peak_flops(weights_fmt), comm.seconds_per_step)
+
+
+def compute_bound_batch(spec: ModelSpec, hw: Hardware, wb: WeightBytes, *, context: int,
+                        kv_dtype: str, weights_fmt: str) -> int | None:
+    """Smallest batch whose decode step is compute-bound (None: KV reads keep it memory-bound)."""
+    def bound(b: int) -> bool:
+        s = decode_step(spec, hw, wb, batch=b, context=context, kv_dtype=kv_dtype,
+                        weights_fmt=weights_fmt)
+        return s.t_compute >= s.t_memory
+
+    return smallest_batch(bound, MAX_BATCH)
+
+
+def smallest_batch(holds: Callable[[int], bool], max_batch: int) -> int | None:
+    """The smallest batch in [1, max_batch] where ``holds`` (monotone: once true, true for
+    larger batches) is true, None if it never is: doubling from 1, then bisecting."""
+    lo, hi = 0, 1  # invariant once found: not holds(lo) (or lo == 0), holds(hi)
+    while not holds(hi):
+        if hi >= max_batch:
+            return None
+        lo, hi = hi, min(2 * hi, max_batch)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if holds(mid) else (mid, hi)
+    return hi
+
+
+@dataclass(frozen=True)
+class Crossover:
+    """Weight-only quantized vs reference weights: speedup per batch and where it stops."""
+
+    quant_fmt: str
+    ref_fmt: str
+    speedups: tuple[tuple[int, float], ...]  # (batch, t_ref / t_quant)
+    stops_paying_at: int | None  # smallest batch with speedup < 1 + threshold
+
+
+def quant_crossover(spec: ModelSpec, hw: Hardware, quant: WeightBytes, ref: WeightBytes, *,
+                    context: int, kv_dtype: str, threshold: float = 0.05) -> Crossover:
+    """Where weight-only int4 (W4A16) stops beating bf16: both run at the bf16 peak, so once
+    both steps are compute-bound the bandwidth saving buys nothing."""
+    speedups: list[tuple[int, float]] = []
+    stop: int | None = None
+    b = 1
+    while b <= MAX_BATCH:
+        t_ref = decode_step(spec, hw, ref, batch=b, context=context, kv_dtype=kv_dtype,
+                            weights_fmt="bf16").seconds
+        t_quant = decode_step(spec, hw, quant, batch=b, context=context, kv_dtype=kv_dtype,
+                              weights_fmt="bf16").seconds
+        s = t_ref / t_quant
+        speedups.append((b, s))
+        if stop is None and s < 1 + threshold:
+            stop = b
+            break
+        b *= 2
+    return Crossover(quant.mix, ref.mix, tuple(speedups), stop)

@@ -1,0 +1,373 @@
+"""SchedulerOutput -> tensors -> forward -> sampled tokens.
+
+The runner owns the per-layer KV cache tensors ([num_kv_heads, num_blocks, block_size, head_dim]
+each; one tensor per layer so a compiled step never rewrites a stacked cache) and turns the
+scheduler's block tables into the flat cache slots each new token writes::
+
+    slot(p) = block_table[p // block_size] * block_size + p % block_size
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from fitserve.config import ModelSpec
+from fitserve.kernels.cpu.paged_attention import paged_attention_available
+from fitserve.ledger.formats import kv_format as kv_format_entry
+from fitserve.ledger.formats import resolve_engine_kv_format
+from fitserve.model.attention.dispatch import choose_attention_impl, classify
+from fitserve.model.attention.paged import AttentionBatch, DecodeBatch, PrefillSeq, visible_mask
+from fitserve.model.llama import CausalLM, LayerKV
+from fitserve.quant.kv_cache import QuantizedKVCache
+from fitserve.runner.compiled_step import CompiledDecode
+from fitserve.runner.decode_loop import DecodeLoop
+from fitserve.runner.lazy_memory import lazy_zeros
+from fitserve.sampling import RequestSamplingState, Sampler
+from fitserve.spec_decode.rejection import verify as verify_drafts
+from fitserve.types import RunnerOutput, ScheduledChunk, SchedulerOutput
+
+
+class ModelRunner:
+    """Runs one scheduler step on the model and samples the chunks that end a request's tokens."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        spec: ModelSpec,
+        *,
+        num_blocks: int,
+        block_size: int,
+        kv_dtype: torch.dtype,
+        device: torch.device,
+        compile_decode: bool = False,
+        kv_cache_dtype: str = "auto",
+        kv_cache_scales: str = "auto",
+    ) -> None:
+        self.model = model
+        self.spec = spec
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.device = device
+        self.sliding_window = spec.sliding_window
+        self.kv_format = resolve_engine_kv_format(kv_cache_dtype, kv_cache_scales, _table_name(kv_dtype))
+        self.kv_caches = make_kv_caches(spec, self.kv_format, num_blocks=num_blocks, block_size=block_size,
+                                        dtype=kv_dtype, device=device)
+        # a quantized cache: each step dequantizes the blocks it reads into a compact dense cache
+        self.quantized_kv = isinstance(self.kv_caches[0], QuantizedKVCache)
+        self.sampler = Sampler()
+        # speculative decoding with a draft model: its distribution at each draft position, by
+        # request, for the rejection sampler (n-gram drafts have none: a point mass)
+        self.draft_probs: dict[str, torch.Tensor] = {}
+        # EAGLE-like drafting: the hidden state whose logits gave each request's latest token
+        self.keep_hidden = False
+        self.last_hidden: dict[str, torch.Tensor] = {}
+        self.use_triton = device.type == "cuda" and _triton_importable()
+        # the fused C++ decode kernel (built at first use; FITSERVE_DISABLE_CPP=1 turns it off)
+        self.use_cpp = device.type == "cpu" and paged_attention_available()
+        # decode-only steps under torch.compile (fitserve.runner.compiled_step); None = eager
+        self.compiled: CompiledDecode | None = None
+        if compile_decode and self.use_cpp and not self.quantized_kv:
+            self.compiled = CompiledDecode(model, self.kv_caches, spec.sliding_window)
+        # eager decode-only steps as one flat loop of prebound ops (fitserve.runner.decode_loop);
+        # FITSERVE_DECODE_LOOP=0 runs them through the modules instead (same bits, slower)
+        self.decode_loop: DecodeLoop | None = None
+        if (self.use_cpp and not self.quantized_kv and os.environ.get("FITSERVE_DECODE_LOOP") != "0"
+                and DecodeLoop.supports(model, kv_dtype)):
+            self.decode_loop = DecodeLoop(model, kv_dtype)
+
+    def _impl(self, q_lens: list[int], k_lens: list[int]) -> str:
+        return choose_attention_impl(
+            classify(self.device.type, q_lens, k_lens, triton=self.use_triton, cpp=self.use_cpp)
+        )
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(layer_kv_bytes(kv) for kv in self.kv_caches)
+
+    @torch.inference_mode()
+    def forward_chunks(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Hidden states [tokens, hidden] of ``chunks`` (decode-like chunks first, see
+        ``decode_rows_first``), written into and read from the cache; nothing sampled."""
+        return self._forward(*self._prepare(chunks))
+
+    @torch.inference_mode()
+    def execute(
+        self, out: SchedulerOutput, states: dict[str, RequestSamplingState]
+    ) -> RunnerOutput:
+        if out.block_copies:
+            self.copy_blocks(out.block_copies)
+        chunks = decode_rows_first(out.chunks)
+        input_ids, positions, batch = self._prepare(chunks)
+        hidden = self._forward(input_ids, positions, batch)
+        sample_rows, sample_ids, verify = logits_rows(chunks)
+        result = RunnerOutput(sampled={})
+        if sample_rows:
+            logits = self.model.compute_logits(self._rows(hidden, sample_rows))
+            tokens, logprobs = self.sampler(logits, [states[r] for r in sample_ids])
+            result.sampled.update(zip(sample_ids, tokens, strict=True))
+            if self.keep_hidden:
+                self.last_hidden.update((rid, hidden[row].clone()) for rid, row in zip(sample_ids, sample_rows, strict=True))
+            for rid, lp in zip(sample_ids, logprobs, strict=True):
+                if lp is not None:
+                    result.logprobs[rid] = lp
+        if verify:
+            self._verify(hidden, verify, states, result)
+        return result
+
+    def _rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """``hidden[rows]``; ``hidden`` itself when that is every row in order (a decode-only
+        step samples each of its rows: no index tensor, no copy)."""
+        if len(rows) == hidden.shape[0] and rows == list(range(len(rows))):
+            return hidden
+        return hidden[torch.tensor(rows, device=self.device)]
+
+    def _verify(self, hidden: torch.Tensor, verify: list[tuple[ScheduledChunk, int]],
+                states: dict[str, RequestSamplingState], result: RunnerOutput) -> None:
+        """Speculative decoding: score each chunk's k drafts and one more position in the one
+        forward that ran, and keep what rejection sampling accepts (fitserve.spec_decode)."""
+        rows = [r for chunk, last in verify for r in range(last - chunk.num_draft, last + 1)]
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
+        at = 0
+        for chunk, _ in verify:
+            k = chunk.num_draft
+            rid = chunk.request_id
+            drafts = chunk.token_ids[-k:]
+            q = self.draft_probs.pop(rid, None)  # the scheduler may have cut the drafts short
+            emitted = verify_drafts(logits[at: at + k + 1], drafts, None if q is None else q[:k],
+                                    states[rid], self.sampler)
+            if self.keep_hidden:  # the row that gave the last emitted token
+                self.last_hidden[rid] = hidden[rows[at + len(emitted) - 1]].clone()
+            at += k + 1
+            result.emitted[rid] = emitted
+            result.sampled[rid] = emitted[-1]
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: the K/V of each (src, dst) block pair, every layer, before the step's
+        writes. No dst is another pair's src (dst blocks are fresh, src blocks still held), so
+        the pairs are copied at once."""
+        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
+        for kv in self.kv_caches:
+            if isinstance(kv, QuantizedKVCache):
+                kv.copy_blocks(src, dst)
+                continue
+            for t in kv:  # [kv_heads, num_blocks, block_size, head_dim]
+                t.index_copy_(1, dst, t.index_select(1, src))
+
+    @torch.inference_mode()
+    def warm_up_compiled(self, batch_sizes: list[int]) -> dict[str, float]:
+        """Compile the decode step for the shape classes of ``batch_sizes`` now (dummy steps
+        that write slot 0 of block 0 and attend one key: the pool holds no request yet), so
+        the first requests do not wait on the compiler. Returns seconds per class."""
+        if self.compiled is None:
+            return {}
+        for n in batch_sizes:
+            for _ in range(2):  # the first call of a class binds kernels, the second compiles
+                chunks = [ScheduledChunk(request_id=f"warm-up-{i}", token_ids=[0], start_pos=0,
+                                         block_table=[0], sample=False) for i in range(n)]
+                self._forward(*self._prepare(chunks))
+        return dict(self.compiled.compile_seconds)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 batch: AttentionBatch) -> torch.Tensor:
+        """The model's forward (compiled for decode-only steps when enabled), with oneDNN on or
+        off for this step's token count."""
+        onednn_before = torch.backends.mkldnn.enabled
+        torch.backends.mkldnn.enabled = self._use_onednn(len(input_ids))  # type: ignore[assignment]
+        try:
+            if self.compiled is not None and self.compiled.applies(batch):
+                return self.compiled(input_ids, positions, batch)
+            if self.decode_loop is not None and self.decode_loop.applies(batch, self.kv_caches,
+                                                                          len(input_ids)):
+                return self.decode_loop(input_ids, positions, batch, self.kv_caches)
+            hidden: torch.Tensor = self.model(input_ids, positions, batch, self.kv_caches)
+            return hidden
+        finally:
+            torch.backends.mkldnn.enabled = onednn_before
+
+    def _use_onednn(self, num_tokens: int) -> bool:
+        # NOTE: measured on AVX512-BF16 CPUs: oneDNN's bf16 matmul is several times slower than
+        # torch's own kernel for a single row (batch-1 decode) and several times faster from a
+        # few rows up. fp32 is indifferent.
+        return not (self.device.type == "cpu" and num_tokens <= 1)
+
+    def _prepare(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSeq] = []
+        compact = compact_blocks(chunks, bs) if self.quantized_kv else None
+        for chunk in chunks:
+            start, t = chunk.start_pos, len(chunk.token_ids)
+            table = chunk.block_table
+            ids.extend(chunk.token_ids)
+            rng = range(start, start + t)
+            pos.extend(rng)
+            slots.extend(table[p // bs] * bs + p % bs for p in rng)
+            if compact is not None:  # attention reads the compact cache: its block indices
+                table = [compact[b] for b in table[: -(-(start + t) // bs)]]
+            if runs_as_decode(chunk):
+                # NOTE: a verification chunk [last, d1 .. dk] is k + 1 decode rows over one
+                # table, row i seeing keys < start + i + 1: every token's K/V is written before
+                # attention reads, so this is its causal attention, on the fused decode kernel.
+                decode_tables.extend([table] * t)
+                decode_lens.extend(range(start + 1, start + t + 1))
+            else:
+                prefills.append(
+                    build_prefill_seq(
+                        len(ids) - t, start, t, table, block_size=bs, window=self.sliding_window,
+                        impl=self._impl([t], [start + t]), device=self.device,
+                    )
+                )
+        decode = self._decode_batch(decode_tables, decode_lens) if decode_tables else None
+        batch = AttentionBatch(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            decode=decode,
+            prefills=prefills,
+            kv_blocks=None if compact is None else torch.tensor(list(compact), dtype=torch.long,
+                                                                device=self.device),
+        )
+        dev = self.device
+        return (
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(pos, dtype=torch.long, device=dev),
+            batch,
+        )
+
+    def _decode_batch(self, tables: list[list[int]], seq_lens: list[int]) -> DecodeBatch:
+        return build_decode_batch(
+            tables, seq_lens, block_size=self.block_size, window=self.sliding_window,
+            impl=self._impl([1] * len(tables), seq_lens), device=self.device,
+        )
+
+
+def _table_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
+
+
+def make_kv_caches(spec: ModelSpec, kv_format: str, *, num_blocks: int, block_size: int,
+                   dtype: torch.dtype, device: torch.device) -> list[LayerKV]:
+    """One cache per layer in ``kv_format`` (a KV_FORMATS name): dense (K, V) tensors of
+    ``dtype`` [kv_heads, num_blocks, block_size, head_dim] (head-major), or a QuantizedKVCache.
+    Zero-filled; on the CPU resident only as blocks are first written (``lazy_zeros``)."""
+    fmt = kv_format_entry(kv_format)
+    if fmt.codec:
+        key_layout = "channel-key" if fmt.key_scales == "channel" else "token"
+        return [QuantizedKVCache(fmt.codec, key_layout, num_kv_heads=spec.num_kv_heads,
+                                 num_blocks=num_blocks, block_size=block_size,
+                                 head_dim=spec.head_dim, device=device)
+                for _ in range(spec.num_layers)]
+    shape = (spec.num_kv_heads, num_blocks, block_size, spec.head_dim)
+    return [(lazy_zeros(shape, dtype, device), lazy_zeros(shape, dtype, device))
+            for _ in range(spec.num_layers)]
+
+
+def layer_kv_bytes(kv: LayerKV) -> int:
+    """Bytes one layer's cache holds (codes and scales for a quantized one)."""
+    if isinstance(kv, QuantizedKVCache):
+        return kv.nbytes
+    return sum(t.numel() * t.element_size() for t in kv)
+
+
+def compact_blocks(chunks: list[ScheduledChunk], block_size: int) -> dict[int, int]:
+    """Physical block -> its index in the step's compact cache: the blocks the step reads
+    (each chunk's table up to its last new token), in first-seen order."""
+    out: dict[int, int] = {}
+    for c in chunks:
+        for b in c.block_table[: -(-(c.start_pos + len(c.token_ids)) // block_size)]:
+            out.setdefault(b, len(out))
+    return out
+
+
+def logits_rows(chunks: list[ScheduledChunk]
+                ) -> tuple[list[int], list[str], list[tuple[ScheduledChunk, int]]]:
+    """The packed rows whose logits a step needs: (sampling rows, the request id sampling each,
+    (chunk with drafts, its last row) to verify). n>1 children sample from their parent's row."""
+    sample_rows: list[int] = []
+    sample_ids: list[str] = []
+    verify: list[tuple[ScheduledChunk, int]] = []
+    offset = 0
+    for chunk in chunks:
+        offset += len(chunk.token_ids)
+        if chunk.num_draft:
+            verify.append((chunk, offset - 1))
+        elif chunk.sample:
+            for rid in (chunk.request_id, *chunk.fanout):
+                sample_rows.append(offset - 1)
+                sample_ids.append(rid)
+    return sample_rows, sample_ids, verify
+
+
+def runs_as_decode(chunk: ScheduledChunk) -> bool:
+    """One new token, or a speculative verification chunk (a few tokens at the cache's end)."""
+    return len(chunk.token_ids) == 1 or chunk.num_draft > 0
+
+
+def decode_rows_first(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+    """Decode-like chunks first: they form one contiguous, batched slice of the packed tokens."""
+    return sorted(chunks, key=lambda c: not runs_as_decode(c))
+
+
+def build_prefill_seq(
+    offset: int, cached: int, num_new: int, table: list[int], *, block_size: int,
+    window: int | None, impl: str, device: torch.device,
+) -> PrefillSeq:
+    """The PrefillSeq of one chunk: tokens [offset, offset+num_new) of the packed batch, which
+    sit after ``cached`` tokens of the sequence whose blocks are ``table``, for ``impl``."""
+    total = cached + num_new
+    plain_causal = cached == 0 and (window is None or window >= num_new)
+    mask = None if plain_causal else visible_mask(num_new, cached, window, device)
+    # the eager path masks explicitly: invert once per step, not once per layer
+    hidden = None
+    if impl == "naive":
+        hidden = ~(mask if mask is not None else visible_mask(num_new, cached, None, device))
+    return PrefillSeq(
+        start=offset, end=offset + num_new, cached=cached,
+        block_ids=torch.tensor(table[: -(-total // block_size)], dtype=torch.long, device=device),
+        mask=mask, impl=impl, window=window, hidden=hidden,
+    )
+
+
+def build_decode_batch(
+    tables: list[list[int]], seq_lens: list[int], *, block_size: int, window: int | None,
+    impl: str, device: torch.device,
+) -> DecodeBatch:
+    """The DecodeBatch of one step (one new token per sequence, ``seq_lens`` keys each, the new
+    one included) with exactly the tensors ``impl`` reads; built once per step, not per layer."""
+    bs = block_size
+    width = max(-(-n // bs) for n in seq_lens)
+    padded = [t[:width] + [0] * (width - min(len(t), width)) for t in tables]
+    if impl == "cpu_paged":
+        # NOTE: the C++ kernel reads int32 tables and lengths and masks by itself (no [B, L]
+        # visible/hidden tensors to build and invert)
+        return DecodeBatch(
+            num=len(tables), block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+            visible=None, seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            impl=impl, window=window,
+        )
+    block_tables = torch.tensor(padded, dtype=torch.long, device=device)
+    lens = torch.tensor(seq_lens, dtype=torch.long, device=device).unsqueeze(1)
+    key_pos = torch.arange(width * bs, device=device).unsqueeze(0)
+    visible = key_pos < lens
+    if window is not None:
+        # the query sits at position len-1 and sees keys with (len-1) - key < window
+        visible &= (lens - 1 - key_pos) < window
+    return DecodeBatch(
+        num=len(tables), block_tables=block_tables, visible=visible[None, :, None, :],
+        hidden=~visible[None, :, None, :], seq_lens=lens.squeeze(1), impl=impl, window=window,
+    )
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

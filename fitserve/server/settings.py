@@ -1,0 +1,34 @@
+"""A server's limits and identity (ServerSettings): what the CLI's flags set and the app, its
+routes and its OpenAPI document read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fitserve.loading.generation_defaults import (
+    DefaultSampling,
+    GenerationConfigMode,
+    GenerationDefaults,
+    resolve_default_sampling,
+)
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    """Limits and identity of a server; the CLI fills these from its flags."""
+
+    model_name: str = "smollm2-135m"
+    api_key: str | None = None
+    max_waiting: int = 256  # requests queued (submitted, not yet scheduled) before new ones get 503
+    max_body_bytes: int = 1 << 20
+    body_timeout_s: float = 30.0  # a body not received in full by then is a 408
+    send_timeout_s: float | None = 60.0  # a stream write waiting this long (client not reading): abort
+    allowed_origins: list[str] = field(default_factory=list)  # CORS: off unless origins are given
+    retry_after_s: int = 1
+    metrics_public: bool = False  # serve /metrics without the API key (for Prometheus scrapers)
+    generation_config: GenerationConfigMode = "auto"  # "vllm": ignore the model's sampling defaults
+    default_sampling: dict[str, float | int | None] = field(default_factory=dict)  # --default-* given
+
+    def resolve_sampling(self, model: GenerationDefaults) -> DefaultSampling:
+        """The defaults omitted request fields get with this model (see generation_defaults)."""
+        return resolve_default_sampling(model, self.generation_config, self.default_sampling)

@@ -1,0 +1,1 @@
+"""Offline quantizers: RTN/AWQ/GPTQ calibration, SmoothQuant migration and ``fitserve quantize``."""

@@ -1,0 +1,210 @@
+"""GGUF weights held as stored: each packed tensor dequantized in fp32 equals the gguf package's
+own ``gguf.quants.dequantize`` of the file's blocks, exactly (torch.equal), tensor by tensor.
+
+For GGUF files written here (GGUFWriter + gguf.quants.quantize for Q4_0, Q4_1 and Q8_0, with
+llama.cpp's Q/K row permutation applied as its converter does) and for every tensor of the
+real SmolLM2 Q4_1 file. K-quants and float tensors are not packed: they are dequantized to
+the model dtype (see fitserve.ledger.formats.GGUF_PACKED).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from fitserve.loading.gguf import read_gguf
+from fitserve.loading.gguf_spec import hf_tensor_name, open_gguf
+from fitserve.loading.tokenizer import bytes_to_unicode
+from fitserve.quant import PackedWeight, dequantize
+from fitserve.quant.gguf_map import packed_from_gguf
+
+H, FF, HEADS, KV, HD = 256, 96, 4, 2, 32  # rows of 256: k-quant blocks fit
+LLAMA_PERMUTED = {"attn_q": HEADS, "attn_k": KV}
+TOKENS = ["<|endoftext|>", *bytes_to_unicode().values(), "he"]
+VOCAB = len(TOKENS)  # 258: the embedding's rows are not a multiple of anything
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py LlamaModel.permute: HF split halves -> interleaved pairs."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+K_QUANTS = {Q.Q4_K: (144, (0, 2)), Q.Q6_K: (210, (208,))}  # block bytes, f16 scale offsets
+
+
+def k_quant_blocks(rng: np.random.Generator, qtype: Q, shape: tuple[int, int]) -> np.ndarray:
+    """Raw k-quant blocks by hand (gguf.quants cannot quantize them): random codes and
+    sub-block scales, the f16 super-block scales set to sane values."""
+    nbytes, f16_at = K_QUANTS[qtype]
+    blocks = rng.integers(0, 256, (shape[0], shape[1] // 256, nbytes), dtype=np.uint8)
+    for at in f16_at:
+        d = rng.uniform(1e-3, 1e-2, blocks.shape[:2]).astype(np.float16)
+        blocks[:, :, at : at + 2] = d.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return blocks.reshape(shape[0], -1)
+
+
+def write_model(path: Path, types: dict[str, Q], seed: int = 0) -> dict[str, Q]:
+    """A one-layer llama GGUF; each 2-D tensor stored as ``types.get(stem, Q8_0)``."""
+    rng = np.random.default_rng(seed)
+    shapes = {"token_embd": (VOCAB, H), "attn_q": (HEADS * HD, H), "attn_k": (KV * HD, H),
+              "attn_v": (KV * HD, H), "attn_output": (H, HEADS * HD), "ffn_gate": (FF, H),
+              "ffn_up": (FF, H), "ffn_down": (H, FF)}
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny-packed")
+    for key, value in (("block_count", 1), ("context_length", 256), ("embedding_length", H),
+                       ("feed_forward_length", FF), ("head_count", HEADS),
+                       ("head_count_kv", KV), ("key_length", HD), ("vocab_size", VOCAB)):
+        getattr(w, f"add_{key}")(value)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(TOKENS)
+    w.add_token_merges(["h e"])
+    w.add_token_types([3] + [1] * (VOCAB - 1))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    stored: dict[str, Q] = {}
+    for stem, shape in shapes.items():
+        name = stem + ".weight" if stem == "token_embd" else f"blk.0.{stem}.weight"
+        arr = (rng.standard_normal(shape) * rng.uniform(0.01, 2.0, (shape[0], 1))).astype(
+            np.float32)
+        arr[0, :32] += 5.0  # a skewed block: the Q4_1 min is far from 0
+        if stem in LLAMA_PERMUTED:
+            arr = llama_cpp_permute(arr, LLAMA_PERMUTED[stem])
+        qtype = types.get(stem, Q.Q8_0)
+        stored[name] = qtype
+        if qtype == Q.F32:
+            w.add_tensor(name, arr)
+        elif qtype in K_QUANTS:
+            w.add_tensor(name, k_quant_blocks(rng, qtype, shape), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, gguf_quantize(arr, qtype), raw_dtype=qtype)
+    for name in ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"):
+        w.add_tensor(name, rng.uniform(0.5, 1.5, H).astype(np.float32))
+        stored[name] = Q.F32
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return stored
+
+
+def reference(reader: gguf.GGUFReader, name: str, n_heads: dict[str, int]) -> torch.Tensor:
+    """gguf's own fp32 dequantization, rows put back into HF order (llama.cpp's permute undone
+    by its explicit inverse, independent of the loader's)."""
+    t = next(t for t in reader.tensors if t.name == name)
+    shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+    arr = np.asarray(gguf_dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
+    stem = name.split(".")[-2]
+    if stem in n_heads:
+        n = n_heads[stem]
+        arr = arr.reshape(n, shape[0] // n // 2, 2, shape[1]).swapaxes(1, 2).reshape(shape)
+    return torch.from_numpy(np.array(arr, order="C"))
+
+
+def check_every_tensor(path: Path, n_heads: dict[str, int]) -> dict[str, str]:
+    """Load as stored (fp32 model dtype) and compare every tensor; return name -> format."""
+    spec, held, *_ = read_gguf(path, torch.float32, weights="as-stored")
+    reader = open_gguf(path)  # gguf's GGUFReader over a plain array view (3x faster to slice)
+    formats = {}
+    for t in reader.tensors:
+        hf = hf_tensor_name(t.name)
+        assert hf is not None
+        if hf not in held:  # a tied lm_head is dropped
+            continue
+        got = held[hf]
+        ref = reference(reader, t.name, n_heads)
+        if isinstance(got, PackedWeight):
+            formats[hf] = got.format
+            assert torch.equal(dequantize(got, torch.float32), ref), t.name
+        else:
+            formats[hf] = str(got.dtype)
+            assert got.dtype == torch.float32 and torch.equal(got, ref), t.name
+    return formats
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+def test_written_files_held_as_stored_dequantize_exactly(tmp_path: Path, qtype: Q) -> None:
+    path = tmp_path / "m.gguf"
+    stems = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    write_model(path, {s: qtype for s in stems})
+    formats = check_every_tensor(path, LLAMA_PERMUTED)
+    want = {Q.Q4_0: "int4-g32-sym", Q.Q4_1: "int4-g32-asym", Q.Q8_0: "int8-g32"}[qtype]
+    assert formats["model.layers.0.self_attn.q_proj.weight"] == want
+    assert formats["model.layers.0.mlp.down_proj.weight"] == want
+    assert formats["model.embed_tokens.weight"] == "int8-g32"
+    assert formats["model.norm.weight"] == "torch.float32"
+
+
+def test_mixed_types_and_k_quants_are_dequantized(tmp_path: Path) -> None:
+    path = tmp_path / "mixed.gguf"
+    write_model(path, {"attn_q": Q.Q4_1, "attn_k": Q.Q4_0, "attn_v": Q.Q8_0, "ffn_up": Q.Q4_K,
+                       "ffn_gate": Q.Q6_K, "attn_output": Q.F32, "token_embd": Q.Q4_0})
+    formats = check_every_tensor(path, LLAMA_PERMUTED)
+    assert formats["model.layers.0.self_attn.k_proj.weight"] == "int4-g32-sym"
+    # k-quants and F32 are dequantized to the model dtype, equal to gguf's dequantization
+    for name in ("mlp.up_proj", "mlp.gate_proj", "self_attn.o_proj"):
+        assert formats[f"model.layers.0.{name}.weight"] == "torch.float32"
+    assert formats["model.embed_tokens.weight"] == "int4-g32-sym"
+
+
+def test_row_order_permutes_packed_rows_exactly() -> None:
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((HEADS * HD, 64)).astype(np.float32)
+    blocks = gguf_quantize(llama_cpp_permute(w, HEADS), Q.Q4_1)
+    order = llama_cpp_permute(np.arange(HEADS * HD), HEADS)  # where each HF row went
+    inverse = np.argsort(order)
+    pw = packed_from_gguf(blocks, "Q4_1", (HEADS * HD, 64), inverse)
+    ref = gguf_dequantize(gguf_quantize(w, Q.Q4_1), Q.Q4_1)  # per-row blocks: same values
+    assert torch.equal(dequantize(pw), torch.from_numpy(ref.reshape(w.shape)))
+    with pytest.raises(ValueError, match="bytes"):
+        packed_from_gguf(blocks[:-1], "Q4_1", (HEADS * HD, 64))
+    with pytest.raises(ValueError, match="no packed layout"):
+        packed_from_gguf(blocks, "Q4_K", (HEADS * HD, 64))
+
+
+@pytest.mark.slow
+def test_smollm2_every_tensor_as_stored(smollm2_path: Path) -> None:
+    """The real default model: 211 packed tensors (Q4_1 blocks, Q8_0 token_embd) and 61 F32."""
+    formats = check_every_tensor(smollm2_path, {"attn_q": 9, "attn_k": 3})
+    counts: dict[str, int] = {}
+    for f in formats.values():
+        counts[f] = counts.get(f, 0) + 1
+    assert counts == {"int4-g32-asym": 210, "int8-g32": 1, "torch.float32": 61}
+
+
+def test_mixed_file_engine_as_stored_equals_dense(tmp_path: Path) -> None:
+    """q/k/v in three formats (a ConcatLinear of packed parts), gate/up Q6_K + Q4_K (dense),
+    Q4_0 embedding: the packed engine computes what the dense fp32 engine computes."""
+    from fitserve.config import EngineConfig
+    from fitserve.engine.core import Engine
+    from fitserve.model.linear import ConcatLinear, PackedLinear
+    from fitserve.sampling import SamplingParams
+
+    path = tmp_path / "mixed.gguf"
+    write_model(path, {"attn_q": Q.Q4_1, "attn_k": Q.Q4_0, "attn_v": Q.Q8_0, "ffn_up": Q.Q4_K,
+                       "ffn_gate": Q.Q6_K, "ffn_down": Q.Q4_1, "token_embd": Q.Q4_0})
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
+    outs = []
+    for weights in ("as-stored", "float32"):
+        engine = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32",
+                                     weights=weights, max_model_len=64, num_kv_blocks=16))
+        layer = engine.runner.model.layers[0]
+        if weights == "as-stored":
+            assert isinstance(layer.self_attn.qkv_proj, ConcatLinear)
+            assert isinstance(layer.mlp.down_proj, PackedLinear)
+            assert not isinstance(layer.mlp.gate_up_proj, PackedLinear | ConcatLinear)
+        outs.append(list(engine.stream([5, 9, 77, 3], params))[-1])
+    packed, dense = outs
+    assert packed.token_ids == dense.token_ids
+    for a, b in zip(packed.logprobs or [], dense.logprobs or [], strict=True):
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert max(abs(x - y) for (_, x), (_, y) in zip(a.top, b.top, strict=True)) < 1e-4
