@@ -184,7 +184,7 @@ def test_compare_two_candidates_on_every_metric() -> None:
 
 
 def test_shipped_texts_match_their_readme() -> None:
-    data = resources.files("fitserve.quant").joinpath("data")
+    data = resources.files("fitserve.tools.eval").joinpath("data")
     readme = data.joinpath("README.md").read_text(encoding="utf-8")
     for name, file in SHIPPED_TEXTS.items():
         body, label = read_text(name)
@@ -238,7 +238,7 @@ def test_extract_heldout_reads_r_serialization() -> None:
     """The extraction script's R XDR reader on a hand-made named list (what an .rdx holds)."""
     import importlib.util
 
-    path = Path(resources.files("fitserve.quant").joinpath("data", "extract_heldout.py"))
+    path = Path(resources.files("fitserve.tools.eval").joinpath("data", "extract_heldout.py"))
     spec = importlib.util.spec_from_file_location("extract_heldout", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
