@@ -26,7 +26,7 @@ class SchedRequest:
     it will fork (n samples, beams). ``fork_children`` are the other n - 1 samples of an n>1
     request: they sample their first token from this request's last prompt logits, then fork
     its block table, so the prompt is computed once. A child waiting for its fork has
-    ``fork_parent_id`` set.
+    ``awaiting_fork_of`` set.
 
     Speculative decoding: ``spec_token_ids`` are draft tokens proposed for the request's next
     step; the scheduler puts them after its last token in one chunk (budget and KV slots for
@@ -47,7 +47,8 @@ class SchedRequest:
     seats: int = 1
     spec_token_ids: list[int] = field(default_factory=list)  # drafts for the next step
     fork_children: list[SchedRequest] = field(default_factory=list)
-    fork_parent_id: str | None = None
+    # the parent whose prompt blocks this child forks once they are computed (None: forked)
+    awaiting_fork_of: str | None = None
     priority: int = 0
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None

@@ -165,7 +165,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self._requests[rid] = req
         for c in children:
-            c.fork_parent_id, c.status, c.arrival, c.seats = rid, RequestStatus.WAITING, req.arrival, 1
+            c.awaiting_fork_of, c.status, c.arrival, c.seats = rid, RequestStatus.WAITING, req.arrival, 1
             c.priority, c.late, c.arrival_time = req.priority, req.late, req.arrival_time
             self._requests[c.request_id] = c
         self._enqueue(req)
@@ -180,13 +180,13 @@ class Scheduler:
         """
         parent = self._requests.get(parent_id)
         cid = child.request_id
-        if parent is None or parent.fork_parent_id is not None:
+        if parent is None or parent.awaiting_fork_of is not None:
             raise KeyError(f"fork from unknown request {parent_id!r}")
         if cid in self._requests:
             raise ValueError(f"request id {cid!r} is already in the scheduler")
         if child.prompt_token_ids != parent.prompt_token_ids or child.num_tokens <= parent.num_computed_tokens:
             raise ValueError(f"fork {cid!r} must share {parent_id!r}'s prompt and extend its computed tokens")
-        child.arrival, child.seats, child.fork_parent_id = parent.arrival, 1, None
+        child.arrival, child.seats, child.awaiting_fork_of = parent.arrival, 1, None
         child.priority, child.late, child.arrival_time = parent.priority, parent.late, parent.arrival_time
         parent.seats = max(1, parent.seats - 1)
         self._requests[cid] = child
@@ -204,7 +204,7 @@ class Scheduler:
     def append_token(self, request_id: str, token_id: int) -> None:
         """Append a token chosen outside the sampler (beam search) to an unfinished request."""
         req = self._requests.get(request_id)
-        if req is None or req.fork_parent_id is not None:
+        if req is None or req.awaiting_fork_of is not None:
             raise KeyError(f"append to unknown request {request_id!r}")
         req.output_token_ids.append(token_id)
 
@@ -213,11 +213,11 @@ class Scheduler:
         req = self._requests.pop(request_id, None)
         if req is None:
             return None
-        if req.fork_parent_id is not None:  # a child not forked yet: it holds nothing
-            parent = self._requests[req.fork_parent_id]
+        if req.awaiting_fork_of is not None:  # a child not forked yet: it holds nothing
+            parent = self._requests[req.awaiting_fork_of]
             parent.fork_children.remove(req)
             parent.seats -= 1
-            req.fork_parent_id = None
+            req.awaiting_fork_of = None
         elif req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         else:
@@ -227,7 +227,7 @@ class Scheduler:
         # children still waiting for this fork become plain requests, first in the queue (they
         # may hit the prompt blocks just freed in the prefix cache)
         for c in reversed(req.fork_children):
-            c.fork_parent_id = None
+            c.awaiting_fork_of = None
             self._enqueue(c, front=True)
         req.fork_children = []
         return req

@@ -63,7 +63,7 @@ def test_finishing_a_parent_before_its_fork_releases_its_children_as_plain_reque
     s.finish("A.2")  # a child aborted while waiting: it held nothing
     assert a.seats == 2
     s.finish("A")
-    assert [r.request_id for r in s.waiting] == ["A.1"] and s.get("A.1").fork_parent_id is None
+    assert [r.request_id for r in s.waiting] == ["A.1"] and s.get("A.1").awaiting_fork_of is None
     out = s.schedule()
     # the parent's full first block was registered: the orphan starts from it
     assert out.chunks[0].request_id == "A.1" and out.chunks[0].start_pos == 4
