@@ -82,7 +82,7 @@ class AppState:
         if self._ctx is None:
             e = self.loop.engine
             self._ctx = ModelContext(self.settings.model_name, e.tokenizer, e.max_model_len,
-                                     e.spec.vocab_size, int(self.loop.snapshot["time"]) if self.loop.snapshot else 0)
+                                     e.spec.vocab_size, int(self.loop.snapshot.time) if self.loop.snapshot else 0)
             self.token_text = token_text_fn(e.tokenizer)
             self.defaults = self.settings.resolve_sampling(e.loaded.generation_defaults)
         return self._ctx
@@ -221,7 +221,7 @@ def create_app(engine_loop: EngineLoop, settings: ServerSettings | None = None) 
     @app.get("/dashboard/state")
     async def dashboard_state(request: Request) -> JSONResponse:
         check_auth(request, browser=True)
-        snap = engine_loop.snapshot or {}
+        snap = engine_loop.snapshot.to_json() if engine_loop.snapshot else {}
         return JSONResponse({**snap, "model": settings.model_name, "ready": engine_loop.ready,
                              "draining": state.draining, "history": engine_loop.metrics.history()})
 

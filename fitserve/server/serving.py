@@ -18,7 +18,7 @@ from fitserve.sampling import SamplingParams
 from fitserve.sampling.beam_search import BeamSearchParams
 from fitserve.sampling.guided import GuidedDecoding
 from fitserve.server.chat_render import render_chat
-from fitserve.server.engine_loop import Child
+from fitserve.server.engine_commands import Child
 from fitserve.server.errors import APIError, bad_request, param_from_message
 from fitserve.server.guided_fields import Guided, guided_from_request, logit_bias_from_request
 from fitserve.server.protocol import (

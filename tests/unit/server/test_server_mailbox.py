@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from fitserve.sampling import SamplingParams
-from fitserve.server.engine_loop import Child, EngineShutdown, RequestRejected
+from fitserve.server.engine_commands import Child
+from fitserve.server.engine_loop import EngineShutdown, RequestRejected
 from fitserve.server.errors import APIError
 from fitserve.server.responses import OutputMailbox, Run, as_api_error, stream_events
 from fitserve.server.serving import Prepared
