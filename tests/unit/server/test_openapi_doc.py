@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from fitserve.server.app import ServerSettings
 from fitserve.server.errors import error_body
 from fitserve.server.openapi import build_openapi
 from fitserve.server.protocol import (
@@ -21,6 +20,7 @@ from fitserve.server.protocol import (
     chat_body,
     completion_chunk,
 )
+from fitserve.server.settings import ServerSettings
 
 jsonschema_rs = pytest.importorskip("jsonschema_rs")
 
