@@ -137,7 +137,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from fitserve.server.app import create_app
     from fitserve.server.engine_loop import EngineLoop
     from fitserve.server.metrics import Metrics
-    from fitserve.server.protocol import DEFAULTED_FIELDS
+    from fitserve.server.protocol.common import DEFAULTED_FIELDS
     from fitserve.server.settings import ServerSettings
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -16,7 +16,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from fitserve.server.errors import APIError
-from fitserve.server.protocol import REJECTED_FIELDS
+from fitserve.server.protocol.common import REJECTED_FIELDS
 
 _M = TypeVar("_M", bound=BaseModel)
 

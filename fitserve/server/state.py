@@ -11,7 +11,8 @@ from fitserve.loading.generation_defaults import DefaultSampling
 from fitserve.server.choices import token_text_fn
 from fitserve.server.engine_loop import EngineLoop
 from fitserve.server.errors import APIError
-from fitserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from fitserve.server.protocol.chat import ChatCompletionRequest
+from fitserve.server.protocol.completions import CompletionRequest
 from fitserve.server.serving import ModelContext
 from fitserve.server.settings import ServerSettings
 

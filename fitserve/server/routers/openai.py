@@ -15,11 +15,14 @@ from starlette.concurrency import run_in_threadpool
 
 from fitserve.server.auth import require_api_key
 from fitserve.server.errors import APIError
-from fitserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from fitserve.server.inflight import ClientGone, Run
+from fitserve.server.protocol.chat import ChatCompletionRequest
+from fitserve.server.protocol.common import ModelCard, ModelList
+from fitserve.server.protocol.completions import CompletionRequest
 from fitserve.server.request_body import parse_body, read_body
-from fitserve.server.responses import ClientGone, Run, RunStreamingResponse, collect, stream_events
 from fitserve.server.serving import Prepared, prepare_chat, prepare_completion
 from fitserve.server.state import AppState, StateDep
+from fitserve.server.streaming import RunStreamingResponse, collect, stream_events
 
 log = logging.getLogger("fitserve.server")
 

@@ -7,10 +7,11 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from fitserve.server.auth import require_api_key
-from fitserve.server.protocol import TOKENIZE_REJECTED_FIELDS
+from fitserve.server.protocol.common import TOKENIZE_REJECTED_FIELDS
+from fitserve.server.protocol.tokenize import DetokenizeRequest, tokenize_model
 from fitserve.server.request_body import parse_body, read_body
+from fitserve.server.serving_tokenization import detokenize, tokenize
 from fitserve.server.state import StateDep
-from fitserve.server.tokenize import DetokenizeRequest, detokenize, tokenize, tokenize_model
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
