@@ -134,10 +134,11 @@ def run_serve(args: argparse.Namespace) -> int:
     from fitserve.engine.builder import check_scheduling
     from fitserve.engine.core import Engine
     from fitserve.loading.generation_defaults import GenerationDefaults
-    from fitserve.server.app import ServerSettings, create_app
+    from fitserve.server.app import create_app
     from fitserve.server.engine_loop import EngineLoop
     from fitserve.server.metrics import Metrics
-    from fitserve.server.protocol import DEFAULTED_FIELDS
+    from fitserve.server.protocol.common import DEFAULTED_FIELDS
+    from fitserve.server.settings import ServerSettings
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config: EngineConfig = engine_config_from_args(args)

@@ -24,7 +24,8 @@ from typing import Any
 from fitserve.loading.chat_template import template_variables
 from fitserve.loading.tokenizer import Tokenizer
 from fitserve.server.errors import bad_request
-from fitserve.server.protocol import MAX_MESSAGES, ChatMessage
+from fitserve.server.protocol.chat import ChatMessage
+from fitserve.server.protocol.common import MAX_MESSAGES
 from fitserve.server.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 # NOTE: Qwen2.5's wording of the Hermes tool prompt: the format these models were trained on.

@@ -9,7 +9,7 @@
   a 431 (a 400 for other malformed HTTP) with an OpenAI-style JSON error body.
 * **Send buffer**: each connection's kernel send buffer is capped (``SO_SNDBUF``), so a client
   that stops reading a stream blocks the server's writes after a bounded amount of data, and
-  the stream's send timeout (see ``responses.RunStreamingResponse``) then ends the request.
+  the stream's send timeout (see ``streaming.RunStreamingResponse``) then ends the request.
 * **File descriptors**: :func:`raise_fd_limit` lifts the soft RLIMIT_NOFILE to the hard limit
   (as vLLM does), so thousands of idle connections do not starve new ones of descriptors.
 """

@@ -36,21 +36,26 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from fitserve.config import EngineConfig
 from fitserve.engine.builder import release_freed_host_memory
 from fitserve.engine.core import Engine
-from fitserve.sampling import SamplingParams
 from fitserve.sampling.beam_search import BeamSearchParams
 from fitserve.sched.slo import AdmissionRejected
+from fitserve.server.engine_commands import (
+    AbortCommand,
+    AddCommand,
+    Added,
+    Child,
+    EngineCommand,
+    Sink,
+    StopCommand,
+)
 from fitserve.server.metrics import EngineGauges, Metrics
+from fitserve.server.snapshot import DashboardSnapshot, KVSnapshot, RequestRow
 from fitserve.types import RequestOutput
 
 log = logging.getLogger("fitserve.server")
-
-Sink = Callable[[list[RequestOutput] | BaseException], None]
-"""Receives one step's outputs for a request group, or the error that ended the group."""
 
 
 class EngineShutdown(RuntimeError):
@@ -71,22 +76,6 @@ class RequestRejected(ValueError):
 
 class EngineStepError(RuntimeError):
     """A request failed inside the engine (an internal error, logged with its traceback): a 500."""
-
-
-@dataclass(slots=True)
-class Child:
-    """One engine request: the server fans a client request out into n x prompts children."""
-
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams | BeamSearchParams  # a beam search is one child holding all n beams
-    priority: int = 0
-    slo_ttft_ms: float | None = None
-    slo_tpot_ms: float | None = None
-
-
-Added = Callable[[BaseException | None], None]
-"""Told once whether a submitted group was queued (None) or refused (the error)."""
 
 
 @dataclass(slots=True)
@@ -114,12 +103,12 @@ class EngineLoop:
         self.metrics = metrics
         self.engine: Engine | None = None  # set once loaded; HTTP side reads only immutable facts
         self.error: BaseException | None = None
-        self.snapshot: dict[str, Any] | None = None
+        self.snapshot: DashboardSnapshot | None = None
         self.gauges: EngineGauges | None = None
         self._factory = engine_factory
         self.on_load_error: Callable[[BaseException], None] | None = None
         self._interval = snapshot_interval
-        self._cmds: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._cmds: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
         self._queued = 0  # admission slots held: submitted requests not yet scheduled once
         self._queued_lock = threading.Lock()
@@ -177,7 +166,7 @@ class EngineLoop:
             if max_queued is not None and self._queued + len(children) > max_queued:
                 return False
             self._queued += len(children)
-        self._cmds.put(("add", group, list(children), arrival, sink, on_added))
+        self._cmds.put(AddCommand(group, list(children), arrival, sink, on_added))
         if self._done.is_set():
             self._refuse_pending()  # the thread is gone: nobody else will answer it
         return True
@@ -189,12 +178,12 @@ class EngineLoop:
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests (unknown or finished ids are ignored) and free their blocks."""
-        self._cmds.put(("abort", list(request_ids)))
+        self._cmds.put(AbortCommand(list(request_ids)))
 
     def stop(self, timeout: float = 10.0) -> None:
         """Abort everything still open and end the thread."""
         if self._thread.is_alive():
-            self._cmds.put(("stop",))
+            self._cmds.put(StopCommand())
             self._thread.join(timeout)
 
     # -- engine thread --------------------------------------------------------------------------
@@ -229,12 +218,11 @@ class EngineLoop:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
                 return
-            if cmd[0] == "add":
-                _, _, children, _, sink, on_added = cmd
-                self._release(len(children))
+            if isinstance(cmd, AddCommand):
+                self._release(len(cmd.children))
                 err = EngineShutdown("the engine is not running")
-                _deliver(sink, err)
-                _tell(on_added, err)
+                _deliver(cmd.sink, err)
+                _tell(cmd.on_added, err)
 
     def _loop(self, engine: Engine) -> None:
         self._publish(engine, force=True)
@@ -258,7 +246,7 @@ class EngineLoop:
                 self._step(engine)
             self._publish(engine)
 
-    def _next_idle_command(self, trim_due: bool) -> tuple[Any, ...]:
+    def _next_idle_command(self, trim_due: bool) -> EngineCommand:
         """Wait for a command; on the way, once idle, return freed C heap pages to the OS.
 
         NOTE: steps allocate tensors whose shapes follow the batch (n, chunk sizes, logprobs);
@@ -273,29 +261,30 @@ class EngineLoop:
                 release_freed_host_memory()
         return self._cmds.get()
 
-    def _handle(self, engine: Engine, cmd: tuple[Any, ...]) -> bool:
-        kind = cmd[0]
-        if kind == "add":
-            self._add(engine, *cmd[1:])
-        elif kind == "abort":
-            for rid in cmd[1]:
-                if self._live.pop(rid, None) is not None:
-                    self.metrics.observe_finished("abort", None)
-                self._unqueue(rid)
-                engine.abort(rid)
-        elif kind == "stop":
-            for rid in list(self._live):
-                engine.abort(rid)
-            self._fail_all(EngineShutdown("the server is shutting down"), "abort")
-            self._publish(engine, force=True)
-            return False
+    def _handle(self, engine: Engine, cmd: EngineCommand) -> bool:
+        """Run one command; False once the loop must end."""
+        match cmd:
+            case AddCommand():
+                self._add(engine, cmd)
+            case AbortCommand(request_ids=request_ids):
+                for rid in request_ids:
+                    if self._live.pop(rid, None) is not None:
+                        self.metrics.observe_finished("abort", None)
+                    self._unqueue(rid)
+                    engine.abort(rid)
+            case StopCommand():
+                for rid in list(self._live):
+                    engine.abort(rid)
+                self._fail_all(EngineShutdown("the server is shutting down"), "abort")
+                self._publish(engine, force=True)
+                return False
         return True
 
-    def _add(self, engine: Engine, group: str, children: list[Child], arrival: float, sink: Sink,
-             on_added: Added | None = None) -> None:
+    def _add(self, engine: Engine, cmd: AddCommand) -> None:
+        group, children, sink, on_added = cmd.group, cmd.children, cmd.sink, cmd.on_added
         added: list[str] = []
         try:
-            for batch in _same_prompt_runs(children):
+            for batch in cmd.prompt_runs():
                 first = batch[0]
                 if isinstance(first.params, BeamSearchParams):
                     engine.add_beam_search(first.prompt_ids, first.params, first.request_id)
@@ -322,7 +311,7 @@ class EngineLoop:
         _tell(on_added, None)
         self.metrics.added.inc(len(children))
         for c in children:
-            self._live[c.request_id] = _Live(sink, group, arrival, len(c.prompt_ids))
+            self._live[c.request_id] = _Live(sink, group, cmd.arrival, len(c.prompt_ids))
             self._queued_ids.add(c.request_id)
             self.metrics.prompt_tokens.inc(len(c.prompt_ids))
         if self._kill_token is not None and any(c.prompt_ids[:1] == [self._kill_token] for c in children):
@@ -396,45 +385,17 @@ class EngineLoop:
             for rid in {engine.request_of(o) for o in owners}:
                 holders[rid] = holders.get(rid, 0) + 1
         requests = [
-            {
-                "id": rid, "group": live.group,
-                "state": "running" if rid in holders else "waiting",
-                "prompt_tokens": live.prompt_len, "output_tokens": live.num_tokens,
-                "blocks": holders.get(rid, 0), "age_s": round(now - live.arrival, 2),
-            }
+            RequestRow(id=rid, group=live.group, state="running" if rid in holders else "waiting",
+                       prompt_tokens=live.prompt_len, output_tokens=live.num_tokens,
+                       blocks=holders.get(rid, 0), age_s=round(now - live.arrival, 2))
             for rid, live in self._live.items()
         ]
-        kv = st.kv
-        self.snapshot = {
-            "time": time.time(),
-            "kv": {
-                "num_blocks": kv.num_blocks, "used_blocks": kv.used_blocks,
-                "free_blocks": kv.free_blocks, "block_size": engine.config.block_size,
-                "used_slots": kv.used_slots, "allocated_slots": kv.allocated_slots,
-                "fragmentation": round(kv.fragmentation, 4),
-                "shared_blocks": kv.shared_blocks, "evictable_cached_blocks": kv.evictable_cached_blocks,
-            },
-            "owners": [[b, owners] for b, owners in sorted(st.block_owners.items())],
-            "cached": st.evictable_blocks,
-            "requests": requests,
-            "num_running": st.num_running,
-            "num_waiting": st.num_waiting,
-            "total_preemptions": st.total_preemptions,
-        }
+        self.snapshot = DashboardSnapshot(
+            time=time.time(), kv=KVSnapshot.of(st.kv, engine.config.block_size),
+            owners=sorted(st.block_owners.items()), cached=st.evictable_blocks, requests=requests,
+            num_running=st.num_running, num_waiting=st.num_waiting, total_preemptions=st.total_preemptions,
+        )
         self.gauges = gauges
-
-
-def _same_prompt_runs(children: list[Child]) -> list[list[Child]]:
-    """Consecutive sampling children of one prompt (the same list) grouped; a beam search alone."""
-    runs: list[list[Child]] = []
-    for c in children:
-        prev = runs[-1][0] if runs else None
-        if (prev is not None and prev.prompt_ids is c.prompt_ids
-                and isinstance(prev.params, SamplingParams) and isinstance(c.params, SamplingParams)):
-            runs[-1].append(c)
-        else:
-            runs.append([c])
-    return runs
 
 
 def _tell(on_added: Added | None, outcome: BaseException | None) -> None:

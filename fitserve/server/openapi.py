@@ -9,7 +9,7 @@ server does not write), the error shape on every error status, and the API key a
 scheme on every operation but /health (the one the server leaves open).
 
 It depends on the server's settings: the served model's id is the only ``model`` accepted, and
-without ``--api-key`` nothing needs a key. ``app.py`` builds it once and serves it at
+without ``--api-key`` nothing needs a key. The ops router (``routers.ops``) builds it once and serves it at
 GET /openapi.json (which needs the key, like the rest of the API).
 """
 
@@ -22,19 +22,15 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from fitserve.server.protocol import (
+from fitserve.server.protocol.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
+from fitserve.server.protocol.common import (
     REJECTED_FIELDS,
     TOKENIZE_REJECTED_FIELDS,
-    ChatCompletion,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    Completion,
-    CompletionChunk,
-    CompletionRequest,
     ErrorResponse,
     ModelList,
 )
-from fitserve.server.tokenize import (
+from fitserve.server.protocol.completions import Completion, CompletionChunk, CompletionRequest
+from fitserve.server.protocol.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeChatRequest,

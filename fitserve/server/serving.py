@@ -17,19 +17,19 @@ from fitserve.loading.tokenizer import Tokenizer
 from fitserve.sampling import SamplingParams
 from fitserve.sampling.beam_search import BeamSearchParams
 from fitserve.sampling.guided import GuidedDecoding
+from fitserve.sampling.params import MAX_LOGPROBS
 from fitserve.server.chat_render import render_chat
-from fitserve.server.engine_loop import Child
+from fitserve.server.engine_commands import Child
 from fitserve.server.errors import APIError, bad_request, param_from_message
 from fitserve.server.guided_fields import Guided, guided_from_request, logit_bias_from_request
-from fitserve.server.protocol import (
-    MAX_LOGPROBS,
+from fitserve.server.protocol.chat import ChatCompletionRequest
+from fitserve.server.protocol.common import (
     MAX_N,
     MAX_PROMPTS_PER_REQUEST,
     MAX_STOP_LENGTH,
     MAX_STOP_SEQUENCES,
-    ChatCompletionRequest,
-    CompletionRequest,
 )
+from fitserve.server.protocol.completions import CompletionRequest
 from fitserve.server.tools import ToolPlan, plan_tools
 
 MAX_STOP_TOKEN_IDS = 64

@@ -36,8 +36,8 @@ from typing import Any
 
 from fitserve.sampling.guided import GuidedDecoding
 from fitserve.server.errors import bad_request
-from fitserve.server.protocol import ChatCompletionRequest
-from fitserve.server.protocol_structured import MAX_TOOLS, TOOL_NAME_PATTERN, ToolDefinition
+from fitserve.server.protocol.chat import ChatCompletionRequest
+from fitserve.server.protocol.structured import MAX_TOOLS, TOOL_NAME_PATTERN, ToolDefinition
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"

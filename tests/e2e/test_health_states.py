@@ -8,9 +8,10 @@ import threading
 import httpx
 
 from fitserve.config import EngineConfig
-from fitserve.server.app import ServerSettings, create_app
+from fitserve.server.app import create_app
 from fitserve.server.engine_loop import EngineLoop
 from fitserve.server.metrics import Metrics
+from fitserve.server.settings import ServerSettings
 
 
 def test_health_is_503_while_loading_and_when_the_engine_is_dead() -> None:

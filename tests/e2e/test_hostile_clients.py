@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from fitserve.server.connections import raise_fd_limit
-from fitserve.server.protocol import MAX_N
+from fitserve.server.protocol.common import MAX_N
 from tests.e2e.conftest import API_KEY, MODEL, Server, start_server, stop_server
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -29,11 +29,9 @@ schemathesis = pytest.importorskip("schemathesis")
 
 from schemathesis.specs.openapi.checks import positive_data_acceptance  # noqa: E402
 
-from fitserve.server.protocol import (  # noqa: E402
-    MAX_STOP_TOKEN_IDS,
-    ChatCompletionRequest,
-    CompletionRequest,
-)
+from fitserve.server.protocol.chat import ChatCompletionRequest  # noqa: E402
+from fitserve.server.protocol.common import MAX_STOP_TOKEN_IDS  # noqa: E402
+from fitserve.server.protocol.completions import CompletionRequest  # noqa: E402
 from tests.e2e.conftest import API_KEY, Server, start_server, stop_server  # noqa: E402
 from tests.e2e.openapi_fuzzing import CHECKS, bound_the_work, load_schema  # noqa: E402
 

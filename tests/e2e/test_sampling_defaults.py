@@ -18,9 +18,10 @@ from fitserve.engine.core import Engine
 from fitserve.loading.generation_defaults import NEUTRAL, SERVER_DEFAULTS
 from fitserve.loading.pull import pull
 from fitserve.sampling import SamplingParams
-from fitserve.server.app import ServerSettings, create_app
+from fitserve.server.app import create_app
 from fitserve.server.engine_loop import EngineLoop
 from fitserve.server.metrics import Metrics
+from fitserve.server.settings import ServerSettings
 from tests.e2e.conftest import API_KEY, MODEL, Server, start_server, stop_server
 from tests.gguf_meta import copy_gguf_with_sampling
 from tests.unit.loading.test_loading_gguf import write_gguf

@@ -23,7 +23,9 @@ from fitserve.loading.generation_defaults import (
     resolve_default_sampling,
 )
 from fitserve.sampling import SamplingParams
-from fitserve.server.protocol import DEFAULTED_FIELDS, ChatCompletionRequest, CompletionRequest
+from fitserve.server.protocol.chat import ChatCompletionRequest
+from fitserve.server.protocol.common import DEFAULTED_FIELDS
+from fitserve.server.protocol.completions import CompletionRequest
 
 
 def write_sampling_gguf(path: Path, with_arrays: bool = True, **sampling: float | int) -> Path:

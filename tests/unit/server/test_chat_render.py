@@ -11,7 +11,7 @@ import pytest
 from fitserve.loading.chat_template import render_chat_template, template_variables
 from fitserve.server.chat_render import render_chat, template_takes_tools
 from fitserve.server.errors import APIError
-from fitserve.server.protocol import ChatMessage
+from fitserve.server.protocol.chat import ChatMessage
 
 # SmolLM2's template (no tools) and a Qwen2.5-like one that shows tools and tool calls itself
 PLAIN = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

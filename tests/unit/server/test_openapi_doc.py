@@ -8,19 +8,12 @@ from typing import Any
 
 import pytest
 
-from fitserve.server.app import ServerSettings
 from fitserve.server.errors import error_body
 from fitserve.server.openapi import build_openapi
-from fitserve.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ModelCard,
-    ModelList,
-    PromptTokensDetails,
-    Usage,
-    chat_body,
-    completion_chunk,
-)
+from fitserve.server.protocol.chat import ChatCompletionRequest, chat_body
+from fitserve.server.protocol.common import ModelCard, ModelList, PromptTokensDetails, Usage
+from fitserve.server.protocol.completions import CompletionRequest, completion_chunk
+from fitserve.server.settings import ServerSettings
 
 jsonschema_rs = pytest.importorskip("jsonschema_rs")
 

@@ -15,10 +15,12 @@ from typing import Any
 import pytest
 
 from fitserve.sampling import SamplingParams
-from fitserve.server.engine_loop import Child, EngineShutdown, RequestRejected
+from fitserve.server.engine_commands import Child
+from fitserve.server.engine_loop import EngineShutdown, RequestRejected
 from fitserve.server.errors import APIError
-from fitserve.server.responses import OutputMailbox, Run, as_api_error, stream_events
+from fitserve.server.inflight import OutputMailbox, Run, as_api_error
 from fitserve.server.serving import Prepared
+from fitserve.server.streaming import stream_events
 from fitserve.types import FinishReason, RequestOutput, TokenLogprobs
 
 STEPS = 4000

@@ -2,7 +2,7 @@
 
 Request side: ``response_format`` and OpenAI ``tools`` / ``tool_choice``, and the tool calls an
 assistant message of the history may carry. Response side: ``message.tool_calls`` and the
-``delta.tool_calls`` of a stream chunk. ``fitserve.server.protocol`` uses these in its request
+``delta.tool_calls`` of a stream chunk. ``protocol.chat`` and ``protocol.common`` use these in their request
 and response models; what they mean for generation is in ``fitserve.server.guided_fields``
 (structured output) and ``fitserve.server.tools`` (tool calling).
 """

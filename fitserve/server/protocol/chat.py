@@ -1,0 +1,179 @@
+"""POST /v1/chat/completions: the request and its messages, the response, and the chunks of
+its stream. The structured-output and tool models they use are in ``protocol.structured``."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from fitserve.sampling.params import MAX_LOGPROBS
+from fitserve.server.protocol.common import (
+    BODY,
+    CHUNK,
+    MAX_MESSAGES,
+    STRICT,
+    FinishReasonName,
+    SamplingFields,
+    StopReason,
+    Usage,
+    absent_or_value,
+    desc,
+)
+from fitserve.server.protocol.structured import (
+    MAX_TOOLS,
+    MessageToolCall,
+    ToolCall,
+    ToolCallDelta,
+    ToolChoice,
+    ToolDefinition,
+)
+
+
+class TextPart(BaseModel):
+    model_config = STRICT
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = STRICT
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
+        description="`developer` is treated as `system`; a `tool` message (with `tool_call_id`) carries a "
+                    "tool's result.")
+    content: str | list[TextPart] | None = desc(None, "Text, or text parts (joined); null is empty.")
+    name: str | None = desc(None, "Passed to the chat template with the message (as transformers does); "
+                                  "most templates do not show it.")
+    tool_calls: list[MessageToolCall] | None = desc(None, "An assistant message's tool calls (as a response "
+                                                          "returned them).")
+    tool_call_id: str | None = desc(None, "Required in (and only allowed in) a `tool` message: the call it "
+                                          "answers.")
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(
+        description=f"The conversation, 1..{MAX_MESSAGES} messages, rendered with the model's own chat "
+                    "template (a client cannot send one).",
+        json_schema_extra={"minItems": 1, "maxItems": MAX_MESSAGES})
+    max_tokens: int | None = desc(None, "Deprecated by OpenAI in favour of `max_completion_tokens` (which wins "
+                                        "when both are given); >= 1, null: up to the context length.",
+                                  integer={"minimum": 1})
+    max_completion_tokens: int | None = desc(None, "Most tokens to generate, >= 1; null: up to the context "
+                                                   "length. Prompt + max_completion_tokens over the context "
+                                                   "length is a 400.", integer={"minimum": 1})
+    logprobs: bool = desc(False, "Return the logprob of each chosen token (in `choices[].logprobs.content`).")
+    top_logprobs: int | None = desc(None, f"Alternatives per token, 0..{MAX_LOGPROBS}; needs `logprobs: true`.",
+                                    integer={"minimum": 0, "maximum": MAX_LOGPROBS})
+    tools: list[ToolDefinition] | None = desc(
+        None, f"OpenAI's: up to {MAX_TOOLS} functions the model may call, shown to it through its chat template "
+              "(or, if the template has no place for tools, in the system message, Hermes style).",
+        array={"maxItems": MAX_TOOLS})
+    tool_choice: ToolChoice | None = desc(
+        None, "`none` (no tools shown), `auto` (the default with tools: the model decides), `required` (at least "
+              "one call) or a named function (a call to it); `required` and a named function are enforced by a "
+              "grammar, so their calls always parse. `required` or a named function need `tools`.")
+    parallel_tool_calls: bool | None = desc(
+        None, "OpenAI's: false: at most one tool call per choice. `required` makes exactly one call unless this "
+              "is true (then up to 8); `auto` parses as many as the model makes unless this is false.")
+
+
+class TopLogprob(BaseModel):
+    model_config = BODY
+    token: str
+    logprob: float
+    bytes: list[int] = Field(description="The token's UTF-8 bytes.")
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    model_config = BODY
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    model_config = BODY
+    role: Literal["assistant"]
+    content: str | None = Field(description="The text; null when the choice is only tool calls.")
+    tool_calls: list[ToolCall] = Field(description="The tool calls the model made (empty: none).")
+
+
+class ChatChoice(BaseModel):
+    model_config = BODY
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReasonName | None
+    stop_reason: StopReason = Field(description="vLLM extension: the stop string or stop token id that "
+                                                "ended the choice.")
+
+
+class ChatCompletion(BaseModel):
+    """A POST /v1/chat/completions response (stream=false)."""
+
+    model_config = BODY
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    model_config = CHUNK
+    role: Literal["assistant"] | None = Field(None, description="Only in the first chunk.",
+                                              json_schema_extra=absent_or_value)
+    content: str | None = Field(None, description="The new text; left out of a chunk that only finishes.",
+                                json_schema_extra=absent_or_value)
+    tool_calls: list[ToolCallDelta] | None = Field(None, description="Tool calls completed since the last chunk, "
+                                                                     "each whole.",
+                                                   json_schema_extra=absent_or_value)
+
+
+class ChatChunkChoice(BaseModel):
+    model_config = CHUNK
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReasonName | None
+    stop_reason: StopReason = Field(None, description="Only in the choice's last chunk.")
+
+
+class ChatCompletionChunk(BaseModel):
+    """One `data:` event of a streamed POST /v1/chat/completions."""
+
+    model_config = CHUNK
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = Field(None, description="Only in the last chunk (with no choices), when "
+                                                  "stream_options.include_usage is true.",
+                                json_schema_extra=absent_or_value)
+
+
+def chat_body(
+    rid: str, created: int, model: str, choices: list[dict[str, Any]], *, chunk: bool,
+    usage: Usage | None = None,
+) -> dict[str, Any]:
+    """A /v1/chat/completions response (``chunk=False``) or stream chunk (``chunk=True``)."""
+    body: dict[str, Any] = {
+        "id": rid, "object": "chat.completion.chunk" if chunk else "chat.completion",
+        "created": created, "model": model, "choices": choices,
+    }
+    if usage is not None:
+        body["usage"] = usage.model_dump()
+    return body
