@@ -107,7 +107,7 @@ def _matches(pw: PackedWeight, fmt: str) -> bool:
 def _collect_stats(spec: ModelSpec, dense: Mapping[str, torch.Tensor],
                    chunks: list[list[int]]) -> dict[str, Any]:
     """Per-linear calibration statistics from one pass of the dense float32 model."""
-    from fitserve.model.llama import build_model
+    from fitserve.model.loader import build_model
     from fitserve.tools.quantize.calibration import collect_linear_stats
 
     model = build_model(spec, dict(dense), dtype=torch.float32, device="cpu",
