@@ -18,8 +18,8 @@ Kernels (``CANDIDATES``; each says for which weights it applies):
 
 The choice is ``RULES[(isa, layout, shape class, dtype)]``: an ordered preference list, the
 first candidate that is available and applies is used (``torch`` ends every list). Shape
-classes by rows M of x: "1" (decode of one sequence), "small" (M <= 16), "large" (M <= 256)
-and "prefill" (more).
+classes by rows M of x: "m1" (decode of one sequence), "m<=16", "m<=256" and "prefill"
+(more).
 """
 
 from __future__ import annotations
@@ -41,15 +41,14 @@ _TORCH_CHUNK_ELEMENTS = 1 << 20
 
 
 def shape_class(m: int) -> str:
-    """"1", "small" (M <= 16), "large" (M <= 256) or "prefill": the rows of x the kernel
-    table is keyed by.
+    """"m1", "m<=16", "m<=256" or "prefill": the rows of x the kernel table is keyed by.
 
     NOTE: a fourth class past 256 rows: the measured crossover where dequantizing to bf16 and
     torch's AMX GEMM overtakes the packed kernels lies between M = 128 and M = 512.
     """
     if m == 1:
-        return "1"
-    return "small" if m <= 16 else ("large" if m <= 256 else "prefill")
+        return "m1"
+    return "m<=16" if m <= 16 else ("m<=256" if m <= 256 else "prefill")
 
 
 def layout_key(pw: PackedWeight) -> str:
@@ -177,64 +176,37 @@ def bind(cand: Candidate, pw: PackedWeight, cache: dict[str, torch.Tensor]
     return lambda x: run(pw, x, cache)
 
 # -- the measured table ----------------------------------------------------------------------
-# NOTE: measured with `python benchmarks/bench_linear.py --runs 7` (and `--dtype f32 --runs 5`):
-# 2 threads, medians after a warm-up, SmolLM2-135M's shapes. Lists are ordered by the summed
-# time of the class's M values (1 | 4, 16 | 32, 128 | 512). One table per ISA key:
-# - "avx512_vnni+amx": "Intel(R) Xeon(R) Processor" (Sapphire Rapids class), torch 2.13.0,
-#   2026-12-01. bf16 x: the act_quant kernel (int8 activations, VNNI dot products) is fastest
-#   from M=1 to M=128 for every layout (x2-3 faster than dense bf16 at M=1); at M=512
-#   dequantizing to bf16 + torch's AMX GEMM wins for int8 weights (x1.2-1.8), not for int4 (its
-#   unpacking costs more); _weight_int8pack_mm is second at M <= 4 (per channel only), and
-#   _weight_int4pack_mm_for_cpu second at M <= 4 for int4 (it needs a second weight copy, so it
-#   is never chosen first); dense bf16 itself stays faster than every packed kernel from M ~32
-#   up for int4 (AMX), which no rule can choose (the dense copy is what we avoid).
-# - "avx512_vnni": "AMD EPYC" (Zen 4: AVX-512 with BF16/VNNI, no AMX), torch 2.13.0,
-#   2026-12-02. bf16 x: act_quant fastest in every class and layout (x3-5.6 over dense bf16 at
-#   M=1, x1.5-2.5 at M 4-32) except per-channel int8 at M=512, where dequantizing + torch's bf16
-#   GEMM wins (72 vs 89 ms summed); the exact fp32-dequant kernel is 2x slower than act_quant at
-#   M=1 and 4-8x slower from M=16 up.
-# - "avx2": "AMD EPYC" Zen 3 (AVX2 + FMA + F16C, no AVX-512, no VNNI), torch 2.13.0,
-#   2026-12-04 (an earlier table for this key was measured on a Zen 4 with the tier lowered,
-#   while the AVX2 half-scale loads still called memcpy; that made act_quant 2x slower at M=1).
-#   bf16 x: act_quant (maddubs) fastest in every class and layout: x2 over the exact kernel at
-#   M=1 for int4 (0.12 vs 0.23 ms summed), x2-3 at M 4-16, x1.3-1.8 at M 32-128; at M=512 the
-#   two tie for int4 and act_quant wins for int8 (x1.1-1.3). torch's _weight_int8pack_mm and
-#   _weight_int4pack_mm_for_cpu trail act_quant everywhere; they beat the exact kernel only at
-#   M 4-16 (bench output of this run: benchmarks/bench_linear.py --runs 7).
-# - f32 x, every ISA: activations are never quantized (an fp32 engine asked for fp32 numerics:
-#   exact weights, see tests/numerics/test_quantized_vs_transformers.py); the C++ fp32 kernel is
-#   the fastest exact one in every class on both CPUs (aten int8/int4 run f32 x 10-100x slower).
-# - any other ISA or dtype: not measured; the exact C++ kernel, else the torch path.
-# int4-sym was not timed apart: it runs the same kernels as int4-asym (one add fewer).
+# NOTE: measured with benchmarks/bench_linear.py; the runs behind each table:
+# docs/benchmarks.md, section 'Packed linear kernel table'.
 _ANY = "*"
 _Table = dict[str, tuple[str, ...]]  # shape class -> preference (before the closing "torch")
 BF16_TABLES: dict[str, dict[str, _Table]] = {  # ISA key -> layout -> table
     "avx512_vnni+amx": {
-        "int4": {"1": ("cpp-aq", "aten-int4", "cpp"), "small": ("cpp-aq", "aten-int4", "cpp"),
-                 "large": ("cpp-aq", "cpp"), "prefill": ("cpp-aq", "torch", "cpp")},
-        "int8-channel": {"1": ("cpp-aq", "aten-int8", "cpp"),
-                         "small": ("cpp-aq", "aten-int8", "cpp"),
-                         "large": ("cpp-aq", "torch", "cpp"), "prefill": ("torch", "cpp-aq")},
-        "int8-group": {"1": ("cpp-aq", "cpp"), "small": ("cpp-aq", "cpp"),
-                       "large": ("cpp-aq", "torch", "cpp"), "prefill": ("torch", "cpp-aq")},
+        "int4": {"m1": ("cpp-aq", "aten-int4", "cpp"), "m<=16": ("cpp-aq", "aten-int4", "cpp"),
+                 "m<=256": ("cpp-aq", "cpp"), "prefill": ("cpp-aq", "torch", "cpp")},
+        "int8-channel": {"m1": ("cpp-aq", "aten-int8", "cpp"),
+                         "m<=16": ("cpp-aq", "aten-int8", "cpp"),
+                         "m<=256": ("cpp-aq", "torch", "cpp"), "prefill": ("torch", "cpp-aq")},
+        "int8-group": {"m1": ("cpp-aq", "cpp"), "m<=16": ("cpp-aq", "cpp"),
+                       "m<=256": ("cpp-aq", "torch", "cpp"), "prefill": ("torch", "cpp-aq")},
     },
     "avx512_vnni": {
-        "int4": {"1": ("cpp-aq", "aten-int4", "cpp"), "small": ("cpp-aq", "aten-int4", "cpp"),
-                 "large": ("cpp-aq", "aten-int4", "cpp"), "prefill": ("cpp-aq", "torch", "cpp")},
-        "int8-channel": {"1": ("cpp-aq", "aten-int8", "cpp"),
-                         "small": ("cpp-aq", "aten-int8", "cpp"),
-                         "large": ("cpp-aq", "torch", "cpp"), "prefill": ("torch", "cpp-aq")},
-        "int8-group": {"1": ("cpp-aq", "cpp"), "small": ("cpp-aq", "cpp"),
-                       "large": ("cpp-aq", "torch", "cpp"), "prefill": ("cpp-aq", "torch")},
+        "int4": {"m1": ("cpp-aq", "aten-int4", "cpp"), "m<=16": ("cpp-aq", "aten-int4", "cpp"),
+                 "m<=256": ("cpp-aq", "aten-int4", "cpp"), "prefill": ("cpp-aq", "torch", "cpp")},
+        "int8-channel": {"m1": ("cpp-aq", "aten-int8", "cpp"),
+                         "m<=16": ("cpp-aq", "aten-int8", "cpp"),
+                         "m<=256": ("cpp-aq", "torch", "cpp"), "prefill": ("torch", "cpp-aq")},
+        "int8-group": {"m1": ("cpp-aq", "cpp"), "m<=16": ("cpp-aq", "cpp"),
+                       "m<=256": ("cpp-aq", "torch", "cpp"), "prefill": ("cpp-aq", "torch")},
     },
     "avx2": {
-        "int4": {"1": ("cpp-aq", "cpp", "aten-int4"), "small": ("cpp-aq", "aten-int4", "cpp"),
-                 "large": ("cpp-aq", "cpp"), "prefill": ("cpp-aq", "cpp")},
-        "int8-channel": {"1": ("cpp-aq", "cpp", "aten-int8"),
-                         "small": ("cpp-aq", "aten-int8", "cpp"),
-                         "large": ("cpp-aq", "cpp"), "prefill": ("cpp-aq", "cpp")},
-        "int8-group": {"1": ("cpp-aq", "cpp"), "small": ("cpp-aq", "cpp"),
-                       "large": ("cpp-aq", "cpp"), "prefill": ("cpp-aq", "cpp")},
+        "int4": {"m1": ("cpp-aq", "cpp", "aten-int4"), "m<=16": ("cpp-aq", "aten-int4", "cpp"),
+                 "m<=256": ("cpp-aq", "cpp"), "prefill": ("cpp-aq", "cpp")},
+        "int8-channel": {"m1": ("cpp-aq", "cpp", "aten-int8"),
+                         "m<=16": ("cpp-aq", "aten-int8", "cpp"),
+                         "m<=256": ("cpp-aq", "cpp"), "prefill": ("cpp-aq", "cpp")},
+        "int8-group": {"m1": ("cpp-aq", "cpp"), "m<=16": ("cpp-aq", "cpp"),
+                       "m<=256": ("cpp-aq", "cpp"), "prefill": ("cpp-aq", "cpp")},
     },
 }
 _LAYOUT_TABLE = {"int4-asym": "int4", "int4-sym": "int4", "int8-channel": "int8-channel",
