@@ -20,7 +20,7 @@ from fitserve.dist.shard import shard_weights
 from fitserve.model.attention.paged import AttentionBatch
 from fitserve.model.llama import CausalLM, DecoderLayer, LayerKV
 from fitserve.model.loader import build_model
-from fitserve.quant.hold import HeldTensor
+from fitserve.quant.held import HeldTensor
 
 
 class RowParallel(nn.Module):

@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fitserve.quant.packed import PackedWeight, dequantize_rows, gather_rows, unpack_int4
+from fitserve.quant.held import DenseWeight
+from fitserve.quant.packed import CODES, PackedCodes, PackedWeight, gather_rows
 
 # Rows of the weight dequantized at once by the pure-torch path: bounds its scratch to
 # ~1M elements (4 MiB of fp32) whatever the layer (the tied lm_head is 49152 x 576).
@@ -82,10 +83,10 @@ def run_torch(pw: PackedWeight, x: torch.Tensor, cache: dict[str, torch.Tensor])
     outs = []
     for r0 in range(0, pw.N, rows):
         r1 = min(pw.N, r0 + rows)
-        q = pw.qweight[r0:r1]
-        codes = unpack_int4(q, pw.group_size) if pw.kind == "int4" else q
+        codes = pw.codes
         mins = None if pw.mins is None else pw.mins[r0:r1]
-        w = dequantize_rows(pw.kind, codes, pw.scales[r0:r1], mins, pw.group_size)
+        w = codes.dequantize(codes.unpack(pw.qweight[r0:r1], pw.group_size), pw.scales[r0:r1],
+                             mins, pw.group_size)
         outs.append(F.linear(x, w[:, : pw.K].to(x.dtype)))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
@@ -96,7 +97,7 @@ def _run_cpp(act_quant: bool) -> Callable[[PackedWeight, torch.Tensor, dict[str,
         from fitserve.kernels.cpu import qlinear
 
         xp = _pad(x.contiguous(), pw.K_padded)
-        if pw.kind == "int4":
+        if pw.codes.bits == 4:  # the int4 op takes the f16 mins (None: symmetric)
             out: torch.Tensor = qlinear.int4_linear(xp, pw.qweight, pw.scales, pw.mins,
                                                     pw.group_size, act_quant)
         else:
@@ -119,7 +120,7 @@ def run_aten_int8(pw: PackedWeight, x: torch.Tensor, cache: dict[str, torch.Tens
 def run_aten_int4(pw: PackedWeight, x: torch.Tensor, cache: dict[str, torch.Tensor]) -> torch.Tensor:
     """torch's int4 GEMM for CPU: w = (q - 8) * scale + zero, zero = min + 8 * scale."""
     if "aten-int4-weight" not in cache:
-        codes = unpack_int4(pw.qweight, pw.group_size).to(torch.int32)
+        codes = pw.codes.unpack(pw.qweight, pw.group_size).to(torch.int32)
         cache["aten-int4-weight"] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
     key = f"aten-int4-sz-{x.dtype}"
     if key not in cache:
@@ -153,7 +154,7 @@ CANDIDATES: dict[str, Candidate] = {
         Candidate("aten-int8", run_aten_int8,
                   lambda pw, dt: _float_x(dt) and pw.per_channel and pw.K_padded % 32 == 0),
         Candidate("aten-int4", run_aten_int4,
-                  lambda pw, dt: _float_x(dt) and pw.kind == "int4" and pw.N % 16 == 0
+                  lambda pw, dt: _float_x(dt) and pw.codes.bits == 4 and pw.N % 16 == 0
                   and pw.group_size in (32, 64, 128, 256)),
         Candidate("torch", run_torch, lambda pw, dt: True),
     )
@@ -167,7 +168,7 @@ def bind(cand: Candidate, pw: PackedWeight, cache: dict[str, torch.Tensor]
     if cand.name in ("cpp", "cpp-aq") and pw.K_padded == pw.K and cpp_ops_available():
         aq = cand.name == "cpp-aq"
         q, s, mn, g = pw.qweight, pw.scales, pw.mins, pw.group_size
-        if pw.kind == "int4":
+        if pw.codes.bits == 4:
             op4 = torch.ops.fitserve.int4_linear.default
             return lambda x: op4(x.contiguous(), q, s, mn, g, aq)
         op8 = torch.ops.fitserve.int8_linear.default
@@ -278,6 +279,17 @@ class DenseLinear(nn.Linear):
                 and (b is None or (b.dtype == torch.bfloat16 and b.is_contiguous()))
                 and bf16_gemv_preferred())
 
+    @classmethod
+    def from_held(cls, w: DenseWeight, bias: torch.Tensor | None, dtype: torch.dtype
+                  ) -> DenseLinear:
+        """A linear over ``w`` cast to ``dtype`` (no copy when it already is), no random init."""
+        with torch.device("meta"):
+            lin = cls(w.in_features, w.out_features, bias=bias is not None)
+        lin.weight = nn.Parameter(w.tensor.to(dtype), requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
+        return lin
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and self.gemv_applies(x.shape[0], x.dtype):
             out: torch.Tensor = torch.ops.fitserve_dense.bf16_gemv.default(x, self.weight, self.bias)
@@ -324,6 +336,11 @@ class PackedLinear(nn.Module):
         self._runs.clear()  # .to(device) swaps the buffers the bound calls hold
         self._cache.clear()
         return super()._apply(fn, recurse)  # type: ignore[no-untyped-call, no-any-return]
+
+    @property
+    def codes(self) -> PackedCodes:
+        """The codes' packing (int4 or int8)."""
+        return CODES[self.kind]
 
     @property
     def packed(self) -> PackedWeight:

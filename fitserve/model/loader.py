@@ -7,6 +7,9 @@ dense rest into the model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -16,8 +19,8 @@ from fitserve.model.layers import RotaryEmbedding
 from fitserve.model.linear import ConcatLinear, DenseLinear, PackedEmbedding, PackedLinear
 from fitserve.model.llama import CausalLM
 from fitserve.quant.fp8 import Fp8Weight
-from fitserve.quant.hold import HeldTensor
-from fitserve.quant.packed import PackedWeight, can_fuse, cat_rows
+from fitserve.quant.held import DenseWeight, HeldTensor, HeldWeight, as_held, as_stored
+from fitserve.quant.packed import PackedWeight
 
 
 class UnsupportedModelError(ValueError):
@@ -41,26 +44,27 @@ def check_supported(spec: ModelSpec) -> None:
 
 
 
-# A fused projection's weight: one tensor or PackedWeight, or its parts when they cannot be
-# stacked into one packed tensor (formats or group sizes differ): a ConcatLinear then runs them.
-FusedWeight = torch.Tensor | PackedWeight | Fp8Weight | tuple[HeldTensor, ...]
+# The module that runs each held format (vLLM's quantize method of a layer): a new format is
+# its HeldWeight class (fitserve.quant), its module (fitserve.model) and one entry here.
+LINEAR_MODULES: dict[type[HeldWeight], Callable[[Any, torch.Tensor | None, torch.dtype],
+                                                nn.Module]] = {
+    DenseWeight: DenseLinear.from_held,
+    PackedWeight: lambda w, bias, dtype: PackedLinear(w, bias),
+    Fp8Weight: lambda w, bias, dtype: Fp8Linear(w, bias),
+}
+
+# A fused projection's weight: one held weight (a dense one as its tensor), or its parts when
+# they cannot be stacked into one tensor of a format (formats or group sizes differ): a
+# ConcatLinear then runs them.
+FusedWeight = HeldTensor | tuple[HeldWeight, ...]
 
 
 def _fuse(parts: list[HeldTensor]) -> FusedWeight:
-    """Stack q/k/v (gate/up) along the output rows: dense with torch.cat, packed with cat_rows
-    when kind, K, group size and symmetry agree (exact); otherwise keep the parts apart."""
-    if all(isinstance(p, torch.Tensor) for p in parts):
-        return torch.cat(parts)  # type: ignore[arg-type]
-    packed = [p for p in parts if isinstance(p, PackedWeight)]
-    if len(packed) == len(parts) and can_fuse(packed):
-        return cat_rows(packed)
-    fp8 = [p for p in parts if isinstance(p, Fp8Weight)]
-    if len(fp8) == len(parts) and len({(p.fmt, p.granularity, p.K) for p in fp8}) == 1 and (
-            fp8[0].granularity == "channel"):
-        f = fp8[0]  # per-row scales: stacking rows is exact
-        return Fp8Weight(f.fmt, "channel", sum(p.N for p in fp8), f.K,
-                         torch.cat([p.data for p in fp8]), torch.cat([p.scales for p in fp8]))
-    return tuple(parts)
+    """Stack q/k/v (gate/up) along the output rows where the format can do it exactly
+    (``HeldWeight.fuse``); otherwise keep the parts apart."""
+    held = [as_held(p) for p in parts]
+    fused = held[0].fuse(held[1:])
+    return tuple(held) if fused is None else as_stored(fused)
 
 
 def fuse_hf_weights(spec: ModelSpec, weights: dict[str, HeldTensor]) -> dict[str, FusedWeight]:
@@ -97,47 +101,27 @@ def fuse_hf_weights(spec: ModelSpec, weights: dict[str, HeldTensor]) -> dict[str
     return out
 
 
-def _dense_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> DenseLinear:
-    with torch.device("meta"):
-        lin = DenseLinear(weight.shape[1], weight.shape[0], bias=bias is not None)
-    lin.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
-    if bias is not None:
-        lin.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
-    return lin
+def make_linear(weight: HeldWeight | tuple[HeldWeight, ...], bias: torch.Tensor | None,
+                dtype: torch.dtype) -> nn.Module:
+    """The module that runs ``weight`` as held (``LINEAR_MODULES``), or a ConcatLinear of its
+    parts; ``bias`` is cast to ``dtype``."""
+    bias = None if bias is None else bias.to(dtype)
+    if isinstance(weight, tuple):
+        sizes = [w.out_features for w in weight]
+        biases = [None] * len(weight) if bias is None else list(torch.split(bias, sizes))
+        return ConcatLinear([make_linear(w, b, dtype) for w, b in zip(weight, biases, strict=True)])
+    return LINEAR_MODULES[type(weight)](weight, bias, dtype)
 
 
-def _held_linear(weight: FusedWeight, bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Module:
-    """The module that runs ``weight`` as held: PackedLinear, nn.Linear, or a ConcatLinear."""
-    if isinstance(weight, PackedWeight):
-        return PackedLinear(weight, None if bias is None else bias.to(dtype))
-    if isinstance(weight, Fp8Weight):
-        return Fp8Linear(weight, None if bias is None else bias.to(dtype))
-    if isinstance(weight, torch.Tensor):
-        return _dense_linear(weight, bias, dtype)
-    sizes = [w.shape[0] for w in weight]
-    biases = [None] * len(weight) if bias is None else list(torch.split(bias, sizes))
-    return ConcatLinear([_held_linear(w, b, dtype) for w, b in zip(weight, biases, strict=True)])
-
-
-def _on_device(w: FusedWeight, device: torch.device | str) -> FusedWeight:
-    if isinstance(w, tuple):
-        return tuple(_on_device(p, device) for p in w)  # type: ignore[misc]
-    if isinstance(w, PackedWeight):
-        return PackedWeight(w.kind, w.N, w.K, w.K_padded, w.group_size, w.qweight.to(device),
-                            w.scales.to(device), None if w.mins is None else w.mins.to(device))
-    if isinstance(w, Fp8Weight):
-        return Fp8Weight(w.fmt, w.granularity, w.N, w.K, w.data.to(device), w.scales.to(device),
-                         w.block)
-    return w.to(device)
-
-
-def _install_packed(model: CausalLM, state: dict[str, FusedWeight], dtype: torch.dtype,
+def _install_held(model: CausalLM, state: dict[str, FusedWeight], dtype: torch.dtype,
                     device: torch.device | str) -> None:
-    """Swap in a packed module for every weight held packed (or in parts), popping its entries
-    from ``state``; the dense rest stays for load_state_dict."""
+    """Swap in its module for every weight held in another format than a dense tensor (or in
+    parts), popping its entries from ``state``; the dense rest stays for load_state_dict."""
     for key in [k for k, v in state.items() if not isinstance(v, torch.Tensor)]:
         path = key.removesuffix(".weight")
-        weight = _on_device(state.pop(key), device)
+        held = state.pop(key)
+        assert not isinstance(held, torch.Tensor)
+        weight = tuple(p.to(device) for p in held) if isinstance(held, tuple) else held.to(device)
         if path == "embed_tokens":
             assert isinstance(weight, PackedWeight)
             emb = PackedEmbedding(weight, dtype)
@@ -147,8 +131,8 @@ def _install_packed(model: CausalLM, state: dict[str, FusedWeight], dtype: torch
             continue
         bias = state.pop(path + ".bias", None)
         assert bias is None or isinstance(bias, torch.Tensor)
-        model.set_submodule(path, _held_linear(weight, None if bias is None else bias.to(device),
-                                               dtype))
+        model.set_submodule(path, make_linear(weight, None if bias is None else bias.to(device),
+                                              dtype))
 
 
 def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -> None:
@@ -211,7 +195,7 @@ def build_model(
         raise UnsupportedModelError(f"model weights are missing tensors: {', '.join(absent[:8])}")
     if unexpected:
         raise UnsupportedModelError(f"model weights have unexpected tensors: {', '.join(unexpected[:8])}")
-    _install_packed(model, state, dtype, device)
+    _install_held(model, state, dtype, device)
     _materialize(model, dtype, device)
     model.load_state_dict(state, strict=False)  # copies, casting into the model dtype
     if spec.tie_word_embeddings and isinstance(model.embed_tokens, nn.Embedding):
