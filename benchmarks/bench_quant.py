@@ -66,7 +66,7 @@ def fitserve_worker(spec: dict[str, Any]) -> dict[str, Any]:
     from fitserve.config import EngineConfig
     from fitserve.engine.core import Engine
     from fitserve.ledger.params import count_params
-    from fitserve.model.llama import held_weight_bytes
+    from fitserve.model.loader import held_weight_bytes
     from fitserve.sampling import SamplingParams
 
     torch.set_num_threads(spec["threads"])

@@ -23,7 +23,7 @@ from torch.profiler import profile
 from fitserve.config import EngineConfig
 from fitserve.engine.core import Engine
 from fitserve.model.linear import PackedLinear
-from fitserve.model.llama import held_weight_bytes
+from fitserve.model.loader import held_weight_bytes
 from fitserve.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)

@@ -18,8 +18,9 @@ from fitserve.dist.comm import Collectives
 from fitserve.dist.layout import RankSlice, rank_slice, rank_spec
 from fitserve.dist.shard import shard_weights
 from fitserve.model.attention.paged import AttentionBatch
-from fitserve.model.llama import CausalLM, DecoderLayer, LayerKV, build_model
-from fitserve.quant.hold import HeldTensor
+from fitserve.model.llama import CausalLM, DecoderLayer, LayerKV
+from fitserve.model.loader import build_model
+from fitserve.quant.held import HeldTensor
 
 
 class RowParallel(nn.Module):

@@ -43,7 +43,7 @@ from fitserve.ledger.step_time import StepShape
 from fitserve.ledger.weights import engine_format_rule, engine_weight_bytes
 from fitserve.loading import IncrementalDetokenizer, LoadedModel, load_model
 from fitserve.model.linear import cpp_ops_available
-from fitserve.model.llama import build_model, check_supported, held_weight_bytes
+from fitserve.model.loader import build_model, check_supported, held_weight_bytes
 from fitserve.quant.hold import loaded_weights_choice
 from fitserve.runner.model_runner import ModelRunner
 from fitserve.sampling import RequestSamplingState, SamplingParams

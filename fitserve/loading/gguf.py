@@ -39,7 +39,8 @@ from fitserve.loading.gguf_spec import (  # noqa: F401 (the spec part lives ther
 from fitserve.loading.hf_config import check_weights
 from fitserve.loading.tokenizer import Tokenizer, byte_level_bpe
 from fitserve.quant.gguf_map import packed_from_gguf
-from fitserve.quant.hold import HeldTensor, dtype_table_name, held_format, hold
+from fitserve.quant.held import HeldTensor, dtype_table_name
+from fitserve.quant.hold import held_format, hold
 
 SUPPORTED_GGUF_TYPES: tuple[str, ...] = (
     "F32",

@@ -26,7 +26,8 @@ from fitserve.loading.hf_config import (
 )
 from fitserve.loading.tokenizer import Tokenizer
 from fitserve.quant.checkpoint import PARTS, join_packed, prefix_of
-from fitserve.quant.hold import HeldTensor, dtype_table_name, held_format, hold
+from fitserve.quant.held import HeldTensor, dtype_table_name
+from fitserve.quant.hold import held_format, hold
 from fitserve.quant.packed import dequantize
 
 # a packed tensor of a checkpoint: (its format, its logical shape (N, K))

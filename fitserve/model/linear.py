@@ -18,8 +18,8 @@ Kernels (``CANDIDATES``; each says for which weights it applies):
 
 The choice is ``RULES[(isa, layout, shape class, dtype)]``: an ordered preference list, the
 first candidate that is available and applies is used (``torch`` ends every list). Shape
-classes by rows M of x: "1" (decode of one sequence), "small" (M <= 16), "large" (M <= 256)
-and "prefill" (more).
+classes by rows M of x: "m1" (decode of one sequence), "m<=16", "m<=256" and "prefill"
+(more).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fitserve.quant.packed import PackedWeight, dequantize_rows, gather_rows, unpack_int4
+from fitserve.quant.held import DenseWeight
+from fitserve.quant.packed import CODES, PackedCodes, PackedWeight, gather_rows
 
 # Rows of the weight dequantized at once by the pure-torch path: bounds its scratch to
 # ~1M elements (4 MiB of fp32) whatever the layer (the tied lm_head is 49152 x 576).
@@ -41,15 +42,14 @@ _TORCH_CHUNK_ELEMENTS = 1 << 20
 
 
 def shape_class(m: int) -> str:
-    """"1", "small" (M <= 16), "large" (M <= 256) or "prefill": the rows of x the kernel
-    table is keyed by.
+    """"m1", "m<=16", "m<=256" or "prefill": the rows of x the kernel table is keyed by.
 
     NOTE: a fourth class past 256 rows: the measured crossover where dequantizing to bf16 and
     torch's AMX GEMM overtakes the packed kernels lies between M = 128 and M = 512.
     """
     if m == 1:
-        return "1"
-    return "small" if m <= 16 else ("large" if m <= 256 else "prefill")
+        return "m1"
+    return "m<=16" if m <= 16 else ("m<=256" if m <= 256 else "prefill")
 
 
 def layout_key(pw: PackedWeight) -> str:
@@ -83,10 +83,10 @@ def run_torch(pw: PackedWeight, x: torch.Tensor, cache: dict[str, torch.Tensor])
     outs = []
     for r0 in range(0, pw.N, rows):
         r1 = min(pw.N, r0 + rows)
-        q = pw.qweight[r0:r1]
-        codes = unpack_int4(q, pw.group_size) if pw.kind == "int4" else q
+        codes = pw.codes
         mins = None if pw.mins is None else pw.mins[r0:r1]
-        w = dequantize_rows(pw.kind, codes, pw.scales[r0:r1], mins, pw.group_size)
+        w = codes.dequantize(codes.unpack(pw.qweight[r0:r1], pw.group_size), pw.scales[r0:r1],
+                             mins, pw.group_size)
         outs.append(F.linear(x, w[:, : pw.K].to(x.dtype)))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
@@ -97,7 +97,7 @@ def _run_cpp(act_quant: bool) -> Callable[[PackedWeight, torch.Tensor, dict[str,
         from fitserve.kernels.cpu import qlinear
 
         xp = _pad(x.contiguous(), pw.K_padded)
-        if pw.kind == "int4":
+        if pw.codes.bits == 4:  # the int4 op takes the f16 mins (None: symmetric)
             out: torch.Tensor = qlinear.int4_linear(xp, pw.qweight, pw.scales, pw.mins,
                                                     pw.group_size, act_quant)
         else:
@@ -120,7 +120,7 @@ def run_aten_int8(pw: PackedWeight, x: torch.Tensor, cache: dict[str, torch.Tens
 def run_aten_int4(pw: PackedWeight, x: torch.Tensor, cache: dict[str, torch.Tensor]) -> torch.Tensor:
     """torch's int4 GEMM for CPU: w = (q - 8) * scale + zero, zero = min + 8 * scale."""
     if "aten-int4-weight" not in cache:
-        codes = unpack_int4(pw.qweight, pw.group_size).to(torch.int32)
+        codes = pw.codes.unpack(pw.qweight, pw.group_size).to(torch.int32)
         cache["aten-int4-weight"] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
     key = f"aten-int4-sz-{x.dtype}"
     if key not in cache:
@@ -154,7 +154,7 @@ CANDIDATES: dict[str, Candidate] = {
         Candidate("aten-int8", run_aten_int8,
                   lambda pw, dt: _float_x(dt) and pw.per_channel and pw.K_padded % 32 == 0),
         Candidate("aten-int4", run_aten_int4,
-                  lambda pw, dt: _float_x(dt) and pw.kind == "int4" and pw.N % 16 == 0
+                  lambda pw, dt: _float_x(dt) and pw.codes.bits == 4 and pw.N % 16 == 0
                   and pw.group_size in (32, 64, 128, 256)),
         Candidate("torch", run_torch, lambda pw, dt: True),
     )
@@ -168,7 +168,7 @@ def bind(cand: Candidate, pw: PackedWeight, cache: dict[str, torch.Tensor]
     if cand.name in ("cpp", "cpp-aq") and pw.K_padded == pw.K and cpp_ops_available():
         aq = cand.name == "cpp-aq"
         q, s, mn, g = pw.qweight, pw.scales, pw.mins, pw.group_size
-        if pw.kind == "int4":
+        if pw.codes.bits == 4:
             op4 = torch.ops.fitserve.int4_linear.default
             return lambda x: op4(x.contiguous(), q, s, mn, g, aq)
         op8 = torch.ops.fitserve.int8_linear.default
@@ -177,64 +177,37 @@ def bind(cand: Candidate, pw: PackedWeight, cache: dict[str, torch.Tensor]
     return lambda x: run(pw, x, cache)
 
 # -- the measured table ----------------------------------------------------------------------
-# NOTE: measured with `python benchmarks/bench_linear.py --runs 7` (and `--dtype f32 --runs 5`):
-# 2 threads, medians after a warm-up, SmolLM2-135M's shapes. Lists are ordered by the summed
-# time of the class's M values (1 | 4, 16 | 32, 128 | 512). One table per ISA key:
-# - "avx512_vnni+amx": "Intel(R) Xeon(R) Processor" (Sapphire Rapids class), torch 2.13.0,
-#   2026-12-01. bf16 x: the act_quant kernel (int8 activations, VNNI dot products) is fastest
-#   from M=1 to M=128 for every layout (x2-3 faster than dense bf16 at M=1); at M=512
-#   dequantizing to bf16 + torch's AMX GEMM wins for int8 weights (x1.2-1.8), not for int4 (its
-#   unpacking costs more); _weight_int8pack_mm is second at M <= 4 (per channel only), and
-#   _weight_int4pack_mm_for_cpu second at M <= 4 for int4 (it needs a second weight copy, so it
-#   is never chosen first); dense bf16 itself stays faster than every packed kernel from M ~32
-#   up for int4 (AMX), which no rule can choose (the dense copy is what we avoid).
-# - "avx512_vnni": "AMD EPYC" (Zen 4: AVX-512 with BF16/VNNI, no AMX), torch 2.13.0,
-#   2026-12-02. bf16 x: act_quant fastest in every class and layout (x3-5.6 over dense bf16 at
-#   M=1, x1.5-2.5 at M 4-32) except per-channel int8 at M=512, where dequantizing + torch's bf16
-#   GEMM wins (72 vs 89 ms summed); the exact fp32-dequant kernel is 2x slower than act_quant at
-#   M=1 and 4-8x slower from M=16 up.
-# - "avx2": "AMD EPYC" Zen 3 (AVX2 + FMA + F16C, no AVX-512, no VNNI), torch 2.13.0,
-#   2026-12-04 (an earlier table for this key was measured on a Zen 4 with the tier lowered,
-#   while the AVX2 half-scale loads still called memcpy; that made act_quant 2x slower at M=1).
-#   bf16 x: act_quant (maddubs) fastest in every class and layout: x2 over the exact kernel at
-#   M=1 for int4 (0.12 vs 0.23 ms summed), x2-3 at M 4-16, x1.3-1.8 at M 32-128; at M=512 the
-#   two tie for int4 and act_quant wins for int8 (x1.1-1.3). torch's _weight_int8pack_mm and
-#   _weight_int4pack_mm_for_cpu trail act_quant everywhere; they beat the exact kernel only at
-#   M 4-16 (bench output of this run: benchmarks/bench_linear.py --runs 7).
-# - f32 x, every ISA: activations are never quantized (an fp32 engine asked for fp32 numerics:
-#   exact weights, see tests/numerics/test_quantized_vs_transformers.py); the C++ fp32 kernel is
-#   the fastest exact one in every class on both CPUs (aten int8/int4 run f32 x 10-100x slower).
-# - any other ISA or dtype: not measured; the exact C++ kernel, else the torch path.
-# int4-sym was not timed apart: it runs the same kernels as int4-asym (one add fewer).
+# NOTE: measured with benchmarks/bench_linear.py; the runs behind each table:
+# docs/benchmarks.md, section 'Packed linear kernel table'.
 _ANY = "*"
 _Table = dict[str, tuple[str, ...]]  # shape class -> preference (before the closing "torch")
 BF16_TABLES: dict[str, dict[str, _Table]] = {  # ISA key -> layout -> table
     "avx512_vnni+amx": {
-        "int4": {"1": ("cpp-aq", "aten-int4", "cpp"), "small": ("cpp-aq", "aten-int4", "cpp"),
-                 "large": ("cpp-aq", "cpp"), "prefill": ("cpp-aq", "torch", "cpp")},
-        "int8-channel": {"1": ("cpp-aq", "aten-int8", "cpp"),
-                         "small": ("cpp-aq", "aten-int8", "cpp"),
-                         "large": ("cpp-aq", "torch", "cpp"), "prefill": ("torch", "cpp-aq")},
-        "int8-group": {"1": ("cpp-aq", "cpp"), "small": ("cpp-aq", "cpp"),
-                       "large": ("cpp-aq", "torch", "cpp"), "prefill": ("torch", "cpp-aq")},
+        "int4": {"m1": ("cpp-aq", "aten-int4", "cpp"), "m<=16": ("cpp-aq", "aten-int4", "cpp"),
+                 "m<=256": ("cpp-aq", "cpp"), "prefill": ("cpp-aq", "torch", "cpp")},
+        "int8-channel": {"m1": ("cpp-aq", "aten-int8", "cpp"),
+                         "m<=16": ("cpp-aq", "aten-int8", "cpp"),
+                         "m<=256": ("cpp-aq", "torch", "cpp"), "prefill": ("torch", "cpp-aq")},
+        "int8-group": {"m1": ("cpp-aq", "cpp"), "m<=16": ("cpp-aq", "cpp"),
+                       "m<=256": ("cpp-aq", "torch", "cpp"), "prefill": ("torch", "cpp-aq")},
     },
     "avx512_vnni": {
-        "int4": {"1": ("cpp-aq", "aten-int4", "cpp"), "small": ("cpp-aq", "aten-int4", "cpp"),
-                 "large": ("cpp-aq", "aten-int4", "cpp"), "prefill": ("cpp-aq", "torch", "cpp")},
-        "int8-channel": {"1": ("cpp-aq", "aten-int8", "cpp"),
-                         "small": ("cpp-aq", "aten-int8", "cpp"),
-                         "large": ("cpp-aq", "torch", "cpp"), "prefill": ("torch", "cpp-aq")},
-        "int8-group": {"1": ("cpp-aq", "cpp"), "small": ("cpp-aq", "cpp"),
-                       "large": ("cpp-aq", "torch", "cpp"), "prefill": ("cpp-aq", "torch")},
+        "int4": {"m1": ("cpp-aq", "aten-int4", "cpp"), "m<=16": ("cpp-aq", "aten-int4", "cpp"),
+                 "m<=256": ("cpp-aq", "aten-int4", "cpp"), "prefill": ("cpp-aq", "torch", "cpp")},
+        "int8-channel": {"m1": ("cpp-aq", "aten-int8", "cpp"),
+                         "m<=16": ("cpp-aq", "aten-int8", "cpp"),
+                         "m<=256": ("cpp-aq", "torch", "cpp"), "prefill": ("torch", "cpp-aq")},
+        "int8-group": {"m1": ("cpp-aq", "cpp"), "m<=16": ("cpp-aq", "cpp"),
+                       "m<=256": ("cpp-aq", "torch", "cpp"), "prefill": ("cpp-aq", "torch")},
     },
     "avx2": {
-        "int4": {"1": ("cpp-aq", "cpp", "aten-int4"), "small": ("cpp-aq", "aten-int4", "cpp"),
-                 "large": ("cpp-aq", "cpp"), "prefill": ("cpp-aq", "cpp")},
-        "int8-channel": {"1": ("cpp-aq", "cpp", "aten-int8"),
-                         "small": ("cpp-aq", "aten-int8", "cpp"),
-                         "large": ("cpp-aq", "cpp"), "prefill": ("cpp-aq", "cpp")},
-        "int8-group": {"1": ("cpp-aq", "cpp"), "small": ("cpp-aq", "cpp"),
-                       "large": ("cpp-aq", "cpp"), "prefill": ("cpp-aq", "cpp")},
+        "int4": {"m1": ("cpp-aq", "cpp", "aten-int4"), "m<=16": ("cpp-aq", "aten-int4", "cpp"),
+                 "m<=256": ("cpp-aq", "cpp"), "prefill": ("cpp-aq", "cpp")},
+        "int8-channel": {"m1": ("cpp-aq", "cpp", "aten-int8"),
+                         "m<=16": ("cpp-aq", "aten-int8", "cpp"),
+                         "m<=256": ("cpp-aq", "cpp"), "prefill": ("cpp-aq", "cpp")},
+        "int8-group": {"m1": ("cpp-aq", "cpp"), "m<=16": ("cpp-aq", "cpp"),
+                       "m<=256": ("cpp-aq", "cpp"), "prefill": ("cpp-aq", "cpp")},
     },
 }
 _LAYOUT_TABLE = {"int4-asym": "int4", "int4-sym": "int4", "int8-channel": "int8-channel",
@@ -306,6 +279,17 @@ class DenseLinear(nn.Linear):
                 and (b is None or (b.dtype == torch.bfloat16 and b.is_contiguous()))
                 and bf16_gemv_preferred())
 
+    @classmethod
+    def from_held(cls, w: DenseWeight, bias: torch.Tensor | None, dtype: torch.dtype
+                  ) -> DenseLinear:
+        """A linear over ``w`` cast to ``dtype`` (no copy when it already is), no random init."""
+        with torch.device("meta"):
+            lin = cls(w.in_features, w.out_features, bias=bias is not None)
+        lin.weight = nn.Parameter(w.tensor.to(dtype), requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
+        return lin
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and self.gemv_applies(x.shape[0], x.dtype):
             out: torch.Tensor = torch.ops.fitserve_dense.bf16_gemv.default(x, self.weight, self.bias)
@@ -352,6 +336,11 @@ class PackedLinear(nn.Module):
         self._runs.clear()  # .to(device) swaps the buffers the bound calls hold
         self._cache.clear()
         return super()._apply(fn, recurse)  # type: ignore[no-untyped-call, no-any-return]
+
+    @property
+    def codes(self) -> PackedCodes:
+        """The codes' packing (int4 or int8)."""
+        return CODES[self.kind]
 
     @property
     def packed(self) -> PackedWeight:

@@ -41,7 +41,7 @@ from fitserve.ledger.formats import weight_format
 from fitserve.loading.generation_defaults import GenerationDefaults
 from fitserve.loading.hf_config import FITSERVE_QUANT_METHOD
 from fitserve.loading.tokenizer import Tokenizer
-from fitserve.quant.hold import HeldTensor
+from fitserve.quant.held import HeldTensor
 from fitserve.quant.packed import PackedWeight, channel_group, padded_k
 
 PARTS = ("qweight", "scales", "mins")
@@ -79,8 +79,7 @@ def join_packed(hf_name: str, fmt: str, shape: tuple[int, int],
         raise ValueError(f"{fmt!r} is not an engine packed format")
     n, k = shape
     g = layout.group_size or channel_group(k)
-    need = {"qweight", "scales"} | ({"mins"} if layout.kind == "int4" and not layout.symmetric
-                                    else set())
+    need = {"qweight", "scales"} | (set() if layout.symmetric else {"mins"})
     prefix = prefix_of(hf_name)
     missing = sorted(need - set(parts))
     if missing:
@@ -185,13 +184,13 @@ def checkpoint_tensors(weights: Mapping[str, HeldTensor]) -> dict[str, torch.Ten
     ones in float32 (norms and biases; lossless from any float source)."""
     out: dict[str, torch.Tensor] = {}
     for name, t in weights.items():
-        if isinstance(t, PackedWeight):
-            out.update(split_packed(name, t))
-        elif isinstance(t, torch.Tensor):
+        if isinstance(t, torch.Tensor):
             out[name] = t.detach().to(torch.float32).contiguous()
+        elif isinstance(t, PackedWeight):
+            out.update(split_packed(name, t))
         else:
-            raise ValueError(f"tensor {name!r} is held as {type(t).__name__}; a checkpoint "
-                             "stores int4/int8 packed weights and dense tensors")
+            raise ValueError(f"tensor {name!r} is held as {type(t).__name__} ({t.format}); a "
+                             "checkpoint stores int4/int8 packed weights and dense tensors")
     return out
 
 
@@ -207,7 +206,7 @@ def write_checkpoint(out: Path, *, spec: ModelSpec, weights: Mapping[str, HeldTe
 
     formats = quantization_config.get("formats", {})
     for name, t in weights.items():
-        if isinstance(t, PackedWeight) and formats.get(name) != t.format:
+        if not isinstance(t, torch.Tensor) and formats.get(name) != t.format:
             raise ValueError(f"tensor {name!r} is {t.format}, quantization_config.formats says "
                              f"{formats.get(name)!r}")
     quant = {"quant_method": FITSERVE_QUANT_METHOD, **quantization_config}

@@ -37,9 +37,12 @@ a 2^15 larger dynamic range (max / smallest normal: 2^29.8 vs 2^14.8).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from fitserve.quant.held import HeldWeight
 
 FORMATS: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 GRANULARITIES = ("tensor", "channel", "block")
@@ -99,8 +102,12 @@ def fp8_weight_bytes(n: int, k: int, granularity: str, block: int = DEFAULT_BLOC
     return n * k + 4 * count
 
 
+# the formats table's names by granularity (e4m3; e5m2 names add "_e5m2" after "fp8")
+_TABLE_SUFFIX = {"tensor": "", "channel": "-ch", "block": "-block"}
+
+
 @dataclass(frozen=True, slots=True)
-class Fp8Weight:
+class Fp8Weight(HeldWeight):
     """One fp8 weight matrix ``[N, K]``: codes ``data`` (float8 or their uint8 bits) and float32
     ``scales`` shaped per ``granularity`` (see the module docstring)."""
 
@@ -128,6 +135,28 @@ class Fp8Weight:
     def shape(self) -> tuple[int, int]:
         """The logical shape ``(N, K)``."""
         return (self.N, self.K)
+
+    @property
+    def format(self) -> str:
+        """``fp8-ch``, ``fp8_e5m2-ch``, ``fp8``, ``fp8-block`` ... (fitserve.ledger.formats)."""
+        return ("fp8" if self.fmt == "e4m3" else f"fp8_{self.fmt}") + _TABLE_SUFFIX[
+            self.granularity]
+
+    def to(self, device: torch.device | str) -> Fp8Weight:
+        return Fp8Weight(self.fmt, self.granularity, self.N, self.K, self.data.to(device),
+                         self.scales.to(device), self.block)
+
+    def fuse(self, rest: Sequence[HeldWeight]) -> Fp8Weight | None:
+        """Per-channel weights of one format and K stack exactly (each row keeps its scale)."""
+        parts = [self, *(p for p in rest if isinstance(p, Fp8Weight))]
+        if len(parts) != len(rest) + 1 or self.granularity != "channel" or len(
+                {(p.fmt, p.granularity, p.K) for p in parts}) != 1:
+            return None
+        return Fp8Weight(self.fmt, "channel", sum(p.N for p in parts), self.K,
+                         torch.cat([p.data for p in parts]), torch.cat([p.scales for p in parts]))
+
+    def shard(self, dim: int, start: int, stop: int) -> Fp8Weight:
+        raise ValueError("fp8 weights are not supported under tensor parallelism")
 
     @property
     def codes(self) -> torch.Tensor:

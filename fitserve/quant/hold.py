@@ -10,31 +10,14 @@ from __future__ import annotations
 import torch
 
 from fitserve.ledger.formats import engine_tensor_format, tensor_role, weight_format
-from fitserve.quant.fp8 import Fp8Weight, quantize_fp8
-from fitserve.quant.packed import PackedWeight
+from fitserve.quant.fp8 import quantize_fp8
+from fitserve.quant.held import HeldTensor, as_held, dtype_table_name, table_dtype
 from fitserve.quant.rtn import quantize
-
-HeldTensor = torch.Tensor | PackedWeight | Fp8Weight
-_DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
-
-
-def dtype_table_name(dtype: torch.dtype) -> str:
-    """The formats table's name of a float dtype ("f32", "bf16", "f16")."""
-    return _DTYPE_NAMES[dtype]
 
 
 def held_format(choice: str, hf_name: str, ndim: int, stored: str, dtype: torch.dtype) -> str:
     """The format the engine holds ``hf_name`` in under ``--weights choice``."""
     return engine_tensor_format(choice, stored, tensor_role(hf_name, ndim), dtype_table_name(dtype))
-
-
-def table_dtype(fmt: str) -> torch.dtype:
-    """The torch dtype of a dense format of the table ("f32", "bf16", "f16")."""
-    name = weight_format(fmt).name
-    for dtype, n in _DTYPE_NAMES.items():
-        if n == name:
-            return dtype
-    raise ValueError(f"{fmt} is not a dense float format")
 
 
 def hold(tensor: torch.Tensor, fmt: str) -> HeldTensor:
@@ -45,14 +28,12 @@ def hold(tensor: torch.Tensor, fmt: str) -> HeldTensor:
         return quantize_fp8(tensor.float(), f.fp8, "channel")
     if f.packed is not None:
         return quantize(tensor, fmt)
-    return tensor.to(table_dtype(fmt))
+    return tensor.to(table_dtype(f.name))
 
 
 def held_bytes(t: HeldTensor) -> int:
     """Bytes a held tensor occupies."""
-    if isinstance(t, (PackedWeight, Fp8Weight)):
-        return t.nbytes
-    return t.numel() * t.element_size()
+    return as_held(t).nbytes
 
 
 def loaded_weights_choice(loaded_choice: str | None, wanted: str, *, explicit: bool,

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from fitserve.ledger.formats import packed_format_name
+from fitserve.quant.held import HeldWeight
 
-KINDS = ("int4", "int8")
 # NOTE: per-channel int8 still pads K to a multiple of 32: the kernels quantize activations in
 # blocks of 32 columns, and the contract wants every G to be a multiple of 32.
 CHANNEL_PAD = 32
@@ -45,7 +45,66 @@ def channel_group(k: int) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class PackedWeight:
+class PackedCodes:
+    """What tells int4 from int8 codes: how they pack into ``qweight`` and what they mean.
+
+    ``zero``: the code of 0.0 in a symmetric layout (int4: 8, ``w = scale * (q - 8)``; int8:
+    0, ``w = q * scale``); asymmetric layouts (int4 only) keep an f16 min instead.
+    """
+
+    kind: str
+    bits: int
+    dtype: torch.dtype  # of qweight
+    lo: int  # code range
+    hi: int
+    zero: int
+
+    @property
+    def per_byte(self) -> int:
+        """Columns per qweight byte."""
+        return 8 // self.bits
+
+    def pack(self, q: torch.Tensor, group_size: int) -> torch.Tensor:
+        """Codes ``q [N, K_padded]`` -> qweight; ValueError for a code out of range."""
+        if self.bits == 4:
+            return pack_int4(q, group_size)
+        if q.numel() and (int(q.min()) < self.lo or int(q.max()) > self.hi):
+            raise ValueError(f"{self.kind} codes must be in [{self.lo}, {self.hi}]")
+        return q.to(self.dtype).contiguous()
+
+    def unpack(self, qweight: torch.Tensor, group_size: int) -> torch.Tensor:
+        """qweight -> codes ``[N, K_padded]`` (int4 as uint8 0..15, int8 as they are)."""
+        return unpack_int4(qweight, group_size) if self.bits == 4 else qweight
+
+    def dequantize(self, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                   group_size: int) -> torch.Tensor:
+        """float32 ``[R, K_padded]`` from codes ``q [R, K_padded]`` and their f16 scales/mins.
+
+        NOTE: the operations are the gguf package's, in its order: Q4_1 ``(d * q) + m``, Q4_0
+        ``d * (q - 8)``, Q8_0 ``q * d``; two separate float32 roundings, never a fused
+        multiply-add, so the result equals ``gguf.quants.dequantize`` exactly.
+        """
+        r, kp = q.shape
+        codes = q.reshape(r, kp // group_size, group_size).to(torch.float32)
+        s = scales.to(torch.float32).unsqueeze(-1)
+        if mins is not None:
+            out = (s * codes) + mins.to(torch.float32).unsqueeze(-1)
+        elif self.zero:
+            out = s * (codes - float(self.zero))
+        else:
+            out = codes * s
+        return out.reshape(r, kp)
+
+
+CODES: dict[str, PackedCodes] = {
+    "int4": PackedCodes("int4", 4, torch.uint8, 0, 15, 8),
+    "int8": PackedCodes("int8", 8, torch.int8, -128, 127, 0),
+}
+KINDS = tuple(CODES)
+
+
+@dataclass(frozen=True, slots=True)
+class PackedWeight(HeldWeight):
     """One quantized weight matrix ``[N, K]`` in the packed layout (see the module docstring).
 
     Immutable record; the tensors are owned by whoever built it (the model registers them as
@@ -68,6 +127,11 @@ class PackedWeight:
     def shape(self) -> tuple[int, int]:
         """The logical shape ``(N, K)`` (as a dense weight's ``.shape``)."""
         return (self.N, self.K)
+
+    @property
+    def codes(self) -> PackedCodes:
+        """The codes' packing and meaning (int4 or int8)."""
+        return CODES[self.kind]
 
     @property
     def num_groups(self) -> int:
@@ -96,6 +160,42 @@ class PackedWeight:
         tensors = [self.qweight, self.scales] + ([self.mins] if self.mins is not None else [])
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    @property
+    def column_block(self) -> int:
+        """Columns split at group bounds (per-channel int8: at the 32-column activation block)."""
+        return CHANNEL_PAD if self.per_channel else self.group_size
+
+    def to(self, device: torch.device | str) -> PackedWeight:
+        return PackedWeight(self.kind, self.N, self.K, self.K_padded, self.group_size,
+                            self.qweight.to(device), self.scales.to(device),
+                            None if self.mins is None else self.mins.to(device))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self, dtype)
+
+    def fuse(self, rest: Sequence[HeldWeight]) -> PackedWeight | None:
+        """Stacked by ``cat_rows`` where kind, K, group size and symmetry agree."""
+        parts = [self, *(p for p in rest if isinstance(p, PackedWeight))]
+        return cat_rows(parts) if len(parts) == len(rest) + 1 and can_fuse(parts) else None
+
+    def shard(self, dim: int, start: int, stop: int) -> PackedWeight:
+        """Rows move as they are; columns split at group bounds (``column_block``), and
+        per-channel int8 keeps each row's scale on every column slice."""
+        if dim == 0:
+            return self.select_rows(torch.arange(start, stop))
+        k = stop - start
+        if self.per_channel:  # one scale per row: every column slice keeps it
+            g = channel_group(k)
+            q = torch.zeros((self.N, g), dtype=torch.int8)
+            q[:, :k] = self.qweight[:, start:stop]
+            return PackedWeight("int8", self.N, k, g, g, q, self.scales.clone())
+        g, b = self.group_size, self.codes.per_byte
+        if start % g or stop % g or stop > self.K:
+            raise ValueError(f"columns {start}..{stop} do not split at its groups of {g}")
+        mins = None if self.mins is None else self.mins[:, start // g:stop // g].clone()
+        return PackedWeight(self.kind, self.N, k, k, g, self.qweight[:, start // b:stop // b].clone(),
+                            self.scales[:, start // g:stop // g].clone(), mins)
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """The packed tensors by buffer name (``qweight``, ``scales`` and maybe ``mins``)."""
         out = {"qweight": self.qweight, "scales": self.scales}
@@ -121,12 +221,12 @@ def check_packed(pw: PackedWeight) -> None:
     if pw.K_padded != padded_k(pw.K, g) or pw.K <= 0 or pw.N <= 0:
         raise ValueError(f"K={pw.K}, K_padded={pw.K_padded} and G={g} disagree "
                          f"(K_padded must be ceil(K / G) * G, N and K positive)")
-    width, dtype = (pw.K_padded // 2, torch.uint8) if pw.kind == "int4" else (pw.K_padded,
-                                                                              torch.int8)
-    expect = {"qweight": ((pw.N, width), dtype), "scales": ((pw.N, pw.num_groups), torch.float16)}
+    codes = pw.codes
+    expect = {"qweight": ((pw.N, pw.K_padded // codes.per_byte), codes.dtype),
+              "scales": ((pw.N, pw.num_groups), torch.float16)}
     if pw.mins is not None:
-        if pw.kind != "int4":
-            raise ValueError("only int4 has mins (int8 is symmetric)")
+        if not codes.zero:
+            raise ValueError(f"{pw.kind} has no mins (it is symmetric)")
         expect["mins"] = ((pw.N, pw.num_groups), torch.float16)
     for name, (shape, dt) in expect.items():
         t = getattr(pw, name)
@@ -164,49 +264,23 @@ def pack(kind: str, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | 
          group_size: int, k: int) -> PackedWeight:
     """A PackedWeight from codes ``q [N, K_padded]`` (int4: 0..15; int8: -128..127), float16
     ``scales`` (and ``mins``) ``[N, K_padded // G]``, for a logical width ``k``."""
-    n, kp = q.shape
-    if kind == "int4":
-        qweight = pack_int4(q, group_size)
-    elif kind == "int8":
-        if q.numel() and (int(q.min()) < -128 or int(q.max()) > 127):
-            raise ValueError("int8 codes must be in [-128, 127]")
-        qweight = q.to(torch.int8).contiguous()
-    else:
+    if kind not in CODES:
         raise ValueError(f"packed kind must be one of {KINDS}, got {kind!r}")
+    n, kp = q.shape
+    qweight = CODES[kind].pack(q, group_size)
     return PackedWeight(kind, n, k, kp, group_size, qweight, scales.to(torch.float16).contiguous(),
                         None if mins is None else mins.to(torch.float16).contiguous())
 
 
 def unpack(pw: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(codes ``[N, K_padded]``, scales, mins): int4 codes as uint8 0..15, int8 as int8."""
-    q = unpack_int4(pw.qweight, pw.group_size) if pw.kind == "int4" else pw.qweight
-    return q, pw.scales, pw.mins
-
-
-def dequantize_rows(kind: str, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-                    group_size: int) -> torch.Tensor:
-    """float32 ``[R, K_padded]`` from codes ``q [R, K_padded]`` and their f16 scales/mins.
-
-    NOTE: the operations are the gguf package's, in its order: Q4_1 ``(d * q) + m``, Q4_0
-    ``d * (q - 8)``, Q8_0 ``q * d``; two separate float32 roundings, never a fused multiply-add,
-    so the result equals ``gguf.quants.dequantize`` exactly.
-    """
-    r, kp = q.shape
-    codes = q.reshape(r, kp // group_size, group_size).to(torch.float32)
-    s = scales.to(torch.float32).unsqueeze(-1)
-    if kind == "int8":
-        out = codes * s
-    elif mins is not None:
-        out = (s * codes) + mins.to(torch.float32).unsqueeze(-1)
-    else:
-        out = s * (codes - 8.0)
-    return out.reshape(r, kp)
+    return pw.codes.unpack(pw.qweight, pw.group_size), pw.scales, pw.mins
 
 
 def dequantize(pw: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The weight ``[N, K]`` (padding dropped), computed in float32, then cast to ``dtype``."""
     q, scales, mins = unpack(pw)
-    w = dequantize_rows(pw.kind, q, scales, mins, pw.group_size)[:, : pw.K]
+    w = pw.codes.dequantize(q, scales, mins, pw.group_size)[:, : pw.K]
     return w.to(dtype) if dtype != torch.float32 else w.contiguous()
 
 
@@ -215,8 +289,9 @@ def gather_rows(pw: PackedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torc
     (the packed embedding: gather the packed rows, then dequantize them)."""
     mins = None if pw.mins is None else pw.mins.index_select(0, ids)
     qrows = pw.qweight.index_select(0, ids)
-    q = unpack_int4(qrows, pw.group_size) if pw.kind == "int4" else qrows
-    w = dequantize_rows(pw.kind, q, pw.scales.index_select(0, ids), mins, pw.group_size)
+    codes = pw.codes
+    w = codes.dequantize(codes.unpack(qrows, pw.group_size), pw.scales.index_select(0, ids), mins,
+                         pw.group_size)
     w = w[:, : pw.K] if pw.K_padded != pw.K else w
     return w.to(dtype)
 

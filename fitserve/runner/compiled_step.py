@@ -7,8 +7,8 @@ kernel (``cpu_paged``), from the token ids to the final hidden states. The fitse
 runs the whole step without per-module Python. Prefill chunks and mixed steps run eager (their
 shapes change every step; their cost is the matmuls, not the dispatch).
 
-Shapes: the batch is dynamic within the packed linears' shape classes ("1", "small" <= 16,
-"large" <= 256: the kernel table is keyed by them, so each is its own graph); the block-table
+Shapes: the batch is dynamic within the packed linears' shape classes ("m1", "m<=16",
+"m<=256": the kernel table is keyed by them, so each is its own graph); the block-table
 width is dynamic and padded to >= 2 columns so that a short context is not specialized to 1.
 The first call of a class runs eager (it binds each linear's kernel for that class); the next
 one compiles. Inductor's caches live under ``$FITSERVE_HOME/compile``, so a second start of

@@ -46,6 +46,7 @@ BoundLayer = tuple[torch.Tensor, float, Linear, Linear, torch.Tensor, float, Lin
 # decode_plan's per-model lists of a shape class: norms, eps, linear tensors, linear meta
 NativeArgs = tuple[list[torch.Tensor], list[float], list[torch.Tensor], list[int]]
 _DENSE, _INT4, _INT8, _BF16_GEMV = 0, 1, 2, 3  # decode_step.cpp's LinearKind
+_PACKED_KINDS = {4: _INT4, 8: _INT8}  # by the packed codes' bits
 
 
 def linear_call(mod: nn.Module, rows: int, dtype: torch.dtype) -> Linear:
@@ -55,7 +56,7 @@ def linear_call(mod: nn.Module, rows: int, dtype: torch.dtype) -> Linear:
         return mod.bound_run(rows, dtype)
     if type(mod) in (nn.Linear, DenseLinear):
         w, b = mod.weight, mod.bias
-        if isinstance(mod, DenseLinear) and mod.gemv_applies(rows, dtype):
+        if type(mod) is DenseLinear and mod.gemv_applies(rows, dtype):
             gemv = torch.ops.fitserve_dense.bf16_gemv.default
             return lambda x: gemv(x, w, b)
         return lambda x: F.linear(x, w, b)
@@ -72,14 +73,12 @@ def native_linear(mod: nn.Module, rows: int, dtype: torch.dtype
         if kernel not in ("cpp", "cpp-aq") or mod.k_padded != mod.in_features:
             return None  # bind() wraps these in Python (another kernel, or x needs padding)
         aq = int(kernel == "cpp-aq")
-        if mod.kind == "int4":
-            has_mins = mod.mins is not None
-            return ([mod.qweight, mod.scales, mod.mins if has_mins else none],
-                    [_INT4, mod.group_size, aq, int(has_mins)])
-        return [mod.qweight, mod.scales, none], [_INT8, mod.group_size, aq, 0]
+        has_mins = mod.mins is not None  # asymmetric int4 only
+        return ([mod.qweight, mod.scales, mod.mins if has_mins else none],
+                [_PACKED_KINDS[mod.codes.bits], mod.group_size, aq, int(has_mins)])
     if type(mod) in (nn.Linear, DenseLinear):
         has_bias = mod.bias is not None
-        kind = _BF16_GEMV if isinstance(mod, DenseLinear) and mod.gemv_applies(rows, dtype) else _DENSE
+        kind = _BF16_GEMV if type(mod) is DenseLinear and mod.gemv_applies(rows, dtype) else _DENSE
         return [mod.weight, none, mod.bias if has_bias else none], [kind, 0, 0, int(has_bias)]
     return None
 

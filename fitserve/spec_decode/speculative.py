@@ -20,7 +20,7 @@ from fitserve.engine.outputs import Tracked
 from fitserve.kv.manager import KVCacheManager
 from fitserve.loading import load_model
 from fitserve.model.eagle_head import load_eagle_head
-from fitserve.model.llama import build_model, check_supported
+from fitserve.model.loader import build_model, check_supported
 from fitserve.runner.model_runner import ModelRunner
 from fitserve.sched.request import SchedRequest
 from fitserve.sched.scheduler import Scheduler

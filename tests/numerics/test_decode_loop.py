@@ -75,7 +75,7 @@ def test_default_model_as_stored_bit_identical(smollm2_gguf: Path, num_threads: 
     engine = Engine(EngineConfig(model=str(smollm2_gguf), dtype="bfloat16", device="cpu",
                                  max_model_len=128, num_kv_blocks=1 + 20 * BLOCKS_PER_SEQ,
                                  block_size=BLOCK))
-    for n in (1, 3, 20):  # shape classes "1", "small", "large": each binds its own kernels
+    for n in (1, 3, 20):  # shape classes "m1", "m<=16", "m<=256": each binds its own kernels
         used = assert_step_identical(engine, n)
         if n == 1:
             assert_native_used(used)  # batch 1 runs cpp-aq on every ISA table

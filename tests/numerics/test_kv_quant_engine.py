@@ -23,7 +23,7 @@ from fitserve.engine.core import Engine
 from fitserve.ledger.kv import kv_block_bytes
 from fitserve.loading import LoadedModel, load_model
 from fitserve.model import llama as llama_mod
-from fitserve.model.llama import build_model
+from fitserve.model.loader import build_model
 from fitserve.quant.kv_cache import CODECS
 from fitserve.runner.teacher_forcing import score_logits
 from fitserve.sampling import SamplingParams

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from fitserve.loading import LoadedModel
-from fitserve.model.llama import build_model
+from fitserve.model.loader import build_model
 from fitserve.quant.packed import dequantize
 from fitserve.quant.rtn import quantize_int4
 from fitserve.runner.teacher_forcing import score_logits

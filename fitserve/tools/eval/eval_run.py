@@ -100,7 +100,7 @@ def load_scorer(choice: ModelChoice, device: torch.device, max_positions: int) -
     from fitserve.engine.builder import resolve_dtype
     from fitserve.ledger.formats import resolve_engine_weights
     from fitserve.loading import load_model
-    from fitserve.model.llama import build_model, check_supported
+    from fitserve.model.loader import build_model, check_supported
 
     try:
         weights, dtype_arg = resolve_engine_weights(choice.weights, choice.quantization,

@@ -43,7 +43,7 @@ def rms_norm_eager(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     return weight * h.to(x.dtype)
 
 
-def rms_norm_reference(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
+def rms_norm_float64(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     """Float64 reference."""
     x64 = x.to(torch.float64)
     return x64 / torch.sqrt(x64.square().mean(-1, keepdim=True) + eps) * weight.to(torch.float64)

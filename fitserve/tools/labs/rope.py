@@ -30,7 +30,7 @@ from torch import Tensor
 Pairing = Literal["interleaved", "half"]
 
 
-def rope_inv_freq(head_dim: int, base: float = 10000.0) -> Tensor:
+def rope_inv_freq_reference(head_dim: int, base: float = 10000.0) -> Tensor:
     """f_i = base^(-2i/D) for i < D/2, computed in float64 and returned in fp32."""
     if head_dim % 2:
         raise ValueError(f"head_dim must be even, got {head_dim}")
@@ -44,7 +44,7 @@ def rope_angles(positions: Tensor, head_dim: int, base: float = 10000.0,
 
     ``dtype=torch.bfloat16`` reproduces the precision loss analysed in the module docstring.
     """
-    inv = rope_inv_freq(head_dim, base).to(device=positions.device, dtype=dtype)
+    inv = rope_inv_freq_reference(head_dim, base).to(device=positions.device, dtype=dtype)
     return positions.to(dtype).unsqueeze(-1) * inv
 
 

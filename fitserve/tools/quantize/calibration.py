@@ -240,7 +240,7 @@ def calibration_shift(spec: ModelSpec, weights: dict[str, torch.Tensor], tokeniz
     the diagonal (calibrated and evaluated on the same kind of text) never sees its own tokens.
     ``weights`` are float HF-named tensors (``load_model(..., torch.float32).weights``).
     """
-    from fitserve.model.llama import build_model
+    from fitserve.model.loader import build_model
     from fitserve.runner.teacher_forcing import score_logits
 
     split = {name: _halves(t, tokenizer, max_tokens, pieces) for name, t in texts.items()}

@@ -37,8 +37,8 @@ import torch
 from fitserve.config import ModelSpec
 from fitserve.ledger.formats import RTN_FORMATS, packed_format_name, tensor_role, weight_format
 from fitserve.loading import LoadedModel, load_model
-from fitserve.quant.hold import HeldTensor
-from fitserve.quant.packed import PackedWeight, channel_group, dequantize
+from fitserve.quant.held import HeldTensor, as_held
+from fitserve.quant.packed import PackedWeight, channel_group
 from fitserve.quant.rtn import GROUP_SIZES, quantize
 
 METHODS = ("rtn", "awq", "gptq")
@@ -77,11 +77,7 @@ def target_formats(bits: int, group_size: int | None, symmetric: bool) -> tuple[
 
 def as_float32(t: HeldTensor) -> torch.Tensor:
     """A held tensor in float32: packed (int4/int8, fp8) ones dequantized exactly."""
-    if isinstance(t, PackedWeight):
-        return dequantize(t)
-    if isinstance(t, torch.Tensor):
-        return t.to(torch.float32)
-    return t.dequantize(torch.float32)
+    return as_held(t).dequantize(torch.float32)
 
 
 def dense_weights(weights: Mapping[str, HeldTensor]) -> dict[str, torch.Tensor]:
@@ -107,7 +103,7 @@ def _matches(pw: PackedWeight, fmt: str) -> bool:
 def _collect_stats(spec: ModelSpec, dense: Mapping[str, torch.Tensor],
                    chunks: list[list[int]]) -> dict[str, Any]:
     """Per-linear calibration statistics from one pass of the dense float32 model."""
-    from fitserve.model.llama import build_model
+    from fitserve.model.loader import build_model
     from fitserve.tools.quantize.calibration import collect_linear_stats
 
     model = build_model(spec, dict(dense), dtype=torch.float32, device="cpu",

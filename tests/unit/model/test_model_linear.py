@@ -33,7 +33,7 @@ from fitserve.quant.packed import unpack_int4
 
 FORMATS = ["int4-g32-asym", "int4-g64-sym", "int4-g128-asym", "int4-g32-sym", "int8-g32",
            "int8-ch"]
-MS = [1, 5, 16, 17, 300]  # "1", "small" (<= 16), "large" (<= 256), "prefill" rows of x
+MS = [1, 5, 16, 17, 300]  # "m1", "m<=16", "m<=256", "prefill" rows of x
 EPS32 = 2.0**-24
 U_BF16 = 2.0**-8
 
@@ -159,30 +159,30 @@ def test_embedding_and_tied_lm_head_share_one_tensor() -> None:
 
 
 def test_table_lookup_and_fallback() -> None:
-    assert [shape_class(m) for m in (1, 2, 16, 17, 256, 257)] == ["1", "small", "small", "large",
-                                                                   "large", "prefill"]
+    assert [shape_class(m) for m in (1, 2, 16, 17, 256, 257)] == ["m1", "m<=16", "m<=16",
+                                                                   "m<=256", "m<=256", "prefill"]
     for prefs in RULES.values():
         assert set(prefs) <= set(CANDIDATES)
     # the most specific rule wins; an unknown ISA still gets a list ending on the torch path
-    assert preference("no-such-isa", "int8-channel", "1", "bf16")[-1] == "torch"
-    assert preference("no-such-isa", "int4-asym", "large", "f32")[-1] == "torch"
+    assert preference("no-such-isa", "int8-channel", "m1", "bf16")[-1] == "torch"
+    assert preference("no-such-isa", "int4-asym", "m<=256", "f32")[-1] == "torch"
     # fp32 activations are never quantized, on any ISA; bf16 here takes the measured lists
     for isa in ("avx512_vnni+amx", "avx2"):
-        for m in ("1", "small", "large", "prefill"):
+        for m in ("m1", "m<=16", "m<=256", "prefill"):
             for layout in ("int4-asym", "int4-sym", "int8-channel", "int8-group"):
                 assert "cpp-aq" not in preference(isa, layout, m, "f32")
     assert preference("avx512_vnni+amx", "int8-group", "prefill", "bf16")[0] == "torch"
     # every measured ISA covers every layout and shape class, and only names real candidates
     for isa, tables in BF16_TABLES.items():
         for layout in ("int4-asym", "int4-sym", "int8-channel", "int8-group"):
-            for m in ("1", "small", "large", "prefill"):
+            for m in ("m1", "m<=16", "m<=256", "prefill"):
                 prefs = preference(isa, layout, m, "bf16")
                 assert prefs[-1] == "torch" and len(prefs) >= 2, (isa, layout, m)
         assert set(tables) == {"int4", "int8-channel", "int8-group"}
     # the rows that differ between the CPUs measured (Xeon with AMX, Zen 4 without, Zen 3 AVX2)
     assert preference("avx512_vnni", "int8-group", "prefill", "bf16")[0] == "cpp-aq"
     assert preference("avx2", "int8-group", "prefill", "bf16")[0] == "cpp-aq"
-    assert preference("avx2", "int4-asym", "1", "bf16")[:2] == ("cpp-aq", "cpp")
-    assert preference("avx2", "int8-channel", "1", "bf16")[0] == "cpp-aq"
+    assert preference("avx2", "int4-asym", "m1", "bf16")[:2] == ("cpp-aq", "cpp")
+    assert preference("avx2", "int8-channel", "m1", "bf16")[0] == "cpp-aq"
     pw = make("int8-g32")
     assert choose(pw, 1, torch.float16).name == "torch"  # only the torch path runs f16 x

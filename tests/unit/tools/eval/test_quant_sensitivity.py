@@ -13,7 +13,8 @@ from fitserve.ledger.flops import prefill_flops
 from fitserve.ledger.hardware import get_hardware
 from fitserve.ledger.params import count_params
 from fitserve.loading import load_model
-from fitserve.model.llama import CausalLM, build_model
+from fitserve.model.llama import CausalLM
+from fitserve.model.loader import build_model
 from fitserve.quant.packed import dequantize
 from fitserve.quant.rtn import quantize, quantize_int4
 from fitserve.tools.eval.eval import BootstrapConfig

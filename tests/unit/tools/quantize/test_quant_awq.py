@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fitserve.config import ModelSpec
-from fitserve.model.llama import build_model
+from fitserve.model.loader import build_model
 from fitserve.quant.packed import dequantize
 from fitserve.quant.rtn import quantize_int4, quantize_int8
 from fitserve.runner.teacher_forcing import score_logits

@@ -1,0 +1,207 @@
+"""State dict -> modules: the loader of the Llama-family decoder (``fitserve.model.llama``).
+
+``build_model`` takes the weights as loaded (Hugging Face names, each held as the formats table
+says), fuses q/k/v and gate/up, swaps in the module that runs each held weight and copies the
+dense rest into the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fitserve.config import SUPPORTED_ARCHITECTURES, ModelSpec
+from fitserve.model.fp8_linear import Fp8Linear
+from fitserve.model.layers import RotaryEmbedding
+from fitserve.model.linear import ConcatLinear, DenseLinear, PackedEmbedding, PackedLinear
+from fitserve.model.llama import CausalLM
+from fitserve.quant.fp8 import Fp8Weight
+from fitserve.quant.held import DenseWeight, HeldTensor, HeldWeight, as_held, as_stored
+from fitserve.quant.packed import PackedWeight
+
+
+class UnsupportedModelError(ValueError):
+    """The spec asks for something this engine does not run."""
+
+
+def check_supported(spec: ModelSpec) -> None:
+    if spec.architecture not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"architecture {spec.architecture!r} is not supported by the engine "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    if spec.num_experts:
+        raise UnsupportedModelError("mixture-of-experts models are not supported by the engine")
+    if spec.hidden_act != "silu":
+        raise UnsupportedModelError(f"activation {spec.hidden_act!r} is not supported (only silu)")
+    if spec.num_heads % spec.num_kv_heads:
+        raise UnsupportedModelError(
+            f"num_heads={spec.num_heads} is not a multiple of num_kv_heads={spec.num_kv_heads}"
+        )
+
+
+
+# The module that runs each held format (vLLM's quantize method of a layer): a new format is
+# its HeldWeight class (fitserve.quant), its module (fitserve.model) and one entry here.
+LINEAR_MODULES: dict[type[HeldWeight], Callable[[Any, torch.Tensor | None, torch.dtype],
+                                                nn.Module]] = {
+    DenseWeight: DenseLinear.from_held,
+    PackedWeight: lambda w, bias, dtype: PackedLinear(w, bias),
+    Fp8Weight: lambda w, bias, dtype: Fp8Linear(w, bias),
+}
+
+# A fused projection's weight: one held weight (a dense one as its tensor), or its parts when
+# they cannot be stacked into one tensor of a format (formats or group sizes differ): a
+# ConcatLinear then runs them.
+FusedWeight = HeldTensor | tuple[HeldWeight, ...]
+
+
+def _fuse(parts: list[HeldTensor]) -> FusedWeight:
+    """Stack q/k/v (gate/up) along the output rows where the format can do it exactly
+    (``HeldWeight.fuse``); otherwise keep the parts apart."""
+    held = [as_held(p) for p in parts]
+    fused = held[0].fuse(held[1:])
+    return tuple(held) if fused is None else as_stored(fused)
+
+
+def fuse_hf_weights(spec: ModelSpec, weights: dict[str, HeldTensor]) -> dict[str, FusedWeight]:
+    """Map Hugging Face parameter names onto this module's fused q/k/v and gate/up weights."""
+    out: dict[str, FusedWeight] = {}
+    for name, tensor in weights.items():
+        if name.startswith("model."):
+            name = name[len("model.") :]
+        out[name] = tensor
+    missing: list[str] = []
+
+    def take(key: str) -> HeldTensor:
+        if key not in out:
+            missing.append(key)
+            return torch.empty(0)
+        held = out.pop(key)
+        assert not isinstance(held, tuple)
+        return held
+
+    for i in range(spec.num_layers):
+        p = f"layers.{i}."
+        a = p + "self_attn."
+        out[a + "qkv_proj.weight"] = _fuse([take(a + f"{x}_proj.weight") for x in "qkv"])
+        if spec.attention_bias:
+            out[a + "qkv_proj.bias"] = _fuse([take(a + f"{x}_proj.bias") for x in "qkv"])
+        m = p + "mlp."
+        out[m + "gate_up_proj.weight"] = _fuse([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
+    if spec.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in out:
+        missing.append("lm_head.weight")
+    if missing:
+        raise UnsupportedModelError(f"model weights are missing tensors: {', '.join(missing[:8])}")
+    return out
+
+
+def make_linear(weight: HeldWeight | tuple[HeldWeight, ...], bias: torch.Tensor | None,
+                dtype: torch.dtype) -> nn.Module:
+    """The module that runs ``weight`` as held (``LINEAR_MODULES``), or a ConcatLinear of its
+    parts; ``bias`` is cast to ``dtype``."""
+    bias = None if bias is None else bias.to(dtype)
+    if isinstance(weight, tuple):
+        sizes = [w.out_features for w in weight]
+        biases = [None] * len(weight) if bias is None else list(torch.split(bias, sizes))
+        return ConcatLinear([make_linear(w, b, dtype) for w, b in zip(weight, biases, strict=True)])
+    return LINEAR_MODULES[type(weight)](weight, bias, dtype)
+
+
+def _install_held(model: CausalLM, state: dict[str, FusedWeight], dtype: torch.dtype,
+                    device: torch.device | str) -> None:
+    """Swap in its module for every weight held in another format than a dense tensor (or in
+    parts), popping its entries from ``state``; the dense rest stays for load_state_dict."""
+    for key in [k for k, v in state.items() if not isinstance(v, torch.Tensor)]:
+        path = key.removesuffix(".weight")
+        held = state.pop(key)
+        assert not isinstance(held, torch.Tensor)
+        weight = tuple(p.to(device) for p in held) if isinstance(held, tuple) else held.to(device)
+        if path == "embed_tokens":
+            assert isinstance(weight, PackedWeight)
+            emb = PackedEmbedding(weight, dtype)
+            model.embed_tokens = emb  # type: ignore[assignment]
+            if model.spec.tie_word_embeddings:
+                model.lm_head = emb.tied_linear()  # type: ignore[assignment]  # same buffers
+            continue
+        bias = state.pop(path + ".bias", None)
+        assert bias is None or isinstance(bias, torch.Tensor)
+        model.set_submodule(path, make_linear(weight, None if bias is None else bias.to(device),
+                                              dtype))
+
+
+def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -> None:
+    """Allocate every parameter/buffer still on the meta device (float ones in ``dtype``); a
+    tensor shared by two modules (tied weights) stays one tensor."""
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in list(table.items()):
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in made:
+                    dt = dtype if t.is_floating_point() else t.dtype
+                    new = torch.empty(t.shape, dtype=dt, device=device)
+                    made[id(t)] = nn.Parameter(new, requires_grad=False) if isinstance(
+                        t, nn.Parameter) else new
+                table[name] = made[id(t)]  # type: ignore[assignment]
+
+
+def held_weight_bytes(model: nn.Module) -> int:
+    """Bytes of the weights a model holds: parameters and persistent buffers (packed tensors
+    are buffers), each tensor once (tied ones are shared); not the rotary tables."""
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        skip = module._non_persistent_buffers_set
+        named = [*module._parameters.items(),
+                 *((n, b) for n, b in module._buffers.items() if n not in skip)]
+        for _, t in named:
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total
+
+
+def build_model(
+    spec: ModelSpec,
+    weights: dict[str, HeldTensor],
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    max_positions: int,
+) -> CausalLM:
+    """Instantiate the decoder on ``device`` without random init, then load ``weights``.
+
+    Dense tensors are copied into the model (cast to ``dtype``); PackedWeights are not copied:
+    their modules (PackedLinear, PackedEmbedding and the tied lm_head over the same buffers)
+    take the tensors as they are, only q/k/v and gate/up are stacked (one copy of their rows).
+    """
+    check_supported(spec)
+    with torch.device("meta"):
+        model = CausalLM(spec, max_positions)
+    state = fuse_hf_weights(spec, weights)
+    expected = {k for k in model.state_dict() if not k.endswith(("rotary.cos", "rotary.sin"))}
+    if spec.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    unexpected = sorted(set(state) - expected)
+    absent = sorted(expected - set(state))
+    if absent:
+        raise UnsupportedModelError(f"model weights are missing tensors: {', '.join(absent[:8])}")
+    if unexpected:
+        raise UnsupportedModelError(f"model weights have unexpected tensors: {', '.join(unexpected[:8])}")
+    _install_held(model, state, dtype, device)
+    _materialize(model, dtype, device)
+    model.load_state_dict(state, strict=False)  # copies, casting into the model dtype
+    if spec.tie_word_embeddings and isinstance(model.embed_tokens, nn.Embedding):
+        model.lm_head.weight = model.embed_tokens.weight
+    # The rotary tables stay fp32 whatever the model dtype (angles at long positions).
+    model.rotary = RotaryEmbedding(spec, max_positions).to(device)
+    for layer in model.layers:
+        layer.self_attn.rotary = model.rotary
+    return model.eval().requires_grad_(False)
