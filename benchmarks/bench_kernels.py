@@ -1,14 +1,14 @@
 """Time the engine's attention backend, shape class by shape class, and check the dispatch rule.
 
 What is timed is exactly what a decoder layer runs: ``fitserve.model.attention.paged.paged_attention``
-on an ``AttentionBatch`` whose ``DecodeBatch`` / ``PrefillSeq`` come from the runner's own
-builders (``fitserve.runner.model_runner.build_decode_batch`` / ``build_prefill_seq``), over the engine's
+on an ``AttentionBatch`` whose ``DecodeBatch`` / ``PrefillSeq`` come from the backends' own
+builders (``AttentionBackend.build_decode`` / ``build_prefill``, as the runner calls them), over the engine's
 head-major paged cache [Hkv, num_blocks, block_size, D] in the engine's dtype (``auto``: bf16 on
 CPUs with AVX512-BF16/AMX), with shuffled block tables (blocks come from a pool, not in order),
 q a strided slice of the fused q/k projection as in the model, and the SmolLM2-135M geometry
-(9 query heads, 3 KV heads, head_dim 64, block_size 16). Only the ``impl`` passed to the
-builder changes between rows: "naive" (gather + matmul + fp32 softmax + matmul), "sdpa"
-(gather + torch SDPA), "cpu_paged" (the fused C++ kernel, when it built).
+(9 query heads, 3 KV heads, head_dim 64, block_size 16). Only the backend changes between
+rows: ``eager_gather`` (gather + matmul + fp32 softmax + matmul), ``torch_sdpa`` (gather + torch
+SDPA), ``cpu_paged_decode`` (the fused C++ kernel, when it built).
 
 Method: every variant first runs once and is compared with a float64 reference (blocks
 gathered by hand in float64, plain softmax); a wrong variant is printed WRONG and never counts
@@ -42,9 +42,11 @@ from fitserve.kernels.cpu.paged_attention import (
     paged_attention_available,
     paged_decode_attention,
 )
-from fitserve.model.attention.dispatch import ShapeClass, choose_attention_impl, classify
+from fitserve.model.attention.backend import AttentionBackend
+from fitserve.model.attention.cpu_paged import CPU_PAGED_DECODE
+from fitserve.model.attention.dispatch import ShapeClass, choose_attention_backend, classify
+from fitserve.model.attention.gather import EAGER_GATHER, TORCH_SDPA
 from fitserve.model.attention.paged import AttentionBatch, paged_attention
-from fitserve.runner.model_runner import build_decode_batch, build_prefill_seq
 
 HQ, HKV, D, BS = 9, 3, 64, 16  # SmolLM2-135M; the engine's default block size
 LAYERS = 30
@@ -125,17 +127,17 @@ def make_inputs(case: Case, dtype: torch.dtype, seed: int) -> Inputs:
     return Inputs(k_cache, v_cache, tables, qk[:, :HQ])
 
 
-def make_batch(case: Case, inputs: Inputs, impl: str) -> AttentionBatch:
-    """The AttentionBatch the runner would build for this case with ``impl`` chosen."""
+def make_batch(case: Case, inputs: Inputs, backend: AttentionBackend) -> AttentionBatch:
+    """The AttentionBatch the runner would build for this case with ``backend`` chosen."""
     slots = torch.empty(0, dtype=torch.long)
     if case.decode:
-        d = build_decode_batch(inputs.tables, case.k_lens, block_size=BS, window=None,
-                               impl=impl, device=DEVICE)
+        d = backend.build_decode(inputs.tables, case.k_lens, block_size=BS, window=None,
+                                 device=DEVICE)
         return AttentionBatch(slot_mapping=slots, decode=d)
     seqs, offset = [], 0
     for t, c, table in zip(case.q_lens, case.cached, inputs.tables, strict=True):
-        seqs.append(build_prefill_seq(offset, c, t, table, block_size=BS, window=None,
-                                      impl=impl, device=DEVICE))
+        seqs.append(backend.build_prefill(offset, c, t, table, block_size=BS, window=None,
+                                          device=DEVICE))
         offset += t
     return AttentionBatch(slot_mapping=slots, decode=None, prefills=seqs)
 
@@ -170,27 +172,27 @@ def time_call(fn: Callable[[], torch.Tensor], warmup: int, repeats: int) -> tupl
     return statistics.median(times), min(times)
 
 
-def impls_for(case: Case) -> list[str]:
-    """The CPU implementations the attention backend has for this phase."""
-    if case.decode:
-        return ["naive", "sdpa"] + (["cpu_paged"] if paged_attention_available() else [])
-    return ["naive", "sdpa"]
+def backends_for(case: Case) -> list[AttentionBackend]:
+    """The CPU backends that run this phase."""
+    if case.decode and paged_attention_available():
+        return [EAGER_GATHER, TORCH_SDPA, CPU_PAGED_DECODE]
+    return [EAGER_GATHER, TORCH_SDPA]
 
 
 def run_case(case: Case, args: argparse.Namespace, dtype: torch.dtype) -> dict[str, float]:
-    """Print one block of the table; return median seconds per correct implementation."""
+    """Print one block of the table; return median seconds per correct backend (by name)."""
     inputs = make_inputs(case, dtype, seed=len(case.name))
     ref = reference(case, inputs)
     tol = 2e-2 if dtype != torch.float32 else 1e-4  # of max |ref|: 16-bit outputs round
     k_lens = case.k_lens
     print(f"\n{case.name}  (B={len(k_lens)}, new={sum(case.q_lens)}, keys={sum(k_lens)}, "
           f"max keys={max(k_lens)})")
-    print(f"  {'impl':<14} {'rel err':>9} {'median ms':>10} {'min ms':>9} {'ms/step':>9} "
+    print(f"  {'backend':<16} {'rel err':>9} {'median ms':>10} {'min ms':>9} {'ms/step':>9} "
           f"{'prep ms':>8}")
     results: dict[str, float] = {}
-    for impl in impls_for(case):
+    for backend in backends_for(case):
         t0 = time.perf_counter()
-        batch = make_batch(case, inputs, impl)
+        batch = make_batch(case, inputs, backend)
         prep = time.perf_counter() - t0
 
         def call(batch: AttentionBatch = batch) -> torch.Tensor:
@@ -200,12 +202,12 @@ def run_case(case: Case, args: argparse.Namespace, dtype: torch.dtype) -> dict[s
         med, low = time_call(call, args.warmup, args.repeats)
         sec = med if args.stat == "median" else low
         ok = err < tol
-        print(f"  {impl:<14} {err:>9.1e} {med * 1e3:>10.3f} {low * 1e3:>9.3f} "
+        print(f"  {backend.name:<16} {err:>9.1e} {med * 1e3:>10.3f} {low * 1e3:>9.3f} "
               f"{sec * LAYERS * 1e3:>9.2f} {prep * 1e3:>8.3f}{'' if ok else '  WRONG'}")
         if ok:
-            results[impl] = sec
+            results[backend.name] = sec
     if case.decode and args.partitions and paged_attention_available():
-        d = make_batch(case, inputs, "cpu_paged").decode
+        d = make_batch(case, inputs, CPU_PAGED_DECODE).decode
         assert d is not None and d.seq_lens is not None
         for part in (64, 128, 256, 512, 1024, 1 << 20):
             def op(part: int = part) -> torch.Tensor:
@@ -215,7 +217,7 @@ def run_case(case: Case, args: argparse.Namespace, dtype: torch.dtype) -> dict[s
                                               partition_size=part)
             med, low = time_call(op, args.warmup, args.repeats)
             label = "none" if part == 1 << 20 else str(part)
-            print(f"  {'  partition ' + label:<24} {med * 1e3:>10.3f} {low * 1e3:>9.3f}")
+            print(f"  {'  partition ' + label:<26} {med * 1e3:>10.3f} {low * 1e3:>9.3f}")
     return results
 
 
@@ -253,16 +255,16 @@ def main() -> None:
         for case in make_cases(args.quick):
             res = run_case(case, args, dtype)
             sc = classify("cpu", case.q_lens, case.k_lens, cpp=paged_attention_available())
-            rows.append((case.name, sc, choose_attention_impl(sc), res))
+            rows.append((case.name, sc, choose_attention_backend(sc).name, res))
     print(f"\ndispatch check: rule pick vs measured fastest ({args.stat} ms per layer)")
-    print(f"  {'case':<28} {'shape class':<24} {'pick':<10} {'fastest':<10} "
+    print(f"  {'case':<28} {'shape class':<24} {'pick':<16} {'fastest':<16} "
           f"{'pick ms':>8} {'best ms':>8}  verdict")
     for name, sc, pick, res in rows:
         best = min(res, key=res.__getitem__)
         p, b = res.get(pick, float("nan")), res[best]
         verdict = "ok" if pick == best else (
             f"within {100 * (p / b - 1):.0f}%" if p <= 1.05 * b else "MISPICK")
-        print(f"  {name:<28} {_describe(sc):<24} {pick:<10} {best:<10} "
+        print(f"  {name:<28} {_describe(sc):<24} {pick:<16} {best:<16} "
               f"{p * 1e3:>8.3f} {b * 1e3:>8.3f}  {verdict}")
 
 

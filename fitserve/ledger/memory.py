@@ -396,7 +396,7 @@ def cpu_step_bytes(spec: ModelSpec, num_tokens: int, act_dtype_bytes: int,
 
 
 def _scratch_note(s: AttentionScratch, block_size: int) -> str:
-    decode = ("fused C++ decode (cpu_paged): output + fp32 partials" if s.fused_decode else
+    decode = ("fused C++ decode (cpu_paged_decode): output + fp32 partials" if s.fused_decode else
               "gather decode (no C++ kernel): K/V copies + fp32 scores")
     return (f"masks + block tables {s.step_tensor_bytes:,} B (the whole step) + max(prefill "
             f"chunk of "

@@ -6,7 +6,7 @@ budget (``max_num_batched_tokens``), the context (``max_model_len``) and the bat
 sampling/sampler.py, kernels/cpu/paged_attention.cpp) and measured with torch.profiler's
 memory events on torch 2.13.0 (tests/numerics/test_attention_scratch.py repeats the check).
 
-Prefill chunks run one sequence at a time (``_chunk_attention``), T queries against L = S + T
+Prefill chunks run one sequence at a time (``TorchSDPA.prefill``), T queries against L = S + T
 keys; the worst is T = min(budget, max_model_len) queries against L = max_model_len keys::
 
     gathered K, V copies      2 x Hkv x ceil(L / block) x block x D x kv_bytes  (whole blocks)
@@ -17,11 +17,13 @@ keys; the worst is T = min(budget, max_model_len) queries against L = max_model_
                               the bool mask as an additive float mask [T, L] in the model dtype,
                               and in bf16/f16 a repacked copy of K and V
 
-Decode on the CPU runs the fused C++ kernel (``cpu_paged``): no gather, no score matrix, only
-its output and, for sequences longer than one 256-key partition, fp32 partial results per
-(sequence, KV head, partition). Without the kernel (no compiler, ``FITSERVE_DISABLE_CPP=1``)
-decode gathers every sequence's blocks (``gather_decode_bytes``): the dispatch rule runs the
-eager "naive" path up to 4096 keys (fp32 scores [Hq, B, L] and probabilities) and SDPA beyond.
+Decode on the CPU runs the fused C++ kernel (``ScratchKind.FUSED_DECODE``): no gather, no
+score matrix, only its output and, for sequences longer than one 256-key partition, fp32
+partial results per (sequence, KV head, partition). Without the kernel (no compiler,
+``FITSERVE_DISABLE_CPP=1``) decode gathers every sequence's blocks (``gather_decode_bytes``):
+the dispatch rule runs the eager gather path up to 4096 keys (``GATHER_EAGER``: fp32 scores
+[Hq, B, L] and probabilities) and SDPA beyond (``GATHER_SDPA``). Each attention backend
+(fitserve.model.attention) names its kind as ``ledger_kind``.
 
 Scratch lives inside one layer's attention call and is freed before the next layer, so it
 coexists with that layer's attention-phase activations, never with its MLP (see
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from enum import StrEnum
 
 from fitserve.config import ModelSpec
 from fitserve.ledger.hardware import cpu_has_amx_bf16
@@ -43,9 +46,9 @@ FLASH_KV_SPLIT = 512
 # DEFAULT_PARTITION) and its fp32 lane padding of head_dim (kLanes in paged_attention.cpp).
 PAGED_PARTITION = 256
 PAGED_LANES = 16
-# NOTE: the gather decode path's switch from "naive" to "sdpa" (fitserve.model.attention.dispatch:
-# "long" is up to 4096 keys); tests/numerics/test_attention_scratch.py pins both constants.
-GATHER_NAIVE_MAX_KEYS = 4096
+# NOTE: the gather decode path's switch from eager to SDPA (fitserve.model.attention.dispatch:
+# length bucket "<=4096"); tests/numerics/test_attention_scratch.py pins both constants.
+GATHER_EAGER_MAX_KEYS = 4096
 # NOTE: fp32 [B, V] tensors the sampler holds at its deepest point besides the f32 logits,
 # measured (torch.profiler, B=64, V=49,152): greedy rows 1 (its private copy), temperature
 # sampling 4 (4.25 with top-k, top-p and min-p), a top-p nucleus that outgrows the 256 and 4096
@@ -53,6 +56,15 @@ GATHER_NAIVE_MAX_KEYS = 4096
 # sums) 10.25, with top-k, min-p, logprobs and a greedy row in the batch (every row subset a
 # copy) 14.06, the worst combination found; 15 bounds it.
 SAMPLER_F32_COPIES = 15
+
+
+class ScratchKind(StrEnum):
+    """What one attention call allocates, as this ledger counts it (each CPU attention backend
+    of fitserve.model.attention names its kind as ``ledger_kind``)."""
+
+    FUSED_DECODE = "fused_decode"  # reads K/V in place: ``paged_decode_bytes``
+    GATHER_EAGER = "gather_eager"  # gathered K/V + fp32 scores and probabilities
+    GATHER_SDPA = "gather_sdpa"  # gathered K/V + ``cpu_sdpa_bytes``
 
 
 def cpu_threads() -> int:
@@ -150,21 +162,25 @@ def paged_decode_bytes(spec: ModelSpec, batch: int, kv_len: int, act_bytes: int)
     return out + batch * spec.num_kv_heads * parts * group * (dpad + 2) * 4
 
 
-def gather_decode_bytes(spec: ModelSpec, batch: int, kv_len: int, *, block_size: int,
-                        act_bytes: int, kv_bytes: int, threads: int) -> int:
-    """Decode without the fused kernel (``_decode_attention``, "naive" or "sdpa").
+def gather_decode_bytes(spec: ModelSpec, batch: int, kv_len: int, kind: ScratchKind, *,
+                        block_size: int, act_bytes: int, kv_bytes: int, threads: int) -> int:
+    """Decode without the fused kernel (the gather backends' ``decode``), ``kind`` GATHER_EAGER
+    or GATHER_SDPA.
 
-    "naive", up to GATHER_NAIVE_MAX_KEYS keys: gathered K/V + scores and probabilities over
-    Lw = whole blocks of keys, Hq x B x Lw x (4 fp32 scores + 4 fp32 probabilities + act_bytes
-    for the model-dtype scores, or the probabilities cast back, in bf16) + q x scale, the output
-    and its reshaped copy (3 x B x Hq x D x act_bytes). "sdpa" beyond: gathered K/V + SDPA with
-    one query per sequence and a [B, 1, 1, Lw] mask (``cpu_sdpa_bytes``, nothing repacked).
-    Measured (profiler, torch 2.13.0, B x L = 8 x 1000, 32 x 4096, 4 x 6000): equal in fp32
-    and for "sdpa", 2 x B x Hq x D x 2 B above "naive" in bf16.
+    GATHER_EAGER (the rule's pick up to GATHER_EAGER_MAX_KEYS keys): gathered K/V + scores and
+    probabilities over Lw = whole blocks of keys, Hq x B x Lw x (4 fp32 scores + 4 fp32
+    probabilities + act_bytes for the model-dtype scores, or the probabilities cast back, in
+    bf16) + q x scale, the output and its reshaped copy (3 x B x Hq x D x act_bytes).
+    GATHER_SDPA (beyond): gathered K/V + SDPA with one query per sequence and a [B, 1, 1, Lw]
+    mask (``cpu_sdpa_bytes``, nothing repacked). Measured (profiler, torch 2.13.0, B x L =
+    8 x 1000, 32 x 4096, 4 x 6000): equal in fp32 and for GATHER_SDPA, 2 x B x Hq x D x 2 B
+    above GATHER_EAGER in bf16.
     """
+    if kind is ScratchKind.FUSED_DECODE:
+        raise ValueError("the fused decode kernel gathers nothing: see paged_decode_bytes")
     lw = -(-kv_len // block_size) * block_size
     gathered = gathered_kv_bytes(spec, batch, kv_len, block_size, kv_bytes)
-    if kv_len <= GATHER_NAIVE_MAX_KEYS:
+    if kind is ScratchKind.GATHER_EAGER:
         per_score = 8 + (act_bytes if act_bytes < 4 else 0)
         return (gathered + spec.num_heads * batch * lw * per_score
                 + 3 * batch * spec.num_heads * spec.head_dim * act_bytes)
@@ -209,8 +225,8 @@ def cpu_attention_scratch(spec: ModelSpec, *, max_num_batched_tokens: int, max_m
 
     Prefill: T = min(budget, max_model_len) queries against max_model_len keys, masked (a
     chunk after cached tokens; a plain causal first chunk needs less). Decode: min(max_num_seqs,
-    budget) sequences of max_model_len keys (the gather path: its worst of "naive" at up to
-    4096 keys and "sdpa" beyond). Step tensors: prefill chunks' T_i x L_i bool masks sum to at
+    budget) sequences of max_model_len keys (the gather path: its worst of GATHER_EAGER at up
+    to GATHER_EAGER_MAX_KEYS keys and GATHER_SDPA beyond). Step tensors: prefill chunks' T_i x L_i bool masks sum to at
     most budget x max_model_len bytes; the gather decode path adds 2 x B x Lw bools; every
     sequence's block table (int64 ids, at most max_num_seqs x ceil(max_model_len / block)).
     """
@@ -226,9 +242,11 @@ def cpu_attention_scratch(spec: ModelSpec, *, max_num_batched_tokens: int, max_m
     else:
         kw = dict(block_size=block_size, act_bytes=act_bytes, kv_bytes=kv_bytes,
                   threads=threads)
-        decode = gather_decode_bytes(spec, batch, min(keys, GATHER_NAIVE_MAX_KEYS), **kw)
-        if keys > GATHER_NAIVE_MAX_KEYS:
-            decode = max(decode, gather_decode_bytes(spec, batch, keys, **kw))
+        decode = gather_decode_bytes(spec, batch, min(keys, GATHER_EAGER_MAX_KEYS),
+                                     ScratchKind.GATHER_EAGER, **kw)
+        if keys > GATHER_EAGER_MAX_KEYS:
+            decode = max(decode, gather_decode_bytes(spec, batch, keys, ScratchKind.GATHER_SDPA,
+                                                     **kw))
         masks += 2 * batch * blocks * block_size
     return AttentionScratch(t, keys, prefill, batch, decode, masks, fused_decode, threads)
 

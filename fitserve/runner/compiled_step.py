@@ -1,7 +1,7 @@
 """The decode-only forward under torch.compile (``--enforce-eager`` turns it off).
 
 What is compiled: one step in which every sequence decodes one token on the CPU's fused paged
-kernel (``cpu_paged``), from the token ids to the final hidden states. The fitserve C++ ops
+kernel (``CpuPagedDecode``), from the token ids to the final hidden states. The fitserve C++ ops
 (packed linears, fused norms, RoPE + cache write, paged attention) stay opaque calls in the graph
 (their fake kernels give inductor the shapes); inductor fuses the torch code between them and
 runs the whole step without per-module Python. Prefill chunks and mixed steps run eager (their
@@ -28,7 +28,9 @@ from pathlib import Path
 
 import torch
 
-from fitserve.model.attention.paged import AttentionBatch, DecodeBatch
+from fitserve.model.attention.backend import DecodeBatch
+from fitserve.model.attention.cpu_paged import CPU_PAGED_DECODE, CpuPagedDecode
+from fitserve.model.attention.paged import AttentionBatch
 from fitserve.model.linear import shape_class
 from fitserve.model.llama import CausalLM
 
@@ -72,8 +74,8 @@ class CompiledDecode:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor) -> torch.Tensor:
-        decode = DecodeBatch(num=input_ids.shape[0], block_tables=block_tables, visible=None,
-                             seq_lens=seq_lens, impl="cpu_paged", window=self.window)
+        decode = DecodeBatch(num=input_ids.shape[0], block_tables=block_tables,
+                             backend=CPU_PAGED_DECODE, seq_lens=seq_lens, window=self.window)
         batch = AttentionBatch(slot_mapping=slot_mapping, decode=decode)
         hidden: torch.Tensor = self.model(input_ids, positions, batch, self.kv_caches)
         return hidden
@@ -81,7 +83,8 @@ class CompiledDecode:
     @staticmethod
     def applies(batch: AttentionBatch) -> bool:
         d = batch.decode
-        return not batch.prefills and d is not None and d.impl == "cpu_paged" and d.num <= 256
+        return (not batch.prefills and d is not None and isinstance(d.backend, CpuPagedDecode)
+                and d.num <= 256)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  batch: AttentionBatch) -> torch.Tensor:

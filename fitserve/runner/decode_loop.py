@@ -35,6 +35,7 @@ from torch import nn
 from fitserve.kernels.cpu.decode_step import decode_step_available
 from fitserve.kernels.cpu.fused import fused_ops_available
 from fitserve.kernels.cpu.paged_attention import DEFAULT_PARTITION, paged_attention_available
+from fitserve.model.attention.cpu_paged import CpuPagedDecode
 from fitserve.model.attention.paged import AttentionBatch
 from fitserve.model.layers import RMSNorm
 from fitserve.model.linear import DenseLinear, PackedLinear, shape_class
@@ -126,7 +127,7 @@ class DecodeLoop:
     def applies(self, batch: AttentionBatch, kv_caches: list[LayerKV], num_tokens: int) -> bool:
         d = batch.decode
         return (not batch.prefills and d is not None and d.num == num_tokens
-                and d.impl == "cpu_paged" and d.seq_lens is not None
+                and isinstance(d.backend, CpuPagedDecode) and d.seq_lens is not None
                 and isinstance(kv_caches[0], tuple))
 
     def _bound(self, rows: int) -> list[BoundLayer]:

@@ -17,8 +17,9 @@ from fitserve.config import ModelSpec
 from fitserve.kernels.cpu.paged_attention import paged_attention_available
 from fitserve.ledger.formats import kv_format as kv_format_entry
 from fitserve.ledger.formats import resolve_engine_kv_format
-from fitserve.model.attention.dispatch import choose_attention_impl, classify
-from fitserve.model.attention.paged import AttentionBatch, DecodeBatch, PrefillSeq, visible_mask
+from fitserve.model.attention.backend import AttentionBackend, DecodeBatch, PrefillSeq
+from fitserve.model.attention.dispatch import choose_attention_backend, classify
+from fitserve.model.attention.paged import AttentionBatch
 from fitserve.model.llama import CausalLM, LayerKV
 from fitserve.quant.kv_cache import QuantizedKVCache
 from fitserve.runner.compiled_step import CompiledDecode
@@ -77,8 +78,8 @@ class ModelRunner:
                 and DecodeLoop.supports(model, kv_dtype)):
             self.decode_loop = DecodeLoop(model, kv_dtype)
 
-    def _impl(self, q_lens: list[int], k_lens: list[int]) -> str:
-        return choose_attention_impl(
+    def _backend(self, q_lens: list[int], k_lens: list[int]) -> AttentionBackend:
+        return choose_attention_backend(
             classify(self.device.type, q_lens, k_lens, triton=self.use_triton, cpp=self.use_cpp)
         )
 
@@ -220,12 +221,10 @@ class ModelRunner:
                 decode_tables.extend([table] * t)
                 decode_lens.extend(range(start + 1, start + t + 1))
             else:
-                prefills.append(
-                    build_prefill_seq(
-                        len(ids) - t, start, t, table, block_size=bs, window=self.sliding_window,
-                        impl=self._impl([t], [start + t]), device=self.device,
-                    )
-                )
+                prefills.append(self._backend([t], [start + t]).build_prefill(
+                    len(ids) - t, start, t, table, block_size=bs, window=self.sliding_window,
+                    device=self.device,
+                ))
         decode = self._decode_batch(decode_tables, decode_lens) if decode_tables else None
         batch = AttentionBatch(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
@@ -242,9 +241,9 @@ class ModelRunner:
         )
 
     def _decode_batch(self, tables: list[list[int]], seq_lens: list[int]) -> DecodeBatch:
-        return build_decode_batch(
+        return self._backend([1] * len(tables), seq_lens).build_decode(
             tables, seq_lens, block_size=self.block_size, window=self.sliding_window,
-            impl=self._impl([1] * len(tables), seq_lens), device=self.device,
+            device=self.device,
         )
 
 
@@ -313,56 +312,6 @@ def runs_as_decode(chunk: ScheduledChunk) -> bool:
 def decode_rows_first(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
     """Decode-like chunks first: they form one contiguous, batched slice of the packed tokens."""
     return sorted(chunks, key=lambda c: not runs_as_decode(c))
-
-
-def build_prefill_seq(
-    offset: int, cached: int, num_new: int, table: list[int], *, block_size: int,
-    window: int | None, impl: str, device: torch.device,
-) -> PrefillSeq:
-    """The PrefillSeq of one chunk: tokens [offset, offset+num_new) of the packed batch, which
-    sit after ``cached`` tokens of the sequence whose blocks are ``table``, for ``impl``."""
-    total = cached + num_new
-    plain_causal = cached == 0 and (window is None or window >= num_new)
-    mask = None if plain_causal else visible_mask(num_new, cached, window, device)
-    # the eager path masks explicitly: invert once per step, not once per layer
-    hidden = None
-    if impl == "naive":
-        hidden = ~(mask if mask is not None else visible_mask(num_new, cached, None, device))
-    return PrefillSeq(
-        start=offset, end=offset + num_new, cached=cached,
-        block_ids=torch.tensor(table[: -(-total // block_size)], dtype=torch.long, device=device),
-        mask=mask, impl=impl, window=window, hidden=hidden,
-    )
-
-
-def build_decode_batch(
-    tables: list[list[int]], seq_lens: list[int], *, block_size: int, window: int | None,
-    impl: str, device: torch.device,
-) -> DecodeBatch:
-    """The DecodeBatch of one step (one new token per sequence, ``seq_lens`` keys each, the new
-    one included) with exactly the tensors ``impl`` reads; built once per step, not per layer."""
-    bs = block_size
-    width = max(-(-n // bs) for n in seq_lens)
-    padded = [t[:width] + [0] * (width - min(len(t), width)) for t in tables]
-    if impl == "cpu_paged":
-        # NOTE: the C++ kernel reads int32 tables and lengths and masks by itself (no [B, L]
-        # visible/hidden tensors to build and invert)
-        return DecodeBatch(
-            num=len(tables), block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
-            visible=None, seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            impl=impl, window=window,
-        )
-    block_tables = torch.tensor(padded, dtype=torch.long, device=device)
-    lens = torch.tensor(seq_lens, dtype=torch.long, device=device).unsqueeze(1)
-    key_pos = torch.arange(width * bs, device=device).unsqueeze(0)
-    visible = key_pos < lens
-    if window is not None:
-        # the query sits at position len-1 and sees keys with (len-1) - key < window
-        visible &= (lens - 1 - key_pos) < window
-    return DecodeBatch(
-        num=len(tables), block_tables=block_tables, visible=visible[None, :, None, :],
-        hidden=~visible[None, :, None, :], seq_lens=lens.squeeze(1), impl=impl, window=window,
-    )
 
 
 def _triton_importable() -> bool:

@@ -1,5 +1,5 @@
-"""The dispatch rule: classification, and for every shape class an implementation that exists on
-that device and gives the float64 answer through the engine's attention backend, with the fused
+"""The dispatch rule: classification, and for every shape class a backend that exists on that
+device and gives the float64 answer through the engine's attention entry point, with the fused
 C++ kernel loaded and without it."""
 
 from __future__ import annotations
@@ -10,41 +10,48 @@ import pytest
 import torch
 
 from fitserve.kernels.cpu.paged_attention import paged_attention_available
-from fitserve.model.attention.dispatch import IMPLS, ShapeClass, choose_attention_impl, classify
+from fitserve.model.attention.cpu_paged import CPU_PAGED_DECODE
+from fitserve.model.attention.dispatch import (
+    BACKENDS,
+    ShapeClass,
+    choose_attention_backend,
+    classify,
+)
+from fitserve.model.attention.gather import EAGER_GATHER, TORCH_SDPA
 from fitserve.model.attention.paged import AttentionBatch, paged_attention, write_kv
-from fitserve.runner.model_runner import build_decode_batch, build_prefill_seq
+from fitserve.model.attention.triton_attn import TRITON_DECODE, TRITON_PREFILL
 
 BS, HQ, HKV, D = 16, 4, 2, 16
-BATCH = {"1": 1, "small": 3, "large": 9}
+BATCH = {"1": 1, "2-8": 3, "9+": 9}
 # (new tokens, cached tokens) of the longest sequence per length bucket
-DECODE_LEN = {"short": 100, "long": 600, "very_long": 4100}
-CHUNK = {"short": (5, 10), "long": (3, 600), "very_long": (2, 4100)}
+DECODE_LEN = {"<=512": 100, "<=4096": 600, ">4096": 4100}
+CHUNK = {"<=512": (5, 10), "<=4096": (3, 600), ">4096": (2, 4100)}
 
 
 def test_classify() -> None:
-    assert classify("cpu", [1, 1], [100, 5000]) == ShapeClass("cpu", "decode", "small",
-                                                              "very_long")
-    assert classify("cpu", [7], [7]) == ShapeClass("cpu", "prefill", "1", "short")
-    assert classify("cuda", [1] * 32, [600] * 32, triton=True).batch_bucket == "large"
+    assert classify("cpu", [1, 1], [100, 5000]) == ShapeClass("cpu", "decode", "2-8", ">4096")
+    assert classify("cpu", [7], [7]) == ShapeClass("cpu", "prefill", "1", "<=512")
+    assert classify("cuda", [1] * 32, [600] * 32, triton=True).batch_bucket == "9+"
     assert classify("cpu", [1], [10], cpp=True).cpp
 
 
 def test_cpu_rule() -> None:
-    # numbers behind each line: fitserve/model/attention/dispatch.py's docstring (bench_kernels.py)
+    # numbers behind each line: docs/benchmarks.md, 'Attention backend rule' (bench_kernels.py)
     for t, s in ((128, 0), (256, 0), (1024, 0), (256, 1792), (512, 7680)):
-        assert choose_attention_impl(classify("cpu", [t], [s + t])) == "sdpa"
-        assert choose_attention_impl(classify("cpu", [t], [s + t], cpp=True)) == "sdpa"
-    assert choose_attention_impl(classify("cpu", [1] * 32, [2048] * 32)) == "naive"
-    assert choose_attention_impl(classify("cpu", [1], [8192])) == "sdpa"
+        assert choose_attention_backend(classify("cpu", [t], [s + t])) is TORCH_SDPA
+        assert choose_attention_backend(classify("cpu", [t], [s + t], cpp=True)) is TORCH_SDPA
+    assert choose_attention_backend(classify("cpu", [1] * 32, [2048] * 32)) is EAGER_GATHER
+    assert choose_attention_backend(classify("cpu", [1], [8192])) is TORCH_SDPA
     for lens in ([10], [8192], [300] * 32, [5000] * 4):  # the fused kernel takes every decode
-        assert choose_attention_impl(classify("cpu", [1] * len(lens), lens, cpp=True)) == "cpu_paged"
+        assert (choose_attention_backend(classify("cpu", [1] * len(lens), lens, cpp=True))
+                is CPU_PAGED_DECODE)
 
 
 def test_cuda_uses_triton_when_available() -> None:
-    assert choose_attention_impl(classify("cuda", [1], [8192], triton=True)) == "triton_decode"
-    assert choose_attention_impl(classify("cuda", [64], [8192], triton=True)) == "triton_forward"
-    assert choose_attention_impl(classify("cuda", [64], [8192], triton=False)) == "sdpa"
-    assert choose_attention_impl(classify("cuda", [1], [100], cpp=True)) != "cpu_paged"
+    assert choose_attention_backend(classify("cuda", [1], [8192], triton=True)) is TRITON_DECODE
+    assert choose_attention_backend(classify("cuda", [64], [8192], triton=True)) is TRITON_PREFILL
+    assert choose_attention_backend(classify("cuda", [64], [8192], triton=False)) is TORCH_SDPA
+    assert choose_attention_backend(classify("cuda", [1], [100], cpp=True)) is not CPU_PAGED_DECODE
 
 
 def _shape(phase: str, batch: str, length: str) -> tuple[list[int], list[int]]:
@@ -62,20 +69,20 @@ ALL = list(itertools.product(("cpu", "cuda"), ("decode", "prefill"), BATCH, DECO
 
 
 @pytest.mark.parametrize("device,phase,batch,length,triton,cpp", ALL)
-def test_every_shape_class_picks_an_impl_its_device_has(
+def test_every_shape_class_picks_a_backend_its_device_has(
     device: str, phase: str, batch: str, length: str, triton: bool, cpp: bool
 ) -> None:
     q_lens, cached = _shape(phase, batch, length)
     k_lens = [c + t for c, t in zip(cached, q_lens, strict=True)]
     sc = classify(device, q_lens, k_lens, triton=triton, cpp=cpp)
     assert sc == ShapeClass(device, phase, batch, length, triton, cpp)  # type: ignore[arg-type]
-    impl = choose_attention_impl(sc)
-    assert impl in IMPLS
-    if impl == "cpu_paged":
+    backend = choose_attention_backend(sc)
+    assert backend in BACKENDS
+    if backend is CPU_PAGED_DECODE:
         assert device == "cpu" and cpp and phase == "decode"
-    if impl.startswith("triton"):
+    if backend in (TRITON_DECODE, TRITON_PREFILL):
         assert device == "cuda" and triton
-        assert impl == ("triton_decode" if phase == "decode" else "triton_forward")
+        assert backend is (TRITON_DECODE if phase == "decode" else TRITON_PREFILL)
 
 
 def _reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: list[list[int]],
@@ -99,13 +106,13 @@ CPU = [(p, b, n, c) for p, b, n in itertools.product(("decode", "prefill"), BATC
 
 @pytest.mark.parametrize("phase,batch,length,cpp", CPU)
 def test_cpu_pick_runs_and_is_correct(phase: str, batch: str, length: str, cpp: bool) -> None:
-    """The picked impl through the runner's builders and paged_attention == float64."""
+    """The picked backend through its own builders and paged_attention == float64."""
     if cpp and not paged_attention_available():
         pytest.skip("the C++ extension is unavailable here (the cpp=False rows cover this)")
     dev = torch.device("cpu")
     q_lens, cached = _shape(phase, batch, length)
     k_lens = [c + t for c, t in zip(cached, q_lens, strict=True)]
-    impl = choose_attention_impl(classify("cpu", q_lens, k_lens, cpp=cpp))
+    backend = choose_attention_backend(classify("cpu", q_lens, k_lens, cpp=cpp))
     gen = torch.Generator().manual_seed(len(q_lens) * 7 + max(k_lens))
     n_blocks = [-(-n // BS) for n in k_lens]
     order = torch.randperm(sum(n_blocks) + 2, generator=gen).tolist()
@@ -122,12 +129,12 @@ def test_cpu_pick_runs_and_is_correct(phase: str, batch: str, length: str, cpp: 
     q = torch.randn(sum(q_lens), HQ, D, generator=gen)
     slots_none = torch.empty(0, dtype=torch.long)
     if phase == "decode":
-        batch_ = AttentionBatch(slots_none, build_decode_batch(
-            tables, k_lens, block_size=BS, window=None, impl=impl, device=dev))
+        batch_ = AttentionBatch(slots_none, backend.build_decode(
+            tables, k_lens, block_size=BS, window=None, device=dev))
     else:
         offs = [sum(q_lens[:i]) for i in range(len(q_lens))]
         batch_ = AttentionBatch(slots_none, None, [
-            build_prefill_seq(o, c, t, table, block_size=BS, window=None, impl=impl, device=dev)
+            backend.build_prefill(o, c, t, table, block_size=BS, window=None, device=dev)
             for o, c, t, table in zip(offs, cached, q_lens, tables, strict=True)])
     out = paged_attention(q, kc, vc, batch_, D**-0.5)
     ref = _reference(q, kc, vc, tables, q_lens, k_lens)

@@ -7,7 +7,7 @@ import math
 import torch
 
 from fitserve.tools.labs.online_softmax import ACC_DTYPE, OnlineSoftmax
-from fitserve.tools.labs.paged import paged_attention
+from fitserve.tools.labs.paged import paged_attention_reference
 from fitserve.tools.labs.rmsnorm import rms_norm
 from fitserve.tools.labs.split_kv import split_kv_decode
 from fitserve.tools.labs.tiled import tiled_attention
@@ -52,7 +52,7 @@ def test_split_kv_and_paged_accumulate_in_fp32() -> None:
     assert abs(float(lse) - math.log(3000)) < 1e-4 and torch.all(out == 1)
     kc = k.view(3000, 1, 1, 4)
     table = torch.arange(3000, dtype=torch.int32).view(1, 3000)
-    o2, lse2 = paged_attention(q, kc, kc.clone().fill_(1), table, torch.tensor([3000]),
+    o2, lse2 = paged_attention_reference(q, kc, kc.clone().fill_(1), table, torch.tensor([3000]),
                                torch.tensor([0, 1]), scale=1.0, block_n=1, return_lse=True)
     assert abs(float(lse2) - math.log(3000)) < 1e-4 and torch.all(o2 == 1)
 

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fitserve.tools.labs.paged import gather_keys, paged_attention
+from fitserve.tools.labs.paged import gather_keys, paged_attention_reference
 from fitserve.tools.labs.reference import naive_attention
 from fitserve.tools.labs.tiled import tiled_attention
 from fitserve.tools.labs.varlen import varlen_attention
@@ -129,7 +129,7 @@ def test_paged_matches_contiguous(lens: tuple[list[int], list[int]], hkv: int, g
                                          torch.Generator().manual_seed(seed))
     assert torch.equal(table, table_v)
     seq_lens = torch.tensor(k_lens, dtype=torch.int32)
-    out, lse = paged_attention(q, k_cache, v_cache, table, seq_lens, _cu(q_lens), scale=0.5,
+    out, lse = paged_attention_reference(q, k_cache, v_cache, table, seq_lens, _cu(q_lens), scale=0.5,
                                sliding_window=window, block_m=bm, block_n=bn, return_lse=True)
     var, var_lse = varlen_attention(q, k, v, _cu(q_lens), _cu(k_lens), scale=0.5, causal=True,
                                     window=window)
@@ -153,7 +153,7 @@ def test_paged_decode_gqa_smollm_like() -> None:
     q = torch.randn(3, 9, 8, generator=g)
     kc, table = _scatter_to_pages(k, k_lens, 16, 12, torch.Generator().manual_seed(5))
     vc, _ = _scatter_to_pages(v, k_lens, 16, 12, torch.Generator().manual_seed(5))
-    out = paged_attention(q, kc, vc, table, torch.tensor(k_lens), _cu(q_lens), scale=8 ** -0.5)
+    out = paged_attention_reference(q, kc, vc, table, torch.tensor(k_lens), _cu(q_lens), scale=8 ** -0.5)
     ref = _per_sequence_reference(q, k, v, q_lens, k_lens, causal=True, window=None)
     assert isinstance(out, torch.Tensor)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)

@@ -32,8 +32,9 @@ from fitserve.kernels.cpu.paged_attention import (
     paged_attention_available,
     paged_decode_attention,
 )
+from fitserve.model.attention.cpu_paged import CPU_PAGED_DECODE
+from fitserve.model.attention.gather import EAGER_GATHER, TORCH_SDPA
 from fitserve.model.attention.paged import AttentionBatch, paged_attention, write_kv
-from fitserve.runner.model_runner import build_decode_batch, build_prefill_seq
 from tests.conftest import run_tests_at_tier, torch_threads
 
 
@@ -231,19 +232,19 @@ def _engine_reference(q: torch.Tensor, cache: Paged, q_lens: list[int], scale: f
 @pytestmark_cpp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_engine_backend_mixed_step(dtype: torch.dtype) -> None:
-    """paged_attention with the runner's builders: 4 decodes ("cpu_paged") then 2 chunks."""
+    """paged_attention with the backends' builders: 4 decodes (CpuPagedDecode) then 2 chunks."""
     dev = torch.device("cpu")
     q_lens = [1, 1, 1, 1, 7, 20]
     lens = [45, 1, 300, 17, 30, 20]
     cache = Paged(lens, hkv=3, d=64, bs=16, dtype=dtype, window=None, seed=11)
     q = torch.randn(sum(q_lens), 9, 64).to(dtype)
-    decode = build_decode_batch(cache.tables[:4], lens[:4], block_size=16, window=None,
-                                impl="cpu_paged", device=dev)
+    decode = CPU_PAGED_DECODE.build_decode(cache.tables[:4], lens[:4], block_size=16,
+                                           window=None, device=dev)
     assert decode.block_tables.dtype == torch.int32 and decode.visible is None
-    prefills = [build_prefill_seq(4, 23, 7, cache.tables[4], block_size=16, window=None,
-                                  impl="sdpa", device=dev),
-                build_prefill_seq(11, 0, 20, cache.tables[5], block_size=16, window=None,
-                                  impl="naive", device=dev)]
+    prefills = [TORCH_SDPA.build_prefill(4, 23, 7, cache.tables[4], block_size=16, window=None,
+                                         device=dev),
+                EAGER_GATHER.build_prefill(11, 0, 20, cache.tables[5], block_size=16,
+                                           window=None, device=dev)]
     batch = AttentionBatch(torch.empty(0, dtype=torch.long), decode, prefills)
     out = paged_attention(q, cache.k_cache, cache.v_cache, batch, 0.125)
     ref = _engine_reference(q, cache, q_lens, 0.125)
@@ -251,9 +252,9 @@ def test_engine_backend_mixed_step(dtype: torch.dtype) -> None:
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
     # the gather path on the same decodes agrees (it reads the padding: finite garbage there)
     kc, vc = cache.k_cache.nan_to_num(0.5), cache.v_cache.nan_to_num(-0.5)
-    naive = build_decode_batch(cache.tables[:4], lens[:4], block_size=16, window=None,
-                               impl="naive", device=dev)
-    only = AttentionBatch(torch.empty(0, dtype=torch.long), naive)
+    eager = EAGER_GATHER.build_decode(cache.tables[:4], lens[:4], block_size=16, window=None,
+                                      device=dev)
+    only = AttentionBatch(torch.empty(0, dtype=torch.long), eager)
     fused = AttentionBatch(torch.empty(0, dtype=torch.long), decode)
     a = paged_attention(q[:4], kc, vc, only, 0.125)
     b = paged_attention(q[:4], kc, vc, fused, 0.125)

@@ -2,8 +2,8 @@
 
 Peaks are measured with torch.profiler's memory events (every allocation and free through
 torch's CPU allocator, in order): the largest running sum during the call is the call's peak
-beyond what existed before it. The engine's own code runs (``_chunk_attention``,
-``_decode_attention``, ``ModelRunner.execute``, ``Sampler``) on random tensors and a random
+beyond what existed before it. The engine's own code runs (the backends' ``prefill`` and
+``decode``, ``ModelRunner.execute``, ``Sampler``) on random tensors and a random
 2-layer model with SmolLM2's attention geometry (9 query heads, 3 KV heads, head_dim 64), in
 bf16 and fp32, and the formulas of fitserve.ledger.scratch / memory must equal the measurement,
 or exceed it by exactly the term torch skipped (stated per test). Plain C++ allocations
@@ -23,11 +23,13 @@ from fitserve.config import ModelSpec
 from fitserve.kernels.cpu.paged_attention import DEFAULT_PARTITION, paged_attention_available
 from fitserve.ledger import scratch as S
 from fitserve.ledger.memory import cpu_engine_memory_plan, cpu_step_bytes
-from fitserve.model.attention.dispatch import choose_attention_impl, classify
-from fitserve.model.attention.paged import _chunk_attention, _decode_attention
+from fitserve.model.attention.backend import AttentionBackend
+from fitserve.model.attention.cpu_paged import CPU_PAGED_DECODE
+from fitserve.model.attention.dispatch import choose_attention_backend, classify
+from fitserve.model.attention.gather import EAGER_GATHER, TORCH_SDPA
 from fitserve.model.layers import RotaryEmbedding
 from fitserve.model.llama import CausalLM
-from fitserve.runner.model_runner import ModelRunner, build_decode_batch, build_prefill_seq
+from fitserve.runner.model_runner import ModelRunner
 from fitserve.sampling import SamplingParams
 from fitserve.sampling.sampler import RequestSamplingState, Sampler
 from fitserve.types import ScheduledChunk, SchedulerOutput
@@ -95,12 +97,11 @@ def repack_bytes(spec: ModelSpec, q_len: int, keys: int, a: int, threads: int) -
 def test_prefill_chunk_scratch_is_what_sdpa_allocates(spec: ModelSpec, cached: int, new: int,
                                                       dtype: torch.dtype) -> None:
     keys, a, threads = cached + new, act_bytes(dtype), torch.get_num_threads()
-    assert choose_attention_impl(classify("cpu", [new], [keys], cpp=True)) == "sdpa"
+    assert choose_attention_backend(classify("cpu", [new], [keys], cpp=True)) is TORCH_SDPA
     kc, vc, (table,) = paged_cache(spec, 1, keys, dtype)
-    seq = build_prefill_seq(0, cached, new, table, block_size=BS, window=None, impl="sdpa",
-                            device=CPU)
+    seq = TORCH_SDPA.build_prefill(0, cached, new, table, block_size=BS, window=None, device=CPU)
     q = torch.randn(new, spec.num_heads, spec.head_dim).to(dtype)
-    measured = peak_extra(lambda: _chunk_attention(q, kc, vc, seq, spec.head_dim ** -0.5))
+    measured = peak_extra(lambda: TORCH_SDPA.prefill(q, kc, vc, seq, spec.head_dim ** -0.5))
     masked = seq.mask is not None
     assert masked == (cached > 0)
     formula = S.prefill_chunk_bytes(spec, new, keys, block_size=BS, act_bytes=a, kv_bytes=a,
@@ -112,21 +113,23 @@ def test_prefill_chunk_scratch_is_what_sdpa_allocates(spec: ModelSpec, cached: i
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f32"])
-@pytest.mark.parametrize(("impl", "seqs", "keys"), [
-    ("naive", 8, 1000), ("naive", 16, 4096), ("sdpa", 4, 6000)])
-def test_gather_decode_scratch(impl: str, seqs: int, keys: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("backend", "seqs", "keys"), [
+    (EAGER_GATHER, 8, 1000), (EAGER_GATHER, 16, 4096), (TORCH_SDPA, 4, 6000)], ids=repr)
+def test_gather_decode_scratch(backend: AttentionBackend, seqs: int, keys: int,
+                               dtype: torch.dtype) -> None:
     a, threads = act_bytes(dtype), torch.get_num_threads()
-    assert choose_attention_impl(classify("cpu", [1] * seqs, [keys], cpp=False)) == impl
+    assert choose_attention_backend(classify("cpu", [1] * seqs, [keys], cpp=False)) is backend
     kc, vc, tables = paged_cache(SPEC, seqs, keys, dtype)
     lens = [keys - (i % 3) for i in range(seqs)]
-    d = build_decode_batch(tables, lens, block_size=BS, window=None, impl=impl, device=CPU)
+    d = backend.build_decode(tables, lens, block_size=BS, window=None, device=CPU)
     q = torch.randn(seqs, SPEC.num_heads, SPEC.head_dim).to(dtype)
-    measured = peak_extra(lambda: _decode_attention(q, kc, vc, d, 0.125))
-    formula = S.gather_decode_bytes(SPEC, seqs, keys, block_size=BS, act_bytes=a, kv_bytes=a,
-                                    threads=threads)
-    # NOTE: bf16 "naive" peaks while the fp32 probabilities are cast back, before q x scale's
+    measured = peak_extra(lambda: backend.decode(q, kc, vc, d, 0.125))
+    kind = backend.ledger_kind  # the mapping backend -> scratch formula lives on the backend
+    formula = S.gather_decode_bytes(SPEC, seqs, keys, kind,  # type: ignore[arg-type]
+                                    block_size=BS, act_bytes=a, kv_bytes=a, threads=threads)
+    # NOTE: bf16 eager peaks while the fp32 probabilities are cast back, before q x scale's
     # output and its reshaped copy exist: the ledger counts those 2 x B x Hq x D too
-    slack = 2 * seqs * SPEC.num_heads * SPEC.head_dim * a if (impl, a) == ("naive", 2) else 0
+    slack = 2 * seqs * SPEC.num_heads * SPEC.head_dim * a if (backend, a) == (EAGER_GATHER, 2) else 0
     assert formula - measured == slack, f"measured {measured:,} B, formula {formula:,} B"
 
 
@@ -135,10 +138,10 @@ def test_gather_decode_scratch(impl: str, seqs: int, keys: int, dtype: torch.dty
 def test_fused_decode_allocates_its_output_only_through_torch(dtype: torch.dtype) -> None:
     seqs, keys, a = 16, 3000, act_bytes(dtype)
     kc, vc, tables = paged_cache(SPEC, seqs, keys, dtype)
-    d = build_decode_batch(tables, [keys] * seqs, block_size=BS, window=None, impl="cpu_paged",
-                           device=CPU)
+    d = CPU_PAGED_DECODE.build_decode(tables, [keys] * seqs, block_size=BS, window=None,
+                                      device=CPU)
     q = torch.randn(seqs, SPEC.num_heads, SPEC.head_dim).to(dtype)
-    measured = peak_extra(lambda: _decode_attention(q, kc, vc, d, 0.125))
+    measured = peak_extra(lambda: CPU_PAGED_DECODE.decode(q, kc, vc, d, 0.125))
     out = seqs * SPEC.num_heads * SPEC.head_dim * a
     assert measured == out
     # the partials (``new float[]`` in paged_attention.cpp, not seen by the profiler):
@@ -219,11 +222,12 @@ def test_ledger_constants_are_the_engines() -> None:
     # prefill chunks always take SDPA on a CPU; gather decode switches after 4096 keys
     for q_len, keys in ((2, 2), (512, 512), (2048, 8192), (16, 100_000)):
         for cpp in (False, True):
-            assert choose_attention_impl(classify("cpu", [q_len], [keys], cpp=cpp)) == "sdpa"
-    limit = S.GATHER_NAIVE_MAX_KEYS
-    assert choose_attention_impl(classify("cpu", [1] * 8, [limit], cpp=False)) == "naive"
-    assert choose_attention_impl(classify("cpu", [1] * 8, [limit + 1], cpp=False)) == "sdpa"
-    assert choose_attention_impl(classify("cpu", [1] * 8, [limit + 1], cpp=True)) == "cpu_paged"
+            assert choose_attention_backend(classify("cpu", [q_len], [keys], cpp=cpp)) is TORCH_SDPA
+    limit = S.GATHER_EAGER_MAX_KEYS
+    assert choose_attention_backend(classify("cpu", [1] * 8, [limit], cpp=False)) is EAGER_GATHER
+    assert choose_attention_backend(classify("cpu", [1] * 8, [limit + 1], cpp=False)) is TORCH_SDPA
+    assert (choose_attention_backend(classify("cpu", [1] * 8, [limit + 1], cpp=True))
+            is CPU_PAGED_DECODE)
     rope = RotaryEmbedding(SPEC, 1000)
     cos, sin = rope.cos, rope.sin
     assert isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)

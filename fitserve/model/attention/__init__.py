@@ -1,2 +1,3 @@
-"""Attention over the paged KV cache: the backend the runner picks once per step (dispatch) and
-the paged implementations it runs (paged)."""
+"""Attention over the paged KV cache: the backend interface and its metadata (backend), the
+backends (cpu_paged, gather, triton_attn), the rule that picks one per step (dispatch) and the
+per-layer entry point (paged)."""

@@ -37,7 +37,7 @@ def first_visible_key(min_q_pos: int, sliding_window: int | None) -> int:
     return 0 if sliding_window is None else max(0, min_q_pos - sliding_window + 1)
 
 
-def paged_attention(
+def paged_attention_reference(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,

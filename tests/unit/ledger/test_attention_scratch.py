@@ -11,6 +11,7 @@ import pytest
 
 from fitserve.ledger import scratch
 from fitserve.ledger.scratch import (
+    ScratchKind,
     cpu_attention_scratch,
     cpu_sdpa_bytes,
     flash_q_split,
@@ -90,20 +91,22 @@ def test_budget_above_context_and_short_decode() -> None:
 
 
 def test_gather_decode_without_the_cpp_kernel() -> None:
-    # bf16, 32 sequences, max_model_len 6000, 2 threads: "naive" at 4096 keys
+    # bf16, 32 sequences, max_model_len 6000, 2 threads: eager at 4096 keys
     #   K, V copies 2 x 3 x 32 x 4096 x 64 x 2 = 100,663,296; scores 9 x 32 x 4096 x (4 + 4 + 2)
     #   = 11,796,480; q x scale, output, reshaped output 3 x 32 x 9 x 64 x 2 = 110,592
-    naive = gather_decode_bytes(SMOL, 32, 4096, block_size=16, act_bytes=2, kv_bytes=2, threads=2)
-    assert naive == 100_663_296 + 11_796_480 + 110_592
-    # "sdpa" at 6000 keys (375 blocks): copies 2 x 3 x 32 x 6000 x 64 x 2 = 147,456,000; SDPA
+    eager = gather_decode_bytes(SMOL, 32, 4096, ScratchKind.GATHER_EAGER, block_size=16,
+                                act_bytes=2, kv_bytes=2, threads=2)
+    assert eager == 100_663_296 + 11_796_480 + 110_592
+    # SDPA at 6000 keys (375 blocks): copies 2 x 3 x 32 x 6000 x 64 x 2 = 147,456,000; SDPA
     # output 32 x 9 x 64 x 2 = 36,864, logsumexp 32 x 9 x 4 = 1,152, tiles 2 x (512 + 2 + 64)
     # x 4 = 4,624, bf16 tile 2 x 512 x 2 = 2,048, float mask 32 x 6000 x 2 = 384,000
-    sdpa = gather_decode_bytes(SMOL, 32, 6000, block_size=16, act_bytes=2, kv_bytes=2, threads=2)
+    sdpa = gather_decode_bytes(SMOL, 32, 6000, ScratchKind.GATHER_SDPA, block_size=16,
+                               act_bytes=2, kv_bytes=2, threads=2)
     assert sdpa == 147_456_000 + 36_864 + 1_152 + 4_624 + 2_048 + 384_000
     s = cpu_attention_scratch(SMOL, max_num_batched_tokens=2048, max_model_len=6000,
                               max_num_seqs=32, block_size=16, act_bytes=2, kv_bytes=2, threads=2,
                               fused_decode=False)
-    assert s.decode_bytes == max(naive, sdpa) == sdpa
+    assert s.decode_bytes == max(eager, sdpa) == sdpa
     # masks: 2048 x 6000 prefill bools + visible and hidden [32, 6000] bools for decode; 32
     # block tables of 375 int64 ids
     assert s.step_tensor_bytes == 12_288_000 + 384_000 + 96_000

@@ -11,18 +11,17 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton paths run on CPU in
 import pytest
 import torch
 
-from fitserve.model.attention.paged import (
-    AttentionBatch,
-    DecodeBatch,
-    PrefillSeq,
-    paged_attention,
-    visible_mask,
-    write_kv,
-)
+from fitserve.model.attention.backend import AttentionBackend, DecodeBatch, PrefillSeq, visible_mask
+from fitserve.model.attention.gather import EAGER_GATHER, TORCH_SDPA
+from fitserve.model.attention.paged import AttentionBatch, paged_attention, write_kv
+from fitserve.model.attention.triton_attn import TRITON_DECODE, TRITON_PREFILL
 
 BS = 4  # block size
 HAS_TRITON = importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") == "1"
-DECODE_IMPLS = ["naive", "sdpa"] + (["triton_decode"] if HAS_TRITON else [])
+DECODE_BACKENDS = [EAGER_GATHER, TORCH_SDPA] + ([TRITON_DECODE] if HAS_TRITON else [])
+# prefill backend, and the decode backend a single token may also run on
+CHUNK_BACKENDS = {"eager_gather": (EAGER_GATHER, EAGER_GATHER),
+                  "torch_sdpa": (TORCH_SDPA, TORCH_SDPA), "triton": (TRITON_PREFILL, TRITON_DECODE)}
 
 
 
@@ -51,7 +50,7 @@ def scatter_into_pages(k, v, table: list[int], num_blocks: int):  # type: ignore
     return kc, vc
 
 
-@pytest.mark.parametrize("impl", ["naive", "sdpa", "triton"])
+@pytest.mark.parametrize("impl", list(CHUNK_BACKENDS))
 @pytest.mark.parametrize("cached,new,window", [(0, 5, None), (6, 3, None), (9, 1, None), (5, 6, 4), (13, 2, 3)])
 def test_chunk_at_end_of_cache_matches_bottom_right_reference(
     cached: int, new: int, window: int | None, impl: str
@@ -66,17 +65,17 @@ def test_chunk_at_end_of_cache_matches_bottom_right_reference(
     q = torch.randn(new, hq, d)
     kc, vc = scatter_into_pages(k, v, table, 10)
     plain = cached == 0 and (window is None or window >= new)
-    seq = PrefillSeq(0, new, cached, torch.tensor(table), None if plain else visible_mask(new, cached, window),
-                     impl="triton_forward" if impl == "triton" else impl, window=window)
+    prefill, decode = CHUNK_BACKENDS[impl]
+    seq = PrefillSeq(0, new, cached, torch.tensor(table), prefill,
+                     mask=None if plain else visible_mask(new, cached, window), window=window)
     batch = AttentionBatch(slot_mapping=torch.empty(0, dtype=torch.long), decode=None, prefills=[seq])
     if new == 1:  # a single token can go through the batched decode path too
         vis = (torch.arange(len(table) * BS) < total)
         if window is not None:
             vis &= (total - 1 - torch.arange(len(table) * BS)) < window
         batch = AttentionBatch(torch.empty(0, dtype=torch.long),
-                               DecodeBatch(1, torch.tensor([table]), vis[None, None, None, :],
-                                           seq_lens=torch.tensor([total]),
-                                           impl="triton_decode" if impl == "triton" else impl, window=window))
+                               DecodeBatch(1, torch.tensor([table]), decode, visible=vis[None, None, None, :],
+                                           seq_lens=torch.tensor([total]), window=window))
     out = paged_attention(q, kc, vc, batch, 1 / math.sqrt(d))
     ref = reference(q, k, v, cached, window)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
@@ -86,8 +85,8 @@ def test_chunk_at_end_of_cache_matches_bottom_right_reference(
         assert (wrong - ref).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("impl", DECODE_IMPLS)
-def test_ragged_decode_batch_with_gqa_and_padding(impl: str) -> None:
+@pytest.mark.parametrize("backend", DECODE_BACKENDS, ids=repr)
+def test_ragged_decode_batch_with_gqa_and_padding(backend: AttentionBackend) -> None:
     torch.manual_seed(0)
     hq, hk, d = 9, 3, 16
     lens = [1, 7, 12, 4]
@@ -98,8 +97,8 @@ def test_ragged_decode_batch_with_gqa_and_padding(impl: str) -> None:
     padded = [t + [0] * (width - len(t)) for t in tables]
     vis = torch.arange(width * BS)[None, :] < torch.tensor(lens)[:, None]
     q = torch.randn(len(lens), hq, d)
-    batch = AttentionBatch(torch.empty(0, dtype=torch.long), DecodeBatch(len(lens), torch.tensor(padded), vis[None, :, None, :],
-                                                                     seq_lens=torch.tensor(lens), impl=impl))
+    batch = AttentionBatch(torch.empty(0, dtype=torch.long), DecodeBatch(len(lens), torch.tensor(padded), backend, visible=vis[None, :, None, :],
+                                                                     seq_lens=torch.tensor(lens)))
     out = paged_attention(q, kc, vc, batch, 1 / math.sqrt(d))
     for b, (n, table) in enumerate(zip(lens, tables, strict=True)):
         k = kc[:, table].flatten(1, 2)[:, :n].transpose(0, 1)
