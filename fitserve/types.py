@@ -1,6 +1,6 @@
 """Typed contracts that pass between the scheduler, the runner and the engine.
 
-Torch-free. The scheduler produces a :class:`SchedulerOutput`; the runner turns it into tensors
+Torch-free (tensors appear in annotations only). The scheduler produces a :class:`SchedulerOutput`; the runner turns it into tensors
 and returns a :class:`RunnerOutput`; the engine feeds that back to the scheduler.
 
 Block-table arithmetic (block_size = 4 shown)::
@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RequestStatus(enum.Enum):
@@ -47,6 +51,18 @@ class ScheduledChunk:
 
 
 @dataclass(slots=True)
+class SpecDecodeInputs:
+    """What speculative decoding hands the runner with one step (``SchedulerOutput.spec_decode``,
+    set by the engine from :meth:`fitserve.spec_decode.speculative.SpeculativeDecoding.step_inputs`)."""
+
+    # the draft's own distribution q, [num_draft, V], at the drafts of each chunk whose drafts
+    # came from a probabilistic drafter (random requests); absent: point masses (n-gram, greedy)
+    draft_probs: dict[str, torch.Tensor] = field(default_factory=dict)
+    # fill RunnerOutput.hidden_states (a head-style drafter drafts from them)
+    return_hidden_states: bool = False
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     """What one engine step computes."""
 
@@ -58,6 +74,8 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # slo policy: the prompt-chunk tokens this step was allowed beside its decodes (None: no cap)
     prefill_cap: int | None = None
+    # speculative decoding's inputs to the runner (None: off; the scheduler never sets it)
+    spec_decode: SpecDecodeInputs | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -104,6 +122,16 @@ class RunnerOutput:
     # chunks with drafts: every token the step emits (accepted drafts, then the correction or
     # bonus token, which is also sampled[id])
     emitted: dict[str, list[int]] = field(default_factory=dict)
+    # SpecDecodeInputs.return_hidden_states: the final hidden state ([hidden], a copy) whose
+    # logits gave each request's latest token (sampled[id]), for a head-style drafter (EAGLE)
+    hidden_states: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def update(self, other: RunnerOutput) -> None:
+        """Add ``other``'s requests (a disjoint part of the same step) to this output."""
+        self.sampled.update(other.sampled)
+        self.logprobs.update(other.logprobs)
+        self.emitted.update(other.emitted)
+        self.hidden_states.update(other.hidden_states)
 
 
 @dataclass(slots=True)

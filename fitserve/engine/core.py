@@ -52,7 +52,11 @@ from fitserve.sampling.guided import GuidedDecoding
 from fitserve.sched.request import SchedRequest
 from fitserve.sched.scheduler import Scheduler
 from fitserve.sched.slo import step_shape
-from fitserve.spec_decode.speculative import SpeculativeDecoding, resolve_speculative_config
+from fitserve.spec_decode.speculative import (
+    SpeculativeDecoding,
+    build_proposer,
+    resolve_speculative_config,
+)
 from fitserve.spec_decode.stats import SpecDecodeStats
 from fitserve.structured.compiler import GrammarCompiler
 from fitserve.structured.requests import guide_states
@@ -210,8 +214,10 @@ class Engine:
         self._beams = BeamSearches(self.scheduler, self.tokenizer, str(self.device))
         self.speculative_config = resolve_speculative_config(cfg.speculative_config)
         self.spec_decode = None if self.speculative_config is None else SpeculativeDecoding(
-            self.speculative_config, target=self.spec, runner=self.runner, dtype=self.dtype,
-            device=self.device, max_model_len=self.max_model_len, block_size=cfg.block_size)
+            self.speculative_config, build_proposer(
+                self.speculative_config, target=self.spec, runner=self.runner, kv=self.kv,
+                dtype=self.dtype, device=self.device, max_model_len=self.max_model_len),
+            max_model_len=self.max_model_len)
         self.spec_stats = None if self.spec_decode is None else self.spec_decode.stats
         self.num_steps = 0  # model steps run (for tokens per target step)
         # every step's shape and wall time, newest last (the profiler and the step-time model)
@@ -404,11 +410,12 @@ class Engine:
         bookkeeping) still raises.
         """
         t_start = time.perf_counter()
-        if self.spec_decode is not None:
-            self.spec_decode.propose(self.scheduler, self._requests, self.kv)
+        drafts = {} if self.spec_decode is None else self.spec_decode.propose(self.scheduler, self._requests)
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        if self.spec_decode is not None:
+            plan.spec_decode = self.spec_decode.step_inputs(plan, drafts)
         self.num_steps += 1
         beams = self._beams
         states = {rid: beams.state(rid) if beams.is_beam(rid) else self._requests[rid].sampling
@@ -417,7 +424,7 @@ class Engine:
         result, failed = self._execute(plan, states, top=True)
         t_forward = time.perf_counter() - t_forward
         if self.spec_decode is not None:
-            self.spec_decode.mirror(plan, set(failed))
+            self.spec_decode.after_step(plan, result, set(failed))
         if self._trim_after_prefill and any(len(c.token_ids) > 1 for c in plan.chunks):
             # NOTE: glibc keeps a prefill step's freed transients (K/V copies, SDPA tiles,
             # q/k/v and MLP rows: 0.1-16 MiB each) in a fragmented heap, and raises its mmap
@@ -505,10 +512,9 @@ class Engine:
         for part in (plan.chunks[:mid], plan.chunks[mid:]):
             # the copies run again with each half: harmless, they rewrite the same blocks
             sub = SchedulerOutput(chunks=part, num_batched_tokens=sum(len(c.token_ids) for c in part),
-                                  block_copies=plan.block_copies)
+                                  block_copies=plan.block_copies, spec_decode=plan.spec_decode)
             result, bad = self._execute(sub, states)
-            merged.sampled.update(result.sampled)
-            merged.logprobs.update(result.logprobs)
+            merged.update(result)
             failed.update(bad)
         return merged, failed
 

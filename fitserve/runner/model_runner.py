@@ -27,7 +27,7 @@ from fitserve.runner.decode_loop import DecodeLoop
 from fitserve.runner.lazy_memory import lazy_zeros
 from fitserve.sampling import RequestSamplingState, Sampler
 from fitserve.spec_decode.rejection import verify as verify_drafts
-from fitserve.types import RunnerOutput, ScheduledChunk, SchedulerOutput
+from fitserve.types import RunnerOutput, ScheduledChunk, SchedulerOutput, SpecDecodeInputs
 
 
 class ModelRunner:
@@ -58,12 +58,6 @@ class ModelRunner:
         # a quantized cache: each step dequantizes the blocks it reads into a compact dense cache
         self.quantized_kv = isinstance(self.kv_caches[0], QuantizedKVCache)
         self.sampler = Sampler()
-        # speculative decoding with a draft model: its distribution at each draft position, by
-        # request, for the rejection sampler (n-gram drafts have none: a point mass)
-        self.draft_probs: dict[str, torch.Tensor] = {}
-        # EAGLE-like drafting: the hidden state whose logits gave each request's latest token
-        self.keep_hidden = False
-        self.last_hidden: dict[str, torch.Tensor] = {}
         self.use_triton = device.type == "cuda" and _triton_importable()
         # the fused C++ decode kernel (built at first use; FITSERVE_DISABLE_CPP=1 turns it off)
         self.use_cpp = device.type == "cpu" and paged_attention_available()
@@ -104,17 +98,19 @@ class ModelRunner:
         hidden = self._forward(input_ids, positions, batch)
         sample_rows, sample_ids, verify = logits_rows(chunks)
         result = RunnerOutput(sampled={})
+        spec = out.spec_decode
         if sample_rows:
             logits = self.model.compute_logits(self._rows(hidden, sample_rows))
             tokens, logprobs = self.sampler(logits, [states[r] for r in sample_ids])
             result.sampled.update(zip(sample_ids, tokens, strict=True))
-            if self.keep_hidden:
-                self.last_hidden.update((rid, hidden[row].clone()) for rid, row in zip(sample_ids, sample_rows, strict=True))
+            if spec is not None and spec.return_hidden_states:
+                result.hidden_states.update(
+                    (rid, hidden[row].clone()) for rid, row in zip(sample_ids, sample_rows, strict=True))
             for rid, lp in zip(sample_ids, logprobs, strict=True):
                 if lp is not None:
                     result.logprobs[rid] = lp
         if verify:
-            self._verify(hidden, verify, states, result)
+            self._verify(hidden, verify, states, spec or SpecDecodeInputs(), result)
         return result
 
     def _rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -125,9 +121,11 @@ class ModelRunner:
         return hidden[torch.tensor(rows, device=self.device)]
 
     def _verify(self, hidden: torch.Tensor, verify: list[tuple[ScheduledChunk, int]],
-                states: dict[str, RequestSamplingState], result: RunnerOutput) -> None:
+                states: dict[str, RequestSamplingState], spec: SpecDecodeInputs,
+                result: RunnerOutput) -> None:
         """Speculative decoding: score each chunk's k drafts and one more position in the one
-        forward that ran, and keep what rejection sampling accepts (fitserve.spec_decode)."""
+        forward that ran, and keep what rejection sampling accepts (fitserve.spec_decode)
+        against ``spec.draft_probs`` (absent: point masses)."""
         rows = [r for chunk, last in verify for r in range(last - chunk.num_draft, last + 1)]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
         at = 0
@@ -135,11 +133,10 @@ class ModelRunner:
             k = chunk.num_draft
             rid = chunk.request_id
             drafts = chunk.token_ids[-k:]
-            q = self.draft_probs.pop(rid, None)  # the scheduler may have cut the drafts short
-            emitted = verify_drafts(logits[at: at + k + 1], drafts, None if q is None else q[:k],
+            emitted = verify_drafts(logits[at: at + k + 1], drafts, spec.draft_probs.get(rid),
                                     states[rid], self.sampler)
-            if self.keep_hidden:  # the row that gave the last emitted token
-                self.last_hidden[rid] = hidden[rows[at + len(emitted) - 1]].clone()
+            if spec.return_hidden_states:  # the row that gave the last emitted token
+                result.hidden_states[rid] = hidden[rows[at + len(emitted) - 1]].clone()
             at += k + 1
             result.emitted[rid] = emitted
             result.sampled[rid] = emitted[-1]

@@ -1,5 +1,9 @@
 """Speculative decoding: draft proposers and the target's verification step.
 
+``proposer`` (the Proposer protocol, Draft, DraftRequest), ``ngram``, ``draft_model`` and
+``eagle`` (its three implementations), ``speculative`` (the engine's side: one proposer, the
+counters), ``rejection`` (verification), ``stats`` (vLLM's counters).
+
 ``verify`` (rejection sampling, in ``rejection``) needs torch and loads it on first use, so
 torch-free proposers in this package can be imported without it.
 """

@@ -8,150 +8,116 @@ allocation, copy-on-write and rollback serve both::
     target cache  [kv_heads, num_blocks, block_size, head_dim] x layers     slot(p) from the table
     draft cache   [kv_heads', num_blocks, block_size, head_dim'] x layers'  the same slot(p)
 
-Every step the draft runs the target's chunks too (:meth:`DraftRunner.mirror`: prompts, decodes
-and verification chunks), so its K/V covers every token the target computed. Then
-:meth:`DraftRunner.propose` runs ``k`` one-token steps per decoding request from its last token,
-writing draft K/V at the lookahead positions (their blocks are allocated first) and sampling
-each draft from the draft's own distribution ``q`` (greedy: its argmax); ``q`` goes to the
-rejection sampler with the target's verification.
-
-:class:`EagleProposer` drafts from the target's own last hidden state instead
-(:mod:`fitserve.model.eagle_head`): no second model, no second cache.
+After every step the draft runs the target's chunks too (:meth:`DraftModelProposer.after_step`:
+prompts, decodes and verification chunks), so its K/V covers every token the target computed.
+Then :meth:`DraftModelProposer.propose` runs ``k`` one-token steps per decoding request from its
+last token, writing draft K/V at the lookahead positions (their blocks are allocated first) and
+sampling each draft from the draft's own distribution ``q`` (greedy: its argmax); ``q`` goes to
+the rejection sampler with the target's verification.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence, Set
 
 import torch
 
 from fitserve.config import ModelSpec
 from fitserve.kv.manager import KVCacheManager
-from fitserve.model.eagle_head import EagleHead
+from fitserve.loading import load_model
 from fitserve.model.llama import CausalLM
+from fitserve.model.loader import build_model, check_supported
 from fitserve.runner.model_runner import ModelRunner, decode_rows_first
-from fitserve.sampling import RequestSamplingState
-from fitserve.sched.request import SchedRequest
+from fitserve.sampling import RequestSamplingState, Sampler
+from fitserve.spec_decode.proposer import Draft, DraftRequest, Drafts
 from fitserve.types import ScheduledChunk, SchedulerOutput
 
 
-class DraftRunner:
-    """The draft model over the target's block tables."""
+class DraftModelProposer:
+    """The draft model over the target's block tables (a Proposer)."""
 
-    def __init__(self, model: CausalLM, spec: ModelSpec, *, num_blocks: int, block_size: int,
+    needs_hidden_states = False
+
+    def __init__(self, model: CausalLM, spec: ModelSpec, *, target: ModelRunner, kv: KVCacheManager,
                  kv_dtype: torch.dtype, device: torch.device) -> None:
-        self.runner = ModelRunner(model, spec, num_blocks=num_blocks, block_size=block_size,
+        self.runner = ModelRunner(model, spec, num_blocks=target.num_blocks, block_size=target.block_size,
                                   kv_dtype=kv_dtype, device=device)
-        self.block_size = block_size
-        self.device = device
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        return self.runner.kv_cache_bytes
+        self.kv = kv
+        # NOTE: lookahead blocks are allocated here, before the step, so a copy-on-write copy
+        # they need is made in the target's cache too, at once (the block may be reused later)
+        self.copy_target_blocks = target.copy_blocks
+        self.sampler = target.sampler  # the target's: the same unseeded RNG stream as before
 
     @torch.inference_mode()
-    def mirror(self, plan: SchedulerOutput, skip: set[str]) -> None:
-        """Run the draft over the step's chunks (not ``skip``'s: they failed), after the same
-        copy-on-write copies, so its cache holds every token the target computed."""
+    def after_step(self, plan: SchedulerOutput, failed: Set[str]) -> None:
+        """Run the draft over the step's chunks (not ``failed``'s), after the same copy-on-write
+        copies, so its cache holds every token the target computed."""
         if plan.block_copies:
             self.runner.copy_blocks(plan.block_copies)
-        chunks = [c for c in plan.chunks if c.request_id not in skip]
+        chunks = [c for c in plan.chunks if c.request_id not in failed]
         if chunks:
-            self.runner._forward(*self.runner._prepare(decode_rows_first(chunks)))
+            self.runner.forward_chunks(decode_rows_first(chunks))
 
     @torch.inference_mode()
-    def propose(self, reqs: list[tuple[SchedRequest, int]], states: dict[str, RequestSamplingState],
-                kv: KVCacheManager, target: ModelRunner) -> dict[str, list[int]]:
-        """Up to ``k`` draft tokens for each (request, k) (prompt and outputs computed but the
-        last token), and ``target.draft_probs[id]`` = the draft's q at each of them for random
-        requests.
+    def propose(self, requests: Sequence[DraftRequest]) -> Drafts:
+        """Up to ``num_drafts`` drafts per request, with q rows for random requests.
 
         The lookahead positions ``num_computed .. num_computed + k - 1`` get their blocks first
         (copy-on-write copies made in both caches); a request the pool cannot serve gets none.
         """
-        target.draft_probs.clear()  # last step's, verified or dropped
-        live: list[SchedRequest] = []
-        limit: dict[str, int] = {}
-        for r, k in reqs:
+        live: list[DraftRequest] = []
+        for r in requests:
             start = r.num_computed_tokens
-            copies = kv.allocate_for_write(r.request_id, start, start + k)
+            copies = self.kv.allocate_for_write(r.request_id, start, start + r.num_drafts)
             if copies is None:
                 continue
             if copies:
-                target.copy_blocks(copies)
+                self.copy_target_blocks(copies)
                 self.runner.copy_blocks(copies)
             live.append(r)
-            limit[r.request_id] = k
-        drafts: dict[str, list[int]] = {r.request_id: [] for r in live}
+        drafts = {r.request_id: Draft([]) for r in live}
         qs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in live}
-        last = {r.request_id: r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1]
-                for r in live}
-        sampler = target.sampler
-        for j in range(max(limit.values(), default=0)):
-            live = [r for r in live if j < limit[r.request_id]]
-            if not live:
-                break
+        last = {r.request_id: r.last_token_id for r in live}
+        for j in range(max((r.num_drafts for r in live), default=0)):
+            live = [r for r in live if j < r.num_drafts]
             chunks = [ScheduledChunk(request_id=r.request_id, token_ids=[last[r.request_id]],
                                      start_pos=r.num_computed_tokens + j,
-                                     block_table=kv.block_table(r.request_id), sample=True)
+                                     block_table=self.kv.block_table(r.request_id), sample=True)
                       for r in live]
-            hidden = self.runner._forward(*self.runner._prepare(chunks))
-            logits = self.runner.model.compute_logits(hidden).float()
-            row_states = [states[r.request_id] for r in live]
-            q = sampler.probabilities(logits, row_states)
-            for i, r in enumerate(live):
-                rid = r.request_id
-                st = row_states[i]
-                if st.params.greedy:
-                    tok = int(q[i].argmax())
-                else:
-                    tok = int(torch.multinomial(q[i], 1, generator=st.generator or sampler.generator))
-                    qs[rid].append(q[i])
-                drafts[rid].append(tok)
-                last[rid] = tok
+            logits = self.runner.model.compute_logits(self.runner.forward_chunks(chunks)).float()
+            states = [r.sampling for r in live]
+            q = self.sampler.probabilities(logits, states)
+            for i, (r, tok) in enumerate(zip(live, sample_drafts(q, states, self.sampler), strict=True)):
+                drafts[r.request_id].token_ids.append(tok)
+                last[r.request_id] = tok
+                if not r.sampling.params.greedy:
+                    qs[r.request_id].append(q[i])
         for rid, rows in qs.items():
             if rows:
-                target.draft_probs[rid] = torch.stack(rows)
+                drafts[rid].probs = torch.stack(rows)
         return drafts
 
 
-class EagleProposer:
-    """Drafts with an EAGLE-like head over the target's last hidden state of each request."""
+def sample_drafts(q: torch.Tensor, states: Sequence[RequestSamplingState], sampler: Sampler) -> list[int]:
+    """One draft per row of ``q`` ([B, V] from ``Sampler.probabilities``): a greedy row's argmax,
+    a random row's draw from its request's generator, else the sampler's; rows in order."""
+    out: list[int] = []
+    for row, st in zip(q, states, strict=True):
+        if st.params.greedy:
+            out.append(int(row.argmax()))
+        else:
+            out.append(int(torch.multinomial(row, 1, generator=st.generator or sampler.generator)))
+    return out
 
-    def __init__(self, head: EagleHead) -> None:
-        self.head = head
 
-    @torch.inference_mode()
-    def propose(self, reqs: list[tuple[SchedRequest, int]], states: dict[str, RequestSamplingState],
-                target: ModelRunner) -> dict[str, list[int]]:
-        """Up to k drafts per (request, k) from ``target.last_hidden`` (the hidden state whose
-        logits gave the request's last token) and that token; q rows to ``target.draft_probs``."""
-        target.draft_probs.clear()
-        live = [(r, k) for r, k in reqs if r.request_id in target.last_hidden]
-        if not live:
-            return {}
-        model, sampler = target.model, target.sampler
-        h = torch.stack([target.last_hidden[r.request_id] for r, _ in live])
-        x = torch.tensor([r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1]
-                          for r, _ in live], dtype=torch.long, device=h.device)
-        row_states = [states[r.request_id] for r, _ in live]
-        drafts: dict[str, list[int]] = {r.request_id: [] for r, _ in live}
-        qs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r, _ in live}
-        for j in range(max(k for _, k in live)):
-            h = self.head(model.embed_tokens(x).to(h.dtype), h)
-            q = sampler.probabilities(model.compute_logits(h), row_states)
-            toks: list[int] = []
-            for i, (r, k) in enumerate(live):
-                st = row_states[i]
-                if st.params.greedy:
-                    tok = int(q[i].argmax())
-                else:
-                    tok = int(torch.multinomial(q[i], 1, generator=st.generator or sampler.generator))
-                toks.append(tok)
-                if j < k:  # a row past its k keeps running with the batch, unused
-                    drafts[r.request_id].append(tok)
-                    if not st.params.greedy:
-                        qs[r.request_id].append(q[i])
-            x = torch.tensor(toks, dtype=torch.long, device=h.device)
-        for rid, rows in qs.items():
-            if rows:
-                target.draft_probs[rid] = torch.stack(rows)
-        return drafts
+def load_draft_model(path: str, target: ModelSpec, *, dtype: torch.dtype, device: torch.device,
+                     max_model_len: int) -> tuple[CausalLM, ModelSpec]:
+    """The draft model of ``method: draft_model`` in the engine's dtype; it must share the
+    target's vocabulary (ValueError otherwise)."""
+    loaded = load_model(path, dtype=dtype)
+    if loaded.spec.vocab_size != target.vocab_size:
+        raise ValueError(f"the draft model {path!r} has a vocabulary of {loaded.spec.vocab_size} "
+                         f"tokens, the target {target.vocab_size}: they must share a tokenizer")
+    check_supported(loaded.spec)
+    model = build_model(loaded.spec, loaded.weights, dtype=dtype, device=device, max_positions=max_model_len)
+    return model, loaded.spec
