@@ -30,15 +30,6 @@ from fitserve.spec_decode.stats import SpecDecodeStats
 from fitserve.types import SchedulerOutput
 
 
-def resolve_speculative_config(value: SpeculativeConfig | dict[str, object] | None) -> SpeculativeConfig | None:
-    """EngineConfig.speculative_config as a SpeculativeConfig (a vLLM-style dict is parsed)."""
-    if value is None or isinstance(value, SpeculativeConfig):
-        return value
-    if isinstance(value, dict):
-        return SpeculativeConfig.from_dict(value)
-    raise ValueError(f"speculative_config must be a dict or SpeculativeConfig, got {type(value).__name__}")
-
-
 class SpeculativeDecoding:
     """Proposers and counters for one engine (its target model is ``runner``'s)."""
 
