@@ -8,7 +8,6 @@ detokenizes, checks stop conditions and frees finished requests' blocks at once.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import itertools
 import logging
 import math
@@ -16,7 +15,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -154,7 +153,7 @@ class Engine:
         self.kv = KVCacheManager(self.pool.num_blocks, cfg.cache.block_size,
                                  enable_caching=cfg.cache.enable_prefix_caching)
         # the scheduler's max_model_len is the one resolved above (vLLM does the same)
-        self.scheduler = Scheduler(dataclasses.replace(cfg.scheduler, max_model_len=self.max_model_len),
+        self.scheduler = Scheduler(replace(cfg.scheduler, max_model_len=self.max_model_len),
                                    self.kv)
         self.runner = (ModelRunner if self.tp_group is None else TPModelRunner)(
             model, shard_spec, num_blocks=self.pool.num_blocks, block_size=cfg.cache.block_size,  # type: ignore[arg-type]
