@@ -289,8 +289,8 @@ def main() -> None:
         print(json.dumps(fn(spec)))
         return
 
+    from fitserve.envs import fitserve_home
     from fitserve.ledger.hardware import measure_copy_bandwidth
-    from fitserve.loading.pull import fitserve_home
 
     base = workload_spec(args.threads, args.runs, args.w2_requests)
     if args.kv_cache_memory:

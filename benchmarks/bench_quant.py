@@ -178,7 +178,7 @@ def sensitivity(gguf: str, args: argparse.Namespace) -> dict[str, Any]:
 # -- parts ---------------------------------------------------------------------------------------
 def part_weights(args: argparse.Namespace, base: dict[str, Any], gguf: str, me: list[str],
                  out: dict[str, Any]) -> None:
-    from fitserve.loading.pull import fitserve_home
+    from fitserve.envs import fitserve_home
 
     calib = calibration_file()
     folders = quantized_folders(gguf, ["rtn", "awq", "gptq"], fitserve_home() / "bench/quant", calib)
@@ -282,7 +282,7 @@ def random_llama(root: Path) -> str:
 
 
 def part_random(args: argparse.Namespace, out: dict[str, Any]) -> None:
-    from fitserve.loading.pull import fitserve_home
+    from fitserve.envs import fitserve_home
 
     root = fitserve_home() / "bench/quant"
     folder = random_llama(root)

@@ -146,7 +146,7 @@ def main() -> int:
     tf_cli = Path(sys.executable).with_name("transformers")
     if not args.skip_transformers and (tf_cli.exists() or shutil.which("transformers")):
         try:
-            from fitserve.loading.pull import fitserve_home
+            from fitserve.envs import fitserve_home
 
             folder = _hf_folder(fitserve_home())
             port = _free_port()

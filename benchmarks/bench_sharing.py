@@ -71,7 +71,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         runs.append(run(r))
     out = {key: statistics.median(x[key] for x in runs) for key in runs[0]}
     out["block_bytes"] = engine.pool.block_bytes
-    out["block_size"] = engine.config.block_size
+    out["block_size"] = engine.config.cache.block_size
     return out
 
 

@@ -176,8 +176,8 @@ def main() -> None:
         print(json.dumps(worker(json.loads(args.worker))))
         return
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from fitserve.envs import fitserve_home
     from fitserve.kernels.cpu.isa import cpu_model_name
-    from fitserve.loading.pull import fitserve_home
 
     batches = [int(b) for b in args.batches.split(",")]
     methods = args.methods.split(",")

@@ -2,11 +2,16 @@
 
 No I/O and no torch here: loaders build a :class:`ModelSpec` from model files, the planner reads
 it, the engine sizes itself from it. Resolving "auto" values is a pure function elsewhere.
+
+:class:`EngineConfig` nests the parts other layers take whole (vLLM's ``VllmConfig``):
+:class:`SchedulerConfig`, :class:`CacheConfig` and :class:`SpeculativeConfig`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Literal, get_args
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -80,27 +85,105 @@ class ModelSpec:
         return self.num_kv_heads * self.head_dim
 
 
+# The string settings with a fixed set of values (vLLM's spellings). The tuples of allowed
+# values are derived from these, so a check and its type cannot disagree.
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+Device = Literal["auto", "cpu", "cuda"]  # NOTE: "cuda:N" is accepted too (fitserve.engine.builder.resolve_device)
+WeightsChoice = Literal["auto", "as-stored", "bf16", "float32", "float16", "int8", "int4", "fp8"]
+Quantization = Literal["int4", "int8", "fp8"]
+KVCacheDType = Literal["auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"]
+KVCacheScales = Literal["auto", "token", "channel-key"]
+SchedulingPolicy = Literal["fcfs", "priority", "slo"]
+SLOAction = Literal["reject", "deprioritize"]
+SpeculativeMethod = Literal["ngram", "draft_model", "eagle"]
+
+SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = get_args(SchedulingPolicy)
+SLO_ACTIONS: tuple[SLOAction, ...] = get_args(SLOAction)
+SPECULATIVE_METHODS: tuple[SpeculativeMethod, ...] = get_args(SpeculativeMethod)
+
+
+@dataclass(frozen=True, slots=True)
+class SLOTargets:
+    """The server's targets in seconds (None: no target) and what to do with a late request."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    action: SLOAction = "reject"
+    # the rules plan for this share of each target, so that the model's error (held-out p90
+    # ~20% here) and the steps' jitter land inside the target rather than half above it
+    headroom: float = 0.85
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_s", "tpot_s"):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v > 0):
+                raise ValueError(f"SLO target {name} must be > 0, got {v!r}")
+        if not 0 < self.headroom <= 1:
+            raise ValueError(f"slo headroom must be in (0, 1], got {self.headroom!r}")
+        if self.action not in SLO_ACTIONS:
+            raise ValueError(f"slo action must be one of {', '.join(SLO_ACTIONS)}, got {self.action!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """One token budget per step, shared by prompt chunks and decodes."""
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
+    # NOTE: inside an EngineConfig this is a placeholder: the engine replaces it with the
+    # length it resolves from EngineConfig.max_model_len and the model.
     max_model_len: int = 2048
     # Largest chunk a single request may take in one step (None = the whole budget).
     long_prefill_token_threshold: int | None = None
-    # "fcfs" | "priority" | "slo" (fitserve.sched.slo documents the rules)
-    scheduling_policy: str = "fcfs"
+    # fitserve.sched.slo documents the policies
+    scheduling_policy: SchedulingPolicy = "fcfs"
     # slo: the server's targets (a request may bring its own), and what happens to a request
     # predicted to miss its TTFT target: "reject" (429) or "deprioritize"
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
-    slo_action: str = "reject"
-    # the share of each target the slo rules plan for (fitserve.sched.slo.SLOTargets.headroom)
+    slo_action: SLOAction = "reject"
+    # the share of each target the slo rules plan for (SLOTargets.headroom)
     slo_headroom: float = 0.85
 
+    def validate(self) -> None:
+        """The scheduler's own checks (ValueError); the SLO targets are :meth:`slo_targets`'."""
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError(
+                "max_num_batched_tokens and max_num_seqs must be >= 1, got "
+                f"{self.max_num_batched_tokens} and {self.max_num_seqs}"
+            )
+        t = self.long_prefill_token_threshold
+        if t is not None and t < 1:
+            raise ValueError(f"long_prefill_token_threshold must be >= 1 or None, got {t}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle")
+    def slo_targets(self) -> SLOTargets:
+        """The slo policy's targets in seconds (ValueError if a setting is bad)."""
+        ttft, tpot = self.slo_ttft_ms, self.slo_tpot_ms
+        return SLOTargets(None if ttft is None else ttft / 1000, None if tpot is None else tpot / 1000,
+                          self.slo_action, self.slo_headroom)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """The paged KV cache: its blocks, its size, its element format and prefix caching."""
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None = size the pool from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int | None = None  # None = 1 GiB on CPU, the ledger's plan on CUDA
+    gpu_memory_utilization: float = 0.9
+    # Automatic prefix caching (vLLM's): full KV blocks are kept under a hash of their prefix
+    # and reused by later requests that share it (fitserve.kv.prefix_hash).
+    enable_prefix_caching: bool = True
+    # KV cache element format (vLLM's --kv-cache-dtype): "auto" = the model dtype, or
+    # "fp8" (= "fp8_e4m3") | "fp8_e5m2" | "int8" codes with float32 scales laid out as
+    # kv_cache_scales says: "token" (K and V per token) or "channel-key" (K per channel per
+    # block, V per token); "auto": channel-key for int8, token for fp8
+    # (fitserve.ledger.formats.resolve_engine_kv_format).
+    kv_cache_dtype: KVCacheDType = "auto"
+    kv_cache_scales: KVCacheScales = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +197,7 @@ class SpeculativeConfig:
     path (a model sharing the target's tokenizer) or the EAGLE-like head's file.
     """
 
-    method: str
+    method: SpeculativeMethod
     num_speculative_tokens: int
     model: str | None = None
     prompt_lookup_max: int = 4
@@ -143,8 +226,7 @@ class SpeculativeConfig:
     @classmethod
     def from_dict(cls, d: dict[str, object]) -> SpeculativeConfig:
         """From vLLM-style JSON/dict; an unknown key is an error naming it."""
-        known = {"method", "num_speculative_tokens", "model", "prompt_lookup_max", "prompt_lookup_min",
-                 "disable_by_batch_size"}
+        known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"speculative_config has unknown keys {unknown}; known: {sorted(known)}")
@@ -152,54 +234,133 @@ class SpeculativeConfig:
             raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
         return cls(**d)  # type: ignore[arg-type]
 
+    @classmethod
+    def of(cls, value: SpeculativeConfig | dict[str, object] | None) -> SpeculativeConfig | None:
+        """``speculative_config=`` as given to EngineConfig: a SpeculativeConfig, its vLLM-style
+        dict, or None (speculation off)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, dict):
+            return cls.from_dict(value)
+        raise ValueError(f"speculative_config must be a dict or SpeculativeConfig, got {type(value).__name__}")
 
-@dataclass(frozen=True, slots=True)
+
+_SCHEDULER_KEYS = tuple(f.name for f in fields(SchedulerConfig) if f.name != "max_model_len")
+_CACHE_KEYS = tuple(f.name for f in fields(CacheConfig))
+_UNSET: Any = object()
+
+
+@dataclass(frozen=True, slots=True, init=False)
 class EngineConfig:
-    """Everything needed to start an engine; "auto" values are resolved by fitserve.engine.builder."""
+    """Everything needed to start an engine; "auto" values are resolved by fitserve.engine.builder.
 
-    model: str = "smollm2-135m"
-    dtype: str = "auto"  # "float32" | "bfloat16" | "float16" | "auto"
-    device: str = "auto"  # "cpu" | "cuda" | "auto"
-    max_model_len: int | None = None  # None = the model's max_position_embeddings
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None = size the pool from kv_cache_memory_bytes
-    kv_cache_memory_bytes: int | None = None  # None = 1 GiB on CPU, the ledger's plan on CUDA
-    gpu_memory_utilization: float = 0.9
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    long_prefill_token_threshold: int | None = None
-    seed: int = 0
+    ``EngineConfig(model=..., max_num_seqs=4, block_size=16, speculative_config={...})``: the
+    flat keyword names of vLLM's engine arguments go to the nested config that holds them
+    (``scheduler``: every SchedulerConfig field but max_model_len; ``cache``: every
+    CacheConfig field; ``speculative_config``: a SpeculativeConfig or its dict). Nested configs
+    may be passed whole; flat keywords given beside one apply on top of it, so
+    ``dataclasses.replace(cfg, max_num_seqs=8)`` works. :meth:`flat_kwargs` is the inverse.
+    """
+
+    model: str
+    dtype: DType
+    device: Device
+    max_model_len: int | None  # None = the model's max_position_embeddings
+    seed: int
     # How the weights are held (fitserve.ledger.formats.engine_tensor_format per tensor):
     # "auto" = "as-stored" (GGUF Q4_0/Q4_1/Q8_0 packed as stored, the rest in the model dtype;
     # an HF folder in the model dtype), "bf16" | "float32" (every weight dense in that dtype,
     # which is then the model dtype), "int4" | "int8" (RTN at load, see plan.formats.RTN_FORMATS).
-    weights: str = "auto"
-    # vLLM's spelling of RTN at load: None | "int4" | "int8" (the same as weights="int4"/"int8").
-    quantization: str | None = None
+    weights: WeightsChoice
+    # vLLM's spelling of RTN at load (the same as weights="int4"/"int8"/"fp8").
+    quantization: Quantization | None
     # True: every step runs eager. False: CPU decode-only steps run under torch.compile
     # (fitserve.runner.compiled_step), compiled at start-up for the batch classes max_num_seqs reaches.
-    enforce_eager: bool = True
-    # Automatic prefix caching (vLLM's): full KV blocks are kept under a hash of their prefix
-    # and reused by later requests that share it (fitserve.kv.prefix_hash).
-    enable_prefix_caching: bool = True
-    # KV cache element format (vLLM's --kv-cache-dtype): "auto" = the model dtype, or
-    # "fp8" (= "fp8_e4m3") | "fp8_e5m2" | "int8" codes with float32 scales laid out as
-    # kv_cache_scales says: "token" (K and V per token) or "channel-key" (K per channel per
-    # block, V per token); "auto": channel-key for int8, token for fp8
-    # (fitserve.ledger.formats.resolve_engine_kv_format).
-    kv_cache_dtype: str = "auto"
-    kv_cache_scales: str = "auto"
-    # Scheduling (vLLM's --scheduling-policy, plus "slo"): "fcfs" | "priority" | "slo", the
-    # SLO targets and action (see SchedulerConfig), and the step-time model "slo" uses: a JSON
-    # file, or None for the one saved for this model and machine under
-    # $FITSERVE_HOME/step-models (measured at start-up when there is none).
-    scheduling_policy: str = "fcfs"
-    slo_ttft_ms: float | None = None
-    slo_tpot_ms: float | None = None
-    slo_action: str = "reject"
-    step_model: str | None = None
+    enforce_eager: bool
+    # The step-time model the "slo" scheduling policy uses: a JSON file, or None for the one
+    # saved for this model and machine under $FITSERVE_HOME/step-models (measured at start-up
+    # when there is none).
+    step_model: str | None
     # Tensor parallelism (vLLM's tensor_parallel_size): this many processes on torch.distributed
     # (gloo), each holding 1/N of the heads, MLP and vocabulary (fitserve.dist)
-    tensor_parallel_size: int = 1
-    # Speculative decoding (off by default): a SpeculativeConfig or its vLLM-style dict
-    speculative_config: SpeculativeConfig | dict[str, object] | None = field(default=None, hash=False)
+    tensor_parallel_size: int
+    scheduler: SchedulerConfig
+    cache: CacheConfig
+    # Speculative decoding (None: off)
+    speculative: SpeculativeConfig | None
+
+    def __init__(
+        self,
+        model: str = "smollm2-135m",
+        *,
+        dtype: DType = "auto",
+        device: Device = "auto",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        weights: WeightsChoice = "auto",
+        quantization: Quantization | None = None,
+        enforce_eager: bool = True,
+        step_model: str | None = None,
+        tensor_parallel_size: int = 1,
+        scheduler: SchedulerConfig | None = None,
+        cache: CacheConfig | None = None,
+        speculative: SpeculativeConfig | None = None,
+        speculative_config: SpeculativeConfig | dict[str, object] | None = _UNSET,
+        **flat: Any,
+    ) -> None:
+        unknown = sorted(set(flat) - set(_SCHEDULER_KEYS) - set(_CACHE_KEYS))
+        if unknown:
+            raise TypeError(f"EngineConfig.__init__() got an unexpected keyword argument {unknown[0]!r}")
+        sched = {k: v for k, v in flat.items() if k in _SCHEDULER_KEYS}
+        kv = {k: v for k, v in flat.items() if k in _CACHE_KEYS}
+        if speculative_config is not _UNSET:
+            speculative = SpeculativeConfig.of(speculative_config)
+        own = {"model": model, "dtype": dtype, "device": device, "max_model_len": max_model_len,
+               "seed": seed, "weights": weights, "quantization": quantization,
+               "enforce_eager": enforce_eager, "step_model": step_model,
+               "tensor_parallel_size": tensor_parallel_size,
+               "scheduler": replace(scheduler or SchedulerConfig(), **sched),
+               "cache": replace(cache or CacheConfig(), **kv), "speculative": speculative}
+        for name, value in own.items():
+            object.__setattr__(self, name, value)  # NOTE: frozen: the one way to set a field
+
+    def flat_kwargs(self) -> dict[str, Any]:
+        """The flat keywords that rebuild this config (plain values, JSON-ready):
+        ``EngineConfig(**cfg.flat_kwargs()) == cfg`` (scheduler.max_model_len aside, which
+        the engine sets)."""
+        own = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.name not in ("scheduler", "cache", "speculative")}
+        sched = {k: getattr(self.scheduler, k) for k in _SCHEDULER_KEYS}
+        spec = None if self.speculative is None else asdict(self.speculative)
+        return {**own, **sched, **asdict(self.cache), "speculative_config": spec}
+
+    def validate(self) -> None:
+        """Every check on the settings alone (no model, no device): a ValueError naming the
+        flag. The engine and `fitserve serve` call it before the model loads."""
+        self._validate_scheduling()
+        self.scheduler.validate()
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.speculative is not None and self.tensor_parallel_size > 1:
+            raise ValueError("speculative decoding (--speculative-config) does not run with "
+                             f"--tensor-parallel-size {self.tensor_parallel_size} yet")
+
+    def _validate_scheduling(self) -> None:
+        """A bad --scheduling-policy / SLO flag, named."""
+        s = self.scheduler
+        policy = s.scheduling_policy
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
+        ttft, tpot = s.slo_ttft_ms, s.slo_tpot_ms
+        if policy != "slo":
+            if ttft is not None or tpot is not None or self.step_model is not None:
+                raise ValueError("--slo-ttft-ms, --slo-tpot-ms and --step-model apply to "
+                                 f"--scheduling-policy slo, not {policy!r}")
+            return
+        if ttft is None and tpot is None:
+            raise ValueError("--scheduling-policy slo needs a target: --slo-ttft-ms and/or --slo-tpot-ms")
+        try:
+            s.slo_targets()
+        except ValueError as exc:
+            raise ValueError(f"bad SLO setting: {exc} (--slo-ttft-ms / --slo-tpot-ms in ms, "
+                             "--slo-action reject|deprioritize)") from None

@@ -8,8 +8,16 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import get_args
 
-from fitserve.config import EngineConfig, SpeculativeConfig
+from fitserve.config import (
+    SCHEDULING_POLICIES,
+    SLO_ACTIONS,
+    DType,
+    EngineConfig,
+    Quantization,
+    SpeculativeConfig,
+)
 from fitserve.ledger.formats import ENGINE_KV_CACHE_DTYPES, ENGINE_WEIGHT_CHOICES, KV_CACHE_SCALES
 
 
@@ -38,23 +46,15 @@ def parse_speculative_config_arg(text: str) -> SpeculativeConfig:
             f"must be a JSON object such as '{{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}', "
             f"got {text!r}")
     try:
-        config = SpeculativeConfig.from_dict(value)
-        # NOTE: the engine's own check (which methods are implemented) runs here too, so that an
-        # unavailable method fails at parse time instead of after the model loads. Imported
-        # lazily: fitserve.engine.core loads torch, and only this flag needs it at parse time.
-        from fitserve.spec_decode.speculative import resolve_speculative_config
-
-        resolved = resolve_speculative_config(config)
+        return SpeculativeConfig.from_dict(value)
     except (TypeError, ValueError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    assert resolved is not None
-    return resolved
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The flags every engine-running command takes (names follow vLLM's)."""
     p.add_argument("--model", default="smollm2-135m", help="a .gguf file, a Hugging Face folder, or a known name")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=list(get_args(DType)))
     p.add_argument("--device", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
@@ -67,7 +67,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="auto", choices=list(ENGINE_WEIGHT_CHOICES),
                    help="how weights are held: auto/as-stored (GGUF Q4_0/Q4_1/Q8_0 packed as "
                         "stored), bf16/float32 (dense), int4/int8 (RTN at load), fp8 (e4m3, per-channel scales)")
-    p.add_argument("--quantization", default=None, choices=["int4", "int8", "fp8"],
+    p.add_argument("--quantization", default=None, choices=list(get_args(Quantization)),
                    help="quantize at load (vLLM's flag; same as --weights int4/int8/fp8)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(ENGINE_KV_CACHE_DTYPES),
                    help="KV cache element format: auto (the model dtype), fp8 (= fp8_e4m3), "
@@ -87,7 +87,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(automatic prefix caching; on by default)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="the same as --no-enable-prefix-caching")
-    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "slo"],
+    p.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES),
                    help="fcfs: first come first served; priority: by each request's priority "
                         "(lower first, then arrival; vLLM's); slo: fcfs plus the TPOT target "
                         "capping prompt chunks and TTFT admission (see --slo-ttft-ms)")
@@ -97,7 +97,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tpot-ms", type=float, default=None,
                    help="slo: time-per-output-token target; caps the prompt tokens a step "
                         "with decodes may take, from the step-time model")
-    p.add_argument("--slo-action", default="reject", choices=["reject", "deprioritize"],
+    p.add_argument("--slo-action", default="reject", choices=list(SLO_ACTIONS),
                    help="slo: what happens to a request predicted to miss its TTFT target")
     p.add_argument("--step-model", default=None, metavar="JSON",
                    help="slo: the step-time model file (fitserve profile --workload calibrate "

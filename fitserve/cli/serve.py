@@ -20,6 +20,7 @@ from typing import Any
 
 import uvicorn
 
+from fitserve import envs
 from fitserve.cli.engine_args import add_engine_args, engine_config_from_args
 from fitserve.config import EngineConfig
 from fitserve.server.connections import (
@@ -64,7 +65,7 @@ def add_serve_parser(subparsers: Any) -> None:
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("FITSERVE_API_KEY"),
+    p.add_argument("--api-key", default=envs.FITSERVE_API_KEY(),
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(env FITSERVE_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
@@ -131,7 +132,6 @@ def _add_sampling_default_args(p: Any) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model in the engine thread while uvicorn already answers /health (503)."""
-    from fitserve.engine.builder import check_scheduling
     from fitserve.engine.core import Engine
     from fitserve.loading.generation_defaults import GenerationDefaults
     from fitserve.server.app import create_app
@@ -155,7 +155,7 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     try:
         settings.resolve_sampling(GenerationDefaults())  # a bad --default-* value fails now
-        check_scheduling(config)  # and a bad --scheduling-policy / SLO setting
+        config.validate()  # and a bad --scheduling-policy / SLO setting
     except ValueError as exc:
         print(f"fitserve serve: {exc}", file=sys.stderr)
         return 2

@@ -23,9 +23,6 @@ from fitserve.types import RunnerOutput, SchedulerOutput
 def check_tp_config(cfg: EngineConfig, loaded: LoadedModel, device: torch.device) -> None:
     """Everything that makes --tp N impossible, before any process starts (ValueError)."""
     tp = cfg.tensor_parallel_size
-    if cfg.speculative_config is not None:
-        raise ValueError("speculative decoding (--speculative-config) does not run with "
-                         f"--tensor-parallel-size {tp} yet")
     if device.type != "cpu":
         raise ValueError(f"tensor parallelism runs on the CPU (gloo) here, not on {device}")
     check_tp_layout(loaded.spec, tp, group_sizes=row_parallel_groups(loaded.weights))

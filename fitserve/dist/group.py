@@ -16,7 +16,6 @@ worker waits there while the engine is idle).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -25,11 +24,11 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from fitserve import envs
 from fitserve.config import EngineConfig
 from fitserve.dist.comm import Collectives
 from fitserve.dist.step_message import SHUTDOWN, STEP, encode_step, header
@@ -38,6 +37,7 @@ from fitserve.types import SchedulerOutput
 
 log = logging.getLogger("fitserve.dist")
 CONTROL_TIMEOUT = timedelta(days=365)
+WORKER_MODULE = "fitserve.dist.worker"  # what the spawned ranks run (`python -m`); tests swap it
 
 
 def launched_externally(tp: int) -> bool:
@@ -71,8 +71,7 @@ def _free_port() -> int:
 
 
 def worker_config_json(cfg: EngineConfig, model_path: str) -> str:
-    d: dict[str, Any] = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-                         if f.name != "speculative_config"}
+    d = cfg.flat_kwargs()
     d["model"] = model_path
     return json.dumps(d)
 
@@ -92,10 +91,10 @@ class TPGroup:
             threads = max(1, (os.cpu_count() or 1) // tp)
             for rank in range(1, tp):
                 env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(tp), LOCAL_RANK=str(rank),
-                           OMP_NUM_THREADS=str(threads), FITSERVE_TP_PARENT=str(os.getpid()))
+                           OMP_NUM_THREADS=str(threads), **{envs.FITSERVE_TP_PARENT.name: str(os.getpid())})
                 env.setdefault("GLOO_SOCKET_IFNAME", "lo")
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "fitserve.dist.worker", "--init", init, "--config",
+                    [sys.executable, "-m", WORKER_MODULE, "--init", init, "--config",
                      worker_config_json(cfg, model_path)], env=env))
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
             torch.set_num_threads(threads)

@@ -27,17 +27,16 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from fitserve import envs
 from fitserve.dist.comm import Collectives
 
 log = logging.getLogger("fitserve.dist")
 HANG_KEY = "fitserve/hang"
 REPORT_KEY = "fitserve/report/{}/{}"  # episode, rank
-WATCHDOG_ENV = "FITSERVE_TP_WATCHDOG_S"
-DEFAULT_WATCHDOG_S = 60.0
 
 
 def watchdog_seconds() -> float:
-    return float(os.environ.get(WATCHDOG_ENV, DEFAULT_WATCHDOG_S))
+    return envs.FITSERVE_TP_WATCHDOG_S()
 
 
 @dataclass(frozen=True, slots=True)

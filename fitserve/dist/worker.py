@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from fitserve import envs
 from fitserve.config import EngineConfig
 from fitserve.dist.comm import Collectives
 from fitserve.dist.layout import rank_spec
@@ -26,22 +27,10 @@ from fitserve.dist.tp_model import TPCausalLM, build_tp_model
 from fitserve.runner.model_runner import ModelRunner, decode_rows_first, logits_rows
 
 log = logging.getLogger("fitserve.dist")
-# NOTE: test-only fault injection: "RANK:STEP:SECONDS" makes that rank sleep before that step
-STALL_ENV = "FITSERVE_TEST_TP_STALL"
-
-
-def _stall(rank: int, step: int) -> None:
-    spec = os.environ.get(STALL_ENV)
-    if spec:
-        r, s, secs = spec.split(":")
-        if int(r) == rank and int(s) == step:
-            time.sleep(float(secs))
-
-
 def _watch_parent() -> None:
     """Spawned workers exit when the engine process is gone (its collectives would fail too,
     but an idle worker waits on the control channel for a long time)."""
-    parent = int(os.environ.get("FITSERVE_TP_PARENT", "0"))
+    parent = envs.FITSERVE_TP_PARENT()
     if not parent:
         return
 
@@ -77,15 +66,14 @@ def build_worker(cfg: EngineConfig, rank: int, world: int, comm: Collectives
     start = comm.broadcast(torch.zeros(1, dtype=torch.int64), "startup", control=True,
                            idle=True)
     runner = ModelRunner(model, rank_spec(loaded.spec, world, rank),  # type: ignore[arg-type]
-                         num_blocks=int(start[0]), block_size=cfg.block_size, kv_dtype=dtype,
-                         device=device, compile_decode=False, kv_cache_dtype=cfg.kv_cache_dtype,
-                         kv_cache_scales=cfg.kv_cache_scales)
+                         num_blocks=int(start[0]), block_size=cfg.cache.block_size, kv_dtype=dtype,
+                         device=device, compile_decode=False, kv_cache_dtype=cfg.cache.kv_cache_dtype,
+                         kv_cache_scales=cfg.cache.kv_cache_scales)
     return model, runner
 
 
-def serve_steps(rank: int, comm: Collectives, model: TPCausalLM, runner: ModelRunner) -> None:
+def serve_steps(comm: Collectives, model: TPCausalLM, runner: ModelRunner) -> None:
     """Run rank 0's step plans until it says SHUTDOWN."""
-    step = 0
     while True:
         head = comm.broadcast(torch.zeros(HEADER_LEN, dtype=torch.int64), "control",
                               control=True, idle=True)
@@ -94,8 +82,6 @@ def serve_steps(rank: int, comm: Collectives, model: TPCausalLM, runner: ModelRu
         payload = comm.broadcast(torch.zeros(int(head[1]), dtype=torch.int64), "control",
                                  control=True)
         plan = decode_step(payload)
-        step += 1
-        _stall(rank, step)
         with torch.inference_mode():
             if plan.block_copies:
                 runner.copy_blocks(plan.block_copies)
@@ -115,7 +101,7 @@ def run_worker(cfg: EngineConfig, rank: int, world: int, init: str) -> int:
     comm, dog = init_group(rank, world, init)
     try:
         model, runner = build_worker(cfg, rank, world, comm)
-        serve_steps(rank, comm, model, runner)
+        serve_steps(comm, model, runner)
     except Exception as exc:
         log.error("tensor-parallel worker rank %d: %s", rank, exc)
         print(f"fitserve tp worker rank {rank}: error: {exc}", file=sys.stderr)

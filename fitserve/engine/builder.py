@@ -12,12 +12,12 @@ import ctypes
 import ctypes.util
 import functools
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from fitserve import envs
 from fitserve.config import EngineConfig, ModelSpec
 from fitserve.ledger.hardware import cpu_engine_dtype
 from fitserve.ledger.memory import (
@@ -94,7 +94,7 @@ def engine_kv_format(cfg: EngineConfig, dtype: torch.dtype) -> str:
     from fitserve.ledger.formats import resolve_engine_kv_format
 
     try:
-        return resolve_engine_kv_format(cfg.kv_cache_dtype, cfg.kv_cache_scales, dtype_name(dtype))
+        return resolve_engine_kv_format(cfg.cache.kv_cache_dtype, cfg.cache.kv_cache_scales, dtype_name(dtype))
     except PlanError as exc:
         raise ValueError(str(exc)) from exc
 
@@ -105,17 +105,18 @@ def size_kv_pool(
     """Number of KV blocks, from the same ledger functions `fitserve plan` prints."""
     kv_name = engine_kv_format(cfg, kv_dtype)
     act_bytes = torch.finfo(kv_dtype).bits // 8
+    cache, sched = cfg.cache, cfg.scheduler
     plan: EngineMemoryPlan
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         # NOTE: the weights are already on the device, so "in use" excludes them.
         plan = engine_memory_plan(
             spec, weight_bytes=weight_bytes, total_memory_bytes=total,
-            memory_utilization=cfg.gpu_memory_utilization,
-            max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
-            block_size=cfg.block_size, kv_dtype=kv_name, act_dtype_bytes=act_bytes,
+            memory_utilization=cache.gpu_memory_utilization,
+            max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
+            block_size=cache.block_size, kv_dtype=kv_name, act_dtype_bytes=act_bytes,
             workspace_bytes=DEFAULT_GPU_WORKSPACE_BYTES,
-            kv_cache_memory_bytes=cfg.kv_cache_memory_bytes, kv_blocks=cfg.num_kv_blocks,
+            kv_cache_memory_bytes=cache.kv_cache_memory_bytes, kv_blocks=cache.num_kv_blocks,
             in_use_bytes=max(0, total - free - weight_bytes))
     else:
         from fitserve.kernels.cpu.paged_attention import paged_attention_available
@@ -124,14 +125,14 @@ def size_kv_pool(
         # model's max_position_embeddings) sizes the RoPE tables and the attention scratch;
         # whether decode runs the fused C++ kernel or gathers K/V is the runner's own test.
         plan = cpu_engine_memory_plan(
-            spec, weight_bytes=weight_bytes, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_num_seqs=cfg.max_num_seqs, block_size=cfg.block_size, kv_dtype=kv_name,
-            act_dtype_bytes=act_bytes, kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
-            kv_blocks=cfg.num_kv_blocks,
+            spec, weight_bytes=weight_bytes, max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_num_seqs=sched.max_num_seqs, block_size=cache.block_size, kv_dtype=kv_name,
+            act_dtype_bytes=act_bytes, kv_cache_memory_bytes=cache.kv_cache_memory_bytes,
+            kv_blocks=cache.num_kv_blocks,
             max_model_len=cfg.max_model_len or spec.max_position_embeddings,
             fused_decode=paged_attention_available())
-    budget = None if cfg.num_kv_blocks is not None else plan.kv_pool_bytes
-    return KVPoolSize(plan.num_kv_blocks, cfg.block_size, plan.kv_bytes_per_token, budget,
+    budget = None if cache.num_kv_blocks is not None else plan.kv_pool_bytes
+    return KVPoolSize(plan.num_kv_blocks, cache.block_size, plan.kv_bytes_per_token, budget,
                       plan.block_bytes, plan)
 
 
@@ -181,9 +182,6 @@ def check_pool_fits(pool: KVPoolSize, max_model_len: int) -> None:
     )
 
 
-ALLOW_LONG_MAX_MODEL_LEN_ENV = "FITSERVE_ALLOW_LONG_MAX_MODEL_LEN"
-
-
 def check_max_model_len(requested: int | None, spec: ModelSpec) -> int:
     """``requested`` (None: the model's max_position_embeddings), refused past the trained length.
 
@@ -201,35 +199,12 @@ def check_max_model_len(requested: int | None, spec: ModelSpec) -> int:
     if requested <= trained:
         return requested
     what = f"max_model_len={requested} is longer than the model's trained context ({trained} tokens, {how})"
-    if os.environ.get(ALLOW_LONG_MAX_MODEL_LEN_ENV, "0").strip().lower() in ("1", "true"):
+    allow = envs.FITSERVE_ALLOW_LONG_MAX_MODEL_LEN
+    if allow():
         logging.getLogger("fitserve.engine").warning(
-            "%s (%s is set): positions past it were never trained; outputs may be wrong",
-            what, ALLOW_LONG_MAX_MODEL_LEN_ENV)
+            "%s (%s is set): positions past it were never trained; outputs may be wrong", what, allow.name)
         return requested
     raise ValueError(
         f"{what}; outputs past it degrade. Lower --max-model-len, or "
-        f"set {ALLOW_LONG_MAX_MODEL_LEN_ENV}=1 to allow it anyway"
+        f"set {allow.name}=1 to allow it anyway"
     )
-
-
-def check_scheduling(cfg: EngineConfig) -> None:
-    """A bad --scheduling-policy / SLO flag fails before the model loads, naming the flag."""
-    from fitserve.sched.slo import SCHEDULING_POLICIES, SLOTargets
-
-    policy = cfg.scheduling_policy
-    if policy not in SCHEDULING_POLICIES:
-        raise ValueError(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
-    ttft, tpot = cfg.slo_ttft_ms, cfg.slo_tpot_ms
-    if policy != "slo":
-        if ttft is not None or tpot is not None or cfg.step_model is not None:
-            raise ValueError("--slo-ttft-ms, --slo-tpot-ms and --step-model apply to "
-                             f"--scheduling-policy slo, not {policy!r}")
-        return
-    if ttft is None and tpot is None:
-        raise ValueError("--scheduling-policy slo needs a target: --slo-ttft-ms and/or --slo-tpot-ms")
-    try:
-        SLOTargets(None if ttft is None else ttft / 1000, None if tpot is None else tpot / 1000,
-                   cfg.slo_action)
-    except ValueError as exc:
-        raise ValueError(f"bad SLO setting: {exc} (--slo-ttft-ms / --slo-tpot-ms in ms, "
-                         "--slo-action reject|deprioritize)") from None

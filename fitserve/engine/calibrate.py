@@ -31,8 +31,8 @@ from fitserve.engine.calibration_sweep import (
     run_sweep,
     samples_of,
 )
+from fitserve.envs import fitserve_home
 from fitserve.ledger.errors import PlanError
-from fitserve.ledger.hardware import fitserve_home
 from fitserve.ledger.step_time import (
     FitError,
     StepSample,
@@ -77,8 +77,8 @@ def _key_fields(engine: Engine) -> dict[str, str | int]:
     model = str(loaded.path) if loaded is not None else cfg.model
     return {
         "model": model, "weights": str(engine.weights_choice),
-        "dtype": str(engine.dtype).removeprefix("torch."), "kv_cache_dtype": cfg.kv_cache_dtype,
-        "kv_cache_scales": cfg.kv_cache_scales, "block_size": cfg.block_size,
+        "dtype": str(engine.dtype).removeprefix("torch."), "kv_cache_dtype": cfg.cache.kv_cache_dtype,
+        "kv_cache_scales": cfg.cache.kv_cache_scales, "block_size": cfg.cache.block_size,
         "threads": torch.get_num_threads(), "cpu": cpu_model_name(), "device": _device_name(engine),
     }
 

@@ -113,10 +113,10 @@ class EngineLimits:
 
     @classmethod
     def of(cls, engine: Engine) -> EngineLimits:
-        cfg = engine.config
-        return cls(min(cfg.max_num_seqs, cfg.max_num_batched_tokens), cfg.max_num_batched_tokens,
-                   engine.max_model_len, engine.pool.num_blocks, cfg.block_size,
-                   cfg.enable_prefix_caching)
+        sched, cache = engine.config.scheduler, engine.config.cache
+        return cls(min(sched.max_num_seqs, sched.max_num_batched_tokens), sched.max_num_batched_tokens,
+                   engine.max_model_len, engine.pool.num_blocks, cache.block_size,
+                   cache.enable_prefix_caching)
 
     def blocks(self, tokens: int) -> int:
         return -(-tokens // self.block_size)

@@ -11,16 +11,15 @@ import copy
 import itertools
 import logging
 import math
-import os
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from fitserve.config import EngineConfig, SchedulerConfig
+from fitserve.config import EngineConfig
 from fitserve.dist.comm import CollectiveError
 from fitserve.dist.engine_tp import TPModelRunner, start_tensor_parallel
 from fitserve.dist.group import TPGroup
@@ -28,7 +27,6 @@ from fitserve.engine.beams import BeamSearches
 from fitserve.engine.builder import (
     check_max_model_len,
     check_pool_fits,
-    check_scheduling,
     dtype_name,
     engine_kv_format,
     release_freed_host_memory,
@@ -52,11 +50,7 @@ from fitserve.sampling.guided import GuidedDecoding
 from fitserve.sched.request import SchedRequest
 from fitserve.sched.scheduler import Scheduler
 from fitserve.sched.slo import step_shape
-from fitserve.spec_decode.speculative import (
-    SpeculativeDecoding,
-    build_proposer,
-    resolve_speculative_config,
-)
+from fitserve.spec_decode.speculative import SpeculativeDecoding, build_proposer
 from fitserve.spec_decode.stats import SpecDecodeStats
 from fitserve.structured.compiler import GrammarCompiler
 from fitserve.structured.requests import guide_states
@@ -72,21 +66,14 @@ from fitserve.types import (
 log = logging.getLogger("fitserve.engine")
 
 FaultHook = Callable[[Sequence[str]], None]
-"""Test-only: called with the request ids of each (sub-)step before it runs; raising fails it."""
+"""Called with the request ids of each (sub-)step before it runs; raising fails it (tests
+inject faults through it)."""
 
 BUSY_GAP_S = 0.05
 """A pause between two steps longer than this is idle time, not part of the earlier step."""
 
 STEP_LOG_LEN = 1 << 14
 """Steps :attr:`Engine.step_log` keeps (the newest)."""
-
-FAULT_TOKEN_ENV = "FITSERVE_TEST_FAULT_TOKEN"
-"""Test-only: a token id; any step holding a request whose prompt starts with it raises."""
-
-
-class InjectedFault(RuntimeError):
-    """The test-only fault of :attr:`Engine.fault_hook` / ``FITSERVE_TEST_FAULT_TOKEN``."""
-
 
 @dataclass(slots=True)
 class EngineStats:
@@ -116,7 +103,7 @@ class Engine:
         choice, dtype_arg = resolve_engine_weights(cfg.weights, cfg.quantization, cfg.dtype)
         self.dtype = resolve_dtype(dtype_arg, self.device)
         engine_kv_format(cfg, self.dtype)  # a bad --kv-cache-dtype/-scales fails before loading
-        check_scheduling(cfg)  # and a bad --scheduling-policy / SLO target
+        cfg.validate()  # and every other bad setting (--scheduling-policy, SLO targets, ...)
         self.loaded = loaded if loaded is not None else load_model(
             cfg.model, dtype=self.dtype, weights=choice)
         explicit = cfg.weights != "auto" or cfg.quantization is not None
@@ -132,8 +119,6 @@ class Engine:
         check_supported(self.spec)
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = check_max_model_len(cfg.max_model_len, self.spec)
-        if self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         # the spec of the shard this process holds: the whole model, or rank 0's under --tp
         self.tp_group: TPGroup | None = None
         shard_spec = self.spec
@@ -165,27 +150,17 @@ class Engine:
         check_pool_fits(self.pool, self.max_model_len)
         if self.tp_group is not None:
             self.tp_group.send_startup(self.pool.num_blocks)
-        self.kv = KVCacheManager(self.pool.num_blocks, cfg.block_size,
-                                 enable_caching=cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_batched_tokens=cfg.max_num_batched_tokens,
-                max_num_seqs=cfg.max_num_seqs,
-                max_model_len=self.max_model_len,
-                long_prefill_token_threshold=cfg.long_prefill_token_threshold,
-                scheduling_policy=cfg.scheduling_policy,
-                slo_ttft_ms=cfg.slo_ttft_ms,
-                slo_tpot_ms=cfg.slo_tpot_ms,
-                slo_action=cfg.slo_action,
-            ),
-            self.kv,
-        )
+        self.kv = KVCacheManager(self.pool.num_blocks, cfg.cache.block_size,
+                                 enable_caching=cfg.cache.enable_prefix_caching)
+        # the scheduler's max_model_len is the one resolved above (vLLM does the same)
+        self.scheduler = Scheduler(replace(cfg.scheduler, max_model_len=self.max_model_len),
+                                   self.kv)
         self.runner = (ModelRunner if self.tp_group is None else TPModelRunner)(
-            model, shard_spec, num_blocks=self.pool.num_blocks, block_size=cfg.block_size,  # type: ignore[arg-type]
+            model, shard_spec, num_blocks=self.pool.num_blocks, block_size=cfg.cache.block_size,  # type: ignore[arg-type]
             kv_dtype=self.dtype, device=self.device,
             # NOTE: under --tp every step runs eager (collectives inside a compiled graph: later)
             compile_decode=not cfg.enforce_eager and self.tp_group is None,
-            kv_cache_dtype=cfg.kv_cache_dtype, kv_cache_scales=cfg.kv_cache_scales,
+            kv_cache_dtype=cfg.cache.kv_cache_dtype, kv_cache_scales=cfg.cache.kv_cache_scales,
         )
         if isinstance(self.runner, TPModelRunner):
             assert self.tp_group is not None
@@ -199,7 +174,7 @@ class Engine:
         self.startup_seconds: dict[str, float] = {"load": time.perf_counter() - t_start}
         if self.runner.compiled is not None:
             t0 = time.perf_counter()
-            sizes = [n for n in (1, 2, 17) if n <= cfg.max_num_seqs]
+            sizes = [n for n in (1, 2, 17) if n <= cfg.scheduler.max_num_seqs]
             per_class = self.runner.warm_up_compiled(sizes)
             self.startup_seconds["compile"] = time.perf_counter() - t0
             log.info("decode step compiled in %.1f s (%s)", self.startup_seconds["compile"],
@@ -212,7 +187,7 @@ class Engine:
         # structured output: compiled grammars, cached (its LLTokenizer is built on first use)
         self.grammars = GrammarCompiler()
         self._beams = BeamSearches(self.scheduler, self.tokenizer, str(self.device))
-        self.speculative_config = resolve_speculative_config(cfg.speculative_config)
+        self.speculative_config = cfg.speculative
         self.spec_decode = None if self.speculative_config is None else SpeculativeDecoding(
             self.speculative_config, build_proposer(
                 self.speculative_config, target=self.spec, runner=self.runner, kv=self.kv,
@@ -223,10 +198,10 @@ class Engine:
         # every step's shape and wall time, newest last (the profiler and the step-time model)
         self.step_log: deque[StepRecord] = deque(maxlen=STEP_LOG_LEN)
         self._ids = itertools.count()
-        # NOTE: test-only fault injection (tests set it, or FITSERVE_TEST_FAULT_TOKEN): None
-        # in normal use, so a step costs one attribute check.
-        self.fault_hook: FaultHook | None = _fault_hook_from_env(self)
-        if cfg.scheduling_policy == "slo":
+        # NOTE: fault injection for tests (they set it): None in normal use, so a step costs
+        # one attribute check.
+        self.fault_hook: FaultHook | None = None
+        if cfg.scheduler.scheduling_policy == "slo":
             self._load_step_model()
         torch.manual_seed(cfg.seed)
 
@@ -594,22 +569,4 @@ def _slo_overrides(ttft_ms: float | None, tpot_ms: float | None) -> tuple[float 
     return out[0], out[1]
 
 
-def _fault_hook_from_env(engine: Engine) -> FaultHook | None:
-    """Test-only: the hook ``FITSERVE_TEST_FAULT_TOKEN=<token id>`` asks for, else None."""
-    raw = os.environ.get(FAULT_TOKEN_ENV, "").strip()
-    if not raw:
-        return None
-    marker = int(raw)
-    log.warning("%s=%d: TEST-ONLY fault injection is on (steps holding a request whose prompt "
-                "starts with token %d raise InjectedFault)", FAULT_TOKEN_ENV, marker, marker)
-
-    def hook(request_ids: Sequence[str]) -> None:
-        for rid in request_ids:
-            t = engine._requests.get(rid)
-            if t is not None and t.sched.prompt_token_ids[:1] == [marker]:
-                raise InjectedFault(f"injected fault for request {rid!r} ({FAULT_TOKEN_ENV}={marker})")
-
-    return hook
-
-
-__all__ = ["Engine", "EngineStats", "FinishReason", "InjectedFault", "RequestOutput", "check_max_model_len"]
+__all__ = ["Engine", "EngineStats", "FinishReason", "RequestOutput", "check_max_model_len"]

@@ -62,7 +62,7 @@ class BeamSearchOutput:
 class LLM:
     """``LLM(model).generate(prompts, params)``: batch generation with continuous batching.
 
-    Keyword arguments are EngineConfig fields (dtype, max_model_len, num_kv_blocks, ...),
+    Keyword arguments are EngineConfig keywords (dtype, max_model_len, num_kv_blocks, ...),
     among them ``weights`` ("auto" = as stored, "bf16", "float32", "int4", "int8") and
     ``quantization`` (None, "int4", "int8": RTN at load, vLLM's spelling).
     """

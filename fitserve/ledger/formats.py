@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import get_args
 
+from fitserve.config import KVCacheDType, KVCacheScales, WeightsChoice
 from fitserve.ledger.errors import PlanError
 
 
@@ -211,8 +213,7 @@ def weight_bytes(num_elements: int, fmt: str, *, rows: int = 0) -> int:
 
 
 # The engine's ``--weights`` choices (EngineConfig.weights; `fitserve plan --gpu cpu --weights`).
-ENGINE_WEIGHT_CHOICES = ("auto", "as-stored", "bf16", "float32", "float16", "int8", "int4",
-                         "fp8")
+ENGINE_WEIGHT_CHOICES: tuple[str, ...] = get_args(WeightsChoice)  # the engine's --weights
 # NOTE: what RTN at load makes of (linear layers, embedding + lm_head). int4: asymmetric g32,
 # llama.cpp Q4_1's layout (a 135M model loses most at coarse groups; the f16 min follows a
 # skewed group); the embedding / lm_head in per-channel int8, as llama.cpp keeps token_embd
@@ -346,9 +347,8 @@ KV_FORMATS: dict[str, KVFormat] = {
 
 # The engine's --kv-cache-dtype choices (vLLM's names; "fp8" is e4m3 as in vLLM) and
 # --kv-cache-scales layouts.
-ENGINE_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3",
-                          "fp8_e5m2", "int8")
-KV_CACHE_SCALES = ("auto", "token", "channel-key")
+ENGINE_KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDType)  # the engine's --kv-cache-dtype
+KV_CACHE_SCALES: tuple[str, ...] = get_args(KVCacheScales)
 # NOTE: measured (benchmarks/bench_quant.py, SmolLM2, KL vs the bf16 cache): per-channel keys
 # help int8 (0.0055 vs 0.0060 nats/token), whose uniform grid an outlier channel stretches,
 # and hurt fp8 (e4m3 0.0127 vs 0.0105): a float format keeps its relative precision under one

@@ -10,9 +10,9 @@ import platform
 import time
 from dataclasses import asdict, dataclass
 from importlib import resources
-from pathlib import Path
 from typing import Any
 
+from fitserve.envs import fitserve_home
 from fitserve.ledger.errors import PlanError
 
 CPU_CACHE_VERSION = 1
@@ -75,16 +75,6 @@ def get_hardware(name: str) -> Hardware:
     close = difflib.get_close_matches(key, [*table, "cpu"], n=3, cutoff=0.4)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     raise PlanError(f"unknown GPU {name!r}{hint} Known: {', '.join(gpu_names())}")
-
-
-def fitserve_home() -> Path:
-    """$FITSERVE_HOME, else platformdirs' user cache dir for "fitserve"."""
-    env = os.environ.get("FITSERVE_HOME")
-    if env:
-        return Path(env)
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("fitserve"))
 
 
 def _machine_key() -> str:

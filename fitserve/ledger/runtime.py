@@ -13,7 +13,8 @@ import subprocess
 import sys
 from importlib import metadata
 
-from fitserve.ledger.hardware import _machine_key, fitserve_home
+from fitserve.envs import fitserve_home
+from fitserve.ledger.hardware import _machine_key
 
 RUNTIME_CACHE_VERSION = 1
 

@@ -36,6 +36,7 @@ import os
 from dataclasses import dataclass
 from enum import StrEnum
 
+from fitserve import envs
 from fitserve.config import ModelSpec
 from fitserve.ledger.hardware import cpu_has_amx_bf16
 
@@ -79,7 +80,7 @@ def cpu_threads() -> int:
 def cpp_kernels_disabled() -> bool:
     """True when FITSERVE_DISABLE_CPP forces the pure-torch paths (the planner's view of
     whether the fused decode kernel runs; fitserve.kernels.cpu.build reads the same variable)."""
-    return os.environ.get("FITSERVE_DISABLE_CPP", "") not in ("", "0")
+    return envs.FITSERVE_DISABLE_CPP()
 
 
 def flash_q_split(q_len: int) -> int:

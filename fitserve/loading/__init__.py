@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from fitserve.loading.chat_template import ChatTemplateError
     from fitserve.loading.gguf import SUPPORTED_GGUF_TYPES
-    from fitserve.loading.pull import DEFAULT_MODEL, KNOWN_MODELS, fitserve_home, pull
+    from fitserve.loading.pull import DEFAULT_MODEL, KNOWN_MODELS, pull
     from fitserve.loading.tokenizer import IncrementalDetokenizer, Tokenizer
 
 # NOTE: PEP 562 lazy names. Importing a torch-free reader (fitserve.loading.hf_config,
@@ -42,7 +42,6 @@ _LAZY: dict[str, str] = {
     "ChatTemplateError": "fitserve.loading.chat_template",
     "DEFAULT_MODEL": "fitserve.loading.pull",
     "KNOWN_MODELS": "fitserve.loading.pull",
-    "fitserve_home": "fitserve.loading.pull",
     "pull": "fitserve.loading.pull",
     "IncrementalDetokenizer": "fitserve.loading.tokenizer",
     "Tokenizer": "fitserve.loading.tokenizer",
@@ -78,7 +77,6 @@ __all__ = [
     "UnsupportedArchitectureError",
     "UnsupportedTensorTypeError",
     "expected_weight_shapes",
-    "fitserve_home",
     "load_model",
     "load_tokenizer",
     "pull",

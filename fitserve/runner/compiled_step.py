@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from fitserve.envs import fitserve_home
 from fitserve.model.attention.backend import DecodeBatch
 from fitserve.model.attention.cpu_paged import CPU_PAGED_DECODE, CpuPagedDecode
 from fitserve.model.attention.paged import AttentionBatch
@@ -40,9 +41,7 @@ MIN_TABLE_WIDTH = 2  # dynamo specializes a dimension of size 1: pad the block t
 
 
 def compile_cache_dir() -> Path:
-    home = os.environ.get("FITSERVE_HOME")
-    base = Path(home) if home else Path.home() / ".cache" / "fitserve"
-    return base / "compile"
+    return fitserve_home() / "compile"
 
 
 def use_fitserve_compile_cache() -> None:

@@ -24,7 +24,6 @@ are a plan made once per shape class (``decode_plan``, an integer handle). ``nat
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Callable
 
@@ -32,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fitserve import envs
 from fitserve.kernels.cpu.decode_step import decode_step_available
 from fitserve.kernels.cpu.fused import fused_ops_available
 from fitserve.kernels.cpu.paged_attention import DEFAULT_PARTITION, paged_attention_available
@@ -110,7 +110,7 @@ class DecodeLoop:
         self._plans_kv: list[LayerKV] | None = None
         self._handles: list[int] = []
         weakref.finalize(self, _drop_plans, self._handles)
-        self.native = os.environ.get("FITSERVE_DECODE_NATIVE") != "0"
+        self.native = envs.FITSERVE_DECODE_NATIVE()
         self.calls = 0  # steps run here (tests check the fast path is the one taken)
         self.native_calls = 0  # of which through decode_layers
 

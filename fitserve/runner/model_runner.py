@@ -9,10 +9,9 @@ scheduler's block tables into the flat cache slots each new token writes::
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from fitserve import envs
 from fitserve.config import ModelSpec
 from fitserve.kernels.cpu.paged_attention import paged_attention_available
 from fitserve.ledger.formats import kv_format as kv_format_entry
@@ -68,7 +67,7 @@ class ModelRunner:
         # eager decode-only steps as one flat loop of prebound ops (fitserve.runner.decode_loop);
         # FITSERVE_DECODE_LOOP=0 runs them through the modules instead (same bits, slower)
         self.decode_loop: DecodeLoop | None = None
-        if (self.use_cpp and not self.quantized_kv and os.environ.get("FITSERVE_DECODE_LOOP") != "0"
+        if (self.use_cpp and not self.quantized_kv and envs.FITSERVE_DECODE_LOOP()
                 and DecodeLoop.supports(model, kv_dtype)):
             self.decode_loop = DecodeLoop(model, kv_dtype)
 

@@ -55,7 +55,7 @@ from fitserve.kv.prefix_hash import extend_block_hashes
 from fitserve.ledger.kv import sharing_blocks
 from fitserve.ledger.step_time import StepTimeModel
 from fitserve.sched.request import SchedRequest
-from fitserve.sched.slo import SCHEDULING_POLICIES, SLOController, SLOTargets
+from fitserve.sched.slo import SLOController
 from fitserve.types import RequestStatus, ScheduledChunk, SchedulerOutput
 
 
@@ -78,28 +78,14 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, *,
                  step_model: StepTimeModel | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
-            raise ValueError(
-                "max_num_batched_tokens and max_num_seqs must be >= 1, got "
-                f"{config.max_num_batched_tokens} and {config.max_num_seqs}"
-            )
-        t = config.long_prefill_token_threshold
-        if t is not None and t < 1:
-            raise ValueError(f"long_prefill_token_threshold must be >= 1 or None, got {t}")
-        if config.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
-                             f"got {config.scheduling_policy!r}")
+        config.validate()
         self.config = config
         self.kv = kv
         self.policy = config.scheduling_policy
         self.clock = clock
         self.slo: SLOController | None = None
         if self.policy == "slo":
-            ttft, tpot = config.slo_ttft_ms, config.slo_tpot_ms
-            targets = SLOTargets(None if ttft is None else ttft / 1000,
-                                 None if tpot is None else tpot / 1000, config.slo_action,
-                                 config.slo_headroom)
-            self.slo = SLOController(targets, max_num_batched_tokens=config.max_num_batched_tokens,
+            self.slo = SLOController(config.slo_targets(), max_num_batched_tokens=config.max_num_batched_tokens,
                                      max_num_seqs=config.max_num_seqs,
                                      min_prefill_tokens=kv.block_size, step_model=step_model)
         self._prefill_left: int | None = None  # slo: prompt-chunk tokens this step may still take

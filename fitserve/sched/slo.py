@@ -59,16 +59,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
+from fitserve.config import SLOTargets
 from fitserve.ledger.step_time import StepShape, StepTimeModel
 from fitserve.sched.request import SchedRequest
 from fitserve.types import SchedulerOutput
 
-SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
 CORRECTION_WEIGHT = 0.2  # of each new measured/predicted ratio in the running correction
 CORRECTION_MIN, CORRECTION_MAX = 0.5, 4.0
-SLO_ACTIONS = ("reject", "deprioritize")
 
 
 class AdmissionRejected(RuntimeError):
@@ -91,28 +89,6 @@ class AdmissionRejected(RuntimeError):
                "and queued, with it)")
         super().__init__(f"request {request_id!r} {why}, past its {target} target of "
                          f"{target_s * 1e3:.0f} ms; retry in {self.retry_after_s} s")
-
-
-@dataclass(frozen=True, slots=True)
-class SLOTargets:
-    """The server's targets in seconds (None: no target) and what to do with a late request."""
-
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-    action: str = "reject"
-    # the rules plan for this share of each target, so that the model's error (held-out p90
-    # ~20% here) and the steps' jitter land inside the target rather than half above it
-    headroom: float = 0.85
-
-    def __post_init__(self) -> None:
-        for name in ("ttft_s", "tpot_s"):
-            v = getattr(self, name)
-            if v is not None and not (math.isfinite(v) and v > 0):
-                raise ValueError(f"SLO target {name} must be > 0, got {v!r}")
-        if not 0 < self.headroom <= 1:
-            raise ValueError(f"slo headroom must be in (0, 1], got {self.headroom!r}")
-        if self.action not in SLO_ACTIONS:
-            raise ValueError(f"slo action must be one of {', '.join(SLO_ACTIONS)}, got {self.action!r}")
 
 
 def step_shape(out: SchedulerOutput) -> StepShape:

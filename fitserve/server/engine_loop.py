@@ -29,7 +29,6 @@ down every live request. Client mistakes found by ``add_request`` (ValueError) a
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -62,11 +61,6 @@ class EngineShutdown(RuntimeError):
     """Delivered to requests still open when the engine thread stops."""
 
 
-class InjectedEngineDeath(RuntimeError):
-    """Test-only: ``FITSERVE_TEST_KILL_TOKEN`` kills the engine thread (see :meth:`EngineLoop._add`)."""
-
-
-KILL_TOKEN_ENV = "FITSERVE_TEST_KILL_TOKEN"
 TRIM_DELAY_S = 0.5  # idle this long before the C heap is trimmed
 
 
@@ -116,9 +110,6 @@ class EngineLoop:
         self._ready = threading.Event()
         self._done = threading.Event()
         self._last_publish = 0.0
-        # NOTE: test-only: a request whose prompt starts with this token kills the engine thread
-        raw = os.environ.get(KILL_TOKEN_ENV, "").strip()
-        self._kill_token = int(raw) if raw else None
         self._thread = threading.Thread(target=self._run, name="fitserve-engine", daemon=True)
 
     # -- HTTP side ------------------------------------------------------------------------------
@@ -314,8 +305,6 @@ class EngineLoop:
             self._live[c.request_id] = _Live(sink, group, cmd.arrival, len(c.prompt_ids))
             self._queued_ids.add(c.request_id)
             self.metrics.prompt_tokens.inc(len(c.prompt_ids))
-        if self._kill_token is not None and any(c.prompt_ids[:1] == [self._kill_token] for c in children):
-            raise InjectedEngineDeath(f"TEST-ONLY: {KILL_TOKEN_ENV}={self._kill_token} killed the engine thread")
 
     def _step(self, engine: Engine) -> None:
         try:
@@ -391,7 +380,7 @@ class EngineLoop:
             for rid, live in self._live.items()
         ]
         self.snapshot = DashboardSnapshot(
-            time=time.time(), kv=KVSnapshot.of(st.kv, engine.config.block_size),
+            time=time.time(), kv=KVSnapshot.of(st.kv, engine.config.cache.block_size),
             owners=sorted(st.block_owners.items()), cached=st.evictable_blocks, requests=requests,
             num_running=st.num_running, num_waiting=st.num_waiting, total_preemptions=st.total_preemptions,
         )

@@ -37,15 +37,6 @@ from fitserve.spec_decode.stats import SpecDecodeStats
 from fitserve.types import RunnerOutput, SchedulerOutput, SpecDecodeInputs
 
 
-def resolve_speculative_config(value: SpeculativeConfig | dict[str, object] | None) -> SpeculativeConfig | None:
-    """EngineConfig.speculative_config as a SpeculativeConfig (a vLLM-style dict is parsed)."""
-    if value is None or isinstance(value, SpeculativeConfig):
-        return value
-    if isinstance(value, dict):
-        return SpeculativeConfig.from_dict(value)
-    raise ValueError(f"speculative_config must be a dict or SpeculativeConfig, got {type(value).__name__}")
-
-
 def build_proposer(config: SpeculativeConfig, *, target: ModelSpec, runner: ModelRunner, kv: KVCacheManager,
                    dtype: torch.dtype, device: torch.device, max_model_len: int) -> Proposer:
     """The proposer of ``config.method`` for the target model that ``runner`` runs (the one place

@@ -53,11 +53,12 @@ class Server:
         raise AssertionError(f"server not idle after {timeout}s: {used} KV blocks still used")
 
 
-def start_server(tmp: Path, *extra: str) -> Server:
-    """Start `python -m fitserve.cli serve` on a free port and wait for /health."""
+def start_server(tmp: Path, *extra: str, module: str = "fitserve.cli") -> Server:
+    """Start `python -m fitserve.cli serve` (or ``module``'s entry point to it, e.g. the test
+    faults' tests.faults) on a free port and wait for /health."""
     port = free_port()
     log = tmp / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "fitserve.cli", "serve", "--port", str(port), "--dtype", "float32",
+    cmd = [sys.executable, "-m", module, "serve", "--port", str(port), "--dtype", "float32",
            "--max-model-len", "1024", "--num-kv-blocks", "256", "--log-level", "warning", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     with open(log, "wb") as f:

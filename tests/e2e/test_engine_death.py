@@ -1,4 +1,4 @@
-"""The engine thread dying mid-service (the test-only FITSERVE_TEST_KILL_TOKEN hook): open
+"""The engine thread dying mid-service (tests.faults' KILL_TOKEN hook): open
 requests get an error at once, /health says dead, new requests get 503 without waiting, and the
 process exits non-zero on SIGTERM (an orchestrator restarts it)."""
 
@@ -10,17 +10,13 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from tests.e2e.conftest import MODEL, start_server, stop_server
-
-KILL_TOKEN = 49151
+from tests.faults import KILL_TOKEN
 
 
 def test_a_dead_engine_fails_open_requests_and_refuses_new_ones(tmp_path: Path) -> None:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FITSERVE_TEST_KILL_TOKEN", str(KILL_TOKEN))
-        srv = start_server(tmp_path, "--max-model-len", "512")
+    srv = start_server(tmp_path, "--max-model-len", "512", module="tests.faults")
     try:
         url = srv.url
         lines: list[str] = []

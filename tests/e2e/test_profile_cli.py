@@ -24,8 +24,8 @@ import pytest
 from fitserve.cli import main
 from fitserve.config import EngineConfig
 from fitserve.engine.calibration_sweep import QUICK_SWEEP, ClippedSweep, EngineLimits, clip_sweep
+from fitserve.envs import fitserve_home
 from fitserve.ledger.errors import PlanError
-from fitserve.ledger.hardware import fitserve_home
 from fitserve.ledger.step_time import load_step_model
 
 

@@ -18,17 +18,17 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import API_KEY, MODEL, Server, start_server, stop_server
+from tests.faults import FAULT_TOKEN
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-FAULT_TOKEN = 49150  # the test-only fault hook fails any step holding a prompt that starts with it
 
 
 @pytest.fixture(scope="module")
 def big_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A server with the default 1 MiB body limit, --metrics-public and the test-only fault hook."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FITSERVE_TEST_FAULT_TOKEN", str(FAULT_TOKEN))
-        srv = start_server(tmp_path_factory.mktemp("big"), "--api-key", API_KEY, "--metrics-public")
+    # tests.faults: any step holding a prompt that starts with FAULT_TOKEN fails
+    srv = start_server(tmp_path_factory.mktemp("big"), "--api-key", API_KEY, "--metrics-public",
+                       module="tests.faults")
     yield srv
     assert stop_server(srv) == 0, srv.log.read_text()[-4000:]
 

@@ -18,10 +18,12 @@ from pathlib import Path
 
 import pytest
 
+import fitserve.dist.group as group_mod
 from fitserve.config import EngineConfig
 from fitserve.dist.comm import CollectiveError
 from fitserve.engine.core import Engine
 from fitserve.sampling import SamplingParams
+from tests.e2e.stalling_tp_worker import STALL_ENV
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -65,7 +67,8 @@ def test_stalled_rank_is_named_within_the_timeout(tiny_hf_model_dir, monkeypatch
     folder = tiny_hf_model_dir("llama", hidden_size=96, num_attention_heads=6, num_key_value_heads=3,
                                intermediate_size=192)
     monkeypatch.setenv("FITSERVE_TP_WATCHDOG_S", "2")
-    monkeypatch.setenv("FITSERVE_TEST_TP_STALL", "2:2:60")
+    monkeypatch.setattr(group_mod, "WORKER_MODULE", "tests.e2e.stalling_tp_worker")
+    monkeypatch.setenv(STALL_ENV, "2:2:60")
     engine = _engine(folder, 3)
     try:
         rid = engine.add_request(PROMPT, GREEDY)

@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 
 from fitserve.config import EngineConfig
-from fitserve.engine.core import Engine, InjectedFault
+from fitserve.engine.core import Engine
 from fitserve.sampling import RequestSamplingState, SamplingParams
 from fitserve.types import FinishReason, RequestOutput, RunnerOutput, SchedulerOutput, TokenLogprobs
+from tests.faults import InjectedFault
 
 MAX_LEN = 4160
 

@@ -87,7 +87,7 @@ def fp32_engine(smollm2_path: Path) -> Iterator[Engine]:
 
 def check_engine_matches_plan(engine: Engine, plan: dict[str, Any]) -> None:
     pool = engine.pool
-    assert engine.config.block_size == pool.block_size == plan["block_size"]
+    assert engine.config.cache.block_size == pool.block_size == plan["block_size"]
     assert pool.num_blocks == engine.runner.num_blocks == plan["num_kv_blocks"]
     assert pool.bytes_per_token == plan["kv_bytes_per_token"]
     assert pool.block_bytes == plan["block_bytes"] == plan["block_size"] * plan["kv_bytes_per_token"]

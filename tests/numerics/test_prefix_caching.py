@@ -237,7 +237,7 @@ def test_default_model_prefills_only_the_suffix(make_engine) -> None:  # type: i
     prefix = ("You are a helpful assistant. Answer briefly and precisely. " * 6).strip()
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     on, off = make_engine(), make_engine(enable_prefix_caching=False)
-    assert on.config.enable_prefix_caching and on.kv.block_size == 16
+    assert on.config.cache.enable_prefix_caching and on.kv.block_size == 16
     log = ChunkLog(on)
     results = {}
     for name, engine in (("on", on), ("off", off)):

@@ -17,6 +17,8 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
+from fitserve import envs
+from fitserve.envs import fitserve_home
 from fitserve.kernels.cpu.isa import build_tier, compile_flags, detect_isa
 
 log = logging.getLogger("fitserve.kernels.cpu")
@@ -25,18 +27,9 @@ _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
 
 
-def _home() -> Path:
-    env = os.environ.get("FITSERVE_HOME")
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("fitserve"))
-
-
 def cpp_disabled() -> bool:
     """True when FITSERVE_DISABLE_CPP is set (forces every pure-torch fallback)."""
-    return os.environ.get("FITSERVE_DISABLE_CPP", "") not in ("", "0")
+    return envs.FITSERVE_DISABLE_CPP()
 
 
 _LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
@@ -72,7 +65,7 @@ def build_key(source: Path, flags: list[str]) -> str:
 def build_dir(name: str, source: str) -> Path:
     """Where ``load_extension(name, source)`` builds (and finds) its cached module."""
     flags = _all_flags()
-    return _home() / "extensions" / f"{name}-{build_key(SOURCE_DIR / source, flags)}"
+    return fitserve_home() / "extensions" / f"{name}-{build_key(SOURCE_DIR / source, flags)}"
 
 
 def _all_flags() -> list[str]:
@@ -103,7 +96,7 @@ def _build(name: str, src: Path) -> ModuleType | None:
         return None
     flags = _all_flags()
     key = build_key(src, flags)
-    out_dir = _home() / "extensions" / f"{name}-{key}"
+    out_dir = fitserve_home() / "extensions" / f"{name}-{key}"
     out_dir.mkdir(parents=True, exist_ok=True)
     fresh = not any(out_dir.glob("*.so"))
     if fresh:

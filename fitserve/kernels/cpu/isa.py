@@ -11,10 +11,11 @@ CPU cannot run is ignored.
 from __future__ import annotations
 
 import functools
-import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
+
+from fitserve import envs
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +100,7 @@ TIERS = ("scalar", "avx2", "avx512", "avx512_vnni")  # lowest to highest
 def build_tier(isa: CpuIsa) -> str:
     """The tier to compile for: ``isa.tier``, lowered by ``FITSERVE_CPU_TIER`` when that names a
     tier below it (never raised above what the CPU runs)."""
-    want = os.environ.get("FITSERVE_CPU_TIER", "").strip().lower()
+    want = envs.FITSERVE_CPU_TIER()
     if want in TIERS and TIERS.index(want) < TIERS.index(isa.tier):
         return want
     return isa.tier

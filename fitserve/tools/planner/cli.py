@@ -58,18 +58,18 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    choices=["auto", "float32", "bfloat16", "float16"],
                    help="model dtype, as the engine's --dtype (auto: bf16 on GPUs; on cpu bf16 "
                         "where the CPU has AVX512-BF16/AMX, else float32)")
-    p.add_argument("--block-size", type=int, default=ENGINE_DEFAULTS.block_size)
-    p.add_argument("--num-kv-blocks", type=int, default=ENGINE_DEFAULTS.num_kv_blocks,
+    p.add_argument("--block-size", type=int, default=ENGINE_DEFAULTS.cache.block_size)
+    p.add_argument("--num-kv-blocks", type=int, default=ENGINE_DEFAULTS.cache.num_kv_blocks,
                    help="fix the KV pool at this many blocks")
     p.add_argument("--kv-cache-memory", default=None,
                    help="KV pool size, e.g. 512M or 2G (default: 1 GiB on cpu, what is left "
                         "on a GPU)")
     p.add_argument("--memory-utilization", type=float,
-                   default=ENGINE_DEFAULTS.gpu_memory_utilization)
-    p.add_argument("--max-num-batched-tokens", default=str(ENGINE_DEFAULTS.max_num_batched_tokens),
+                   default=ENGINE_DEFAULTS.cache.gpu_memory_utilization)
+    p.add_argument("--max-num-batched-tokens", default=str(ENGINE_DEFAULTS.scheduler.max_num_batched_tokens),
                    help="step token budget")
     p.add_argument("--max-num-seqs", type=int, default=None,
-                   help=f"default: the engine's {ENGINE_DEFAULTS.max_num_seqs}, or --concurrency "
+                   help=f"default: the engine's {ENGINE_DEFAULTS.scheduler.max_num_seqs}, or --concurrency "
                         "if larger")
     p.add_argument("--workspace-gib", type=float, default=None,
                    help="workspace / CUDA-graph reserve (default 1 GiB on GPUs, 0 on cpu)")

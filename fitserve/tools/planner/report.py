@@ -64,9 +64,9 @@ class PlanRequest:
     weights: str | None = None  # None: the checkpoint's native format
     kv: str | None = None  # None: the activation dtype
     concurrency: int = 1
-    block_size: int = ENGINE_DEFAULTS.block_size
-    memory_utilization: float = ENGINE_DEFAULTS.gpu_memory_utilization
-    max_num_batched_tokens: int = ENGINE_DEFAULTS.max_num_batched_tokens
+    block_size: int = ENGINE_DEFAULTS.cache.block_size
+    memory_utilization: float = ENGINE_DEFAULTS.cache.gpu_memory_utilization
+    max_num_batched_tokens: int = ENGINE_DEFAULTS.scheduler.max_num_batched_tokens
     max_num_seqs: int | None = None  # None: the engine's default, raised to concurrency
     workspace_bytes: int | None = None  # None: 1 GiB on a GPU, 0 on cpu
     dtype: str = "auto"  # the engine's --dtype: model/activation dtype ("auto" as the engine)
@@ -158,7 +158,7 @@ def resolve(req: PlanRequest, *, entry: ModelEntry | None = None,
                         f"({entry.file_weight_bytes:,} B); {weights} lines are the ledger's")
     ws = req.workspace_bytes if req.workspace_bytes is not None else (
         0 if on_cpu else DEFAULT_GPU_WORKSPACE_BYTES)
-    seqs = req.max_num_seqs or max(ENGINE_DEFAULTS.max_num_seqs, req.concurrency)
+    seqs = req.max_num_seqs or max(ENGINE_DEFAULTS.scheduler.max_num_seqs, req.concurrency)
     return Resolved(req, entry, hw, weights, kv, dtype_bytes(act), seqs, ws, hypothetical,
                     tuple(warnings), act, base,
                     _engine_weights_note(entry, engine_weights, act) if engine_weights

@@ -113,10 +113,11 @@ def engine_info(engine: Engine) -> dict[str, Any]:
     loaded = getattr(engine, "loaded", None)
     return {"model": str(loaded.path) if loaded is not None else cfg.model,
             "name": engine.spec.name, "weights": engine.weights_choice,
-            "dtype": str(engine.dtype).removeprefix("torch."), "kv_cache_dtype": cfg.kv_cache_dtype,
-            "block_size": cfg.block_size, "max_num_seqs": cfg.max_num_seqs,
-            "max_num_batched_tokens": cfg.max_num_batched_tokens, "max_model_len": engine.max_model_len,
-            "num_kv_blocks": engine.pool.num_blocks, "enable_prefix_caching": cfg.enable_prefix_caching,
+            "dtype": str(engine.dtype).removeprefix("torch."), "kv_cache_dtype": cfg.cache.kv_cache_dtype,
+            "block_size": cfg.cache.block_size, "max_num_seqs": cfg.scheduler.max_num_seqs,
+            "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
+            "max_model_len": engine.max_model_len, "num_kv_blocks": engine.pool.num_blocks,
+            "enable_prefix_caching": cfg.cache.enable_prefix_caching,
             "device": str(engine.device), "threads": torch.get_num_threads(), "cpu": cpu_model_name()}
 
 

@@ -70,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tensor parallel size of a replica, or auto: the smallest of 1, 2, 4, 8 "
                         "that holds the weights and one sequence")
     p.add_argument("--memory-utilization", type=float,
-                   default=ENGINE_DEFAULTS.gpu_memory_utilization)
+                   default=ENGINE_DEFAULTS.cache.gpu_memory_utilization)
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="the engine's cap on sequences (default: what the KV pool holds)")
     p.add_argument("--demand-rps", type=float, default=None, help="requests/s to buy for")
@@ -117,14 +117,14 @@ def _memory(spec: ModelSpec, hw: Hardware, args: argparse.Namespace, weights: st
     f = weight_format(weights)
     plain = f.block_elements == 1 and not f.row_scale_bytes and not f.tensor_scale_bytes
     wb = model_weight_bytes(spec, weights, tp=tp, base_dtype=f.name if plain else "bf16")
-    seqs = ENGINE_DEFAULTS.max_num_seqs if args.max_num_seqs is None else count(
+    seqs = ENGINE_DEFAULTS.scheduler.max_num_seqs if args.max_num_seqs is None else count(
         "--max-num-seqs", args.max_num_seqs)
     for _ in range(2):  # NOTE: max_num_seqs defaults to what the pool holds (its logits line)
         mp = engine_memory_plan(
             spec, weight_bytes=wb.total, total_memory_bytes=hw.memory_bytes,
             memory_utilization=args.memory_utilization,
-            max_num_batched_tokens=ENGINE_DEFAULTS.max_num_batched_tokens, max_num_seqs=seqs,
-            block_size=ENGINE_DEFAULTS.block_size, kv_dtype=kv, act_dtype_bytes=act_bytes,
+            max_num_batched_tokens=ENGINE_DEFAULTS.scheduler.max_num_batched_tokens, max_num_seqs=seqs,
+            block_size=ENGINE_DEFAULTS.cache.block_size, kv_dtype=kv, act_dtype_bytes=act_bytes,
             workspace_bytes=DEFAULT_GPU_WORKSPACE_BYTES, tp=tp, strict=False)
         by_kv = mp.num_kv_blocks // -(-context // mp.block_size)
         if args.max_num_seqs is not None:

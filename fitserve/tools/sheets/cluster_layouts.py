@@ -69,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default=None, help="weight format (default: the checkpoint's)")
     p.add_argument("--kv", default="auto", help="KV format (auto: the model dtype)")
     p.add_argument("--memory-utilization", type=float,
-                   default=ENGINE_DEFAULTS.gpu_memory_utilization)
+                   default=ENGINE_DEFAULTS.cache.gpu_memory_utilization)
 
 
 def _resolve(args: argparse.Namespace) -> Cluster:

@@ -300,11 +300,11 @@ def build(args: argparse.Namespace) -> Sheet:
     warnings: list[str] = []
     if args.gpu is not None:
         hw = get_hardware(args.gpu)
-        usable = hw.memory_bytes * ENGINE_DEFAULTS.gpu_memory_utilization
+        usable = hw.memory_bytes * ENGINE_DEFAULTS.cache.gpu_memory_utilization
         if ly.shard_bytes > usable:
             warnings.append(f"a {fmt_bytes(ly.shard_bytes)} shard does not fit {hw.name} "
                             f"({fmt_bytes(usable)} usable at memory utilization "
-                            f"{ENGINE_DEFAULTS.gpu_memory_utilization}): raise "
+                            f"{ENGINE_DEFAULTS.cache.gpu_memory_utilization}): raise "
                             f"--gpus-per-replica")
     naive_sec, naive = _naive(ly, ln)
     pipe_sec, piped = _pipelined(ly, ln, chunk, naive)

@@ -77,8 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv", default="auto", help="KV format: bf16, fp8, int8 ... (auto: model dtype)")
     p.add_argument("--weights", default=None, help="weight format (default: the checkpoint's)")
     p.add_argument("--memory-utilization", type=float,
-                   default=ENGINE_DEFAULTS.gpu_memory_utilization)
-    p.add_argument("--chunk", type=int, default=ENGINE_DEFAULTS.max_num_batched_tokens,
+                   default=ENGINE_DEFAULTS.cache.gpu_memory_utilization)
+    p.add_argument("--chunk", type=int, default=ENGINE_DEFAULTS.scheduler.max_num_batched_tokens,
                    help="prefill tokens per GPU per step (the activation reserve)")
     p.add_argument("--windows", choices=("reclaimed", "all-layers"), default="reclaimed",
                    help="sliding layers keep their window only, or every token")

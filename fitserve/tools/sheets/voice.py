@@ -311,7 +311,7 @@ def tier_section(r: Resolved, wb: WeightBytes, st: Stages, tier: Tier,
                           f"{reps:,} x {r.req.tp} GPU = {reps * r.req.tp:,} {r.hw.name}",
                           f"ceil({args.streams:,} / {tier.batch:,}) = {reps:,} engines of tp "
                           f"{r.req.tp}"))
-    default = ENGINE_DEFAULTS.max_num_seqs
+    default = ENGINE_DEFAULTS.scheduler.max_num_seqs
     notes = (f"run the engine with --max-num-seqs >= {tier.batch} (its default is "
              f"{default})",) if tier.batch > default else ()
     return Section(f"LLM tier on {r.hw.name}", tuple(lines), notes)

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from fitserve.envs import fitserve_home
 from fitserve.loading import ModelLoadError, resolve_model_path
 
 # NOTE: fitserve.loading re-exports the pull() function under the submodule's name.
@@ -81,4 +82,4 @@ def test_unknown_name_and_default_home(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ModelLoadError, match="unknown model name 'gpt-5'"):
         pull_mod.pull("gpt-5")
     monkeypatch.delenv("FITSERVE_HOME")
-    assert pull_mod.fitserve_home().name == "fitserve"
+    assert fitserve_home().name == "fitserve"

@@ -20,12 +20,12 @@ def parse(*argv: str) -> EngineConfig:
 
 
 def test_prefix_caching_is_on_by_default_and_the_flags_turn_it_off() -> None:
-    assert EngineConfig().enable_prefix_caching is True
-    assert parse().enable_prefix_caching is True
-    assert parse("--enable-prefix-caching").enable_prefix_caching is True
-    assert parse("--no-enable-prefix-caching").enable_prefix_caching is False
-    assert parse("--no-prefix-caching").enable_prefix_caching is False
-    assert parse("--no-prefix-caching", "--enable-prefix-caching").enable_prefix_caching is True
+    assert EngineConfig().cache.enable_prefix_caching is True
+    assert parse().cache.enable_prefix_caching is True
+    assert parse("--enable-prefix-caching").cache.enable_prefix_caching is True
+    assert parse("--no-enable-prefix-caching").cache.enable_prefix_caching is False
+    assert parse("--no-prefix-caching").cache.enable_prefix_caching is False
+    assert parse("--no-prefix-caching", "--enable-prefix-caching").cache.enable_prefix_caching is True
 
 
 def kv(queries: int, hits: int, evictable: int) -> KVStats:

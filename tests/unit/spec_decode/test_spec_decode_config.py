@@ -26,15 +26,15 @@ def parse(*argv: str) -> EngineConfig:
 
 
 def test_speculation_is_off_by_default() -> None:
-    assert parse().speculative_config is None
+    assert parse().speculative is None
 
 
 def test_a_good_json_config_becomes_a_speculative_config() -> None:
-    cfg = parse(FLAG, '{"method": "ngram", "num_speculative_tokens": 4}').speculative_config
+    cfg = parse(FLAG, '{"method": "ngram", "num_speculative_tokens": 4}').speculative
     assert cfg == SpeculativeConfig(method="ngram", num_speculative_tokens=4)
     assert (cfg.prompt_lookup_max, cfg.prompt_lookup_min) == (4, 1)
     cfg = parse(FLAG, '{"method":"ngram","num_speculative_tokens":2,"prompt_lookup_max":3,'
-                      '"prompt_lookup_min":2}').speculative_config
+                      '"prompt_lookup_min":2}').speculative
     assert cfg == SpeculativeConfig("ngram", 2, prompt_lookup_max=3, prompt_lookup_min=2)
 
 
@@ -43,7 +43,7 @@ def test_both_engine_commands_take_the_flag(command: str) -> None:
     argv = [command, FLAG, '{"method": "ngram", "num_speculative_tokens": 3}']
     if command == "generate":
         argv.append("a prompt")
-    cfg = engine_config_from_args(build_parser().parse_args(argv)).speculative_config
+    cfg = engine_config_from_args(build_parser().parse_args(argv)).speculative
     assert isinstance(cfg, SpeculativeConfig) and cfg.num_speculative_tokens == 3
 
 

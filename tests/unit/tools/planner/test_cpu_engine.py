@@ -123,9 +123,9 @@ def test_engine_knob_defaults_are_the_engines() -> None:
     a = p.parse_args(["smollm2"])
     e = EngineConfig()
     assert (a.dtype, a.block_size, int(a.max_num_batched_tokens), a.num_kv_blocks) == (
-        e.dtype, e.block_size, e.max_num_batched_tokens, e.num_kv_blocks)
-    assert a.kv_cache_memory is None and e.kv_cache_memory_bytes is None
-    assert a.memory_utilization == e.gpu_memory_utilization
+        e.dtype, e.cache.block_size, e.scheduler.max_num_batched_tokens, e.cache.num_kv_blocks)
+    assert a.kv_cache_memory is None and e.cache.kv_cache_memory_bytes is None
+    assert a.memory_utilization == e.cache.gpu_memory_utilization
 
 
 def test_cpu_plan_json(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
