@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fitserve.engine.builder import resolve_dtype
+from fitserve.engine.sizing import resolve_dtype
 from fitserve.kernels.cpu.isa import cpu_model_name, detect_isa
 from fitserve.kernels.cpu.paged_attention import (
     DEFAULT_PARTITION,

@@ -88,7 +88,7 @@ class ModelSpec:
 # The string settings with a fixed set of values (vLLM's spellings). The tuples of allowed
 # values are derived from these, so a check and its type cannot disagree.
 DType = Literal["auto", "float32", "bfloat16", "float16"]
-Device = Literal["auto", "cpu", "cuda"]  # NOTE: "cuda:N" is accepted too (fitserve.engine.builder.resolve_device)
+Device = Literal["auto", "cpu", "cuda"]  # NOTE: "cuda:N" is accepted too (fitserve.engine.sizing.resolve_device)
 WeightsChoice = Literal["auto", "as-stored", "bf16", "float32", "float16", "int8", "int4", "fp8"]
 Quantization = Literal["int4", "int8", "fp8"]
 KVCacheDType = Literal["auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"]
@@ -252,7 +252,7 @@ _UNSET: Any = object()
 
 @dataclass(frozen=True, slots=True, init=False)
 class EngineConfig:
-    """Everything needed to start an engine; "auto" values are resolved by fitserve.engine.builder.
+    """Everything needed to start an engine; "auto" values are resolved by fitserve.engine.sizing.
 
     ``EngineConfig(model=..., max_num_seqs=4, block_size=16, speculative_config={...})``: the
     flat keyword names of vLLM's engine arguments go to the nested config that holds them

@@ -45,7 +45,7 @@ def _watch_parent() -> None:
 
 def build_worker(cfg: EngineConfig, rank: int, world: int, comm: Collectives
                  ) -> tuple[TPCausalLM, ModelRunner]:
-    from fitserve.engine.builder import (
+    from fitserve.engine.sizing import (
         check_max_model_len,
         release_freed_host_memory,
         resolve_device,

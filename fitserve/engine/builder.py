@@ -1,210 +1,191 @@
-"""Resolve an EngineConfig's "auto" values and size the KV pool through the planner's ledger.
+"""Build an engine's parts from its config: load, size, wire. The core loop gets them as one
+frozen record and builds nothing itself.
 
-The KV pool is sized by the same functions `fitserve plan` prints: ``cpu_engine_memory_plan``
-on a CPU (a fixed budget, default ``DEFAULT_CPU_KV_BYTES``) and ``engine_memory_plan`` on CUDA
-(what total x utilization leaves after weights, activations, logits, workspace and whatever is
-already in use on the device). The engine never carries a rule of its own.
+    config -> device, dtype, weights choice -> load the model -> build it (or rank 0's shard
+    under --tp) -> check the weights against the ledger -> size the KV pool with the ledger ->
+    KV manager, scheduler, runner (checked against the ledger too) -> compiled decode steps ->
+    the speculative proposer
+
+Every size comes from the ledger (fitserve.ledger, through fitserve.engine.sizing), and the two
+checks here (weights held, KV cache allocated) fail start-up if the engine and the ledger ever
+disagree.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import logging
-from dataclasses import dataclass
-from typing import Any
+import time
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from fitserve import envs
-from fitserve.config import EngineConfig, ModelSpec
-from fitserve.ledger.hardware import cpu_engine_dtype
-from fitserve.ledger.memory import (
-    DEFAULT_CPU_KV_BYTES,
-    DEFAULT_GPU_WORKSPACE_BYTES,
-    EngineMemoryPlan,
-    cpu_engine_memory_plan,
-    engine_memory_plan,
+from fitserve.config import EngineConfig, ModelSpec, SpeculativeConfig
+from fitserve.dist.engine_tp import TPModelRunner, start_tensor_parallel
+from fitserve.dist.group import TPGroup
+from fitserve.engine.sizing import (
+    KVPoolSize,
+    check_max_model_len,
+    check_pool_fits,
+    dtype_name,
+    engine_kv_format,
+    release_freed_host_memory,
+    resolve_device,
+    resolve_dtype,
+    size_kv_pool,
 )
+from fitserve.kv.manager import KVCacheManager
+from fitserve.ledger.formats import resolve_engine_weights
+from fitserve.ledger.weights import engine_format_rule, engine_weight_bytes
+from fitserve.loading import LoadedModel, load_model
+from fitserve.loading.tokenizer import Tokenizer
+from fitserve.model.linear import cpp_ops_available
+from fitserve.model.llama import CausalLM
+from fitserve.model.loader import build_model, check_supported, held_weight_bytes
+from fitserve.quant.hold import loaded_weights_choice
+from fitserve.runner.model_runner import ModelRunner
+from fitserve.sched.scheduler import Scheduler
+from fitserve.spec_decode.speculative import SpeculativeDecoding, build_proposer
 
-__all__ = [
-    "DEFAULT_CPU_KV_BYTES",
-    "KVPoolSize",
-    "check_pool_fits",
-    "dtype_name",
-    "release_freed_host_memory",
-    "resolve_device",
-    "resolve_dtype",
-    "size_kv_pool",
-]
+log = logging.getLogger("fitserve.engine")
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "f32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was requested but CUDA is not available")
-    if name.split(":")[0] not in ("cpu", "cuda"):
-        raise ValueError(f"unknown device {name!r} (use cpu, cuda or auto)")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """"auto": bf16 on CUDA; on CPU the planner's ``cpu_engine_dtype`` (bf16 with AVX512-BF16 or
-    AMX, else f32), so `fitserve plan --gpu cpu` and the engine cannot pick differently."""
-    if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16
-        return _DTYPES[cpu_engine_dtype()]
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r} (use float32, bfloat16, float16 or auto)")
-    return _DTYPES[name]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The planner's name of a torch dtype: "f32", "bf16" or "f16"."""
-    return {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
+COMPILED_BATCH_SIZES = (1, 2, 17)
+"""Decode batch sizes whose compiled steps are built at start-up (one per batch class)."""
 
 
 @dataclass(frozen=True, slots=True)
-class KVPoolSize:
-    """The KV pool the engine allocates, and the ledger it was sized from."""
+class EngineParts:
+    """Everything an engine runs with, built once by :func:`build_engine_parts`."""
 
-    num_blocks: int
-    block_size: int
-    bytes_per_token: int
-    budget_bytes: int | None  # the KV budget the blocks were cut from (None: blocks given)
-    block_bytes: int = 0  # bytes of one block, all layers, K and V
-    memory_plan: EngineMemoryPlan | None = None  # every line, as `fitserve plan` prints it
-
-    @property
-    def allocated_bytes(self) -> int:
-        """What the runner's KV tensors take: num_blocks x block_bytes."""
-        return self.num_blocks * self.block_bytes
-
-
-def engine_kv_format(cfg: EngineConfig, dtype: torch.dtype) -> str:
-    """The KV format (a ``plan.formats.KV_FORMATS`` name) the engine runs: the model dtype's,
-    or a quantized one from ``kv_cache_dtype`` / ``kv_cache_scales`` (ValueError if bad)."""
-    from fitserve.ledger.errors import PlanError
-    from fitserve.ledger.formats import resolve_engine_kv_format
-
-    try:
-        return resolve_engine_kv_format(cfg.cache.kv_cache_dtype, cfg.cache.kv_cache_scales, dtype_name(dtype))
-    except PlanError as exc:
-        raise ValueError(str(exc)) from exc
+    config: EngineConfig
+    device: torch.device
+    dtype: torch.dtype
+    loaded: LoadedModel  # its weights dict is emptied once the model holds them
+    weights_choice: str  # "as-stored", "int4", "int8" or a dense dtype: how tensors are held
+    spec: ModelSpec  # the whole model's
+    tokenizer: Tokenizer
+    max_model_len: int
+    tp_group: TPGroup | None  # the tensor-parallel group this process leads (None: no --tp)
+    pool: KVPoolSize  # the KV pool and the ledger lines it was sized from
+    kv: KVCacheManager
+    scheduler: Scheduler
+    runner: ModelRunner  # a TPModelRunner under --tp
+    spec_decode: SpeculativeDecoding | None
+    startup_seconds: dict[str, float] = field(default_factory=dict)  # "load", "compile"
 
 
-def size_kv_pool(
-    cfg: EngineConfig, spec: ModelSpec, kv_dtype: torch.dtype, device: torch.device, weight_bytes: int
-) -> KVPoolSize:
-    """Number of KV blocks, from the same ledger functions `fitserve plan` prints."""
-    kv_name = engine_kv_format(cfg, kv_dtype)
-    act_bytes = torch.finfo(kv_dtype).bits // 8
-    cache, sched = cfg.cache, cfg.scheduler
-    plan: EngineMemoryPlan
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        # NOTE: the weights are already on the device, so "in use" excludes them.
-        plan = engine_memory_plan(
-            spec, weight_bytes=weight_bytes, total_memory_bytes=total,
-            memory_utilization=cache.gpu_memory_utilization,
-            max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
-            block_size=cache.block_size, kv_dtype=kv_name, act_dtype_bytes=act_bytes,
-            workspace_bytes=DEFAULT_GPU_WORKSPACE_BYTES,
-            kv_cache_memory_bytes=cache.kv_cache_memory_bytes, kv_blocks=cache.num_kv_blocks,
-            in_use_bytes=max(0, total - free - weight_bytes))
+def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
+    """Load ``config.model`` (or take ``loaded``) and build every part sized by the ledger;
+    ValueError for a bad setting (before anything is loaded where it can be told then)."""
+    t_start = time.perf_counter()
+    cfg = config
+    device = resolve_device(cfg.device)
+    choice, dtype_arg = resolve_engine_weights(cfg.weights, cfg.quantization, cfg.dtype)
+    dtype = resolve_dtype(dtype_arg, device)
+    engine_kv_format(cfg, dtype)  # a bad --kv-cache-dtype/-scales fails before loading
+    cfg.validate()  # and every other bad setting (--scheduling-policy, SLO targets, ...)
+    given = loaded is not None
+    if loaded is None:
+        loaded = load_model(cfg.model, dtype=dtype, weights=choice)
+    explicit = cfg.weights != "auto" or cfg.quantization is not None
+    weights_choice = loaded_weights_choice(loaded.weights_choice, choice, explicit=explicit,
+                                           dtype=dtype)
+    if (device.type == "cpu" and weights_choice in ("as-stored", "int4", "int8")
+            and not cpp_ops_available()):
+        log.warning("packed weights (%s) but the C++ int4/int8 kernels are unavailable: they "
+                    "run on the pure-torch path, ~10x slower than dense; pass --weights "
+                    "bf16 (or install a C++ compiler) for speed", weights_choice)
+    spec = loaded.spec
+    check_supported(spec)
+    max_model_len = check_max_model_len(cfg.max_model_len, spec)
+    tp_group: TPGroup | None = None
+    shard_spec = spec  # the spec of the shard this process holds: rank 0's under --tp
+    if cfg.tensor_parallel_size > 1:
+        tp_group, model, shard_spec = start_tensor_parallel(
+            cfg, loaded, dtype=dtype, device=device, max_positions=max_model_len)
     else:
-        from fitserve.kernels.cpu.paged_attention import paged_attention_available
-
-        # NOTE: the engine's max_model_len (check_max_model_len: the requested value, else the
-        # model's max_position_embeddings) sizes the RoPE tables and the attention scratch;
-        # whether decode runs the fused C++ kernel or gathers K/V is the runner's own test.
-        plan = cpu_engine_memory_plan(
-            spec, weight_bytes=weight_bytes, max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_num_seqs=sched.max_num_seqs, block_size=cache.block_size, kv_dtype=kv_name,
-            act_dtype_bytes=act_bytes, kv_cache_memory_bytes=cache.kv_cache_memory_bytes,
-            kv_blocks=cache.num_kv_blocks,
-            max_model_len=cfg.max_model_len or spec.max_position_embeddings,
-            fused_decode=paged_attention_available())
-    budget = None if cache.num_kv_blocks is not None else plan.kv_pool_bytes
-    return KVPoolSize(plan.num_kv_blocks, cache.block_size, plan.kv_bytes_per_token, budget,
-                      plan.block_bytes, plan)
-
-
-def release_freed_host_memory() -> bool:
-    """Return memory that the C allocator holds but no longer uses to the OS (glibc's
-    ``malloc_trim(0)``); False where there is no glibc.
-
-    NOTE: loading dequantizes every tensor through f32 scratch and keeps a second copy of the
-    weights until the model has copied them; glibc keeps those freed chunks resident (they sit
-    between live tensors on the heap), ~340 MiB for SmolLM2 in bf16. Trimming before the KV
-    pool is allocated makes the process's peak RSS what the ledger says it is.
-    """
-    trim = _malloc_trim()
-    if trim is None:
-        return False
-    trim(0)
-    return True
-
-
-@functools.cache
-def _malloc_trim() -> Any:
-    """glibc's malloc_trim, looked up once (find_library runs ldconfig: too slow per step)."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
+        model = build_model(spec, loaded.weights, dtype=dtype, device=device,
+                            max_positions=max_model_len)
     try:
-        trim = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim
+        pool, kv, scheduler, runner = _size_and_wire(
+            cfg, model, spec, shard_spec, loaded, tp_group, weights_choice=weights_choice,
+            dtype=dtype, device=device, max_model_len=max_model_len, given=given)
+        startup = {"load": time.perf_counter() - t_start}
+        _compile_decode_steps(cfg, runner, startup)
+        spec_decode = None if cfg.speculative is None else _speculative(
+            cfg.speculative, spec, runner, kv, dtype=dtype, device=device,
+            max_model_len=max_model_len)
+    except BaseException:
+        if tp_group is not None:
+            tp_group.shutdown()  # the workers would wait for steps that never come
+        raise
+    return EngineParts(cfg, device, dtype, loaded, weights_choice, spec, loaded.tokenizer,
+                       max_model_len, tp_group, pool, kv, scheduler, runner, spec_decode, startup)
 
 
-def check_pool_fits(pool: KVPoolSize, max_model_len: int) -> None:
-    """Fail at start-up, naming the knobs, when one max_model_len request cannot fit."""
-    capacity = pool.num_blocks * pool.block_size
-    if capacity >= max_model_len:
-        return
-    need_blocks = -(-max_model_len // pool.block_size)
-    need_bytes = need_blocks * (pool.block_bytes or pool.block_size * pool.bytes_per_token)
-    raise ValueError(
-        f"the KV cache holds {pool.num_blocks} blocks x {pool.block_size} tokens = {capacity} tokens, "
-        f"too few for one request of max_model_len={max_model_len}: raise the KV cache memory "
-        f"(--kv-cache-memory / kv_cache_memory_bytes; at least {need_bytes} bytes) or lower "
-        f"--max-model-len to at most {capacity}"
+def _size_and_wire(cfg: EngineConfig, model: CausalLM, spec: ModelSpec, shard_spec: ModelSpec,
+                   loaded: LoadedModel, tp_group: TPGroup | None, *, weights_choice: str,
+                   dtype: torch.dtype, device: torch.device, max_model_len: int, given: bool
+                   ) -> tuple[KVPoolSize, KVCacheManager, Scheduler, ModelRunner]:
+    """Check the built model against the weight ledger, size the KV pool from the ledger, and
+    build the KV manager, the scheduler and the runner (whose cache is checked too)."""
+    if not given:
+        loaded.weights = {}  # the model holds its own copies; don't keep two
+    if device.type == "cpu":
+        # Hand the loader's freed scratch back to the OS before the KV pool is allocated,
+        # so the process peak is what the ledger says (see release_freed_host_memory).
+        release_freed_host_memory()
+    # One ledger: the planner's function counts the weights; the model must hold exactly that.
+    dname = dtype_name(dtype)
+    weight_bytes = engine_weight_bytes(shard_spec, dname, stored=loaded.stored_formats,
+                                       rule=engine_format_rule(weights_choice, dname))
+    held = held_weight_bytes(model)  # parameters and packed buffers, each tensor once
+    if held != weight_bytes:
+        raise RuntimeError(f"the model holds {held:,} B of weights, the ledger says "
+                           f"{weight_bytes:,} B (fitserve.ledger.weights.engine_weight_bytes)")
+    pool = size_kv_pool(cfg, shard_spec, dtype, device, weight_bytes)
+    check_pool_fits(pool, max_model_len)
+    if tp_group is not None:
+        tp_group.send_startup(pool.num_blocks)
+    cache = cfg.cache
+    kv = KVCacheManager(pool.num_blocks, cache.block_size, enable_caching=cache.enable_prefix_caching)
+    # the scheduler's max_model_len is the one resolved from the config and the model (as vLLM)
+    scheduler = Scheduler(replace(cfg.scheduler, max_model_len=max_model_len), kv)
+    runner = (ModelRunner if tp_group is None else TPModelRunner)(
+        model, shard_spec, num_blocks=pool.num_blocks, block_size=cache.block_size,  # type: ignore[arg-type]
+        kv_dtype=dtype, device=device,
+        # NOTE: under --tp every step runs eager (collectives inside a compiled graph: later)
+        compile_decode=not cfg.enforce_eager and tp_group is None,
+        kv_cache_dtype=cache.kv_cache_dtype, kv_cache_scales=cache.kv_cache_scales,
     )
+    if isinstance(runner, TPModelRunner):
+        assert tp_group is not None
+        runner.attach(tp_group, spec, dtype)
+    if runner.kv_cache_bytes != pool.allocated_bytes:
+        raise RuntimeError(f"the KV cache holds {runner.kv_cache_bytes:,} B, the ledger says "
+                           f"{pool.allocated_bytes:,} B ({pool.num_blocks} blocks of "
+                           f"{pool.block_bytes:,} B)")
+    return pool, kv, scheduler, runner
 
 
-def check_max_model_len(requested: int | None, spec: ModelSpec) -> int:
-    """``requested`` (None: the model's max_position_embeddings), refused past the trained length.
+def _compile_decode_steps(cfg: EngineConfig, runner: ModelRunner, startup: dict[str, float]
+                          ) -> None:
+    """Build the compiled decode steps at start-up (cold: builds code; warm: loads it from
+    $FITSERVE_HOME/compile), timing it into ``startup["compile"]``."""
+    if runner.compiled is not None:
+        t0 = time.perf_counter()
+        sizes = [n for n in COMPILED_BATCH_SIZES if n <= cfg.scheduler.max_num_seqs]
+        per_class = runner.warm_up_compiled(sizes)
+        startup["compile"] = time.perf_counter() - t0
+        log.info("decode step compiled in %.1f s (%s)", startup["compile"],
+                 ", ".join(f"{k}: {v:.1f} s" for k, v in per_class.items()))
+    elif not cfg.enforce_eager:
+        log.warning("--compile: the decode step runs eager here (compiled steps need the "
+                    "CPU device and the C++ paged attention kernel)")
 
-    The trained length is ``max_position_embeddings``, times the factor of linear RoPE scaling
-    (as vLLM derives it; llama3 scaling already counts in max_position_embeddings). Longer is
-    a ValueError unless ``FITSERVE_ALLOW_LONG_MAX_MODEL_LEN=1`` (vLLM's
-    ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``), which logs a warning instead.
-    """
-    if requested is None:
-        return spec.max_position_embeddings
-    trained, how = spec.max_position_embeddings, "max_position_embeddings"
-    if spec.rope_scaling is not None and spec.rope_scaling.kind == "linear":
-        trained = int(trained * spec.rope_scaling.factor)
-        how += f" {spec.max_position_embeddings} x linear RoPE factor {spec.rope_scaling.factor:g}"
-    if requested <= trained:
-        return requested
-    what = f"max_model_len={requested} is longer than the model's trained context ({trained} tokens, {how})"
-    allow = envs.FITSERVE_ALLOW_LONG_MAX_MODEL_LEN
-    if allow():
-        logging.getLogger("fitserve.engine").warning(
-            "%s (%s is set): positions past it were never trained; outputs may be wrong", what, allow.name)
-        return requested
-    raise ValueError(
-        f"{what}; outputs past it degrade. Lower --max-model-len, or "
-        f"set {allow.name}=1 to allow it anyway"
-    )
+
+def _speculative(config: SpeculativeConfig, spec: ModelSpec, runner: ModelRunner,
+                 kv: KVCacheManager, *, dtype: torch.dtype, device: torch.device,
+                 max_model_len: int) -> SpeculativeDecoding:
+    proposer = build_proposer(config, target=spec, runner=runner, kv=kv, dtype=dtype,
+                              device=device, max_model_len=max_model_len)
+    return SpeculativeDecoding(config, proposer, max_model_len=max_model_len)

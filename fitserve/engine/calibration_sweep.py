@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     import torch
 
     from fitserve.config import EngineConfig, ModelSpec
-    from fitserve.engine.builder import KVPoolSize
+    from fitserve.engine.sizing import KVPoolSize
     from fitserve.sampling.params import SamplingParams
     from fitserve.sched.scheduler import Scheduler
     from fitserve.types import RequestOutput

@@ -15,42 +15,24 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from fitserve.config import EngineConfig
 from fitserve.dist.comm import CollectiveError
-from fitserve.dist.engine_tp import TPModelRunner, start_tensor_parallel
-from fitserve.dist.group import TPGroup
 from fitserve.engine.beams import BeamSearches
-from fitserve.engine.builder import (
-    check_max_model_len,
-    check_pool_fits,
-    dtype_name,
-    engine_kv_format,
-    release_freed_host_memory,
-    resolve_device,
-    resolve_dtype,
-    size_kv_pool,
-)
+from fitserve.engine.builder import build_engine_parts
 from fitserve.engine.outputs import Tracked, advance_output, can_speculate, failed_output
-from fitserve.kv.manager import KVCacheManager, KVStats
-from fitserve.ledger.formats import resolve_engine_weights
+from fitserve.engine.sizing import check_max_model_len, release_freed_host_memory
+from fitserve.kv.manager import KVStats
 from fitserve.ledger.step_time import StepShape
-from fitserve.ledger.weights import engine_format_rule, engine_weight_bytes
-from fitserve.loading import IncrementalDetokenizer, LoadedModel, load_model
-from fitserve.model.linear import cpp_ops_available
-from fitserve.model.loader import build_model, check_supported, held_weight_bytes
-from fitserve.quant.hold import loaded_weights_choice
-from fitserve.runner.model_runner import ModelRunner
+from fitserve.loading import IncrementalDetokenizer, LoadedModel
 from fitserve.sampling import RequestSamplingState, SamplingParams
 from fitserve.sampling.beam_search import BeamSearchParams
 from fitserve.sampling.guided import GuidedDecoding
 from fitserve.sched.request import SchedRequest
-from fitserve.sched.scheduler import Scheduler
 from fitserve.sched.slo import step_shape
-from fitserve.spec_decode.speculative import SpeculativeDecoding, build_proposer
 from fitserve.spec_decode.stats import SpecDecodeStats
 from fitserve.structured.compiler import GrammarCompiler
 from fitserve.structured.requests import guide_states
@@ -97,103 +79,25 @@ class Engine:
     """A step-level inference engine over a paged KV cache with continuous batching."""
 
     def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None) -> None:
-        t_start = time.perf_counter()
-        self.config = cfg = config or EngineConfig()
-        self.device = resolve_device(cfg.device)
-        choice, dtype_arg = resolve_engine_weights(cfg.weights, cfg.quantization, cfg.dtype)
-        self.dtype = resolve_dtype(dtype_arg, self.device)
-        engine_kv_format(cfg, self.dtype)  # a bad --kv-cache-dtype/-scales fails before loading
-        cfg.validate()  # and every other bad setting (--scheduling-policy, SLO targets, ...)
-        self.loaded = loaded if loaded is not None else load_model(
-            cfg.model, dtype=self.dtype, weights=choice)
-        explicit = cfg.weights != "auto" or cfg.quantization is not None
-        # "as-stored", "int4", "int8" or a dense dtype: how every tensor is held (plan.formats)
-        self.weights_choice = loaded_weights_choice(self.loaded.weights_choice, choice,
-                                                    explicit=explicit, dtype=self.dtype)
-        if (self.device.type == "cpu" and self.weights_choice in ("as-stored", "int4", "int8")
-                and not cpp_ops_available()):
-            log.warning("packed weights (%s) but the C++ int4/int8 kernels are unavailable: they "
-                        "run on the pure-torch path, ~10x slower than dense; pass --weights "
-                        "bf16 (or install a C++ compiler) for speed", self.weights_choice)
-        self.spec = self.loaded.spec
-        check_supported(self.spec)
-        self.tokenizer = self.loaded.tokenizer
-        self.max_model_len = check_max_model_len(cfg.max_model_len, self.spec)
-        # the spec of the shard this process holds: the whole model, or rank 0's under --tp
-        self.tp_group: TPGroup | None = None
-        shard_spec = self.spec
-        if cfg.tensor_parallel_size > 1:
-            self.tp_group, model, shard_spec = start_tensor_parallel(
-                cfg, self.loaded, dtype=self.dtype, device=self.device,
-                max_positions=self.max_model_len)
-            weakref.finalize(self, self.tp_group.shutdown)
-        else:
-            model = build_model(
-                self.spec, self.loaded.weights, dtype=self.dtype, device=self.device,
-                max_positions=self.max_model_len,
-            )
-        if loaded is None:
-            self.loaded.weights = {}  # the model holds its own copies; don't keep two
-        if self.device.type == "cpu":
-            # Hand the loader's freed scratch back to the OS before the KV pool is allocated,
-            # so the process peak is what the ledger says (see release_freed_host_memory).
-            release_freed_host_memory()
-        # One ledger: the planner's function counts the weights; the model must hold exactly that.
-        dname = dtype_name(self.dtype)
-        weight_bytes = engine_weight_bytes(shard_spec, dname, stored=self.loaded.stored_formats,
-                                           rule=engine_format_rule(self.weights_choice, dname))
-        held = held_weight_bytes(model)  # parameters and packed buffers, each tensor once
-        if held != weight_bytes:
-            raise RuntimeError(f"the model holds {held:,} B of weights, the ledger says "
-                               f"{weight_bytes:,} B (fitserve.ledger.weights.engine_weight_bytes)")
-        self.pool = size_kv_pool(cfg, shard_spec, self.dtype, self.device, weight_bytes)
-        check_pool_fits(self.pool, self.max_model_len)
+        parts = build_engine_parts(config or EngineConfig(), loaded)
+        self.config = cfg = parts.config
+        self.device, self.dtype = parts.device, parts.dtype
+        self.loaded, self.weights_choice = parts.loaded, parts.weights_choice
+        self.spec, self.tokenizer, self.max_model_len = parts.spec, parts.tokenizer, parts.max_model_len
+        self.tp_group = parts.tp_group
         if self.tp_group is not None:
-            self.tp_group.send_startup(self.pool.num_blocks)
-        self.kv = KVCacheManager(self.pool.num_blocks, cfg.cache.block_size,
-                                 enable_caching=cfg.cache.enable_prefix_caching)
-        # the scheduler's max_model_len is the one resolved above (vLLM does the same)
-        self.scheduler = Scheduler(replace(cfg.scheduler, max_model_len=self.max_model_len),
-                                   self.kv)
-        self.runner = (ModelRunner if self.tp_group is None else TPModelRunner)(
-            model, shard_spec, num_blocks=self.pool.num_blocks, block_size=cfg.cache.block_size,  # type: ignore[arg-type]
-            kv_dtype=self.dtype, device=self.device,
-            # NOTE: under --tp every step runs eager (collectives inside a compiled graph: later)
-            compile_decode=not cfg.enforce_eager and self.tp_group is None,
-            kv_cache_dtype=cfg.cache.kv_cache_dtype, kv_cache_scales=cfg.cache.kv_cache_scales,
-        )
-        if isinstance(self.runner, TPModelRunner):
-            assert self.tp_group is not None
-            self.runner.attach(self.tp_group, self.spec, self.dtype)
-        if self.runner.kv_cache_bytes != self.pool.allocated_bytes:
-            raise RuntimeError(f"the KV cache holds {self.runner.kv_cache_bytes:,} B, the ledger "
-                               f"says {self.pool.allocated_bytes:,} B ({self.pool.num_blocks} "
-                               f"blocks of {self.pool.block_bytes:,} B)")
-        # start-up time: loading + building (above), then the compiler (cold: builds code;
-        # warm: loads it from $FITSERVE_HOME/compile)
-        self.startup_seconds: dict[str, float] = {"load": time.perf_counter() - t_start}
-        if self.runner.compiled is not None:
-            t0 = time.perf_counter()
-            sizes = [n for n in (1, 2, 17) if n <= cfg.scheduler.max_num_seqs]
-            per_class = self.runner.warm_up_compiled(sizes)
-            self.startup_seconds["compile"] = time.perf_counter() - t0
-            log.info("decode step compiled in %.1f s (%s)", self.startup_seconds["compile"],
-                     ", ".join(f"{k}: {v:.1f} s" for k, v in per_class.items()))
-        elif not cfg.enforce_eager:
-            log.warning("--compile: the decode step runs eager here (compiled steps need the "
-                        "CPU device and the C++ paged attention kernel)")
+            weakref.finalize(self, self.tp_group.shutdown)
+        self.pool, self.kv, self.scheduler = parts.pool, parts.kv, parts.scheduler
+        self.runner = parts.runner
+        self.spec_decode = parts.spec_decode
+        self.speculative_config = cfg.speculative
+        self.spec_stats = None if self.spec_decode is None else self.spec_decode.stats
+        self.startup_seconds: dict[str, float] = dict(parts.startup_seconds)
         self._trim_after_prefill = self.device.type == "cpu"
         self._requests: dict[str, Tracked] = {}
         # structured output: compiled grammars, cached (its LLTokenizer is built on first use)
         self.grammars = GrammarCompiler()
         self._beams = BeamSearches(self.scheduler, self.tokenizer, str(self.device))
-        self.speculative_config = cfg.speculative
-        self.spec_decode = None if self.speculative_config is None else SpeculativeDecoding(
-            self.speculative_config, build_proposer(
-                self.speculative_config, target=self.spec, runner=self.runner, kv=self.kv,
-                dtype=self.dtype, device=self.device, max_model_len=self.max_model_len),
-            max_model_len=self.max_model_len)
-        self.spec_stats = None if self.spec_decode is None else self.spec_decode.stats
         self.num_steps = 0  # model steps run (for tokens per target step)
         # every step's shape and wall time, newest last (the profiler and the step-time model)
         self.step_log: deque[StepRecord] = deque(maxlen=STEP_LOG_LEN)

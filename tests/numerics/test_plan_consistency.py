@@ -29,8 +29,8 @@ import torch
 
 from fitserve.cli import main as fitserve_main
 from fitserve.config import EngineConfig
-from fitserve.engine.builder import DEFAULT_CPU_KV_BYTES, size_kv_pool
 from fitserve.engine.core import Engine
+from fitserve.engine.sizing import DEFAULT_CPU_KV_BYTES, size_kv_pool
 from fitserve.ledger import memory as plan_memory
 
 REPO = Path(__file__).resolve().parents[2]
@@ -96,7 +96,7 @@ def check_engine_matches_plan(engine: Engine, plan: dict[str, Any]) -> None:
     assert plan["kv_allocated_bytes"] == plan["num_kv_blocks"] * plan["block_bytes"]
     assert plan["lines"]["KV pool"] == plan["kv_allocated_bytes"]
     assert weight_bytes(engine) == plan["weight_bytes"] == plan["lines"]["weights"]
-    # the engine's own ledger (fitserve.engine.builder) has the same lines as the plan
+    # the engine's own ledger (fitserve.engine.sizing) has the same lines as the plan
     mp = pool.memory_plan
     assert mp is not None and mp.device == "cpu"
     assert [m.name for m in mp.lines] == list(plan["lines"])

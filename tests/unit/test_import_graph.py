@@ -195,7 +195,7 @@ GRAPH = Graph(ROOT)
 def test_graph_sees_known_edges() -> None:
     """The walker itself: known imports of each level are found (else the checks prove nothing)."""
     core = GRAPH.imports["fitserve.engine.core"]
-    assert "fitserve.engine.builder" in core.top and "torch" in core.top
+    assert "fitserve.engine.sizing" in core.top and "torch" in core.top
     assert "fitserve.engine.calibrate" in core.lazy  # the slo policy's step model
     main = GRAPH.imports["fitserve.cli.main"]
     assert "fitserve.engine.core" in main.lazy and "fitserve.engine.core" not in main.top

@@ -1,0 +1,210 @@
+"""Resolve an EngineConfig's "auto" values and size the KV pool through the planner's ledger.
+
+The KV pool is sized by the same functions `fitserve plan` prints: ``cpu_engine_memory_plan``
+on a CPU (a fixed budget, default ``DEFAULT_CPU_KV_BYTES``) and ``engine_memory_plan`` on CUDA
+(what total x utilization leaves after weights, activations, logits, workspace and whatever is
+already in use on the device). The engine never carries a rule of its own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fitserve import envs
+from fitserve.config import EngineConfig, ModelSpec
+from fitserve.ledger.hardware import cpu_engine_dtype
+from fitserve.ledger.memory import (
+    DEFAULT_CPU_KV_BYTES,
+    DEFAULT_GPU_WORKSPACE_BYTES,
+    EngineMemoryPlan,
+    cpu_engine_memory_plan,
+    engine_memory_plan,
+)
+
+__all__ = [
+    "DEFAULT_CPU_KV_BYTES",
+    "KVPoolSize",
+    "check_pool_fits",
+    "dtype_name",
+    "release_freed_host_memory",
+    "resolve_device",
+    "resolve_dtype",
+    "size_kv_pool",
+]
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "f32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was requested but CUDA is not available")
+    if name.split(":")[0] not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {name!r} (use cpu, cuda or auto)")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """"auto": bf16 on CUDA; on CPU the planner's ``cpu_engine_dtype`` (bf16 with AVX512-BF16 or
+    AMX, else f32), so `fitserve plan --gpu cpu` and the engine cannot pick differently."""
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16
+        return _DTYPES[cpu_engine_dtype()]
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r} (use float32, bfloat16, float16 or auto)")
+    return _DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The planner's name of a torch dtype: "f32", "bf16" or "f16"."""
+    return {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class KVPoolSize:
+    """The KV pool the engine allocates, and the ledger it was sized from."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+    budget_bytes: int | None  # the KV budget the blocks were cut from (None: blocks given)
+    block_bytes: int = 0  # bytes of one block, all layers, K and V
+    memory_plan: EngineMemoryPlan | None = None  # every line, as `fitserve plan` prints it
+
+    @property
+    def allocated_bytes(self) -> int:
+        """What the runner's KV tensors take: num_blocks x block_bytes."""
+        return self.num_blocks * self.block_bytes
+
+
+def engine_kv_format(cfg: EngineConfig, dtype: torch.dtype) -> str:
+    """The KV format (a ``plan.formats.KV_FORMATS`` name) the engine runs: the model dtype's,
+    or a quantized one from ``kv_cache_dtype`` / ``kv_cache_scales`` (ValueError if bad)."""
+    from fitserve.ledger.errors import PlanError
+    from fitserve.ledger.formats import resolve_engine_kv_format
+
+    try:
+        return resolve_engine_kv_format(cfg.cache.kv_cache_dtype, cfg.cache.kv_cache_scales, dtype_name(dtype))
+    except PlanError as exc:
+        raise ValueError(str(exc)) from exc
+
+
+def size_kv_pool(
+    cfg: EngineConfig, spec: ModelSpec, kv_dtype: torch.dtype, device: torch.device, weight_bytes: int
+) -> KVPoolSize:
+    """Number of KV blocks, from the same ledger functions `fitserve plan` prints."""
+    kv_name = engine_kv_format(cfg, kv_dtype)
+    act_bytes = torch.finfo(kv_dtype).bits // 8
+    cache, sched = cfg.cache, cfg.scheduler
+    plan: EngineMemoryPlan
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        # NOTE: the weights are already on the device, so "in use" excludes them.
+        plan = engine_memory_plan(
+            spec, weight_bytes=weight_bytes, total_memory_bytes=total,
+            memory_utilization=cache.gpu_memory_utilization,
+            max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
+            block_size=cache.block_size, kv_dtype=kv_name, act_dtype_bytes=act_bytes,
+            workspace_bytes=DEFAULT_GPU_WORKSPACE_BYTES,
+            kv_cache_memory_bytes=cache.kv_cache_memory_bytes, kv_blocks=cache.num_kv_blocks,
+            in_use_bytes=max(0, total - free - weight_bytes))
+    else:
+        from fitserve.kernels.cpu.paged_attention import paged_attention_available
+
+        # NOTE: the engine's max_model_len (check_max_model_len: the requested value, else the
+        # model's max_position_embeddings) sizes the RoPE tables and the attention scratch;
+        # whether decode runs the fused C++ kernel or gathers K/V is the runner's own test.
+        plan = cpu_engine_memory_plan(
+            spec, weight_bytes=weight_bytes, max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_num_seqs=sched.max_num_seqs, block_size=cache.block_size, kv_dtype=kv_name,
+            act_dtype_bytes=act_bytes, kv_cache_memory_bytes=cache.kv_cache_memory_bytes,
+            kv_blocks=cache.num_kv_blocks,
+            max_model_len=cfg.max_model_len or spec.max_position_embeddings,
+            fused_decode=paged_attention_available())
+    budget = None if cache.num_kv_blocks is not None else plan.kv_pool_bytes
+    return KVPoolSize(plan.num_kv_blocks, cache.block_size, plan.kv_bytes_per_token, budget,
+                      plan.block_bytes, plan)
+
+
+def release_freed_host_memory() -> bool:
+    """Return memory that the C allocator holds but no longer uses to the OS (glibc's
+    ``malloc_trim(0)``); False where there is no glibc.
+
+    NOTE: loading dequantizes every tensor through f32 scratch and keeps a second copy of the
+    weights until the model has copied them; glibc keeps those freed chunks resident (they sit
+    between live tensors on the heap), ~340 MiB for SmolLM2 in bf16. Trimming before the KV
+    pool is allocated makes the process's peak RSS what the ledger says it is.
+    """
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's malloc_trim, looked up once (find_library runs ldconfig: too slow per step)."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
+
+
+def check_pool_fits(pool: KVPoolSize, max_model_len: int) -> None:
+    """Fail at start-up, naming the knobs, when one max_model_len request cannot fit."""
+    capacity = pool.num_blocks * pool.block_size
+    if capacity >= max_model_len:
+        return
+    need_blocks = -(-max_model_len // pool.block_size)
+    need_bytes = need_blocks * (pool.block_bytes or pool.block_size * pool.bytes_per_token)
+    raise ValueError(
+        f"the KV cache holds {pool.num_blocks} blocks x {pool.block_size} tokens = {capacity} tokens, "
+        f"too few for one request of max_model_len={max_model_len}: raise the KV cache memory "
+        f"(--kv-cache-memory / kv_cache_memory_bytes; at least {need_bytes} bytes) or lower "
+        f"--max-model-len to at most {capacity}"
+    )
+
+
+def check_max_model_len(requested: int | None, spec: ModelSpec) -> int:
+    """``requested`` (None: the model's max_position_embeddings), refused past the trained length.
+
+    The trained length is ``max_position_embeddings``, times the factor of linear RoPE scaling
+    (as vLLM derives it; llama3 scaling already counts in max_position_embeddings). Longer is
+    a ValueError unless ``FITSERVE_ALLOW_LONG_MAX_MODEL_LEN=1`` (vLLM's
+    ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``), which logs a warning instead.
+    """
+    if requested is None:
+        return spec.max_position_embeddings
+    trained, how = spec.max_position_embeddings, "max_position_embeddings"
+    if spec.rope_scaling is not None and spec.rope_scaling.kind == "linear":
+        trained = int(trained * spec.rope_scaling.factor)
+        how += f" {spec.max_position_embeddings} x linear RoPE factor {spec.rope_scaling.factor:g}"
+    if requested <= trained:
+        return requested
+    what = f"max_model_len={requested} is longer than the model's trained context ({trained} tokens, {how})"
+    allow = envs.FITSERVE_ALLOW_LONG_MAX_MODEL_LEN
+    if allow():
+        logging.getLogger("fitserve.engine").warning(
+            "%s (%s is set): positions past it were never trained; outputs may be wrong", what, allow.name)
+        return requested
+    raise ValueError(
+        f"{what}; outputs past it degrade. Lower --max-model-len, or "
+        f"set {allow.name}=1 to allow it anyway"
+    )
