@@ -27,7 +27,7 @@ from torch import Tensor
 from fitserve.tools.labs.online_softmax import ACC_DTYPE
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
+def rms_norm_one_pass(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     """One-pass RMSNorm over the last dim; sum of squares and scaling in fp32, one cast back."""
     x32 = x.to(ACC_DTYPE)
     # NOTE: mean of squares accumulates in fp32 even for bf16 x (a bf16 sum stalls at 256).
