@@ -294,7 +294,7 @@ def main() -> None:
 
     base = workload_spec(args.threads, args.runs, args.w2_requests)
     if args.kv_cache_memory:
-        from fitserve.cli.engine_args import parse_bytes_arg
+        from fitserve.engine.args import parse_bytes_arg
 
         base["kv_cache_memory"] = parse_bytes_arg(args.kv_cache_memory)
     gguf = base["gguf"]

@@ -35,7 +35,6 @@ from dataclasses import dataclass
 
 import torch
 
-from fitserve.engine.sizing import resolve_dtype
 from fitserve.kernels.cpu.isa import cpu_model_name, detect_isa
 from fitserve.kernels.cpu.paged_attention import (
     DEFAULT_PARTITION,
@@ -47,6 +46,7 @@ from fitserve.model.attention.cpu_paged import CPU_PAGED_DECODE
 from fitserve.model.attention.dispatch import ShapeClass, choose_attention_backend, classify
 from fitserve.model.attention.gather import EAGER_GATHER, TORCH_SDPA
 from fitserve.model.attention.paged import AttentionBatch, paged_attention
+from fitserve.runner.placement import resolve_dtype
 
 HQ, HKV, D, BS = 9, 3, 64, 16  # SmolLM2-135M; the engine's default block size
 LAYERS = 30

@@ -61,7 +61,7 @@ def sampler_micro(engine: Any, batch: int, reps: int = 50) -> tuple[float, float
     import torch
 
     from fitserve.sampling import RequestSamplingState, SamplingParams
-    from fitserve.sampling.guided import GuidedDecoding
+    from fitserve.structured.guided import GuidedDecoding
 
     vocab = engine.spec.vocab_size
     logits = torch.randn(batch, vocab)
@@ -101,7 +101,7 @@ def main() -> None:
     from fitserve.engine.core import Engine
     from fitserve.kernels.cpu.isa import cpu_model_name, detect_isa
     from fitserve.sampling import SamplingParams
-    from fitserve.sampling.guided import GuidedDecoding
+    from fitserve.structured.guided import GuidedDecoding
 
     if args.threads:
         torch.set_num_threads(args.threads)

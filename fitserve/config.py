@@ -88,7 +88,7 @@ class ModelSpec:
 # The string settings with a fixed set of values (vLLM's spellings). The tuples of allowed
 # values are derived from these, so a check and its type cannot disagree.
 DType = Literal["auto", "float32", "bfloat16", "float16"]
-Device = Literal["auto", "cpu", "cuda"]  # NOTE: "cuda:N" is accepted too (fitserve.engine.sizing.resolve_device)
+Device = Literal["auto", "cpu", "cuda"]  # NOTE: "cuda:N" is accepted too (fitserve.runner.placement.resolve_device)
 WeightsChoice = Literal["auto", "as-stored", "bf16", "float32", "float16", "int8", "int4", "fp8"]
 Quantization = Literal["int4", "int8", "fp8"]
 KVCacheDType = Literal["auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"]

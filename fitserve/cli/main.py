@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fitserve.cli.engine_args import add_engine_args, engine_config_from_args
+from fitserve.engine.args import add_engine_args, engine_config_from_args
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
@@ -91,7 +91,7 @@ def _optional_parsers() -> list[Callable[[Any], object]]:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) >= 2 and argv[0] == "plan":
-        from fitserve.tools.sheets import TOOLS
+        from fitserve.tools.planner.sheet_index import TOOLS
 
         if argv[1] in TOOLS:
             # NOTE: routed before argparse: `plan` takes a model as its first positional, and a

@@ -21,8 +21,8 @@ from typing import Any
 import uvicorn
 
 from fitserve import envs
-from fitserve.cli.engine_args import add_engine_args, engine_config_from_args
 from fitserve.config import EngineConfig
+from fitserve.engine.args import add_engine_args, engine_config_from_args
 from fitserve.server.connections import (
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_MAX_HEADER_BYTES,

@@ -45,14 +45,14 @@ def _watch_parent() -> None:
 
 def build_worker(cfg: EngineConfig, rank: int, world: int, comm: Collectives
                  ) -> tuple[TPCausalLM, ModelRunner]:
-    from fitserve.engine.sizing import (
+    from fitserve.ledger.formats import resolve_engine_weights
+    from fitserve.loading import load_model
+    from fitserve.runner.placement import (
         check_max_model_len,
         release_freed_host_memory,
         resolve_device,
         resolve_dtype,
     )
-    from fitserve.ledger.formats import resolve_engine_weights
-    from fitserve.loading import load_model
 
     device = resolve_device(cfg.device)
     choice, dtype_arg = resolve_engine_weights(cfg.weights, cfg.quantization, cfg.dtype)

@@ -22,17 +22,7 @@ import torch
 from fitserve.config import EngineConfig, ModelSpec, SpeculativeConfig
 from fitserve.dist.engine_tp import TPModelRunner, start_tensor_parallel
 from fitserve.dist.group import TPGroup
-from fitserve.engine.sizing import (
-    KVPoolSize,
-    check_max_model_len,
-    check_pool_fits,
-    dtype_name,
-    engine_kv_format,
-    release_freed_host_memory,
-    resolve_device,
-    resolve_dtype,
-    size_kv_pool,
-)
+from fitserve.engine.sizing import KVPoolSize, check_pool_fits, engine_kv_format, size_kv_pool
 from fitserve.kv.manager import KVCacheManager
 from fitserve.ledger.formats import resolve_engine_weights
 from fitserve.ledger.weights import engine_format_rule, engine_weight_bytes
@@ -43,7 +33,15 @@ from fitserve.model.llama import CausalLM
 from fitserve.model.loader import build_model, check_supported, held_weight_bytes
 from fitserve.quant.hold import loaded_weights_choice
 from fitserve.runner.model_runner import ModelRunner
+from fitserve.runner.placement import (
+    check_max_model_len,
+    dtype_name,
+    release_freed_host_memory,
+    resolve_device,
+    resolve_dtype,
+)
 from fitserve.sched.scheduler import Scheduler
+from fitserve.spec_decode.rejection import verify as verify_drafts
 from fitserve.spec_decode.speculative import SpeculativeDecoding, build_proposer
 
 log = logging.getLogger("fitserve.engine")
@@ -156,6 +154,7 @@ def _size_and_wire(cfg: EngineConfig, model: CausalLM, spec: ModelSpec, shard_sp
         # NOTE: under --tp every step runs eager (collectives inside a compiled graph: later)
         compile_decode=not cfg.enforce_eager and tp_group is None,
         kv_cache_dtype=cache.kv_cache_dtype, kv_cache_scales=cache.kv_cache_scales,
+        verify=None if cfg.speculative is None else verify_drafts,
     )
     if isinstance(runner, TPModelRunner):
         assert tp_group is not None

@@ -23,19 +23,19 @@ from fitserve.config import EngineConfig
 from fitserve.dist.comm import CollectiveError
 from fitserve.engine.beams import BeamSearches
 from fitserve.engine.builder import build_engine_parts
+from fitserve.engine.guides import guide_states
 from fitserve.engine.outputs import Tracked, advance_output, can_speculate, failed_output
-from fitserve.engine.sizing import check_max_model_len, release_freed_host_memory
 from fitserve.kv.manager import KVStats
 from fitserve.ledger.step_time import StepShape
 from fitserve.loading import IncrementalDetokenizer, LoadedModel
+from fitserve.runner.placement import check_max_model_len, release_freed_host_memory
 from fitserve.sampling import RequestSamplingState, SamplingParams
 from fitserve.sampling.beam_search import BeamSearchParams
-from fitserve.sampling.guided import GuidedDecoding
 from fitserve.sched.request import SchedRequest
 from fitserve.sched.slo import step_shape
 from fitserve.spec_decode.stats import SpecDecodeStats
 from fitserve.structured.compiler import GrammarCompiler
-from fitserve.structured.requests import guide_states
+from fitserve.structured.guided import GuidedDecoding
 from fitserve.types import (
     FinishReason,
     RequestOutput,

@@ -16,7 +16,7 @@ from fitserve.config import SUPPORTED_ARCHITECTURES, ModelSpec
 from fitserve.ledger.errors import PlanError
 from fitserve.ledger.formats import engine_tensor_format, tensor_role, weight_bytes, weight_format
 from fitserve.ledger.params import Tensor, rank_elements, tensors
-from fitserve.loading.weight_names import expected_weight_shapes
+from fitserve.ledger.weight_names import expected_weight_shapes
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,10 @@ from typing import Any
 from fitserve.config import SUPPORTED_ARCHITECTURES, ModelSpec, RopeScaling
 from fitserve.ledger.errors import PlanError
 from fitserve.ledger.formats import weight_format
+from fitserve.ledger.weight_names import expected_weight_shapes as expected_weight_shapes
 from fitserve.loading import hf_defaults as d
 from fitserve.loading.errors import ModelLoadError, UnsupportedArchitectureError
 from fitserve.loading.weight_names import check_weights as check_weights  # re-exported
-from fitserve.loading.weight_names import expected_weight_shapes as expected_weight_shapes
 
 # HF class names -> model_type, for configs that only name ``architectures``.
 _ARCH_ALIASES: dict[str, str] = {
@@ -40,7 +40,7 @@ _ARCH_ALIASES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
 }
 ENGINE_ROPE_KINDS = ("llama3", "linear")
-# quantization_config.quant_method of a `fitserve quantize` checkpoint (fitserve.quant.checkpoint)
+# quantization_config.quant_method of a `fitserve quantize` checkpoint (fitserve.loading.checkpoint)
 FITSERVE_QUANT_METHOD = "fitserve"
 # Keys transformers requires per rope type (original_max_position_embeddings defaults to
 # max_position_embeddings when absent, as transformers' standardize_rope_params does).

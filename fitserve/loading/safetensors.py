@@ -2,7 +2,7 @@
 
 A `fitserve quantize` checkpoint is such a folder whose config.json names packed tensors
 (``quantization_config.formats``); their ``.qweight/.scales/.mins`` come back as the
-PackedWeights that were written (``fitserve.quant.checkpoint``).
+PackedWeights that were written (``fitserve.loading.checkpoint``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from fitserve.config import ModelSpec
+from fitserve.loading.checkpoint import PARTS, join_packed, prefix_of
 from fitserve.loading.errors import ModelLoadError
 from fitserve.loading.hf_config import (
     check_weights,
@@ -25,7 +26,6 @@ from fitserve.loading.hf_config import (
     spec_from_hf_folder,
 )
 from fitserve.loading.tokenizer import Tokenizer
-from fitserve.quant.checkpoint import PARTS, join_packed, prefix_of
 from fitserve.quant.held import HeldTensor, dtype_table_name
 from fitserve.quant.hold import held_format, hold
 from fitserve.quant.packed import dequantize
@@ -69,7 +69,7 @@ def read_safetensors(files: list[Path], dtype: torch.dtype,
     ``weights``: a ``--weights`` choice ("int4"/"int8": RTN-pack each tensor as it is read,
     per ``fitserve.quant.hold.held_format``), or None for plain ``dtype`` tensors.
     ``packed``: the packed tensors of a `fitserve quantize` checkpoint (HF name -> (format,
-    (N, K)), see ``fitserve.quant.checkpoint``): their ``<prefix>.qweight/.scales/.mins`` are
+    (N, K)), see ``fitserve.loading.checkpoint``): their ``<prefix>.qweight/.scales/.mins`` are
     joined into a PackedWeight, held as it is when the choice's format is the stored one
     ("as-stored", or "int4"/"int8" whose RTN format it is), else dequantized (then cast, or
     RTN-packed into the choice's format).
@@ -156,7 +156,7 @@ def read_hf_folder(
 ) -> tuple[ModelSpec, dict[str, HeldTensor], Tokenizer, str, dict[str, str]]:
     """Everything an HF folder holds: (spec, weights, tokenizer, dominant stored format, each
     tensor's stored format); ``weights`` as in :func:`read_safetensors`, which also reads a
-    `fitserve quantize` checkpoint's packed tensors (``fitserve.quant.checkpoint``)."""
+    `fitserve quantize` checkpoint's packed tensors (``fitserve.loading.checkpoint``)."""
     if not folder.is_dir():
         raise ModelLoadError(f"{folder}: no such folder")
     spec = spec_from_folder(folder)

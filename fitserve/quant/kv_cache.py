@@ -26,11 +26,10 @@ which the runner's remapped block tables index, so every attention kernel runs u
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
-from fitserve.runner.lazy_memory import lazy_zeros
 
 KEY_LAYOUTS = ("token", "channel-key")
 
@@ -73,12 +72,22 @@ def _safe(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
+Zeros = Callable[[tuple[int, ...], torch.dtype, "torch.device | str"], torch.Tensor]
+"""Allocates a zero-filled tensor (shape, dtype, device)."""
+
+
+def _torch_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
+                 ) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 class QuantizedKVCache:
     """One layer's K and V in ``codec`` codes with ``key_layout`` key scales (see the module
     docstring); values are always per token."""
 
     def __init__(self, codec: str, key_layout: str, *, num_kv_heads: int, num_blocks: int,
-                 block_size: int, head_dim: int, device: torch.device | str = "cpu") -> None:
+                 block_size: int, head_dim: int, device: torch.device | str = "cpu",
+                 zeros: Zeros = _torch_zeros) -> None:
         if codec not in CODECS:
             raise ValueError(f"unknown KV codec {codec!r}; known: {', '.join(CODECS)}")
         if key_layout not in KEY_LAYOUTS:
@@ -89,12 +98,13 @@ class QuantizedKVCache:
         self.block_size = block_size
         h, nb, bs, d = num_kv_heads, num_blocks, block_size, head_dim
         store = self.codec.storage
-        # resident on the CPU only as blocks are first written (fitserve.runner.lazy_memory)
-        self.k_codes = lazy_zeros((h, nb, bs, d), store, device)
-        self.v_codes = lazy_zeros((h, nb, bs, d), store, device)
+        # the runner passes fitserve.runner.lazy_memory.lazy_zeros: resident on the CPU only as
+        # blocks are first written
+        self.k_codes = zeros((h, nb, bs, d), store, device)
+        self.v_codes = zeros((h, nb, bs, d), store, device)
         key_scale_shape = (h, nb, d) if key_layout == "channel-key" else (h, nb, bs)
-        self.k_scales = lazy_zeros(key_scale_shape, torch.float32, device)
-        self.v_scales = lazy_zeros((h, nb, bs), torch.float32, device)
+        self.k_scales = zeros(key_scale_shape, torch.float32, device)
+        self.v_scales = zeros((h, nb, bs), torch.float32, device)
 
     @property
     def nbytes(self) -> int:

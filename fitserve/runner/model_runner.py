@@ -9,6 +9,8 @@ scheduler's block tables into the flat cache slots each new token writes::
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from fitserve import envs
@@ -25,8 +27,12 @@ from fitserve.runner.compiled_step import CompiledDecode
 from fitserve.runner.decode_loop import DecodeLoop
 from fitserve.runner.lazy_memory import lazy_zeros
 from fitserve.sampling import RequestSamplingState, Sampler
-from fitserve.spec_decode.rejection import verify as verify_drafts
 from fitserve.types import RunnerOutput, ScheduledChunk, SchedulerOutput, SpecDecodeInputs
+
+DraftVerifier = Callable[[torch.Tensor, list[int], torch.Tensor | None, RequestSamplingState,
+                          Sampler], list[int]]
+"""Rejection sampling of one chunk's drafts: (target logits [k + 1, V], draft tokens, draft probs
+or None, the request's sampling state, the sampler) -> the tokens it emits."""
 
 
 class ModelRunner:
@@ -44,8 +50,12 @@ class ModelRunner:
         compile_decode: bool = False,
         kv_cache_dtype: str = "auto",
         kv_cache_scales: str = "auto",
+        verify: DraftVerifier | None = None,
     ) -> None:
         self.model = model
+        # speculative decoding's rejection sampling (fitserve.spec_decode.rejection.verify), given
+        # by the engine's builder when speculation is on; None: a chunk with drafts is an error
+        self.verify_drafts = verify
         self.spec = spec
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -127,12 +137,15 @@ class ModelRunner:
         against ``spec.draft_probs`` (absent: point masses)."""
         rows = [r for chunk, last in verify for r in range(last - chunk.num_draft, last + 1)]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
+        if self.verify_drafts is None:
+            raise RuntimeError("a chunk with draft tokens, but this runner verifies none "
+                               "(speculative decoding is off)")
         at = 0
         for chunk, _ in verify:
             k = chunk.num_draft
             rid = chunk.request_id
             drafts = chunk.token_ids[-k:]
-            emitted = verify_drafts(logits[at: at + k + 1], drafts, spec.draft_probs.get(rid),
+            emitted = self.verify_drafts(logits[at: at + k + 1], drafts, spec.draft_probs.get(rid),
                                     states[rid], self.sampler)
             if spec.return_hidden_states:  # the row that gave the last emitted token
                 result.hidden_states[rid] = hidden[rows[at + len(emitted) - 1]].clone()
@@ -257,7 +270,7 @@ def make_kv_caches(spec: ModelSpec, kv_format: str, *, num_blocks: int, block_si
         key_layout = "channel-key" if fmt.key_scales == "channel" else "token"
         return [QuantizedKVCache(fmt.codec, key_layout, num_kv_heads=spec.num_kv_heads,
                                  num_blocks=num_blocks, block_size=block_size,
-                                 head_dim=spec.head_dim, device=device)
+                                 head_dim=spec.head_dim, device=device, zeros=lazy_zeros)
                 for _ in range(spec.num_layers)]
     shape = (spec.num_kv_heads, num_blocks, block_size, spec.head_dim)
     return [(lazy_zeros(shape, dtype, device), lazy_zeros(shape, dtype, device))

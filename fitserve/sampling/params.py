@@ -12,7 +12,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
-from fitserve.sampling.guided import GuidedDecoding
+from fitserve.structured.guided import GuidedDecoding
 
 # NOTE: vLLM's _SAMPLING_EPS: a temperature below this is treated as greedy, because dividing
 # logits by it would overflow or make sampling numerically indistinguishable from argmax.

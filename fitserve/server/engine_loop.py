@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from fitserve.config import EngineConfig
 from fitserve.engine.core import Engine
-from fitserve.engine.sizing import release_freed_host_memory
+from fitserve.runner.placement import release_freed_host_memory
 from fitserve.sampling.beam_search import BeamSearchParams
 from fitserve.sched.slo import AdmissionRejected
 from fitserve.server.engine_commands import (

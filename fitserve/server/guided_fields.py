@@ -15,12 +15,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from fitserve.sampling.guided import GuidedDecoding
 from fitserve.server.errors import bad_request
 from fitserve.server.protocol.chat import ChatCompletionRequest
 from fitserve.server.protocol.common import MAX_LOGIT_BIAS
 from fitserve.server.protocol.completions import CompletionRequest
 from fitserve.server.protocol.structured import StructuredOutputs
+from fitserve.structured.guided import GuidedDecoding
 
 _TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,8}")  # the key pattern the OpenAPI document states
 GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",

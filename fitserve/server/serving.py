@@ -16,7 +16,6 @@ from typing import Any
 from fitserve.loading.tokenizer import Tokenizer
 from fitserve.sampling import SamplingParams
 from fitserve.sampling.beam_search import BeamSearchParams
-from fitserve.sampling.guided import GuidedDecoding
 from fitserve.sampling.params import MAX_LOGPROBS
 from fitserve.server.chat_render import render_chat
 from fitserve.server.engine_commands import Child
@@ -31,6 +30,7 @@ from fitserve.server.protocol.common import (
 )
 from fitserve.server.protocol.completions import CompletionRequest
 from fitserve.server.tools import ToolPlan, plan_tools
+from fitserve.structured.guided import GuidedDecoding
 
 MAX_STOP_TOKEN_IDS = 64
 

@@ -34,10 +34,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from fitserve.sampling.guided import GuidedDecoding
 from fitserve.server.errors import bad_request
 from fitserve.server.protocol.chat import ChatCompletionRequest
 from fitserve.server.protocol.structured import MAX_TOOLS, TOOL_NAME_PATTERN, ToolDefinition
+from fitserve.structured.guided import GuidedDecoding
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"

@@ -19,14 +19,15 @@ One :class:`SpeculativeDecoding` per engine with ``speculative_config`` set. Eac
 from __future__ import annotations
 
 from collections.abc import Set
+from typing import Protocol
 
 import torch
 
 from fitserve.config import ModelSpec, SpeculativeConfig
-from fitserve.engine.outputs import Tracked
 from fitserve.kv.manager import KVCacheManager
 from fitserve.model.eagle_head import load_eagle_head
 from fitserve.runner.model_runner import ModelRunner
+from fitserve.sampling import RequestSamplingState
 from fitserve.sched.request import SchedRequest
 from fitserve.sched.scheduler import Scheduler
 from fitserve.spec_decode.draft_model import DraftModelProposer, load_draft_model
@@ -52,6 +53,16 @@ def build_proposer(config: SpeculativeConfig, *, target: ModelSpec, runner: Mode
         head = load_eagle_head(config.model, target.hidden_size, dtype=dtype, device=device)
         return EagleProposer(head, model=runner.model, sampler=runner.sampler)
     raise ValueError(f"unknown speculative method {config.method!r}")
+
+
+class Tracked(Protocol):
+    """What speculative decoding reads and counts of the engine's state for one request
+    (fitserve.engine.outputs.Tracked is one; a protocol keeps this layer below the engine)."""
+
+    speculates: bool  # gets drafts (speculation on, and no penalties, logprobs or grammar)
+    sampling: RequestSamplingState
+    num_draft_tokens: int
+    num_accepted_tokens: int
 
 
 class SpeculativeDecoding:

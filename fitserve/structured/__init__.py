@@ -1,6 +1,6 @@
 """Structured output: the engine's side of constrained decoding (llguidance grammars).
 
-A request's ``SamplingParams.guided`` (:class:`~fitserve.sampling.guided.GuidedDecoding`) is
+A request's ``SamplingParams.guided`` (:class:`~fitserve.structured.guided.GuidedDecoding`) is
 compiled once per (kind, value, tokenizer) by :class:`GrammarCompiler` (``compiler``) into a
 grammar whose copies are per-request :class:`GuideState` matchers (``guide``); each step the
 sampler masks the logits of the constrained rows with them (``logits``), and the engine

@@ -1,6 +1,6 @@
 """GuidedDecoding -> a compiled llguidance grammar, checked once and cached.
 
-A request's :class:`~fitserve.sampling.guided.GuidedDecoding` is turned into llguidance's
+A request's :class:`~fitserve.structured.guided.GuidedDecoding` is turned into llguidance's
 grammar text (:func:`grammar_text`), then into a *template* ``LLMatcher`` bound to the engine's
 tokenizer. Every request gets a ``deep_copy`` of the template (~20 us) instead of building its
 own matcher (~1.5 ms, far more for a large schema), and copies share the template's lazily built
@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 import llguidance
 
 from fitserve.loading.tokenizer import Tokenizer
-from fitserve.sampling.guided import GuidedDecoding
 from fitserve.structured.guide import GuideState
+from fitserve.structured.guided import GuidedDecoding
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions

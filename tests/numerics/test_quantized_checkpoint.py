@@ -18,7 +18,7 @@ from fitserve.cli import main as fitserve_main
 from fitserve.config import EngineConfig
 from fitserve.engine.core import Engine
 from fitserve.loading import load_model
-from fitserve.quant.checkpoint import prepare_output, write_checkpoint
+from fitserve.loading.checkpoint import prepare_output, write_checkpoint
 from fitserve.sampling import SamplingParams
 from fitserve.tools.quantize.methods import quantize_loaded
 from tests.numerics.test_plan_engine_agree import held_by_model

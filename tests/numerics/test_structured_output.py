@@ -28,7 +28,7 @@ from fitserve.engine.core import Engine
 from fitserve.loading import LoadedModel
 from fitserve.sampling import SamplingParams
 from fitserve.sampling.beam_search import BeamSearchParams
-from fitserve.sampling.guided import GuidedDecoding
+from fitserve.structured.guided import GuidedDecoding
 from fitserve.types import FinishReason, RequestOutput
 
 PLAIN_PROMPT = "The capital of France is"

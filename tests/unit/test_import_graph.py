@@ -9,14 +9,18 @@ imports, which run later), and in ``if TYPE_CHECKING:`` blocks (which never run,
     behind a function-level or TYPE_CHECKING import is still two modules that need each other;
 (b) nothing on the serving path imports fitserve.tools (the offline commands and studies):
     only fitserve.tools itself and the CLI entry point (fitserve.cli.main) may;
-(c) fitserve.kv, fitserve.sched, fitserve.ledger, the planner and its sheets, and the model
+(c) the packages form layers (LAYERS, lowest first): a module imports only from its own layer
+    or below, at any level, so no two packages need each other; the one exception is the CLI
+    entry point wiring the offline tools' subcommands;
+(d) fitserve.kv, fitserve.sched, fitserve.ledger, the planner and its sheets, and the model
     readers import neither torch nor anything that imports it: their own imports at any level,
     and transitively every module-level import of what they reach, including the package
     ``__init__`` modules that importing a submodule runs; then the same at run time, in a fresh
     interpreter.
 
-The checks are functions of a source tree, so the last tests plant a cycle and a serving-path
-import of tools/ in a copy of the package and show that each check reports it.
+The checks are functions of a source tree, so the last tests plant a cycle, a serving-path
+import of tools/, an upward import and a torch import in a copy of the package and show that
+each check reports it.
 """
 
 from __future__ import annotations
@@ -38,6 +42,28 @@ READERS = ("fitserve.loading.hf_config", "fitserve.loading.gguf_spec",
 TORCH_LIKE = ("torch", "triton", "transformers", "safetensors.torch")
 TOOLS = "fitserve.tools"
 MAY_IMPORT_TOOLS = ("fitserve.cli.main",)  # the entry point wires the offline subcommands
+# The layers, lowest first: data flows request -> sched (kv) -> runner (model, sampling) ->
+# engine -> server, and everything sizes itself with the ledger below it.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("fitserve.config", "fitserve.types", "fitserve.envs"),
+    ("fitserve.ledger",),
+    ("fitserve.kv",),
+    ("fitserve.sched",),
+    ("fitserve.kernels",),
+    ("fitserve.quant",),
+    ("fitserve.loading",),
+    ("fitserve.model",),
+    ("fitserve.structured",),
+    ("fitserve.sampling",),
+    ("fitserve.runner",),
+    ("fitserve.spec_decode",),
+    ("fitserve.dist",),
+    ("fitserve.engine",),
+    ("fitserve.server",),
+    ("fitserve.cli",),
+    ("fitserve.tools.planner",),
+    ("fitserve.tools",),
+)
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -162,6 +188,21 @@ class Graph:
                     if t == TOOLS or t.startswith(TOOLS + ".")]
         return bad
 
+    def upward_imports(self) -> list[str]:
+        """``module -> target`` for every import (any level) of a higher layer than the
+        module's own, but the CLI entry point's imports of the tools."""
+        bad = []
+        for m, imp in sorted(self.imports.items()):
+            here = layer_of(m)
+            if here is None:
+                continue
+            for t in sorted(imp.every):
+                there = layer_of(t) if t in self.modules else None
+                if there is not None and there > here and not (
+                        m in MAY_IMPORT_TOOLS and t.startswith(TOOLS + ".")):
+                    bad.append(f"{m} -> {t}")
+        return bad
+
     def torch_reached_from(self, starts: list[str]) -> list[str]:
         """Chains ``torch-like <- ... <- start`` for each torch-free start that reaches torch."""
         bad: list[str] = []
@@ -189,13 +230,25 @@ class Graph:
         return sorted({*roots, *READERS})
 
 
+def layer_of(module: str) -> int | None:
+    """The index in LAYERS of the deepest package listed there that holds ``module``."""
+    best: tuple[int, int] | None = None  # (depth of the matching name, layer)
+    for i, names in enumerate(LAYERS):
+        for name in names:
+            if module == name or module.startswith(name + "."):
+                depth = name.count(".")
+                if best is None or depth > best[0]:
+                    best = (depth, i)
+    return None if best is None else best[1]
+
+
 GRAPH = Graph(ROOT)
 
 
 def test_graph_sees_known_edges() -> None:
     """The walker itself: known imports of each level are found (else the checks prove nothing)."""
     core = GRAPH.imports["fitserve.engine.core"]
-    assert "fitserve.engine.sizing" in core.top and "torch" in core.top
+    assert "fitserve.engine.builder" in core.top and "torch" in core.top
     assert "fitserve.engine.calibrate" in core.lazy  # the slo policy's step model
     main = GRAPH.imports["fitserve.cli.main"]
     assert "fitserve.engine.core" in main.lazy and "fitserve.engine.core" not in main.top
@@ -214,6 +267,16 @@ def test_no_import_cycle_at_any_level() -> None:
 def test_serving_path_never_imports_tools() -> None:
     bad = GRAPH.serving_imports_of_tools()
     assert not bad, "fitserve.tools imported from the serving path:\n" + "\n".join(bad)
+
+
+def test_every_package_is_in_a_layer() -> None:
+    top = {".".join(m.split(".")[:2]) for m in GRAPH.modules} - {"fitserve"}
+    assert not sorted(p for p in top if layer_of(p) is None), "add new packages to LAYERS"
+
+
+def test_imports_go_down_the_layers() -> None:
+    bad = GRAPH.upward_imports()
+    assert not bad, "imports of a higher layer:\n" + "\n".join(bad)
 
 
 def test_torch_free_parts_never_reach_torch() -> None:
@@ -289,6 +352,19 @@ def test_checks_catch_a_serving_path_import_of_tools(tmp_path: Path) -> None:
     assert "fitserve.engine.outputs -> fitserve.tools.planner.cli" in bad, bad
     assert "fitserve.server.metrics -> fitserve.tools.bench.loadgen" in bad, bad
     assert not GRAPH.serving_imports_of_tools()
+
+
+def test_checks_catch_an_upward_import(tmp_path: Path) -> None:
+    graph = _planted_copy(tmp_path, {
+        "runner/decode_loop.py": "\n\ndef _planted():\n    from fitserve.engine import core\n"
+                                 "    return core\n",
+        "kv/prefix_hash.py": "\n\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                             "    from fitserve.sched.request import SchedRequest\n",
+    })
+    bad = graph.upward_imports()
+    assert "fitserve.runner.decode_loop -> fitserve.engine.core" in bad, bad
+    assert "fitserve.kv.prefix_hash -> fitserve.sched.request" in bad, bad
+    assert not GRAPH.upward_imports()
 
 
 def test_checks_catch_torch_reached_from_the_ledger(tmp_path: Path) -> None:

@@ -206,8 +206,8 @@ def _cmd_sweep(args: argparse.Namespace, base: Any, cfg: Any) -> int:
     """``--sweep``: the model's own dense weights, one unit at a time (see quant.sensitivity)."""
     from dataclasses import replace
 
-    from fitserve.engine.sizing import resolve_device
     from fitserve.ledger.formats import weight_format
+    from fitserve.runner.placement import resolve_device
     from fitserve.tools.eval.eval_run import (
         EvalError,
         check_choice,

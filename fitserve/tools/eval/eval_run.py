@@ -97,10 +97,10 @@ def check_choice(choice: ModelChoice) -> None:
 
 def load_scorer(choice: ModelChoice, device: torch.device, max_positions: int) -> Scorer:
     """Load ``choice`` as the engine would (weights held in their chosen format)."""
-    from fitserve.engine.sizing import resolve_dtype
     from fitserve.ledger.formats import resolve_engine_weights
     from fitserve.loading import load_model
     from fitserve.model.loader import build_model, check_supported
+    from fitserve.runner.placement import resolve_dtype
 
     try:
         weights, dtype_arg = resolve_engine_weights(choice.weights, choice.quantization,
@@ -217,7 +217,7 @@ def run_eval(reference: ModelChoice, candidates: list[ModelChoice], *, text: str
              max_tokens: int | None = 1024, window: int = DEFAULT_WINDOW,
              chunk_size: int = DEFAULT_CHUNK, device: str = "auto") -> EvalRun:
     """Load every model, check they share one tokenizer, score the text in lockstep."""
-    from fitserve.engine.sizing import resolve_device
+    from fitserve.runner.placement import resolve_device
 
     if not candidates:
         raise EvalError("no candidate to evaluate")

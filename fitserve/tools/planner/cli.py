@@ -32,7 +32,7 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _tools_epilog() -> str:
-    from fitserve.tools.sheets import TOOLS
+    from fitserve.tools.planner.sheet_index import TOOLS
 
     rows = "\n".join(f"  plan {name:<9} {help_}" for name, (_, help_) in TOOLS.items())
     return f"other planner sheets (each with --help, --json, --explain):\n{rows}"

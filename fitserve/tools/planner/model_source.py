@@ -76,7 +76,7 @@ def _engine_file_types(spec: ModelSpec, types: dict[str, str] | None) -> dict[st
     ``engine_file_types``: a tensor name, else "matrix" (2-D) / "vector" (1-D)."""
     if not types:
         return None
-    from fitserve.loading.weight_names import expected_weight_shapes
+    from fitserve.ledger.weight_names import expected_weight_shapes
 
     return {name: types.get(name, types["matrix" if len(shape) >= 2 else "vector"])
             for name, shape in expected_weight_shapes(spec).items()}
@@ -118,7 +118,7 @@ def _checkpoint_formats(cfg: dict[str, Any], path: Path) -> dict[str, str] | Non
 
 def _main_format(spec: ModelSpec, formats: dict[str, str], dense: str) -> str:
     """The format holding most of a checkpoint's weights (packed, else ``dense``)."""
-    from fitserve.loading.weight_names import expected_weight_shapes
+    from fitserve.ledger.weight_names import expected_weight_shapes
 
     counts: dict[str, int] = {}
     for name, shape in expected_weight_shapes(spec).items():

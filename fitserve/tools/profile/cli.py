@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fitserve.cli.engine_args import add_engine_args, engine_config_from_args
+from fitserve.engine.args import add_engine_args, engine_config_from_args
 
 if TYPE_CHECKING:
     from fitserve.engine.calibrate import Calibration

@@ -12,7 +12,7 @@ Defaults: --method rtn, --bits 4, --group-size 32 for int4 (the engine's RTN-at-
 and per channel for int8, asymmetric int4 unless --sym. --calib is required by awq and gptq
 and ignored (with a warning) by rtn. Every bad argument exits 2 with a message naming it,
 before any model is read; an existing non-empty OUT is refused unless --force (which replaces
-only the checkpoint's own files). The folder format: ``fitserve.quant.checkpoint``.
+only the checkpoint's own files). The folder format: ``fitserve.loading.checkpoint``.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def add_quantize_parser(subparsers: Any) -> argparse.ArgumentParser:
 def _check_args(args: argparse.Namespace) -> tuple[Path, str | None]:
     """Validate everything before a model is read: (model path, calibration text or None)."""
     from fitserve.loading import resolve_model_path
-    from fitserve.quant.checkpoint import check_output
+    from fitserve.loading.checkpoint import check_output
     from fitserve.tools.quantize.methods import target_formats
 
     group = args.group_size if args.group_size is not None or args.bits == 8 else 32
@@ -96,7 +96,7 @@ def run_quantize(args: argparse.Namespace) -> int:
     import torch
 
     from fitserve.loading import load_model
-    from fitserve.quant.checkpoint import prepare_output, write_checkpoint
+    from fitserve.loading.checkpoint import prepare_output, write_checkpoint
     from fitserve.quant.hold import held_bytes
     from fitserve.tools.quantize.methods import quantize_loaded
 

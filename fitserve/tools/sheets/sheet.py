@@ -13,7 +13,7 @@ from types import ModuleType
 
 from fitserve.ledger.errors import PlanError
 from fitserve.tools.planner.report import Line, Section
-from fitserve.tools.sheets import TOOLS
+from fitserve.tools.planner.sheet_index import TOOLS
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ import argparse
 
 import pytest
 
-from fitserve.cli.engine_args import add_engine_args, engine_config_from_args
 from fitserve.config import EngineConfig
+from fitserve.engine.args import add_engine_args, engine_config_from_args
 from fitserve.kv.manager import KVStats
 from fitserve.server.metrics import EngineGauges, Metrics
 

@@ -8,9 +8,9 @@ import argparse
 
 import pytest
 
-from fitserve.cli.engine_args import add_engine_args, engine_config_from_args
 from fitserve.cli.main import build_parser
 from fitserve.config import EngineConfig, SpeculativeConfig
+from fitserve.engine.args import add_engine_args, engine_config_from_args
 from fitserve.engine.llm import Completion
 from fitserve.kv.manager import KVStats
 from fitserve.server.metrics import EngineGauges, Metrics

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from fitserve.loading.tokenizer import Tokenizer, byte_level_bpe, bytes_to_unicode
-from fitserve.sampling.guided import GuidedDecoding
 from fitserve.structured.compiler import GrammarCompiler
 from fitserve.structured.guide import GuidedDecodingError, bitmask_words
+from fitserve.structured.guided import GuidedDecoding
 from fitserve.structured.logits import disallowed_bits
 
 EXTRA = ["ab", "abc", "\u0120a", "12", "ba", "<eos>"]  # \u0120 is the byte-level space

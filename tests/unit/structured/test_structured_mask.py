@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from fitserve.engine.outputs import can_speculate
 from fitserve.sampling import RequestSamplingState, Sampler, SamplingParams
-from fitserve.sampling.guided import GuidedDecoding
+from fitserve.structured.guided import GuidedDecoding
 from fitserve.structured.logits import (
     GuidedMasker,
     apply_logit_bias,

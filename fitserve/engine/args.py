@@ -1,7 +1,8 @@
-"""Engine flags shared by `fitserve generate` and `fitserve serve`, and the config they build.
+"""Engine flags shared by `fitserve generate`, `fitserve serve` and `fitserve profile`, and the
+EngineConfig they build (vLLM keeps its EngineArgs beside the engine too: vllm/engine/arg_utils).
 
-A module of its own so that fitserve.cli and fitserve.cli.serve both import it and
-neither imports the other (no import cycle).
+Here, in the engine's layer, so the CLI and the offline tools both import it and neither imports
+the other.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The `fitserve quantize` checkpoint (fitserve.quant.checkpoint / methods): written then loaded
+"""The `fitserve quantize` checkpoint (fitserve.loading.checkpoint / methods): written then loaded
 bit for bit, config.json written from a spec read back to the same spec, and every corrupt or
 inconsistent folder refused with a ModelLoadError naming the tensor and the problem."""
 
@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 
 from fitserve.config import ModelSpec, RopeScaling
 from fitserve.loading import ModelLoadError, load_model
+from fitserve.loading.checkpoint import config_from_spec, prepare_output, write_checkpoint
 from fitserve.loading.hf_config import spec_from_hf_config
-from fitserve.quant.checkpoint import config_from_spec, prepare_output, write_checkpoint
 from fitserve.quant.packed import PackedWeight, dequantize
 from fitserve.quant.rtn import quantize
 from fitserve.tools.quantize import cli as cli_quantize
