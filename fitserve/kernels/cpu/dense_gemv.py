@@ -2,11 +2,9 @@
 
 ``bf16_gemv_available()`` says whether the op is built and loaded; ``bf16_gemv_preferred()``
 whether fitserve.model.linear.DenseLinear should run it instead of ``F.linear``: on every
-vector tier (avx2 and up). Measured against torch's bf16 matrix-vector product, SmolLM2's 121
-batch-1 linears back to back from DRAM: Zen 3, AVX2 (2026-12-04): 16.2 -> 11.5 ms (torch
-emulates bf16 there); Zen 4, AVX512-BF16 (2026-12-04): 20.7 -> 10.4 ms, 14 -> 28 GB/s, the
-VDPBF16PS loop at the machine's read bandwidth (the FMA loop of the avx2 tier also reached it
-there, 10.1 ms). The scalar tier keeps torch's kernel.
+vector tier (avx2 and up), where it was measured faster than torch's bf16 matrix-vector
+product on every CPU seen (docs/benchmarks.md, section 'Linear kernels'). The scalar tier keeps
+torch's kernel.
 """
 
 from __future__ import annotations
