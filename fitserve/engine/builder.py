@@ -31,7 +31,7 @@ from fitserve.loading.tokenizer import Tokenizer
 from fitserve.model.linear import cpp_ops_available
 from fitserve.model.llama import CausalLM
 from fitserve.model.loader import build_model, check_supported, held_weight_bytes
-from fitserve.quant.hold import loaded_weights_choice
+from fitserve.quant.convert import loaded_weights_choice
 from fitserve.runner.model_runner import ModelRunner
 from fitserve.runner.placement import (
     check_max_model_len,

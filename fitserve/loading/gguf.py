@@ -38,9 +38,9 @@ from fitserve.loading.gguf_spec import (  # noqa: F401 (the spec part lives ther
 )
 from fitserve.loading.hf_config import check_weights
 from fitserve.loading.tokenizer import Tokenizer, byte_level_bpe
+from fitserve.quant.convert import held_format, hold
 from fitserve.quant.gguf_map import packed_from_gguf
 from fitserve.quant.held import HeldTensor, dtype_table_name
-from fitserve.quant.hold import held_format, hold
 
 SUPPORTED_GGUF_TYPES: tuple[str, ...] = (
     "F32",
@@ -110,7 +110,7 @@ def read_gguf_weights(
 
     ``weights`` None: every tensor dequantized to ``dtype``. Otherwise a ``--weights`` choice
     ("as-stored", "int4", "int8", a dtype): each tensor in the format
-    ``fitserve.quant.hold.held_format`` picks. Q4_0/Q4_1/Q8_0 held as stored become
+    ``fitserve.quant.convert.held_format`` picks. Q4_0/Q4_1/Q8_0 held as stored become
     PackedWeights by splitting their blocks (no float copy is made); the rest is dequantized
     one tensor at a time (then RTN-packed or cast).
     """

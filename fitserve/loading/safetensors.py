@@ -26,8 +26,8 @@ from fitserve.loading.hf_config import (
     spec_from_hf_folder,
 )
 from fitserve.loading.tokenizer import Tokenizer
+from fitserve.quant.convert import held_format, hold
 from fitserve.quant.held import HeldTensor, dtype_table_name
-from fitserve.quant.hold import held_format, hold
 from fitserve.quant.packed import dequantize
 
 # a packed tensor of a checkpoint: (its format, its logical shape (N, K))
@@ -67,7 +67,7 @@ def read_safetensors(files: list[Path], dtype: torch.dtype,
     tensor's stored format (name -> "bf16", "f32", "int4-g32-asym" ...).
 
     ``weights``: a ``--weights`` choice ("int4"/"int8": RTN-pack each tensor as it is read,
-    per ``fitserve.quant.hold.held_format``), or None for plain ``dtype`` tensors.
+    per ``fitserve.quant.convert.held_format``), or None for plain ``dtype`` tensors.
     ``packed``: the packed tensors of a `fitserve quantize` checkpoint (HF name -> (format,
     (N, K)), see ``fitserve.loading.checkpoint``): their ``<prefix>.qweight/.scales/.mins`` are
     joined into a PackedWeight, held as it is when the choice's format is the stored one

@@ -1,4 +1,6 @@
-"""Quantized weights: the packed int4/int8 layout, RTN quantizers and the GGUF block mapping.
+"""Runtime weight formats: the held-weight interface (held: dense, packed int4/int8, fp8), the
+packed layout, RTN quantizers, converting a loaded tensor to its held format (convert), the GGUF
+block mapping and the quantized KV cache.
 
     from fitserve.quant import quantize_int4, dequantize
     pw = quantize_int4(w, 32)                   # PackedWeight, w [N, K] float
@@ -9,8 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-# NOTE: names resolve on first use (PEP 562): `fitserve --help` builds the parsers of
-# fitserve.quant.cli_* without importing torch through this package's __init__.
+# NOTE: names resolve on first use (PEP 562): importing the package does not import torch.
 _LAZY: dict[str, str] = {
     **dict.fromkeys(["PackedWeight", "cat_rows", "dequantize", "gather_rows", "pack", "pack_int4",
                      "unpack", "unpack_int4"], "fitserve.quant.packed"),

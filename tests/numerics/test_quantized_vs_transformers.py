@@ -29,7 +29,7 @@ from fitserve.engine.core import Engine
 from fitserve.loading import LoadedModel, load_model
 from fitserve.model.linear import CANDIDATES, PackedLinear
 from fitserve.quant import dequantize, quantize
-from fitserve.quant.hold import held_format
+from fitserve.quant.convert import held_format
 from fitserve.sampling import SamplingParams
 
 from .conftest import hf_greedy

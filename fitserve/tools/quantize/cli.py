@@ -97,7 +97,7 @@ def run_quantize(args: argparse.Namespace) -> int:
 
     from fitserve.loading import load_model
     from fitserve.loading.checkpoint import prepare_output, write_checkpoint
-    from fitserve.quant.hold import held_bytes
+    from fitserve.quant.convert import held_bytes
     from fitserve.tools.quantize.methods import quantize_loaded
 
     path, text = _check_args(args)

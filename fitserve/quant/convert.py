@@ -1,4 +1,5 @@
-"""Turn a loaded tensor into the form the engine holds it in (dense dtype, or packed by RTN).
+"""Convert a loaded tensor into the form the engine holds it in (dense dtype, fp8, or packed by
+RTN), and the choices behind it.
 
 The choice of format per tensor is the planner's rule (``fitserve.ledger.formats
 .engine_tensor_format``), so the engine allocates what `fitserve plan` prints. Loaders call
