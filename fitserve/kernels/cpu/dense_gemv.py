@@ -2,9 +2,9 @@
 
 ``bf16_gemv_available()`` says whether the op is built and loaded; ``bf16_gemv_preferred()``
 whether fitserve.model.linear.DenseLinear should run it instead of ``F.linear``: on every
-vector tier (avx2 and up), where it was measured faster than torch's bf16 matrix-vector
-product on every CPU seen (docs/benchmarks.md, section 'Linear kernels'). The scalar tier keeps
-torch's kernel.
+vector tier (avx2 and up), where it ran faster than torch's bf16 matrix-vector product on every
+CPU seen (the bf16 W1 rows of benchmarks/bench_engine.py in docs/benchmarks.md, before and after
+it). The scalar tier keeps torch's kernel.
 """
 
 from __future__ import annotations
