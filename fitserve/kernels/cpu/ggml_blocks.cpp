@@ -20,7 +20,13 @@
 namespace fitserve::ggml {
 namespace {
 
+// NOTE: rows of x per tile: 8 where AVX-512VL gives 32 vector registers (two accumulators per
+// row stay in registers), 4 with AVX2's 16
+#ifdef FS_GGML_AVX512
+constexpr int kTileRows = 8;
+#else
 constexpr int kTileRows = 4;
+#endif
 
 // Weight rows per parallel block: a multiple of 4, 4..32, >= 4 blocks per thread.
 int64_t block_rows(int64_t N) {
@@ -53,6 +59,12 @@ void run_type(const Act& a, int64_t M, const uint8_t* W, int64_t N, float* out) 
       int64_t m = 0;
       for (; m + kTileRows <= M; m += kTileRows)
         rows_tile<T, kTileRows>(W, row_bytes, nblk, a, m, n0, n1, N, out);
+      if constexpr (kTileRows > 4) {
+        if (m + 4 <= M) {
+          rows_tile<T, 4>(W, row_bytes, nblk, a, m, n0, n1, N, out);
+          m += 4;
+        }
+      }
       if (m + 2 <= M) {
         rows_tile<T, 2>(W, row_bytes, nblk, a, m, n0, n1, N, out);
         m += 2;
@@ -65,23 +77,25 @@ void run_type(const Act& a, int64_t M, const uint8_t* W, int64_t N, float* out) 
 // Scratch of the quantized activations, reused across calls (a decode step makes hundreds).
 struct ActBuf {
   std::vector<int8_t> q;
-  std::vector<float> d;
+  std::vector<float> d, ds;
   std::vector<int16_t> s16, s32;
 };
 
 template <class X>
-Act quantize(const X* x, int64_t M, int64_t K, int64_t block, ActBuf& buf) {
+Act quantize(const X* x, int64_t M, int64_t K, int64_t block, bool perm128, ActBuf& buf) {
   const int64_t nd = K / block;
   if (static_cast<int64_t>(buf.q.size()) < M * K) buf.q.resize(M * K);
   if (static_cast<int64_t>(buf.d.size()) < M * nd) buf.d.resize(M * nd);
+  if (static_cast<int64_t>(buf.ds.size()) < M * K / 32) buf.ds.resize(M * K / 32);
   if (static_cast<int64_t>(buf.s16.size()) < M * K / 16) buf.s16.resize(M * K / 16);
   if (static_cast<int64_t>(buf.s32.size()) < M * K / 32) buf.s32.resize(M * K / 32);
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
-      quantize_row(x + m * K, K, block, buf.q.data() + m * K, buf.d.data() + m * nd,
-                   buf.s16.data() + m * K / 16, buf.s32.data() + m * K / 32);
+      quantize_row(x + m * K, K, block, perm128, buf.q.data() + m * K, buf.d.data() + m * nd,
+                   buf.s16.data() + m * K / 16, buf.s32.data() + m * K / 32,
+                   buf.ds.data() + m * K / 32);
   });
-  return {buf.q.data(), buf.d.data(), buf.s16.data(), buf.s32.data(), K, nd};
+  return {buf.q.data(), buf.d.data(), buf.s16.data(), buf.s32.data(), buf.ds.data(), K, nd};
 }
 
 template <class T>
@@ -89,8 +103,8 @@ void run_x(const at::Tensor& x, const uint8_t* W, int64_t N, float* out) {
   static thread_local ActBuf buf;
   const int64_t M = x.size(0), K = x.size(1);
   const Act a = x.scalar_type() == at::kBFloat16
-                    ? quantize(x.data_ptr<c10::BFloat16>(), M, K, T::kActBlock, buf)
-                    : quantize(x.data_ptr<float>(), M, K, T::kActBlock, buf);
+                    ? quantize(x.data_ptr<c10::BFloat16>(), M, K, T::kActBlock, T::kPerm128, buf)
+                    : quantize(x.data_ptr<float>(), M, K, T::kActBlock, T::kPerm128, buf);
   run_type<T>(a, M, W, N, out);
   if (buf.q.size() > (size_t{1} << 24)) buf = ActBuf();  // a large prefill's buffers: freed
 }

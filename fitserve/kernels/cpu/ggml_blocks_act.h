@@ -61,17 +61,21 @@ struct Act {
   const float* d;      // [M][nd]    scale per activation block
   const int16_t* s16;  // [M][K/16]  sum of q per 16 columns
   const int16_t* s32;  // [M][K/32]  sum of q per 32 columns
+  const float* ds;     // [M][K/32]  d * (sum of q) per 32 columns (d of their block)
   int64_t K, nd;
   const int8_t* qrow(int64_t m) const { return q + m * K; }
   const float* drow(int64_t m) const { return d + m * nd; }
   const int16_t* s16row(int64_t m) const { return s16 + m * (K / 16); }
   const int16_t* s32row(int64_t m) const { return s32 + m * (K / 32); }
+  const float* dsrow(int64_t m) const { return ds + m * (K / 32); }
 };
 
-// Quantize one row of x (K columns, K a multiple of block) into q / d / s16 / s32.
+// Quantize one row of x (K columns, K a multiple of block) into q / d / s16 / s32 / ds; with
+// perm128 (K a multiple of 128), q is stored in the order [0-31, 64-95, 32-63, 96-127] per 128
+// columns (the AVX-512 Q4_K / Q5_K rows read it so), the sums stay in column order.
 template <class T>
-void quantize_row(const T* x, int64_t K, int64_t block, int8_t* q, float* d, int16_t* s16,
-                  int16_t* s32) {
+void quantize_row(const T* x, int64_t K, int64_t block, bool perm128, int8_t* q, float* d,
+                  int16_t* s16, int16_t* s32, float* ds) {
   for (int64_t b0 = 0; b0 < K; b0 += block) {
     float amax = 0.f, probe = 0.f;
     for (int64_t i = b0; i < b0 + block; ++i) {
@@ -94,6 +98,26 @@ void quantize_row(const T* x, int64_t K, int64_t block, int8_t* q, float* d, int
   }
   for (int64_t j = 0; j < K / 32; ++j)
     s32[j] = static_cast<int16_t>(s16[2 * j] + s16[2 * j + 1]);
+  if (perm128)  // the 32-column pieces 1 and 2 of each 128 swapped (after the sums above)
+    for (int64_t c = 0; c < K; c += 128) {
+      int8_t t[32];
+      std::memcpy(t, q + c + 32, 32);
+      std::memcpy(q + c + 32, q + c + 64, 32);
+      std::memcpy(q + c + 64, t, 32);
+    }
+  for (int64_t j = 0; j < K / 32; ++j) ds[j] = d[j * 32 / block] * static_cast<float>(s32[j]);
+}
+
+// The 8 six-bit scales and 8 six-bit mins of a K-quant super-block (ggml's get_scale_min_k4,
+// four at a time in 32-bit words): j < 4: sc = b[j] & 63, m = b[j+4] & 63; j >= 4: the low /
+// high nibble of b[j+4] plus the top two bits of b[j-4] / b[j]. Bytes little-endian.
+inline void scale_min_k4(const uint8_t* b, uint64_t& sc, uint64_t& mn) {
+  const uint32_t u0 = load_u32(b), u1 = load_u32(b + 4), u2 = load_u32(b + 8);
+  const uint32_t sc_lo = u0 & 0x3f3f3f3fu, mn_lo = u1 & 0x3f3f3f3fu;
+  const uint32_t sc_hi = (u2 & 0x0f0f0f0fu) | (((u0 >> 6) & 0x03030303u) << 4);
+  const uint32_t mn_hi = ((u2 >> 4) & 0x0f0f0f0fu) | (((u1 >> 6) & 0x03030303u) << 4);
+  sc = sc_lo | (uint64_t{sc_hi} << 32);
+  mn = mn_lo | (uint64_t{mn_hi} << 32);
 }
 
 #ifdef FS_GGML_AVX2

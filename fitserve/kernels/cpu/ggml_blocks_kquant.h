@@ -16,20 +16,9 @@
 #pragma once
 
 #include "ggml_blocks_act.h"
+#include "ggml_blocks_kq512.h"
 
 namespace fitserve::ggml {
-
-// The 8 six-bit scales and 8 six-bit mins of a K-quant super-block (ggml's get_scale_min_k4,
-// four at a time in 32-bit words): j < 4: sc = b[j] & 63, m = b[j+4] & 63; j >= 4: the low /
-// high nibble of b[j+4] plus the top two bits of b[j-4] / b[j]. Bytes little-endian.
-inline void scale_min_k4(const uint8_t* b, uint64_t& sc, uint64_t& mn) {
-  const uint32_t u0 = load_u32(b), u1 = load_u32(b + 4), u2 = load_u32(b + 8);
-  const uint32_t sc_lo = u0 & 0x3f3f3f3fu, mn_lo = u1 & 0x3f3f3f3fu;
-  const uint32_t sc_hi = (u2 & 0x0f0f0f0fu) | (((u0 >> 6) & 0x03030303u) << 4);
-  const uint32_t mn_hi = ((u2 >> 4) & 0x0f0f0f0fu) | (((u1 >> 6) & 0x03030303u) << 4);
-  sc = sc_lo | (uint64_t{sc_hi} << 32);
-  mn = mn_lo | (uint64_t{mn_hi} << 32);
-}
 
 // Q4_K (kHigh = false) and Q5_K (kHigh = true): the same code, Q5_K adds the qh bit plane.
 template <bool kHigh>
@@ -37,7 +26,14 @@ struct Q45K {
   static constexpr int64_t kQK = 256, kBytes = kHigh ? 176 : 144, kActBlock = 256;
   static constexpr int64_t kQsOff = kHigh ? 48 : 16;
 
-#ifndef FS_GGML_AVX2
+#if defined(FS_GGML_AVX512)
+  static constexpr bool kPerm128 = true;  // x permuted per 128 columns (ggml_blocks_kq512.h)
+  template <int MT>
+  static void row(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float* res) {
+    q45k_row512<kHigh, MT>(w, nsb, a, m0, res);
+  }
+#elif !defined(FS_GGML_AVX2)
+  static constexpr bool kPerm128 = false;
   template <int MT>
   static void row(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float* res) {
     float acc[MT] = {};
@@ -76,6 +72,7 @@ struct Q45K {
     for (int i = 0; i < MT; ++i) res[i] = acc[i];
   }
 #else
+  static constexpr bool kPerm128 = false;
   template <int MT>
   static void row(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float* res) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
@@ -140,8 +137,14 @@ using Q5K = Q45K<true>;
 
 struct Q6K {
   static constexpr int64_t kQK = 256, kBytes = 210, kActBlock = 256;
+  static constexpr bool kPerm128 = false;
 
-#ifndef FS_GGML_AVX2
+#if defined(FS_GGML_AVX512)
+  template <int MT>
+  static void row(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float* res) {
+    q6k_row512<MT>(w, nsb, a, m0, res);
+  }
+#elif !defined(FS_GGML_AVX2)
   template <int MT>
   static void row(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float* res) {
     float acc[MT] = {};
