@@ -22,9 +22,10 @@ from fitserve.kernels.cpu.ggml_blocks import GGML_KERNEL_TYPES, ggml_blocks_tier
 from fitserve.kernels.cpu.isa import cpu_model_name, detect_isa
 from fitserve.kernels.cpu.qlinear import int4_linear, int8_linear
 
-F16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q5_1": (0, 2)}
+F16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q5_1": (0, 2),
+              "IQ4_NL": (0,), "IQ4_XS": (0,)}
 SIZES = {"Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "Q5_0": (32, 22),
-         "Q5_1": (32, 24)}
+         "Q5_1": (32, 24), "IQ4_NL": (32, 18), "IQ4_XS": (256, 136)}
 
 
 def random_blocks(ggml_type: str, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:

@@ -1,13 +1,14 @@
 """fitserve::ggml_matmul (ggml_blocks.cpp) on raw GGUF blocks against float64 references.
 
 The weights are random bytes reinterpreted as ggml blocks (every 6-bit scale / min code, every
-int8 Q6_K scale, every high-bit pattern), with the fp16 fields (d, dmin, m) set to finite,
+int8 Q6_K scale, every high-bit pattern, every IQ4 table index: the C++ table of IQ4_NL /
+IQ4_XS values is thereby checked against gguf-py's), with the fp16 fields (d, dmin, m) set to finite,
 bounded values of both signs; some blocks get all-zero and all-maximal scale codes. The
 reference is ``x64 @ W64.T`` with ``W64 = gguf.quants.dequantize(blocks)`` (gguf-py, the
 independent implementation) in float64.
 
-Bound: the kernel rounds x per activation block b (256 columns for the K-quants, 32 for Q5_0 /
-Q5_1) to ``d_b * q`` with ``|x_k - d_b q_k| <= d_b / 2``, so
+Bound: the kernel rounds x per activation block b (256 columns for the K-quants and IQ4_XS, 32
+for Q5_0 / Q5_1 / IQ4_NL) to ``d_b * q`` with ``|x_k - d_b q_k| <= d_b / 2``, so
 ``|y - y64| <= sum_b (d_b / 2) * sum_{k in b} |w_k|`` plus fp32 rounding of the terms it adds:
 the scaled integer dots (``|d sc q| <= |w| + |offset|``) and the offsets (-dmin * m, -32 d sc,
 -16 d, m); ``offset_k`` is gguf's dequantization of the same blocks with their quant bits
@@ -45,11 +46,15 @@ if not ggml_kernel_available("Q4_K"):
 EPS32 = 2.0**-23
 TYPES = list(GGML_KERNEL_TYPES)
 # byte offsets of the fp16 fields, of the scale bytes, and of the quant bits of each block
-F16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q5_1": (0, 2)}
-SCALE_BYTES = {"Q4_K": (4, 16), "Q5_K": (4, 16), "Q6_K": (192, 208)}
+F16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q5_1": (0, 2),
+              "IQ4_NL": (0,), "IQ4_XS": (0,)}
+SCALE_BYTES = {"Q4_K": (4, 16), "Q5_K": (4, 16), "Q6_K": (192, 208), "IQ4_XS": (2, 8)}
+# the quant bits: zeroed, they leave each weight's offset (IQ4 types have none: the table is
+# signed, nibble 0 maps to -127, so zeroed quants give d * sc * -127: a valid magnitude bound)
 QUANT_BYTES = {"Q4_K": [(16, 144)], "Q5_K": [(16, 176)], "Q6_K": [(0, 192)], "Q5_0": [(2, 22)],
-               "Q5_1": [(4, 24)]}
-ACT_BLOCK = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "Q5_0": 32, "Q5_1": 32}
+               "Q5_1": [(4, 24)], "IQ4_NL": [(2, 18)], "IQ4_XS": [(8, 136)]}
+ACT_BLOCK = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "Q5_0": 32, "Q5_1": 32, "IQ4_NL": 32,
+             "IQ4_XS": 256}
 
 
 def gtype(name: str) -> gguf.GGMLQuantizationType:
@@ -69,8 +74,8 @@ def random_blocks(t: str, n: int, k: int, seed: int) -> np.ndarray:
         b[:, :, off:off + 2] = v.view(np.uint8).reshape(n, k // block, 2)
     if t in SCALE_BYTES:
         lo, hi = SCALE_BYTES[t]
-        if t == "Q6_K":
-            b[0, 0, lo:hi] = 0
+        if t in ("Q6_K", "IQ4_XS"):
+            b[0, 0, lo:hi] = 0  # IQ4_XS: every code 0 is the scale -32
         else:  # the 8 scales 0, the 8 mins kept (bytes 0-3, the low nibbles of 8-11)
             b[0, 0, lo:lo + 4] = 0
             b[0, 0, lo + 8:hi] &= 0xF0

@@ -2,10 +2,10 @@
 // (uint8 [N, (K / block) * type_size], each row its blocks back to back, as the file stores them).
 //
 // x (fp32 / bf16 [M, K]) is quantized once per call (ggml_blocks_act.h: per 256 columns for the
-// K-quants, per 32 for Q5_0 / Q5_1), then the output rows N are split over torch's threads
+// K-quants and IQ4_XS, per 32 for Q5_0 / Q5_1 / IQ4_NL), then the output rows N are split over torch's threads
 // (at::parallel_for) in blocks of 4-32 weight rows. Inside a block, the rows of x go in tiles
 // of kTileRows (then 2, 1): each weight row's blocks are decoded once per tile and used for
-// every row of the tile (ggml_blocks_kquant.h, ggml_blocks_q5.h), so M > 1 reads and decodes
+// every row of the tile (ggml_blocks_kquant.h, _kq512.h, _q5.h, _iq4.h), so M > 1 reads and decodes
 // the weights M / kTileRows times, not M times; M = 1 is the same code with a tile of one row.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "ggml_blocks_iq4.h"
 #include "ggml_blocks_kquant.h"
 #include "ggml_blocks_q5.h"
 
@@ -121,6 +122,8 @@ const TypeInfo kTypes[] = {
     {"Q6_K", Q6K::kQK, Q6K::kBytes, &run_x<Q6K>},
     {"Q5_0", Q5_0::kQK, Q5_0::kBytes, &run_x<Q5_0>},
     {"Q5_1", Q5_1::kQK, Q5_1::kBytes, &run_x<Q5_1>},
+    {"IQ4_NL", IQ4NL::kQK, IQ4NL::kBytes, &run_x<IQ4NL>},
+    {"IQ4_XS", IQ4XS::kQK, IQ4XS::kBytes, &run_x<IQ4XS>},
 };
 
 const TypeInfo& type_info(const std::string& name) {
