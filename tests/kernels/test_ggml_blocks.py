@@ -161,10 +161,10 @@ def test_matches_float64(t: str, m: int, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("t", TYPES)
 def test_model_shapes(t: str) -> None:
-    """A decode (M = 1) and a short prefill (M = 23) on 576 / 1536-column rows, where the
+    """A decode (M = 1) and prefills (M = 23, 200) on 576 / 1536-column rows, where the
     32-column types have many blocks (K = 1536 also for the K-quants)."""
     for n, k in ((96, 576 if ACT_BLOCK[t] == 32 else 768), (40, 1536)):
-        for m in (1, 23):
+        for m in (1, 23, 200):
             check(t, m, n, k, torch.float32, seed=7 * m + k)
 
 
@@ -212,6 +212,17 @@ def test_bad_arguments_raise() -> None:
         torch.ops.fitserve.ggml_matmul(x, blocks, "IQ2_XS", 4, 256)
     assert not ggml_kernel_available("Q2_K")
     assert ggml_matmul(x[:0], blocks, "Q4_K", 4, 256).shape == (0, 4)
+
+
+def test_torch_compile_fullgraph_treats_the_op_as_opaque() -> None:
+    blocks = torch.from_numpy(random_blocks("Q6_K", 24, 256, 8))
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = torch.ops.fitserve.ggml_matmul(x, blocks, "Q6_K", 24, 256)
+        return torch.relu(y) * 2
+
+    x = torch.randn(3, 256)
+    assert torch.equal(torch.compile(fn, fullgraph=True)(x), fn(x))
 
 
 def test_tier_is_the_one_asked_for() -> None:
