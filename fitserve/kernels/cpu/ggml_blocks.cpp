@@ -1,0 +1,183 @@
+// fitserve::ggml_matmul: y = x @ W^T with W held as a GGUF tensor's raw ggml blocks
+// (uint8 [N, (K / block) * type_size], each row its blocks back to back, as the file stores them).
+//
+// x (fp32 / bf16 [M, K]) is quantized once per call (ggml_blocks_act.h: per 256 columns for the
+// K-quants and IQ4_XS, per 32 for Q5_0 / Q5_1 / IQ4_NL), then the output rows N are split over torch's threads
+// (at::parallel_for) in blocks of 4-32 weight rows. Inside a block, the rows of x go in tiles
+// of kTileRows (then 2, 1): each weight row's blocks are decoded once per tile and used for
+// every row of the tile (ggml_blocks_kquant.h, _kq512.h, _q5.h, _iq4.h), so M > 1 reads and decodes
+// the weights M / kTileRows times, not M times; M = 1 is the same code with a tile of one row.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <string>
+#include <vector>
+
+#include "ggml_blocks_iq4.h"
+#include "ggml_blocks_kquant.h"
+#include "ggml_blocks_q5.h"
+
+namespace fitserve::ggml {
+namespace {
+
+// NOTE: rows of x per tile: 8 where AVX-512VL gives 32 vector registers (two accumulators per
+// row stay in registers), 4 with AVX2's 16
+#ifdef FS_GGML_AVX512
+constexpr int kTileRows = 8;
+#else
+constexpr int kTileRows = 4;
+#endif
+
+// Weight rows per parallel block: a multiple of 4, 4..32, >= 4 blocks per thread.
+int64_t block_rows(int64_t N) {
+  const int64_t want = N / (4 * std::max<int64_t>(1, at::get_num_threads()));
+  return std::clamp<int64_t>((want / 4) * 4, 4, 32);
+}
+
+template <class T, int MT>
+void rows_tile(const uint8_t* W, int64_t row_bytes, int64_t nblk, const Act& a, int64_t m0,
+               int64_t n0, int64_t n1, int64_t N, float* out) {
+  float res[MT];
+  for (int64_t n = n0; n < n1; ++n) {
+    // NOTE: the row after next is prefetched: rows are short (1-2 KB) and a decode step streams
+    // every weight from DRAM once, next to x's and the output's streams
+    if (n + 2 < n1) {
+      const uint8_t* nx = W + (n + 2) * row_bytes;
+      for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(nx + o, 0, 0);
+    }
+    T::template row<MT>(W + n * row_bytes, nblk, a, m0, res);
+    for (int i = 0; i < MT; ++i) out[(m0 + i) * N + n] = res[i];
+  }
+}
+
+template <class T>
+void run_type(const Act& a, int64_t M, const uint8_t* W, int64_t N, float* out) {
+  const int64_t nblk = a.K / T::kQK, row_bytes = nblk * T::kBytes, nb = block_rows(N);
+  at::parallel_for(0, (N + nb - 1) / nb, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t n0 = blk * nb, n1 = std::min(N, n0 + nb);
+      int64_t m = 0;
+      for (; m + kTileRows <= M; m += kTileRows)
+        rows_tile<T, kTileRows>(W, row_bytes, nblk, a, m, n0, n1, N, out);
+      if constexpr (kTileRows > 4) {
+        if (m + 4 <= M) {
+          rows_tile<T, 4>(W, row_bytes, nblk, a, m, n0, n1, N, out);
+          m += 4;
+        }
+      }
+      if (m + 2 <= M) {
+        rows_tile<T, 2>(W, row_bytes, nblk, a, m, n0, n1, N, out);
+        m += 2;
+      }
+      if (m < M) rows_tile<T, 1>(W, row_bytes, nblk, a, m, n0, n1, N, out);
+    }
+  });
+}
+
+// Scratch of the quantized activations, reused across calls (a decode step makes hundreds).
+struct ActBuf {
+  std::vector<int8_t> q;
+  std::vector<float> d, ds;
+  std::vector<int16_t> s16, s32;
+};
+
+template <class X>
+Act quantize(const X* x, int64_t M, int64_t K, int64_t block, bool perm128, ActBuf& buf) {
+  const int64_t nd = K / block;
+  if (static_cast<int64_t>(buf.q.size()) < M * K) buf.q.resize(M * K);
+  if (static_cast<int64_t>(buf.d.size()) < M * nd) buf.d.resize(M * nd);
+  if (static_cast<int64_t>(buf.ds.size()) < M * K / 32) buf.ds.resize(M * K / 32);
+  if (static_cast<int64_t>(buf.s16.size()) < M * K / 16) buf.s16.resize(M * K / 16);
+  if (static_cast<int64_t>(buf.s32.size()) < M * K / 32) buf.s32.resize(M * K / 32);
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      quantize_row(x + m * K, K, block, perm128, buf.q.data() + m * K, buf.d.data() + m * nd,
+                   buf.s16.data() + m * K / 16, buf.s32.data() + m * K / 32,
+                   buf.ds.data() + m * K / 32);
+  });
+  return {buf.q.data(), buf.d.data(), buf.s16.data(), buf.s32.data(), buf.ds.data(), K, nd};
+}
+
+template <class T>
+void run_x(const at::Tensor& x, const uint8_t* W, int64_t N, float* out) {
+  static thread_local ActBuf buf;
+  const int64_t M = x.size(0), K = x.size(1);
+  const Act a = x.scalar_type() == at::kBFloat16
+                    ? quantize(x.data_ptr<c10::BFloat16>(), M, K, T::kActBlock, T::kPerm128, buf)
+                    : quantize(x.data_ptr<float>(), M, K, T::kActBlock, T::kPerm128, buf);
+  run_type<T>(a, M, W, N, out);
+  if (buf.q.size() > (size_t{1} << 24)) buf = ActBuf();  // a large prefill's buffers: freed
+}
+
+struct TypeInfo {
+  const char* name;
+  int64_t block, bytes;
+  void (*run)(const at::Tensor&, const uint8_t*, int64_t, float*);
+};
+
+const TypeInfo kTypes[] = {
+    {"Q4_K", Q4K::kQK, Q4K::kBytes, &run_x<Q4K>},
+    {"Q5_K", Q5K::kQK, Q5K::kBytes, &run_x<Q5K>},
+    {"Q6_K", Q6K::kQK, Q6K::kBytes, &run_x<Q6K>},
+    {"Q5_0", Q5_0::kQK, Q5_0::kBytes, &run_x<Q5_0>},
+    {"Q5_1", Q5_1::kQK, Q5_1::kBytes, &run_x<Q5_1>},
+    {"IQ4_NL", IQ4NL::kQK, IQ4NL::kBytes, &run_x<IQ4NL>},
+    {"IQ4_XS", IQ4XS::kQK, IQ4XS::kBytes, &run_x<IQ4XS>},
+};
+
+const TypeInfo& type_info(const std::string& name) {
+  for (const TypeInfo& t : kTypes)
+    if (name == t.name) return t;
+  TORCH_CHECK(false, "ggml_matmul: no kernel for GGML type ", name);
+}
+
+at::Tensor ggml_matmul(const at::Tensor& x, const at::Tensor& blocks, const std::string& type,
+                       int64_t n, int64_t k) {
+  const TypeInfo& t = type_info(type);
+  TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "ggml_matmul: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == k,
+              "ggml_matmul: x must be a contiguous [M, K=", k, "], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "ggml_matmul: x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(k > 0 && k % t.block == 0, "ggml_matmul: K=", k, " is not a multiple of ",
+              type, "'s block size ", t.block);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.dim() == 2 &&
+                  blocks.size(0) == n && blocks.size(1) == k / t.block * t.bytes,
+              "ggml_matmul: blocks must be contiguous uint8 [N=", n, ", ", k / t.block * t.bytes,
+              "] for ", type, " with K=", k, ", got ", blocks.sizes(), " ",
+              blocks.scalar_type());
+  at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
+  if (x.size(0) == 0 || n == 0) return out;
+  t.run(x, blocks.data_ptr<uint8_t>(), n, out.data_ptr<float>());
+  return out;
+}
+
+std::vector<std::string> ggml_kernel_types() {
+  std::vector<std::string> v;
+  for (const TypeInfo& t : kTypes) v.emplace_back(t.name);
+  return v;
+}
+
+std::string ggml_blocks_tier() {
+#if defined(FITSERVE_TIER_AVX512_VNNI)
+  return "avx512_vnni";
+#elif defined(FITSERVE_TIER_AVX512)
+  return "avx512";
+#elif defined(FITSERVE_TIER_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+}  // namespace
+}  // namespace fitserve::ggml
+
+TORCH_LIBRARY_FRAGMENT(fitserve, m) {
+  m.def("ggml_matmul(Tensor x, Tensor blocks, str ggml_type, int n, int k) -> Tensor");
+  m.def("ggml_kernel_types() -> str[]", &fitserve::ggml::ggml_kernel_types);
+  m.def("ggml_blocks_tier() -> str", &fitserve::ggml::ggml_blocks_tier);
+}
+
+TORCH_LIBRARY_IMPL(fitserve, CPU, m) { m.impl("ggml_matmul", &fitserve::ggml::ggml_matmul); }

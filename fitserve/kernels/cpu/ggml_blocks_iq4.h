@@ -1,0 +1,144 @@
+// IQ4_NL (32 columns, Q8_0-style activations) and IQ4_XS (256 columns, Q8_K-style) blocks, with
+// the `row<MT>` interface of ggml_blocks_kquant.h. Both map each nibble through ggml's fixed
+// non-linear table kIq4Values (kvalues_iq4nl; the tests check it against gguf-py's).
+//
+//   IQ4_NL  18 B: d f16, qs[16]; column j < 16: the low nibble of qs[j], else the high nibble
+//                 of qs[j - 16]; w = d * kIq4Values[nibble]
+//   IQ4_XS 136 B: d f16, scales_h u16, scales_l[4], qs[128]; sub-block s (32 columns, qs + 16s
+//                 as IQ4_NL's qs) has the 6-bit ls = low / high nibble of scales_l[s / 2] | bits
+//                 2s..2s+1 of scales_h << 4; w = d * (ls - 32) * kIq4Values[nibble]
+//
+// The table values are signed, so the SIMD dots use the sign trick (maddubs of |w| with x
+// carrying w's sign: |pair| <= 2 * 127 * 127 < 2^15).
+#pragma once
+
+#include "ggml_blocks_act.h"
+
+namespace fitserve::ggml {
+
+inline constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                          1,    13,   25,  38,  53,  69,  89,  113};
+
+#ifdef FS_GGML_AVX2
+// The 32 table values of the 16 bytes at qs, in column order; and their dot with x (32 int8)
+// as 8 int32 lanes.
+inline __m256i iq4_values32(const uint8_t* qs) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v),
+                                       _mm256_set1_epi8(0x0F));
+  const __m256i table =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Values)));
+  return _mm256_shuffle_epi8(table, nib);
+}
+inline __m256i iq4_pairs(__m256i w, __m256i x) {  // int16 pairs of w * x
+  return _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+#endif
+
+struct IQ4NL {
+  static constexpr int64_t kQK = 32, kBytes = 18, kActBlock = 32;
+  static constexpr bool kPerm128 = false;
+
+  template <int MT>
+  static void row(const uint8_t* w, int64_t nb, const Act& a, int64_t m0, float* res) {
+#ifdef FS_GGML_AVX2
+    __m256 acc[2][MT];  // even / odd blocks: two FMA chains (as Q5)
+    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < nb; ++k) {
+      const uint8_t* b = w + k * kBytes;
+      const __m256i wv = iq4_values32(b + 2);
+      const float d = f16_at(b);
+      FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
+        const __m256i av =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qrow(m0 + i) + 32 * k));
+        const __m256i dot = _mm256_madd_epi16(iq4_pairs(wv, av), _mm256_set1_epi16(1));
+        acc[k & 1][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                        _mm256_set1_ps(d * a.drow(m0 + i)[k]), acc[k & 1][i]);
+      }
+    }
+    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) res[i] = hsum(_mm256_add_ps(acc[0][i], acc[1][i]));
+#else
+    float acc[MT] = {};
+    for (int64_t k = 0; k < nb; ++k) {
+      const uint8_t* b = w + k * kBytes;
+      const float d = f16_at(b);
+      for (int i = 0; i < MT; ++i) {
+        const int8_t* aq = a.qrow(m0 + i) + 32 * k;
+        int32_t dot = 0;
+        for (int j = 0; j < 16; ++j)
+          dot += kIq4Values[b[2 + j] & 15] * aq[j] + kIq4Values[b[2 + j] >> 4] * aq[j + 16];
+        acc[i] += d * a.drow(m0 + i)[k] * static_cast<float>(dot);
+      }
+    }
+    for (int i = 0; i < MT; ++i) res[i] = acc[i];
+#endif
+  }
+};
+
+struct IQ4XS {
+  static constexpr int64_t kQK = 256, kBytes = 136, kActBlock = 256;
+  static constexpr bool kPerm128 = false;
+
+  // the 8 sub-block scales ls - 32 (in -32..31)
+  static void scales(const uint8_t* b, int16_t* ls) {
+    const uint16_t h = load_u16(b + 2);
+    for (int s = 0; s < 8; ++s)
+      ls[s] = static_cast<int16_t>((((b[4 + s / 2] >> (4 * (s % 2))) & 15) |
+                                    (((h >> (2 * s)) & 3) << 4)) - 32);
+  }
+
+  template <int MT>
+  static void row(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float* res) {
+#ifdef FS_GGML_AVX2
+    __m256 acc[MT];
+    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
+    alignas(16) int16_t ls[8];
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      const uint8_t* b = w + sb * kBytes;
+      scales(b, ls);
+      const __m256i sc16 =
+          _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(ls)));
+      __m256i ia[2][MT];  // even / odd sub-blocks: two vpdpwssd / madd chains
+      FS_GGML_UNROLL for (int i = 0; i < MT; ++i) ia[0][i] = ia[1][i] = _mm256_setzero_si256();
+      FS_GGML_UNROLL for (int s = 0; s < 8; ++s) {
+        const __m256i wv = iq4_values32(b + 8 + 16 * s);
+        const __m256i sv = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(word_sel(s)));
+        FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
+          const __m256i av = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(a.qrow(m0 + i) + sb * 256 + 32 * s));
+          ia[s & 1][i] = madd_acc(ia[s & 1][i], iq4_pairs(wv, av), sv);
+        }
+      }
+      const float d = f16_at(b);
+      FS_GGML_UNROLL for (int i = 0; i < MT; ++i)
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(ia[0][i], ia[1][i])),
+                                 _mm256_set1_ps(d * a.drow(m0 + i)[sb]), acc[i]);
+    }
+    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) res[i] = hsum(acc[i]);
+#else
+    float acc[MT] = {};
+    int16_t ls[8];
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      const uint8_t* b = w + sb * kBytes;
+      scales(b, ls);
+      const float d = f16_at(b);
+      for (int i = 0; i < MT; ++i) {
+        const int8_t* aq = a.qrow(m0 + i) + sb * 256;
+        int32_t isum = 0;
+        for (int s = 0; s < 8; ++s) {
+          const uint8_t* qs = b + 8 + 16 * s;
+          int32_t dot = 0;
+          for (int j = 0; j < 16; ++j)
+            dot += kIq4Values[qs[j] & 15] * aq[32 * s + j] +
+                   kIq4Values[qs[j] >> 4] * aq[32 * s + 16 + j];
+          isum += ls[s] * dot;
+        }
+        acc[i] += d * a.drow(m0 + i)[sb] * static_cast<float>(isum);
+      }
+    }
+    for (int i = 0; i < MT; ++i) res[i] = acc[i];
+#endif
+  }
+};
+
+}  // namespace fitserve::ggml

@@ -1,0 +1,167 @@
+// The AVX-512 (512-bit) rows of Q4_K / Q5_K / Q6_K (the avx512 and avx512_vnni tiers): the
+// same integer scheme as the AVX2 code in ggml_blocks_kquant.h, 128 columns per vector op.
+//
+//   Q4_K / Q5_K: a 64-byte load of qs covers columns 128c .. 128c+127: its low nibbles are
+//     sub-blocks 4c and 4c+2, its high nibbles 4c+1 and 4c+3. The activations of these types
+//     are stored permuted per 128 columns ([0-31, 64-95, 32-63, 96-127]: Act built with
+//     kPerm128), so one 64-byte load of x matches each nibble vector.
+//   Q6_K: a 64-byte load of ql covers half h (128 columns): low nibbles = columns 0-63, high =
+//     64-127 (natural order); qh's 32 bytes are broadcast to both 256-bit halves and shifted
+//     per half (64-bit variable shifts: the 0x30 mask keeps each byte's own bits).
+// Sub-block scales enter as int16 (madd / vpdpwssd); one fp32 FMA per super-block and row.
+#pragma once
+
+#include "ggml_blocks_act.h"
+
+#ifdef FS_GGML_AVX512
+
+namespace fitserve::ggml {
+
+inline __m512i madd_acc512(__m512i acc, __m512i pairs, __m512i s16) {
+#ifdef FS_GGML_VNNI
+  return _mm512_dpwssd_epi32(acc, pairs, s16);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, s16));
+#endif
+}
+
+inline float hsum512(__m512 v) {
+  const __m256 s = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  return hsum(s);
+}
+
+// vpshufb control: word p in the low 256 bits, word q in the high 256 bits
+inline __m512i word_sel2(int p, int q) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(word_sel(p))),
+                            _mm256_set1_epi16(word_sel(q)), 1);
+}
+
+// 64-bit lanes rotated left by `lo` in the low 256 bits and `hi` in the high (Q5_K's bit plane:
+// bit p of each byte to bit 4 is a rotation by 4 - p, mod 64)
+inline __m512i rol_halves(__m512i v, int lo, int hi) {
+  const __m512i cnt = _mm512_inserti64x4(_mm512_set1_epi64(lo & 63), _mm256_set1_epi64x(hi & 63), 1);
+  return _mm512_rolv_epi64(v, cnt);
+}
+
+// NOTE: kSplit (tiles of 1-2 rows, the GEMV): the low / high nibble products and the mins go
+// to separate accumulators, so each super-block's chain of dependent vpdpwssd / FMAs is half as
+// long (at M = 1 the latency of that chain, not the op count, set the speed); larger tiles
+// interleave their rows instead and need the registers.
+template <bool kHigh, int MT>
+void q45k_row512(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float* res) {
+  constexpr int64_t kBytes = kHigh ? 176 : 144, kQsOff = kHigh ? 48 : 16;
+  constexpr bool kSplit = MT <= 2;
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m10 = _mm512_set1_epi8(0x10);
+  __m512 acc[MT], accm[MT];
+  const int8_t* aq[MT];
+  FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
+    acc[i] = accm[i] = _mm512_setzero_ps();
+    aq[i] = a.qrow(m0 + i);
+  }
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    const uint8_t* b = w + sb * kBytes;
+    uint64_t scv, mnv;
+    scale_min_k4(b + 4, scv, mnv);
+    const __m512i sc16 = _mm512_broadcast_i32x4(
+        _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(scv))));
+    __m512i hb;
+    if constexpr (kHigh) hb = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                             reinterpret_cast<const __m256i*>(b + 16)));
+    __m512i ia[MT], ib[MT];
+    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) ia[i] = ib[i] = _mm512_setzero_si512();
+    FS_GGML_UNROLL for (int c = 0; c < 2; ++c) {
+      const __m512i v = _mm512_loadu_si512(b + kQsOff + 64 * c);
+      __m512i lo = _mm512_and_si512(v, m4);
+      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+      if constexpr (kHigh) {  // sub-block s takes bit s of qh
+        lo = _mm512_or_si512(lo, _mm512_and_si512(rol_halves(hb, 4 - 4 * c, 2 - 4 * c), m10));
+        hi = _mm512_or_si512(hi, _mm512_and_si512(rol_halves(hb, 3 - 4 * c, 1 - 4 * c), m10));
+      }
+      const __m512i slo = _mm512_shuffle_epi8(sc16, word_sel2(4 * c, 4 * c + 2));
+      const __m512i shi = _mm512_shuffle_epi8(sc16, word_sel2(4 * c + 1, 4 * c + 3));
+      FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
+        const int8_t* p = aq[i] + sb * 256 + 128 * c;  // permuted: [lo columns | hi columns]
+        ia[i] = madd_acc512(ia[i], _mm512_maddubs_epi16(lo, _mm512_loadu_si512(p)), slo);
+        __m512i& dst = kSplit ? ib[i] : ia[i];
+        dst = madd_acc512(dst, _mm512_maddubs_epi16(hi, _mm512_loadu_si512(p + 64)), shi);
+      }
+    }
+    // mins: -dmin * m[s] against Act::ds (da * the sum of x's quants per 32 columns), 8 lanes
+    const float d = f16_at(b), dmin = f16_at(b + 2);
+    const __m512 mins = _mm512_zextps256_ps512(_mm256_mul_ps(
+        _mm256_set1_ps(-dmin),
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(mnv))))));
+    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
+      const __m512 s = _mm512_zextps256_ps512(_mm256_loadu_ps(a.dsrow(m0 + i) + sb * 8));
+      const __m512i isum = kSplit ? _mm512_add_epi32(ia[i], ib[i]) : ia[i];
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d * a.drow(m0 + i)[sb]),
+                               acc[i]);
+      __m512& dst = kSplit ? accm[i] : acc[i];
+      dst = _mm512_fmadd_ps(mins, s, dst);
+    }
+  }
+  FS_GGML_UNROLL for (int i = 0; i < MT; ++i) res[i] = hsum512(_mm512_add_ps(acc[i], accm[i]));
+}
+
+template <int MT>
+void q6k_row512(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float* res) {
+  constexpr bool kSplit = MT <= 2;  // as in q45k_row512
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  // per half: the low nibbles' qh bits sit at 0-1 (columns 0-31) and 2-3 (32-63), the high
+  // nibbles' at 4-5 and 6-7: shifted to 4-5
+  const __m512i sh_lo = _mm512_inserti64x4(_mm512_set1_epi64(4), _mm256_set1_epi64x(2), 1);
+  const __m512i sh_hi = _mm512_inserti64x4(_mm512_set1_epi64(0), _mm256_set1_epi64x(2), 1);
+  __m512 acc[MT];
+  const int8_t* aq[MT];
+  FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
+    acc[i] = _mm512_setzero_ps();
+    aq[i] = a.qrow(m0 + i);
+  }
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    const uint8_t* b = w + sb * 210;
+    const __m256i sc16 =
+        _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+    const __m512i sc512 = _mm512_castsi256_si512(sc16);
+    __m512i ia[MT], ib[MT];
+    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
+      ib[i] = _mm512_setzero_si512();
+      const __m256i bs = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(a.s16row(m0 + i) + sb * 16));
+      ia[i] = _mm512_zextsi256_si512(_mm256_sub_epi32(
+          _mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5)));
+    }
+    FS_GGML_UNROLL for (int h = 0; h < 2; ++h) {
+      const __m512i l = _mm512_loadu_si512(b + 64 * h);
+      const __m512i qh = _mm512_broadcast_i64x4(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h)));
+      const __m512i ulo = _mm512_or_si512(_mm512_and_si512(l, m4),
+                                          _mm512_and_si512(_mm512_sllv_epi64(qh, sh_lo), m30));
+      const __m512i uhi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
+                                          _mm512_and_si512(_mm512_srlv_epi64(qh, sh_hi), m30));
+      // 16 columns per 128-bit lane: scales 8h + 0..3 (low nibbles), 8h + 4..7 (high)
+      const __m512i ilo = _mm512_set_epi64(
+          0x0003000300030003LL + 0x0008000800080008LL * h, 0x0003000300030003LL + 0x0008000800080008LL * h,
+          0x0002000200020002LL + 0x0008000800080008LL * h, 0x0002000200020002LL + 0x0008000800080008LL * h,
+          0x0001000100010001LL + 0x0008000800080008LL * h, 0x0001000100010001LL + 0x0008000800080008LL * h,
+          0x0008000800080008LL * h, 0x0008000800080008LL * h);
+      const __m512i ihi = _mm512_add_epi16(ilo, _mm512_set1_epi16(4));
+      const __m512i slo = _mm512_permutexvar_epi16(ilo, sc512);
+      const __m512i shi = _mm512_permutexvar_epi16(ihi, sc512);
+      FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
+        const int8_t* p = aq[i] + sb * 256 + 128 * h;
+        ia[i] = madd_acc512(ia[i], _mm512_maddubs_epi16(ulo, _mm512_loadu_si512(p)), slo);
+        __m512i& dst = kSplit ? ib[i] : ia[i];
+        dst = madd_acc512(dst, _mm512_maddubs_epi16(uhi, _mm512_loadu_si512(p + 64)), shi);
+      }
+    }
+    const float d = f16_at(b + 208);
+    FS_GGML_UNROLL for (int i = 0; i < MT; ++i)
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(kSplit ? _mm512_add_epi32(ia[i], ib[i]) : ia[i]),
+                               _mm512_set1_ps(d * a.drow(m0 + i)[sb]), acc[i]);
+  }
+  FS_GGML_UNROLL for (int i = 0; i < MT; ++i) res[i] = hsum512(acc[i]);
+}
+
+}  // namespace fitserve::ggml
+
+#endif

@@ -1,0 +1,99 @@
+// Q5_0 and Q5_1 blocks (32 columns) against Q8_0-style activations (one scale per 32 columns,
+// ggml_blocks_act.h), with the same `row<MT>` interface as ggml_blocks_kquant.h.
+//
+//   Q5_0 22 B: d f16, qh u32, qs[16]   q = nibble | bit j of qh << 4 (column j: the low nibble
+//              of qs[j] for j < 16, the high nibble of qs[j - 16] above); w = d * (q - 16)
+//   Q5_1 24 B: d f16, m f16, qh u32, qs[16]; w = d * q + m
+//
+// Per block and row of x: y += d * da * sum(q * a) + c * da * sum(a), c = -16 d (Q5_0) or m
+// (da * sum(a) precomputed per activation block: Act::ds). For Q5_0 the offsets are summed as
+// d * ds and multiplied by -16 once per row.
+#pragma once
+
+#include "ggml_blocks_act.h"
+
+namespace fitserve::ggml {
+
+template <bool kMin>
+struct Q5 {
+  static constexpr int64_t kQK = 32, kBytes = kMin ? 24 : 22, kActBlock = 32;
+  static constexpr int64_t kQhOff = kMin ? 4 : 2, kQsOff = kQhOff + 4;
+  static constexpr bool kPerm128 = false;
+
+  // c / kOffMul: Q5_1's m, or Q5_0's d (times -16 once at the end)
+  static float offset(const uint8_t* b, float d) { return kMin ? f16_at(b + 2) : d; }
+  static constexpr float kOffMul = kMin ? 1.f : -16.f;
+
+#ifndef FS_GGML_AVX2
+  template <int MT>
+  static void row(const uint8_t* w, int64_t nb, const Act& a, int64_t m0, float* res) {
+    float acc[MT] = {};
+    uint8_t q[32];
+    for (int64_t k = 0; k < nb; ++k) {
+      const uint8_t* b = w + k * kBytes;
+      const float d = f16_at(b), c = offset(b, d);
+      const uint32_t qh = load_u32(b + kQhOff);
+      for (int j = 0; j < 16; ++j) {
+        q[j] = (b[kQsOff + j] & 15) | (((qh >> j) & 1) << 4);
+        q[j + 16] = (b[kQsOff + j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+      }
+      for (int i = 0; i < MT; ++i) {
+        const int8_t* aq = a.qrow(m0 + i) + 32 * k;
+        int32_t dot = 0;
+        for (int j = 0; j < 32; ++j) dot += q[j] * aq[j];
+        acc[i] += d * a.drow(m0 + i)[k] * static_cast<float>(dot) +
+                  kOffMul * c * a.dsrow(m0 + i)[k];
+      }
+    }
+    for (int i = 0; i < MT; ++i) res[i] = acc[i];
+  }
+#else
+  // One block against MT rows of x, into acc / off.
+  template <int MT>
+  [[gnu::always_inline]] static inline void block(const uint8_t* b, int64_t k, const Act& a,
+                                                  int64_t m0, __m256* acc, float* off) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kQsOff));
+    __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v),
+                                 _mm256_set1_epi8(0x0F));
+#ifdef FS_GGML_AVX512  // the 5th bits straight from a mask register
+    u = _mm256_mask_add_epi8(u, static_cast<__mmask32>(load_u32(b + kQhOff)), u,
+                             _mm256_set1_epi8(0x10));
+#else
+    u = _mm256_or_si256(u, bits_to_0x10(load_u32(b + kQhOff)));
+#endif
+    const float d = f16_at(b), c = offset(b, d);
+    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
+      const __m256i av =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qrow(m0 + i) + 32 * k));
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, av)),
+                               _mm256_set1_ps(d * a.drow(m0 + i)[k]), acc[i]);
+      off[i] = std::fma(c, a.dsrow(m0 + i)[k], off[i]);
+    }
+  }
+
+  // NOTE: two sets of accumulators (even / odd blocks): at M = 1 one FMA chain per block was
+  // the limit (its latency), not the op count
+  template <int MT>
+  static void row(const uint8_t* w, int64_t nb, const Act& a, int64_t m0, float* res) {
+    __m256 acc[2][MT];
+    float off[2][MT];
+    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
+      acc[0][i] = acc[1][i] = _mm256_setzero_ps();
+      off[0][i] = off[1][i] = 0.f;
+    }
+    int64_t k = 0;
+    for (; k + 2 <= nb; k += 2) {
+      block<MT>(w + k * kBytes, k, a, m0, acc[0], off[0]);
+      block<MT>(w + (k + 1) * kBytes, k + 1, a, m0, acc[1], off[1]);
+    }
+    if (k < nb) block<MT>(w + k * kBytes, k, a, m0, acc[0], off[0]);
+    FS_GGML_UNROLL for (int i = 0; i < MT; ++i)
+      res[i] = hsum(_mm256_add_ps(acc[0][i], acc[1][i])) + kOffMul * (off[0][i] + off[1][i]);
+  }
+#endif
+};
+
+using Q5_0 = Q5<false>;
+using Q5_1 = Q5<true>;
+
+}  // namespace fitserve::ggml
