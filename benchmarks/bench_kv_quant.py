@@ -13,6 +13,11 @@ periods fall on all alike. Per context: one warm-up request (it also fills the p
 the timed runs re-prefill only the prompt's last partial block), then --runs timed requests;
 decode tok/s = (new - 1) / (last token time - first token time). Prints medians over all
 rounds and each config's ratio to bf16 at each context.
+
+--kernel times the attention op alone instead (no model, no cache write): one layer's decode
+attention of the default model's shape (3 KV heads x 3 query heads each x 64 dims, 16-token
+blocks in shuffled order) at each context, the dense bf16 kernel against the quantized one per
+codec and scale layout, median of --runs x 200 calls; ratios to bf16.
 """
 
 from __future__ import annotations
@@ -76,6 +81,50 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             "kv_format": runner.kv_format}
 
 
+def kernel_bench(contexts: list[int], runs: int, threads: int, batch: int) -> None:
+    import torch
+
+    from fitserve.kernels.cpu.paged_attention import paged_decode_attention
+    from fitserve.kernels.cpu.paged_attention_kvq import paged_decode_attention_kvq
+    from fitserve.quant.kv_cache import QuantizedKVCache
+
+    torch.set_num_threads(threads)
+    hkv, g, d, bs = 3, 3, 64, 16
+    print(f"{'context':>8} {'layout':>12} " + " ".join(f"{c:>14s}" for c in
+                                                       ("bf16 us", "int8", "fp8_e4m3", "fp8_e5m2")))
+    for ctx in contexts:
+        nb = batch * -(-ctx // bs)
+        tables = torch.randperm(nb, dtype=torch.int32).view(batch, -1)
+        lens = torch.full((batch,), ctx, dtype=torch.int32)
+        q = torch.randn(batch, hkv * g, d).bfloat16()
+        kd, vd = torch.randn(hkv, nb, bs, d).bfloat16(), torch.randn(hkv, nb, bs, d).bfloat16()
+
+        def median_us(fn: Any) -> float:
+            fn()
+            ts = []
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                for _ in range(200):
+                    fn()
+                ts.append((time.perf_counter() - t0) / 200 * 1e6)
+            return statistics.median(ts)
+
+        dense = median_us(lambda: paged_decode_attention(q, kd, vd, tables, lens, 0.125))
+        for layout in ("token", "channel-key"):
+            row = []
+            for codec in ("int8", "fp8_e4m3", "fp8_e5m2"):
+                kv = QuantizedKVCache(codec, layout, num_kv_heads=hkv, num_blocks=nb,
+                                      block_size=bs, head_dim=d)
+                kv.write(kd.float().transpose(0, 1).reshape(nb * bs, hkv, d)[:, :, :],
+                         vd.float().transpose(0, 1).reshape(nb * bs, hkv, d),
+                         torch.arange(nb * bs))
+                us = median_us(lambda kv=kv: paged_decode_attention_kvq(
+                    q, kv.k_codes, kv.v_codes, kv.k_scales, kv.v_scales, tables, lens, 0.125,
+                    codec=kv.codec.name, channel_keys=layout == "channel-key"))
+                row.append(dense / us)
+            print(f"{ctx:>8} {layout:>12} {dense:14.1f} " + " ".join(f"{r:13.2f}x" for r in row))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -85,6 +134,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kernel", action="store_true", help="time the attention op alone")
+    ap.add_argument("--batch", type=int, default=1, help="sequences per call (--kernel)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("spec", nargs="?", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -96,6 +147,11 @@ def main() -> None:
     from fitserve.loading.pull import pull
 
     contexts = [int(c) for c in args.contexts.split(",")]
+    if args.kernel:
+        print(f"CPU: {cpu_model_name()}; {os.cpu_count()} CPUs; ISA: {detect_isa().describe()}; "
+              f"threads {args.threads}; batch {args.batch}; kernel time ratio bf16 / quantized")
+        kernel_bench(contexts, args.runs, args.threads, args.batch)
+        return
     configs = args.configs.split(",")
     base = {"gguf": str(pull("smollm2-135m", progress=False)), "contexts": contexts,
             "new": args.new, "runs": args.runs, "threads": args.threads}
