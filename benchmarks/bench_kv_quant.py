@@ -17,18 +17,21 @@ rounds and each config's ratio to bf16 at each context.
 --kernel times the attention op alone instead (no model, no cache write): one layer's decode
 attention of the default model's shape (3 KV heads x 3 query heads each x 64 dims, 16-token
 blocks in shuffled order) at each context, the dense bf16 kernel against the quantized one per
-codec and scale layout, median of --runs x 200 calls; ratios to bf16.
+codec and scale layout, each of --layers layers on its own cache (so they exceed the last-level
+cache as the model's do), median of --runs passes; ratios to bf16.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,48 +84,70 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             "kv_format": runner.kv_format}
 
 
-def kernel_bench(contexts: list[int], runs: int, threads: int, batch: int) -> None:
+def _us_per_layer(calls: list[Callable[[], object]], runs: int) -> float:
+    """Median over ``runs`` of the time of 10 passes over every layer's call, per call (us)."""
+    for call in calls:
+        call()
+    ts = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        for _ in range(10):
+            for call in calls:
+                call()
+        ts.append((time.perf_counter() - t0) / (10 * len(calls)) * 1e6)
+    return statistics.median(ts)
+
+
+def _layer_calls(ctx: int, batch: int, layers: int, codec: str, layout: str
+                 ) -> list[Callable[[], object]]:
+    """One decode attention call per layer over its own cache (the default model's shape:
+    3 KV heads x 3 query heads each x 64 dims, 16-token blocks in shuffled order), so the
+    caches together exceed the last-level cache as the model's do; codec "" = dense bf16."""
     import torch
 
     from fitserve.kernels.cpu.paged_attention import paged_decode_attention
     from fitserve.kernels.cpu.paged_attention_kvq import paged_decode_attention_kvq
     from fitserve.quant.kv_cache import QuantizedKVCache
 
-    torch.set_num_threads(threads)
     hkv, g, d, bs = 3, 3, 64, 16
-    print(f"{'context':>8} {'layout':>12} " + " ".join(f"{c:>14s}" for c in
-                                                       ("bf16 us", "int8", "fp8_e4m3", "fp8_e5m2")))
+    nb = batch * -(-ctx // bs)
+    gen = torch.Generator().manual_seed(0)
+    tables = torch.randperm(nb, generator=gen).to(torch.int32).view(batch, -1)
+    lens = torch.full((batch,), ctx, dtype=torch.int32)
+    q = torch.randn(batch, hkv * g, d, generator=gen).bfloat16()
+    calls: list[Callable[[], object]] = []
+    for _ in range(layers):
+        k, v = torch.randn(nb * bs, hkv, d, generator=gen), torch.randn(nb * bs, hkv, d, generator=gen)
+        if not codec:
+            kd = k.bfloat16().view(nb, bs, hkv, d).permute(2, 0, 1, 3).contiguous()
+            vd = v.bfloat16().view(nb, bs, hkv, d).permute(2, 0, 1, 3).contiguous()
+            calls.append(functools.partial(paged_decode_attention, q, kd, vd, tables, lens, 0.125))
+            continue
+        kv = QuantizedKVCache(codec, layout, num_kv_heads=hkv, num_blocks=nb, block_size=bs,
+                              head_dim=d)
+        kv.write(k, v, torch.arange(nb * bs))
+        calls.append(functools.partial(
+            paged_decode_attention_kvq, q, kv.k_codes, kv.v_codes, kv.k_scales, kv.v_scales,
+            tables, lens, 0.125, codec=codec, channel_keys=layout == "channel-key"))
+    return calls
+
+
+def kernel_bench(contexts: list[int], runs: int, batch: int, layers: int) -> None:
+    """The attention op alone, per layer: dense bf16 us, then bf16 time / quantized time."""
+    codecs = ("int8", "fp8_e4m3", "fp8_e5m2")
+    print(f"{'context':>8} {'layout':>12} {'bf16 us':>10} " + " ".join(f"{c:>9s}" for c in codecs))
     for ctx in contexts:
-        nb = batch * -(-ctx // bs)
-        tables = torch.randperm(nb, dtype=torch.int32).view(batch, -1)
-        lens = torch.full((batch,), ctx, dtype=torch.int32)
-        q = torch.randn(batch, hkv * g, d).bfloat16()
-        kd, vd = torch.randn(hkv, nb, bs, d).bfloat16(), torch.randn(hkv, nb, bs, d).bfloat16()
-
-        def median_us(fn: Any) -> float:
-            fn()
-            ts = []
-            for _ in range(runs):
-                t0 = time.perf_counter()
-                for _ in range(200):
-                    fn()
-                ts.append((time.perf_counter() - t0) / 200 * 1e6)
-            return statistics.median(ts)
-
-        dense = median_us(lambda: paged_decode_attention(q, kd, vd, tables, lens, 0.125))
+        dense = _us_per_layer(_layer_calls(ctx, batch, layers, "", ""), runs)
         for layout in ("token", "channel-key"):
-            row = []
-            for codec in ("int8", "fp8_e4m3", "fp8_e5m2"):
-                kv = QuantizedKVCache(codec, layout, num_kv_heads=hkv, num_blocks=nb,
-                                      block_size=bs, head_dim=d)
-                kv.write(kd.float().transpose(0, 1).reshape(nb * bs, hkv, d)[:, :, :],
-                         vd.float().transpose(0, 1).reshape(nb * bs, hkv, d),
-                         torch.arange(nb * bs))
-                us = median_us(lambda kv=kv: paged_decode_attention_kvq(
-                    q, kv.k_codes, kv.v_codes, kv.k_scales, kv.v_scales, tables, lens, 0.125,
-                    codec=kv.codec.name, channel_keys=layout == "channel-key"))
-                row.append(dense / us)
-            print(f"{ctx:>8} {layout:>12} {dense:14.1f} " + " ".join(f"{r:13.2f}x" for r in row))
+            ratios = [dense / _us_per_layer(_layer_calls(ctx, batch, layers, c, layout), runs)
+                      for c in codecs]
+            print(f"{ctx:>8} {layout:>12} {dense:10.1f} " + " ".join(f"{r:8.2f}x" for r in ratios))
+
+
+def torch_threads(n: int) -> None:
+    import torch
+
+    torch.set_num_threads(n)
 
 
 def main() -> None:
@@ -136,6 +161,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kernel", action="store_true", help="time the attention op alone")
     ap.add_argument("--batch", type=int, default=1, help="sequences per call (--kernel)")
+    ap.add_argument("--layers", type=int, default=30, help="caches cycled through (--kernel)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("spec", nargs="?", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -150,7 +176,8 @@ def main() -> None:
     if args.kernel:
         print(f"CPU: {cpu_model_name()}; {os.cpu_count()} CPUs; ISA: {detect_isa().describe()}; "
               f"threads {args.threads}; batch {args.batch}; kernel time ratio bf16 / quantized")
-        kernel_bench(contexts, args.runs, args.threads, args.batch)
+        torch_threads(args.threads)
+        kernel_bench(contexts, args.runs, args.batch, args.layers)
         return
     configs = args.configs.split(",")
     base = {"gguf": str(pull("smollm2-135m", progress=False)), "contexts": contexts,
