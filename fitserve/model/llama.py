@@ -48,6 +48,11 @@ class Attention(nn.Module):
         if isinstance(kv_cache, QuantizedKVCache):
             qk = self.rotary(qk, rope.tables())
             kv_cache.write(qk[:, self.num_heads :], v, batch.slot_mapping)
+            d = batch.decode
+            if d is not None and d.backend.reads_quantized_kv:  # codes read in place
+                assert d.num == n and not batch.prefills, "a decode-only step"
+                out = d.backend.decode_quantized(qk[:, : self.num_heads], kv_cache, d, self.scale)
+                return self.o_proj(out.reshape(n, self.q_size))
             assert batch.kv_blocks is not None, "a quantized KV cache needs the step's kv_blocks"
             k_cache, v_cache = kv_cache.dequantize(batch.kv_blocks, qk.dtype)
             out = paged_attention(qk[:, : self.num_heads], k_cache, v_cache, batch, self.scale)

@@ -16,6 +16,7 @@ import torch
 from fitserve import envs
 from fitserve.config import ModelSpec
 from fitserve.kernels.cpu.paged_attention import paged_attention_available
+from fitserve.kernels.cpu.paged_attention_kvq import paged_attention_kvq_available
 from fitserve.ledger.formats import kv_format as kv_format_entry
 from fitserve.ledger.formats import resolve_engine_kv_format
 from fitserve.model.attention.backend import AttentionBackend, DecodeBatch, PrefillSeq
@@ -70,6 +71,8 @@ class ModelRunner:
         self.use_triton = device.type == "cuda" and _triton_importable()
         # the fused C++ decode kernel (built at first use; FITSERVE_DISABLE_CPP=1 turns it off)
         self.use_cpp = device.type == "cpu" and paged_attention_available()
+        # a quantized cache read in place by the quantized decode kernel in decode-only steps
+        self.use_kvq = self.quantized_kv and device.type == "cpu" and paged_attention_kvq_available()
         # decode-only steps under torch.compile (fitserve.runner.compiled_step); None = eager
         self.compiled: CompiledDecode | None = None
         if compile_decode and self.use_cpp and not self.quantized_kv:
@@ -81,9 +84,11 @@ class ModelRunner:
                 and DecodeLoop.supports(model, kv_dtype)):
             self.decode_loop = DecodeLoop(model, kv_dtype)
 
-    def _backend(self, q_lens: list[int], k_lens: list[int]) -> AttentionBackend:
+    def _backend(self, q_lens: list[int], k_lens: list[int], kv_quant: bool = False
+                 ) -> AttentionBackend:
         return choose_attention_backend(
-            classify(self.device.type, q_lens, k_lens, triton=self.use_triton, cpp=self.use_cpp)
+            classify(self.device.type, q_lens, k_lens, triton=self.use_triton, cpp=self.use_cpp,
+                     kv_quant=kv_quant)
         )
 
     @property
@@ -213,7 +218,10 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillSeq] = []
-        compact = compact_blocks(chunks, bs) if self.quantized_kv else None
+        # a quantized cache: decode-only steps read it in place (the quantized kernel); others
+        # dequantize the blocks they read into a compact dense cache the tables then index
+        in_place = self.use_kvq and all(runs_as_decode(c) for c in chunks)
+        compact = compact_blocks(chunks, bs) if self.quantized_kv and not in_place else None
         for chunk in chunks:
             start, t = chunk.start_pos, len(chunk.token_ids)
             table = chunk.block_table
@@ -234,7 +242,8 @@ class ModelRunner:
                     len(ids) - t, start, t, table, block_size=bs, window=self.sliding_window,
                     device=self.device,
                 ))
-        decode = self._decode_batch(decode_tables, decode_lens) if decode_tables else None
+        decode = (self._decode_batch(decode_tables, decode_lens, in_place) if decode_tables
+                  else None)
         batch = AttentionBatch(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             decode=decode,
@@ -249,8 +258,9 @@ class ModelRunner:
             batch,
         )
 
-    def _decode_batch(self, tables: list[list[int]], seq_lens: list[int]) -> DecodeBatch:
-        return self._backend([1] * len(tables), seq_lens).build_decode(
+    def _decode_batch(self, tables: list[list[int]], seq_lens: list[int], kv_quant: bool = False
+                      ) -> DecodeBatch:
+        return self._backend([1] * len(tables), seq_lens, kv_quant).build_decode(
             tables, seq_lens, block_size=self.block_size, window=self.sliding_window,
             device=self.device,
         )

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fitserve.kernels.cpu.paged_attention import paged_attention_available
-from fitserve.model.attention.cpu_paged import CPU_PAGED_DECODE
+from fitserve.model.attention.cpu_paged import CPU_PAGED_DECODE, CPU_PAGED_DECODE_KVQ
 from fitserve.model.attention.dispatch import (
     BACKENDS,
     ShapeClass,
@@ -45,6 +45,17 @@ def test_cpu_rule() -> None:
     for lens in ([10], [8192], [300] * 32, [5000] * 4):  # the fused kernel takes every decode
         assert (choose_attention_backend(classify("cpu", [1] * len(lens), lens, cpp=True))
                 is CPU_PAGED_DECODE)
+
+
+def test_quantized_cache_decode_reads_codes_in_place() -> None:
+    """A decode-only step over a quantized cache runs the quantized kernel (every batch and
+    length); prefill chunks keep their backend (they read a dequantized copy)."""
+    for lens in ([10], [8192], [300] * 32):
+        pick = choose_attention_backend(classify("cpu", [1] * len(lens), lens, cpp=True,
+                                                 kv_quant=True))
+        assert pick is CPU_PAGED_DECODE_KVQ and pick.reads_quantized_kv
+    assert not CPU_PAGED_DECODE.reads_quantized_kv
+    assert choose_attention_backend(classify("cpu", [7], [7], cpp=True, kv_quant=True)) is TORCH_SDPA
 
 
 def test_cuda_uses_triton_when_available() -> None:

@@ -20,6 +20,7 @@ from typing import ClassVar
 import torch
 
 from fitserve.ledger.scratch import ScratchKind
+from fitserve.quant.kv_cache import QuantizedKVCache
 
 
 class AttentionBackend:
@@ -32,6 +33,9 @@ class AttentionBackend:
     name: ClassVar[str]
     # NOTE: None for the CUDA backends: the ledger sizes CPU steps only
     ledger_kind: ClassVar[ScratchKind | None] = None
+    # decode reads a QuantizedKVCache's codes in place (``decode_quantized``), so the runner
+    # makes no dequantized compact cache for a step whose only group this backend runs
+    reads_quantized_kv: ClassVar[bool] = False
 
     def __repr__(self) -> str:
         return type(self).__name__
@@ -40,6 +44,11 @@ class AttentionBackend:
                d: DecodeBatch, scale: float) -> torch.Tensor:
         """q [B, Hq, D] (one new token per sequence) -> out [B, Hq, D]."""
         raise NotImplementedError(f"{self.name} runs no decode")
+
+    def decode_quantized(self, q: torch.Tensor, kv: QuantizedKVCache, d: DecodeBatch,
+                         scale: float) -> torch.Tensor:
+        """q [B, Hq, D] over a quantized cache read in place (physical block tables)."""
+        raise NotImplementedError(f"{self.name} reads no quantized KV cache")
 
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 seq: PrefillSeq, scale: float) -> torch.Tensor:

@@ -1,13 +1,16 @@
 """The fused C++ paged decode backend (fitserve/kernels/cpu/paged_attention.cpp): K/V read in
-place through the block table, fp32 online softmax, no gather and no mask tensors."""
+place through the block table, fp32 online softmax, no gather and no mask tensors; and its
+quantized-cache twin (paged_attention_kvq.cpp) reading int8 / fp8 codes with their scales."""
 
 from __future__ import annotations
 
 import torch
 
 from fitserve.kernels.cpu.paged_attention import paged_decode_attention
+from fitserve.kernels.cpu.paged_attention_kvq import paged_decode_attention_kvq
 from fitserve.ledger.scratch import ScratchKind
 from fitserve.model.attention.backend import AttentionBackend, DecodeBatch, padded_tables
+from fitserve.quant.kv_cache import QuantizedKVCache
 
 
 class CpuPagedDecode(AttentionBackend):
@@ -33,4 +36,21 @@ class CpuPagedDecode(AttentionBackend):
         )
 
 
+class CpuPagedDecodeKVQ(CpuPagedDecode):
+    """Decode over a quantized cache (fitserve/kernels/cpu/paged_attention_kvq.cpp): the int8 /
+    fp8 codes and their scales read in place through the physical block tables (no dequantized
+    copy). Prefill chunks with a quantized cache keep the dequantize-then-attend path."""
+
+    name = "cpu_paged_decode_kvq"
+    reads_quantized_kv = True
+
+    def decode_quantized(self, q: torch.Tensor, kv: QuantizedKVCache, d: DecodeBatch,
+                         scale: float) -> torch.Tensor:
+        assert d.seq_lens is not None
+        return paged_decode_attention_kvq(
+            q, kv.k_codes, kv.v_codes, kv.k_scales, kv.v_scales, d.block_tables, d.seq_lens,
+            scale, d.window, codec=kv.codec.name, channel_keys=kv.key_layout == "channel-key")
+
+
 CPU_PAGED_DECODE = CpuPagedDecode()
+CPU_PAGED_DECODE_KVQ = CpuPagedDecodeKVQ()

@@ -2,7 +2,8 @@
 
 The rule: on CUDA with Triton importable, ``TritonPagedDecode`` for decode and
 ``TritonPrefill`` for chunks. On the CPU, decode runs the fused C++ kernel (``CpuPagedDecode``)
-whenever it loaded; without it (no compiler, failed build, FITSERVE_DISABLE_CPP=1)
+whenever it loaded (over a quantized KV cache, when the step is decode only, its twin reading the
+int8 / fp8 codes in place, ``CpuPagedDecodeKVQ``); without it (no compiler, failed build, FITSERVE_DISABLE_CPP=1)
 ``EagerGather`` up to 4096 keys and ``TorchSDPA`` beyond; prefill chunks run ``TorchSDPA``.
 Measured: docs/benchmarks.md, section 'Attention backend rule' (``benchmarks/bench_kernels.py``
 puts the rule's pick next to the measured fastest). Choosing costs a few comparisons per group
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from fitserve.model.attention.backend import AttentionBackend
-from fitserve.model.attention.cpu_paged import CPU_PAGED_DECODE
+from fitserve.model.attention.cpu_paged import CPU_PAGED_DECODE, CPU_PAGED_DECODE_KVQ
 from fitserve.model.attention.gather import EAGER_GATHER, TORCH_SDPA
 from fitserve.model.attention.triton_attn import TRITON_DECODE, TRITON_PREFILL
 
@@ -24,7 +25,7 @@ BatchBucket = Literal["1", "2-8", "9+"]  # sequences in the group
 LengthBucket = Literal["<=512", "<=4096", ">4096"]  # keys of its longest sequence
 
 BACKENDS: tuple[AttentionBackend, ...] = (EAGER_GATHER, TORCH_SDPA, CPU_PAGED_DECODE,
-                                          TRITON_PREFILL, TRITON_DECODE)
+                                          CPU_PAGED_DECODE_KVQ, TRITON_PREFILL, TRITON_DECODE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +38,9 @@ class ShapeClass:
     length_bucket: LengthBucket
     triton: bool = False        # Triton importable (only matters on CUDA)
     cpp: bool = False           # the fused C++ paged decode kernel loaded (only matters on CPU)
+    # a quantized KV cache read in place by the quantized C++ decode kernel (loaded); the runner
+    # sets it for decode-only steps (a step with a prefill chunk reads a dequantized copy)
+    kv_quant: bool = False
 
 
 def _batch_bucket(batch: int) -> BatchBucket:
@@ -48,11 +52,11 @@ def _length_bucket(max_len: int) -> LengthBucket:
 
 
 def classify(device: str, q_lens: list[int], k_lens: list[int], *, triton: bool = False,
-             cpp: bool = False) -> ShapeClass:
+             cpp: bool = False, kv_quant: bool = False) -> ShapeClass:
     """Shape class of a ragged batch (per-sequence query and key counts)."""
     phase: Phase = "decode" if q_lens and all(t == 1 for t in q_lens) else "prefill"
     return ShapeClass(device, phase, _batch_bucket(len(q_lens)),
-                      _length_bucket(max(k_lens, default=0)), triton, cpp)
+                      _length_bucket(max(k_lens, default=0)), triton, cpp, kv_quant)
 
 
 def choose_attention_backend(shape_class: ShapeClass) -> AttentionBackend:
@@ -60,6 +64,8 @@ def choose_attention_backend(shape_class: ShapeClass) -> AttentionBackend:
     if shape_class.device == "cuda" and shape_class.triton:
         return TRITON_DECODE if shape_class.phase == "decode" else TRITON_PREFILL
     if shape_class.phase == "decode":
+        if shape_class.device == "cpu" and shape_class.kv_quant:
+            return CPU_PAGED_DECODE_KVQ
         if shape_class.device == "cpu" and shape_class.cpp:
             return CPU_PAGED_DECODE
         # NOTE: the gather paths are within ~40% of each other at every decode class; this

@@ -1,0 +1,211 @@
+"""W1 decode speed with a quantized KV cache against bf16 KV, by context length (default model).
+
+    .venv/bin/python benchmarks/bench_kv_quant.py
+    .venv/bin/python benchmarks/bench_kv_quant.py --contexts 128,1024,4096,8192 --rounds 3
+
+One request of a ``ctx``-token prompt (random token ids, fixed seed) then ``--new`` greedy
+tokens, EOS ignored, on the default model's GGUF as stored (Q4_1) with bf16 activations. The
+KV configs: bf16 (dense), int8 (its auto scales: per-channel keys), int8-token, fp8_e4m3 and
+fp8_e5m2 (per token), and int8-dequant: int8 through the old path (each layer dequantizes the
+blocks it reads into a compact bf16 cache before the dense kernel), for reference. Each config
+runs in its own process; --rounds repeats the whole set round-robin so the shared host's slow
+periods fall on all alike. Per context: one warm-up request (it also fills the prefix cache, so
+the timed runs re-prefill only the prompt's last partial block), then --runs timed requests;
+decode tok/s = (new - 1) / (last token time - first token time). Prints medians over all
+rounds and each config's ratio to bf16 at each context.
+
+--kernel times the attention op alone instead (no model, no cache write): one layer's decode
+attention of the default model's shape (3 KV heads x 3 query heads each x 64 dims, 16-token
+blocks in shuffled order) at each context, the dense bf16 kernel against the quantized one per
+codec and scale layout, each of --layers layers on its own cache (so they exceed the last-level
+cache as the model's do), median of --runs passes; ratios to bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+# name -> (--kv-cache-dtype, --kv-cache-scales, read the codes in place)
+CONFIGS: dict[str, tuple[str, str, bool]] = {
+    "bf16": ("auto", "auto", True),
+    "int8": ("int8", "auto", True),
+    "int8-token": ("int8", "token", True),
+    "fp8_e4m3": ("fp8_e4m3", "auto", True),
+    "fp8_e5m2": ("fp8_e5m2", "auto", True),
+    "int8-dequant": ("int8", "auto", False),
+}
+
+
+def worker(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from fitserve.config import EngineConfig
+    from fitserve.engine.core import Engine
+    from fitserve.sampling import SamplingParams
+
+    torch.set_num_threads(spec["threads"])
+    kv_dtype, scales, in_place = CONFIGS[spec["config"]]
+    contexts: list[int] = spec["contexts"]
+    new = spec["new"]
+    engine = Engine(EngineConfig(model=spec["gguf"], dtype="bfloat16", weights="as-stored",
+                                 device="cpu", max_model_len=max(contexts) + new + 16,
+                                 enforce_eager=True, kv_cache_dtype=kv_dtype,  # type: ignore[arg-type]
+                                 kv_cache_scales=scales))  # type: ignore[arg-type]
+    runner = engine.runner
+    if not in_place:
+        runner.use_kvq = False  # the old path: dequantize the step's blocks, then the dense kernel
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    gen = torch.Generator().manual_seed(0)
+    out: dict[str, list[float]] = {}
+    for ctx in contexts:
+        prompt = torch.randint(100, 40000, (ctx,), generator=gen).tolist()
+
+        def run(prompt: list[int] = prompt) -> float:
+            times = []
+            for o in engine.stream(prompt, params):
+                times += [time.perf_counter()] * len(o.delta_token_ids)
+            return (new - 1) / (times[-1] - times[0])
+
+        run()
+        out[str(ctx)] = [run() for _ in range(spec["runs"])]
+    backend = runner._decode_batch([[0]], [1], runner.use_kvq).backend.name
+    return {"config": spec["config"], "tok_s": out, "decode_backend": backend,
+            "kv_format": runner.kv_format}
+
+
+def _us_per_layer(calls: list[Callable[[], object]], runs: int) -> float:
+    """Median over ``runs`` of the time of 10 passes over every layer's call, per call (us)."""
+    for call in calls:
+        call()
+    ts = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        for _ in range(10):
+            for call in calls:
+                call()
+        ts.append((time.perf_counter() - t0) / (10 * len(calls)) * 1e6)
+    return statistics.median(ts)
+
+
+def _layer_calls(ctx: int, batch: int, layers: int, codec: str, layout: str
+                 ) -> list[Callable[[], object]]:
+    """One decode attention call per layer over its own cache (the default model's shape:
+    3 KV heads x 3 query heads each x 64 dims, 16-token blocks in shuffled order), so the
+    caches together exceed the last-level cache as the model's do; codec "" = dense bf16."""
+    import torch
+
+    from fitserve.kernels.cpu.paged_attention import paged_decode_attention
+    from fitserve.kernels.cpu.paged_attention_kvq import paged_decode_attention_kvq
+    from fitserve.quant.kv_cache import QuantizedKVCache
+
+    hkv, g, d, bs = 3, 3, 64, 16
+    nb = batch * -(-ctx // bs)
+    gen = torch.Generator().manual_seed(0)
+    tables = torch.randperm(nb, generator=gen).to(torch.int32).view(batch, -1)
+    lens = torch.full((batch,), ctx, dtype=torch.int32)
+    q = torch.randn(batch, hkv * g, d, generator=gen).bfloat16()
+    calls: list[Callable[[], object]] = []
+    for _ in range(layers):
+        k, v = torch.randn(nb * bs, hkv, d, generator=gen), torch.randn(nb * bs, hkv, d, generator=gen)
+        if not codec:
+            kd = k.bfloat16().view(nb, bs, hkv, d).permute(2, 0, 1, 3).contiguous()
+            vd = v.bfloat16().view(nb, bs, hkv, d).permute(2, 0, 1, 3).contiguous()
+            calls.append(functools.partial(paged_decode_attention, q, kd, vd, tables, lens, 0.125))
+            continue
+        kv = QuantizedKVCache(codec, layout, num_kv_heads=hkv, num_blocks=nb, block_size=bs,
+                              head_dim=d)
+        kv.write(k, v, torch.arange(nb * bs))
+        calls.append(functools.partial(
+            paged_decode_attention_kvq, q, kv.k_codes, kv.v_codes, kv.k_scales, kv.v_scales,
+            tables, lens, 0.125, codec=codec, channel_keys=layout == "channel-key"))
+    return calls
+
+
+def kernel_bench(contexts: list[int], runs: int, batch: int, layers: int) -> None:
+    """The attention op alone, per layer: dense bf16 us, then bf16 time / quantized time."""
+    codecs = ("int8", "fp8_e4m3", "fp8_e5m2")
+    print(f"{'context':>8} {'layout':>12} {'bf16 us':>10} " + " ".join(f"{c:>9s}" for c in codecs))
+    for ctx in contexts:
+        dense = _us_per_layer(_layer_calls(ctx, batch, layers, "", ""), runs)
+        for layout in ("token", "channel-key"):
+            ratios = [dense / _us_per_layer(_layer_calls(ctx, batch, layers, c, layout), runs)
+                      for c in codecs]
+            print(f"{ctx:>8} {layout:>12} {dense:10.1f} " + " ".join(f"{r:8.2f}x" for r in ratios))
+
+
+def torch_threads(n: int) -> None:
+    import torch
+
+    torch.set_num_threads(n)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--contexts", default="128,1024,2048,4096,8192")
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kernel", action="store_true", help="time the attention op alone")
+    ap.add_argument("--batch", type=int, default=1, help="sequences per call (--kernel)")
+    ap.add_argument("--layers", type=int, default=30, help="caches cycled through (--kernel)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("spec", nargs="?", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.spec))))
+        return
+    sys.path.insert(0, str(HERE.parent))
+    from fitserve.kernels.cpu.isa import cpu_model_name, detect_isa
+    from fitserve.loading.pull import pull
+
+    contexts = [int(c) for c in args.contexts.split(",")]
+    if args.kernel:
+        print(f"CPU: {cpu_model_name()}; {os.cpu_count()} CPUs; ISA: {detect_isa().describe()}; "
+              f"threads {args.threads}; batch {args.batch}; kernel time ratio bf16 / quantized")
+        torch_threads(args.threads)
+        kernel_bench(contexts, args.runs, args.batch, args.layers)
+        return
+    configs = args.configs.split(",")
+    base = {"gguf": str(pull("smollm2-135m", progress=False)), "contexts": contexts,
+            "new": args.new, "runs": args.runs, "threads": args.threads}
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    runs: dict[str, dict[str, list[float]]] = {c: {str(x): [] for x in contexts} for c in configs}
+    info: dict[str, str] = {}
+    for _ in range(args.rounds):
+        for cfg in configs:
+            proc = subprocess.run([sys.executable, __file__, "--worker",
+                                   json.dumps({**base, "config": cfg})],
+                                  capture_output=True, text=True, env=env, check=True)
+            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            info[cfg] = f"{r['kv_format']} via {r['decode_backend']}"
+            for ctx, vals in r["tok_s"].items():
+                runs[cfg][ctx] += vals
+    print(f"CPU: {cpu_model_name()}; {os.cpu_count()} CPUs; ISA: {detect_isa().describe()}; "
+          f"threads {args.threads}")
+    print(f"W1 decode tok/s, medians of {args.rounds} x {args.runs} runs, {args.new} new tokens")
+    for cfg in configs:
+        print(f"  {cfg:13s} {info[cfg]}")
+    print(f"{'context':>8} " + " ".join(f"{c:>13s}" for c in configs))
+    for ctx in map(str, contexts):
+        med = {c: statistics.median(runs[c][ctx]) for c in configs}
+        print(f"{ctx:>8} " + " ".join(f"{med[c]:13.1f}" for c in configs))
+        if "bf16" in med:
+            print(f"{'x bf16':>8} " + " ".join(f"{med[c] / med['bf16']:13.2f}" for c in configs))
+
+
+if __name__ == "__main__":
+    main()
