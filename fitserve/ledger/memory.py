@@ -341,10 +341,10 @@ def cpu_engine_memory_plan(spec: ModelSpec, *, weight_bytes: int, max_num_batche
         MemoryLine("attention scratch", "masks + max(prefill chunk, decode)", scratch.total_bytes,
                    _scratch_note(scratch, block_size)),
         logits,
-        MemoryLine("sampler", "4 x (seqs x V + 2 c V + 4 max(V, 256 c))", sampler,
+        MemoryLine("sampler", "4 x (seqs V + 2 c V + max(6 g V, 4 c 256))", sampler,
                    f"the sampler's fp32 copy of the logits + its chunk of c = "
                    f"{min(max_num_seqs, sampler_chunk_rows(spec.vocab_size))} rows at the worst "
-                   "(top-p over a top-k distribution, a nucleus sorted in full); greedy rows "
+                   "(top-p over a top-k distribution, g = c // 6 nuclei sorted in full); greedy rows "
                    "take the copy only, plain greedy nothing"),
         *([MemoryLine("KV dequant scratch", "kv_dequant_scratch_bytes", dequant,
                       "a quantized cache: one layer's K and V of the blocks a step reads "

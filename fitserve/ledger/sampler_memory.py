@@ -9,7 +9,8 @@ w = min(SAMPLER_CANDIDATE_WIDTH, V), read off sampling/sampler.py and sampling/f
     top-k, k <= w: topk [c, k]              small;  k > w: one row's topk  3 k  (values, int64)
     top-p with top-k: renormalised copy     c x V   (the mask written straight into it)
     top-p first pass, w candidates          4 c w   (values, int64 indices, cumulative sums)
-    top-p widened, one row alone            4 V     (the same for a nucleus wider than w)
+    top-p widened, g rows gathered apart    6 g V   (x and probs rows, then the same for a
+                                                     nucleus wider than w; g = c // 6 or 1)
     the mask (x >= threshold)               0       (written into x, no longer needed)
     q ~ Exp(1), after the filters are gone  c x V
 
@@ -50,6 +51,11 @@ def sampler_chunk_rows(vocab: int) -> int:
     return max(1, SAMPLER_CHUNK_ELEMENTS // vocab)
 
 
+def widen_group_rows(chunk_rows: int) -> int:
+    """Rows whose top-p nucleus is widened together: ``max(1, c // 6)`` (6 g V <= c V)."""
+    return max(1, chunk_rows // 6)
+
+
 def sampler_path_bytes(path: SamplerPath, batch: int, vocab: int) -> int:
     """Peak bytes the sampler allocates on ``path`` for ``batch`` rows (module docstring)."""
     if path is SamplerPath.ARGMAX:
@@ -57,12 +63,14 @@ def sampler_path_bytes(path: SamplerPath, batch: int, vocab: int) -> int:
     c = min(batch, sampler_chunk_rows(vocab))
     w = min(SAMPLER_CANDIDATE_WIDTH, vocab)
     copy, chunk = batch * vocab, c * vocab
+    # the nucleus: a first pass over the chunk's w candidates, then (V > w) the widened groups
+    nucleus = max(4 * c * w, 6 * widen_group_rows(c) * vocab if vocab > w else 0)
     extra = {
         SamplerPath.COPY: 0,
         SamplerPath.RACE: 2 * chunk,
         SamplerPath.TOP_K_WIDE: max(2 * chunk, chunk + 3 * (vocab - 1)),  # k <= V - 1
-        SamplerPath.TOP_P: max(2 * chunk, chunk + 4 * max(vocab, c * w)),
-        SamplerPath.TOP_K_TOP_P: 2 * chunk + 4 * max(vocab, c * w),
+        SamplerPath.TOP_P: max(2 * chunk, chunk + nucleus),
+        SamplerPath.TOP_K_TOP_P: 2 * chunk + nucleus,
     }[path]
     return (copy + extra) * F32_BYTES
 

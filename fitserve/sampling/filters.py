@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fitserve.ledger.sampler_memory import widen_group_rows
 from fitserve.types import TokenLogprobs
 
 _NEG_INF = float("-inf")
@@ -99,17 +100,25 @@ def _top_p_thresholds(
     ``probs`` is the distribution top-p cuts (top-k already applied, renormalised). Sorted
     descending, token j is kept while the mass strictly before it is < top_p. Only the
     ``candidate_width`` largest logits are ranked first (a full sort costs ~2 ms a row at
-    V=49152 on CPU); a row whose nucleus is wider is redone alone 16x wider, then in full.
+    V=49152 on CPU); rows whose nucleus is wider are redone 16x wider, then in full, in groups
+    of ``widen_group_rows`` rows gathered apart (torch sorts rows in parallel, so a group keeps
+    the threads busy; its buffers, 6 rows per row, stay within one chunk buffer).
     """
     vocab = x.shape[1]
     width = min(candidate_width, vocab)
     out, short = _nucleus(x, probs, top_p, width)
-    for r in rows:
-        w = width
-        while short[r] and w < vocab:
-            w = min(w * 16, vocab)
-            o, s = _nucleus(x[r:r + 1], probs[r:r + 1], top_p[r:r + 1], w)
-            out[r], short[r] = o[0], s[0]
+    todo = [r for r in rows if short[r]]
+    group = widen_group_rows(x.shape[0])
+    while todo and width < vocab:
+        width = min(width * 16, vocab)
+        still = []
+        for a in range(0, len(todo), group):
+            idx = _index(todo[a:a + group], x)
+            o, s = _nucleus(x.index_select(0, idx), probs.index_select(0, idx),
+                            top_p.index_select(0, idx), width)
+            out[idx] = o
+            still += [r for r, more in zip(todo[a:a + group], s, strict=True) if more]
+        todo = still
     return out
 
 

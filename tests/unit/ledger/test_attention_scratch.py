@@ -118,11 +118,11 @@ def test_rope_tables_and_sampler() -> None:
     assert rope_table_bytes(SMOL, 8192) == 2 * 8192 * 32 * 4 == 2 * 1024 * 1024
     assert rope_table_bytes(SMOL, 4096) == 1024 * 1024
     # 8 rows in one chunk: the copy (8 rows) + probs and the renormalised top-k (2 x 8) + one
-    # row's nucleus sorted in full (4 rows), fp32
-    assert sampler_bytes(SMOL, 8) == (8 + 16 + 4) * 49152 * 4 == 5_505_024
-    # a 256k vocabulary at 64 sequences: chunks of 4 rows; 76 MiB where 15 copies were 960
+    # row's nucleus sorted in full (its x and probs rows, values, int64 indices, sums: 6), fp32
+    assert sampler_bytes(SMOL, 8) == (8 + 16 + 6) * 49152 * 4 == 5_898_240
+    # a 256k vocabulary at 64 sequences: chunks of 4 rows; 78 MiB where 15 copies were 960
     gemma = dataclasses.replace(SMOL, vocab_size=262_144)
-    assert sampler_bytes(gemma, 64) == (64 + 8 + 4) * 262_144 * 4 == 76 * 2**20
+    assert sampler_bytes(gemma, 64) == (64 + 8 + 6) * 262_144 * 4 == 78 * 2**20
 
 
 def test_threads_and_cpp_switch(monkeypatch: pytest.MonkeyPatch) -> None:

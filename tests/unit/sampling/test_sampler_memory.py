@@ -56,8 +56,10 @@ def slack(batch: int, vocab: int) -> int:
     return 64 * batch + 16 * 256 * c + 4096
 
 
-CASES = [(1, 4096, None), (5, 4096, None), (40, 4096, None), (9, 4096, 3), (6, 1000, 1),
-         (3, 49152, None), (30, 49152, None)]
+# (B, V, rows per chunk: None for the engine's); (14, 4096, 12) and (40, 4096) widen nuclei in
+# groups of 2 and 6 rows, (30, 49152) in groups of 3
+CASES = [(1, 4096, None), (5, 4096, None), (40, 4096, None), (9, 4096, 3), (14, 4096, 12),
+         (6, 1000, 1), (3, 49152, None), (30, 49152, None)]
 
 
 @pytest.mark.parametrize("path", list(SamplerPath))
@@ -84,5 +86,6 @@ def test_the_ledger_line_is_the_worst_path() -> None:
         worst = max(sampler_path_bytes(p, batch, vocab) for p in SamplerPath)
         assert sm.sampler_bytes(vocab, batch) == worst
         assert worst == sampler_path_bytes(SamplerPath.TOP_K_TOP_P, batch, vocab)
-    # 960 MiB before (15 copies); now the copy, two chunk buffers of 4 rows, one sorted row
-    assert sm.sampler_bytes(262_144, 64) == (64 + 2 * 4 + 4) * 262_144 * 4
+    # 960 MiB before (15 copies); now the copy, two chunk buffers of 4 rows, one row's full
+    # nucleus sort (6 rows: its x and probs rows, values, int64 indices, sums)
+    assert sm.sampler_bytes(262_144, 64) == (64 + 2 * 4 + 6) * 262_144 * 4
