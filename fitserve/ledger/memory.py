@@ -46,6 +46,7 @@ from fitserve.ledger.errors import PlanError
 from fitserve.ledger.formats import kv_format
 from fitserve.ledger.kv import kv_block_bytes, kv_bytes_per_token, layer_kinds
 from fitserve.ledger.params import is_mla
+from fitserve.ledger.sampler_memory import sampler_chunk_rows
 from fitserve.ledger.scratch import (
     AttentionScratch,
     cpp_kernels_disabled,
@@ -340,9 +341,11 @@ def cpu_engine_memory_plan(spec: ModelSpec, *, weight_bytes: int, max_num_batche
         MemoryLine("attention scratch", "masks + max(prefill chunk, decode)", scratch.total_bytes,
                    _scratch_note(scratch, block_size)),
         logits,
-        MemoryLine("sampler", "max_num_seqs x vocab x 4 x 15", sampler,
-                   "the sampler's fp32 working copies at their worst (a full-vocabulary top-p "
-                   "sort); greedy rows take 1 copy, temperature sampling 4"),
+        MemoryLine("sampler", "4 x (seqs V + 2 c V + max(6 g V, 4 c 256))", sampler,
+                   f"the sampler's fp32 copy of the logits + its chunk of c = "
+                   f"{min(max_num_seqs, sampler_chunk_rows(spec.vocab_size))} rows at the worst "
+                   "(top-p over a top-k distribution, g = c // 6 nuclei sorted in full); greedy rows "
+                   "take the copy only, plain greedy nothing"),
         *([MemoryLine("KV dequant scratch", "kv_dequant_scratch_bytes", dequant,
                       "a quantized cache: one layer's K and V of the blocks a step reads "
                       "(at most min(num_kv_blocks, max_num_seqs x ceil(max_model_len / "

@@ -38,6 +38,7 @@ from enum import StrEnum
 
 from fitserve import envs
 from fitserve.config import ModelSpec
+from fitserve.ledger import sampler_memory
 from fitserve.ledger.hardware import cpu_has_amx_bf16
 
 # NOTE: torch 2.13's CPU flash attention (aten/native/cpu/FlashAttentionKernel.cpp) tiles the
@@ -50,13 +51,6 @@ PAGED_LANES = 16
 # NOTE: the gather decode path's switch from eager to SDPA (fitserve.model.attention.dispatch:
 # length bucket "<=4096"); tests/numerics/test_attention_scratch.py pins both constants.
 GATHER_EAGER_MAX_KEYS = 4096
-# NOTE: fp32 [B, V] tensors the sampler holds at its deepest point besides the f32 logits,
-# measured (torch.profiler, B=64, V=49,152): greedy rows 1 (its private copy), temperature
-# sampling 4 (4.25 with top-k, top-p and min-p), a top-p nucleus that outgrows the 256 and 4096
-# candidates (a full-vocabulary sort: values, int64 indices, gathered probabilities, cumulative
-# sums) 10.25, with top-k, min-p, logprobs and a greedy row in the batch (every row subset a
-# copy) 14.06, the worst combination found; 15 bounds it.
-SAMPLER_F32_COPIES = 15
 
 
 class ScratchKind(StrEnum):
@@ -258,5 +252,5 @@ def rope_table_bytes(spec: ModelSpec, max_model_len: int) -> int:
 
 
 def sampler_bytes(spec: ModelSpec, max_num_seqs: int) -> int:
-    """The sampler's fp32 working copies of the logits at its worst (SAMPLER_F32_COPIES)."""
-    return SAMPLER_F32_COPIES * max_num_seqs * spec.vocab_size * 4
+    """The sampler's working buffers at their worst (fitserve.ledger.sampler_memory)."""
+    return sampler_memory.sampler_bytes(spec.vocab_size, max_num_seqs)

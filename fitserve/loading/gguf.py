@@ -37,21 +37,16 @@ from fitserve.loading.gguf_spec import (  # noqa: F401 (the spec part lives ther
     spec_from_gguf_header,
 )
 from fitserve.loading.hf_config import check_weights
+from fitserve.loading.support import (  # noqa: F401 (SUPPORTED_GGUF_TYPES: re-exported)
+    SUPPORTED_GGUF_TOKENIZER_MODELS,
+    SUPPORTED_GGUF_TYPES,
+    gguf_support,
+)
 from fitserve.loading.tokenizer import Tokenizer, byte_level_bpe
 from fitserve.quant.convert import held_format, hold
 from fitserve.quant.gguf_map import packed_from_gguf
 from fitserve.quant.held import HeldTensor, dtype_table_name
 
-SUPPORTED_GGUF_TYPES: tuple[str, ...] = (
-    "F32",
-    "F16",
-    "BF16",
-    "Q8_0",
-    "Q4_0",
-    "Q4_1",
-    "Q4_K",
-    "Q6_K",
-)
 _PERMUTED_ARCHS = ("llama", "mistral")  # llama.cpp's LlamaModel.permute applies to these
 
 
@@ -149,9 +144,10 @@ def read_gguf_weights(
 def tokenizer_from_gguf(fields: dict[str, Any], spec: ModelSpec, path: Path) -> Tokenizer:
     """Build the byte-level BPE tokenizer and chat template stored in GGUF metadata."""
     model = fields.get("tokenizer.ggml.model")
-    if model != "gpt2":
+    if model not in SUPPORTED_GGUF_TOKENIZER_MODELS:
         raise ModelLoadError(
-            f"{path}: unsupported tokenizer model {model!r} (tokenizer.ggml.model); supported: gpt2"
+            f"{path}: unsupported tokenizer model {model!r} (tokenizer.ggml.model); supported: "
+            f"{', '.join(SUPPORTED_GGUF_TOKENIZER_MODELS)}"
         )
     tokens: list[str] = list(fields.get("tokenizer.ggml.tokens") or [])
     merges: list[str] = list(fields.get("tokenizer.ggml.merges") or [])
@@ -197,7 +193,9 @@ def read_gguf(
     :func:`read_gguf_weights`."""
     reader = open_gguf(path)
     fields = _fields(reader)
-    spec = spec_from_gguf(reader, path, fields)
+    header = header_from_reader(reader, path, fields)
+    gguf_support(header).require()  # every missing part at once, before any tensor is read
+    spec = spec_from_gguf_header(header, require_supported=True)
     tokenizer = tokenizer_from_gguf(fields, spec, path)
     held, fmt, stored = read_gguf_weights(reader, spec, path, dtype, weights)
     return spec, held, tokenizer, fmt, from_gguf_metadata(fields, str(path)), stored
@@ -207,4 +205,6 @@ def read_gguf_tokenizer(path: Path) -> Tokenizer:
     """The tokenizer of a GGUF file, reading metadata only."""
     reader = open_gguf(path)
     fields = _fields(reader)
-    return tokenizer_from_gguf(fields, spec_from_gguf(reader, path, fields), path)
+    header = header_from_reader(reader, path, fields)
+    gguf_support(header).require()
+    return tokenizer_from_gguf(fields, spec_from_gguf_header(header, require_supported=True), path)

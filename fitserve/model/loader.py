@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fitserve.config import SUPPORTED_ARCHITECTURES, ModelSpec
+from fitserve.config import ModelSpec
+from fitserve.loading.support import spec_problems
 from fitserve.model.fp8_linear import Fp8Linear
 from fitserve.model.layers import RotaryEmbedding
 from fitserve.model.linear import ConcatLinear, DenseLinear, PackedEmbedding, PackedLinear
@@ -28,20 +29,10 @@ class UnsupportedModelError(ValueError):
 
 
 def check_supported(spec: ModelSpec) -> None:
-    if spec.architecture not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"architecture {spec.architecture!r} is not supported by the engine "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
-    if spec.num_experts:
-        raise UnsupportedModelError("mixture-of-experts models are not supported by the engine")
-    if spec.hidden_act != "silu":
-        raise UnsupportedModelError(f"activation {spec.hidden_act!r} is not supported (only silu)")
-    if spec.num_heads % spec.num_kv_heads:
-        raise UnsupportedModelError(
-            f"num_heads={spec.num_heads} is not a multiple of num_kv_heads={spec.num_kv_heads}"
-        )
-
+    """Raise naming every part of ``spec`` the model code cannot run (loading.support)."""
+    problems = spec_problems(spec)
+    if problems:
+        raise UnsupportedModelError("; ".join(problems))
 
 
 # The module that runs each held format (vLLM's quantize method of a layer): a new format is

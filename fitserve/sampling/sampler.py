@@ -20,11 +20,17 @@ Top-k, top-p and min-p are each a *threshold* on the (temperature-scaled) logits
 every token whose logit is >= the largest of the three thresholds. Ties at a boundary are kept,
 so the kept set never depends on token-id order. The grammar mask comes before them, so the
 filters and the greedy argmax choose among the allowed tokens only.
+
+Memory: one private fp32 copy of the logits (penalties, bias and grammar in place), then the
+rows are filtered and drawn one chunk of ``sampler_chunk_rows(V)`` rows at a time (probs, the
+draws and top-p's candidates are chunk-sized; a nucleus sorted in full is sorted one row
+alone), and logprobs are read chunk by chunk from the raw logits. Every per-row result is the
+one the whole-batch formula gave (tests/unit/sampling/test_sampler_matches_batched.py);
+fitserve.ledger.sampler_memory counts the bytes, path by path.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from itertools import chain
 from typing import TYPE_CHECKING
@@ -32,6 +38,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from fitserve.kernels.cpu.fused import argmax
+from fitserve.ledger.sampler_memory import SAMPLER_CANDIDATE_WIDTH, sampler_chunk_rows
+from fitserve.sampling.filters import RowFilter, chunk_logprobs, chunk_thresholds
 from fitserve.sampling.params import SamplingParams
 from fitserve.structured.logits import GuidedMasker, apply_logit_bias
 from fitserve.types import TokenLogprobs
@@ -100,7 +108,8 @@ class Sampler:
     """
 
     def __init__(
-        self, generator: torch.Generator | None = None, candidate_width: int = 256
+        self, generator: torch.Generator | None = None,
+        candidate_width: int = SAMPLER_CANDIDATE_WIDTH,
     ) -> None:
         self.generator = generator
         self.candidate_width = candidate_width
@@ -118,13 +127,9 @@ class Sampler:
             return [], []
         if all(_plain_greedy(s) for s in states):  # nothing changes the logits: no copy
             return argmax(logits).tolist(), [None] * len(states)
-        # A private fp32 copy: penalties and filters then work in place on it.
+        # A private fp32 copy: penalties and filters then work in place on it. ``logits``
+        # itself stays raw, for the logprobs below.
         x = logits.to(torch.float32, copy=True).contiguous()
-        lp_rows = [i for i, s in enumerate(states) if s.num_logprobs is not None]
-        # NOTE: logprobs come from the raw logits (vLLM's default "raw_logprobs"), before
-        # penalties and temperature change them.
-        raw_lp = torch.log_softmax(_take(x, lp_rows), dim=-1) if lp_rows else None
-
         biased = [i for i, s in enumerate(states) if s.logit_bias is not None]
         if biased:
             apply_logit_bias(x, biased, [b for i in biased if (b := states[i].logit_bias) is not None])
@@ -134,21 +139,64 @@ class Sampler:
             self.masker(x, guided, [g for i in guided if (g := states[i].guide) is not None])
 
         tokens = torch.empty(len(states), dtype=torch.long, device=x.device)
-        greedy = [i for i, s in enumerate(states) if s.params.greedy]
-        rand = [i for i, s in enumerate(states) if not s.params.greedy]
-        if greedy:
-            _put(tokens, greedy, argmax(_take(x, greedy)))
-        if rand:
-            chosen = self._sample(_take(x, rand), [states[i] for i in rand])
-            _put(tokens, rand, chosen)
-        token_list: list[int] = tokens.tolist()
-
+        # NOTE: top-p rows see a renormalised top-k distribution when any top-p row of the
+        # batch has top-k (a batch-wide choice, kept from the batched formula).
+        renorm = any(_top_k(s, x.shape[1]) for s in states
+                     if not s.params.greedy and s.params.top_p < 1.0)
+        step = sampler_chunk_rows(x.shape[1])
+        for a in range(0, len(states), step):
+            self._sample_chunk(x[a:a + step], states[a:a + step], tokens[a:a + step], renorm)
+        del x
         logprobs: list[TokenLogprobs | None] = [None] * len(states)
-        if raw_lp is not None:
-            for i, lp in zip(lp_rows, _logprobs(raw_lp, tokens[lp_rows], states, lp_rows),
-                             strict=True):
-                logprobs[i] = lp
-        return token_list, logprobs
+        nums = [s.num_logprobs for s in states]
+        if any(n is not None for n in nums):
+            # NOTE: logprobs come from the raw logits (vLLM's default "raw_logprobs"), before
+            # penalties and temperature change them; one chunk of rows at a time.
+            top_n = max(n for n in nums if n is not None)
+            for a in range(0, len(states), step):
+                if any(n is not None for n in nums[a:a + step]):
+                    logprobs[a:a + step] = chunk_logprobs(logits[a:a + step], tokens[a:a + step],
+                                                          nums[a:a + step], top_n)
+        return tokens.tolist(), logprobs
+
+    def _sample_chunk(
+        self, x: torch.Tensor, states: list[RequestSamplingState], out: torch.Tensor,
+        renorm: bool,
+    ) -> None:
+        """Tokens of one row chunk ``x`` (a view of the private copy, mutated) into ``out``.
+
+        Greedy rows: argmax. Random rows: / temperature -> thresholds -> softmax -> the race.
+        Greedy rows in a mixed chunk go through the random path too (temperature 1, no
+        filter, draws nothing) rather than being gathered apart; their result is dropped.
+        """
+        greedy = [s.params.greedy for s in states]
+        if any(greedy):
+            best = argmax(x)
+            if all(greedy):
+                out.copy_(best)
+                return
+        temps = [1.0 if g else s.params.temperature for s, g in zip(states, greedy, strict=True)]
+        if any(t != 1.0 for t in temps):
+            x.div_(torch.tensor(temps, dtype=x.dtype, device=x.device).unsqueeze(1))
+        probs = torch.softmax(x, dim=-1)
+        vocab = x.shape[1]
+        filters = [RowFilter() if g else RowFilter(_top_k(s, vocab), s.params.top_p,
+                                                   s.params.min_p)
+                   for s, g in zip(states, greedy, strict=True)]
+        thresh = chunk_thresholds(x, probs, filters, renormalise_top_k=renorm,
+                                  candidate_width=self.candidate_width)
+        if thresh is not None:
+            # NOTE: x is not needed any more: it becomes the 1.0 / 0.0 mask in place (a bool
+            # mask would be multiplied through a float copy of it). Multiplying is ~3x faster
+            # than masked_fill_ on CPU, and the race below needs no renormalisation:
+            # argmax(c * p / q) = argmax(p / q).
+            probs.mul_(x.ge_(thresh.unsqueeze(1)))
+        q = self._exponentials(states, greedy, vocab, x.device)
+        drawn = probs.div_(q).argmax(dim=-1)
+        del probs, q
+        if any(greedy):
+            drawn = torch.where(torch.tensor(greedy, device=x.device), best, drawn)
+        out.copy_(drawn)
 
     def probabilities(
         self, logits: torch.Tensor, states: list[RequestSamplingState]
@@ -156,7 +204,7 @@ class Sampler:
         """``[B, V]`` fp32: the distribution each row of ``logits`` would be sampled from.
 
         A random row gets exactly what ``__call__`` draws from: temperature, then the same
-        top-k / top-p / min-p threshold (``_thresholds``), filtered tokens zeroed and the rest
+        top-k / top-p / min-p threshold (``chunk_thresholds``), filtered tokens zeroed and the rest
         renormalised to sum 1. A greedy row gets a point mass on its argmax (first index on
         ties, as ``__call__``). Speculative decoding compares these distributions (target p,
         draft q) when it verifies draft tokens.
@@ -178,124 +226,79 @@ class Sampler:
                 f"probabilities() does not apply penalties, logit bias or grammars; rows "
                 f"{penalised} have a repetition, frequency or presence penalty, a bias or a grammar"
             )
-        x = logits.to(torch.float32, copy=True).contiguous()
-        out = torch.zeros_like(x)
-        greedy = [i for i, s in enumerate(states) if s.params.greedy]
-        rand = [i for i, s in enumerate(states) if not s.params.greedy]
-        if greedy:
-            best = argmax(_take(x, greedy)).unsqueeze(1)
-            _put(out, greedy, torch.zeros_like(_take(x, greedy)).scatter_(1, best, 1.0))
-        if rand:
-            xr = _take(x, rand)  # may be x itself: it is our private copy, so mutating is fine
-            temps = [states[i].params.temperature for i in rand]
-            if any(t != 1.0 for t in temps):
-                xr.div_(torch.tensor(temps, dtype=xr.dtype, device=xr.device).unsqueeze(1))
-            probs = torch.softmax(xr, dim=-1)
-            thresh = self._thresholds(xr, probs, [states[i].params for i in rand])
-            if thresh is not None:
-                probs.mul_(xr >= thresh.unsqueeze(1))
-                probs.div_(probs.sum(dim=-1, keepdim=True))
-            _put(out, rand, probs)
+        # NOTE: the output doubles as the working copy: one row chunk at a time is replaced by
+        # its distribution, so only chunk-sized temporaries exist beside it.
+        out = logits.to(torch.float32, copy=True).contiguous()
+        vocab = out.shape[1]
+        filters = [RowFilter() if s.params.greedy else RowFilter(_top_k(s, vocab), s.params.top_p,
+                                                                 s.params.min_p)
+                   for s in states]
+        # Every random row is renormalised when any random row of the batch filters (as the
+        # batched formula did); ``renorm`` as in __call__.
+        filtering = any(f != RowFilter() for f in filters)
+        renorm = any(f.top_k and f.top_p < 1.0 for f in filters)
+        step = sampler_chunk_rows(vocab)
+        for a in range(0, len(states), step):
+            self._chunk_probabilities(out[a:a + step], states[a:a + step], filters[a:a + step],
+                                      filtering, renorm)
         return out
 
-    def _sample(self, x: torch.Tensor, states: list[RequestSamplingState]) -> torch.Tensor:
-        """Temperature, filters and the exponential race on the random rows ``x`` (mutated)."""
-        temps = [s.params.temperature for s in states]
-        if any(t != 1.0 for t in temps):
-            x.div_(torch.tensor(temps, dtype=x.dtype, device=x.device).unsqueeze(1))
-        probs = torch.softmax(x, dim=-1)
-        thresh = self._thresholds(x, probs, [s.params for s in states])
-        if thresh is not None:
-            # NOTE: multiplying by the bool mask is ~3x faster than masked_fill_ on CPU, and
-            # the race below needs no renormalisation: argmax(c * p / q) = argmax(p / q).
-            probs.mul_(x >= thresh.unsqueeze(1))
-        q = self._exponentials(states, x.shape[1], x.device)
-        return probs.div_(q).argmax(dim=-1)
+    def _chunk_probabilities(
+        self, x: torch.Tensor, states: list[RequestSamplingState], filters: list[RowFilter],
+        filtering: bool, renorm: bool,
+    ) -> None:
+        """Replace the rows of ``x`` by their distributions, in place (``probabilities``)."""
+        greedy = [s.params.greedy for s in states]
+        best = argmax(x) if any(greedy) else None
+        if not all(greedy):
+            temps = [1.0 if g else s.params.temperature
+                     for s, g in zip(states, greedy, strict=True)]
+            if any(t != 1.0 for t in temps):
+                x.div_(torch.tensor(temps, dtype=x.dtype, device=x.device).unsqueeze(1))
+            probs = torch.softmax(x, dim=-1)
+            thresh = chunk_thresholds(x, probs, filters, renormalise_top_k=renorm,
+                                      candidate_width=self.candidate_width)
+            if thresh is not None:
+                probs.mul_(x.ge_(thresh.unsqueeze(1)))  # x becomes the mask (as in __call__)
+            if filtering:
+                probs.div_(probs.sum(dim=-1, keepdim=True))
+            x.copy_(probs)
+            del probs
+        if best is not None:
+            for i in (i for i, g in enumerate(greedy) if g):
+                x[i].zero_()
+                x[i, best[i]] = 1.0
 
     def _exponentials(
-        self, states: list[RequestSamplingState], vocab: int, device: torch.device
+        self, states: list[RequestSamplingState], skip: list[bool], vocab: int,
+        device: torch.device,
     ) -> torch.Tensor:
-        """``[R, V]`` Exp(1) draws: one batched draw for unseeded rows, one per seeded row."""
+        """``[R, V]`` Exp(1) draws, each row drawn in place from its generator in row order.
+
+        A seeded row draws from its own generator; the others from ``self.generator``, whose
+        stream is the same drawn row by row as in one [R, V] call (torch draws uniforms
+        serially). Rows in ``skip`` (greedy) draw nothing and get q = 1.
+        """
         q = torch.empty(len(states), vocab, dtype=torch.float32, device=device)
-        shared = [i for i, s in enumerate(states) if s.generator is None]
-        if shared:
-            u = torch.rand(len(shared), vocab, generator=self.generator, device=device)
-            _put(q, shared, u)
         for i, s in enumerate(states):
-            if s.generator is not None:
-                # Drawn on the generator's own device so a seed means the same stream anywhere.
-                g = s.generator
+            g = s.generator
+            if skip[i]:
+                q[i].fill_(1.0)
+            elif g is None:
+                q[i].uniform_(0.0, 1.0, generator=self.generator)
+            elif g.device == q.device:
+                q[i].uniform_(0.0, 1.0, generator=g)
+            else:  # drawn on the generator's own device so a seed means the same stream
                 q[i] = torch.rand(vocab, generator=g, device=g.device).to(device)
         # NOTE: -log(U) is Exp(1); 4x faster than Tensor.exponential_ on CPU. U == 0 gives
         # q = inf and p / q = 0 (that token just loses); U < 1 so q > 0 and no 0/0 NaN.
         return q.log_().neg_()
 
-    def _thresholds(
-        self, x: torch.Tensor, probs: torch.Tensor, params: list[SamplingParams]
-    ) -> torch.Tensor | None:
-        """Per-row logit threshold from top-k, top-p and min-p; None when no row filters.
 
-        ``probs`` is ``softmax(x)``, shared with the caller so it is computed once.
-        """
-        rows, vocab = x.shape
-        ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
-        p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
-        m_rows = [i for i, p in enumerate(params) if p.min_p > 0.0]
-        if not (any(ks) or p_rows or m_rows):
-            return None
-        thresh = torch.full((rows,), _NEG_INF, dtype=x.dtype, device=x.device)
-        k_rows = [i for i, k in enumerate(ks) if k > 0]
-        if k_rows:
-            k = torch.tensor([ks[i] for i in k_rows], device=x.device)
-            top = _take(x, k_rows).topk(int(k.max()), dim=-1).values  # sorted descending
-            _put(thresh, k_rows, top.gather(1, (k - 1).unsqueeze(1)).squeeze(1))
-        if p_rows:
-            xp, pp = _take(x, p_rows), _take(probs, p_rows)
-            if any(ks[i] for i in p_rows):  # top-p sees the top-k-filtered distribution
-                pp = pp * (xp >= _take(thresh, p_rows).unsqueeze(1))
-                pp.div_(pp.sum(dim=-1, keepdim=True))
-            top_p = torch.tensor([params[i].top_p for i in p_rows], device=x.device)
-            p_thresh = self._top_p_thresholds(xp, pp, top_p)
-            _put(thresh, p_rows, torch.maximum(_take(thresh, p_rows), p_thresh))
-        if m_rows:
-            xm = _take(x, m_rows)
-            log_min_p = torch.tensor([math.log(params[i].min_p) for i in m_rows],
-                                     dtype=x.dtype, device=x.device)
-            # p_i < min_p * p_max  <=>  x_i < x_max + log(min_p); the max survives top-k/p,
-            # so the ratio is the same before or after their renormalisation.
-            m_thresh = xm.amax(dim=-1) + log_min_p
-            _put(thresh, m_rows, torch.maximum(_take(thresh, m_rows), m_thresh))
-        return thresh
-
-    def _top_p_thresholds(
-        self, x: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor
-    ) -> torch.Tensor:
-        """Smallest logit in the nucleus of each row of ``x``.
-
-        ``probs`` is the distribution top-p cuts (top-k already applied, renormalised). Sorted
-        descending, token j is kept while the mass strictly before it is < top_p. Only the
-        ``candidate_width`` largest logits are ranked first (a full sort costs ~2 ms a row at
-        V=49152 on CPU); rows whose nucleus is wider are redone 16x wider, then in full.
-        """
-        vocab = x.shape[1]
-        out = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
-        todo = list(range(x.shape[0]))
-        width = min(self.candidate_width, vocab)
-        while todo:
-            ps = _take(top_p, todo)
-            top = _take(x, todo).topk(width, dim=-1)  # sorted descending
-            cand = _take(probs, todo).gather(1, top.indices)
-            cum = cand.cumsum(dim=-1)
-            before = torch.nn.functional.pad(cum[:, :-1], (1, 0))  # mass strictly before j
-            n_keep = (before < ps.unsqueeze(1)).sum(dim=-1).clamp(min=1)
-            _put(out, todo, top.values.gather(1, (n_keep - 1).unsqueeze(1)).squeeze(1))
-            if width == vocab:
-                break
-            # Every candidate kept and the nucleus not yet full: the boundary lies further out.
-            short = (n_keep == width) & (cum[:, -1] < ps)
-            todo = [r for r, s in zip(todo, short.tolist(), strict=True) if s]
-            width = min(width * 16, vocab)
-        return out
+def _top_k(s: RequestSamplingState, vocab: int) -> int:
+    """The row's top-k as applied: 0 when off or when it keeps the whole vocabulary."""
+    k = s.params.top_k
+    return k if 0 < k < vocab else 0
 
 
 def _changes_logits(s: RequestSamplingState) -> bool:
@@ -354,42 +357,3 @@ def _flat_ids(
 
 def _row_values(x: torch.Tensor, values: list[float]) -> torch.Tensor:
     return torch.tensor(values, dtype=x.dtype, device=x.device)
-
-
-def _logprobs(
-    raw_lp: torch.Tensor,
-    chosen: torch.Tensor,
-    states: list[RequestSamplingState],
-    rows: list[int],
-) -> list[TokenLogprobs]:
-    """Chosen token's logprob, its rank (1 = most likely) and the top-N, from ``raw_lp``."""
-    chosen_lp = raw_lp.gather(1, chosen.unsqueeze(1))
-    # NOTE: rank counts strictly better tokens, so a tie with the best is rank 1 (as vLLM).
-    ranks = ((raw_lp > chosen_lp).sum(dim=-1) + 1).tolist()
-    ns = [states[r].num_logprobs or 0 for r in rows]
-    top_v: list[list[float]] = [[] for _ in rows]
-    top_i: list[list[int]] = [[] for _ in rows]
-    if max(ns) > 0:
-        top = raw_lp.topk(max(ns), dim=-1)
-        top_v, top_i = top.values.tolist(), top.indices.tolist()
-    return [
-        TokenLogprobs(token_id=t, logprob=lp, rank=rank,
-                      top=list(zip(ti[:n], tv[:n], strict=True)))
-        for t, lp, rank, n, ti, tv in zip(chosen.tolist(), chosen_lp.squeeze(1).tolist(), ranks,
-                                          ns, top_i, top_v, strict=True)
-    ]
-
-
-def _take(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """Rows ``rows`` of ``t``; ``t`` itself (no copy) when that is every row in order."""
-    if len(rows) == t.shape[0]:
-        return t  # rows are built in increasing order, so this means all of them
-    return t[torch.tensor(rows, device=t.device)]
-
-
-def _put(t: torch.Tensor, rows: list[int], values: torch.Tensor) -> None:
-    """``t[rows] = values``, without an index tensor when ``rows`` is every row."""
-    if len(rows) == t.shape[0]:
-        t.copy_(values)
-    else:
-        t[torch.tensor(rows, device=t.device)] = values

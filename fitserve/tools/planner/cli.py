@@ -196,7 +196,9 @@ def render(plan: Plan, *, explain: bool) -> None:
     print_sections(console, plan.sections, explain=explain)
     if plan.recommended_layout:
         console.print(f"[bold green]recommended layout: {plan.recommended_layout}[/bold green]")
-    if not plan.fits:
+    if plan.engine_cannot_run:
+        console.print(f"[bold red]{escape(plan.engine_cannot_run)}[/bold red]", highlight=False)
+    elif not plan.fits:
         console.print(f"[bold red]DOES NOT FIT[/bold red]: {escape(plan.verdict)}",
                       highlight=False)
 
@@ -217,6 +219,9 @@ def run_plan(args: argparse.Namespace) -> int:
         print(json.dumps(dataclasses.asdict(plan), indent=1, default=str))
     else:
         render(plan, explain=args.explain)
+    if plan.engine_cannot_run:
+        print(f"fitserve plan: {plan.engine_cannot_run}", file=sys.stderr)
+        return 1
     if not plan.fits:
         print(f"fitserve plan: does not fit: {plan.verdict}", file=sys.stderr)
         return 1

@@ -23,3 +23,6 @@ class ModelEntry:
     # Hugging Face tensor name -> the format the file stores it in (GGUF: its ggml type), for
     # the engine's weights held as stored; None: not known (catalog entries, config.json).
     stored_formats: Mapping[str, str] | None = None
+    # what fitserve's engine lacks to run this file (fitserve.loading.support: architecture,
+    # tensor types, tokenizer); empty: it can, or not known (catalog entries)
+    engine_refusal: tuple[str, ...] = ()

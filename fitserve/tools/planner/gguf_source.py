@@ -11,6 +11,7 @@ from pathlib import Path
 from fitserve.ledger.errors import PlanError
 from fitserve.loading.errors import ModelLoadError
 from fitserve.loading.gguf_spec import read_gguf_header, spec_from_gguf_header, stored_types
+from fitserve.loading.support import gguf_support
 from fitserve.tools.planner.entry import ModelEntry
 
 
@@ -39,4 +40,5 @@ def gguf_entry(path: Path) -> ModelEntry:
     # NOTE: the GPU weights line uses the file's own bytes; main_type only names the format.
     return ModelEntry(spec, f"gguf-file:{main}", "f32", source,
                       file_weight_bytes=header.file_weight_bytes,
-                      stored_formats=stored_types(header))
+                      stored_formats=stored_types(header),
+                      engine_refusal=gguf_support(header).missing)

@@ -20,6 +20,7 @@ from fitserve.ledger.errors import PlanError
 from fitserve.loading.errors import ModelLoadError
 from fitserve.loading.hf_config import FITSERVE_QUANT_METHOD, packed_formats, spec_from_hf_folder
 from fitserve.loading.hf_config import spec_from_hf_config as read_hf_config
+from fitserve.loading.support import hf_support
 from fitserve.tools.planner.entry import ModelEntry
 from fitserve.tools.planner.gguf_source import gguf_entry
 
@@ -95,13 +96,14 @@ def config_entry(path: Path) -> ModelEntry:
     except ModelLoadError as e:
         raise PlanError(str(e)) from e
     packed = _checkpoint_formats(cfg, p)
+    refusal = hf_support(p).missing
     if packed is None:
-        return ModelEntry(spec, _dtype(cfg), _dtype(cfg), str(p))
+        return ModelEntry(spec, _dtype(cfg), _dtype(cfg), str(p), engine_refusal=refusal)
     # NOTE: a `fitserve quantize` checkpoint: the engine holds these tensors as stored, so the
     # ledger's rule reads their formats (the others are dense, held in the model dtype).
     return ModelEntry(spec, _main_format(spec, packed, _dtype(cfg)), _dtype(cfg),
                       f"{p} (fitserve {cfg['quantization_config'].get('method', '?')} checkpoint)",
-                      stored_formats=packed)
+                      stored_formats=packed, engine_refusal=refusal)
 
 
 def _checkpoint_formats(cfg: dict[str, Any], path: Path) -> dict[str, str] | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from fitserve.ledger.flops import attention_crossover_context, flops_per_token
@@ -258,6 +259,8 @@ class Plan:
     misses: tuple[Miss, ...] = ()
     alternatives: tuple[Alternative, ...] = ()
     verdict: str = ""
+    # on cpu, for a file fitserve's engine refuses: "engine: cannot run (<every missing part>)"
+    engine_cannot_run: str = ""
 
 
 def build_plan(req: PlanRequest) -> Plan:
@@ -287,7 +290,13 @@ def build_plan(req: PlanRequest) -> Plan:
     if r.on_cpu:
         title += f"; fitserve engine dtype {r.act_dtype}, max_num_seqs {r.max_num_seqs}"
     where = "in the KV budget / host RAM" if r.on_cpu else "per GPU"
-    return Plan(title, r.warnings, tuple(sections),
+    plan = Plan(title, r.warnings, tuple(sections),
                 choice.recommended.name if choice.recommended else None, engine_summary(r, mp),
                 fc.fits, fc.shortfall_bytes, round(fc.shortfall_bytes / (1 << 30), 2),
                 fc.misses, alts, verdict(fc, alts, where))
+    if r.on_cpu and r.entry.engine_refusal:
+        # NOTE: the memory lines still print (what it would take), but the plan never says
+        # "fits" for a file the engine refuses: it names every missing part and exits 1.
+        cannot = f"engine: cannot run ({'; '.join(r.entry.engine_refusal)})"
+        plan = dataclasses.replace(plan, fits=False, verdict=cannot, engine_cannot_run=cannot)
+    return plan

@@ -7,6 +7,8 @@ against torch in tests/numerics/test_attention_scratch.py).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from fitserve.ledger import scratch
@@ -115,7 +117,12 @@ def test_gather_decode_without_the_cpp_kernel() -> None:
 def test_rope_tables_and_sampler() -> None:
     assert rope_table_bytes(SMOL, 8192) == 2 * 8192 * 32 * 4 == 2 * 1024 * 1024
     assert rope_table_bytes(SMOL, 4096) == 1024 * 1024
-    assert sampler_bytes(SMOL, 8) == 15 * 8 * 49152 * 4 == 23_592_960
+    # 8 rows in one chunk: the copy (8 rows) + probs and the renormalised top-k (2 x 8) + one
+    # row's nucleus sorted in full (its x and probs rows, values, int64 indices, sums: 6), fp32
+    assert sampler_bytes(SMOL, 8) == (8 + 16 + 6) * 49152 * 4 == 5_898_240
+    # a 256k vocabulary at 64 sequences: chunks of 4 rows; 78 MiB where 15 copies were 960
+    gemma = dataclasses.replace(SMOL, vocab_size=262_144)
+    assert sampler_bytes(gemma, 64) == (64 + 8 + 6) * 262_144 * 4 == 78 * 2**20
 
 
 def test_threads_and_cpp_switch(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -57,12 +57,14 @@ def test_cpu_plan_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
     # masks 2048 x 8192 bools + 64 block tables x 512 x 8 B + the prefill chunk
     # (tests/unit/ledger/test_attention_scratch.py)
     assert by["attention scratch"] == 16_777_216 + 262_144 + 50_409_472
-    assert by["sampler"] == 15 * logits == 188_743_680
+    # the sampler's copy of the logits (64 rows) + two buffers of a 21-row chunk + 3 rows'
+    # nuclei sorted in full, 6 rows each (fitserve.ledger.sampler_memory)
+    assert by["sampler"] == (64 + 2 * 21 + 6 * 3) * 49152 * 4 == 24_379_392
     # step peak: masks and tables + max(attention 2048 x (2 x 3264 + 24) + 50,409,472 =
-    # 63,827,968, mlp 26,001,408, sampling 2048 x 576 x 2 + logits + sampler = 203,685,888)
-    assert (p.step_bytes, p.step_phase) == (17_039_360 + 203_685_888, "sampling")
+    # 63,827,968, mlp 26,001,408, sampling 2048 x 576 x 2 + logits + sampler = 39,321,600)
+    assert (p.step_bytes, p.step_phase) == (17_039_360 + 63_827_968, "attention")
     assert p.peak_bytes == (400 * MIB + W_BF16 + 2_097_152 + 1_073_479_680
-                            + 17_039_360 + 2_359_296 + logits + 188_743_680)
+                            + 17_039_360 + 63_827_968)
     assert p.peak_with_kv(p.kv_allocated_bytes) == p.peak_bytes
     assert "sets the peak" not in p.line("loading transient").note
 
@@ -151,10 +153,11 @@ def test_cpu_plan_json(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFi
     # 2048 x 8192 x 4 (no repacking in fp32)
     assert lines["attention scratch"] == (16_777_216 + 32_768 + 12_582_912 + 4_718_592 + 73_728
                                           + 1_183_744 + 67_108_864) == 102_477_824
-    # 16 sequences: logits 16 x 49,152 x 4 = 3 MiB, sampler x 15
-    assert (lines["logits"], lines["sampler"]) == (3 * MIB, 45 * MIB)
+    # 16 sequences: logits 16 x 49,152 x 4 = 3 MiB; sampler: its copy of them, two buffers of
+    # one 16-row chunk and 2 rows' full nucleus sorts, 6 rows each (sampler_memory)
+    assert (lines["logits"], lines["sampler"]) == (3 * MIB, (16 + 2 * 16 + 12) * 49_152 * 4)
     # step: tables + max(attention 2048 x (4 x 3264 + 24) + 85,667,840 = 112,455,680,
-    # mlp 2048 x (4 x 6336 + 24) = 51,953,664, sampling 2048 x 576 x 4 + 48 MiB = 55,050,240)
+    # mlp 2048 x (4 x 6336 + 24) = 51,953,664, sampling 2048 x 576 x 4 + 3 MiB + 60 rows = 19,660,800)
     act_attn = 2048 * (4 * 3264 + 24)
     assert e["peak_bytes"] == 300 * MIB + e["weight_bytes"] + lines["rope tables"] + max(
         lines["loading transient"],

@@ -1,0 +1,130 @@
+"""Can the engine run this file? One torch-free check, for the engine's loader and the planner.
+
+Reads only a GGUF header (or an HF config.json) and names *every* part the engine lacks, not
+the first: the architecture (``fitserve.config.SUPPORTED_ARCHITECTURES``, then what the
+strict header reader and ``spec_problems`` refuse for a supported one), each tensor type the
+loader cannot read (``SUPPORTED_GGUF_TYPES``) and the tokenizer model
+(``SUPPORTED_GGUF_TOKENIZER_MODELS``). Those lists live here or in fitserve.config, once:
+the loader checks against the same tuples, so widening one widens the engine and this check
+together.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from fitserve.config import SUPPORTED_ARCHITECTURES, ModelSpec
+from fitserve.loading.errors import ModelLoadError
+from fitserve.loading.gguf_spec import GGUFHeader, spec_from_gguf_header
+from fitserve.loading.hf_config import spec_from_hf_folder
+
+# ggml tensor types the GGUF loader (fitserve.loading.gguf) reads.
+SUPPORTED_GGUF_TYPES: tuple[str, ...] = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q4_K",
+    "Q6_K",
+)
+# tokenizer.ggml.model values fitserve.loading.gguf.tokenizer_from_gguf builds.
+SUPPORTED_GGUF_TOKENIZER_MODELS: tuple[str, ...] = ("gpt2",)
+# NOTE: tensors the GGUF loader skips (llama3 RoPE factors, read as metadata).
+SKIPPED_GGUF_TENSORS = frozenset({"rope_freqs.weight"})
+
+
+class EngineCannotRunError(ModelLoadError):
+    """The engine lacks one or more parts this model needs; ``missing`` names each."""
+
+    def __init__(self, source: object, missing: tuple[str, ...]) -> None:
+        self.missing = missing
+        super().__init__(f"{source}: the engine cannot run this model ({'; '.join(missing)})")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSupport:
+    """What the engine lacks for one model file (empty ``missing``: it can run it)."""
+
+    source: str
+    missing: tuple[str, ...] = ()
+
+    @property
+    def runnable(self) -> bool:
+        return not self.missing
+
+    def require(self) -> None:
+        """Raise :class:`EngineCannotRunError` naming every missing part, if any."""
+        if self.missing:
+            raise EngineCannotRunError(self.source, self.missing)
+
+
+def spec_problems(spec: ModelSpec) -> list[str]:
+    """What the engine's model code cannot run in a spec it could read (each in words)."""
+    out = []
+    if spec.architecture not in SUPPORTED_ARCHITECTURES:
+        out.append(f"architecture {spec.architecture!r} is not supported by the engine "
+                   f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    if spec.num_experts:
+        out.append("mixture-of-experts models are not supported by the engine")
+    if spec.hidden_act != "silu":
+        out.append(f"activation {spec.hidden_act!r} is not supported (only silu)")
+    if spec.num_heads % spec.num_kv_heads:
+        out.append(f"num_heads={spec.num_heads} is not a multiple of "
+                   f"num_kv_heads={spec.num_kv_heads}")
+    return out
+
+
+def gguf_support(header: GGUFHeader) -> EngineSupport:
+    """Every part of a GGUF file the engine lacks: architecture, tensor types, tokenizer."""
+    return EngineSupport(str(header.path), (*_architecture(header), *_tensor_types(header),
+                                            *_tokenizer(header)))
+
+
+def hf_support(config_path: Path) -> EngineSupport:
+    """What the engine lacks for an HF folder's config.json: its strict reader's refusal."""
+    try:
+        spec = spec_from_hf_folder(config_path, require_supported=True)
+    except ModelLoadError as exc:
+        return EngineSupport(str(config_path), (f"architecture: {_without_source(exc, config_path)}",))
+    return EngineSupport(str(config_path), tuple(f"architecture: {p}" for p in spec_problems(spec)))
+
+
+def _architecture(header: GGUFHeader) -> list[str]:
+    arch = header.fields.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        shown = repr(arch) if arch else "(general.architecture missing)"
+        return [f"architecture {shown} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"]
+    try:
+        spec = spec_from_gguf_header(header, require_supported=True)
+    except ModelLoadError as exc:  # a supported family with a setting the engine lacks
+        return [f"architecture: {_without_source(exc, header.path)}"]
+    return [f"architecture: {p}" for p in spec_problems(spec)]
+
+
+def _tensor_types(header: GGUFHeader) -> list[str]:
+    bad = [t for t in header.tensors
+           if t.name not in SKIPPED_GGUF_TENSORS and t.type_name not in SUPPORTED_GGUF_TYPES]
+    counts = Counter(t.type_name for t in bad)
+    first = {t.type_name: t.name for t in reversed(bad)}
+    return [f"tensor type {name} ({n} tensor{'s' * (n > 1)}, e.g. {first[name]!r}; supported: "
+            f"{', '.join(SUPPORTED_GGUF_TYPES)})" for name, n in counts.items()]
+
+
+def _tokenizer(header: GGUFHeader) -> list[str]:
+    model = header.fields.get("tokenizer.ggml.model")
+    if model not in SUPPORTED_GGUF_TOKENIZER_MODELS:
+        return [f"tokenizer model {model!r} (tokenizer.ggml.model; supported: "
+                f"{', '.join(SUPPORTED_GGUF_TOKENIZER_MODELS)})"]
+    if not header.fields.get("tokenizer.ggml.tokens") or not header.fields.get(
+            "tokenizer.ggml.merges"):
+        return ["tokenizer: tokenizer.ggml.tokens/merges missing from metadata"]
+    return []
+
+
+def _without_source(exc: Exception, source: object) -> str:
+    """The error's message without its leading ``source: `` (the caller names the file)."""
+    return str(exc).removeprefix(f"{source}: ")
