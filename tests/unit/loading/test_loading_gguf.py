@@ -345,9 +345,11 @@ def test_missing_tensor(tmp_path: Path) -> None:
 
 
 def test_unsupported_tokenizer_model(tmp_path: Path) -> None:
-    path = tmp_path / "spm.gguf"
-    write_gguf(path, meta={"tokenizer_model": "llama"})
-    with pytest.raises(ModelLoadError, match=r"spm\.gguf: unsupported tokenizer model 'llama'"):
+    path = tmp_path / "rwkv.gguf"
+    write_gguf(path, meta={"tokenizer_model": "rwkv"})
+    with pytest.raises(
+        ModelLoadError, match=r"rwkv\.gguf: unsupported tokenizer model 'rwkv'.*supported: gpt2, llama"
+    ):
         load_model(path)
 
 
