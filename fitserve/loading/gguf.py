@@ -187,7 +187,9 @@ def read_gguf(
 
 
 def read_gguf_tokenizer(path: Path) -> Tokenizer:
-    """The tokenizer of a GGUF file, reading metadata only."""
+    """The tokenizer of a GGUF file, reading metadata only (of any architecture: the spec's
+    lenient mode, which the planner uses, supplies the end-of-sequence ids)."""
     reader = open_gguf(path)
     fields = _fields(reader)
-    return tokenizer_from_gguf(fields, spec_from_gguf(reader, path, fields), path)
+    spec = spec_from_gguf_header(header_from_reader(reader, path, fields), require_supported=False)
+    return tokenizer_from_gguf(fields, spec, path)
