@@ -34,6 +34,7 @@ CORPUS: tuple[str, ...] = (
     "Emoji 😀🎉👍🏽 and family 👨‍👩‍👧 end",
     "中文分词测试，你好世界。日本語のテキスト、한국어 텍스트",
     "Accents: café, naïve, Ångström, São Paulo, Zürich, façade, œuvre, ñandú",
+    "Combining marks: cafe\u0301 nai\u0308ve, नमस्ते दुनिया",
     "Numbers 1234567 3.14159 and 0x1F; don't won't I'm we'll they've HE'S",
     "CamelCaseWords and snake_case_words/paths/to/file.py",
     " leading space",
