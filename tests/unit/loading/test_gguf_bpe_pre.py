@@ -14,7 +14,13 @@ import pytest
 
 from fitserve.loading import load_tokenizer
 from fitserve.loading.gguf_vocab import PRE_TOKENIZER_SPLITS
-from tests.gguf_vocab_files import CORPUS, Vocab, hf_tokenizer, train_byte_level_bpe, write_vocab_gguf
+from tests.gguf_vocab_files import (
+    CORPUS,
+    Vocab,
+    hf_tokenizer,
+    train_byte_level_bpe,
+    write_vocab_gguf,
+)
 
 transformers = pytest.importorskip("transformers")
 
