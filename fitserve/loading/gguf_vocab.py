@@ -152,6 +152,8 @@ def byte_level_bpe(
 
 def backend_from_vocab(vocab: GGUFVocab) -> tokenizers.Tokenizer:
     """The ``tokenizers.Tokenizer`` a GGUF vocabulary describes (as transformers builds it)."""
+    # the special names transformers' tokenizer class for each marks special by default
+    defaults: tuple[str, ...]
     if vocab.model == "gpt2":
         tok, defaults = _byte_level_model(vocab), ("<|endoftext|>",)
     elif vocab.architecture in _GEMMA_ARCHS:

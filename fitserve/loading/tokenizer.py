@@ -18,7 +18,6 @@ import tokenizers
 from fitserve.loading.chat_template import ChatTemplateError, render_chat_template, select_template
 from fitserve.loading.errors import ModelLoadError
 from fitserve.loading.gguf_vocab import (  # noqa: F401 (re-exported: GGUF vocabularies)
-    PRE_TOKENIZER_SPLITS,
     byte_level_bpe,
     bytes_to_unicode,
 )

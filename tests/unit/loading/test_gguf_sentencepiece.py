@@ -60,6 +60,8 @@ def files(tmp_path_factory: pytest.TempPathFactory, llama_sp: Any, gemma_sp: Any
     eos_too = sentencepiece_vocab(llama_sp)
     eos_too.ids = {"bos": 1, "eos": 2, "unknown": 0}
     eos_too.flags = {"add_bos_token": False, "add_eos_token": True}
+    no_flags = sentencepiece_vocab(llama_sp)  # an older file: llama.cpp's default adds BOS
+    no_flags.ids = {"bos": 1, "eos": 2, "unknown": 0}
     no_prefix_sp = train_sentencepiece(gemma=False, dummy_prefix=False)
     no_prefix = sentencepiece_vocab(no_prefix_sp)
     no_prefix.ids = {"bos": 1, "eos": 2, "unknown": 0}
@@ -70,10 +72,11 @@ def files(tmp_path_factory: pytest.TempPathFactory, llama_sp: Any, gemma_sp: Any
         "phi3": write_vocab_gguf(d / "phi3.gguf", llama, "phi3"),
         "gemma": write_vocab_gguf(d / "gemma.gguf", gemma, "gemma3"),
         "eos": write_vocab_gguf(d / "eos.gguf", eos_too, "llama"),
+        "no_flags": write_vocab_gguf(d / "no_flags.gguf", no_flags, "llama"),
     }
 
 
-@pytest.mark.parametrize("style", ["llama", "phi3", "gemma", "eos"])
+@pytest.mark.parametrize("style", ["llama", "phi3", "gemma", "eos", "no_flags"])
 def test_ids_and_text_equal_transformers(files: dict[str, Path], style: str) -> None:
     ours, ref = load_tokenizer(files[style]), hf_tokenizer(files[style])
     for text in TEXTS:
