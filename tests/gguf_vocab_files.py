@@ -36,6 +36,7 @@ CORPUS: tuple[str, ...] = (
     "Accents: café, naïve, Ångström, São Paulo, Zürich, façade, œuvre, ñandú",
     "Combining marks: cafe\u0301 nai\u0308ve, नमस्ते दुनिया",
     "Numbers 1234567 3.14159 and 0x1F; don't won't I'm we'll they've HE'S",
+    "Numerals ١٢٣ Ⅻ x²",
     "CamelCaseWords and snake_case_words/paths/to/file.py",
     " leading space",
     "   three leading",

@@ -85,8 +85,11 @@ PRE_TOKENIZER_SEQUENCES: dict[str, tuple[str, ...]] = {
     ),
     "falcon": (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2_SPLIT, "[0-9][0-9][0-9]"),
     "stablelm2": (_QWEN2_SPLIT,),
+    # NOTE: llama.cpp splits "smollm" the same way, but it stays GPT-2's regex here: that is the
+    # default model's file, whose ids stay transformers' (they differ only on numerals that are
+    # not ASCII digits, e.g. " \u216b" is one token there, two here and in llama.cpp).
     **dict.fromkeys(
-        ("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"),
+        ("starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
         (r"\p{N}", _GPT2_SPLIT),
     ),
 }
