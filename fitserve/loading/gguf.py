@@ -36,13 +36,14 @@ from fitserve.loading.gguf_spec import (  # noqa: F401 (the spec part lives ther
     open_gguf,
     spec_from_gguf_header,
 )
+from fitserve.loading.gguf_vocab import GGUFVocab, VocabError, backend_from_vocab
 from fitserve.loading.hf_config import check_weights
 from fitserve.loading.support import (  # noqa: F401 (SUPPORTED_GGUF_TYPES: re-exported)
-    SUPPORTED_GGUF_TOKENIZER_MODELS,
     SUPPORTED_GGUF_TYPES,
     gguf_support,
+    gguf_tokenizer_support,
 )
-from fitserve.loading.tokenizer import Tokenizer, byte_level_bpe
+from fitserve.loading.tokenizer import Tokenizer
 from fitserve.quant.convert import held_format, hold
 from fitserve.quant.gguf_map import packed_from_gguf
 from fitserve.quant.held import HeldTensor, dtype_table_name
@@ -142,44 +143,25 @@ def read_gguf_weights(
 
 
 def tokenizer_from_gguf(fields: dict[str, Any], spec: ModelSpec, path: Path) -> Tokenizer:
-    """Build the byte-level BPE tokenizer and chat template stored in GGUF metadata."""
-    model = fields.get("tokenizer.ggml.model")
-    if model not in SUPPORTED_GGUF_TOKENIZER_MODELS:
-        raise ModelLoadError(
-            f"{path}: unsupported tokenizer model {model!r} (tokenizer.ggml.model); supported: "
-            f"{', '.join(SUPPORTED_GGUF_TOKENIZER_MODELS)}"
-        )
-    tokens: list[str] = list(fields.get("tokenizer.ggml.tokens") or [])
-    merges: list[str] = list(fields.get("tokenizer.ggml.merges") or [])
-    if not tokens or not merges:
-        raise ModelLoadError(f"{path}: tokenizer.ggml.tokens/merges missing from metadata")
-    bos = fields.get("tokenizer.ggml.bos_token_id")
-    add_bos = bool(fields.get("tokenizer.ggml.add_bos_token", False))
-    backend = byte_level_bpe(
-        tokens,
-        merges,
-        fields.get("tokenizer.ggml.token_type"),
-        pre=fields.get("tokenizer.ggml.pre"),
-        bos_token_id=bos,
-        add_bos_token=add_bos,
-    )
-
-    def text(key: str) -> str | None:
-        i = fields.get(f"tokenizer.ggml.{key}")
-        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
-
+    """Build the tokenizer (byte-level BPE or SentencePiece) and chat template stored in GGUF
+    metadata (see :mod:`fitserve.loading.gguf_vocab`)."""
+    try:
+        vocab = GGUFVocab.from_fields(fields, str(fields.get("general.architecture") or ""))
+        backend = backend_from_vocab(vocab)
+    except VocabError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
     special = {
-        "bos_token": text("bos_token_id"),
-        "eos_token": text("eos_token_id"),
-        "unk_token": text("unknown_token_id"),
-        "pad_token": text("padding_token_id"),
+        "bos_token": vocab.token(vocab.bos_token_id),
+        "eos_token": vocab.token(vocab.eos_token_id),
+        "unk_token": vocab.token(vocab.unk_token_id),
+        "pad_token": vocab.token(vocab.pad_token_id),
     }
     return Tokenizer(
         backend,
-        bos_token_id=bos,
+        bos_token_id=vocab.bos_token_id,
         eos_token_ids=spec.eos_token_ids,
         chat_template=fields.get("tokenizer.chat_template"),
-        add_bos_token=add_bos,
+        add_bos_token=vocab.add_bos_token,
         special_tokens=special,
     )
 
@@ -202,9 +184,12 @@ def read_gguf(
 
 
 def read_gguf_tokenizer(path: Path) -> Tokenizer:
-    """The tokenizer of a GGUF file, reading metadata only."""
+    """The tokenizer of a GGUF file, reading metadata only (of any architecture: the spec's
+    lenient mode, which the planner uses, supplies the end-of-sequence ids)."""
     reader = open_gguf(path)
     fields = _fields(reader)
     header = header_from_reader(reader, path, fields)
-    gguf_support(header).require()
-    return tokenizer_from_gguf(fields, spec_from_gguf_header(header, require_supported=True), path)
+    # NOTE: only the tokenizer must be supported: a vocabulary reads alone (the planner, tests)
+    # whatever the architecture; loading the model checks every part (read_gguf).
+    gguf_tokenizer_support(header).require()
+    return tokenizer_from_gguf(fields, spec_from_gguf_header(header, require_supported=False), path)

@@ -18,6 +18,8 @@ from pathlib import Path
 from fitserve.config import SUPPORTED_ARCHITECTURES, ModelSpec
 from fitserve.loading.errors import ModelLoadError
 from fitserve.loading.gguf_spec import GGUFHeader, spec_from_gguf_header
+# tokenizer.ggml.model values fitserve.loading.gguf.tokenizer_from_gguf builds
+from fitserve.loading.gguf_vocab import SUPPORTED_TOKENIZER_MODELS as SUPPORTED_GGUF_TOKENIZER_MODELS
 from fitserve.loading.hf_config import spec_from_hf_folder
 
 # ggml tensor types the GGUF loader (fitserve.loading.gguf) reads.
@@ -31,8 +33,6 @@ SUPPORTED_GGUF_TYPES: tuple[str, ...] = (
     "Q4_K",
     "Q6_K",
 )
-# tokenizer.ggml.model values fitserve.loading.gguf.tokenizer_from_gguf builds.
-SUPPORTED_GGUF_TOKENIZER_MODELS: tuple[str, ...] = ("gpt2",)
 # NOTE: tensors the GGUF loader skips (llama3 RoPE factors, read as metadata).
 SKIPPED_GGUF_TENSORS = frozenset({"rope_freqs.weight"})
 
@@ -84,6 +84,11 @@ def gguf_support(header: GGUFHeader) -> EngineSupport:
                                             *_tokenizer(header)))
 
 
+def gguf_tokenizer_support(header: GGUFHeader) -> EngineSupport:
+    """What the engine lacks to build a GGUF file's tokenizer (the file's other parts aside)."""
+    return EngineSupport(str(header.path), tuple(_tokenizer(header)))
+
+
 def hf_support(config_path: Path) -> EngineSupport:
     """What the engine lacks for an HF folder's config.json: its strict reader's refusal."""
     try:
@@ -119,9 +124,10 @@ def _tokenizer(header: GGUFHeader) -> list[str]:
     if model not in SUPPORTED_GGUF_TOKENIZER_MODELS:
         return [f"tokenizer model {model!r} (tokenizer.ggml.model; supported: "
                 f"{', '.join(SUPPORTED_GGUF_TOKENIZER_MODELS)})"]
-    if not header.fields.get("tokenizer.ggml.tokens") or not header.fields.get(
-            "tokenizer.ggml.merges"):
-        return ["tokenizer: tokenizer.ggml.tokens/merges missing from metadata"]
+    if not header.fields.get("tokenizer.ggml.tokens"):
+        return ["tokenizer: tokenizer.ggml.tokens missing from metadata"]
+    if model == "gpt2" and not header.fields.get("tokenizer.ggml.merges"):
+        return ["tokenizer: tokenizer.ggml.merges missing from metadata (a gpt2 vocabulary)"]
     return []
 
 

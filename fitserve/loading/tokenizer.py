@@ -1,125 +1,28 @@
 """Tokenizers for fitserve: a thin wrapper over Hugging Face ``tokenizers`` plus chat templates.
 
 Two sources build a :class:`Tokenizer`: a folder's ``tokenizer.json`` (+ ``tokenizer_config.json``
-/ ``chat_template.jinja``), and a GGUF file's byte-level BPE vocabulary (see
-:func:`byte_level_bpe`). :class:`IncrementalDetokenizer` turns a token stream into text deltas.
+/ ``chat_template.jinja``), and a GGUF file's vocabulary (byte-level BPE or SentencePiece, see
+:mod:`fitserve.loading.gguf_vocab`). :class:`IncrementalDetokenizer` turns a token stream into
+text deltas.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
-from tokenizers.models import BPE
 
 from fitserve.loading.chat_template import ChatTemplateError, render_chat_template, select_template
 from fitserve.loading.errors import ModelLoadError
+from fitserve.loading.gguf_vocab import (  # noqa: F401 (re-exported: GGUF vocabularies)
+    byte_level_bpe,
+    bytes_to_unicode,
+)
 
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types (tokenizer.ggml.token_type)
 _GIL_FREE_ENCODE_CHARS = 8192  # longer texts are encoded without holding the GIL (see encode)
-
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# tokenizer.ggml.pre -> the split regex its merges were learned with (GPT-2's when absent).
-PRE_TOKENIZER_SPLITS: dict[str, str] = {
-    "llama3": _LLAMA3_SPLIT,
-    "llama-v3": _LLAMA3_SPLIT,
-    "llama-bpe": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT,
-    "deepseek-r1-qwen": _QWEN2_SPLIT,
-}
-
-
-@lru_cache(maxsize=1)
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible map from each byte to a printable unicode character."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    chars = list(keep)
-    extra = 0
-    for b in range(256):
-        if b not in keep:
-            keep.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {b: chr(c) for b, c in zip(keep, chars, strict=True)}
-
-
-def byte_level_bpe(
-    tokens: Sequence[str],
-    merges: Sequence[str],
-    token_types: Sequence[int] | None = None,
-    *,
-    pre: str | None = None,
-    bos_token_id: int | None = None,
-    add_bos_token: bool = False,
-) -> tokenizers.Tokenizer:
-    """Build a byte-level BPE ``tokenizers.Tokenizer`` from llama.cpp's ``gpt2`` vocabulary.
-
-    Mirrors transformers' GGUF converter: tokens spelled outside the byte alphabet are
-    respelled byte by byte; CONTROL tokens become special added tokens, USER_DEFINED ones plain
-    added tokens (both matched whole in the text, never split).
-    """
-    spelling = bytes_to_unicode()
-    alphabet = set(spelling.values())
-    vocab = {
-        t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
-        for i, t in enumerate(tokens)
-    }
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    tok = tokenizers.Tokenizer(
-        BPE(
-            vocab=vocab,
-            merges=pairs,
-            dropout=None,
-            continuing_subword_prefix="",
-            end_of_word_suffix="",
-            fuse_unk=False,
-        )
-    )
-    split = PRE_TOKENIZER_SPLITS.get(pre or "")
-    if split is None:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    tok.decoder = decoders.ByteLevel()
-    types = list(token_types or ())
-    control = [
-        AddedToken(t, normalized=False, special=True)
-        for t, ty in zip(tokens, types, strict=False)
-        if ty == _CONTROL and set(t) <= alphabet
-    ]
-    user = [
-        AddedToken(t, normalized=False, special=False)
-        for t, ty in zip(tokens, types, strict=False)
-        if ty == _USER_DEFINED and t in vocab
-    ]
-    if control:
-        tok.add_special_tokens(control)
-    if user:
-        tok.add_tokens(user)
-    if add_bos_token and bos_token_id is not None:
-        bos = tokens[bos_token_id]
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_token_id)]
-        )
-    return tok
 
 
 class Tokenizer:

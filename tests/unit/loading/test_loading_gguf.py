@@ -344,10 +344,10 @@ def test_missing_tensor(tmp_path: Path) -> None:
 
 
 def test_unsupported_tokenizer_model(tmp_path: Path) -> None:
-    path = tmp_path / "spm.gguf"
-    write_gguf(path, meta={"tokenizer_model": "llama"})
-    with pytest.raises(ModelLoadError, match=r"spm\.gguf: the engine cannot run this model "
-                       r"\(tokenizer model 'llama'"):
+    path = tmp_path / "rwkv.gguf"
+    write_gguf(path, meta={"tokenizer_model": "rwkv"})
+    with pytest.raises(ModelLoadError, match=r"rwkv\.gguf: the engine cannot run this model "
+                       r"\(tokenizer model 'rwkv'.*supported: gpt2, llama"):
         load_model(path)
 
 
