@@ -131,6 +131,11 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
         _gguf("Q8_K", 256, 292, "block_q8_K: f32 d + 256 int8 + 16 int16 bsums"),
         _gguf("IQ4_NL", 32, 18, "block_iq4_nl: f16 d + 16 B of 4-bit non-linear codes"),
         _gguf("IQ4_XS", 256, 136, "block_iq4_xs: f16 d + 2 B + 4 B 6-bit scales + 128 B codes"),
+        # the rest of the ggml types gguf-py reads (the engine dequantizes them at load)
+        *(_gguf(n, 256, b, "i-quant / ternary block (gguf.GGML_QUANT_SIZES)") for n, b in (
+            ("IQ2_XXS", 66), ("IQ2_XS", 74), ("IQ2_S", 82), ("IQ3_XXS", 98), ("IQ3_S", 110),
+            ("IQ1_S", 50), ("IQ1_M", 56), ("TQ1_0", 54), ("TQ2_0", 66))),
+        _gguf("NVFP4", 64, 36, "block_nvfp4: 4 x fp8 scales + 32 B of fp4 e2m1 codes"),
         WeightFormat("int8-ch", 32, 32 * 8, row_scale_bytes=2, row_padded=True,
                      packed=PackedLayout("int8", 0, True),
                      note="int8 codes, K padded to 32, one f16 scale per output channel"),

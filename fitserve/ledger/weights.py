@@ -114,6 +114,7 @@ class WeightBytes:
     tp: int
     lines: tuple[TensorBytes, ...]
     num_params: int  # all parameters of the model (not per rank)
+    mix_is_per_tensor: bool = False  # counted tensor by tensor in each one's own format
 
     @property
     def total(self) -> int:
@@ -194,6 +195,32 @@ def held_bytes(tensors_held: Iterable[EngineTensor]) -> int:
         rows = t.shape[0] if len(t.shape) >= 2 else 0
         total += weight_bytes(math.prod(t.shape), t.fmt, rows=rows)
     return total
+
+
+def tensor_mix_bytes(mix: str, tensors_held: Iterable[EngineTensor]) -> WeightBytes:
+    """A per-tensor mix as WeightBytes (tp=1), one line per format: the real mix of a file
+    (a Q4_K_M GGUF is Q4_K, Q6_K and Q5_0/Q8_0 rows, each at its own exact bits per weight) or
+    of what the engine holds. Bytes per tensor are ``formats.weight_bytes`` (as ``held_bytes``)."""
+    by_fmt: dict[str, tuple[int, int]] = {}
+    params = 0
+    for t in tensors_held:
+        rows = t.shape[0] if len(t.shape) >= 2 else 0
+        n = math.prod(t.shape)
+        count, total = by_fmt.get(t.fmt, (0, 0))
+        by_fmt[t.fmt] = (count + 1, total + weight_bytes(n, t.fmt, rows=rows))
+        params += n
+    lines = tuple(TensorBytes(f"{count} tensors", fmt, count, b)
+                  for fmt, (count, b) in sorted(by_fmt.items(), key=lambda kv: -kv[1][1]))
+    return WeightBytes(mix, 1, lines, params, mix_is_per_tensor=True)
+
+
+def stored_format_rule(dtype: str) -> FormatRule:
+    """Each tensor in the format its file stores it in (``dtype`` where the file says none)."""
+
+    def rule(name: str, ndim: int, stored: str | None) -> str:
+        return weight_format(stored or dtype).name
+
+    return rule
 
 
 def engine_runs(spec: ModelSpec) -> bool:
