@@ -42,6 +42,7 @@ class TinyGGUF:
     qtype: Q = Q.F32  # the type of every 2-D tensor (vectors stay F32)
     embd_qtype: Q | None = None  # token_embd / output type (None: qtype)
     types: dict[str, Q] = field(default_factory=dict)  # per stem ("attn_v", "ffn_down"): a mix
+    std: float = 0.5  # of the random weights (and the size of random blocks' weights)
     tied: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
@@ -126,7 +127,7 @@ def write_tiny_gguf(path: Path, c: TinyGGUF, seed: int = 0) -> Path:
         w.add_eos_token_id(2)
         w.add_add_bos_token(False)
     for name, shape in tensor_shapes(c).items():
-        arr = (rng.standard_normal(shape) * 0.5).astype(np.float32)
+        arr = (rng.standard_normal(shape) * c.std).astype(np.float32)
         if len(shape) == 1:
             arr = np.abs(arr) + 0.5 if "norm" in name else arr
             w.add_tensor(name, arr)
@@ -138,8 +139,8 @@ def write_tiny_gguf(path: Path, c: TinyGGUF, seed: int = 0) -> Path:
             w.add_tensor(name, arr)
         elif qtype in QUANTIZABLE:
             w.add_tensor(name, quantize(arr, qtype), raw_dtype=qtype)
-        else:  # gguf.quants cannot quantize it: random valid blocks of weights around 0.5
-            blocks = random_blocks(rng, qtype, (shape[0], shape[1]), scale=0.5)
+        else:  # gguf.quants cannot quantize it: random valid blocks of weights around std
+            blocks = random_blocks(rng, qtype, (shape[0], shape[1]), scale=c.std)
             w.add_tensor(name, blocks, raw_dtype=qtype)
     if c.rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", c.rope_freqs.astype(np.float32))
