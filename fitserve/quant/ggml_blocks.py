@@ -251,6 +251,7 @@ def ggml_from_gguf(data: object, ggml_type: str, shape: tuple[int, int],
         raise ValueError(f"{ggml_type} tensor {list(shape)} needs {need} bytes in whole blocks "
                          f"of {block_size}, got {flat.size} x {flat.dtype}")
     rows = flat.reshape(n, -1)
-    picked = rows if row_order is None else rows[np.asarray(row_order)]
-    blocks = torch.from_numpy(np.array(picked, dtype=np.uint8, order="C", copy=True))
+    # one copy out of the mapped file: the row gather makes it, else an explicit copy
+    picked = np.array(rows, copy=True) if row_order is None else rows[np.asarray(row_order)]
+    blocks = torch.from_numpy(np.ascontiguousarray(picked))
     return GgmlBlockWeight(ggml_type, n, k, blocks)
