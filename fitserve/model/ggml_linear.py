@@ -64,6 +64,9 @@ class GgmlLinear(nn.Module):
         self.register_buffer("blocks", w.blocks)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.force_torch = False  # tests and benchmarks: the pure-torch path whatever is built
+        # NOTE: decided once (not per call): a compiled decode step traces only a bool here
+        self._kernel = {dt: kernel_available(w.ggml_type, dt)
+                        for dt in (torch.float32, torch.bfloat16)}
 
     @property
     def weight_blocks(self) -> GgmlBlockWeight:
@@ -72,7 +75,7 @@ class GgmlLinear(nn.Module):
 
     def uses_kernel(self, dtype: torch.dtype) -> bool:
         """Whether a call with x of ``dtype`` runs the C++ kernel."""
-        return not self.force_torch and kernel_available(self.ggml_type, dtype)
+        return not self.force_torch and self._kernel.get(dtype, False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
