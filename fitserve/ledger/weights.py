@@ -160,9 +160,10 @@ def model_weight_bytes(spec: ModelSpec, fmt: str, *, tp: int = 1,
 # -- the weights fitserve's engine holds ---------------------------------------------------------
 #
 # NOTE: the engine counts what it holds tensor by tensor through these functions, and the
-# planner's `--gpu cpu` weights line is the same call, so they cannot disagree. Today every
-# tensor is held in the model dtype (a GGUF file is dequantized on load); weights held packed
-# as stored (GGUF Q4_0/Q4_1/Q8_0 ...) are a ``rule``: bytes = f(inventory, format per tensor).
+# planner's `--gpu cpu` weights line is the same call, so they cannot disagree. Without a
+# rule every tensor is held in the model dtype; weights held as stored (GGUF Q4_0/Q4_1/Q8_0
+# packed, K-quants / Q5 / IQ4 as raw ggml blocks, a checkpoint's packed layouts) are a
+# ``rule``: bytes = f(inventory, format per tensor), each at its format's exact bits.
 
 # (Hugging Face name, ndim, the format the file stores it in or None) -> the format held in
 FormatRule = Callable[[str, int, str | None], str]
