@@ -1,7 +1,8 @@
 """Test helper: write small random-weight GGUF files with gguf's own GGUFWriter.
 
 Any shape the engine runs (head_dim != hidden / heads, one KV head, odd vocabularies, several
-layers), any of the tensor types gguf.quants can write (F32, F16, Q8_0, Q4_0 ...), with a
+layers), any of the tensor types gguf.quants can write (F32, F16, Q8_0, Q4_0 ...) and random
+valid blocks of those it cannot (K-quants, IQ4: tests.ggml_random_blocks), with a
 byte-level BPE tokenizer in the metadata so the engine can load the file as it is.
 """
 
@@ -18,8 +19,10 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
 from fitserve.loading.tokenizer import bytes_to_unicode
+from tests.ggml_random_blocks import random_blocks
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QUANTIZABLE = (Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.TQ1_0, Q.TQ2_0)
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,8 @@ class TinyGGUF:
     context: int = 256
     qtype: Q = Q.F32  # the type of every 2-D tensor (vectors stay F32)
     embd_qtype: Q | None = None  # token_embd / output type (None: qtype)
+    types: dict[str, Q] = field(default_factory=dict)  # per stem ("attn_v", "ffn_down"): a mix
+    std: float = 0.5  # of the random weights (and the size of random blocks' weights)
     tied: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
@@ -122,17 +127,21 @@ def write_tiny_gguf(path: Path, c: TinyGGUF, seed: int = 0) -> Path:
         w.add_eos_token_id(2)
         w.add_add_bos_token(False)
     for name, shape in tensor_shapes(c).items():
-        arr = (rng.standard_normal(shape) * 0.5).astype(np.float32)
+        arr = (rng.standard_normal(shape) * c.std).astype(np.float32)
         if len(shape) == 1:
             arr = np.abs(arr) + 0.5 if "norm" in name else arr
             w.add_tensor(name, arr)
             continue
         qtype = c.embd_qtype if c.embd_qtype is not None and name.startswith(
             ("token_embd", "output.")) else c.qtype
+        qtype = c.types.get(name.split(".")[-2], qtype)
         if qtype == Q.F32:
             w.add_tensor(name, arr)
-        else:
+        elif qtype in QUANTIZABLE:
             w.add_tensor(name, quantize(arr, qtype), raw_dtype=qtype)
+        else:  # gguf.quants cannot quantize it: random valid blocks of weights around std
+            blocks = random_blocks(rng, qtype, (shape[0], shape[1]), scale=c.std)
+            w.add_tensor(name, blocks, raw_dtype=qtype)
     if c.rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", c.rope_freqs.astype(np.float32))
     w.write_header_to_file()

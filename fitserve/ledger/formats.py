@@ -129,6 +129,13 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
         _gguf("Q5_K", 256, 176, "block_q5_K: f16 d, dmin + 12 B scales + 32 B qh + 128 B"),
         _gguf("Q6_K", 256, 210, "block_q6_K: 128 B ql + 64 B qh + 16 B scales + f16 d"),
         _gguf("Q8_K", 256, 292, "block_q8_K: f32 d + 256 int8 + 16 int16 bsums"),
+        _gguf("IQ4_NL", 32, 18, "block_iq4_nl: f16 d + 16 B of 4-bit non-linear codes"),
+        _gguf("IQ4_XS", 256, 136, "block_iq4_xs: f16 d + 2 B + 4 B 6-bit scales + 128 B codes"),
+        # the rest of the ggml types gguf-py reads (the engine dequantizes them at load)
+        *(_gguf(n, 256, b, "i-quant / ternary block (gguf.GGML_QUANT_SIZES)") for n, b in (
+            ("IQ2_XXS", 66), ("IQ2_XS", 74), ("IQ2_S", 82), ("IQ3_XXS", 98), ("IQ3_S", 110),
+            ("IQ1_S", 50), ("IQ1_M", 56), ("TQ1_0", 54), ("TQ2_0", 66))),
+        _gguf("NVFP4", 64, 36, "block_nvfp4: 4 x fp8 scales + 32 B of fp4 e2m1 codes"),
         WeightFormat("int8-ch", 32, 32 * 8, row_scale_bytes=2, row_padded=True,
                      packed=PackedLayout("int8", 0, True),
                      note="int8 codes, K padded to 32, one f16 scale per output channel"),
@@ -142,6 +149,10 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
 # f16 scale(s) and its codes; no float round trip). Other ggml types are dequantized on load.
 GGUF_PACKED: dict[str, str] = {"Q4_0": "int4-g32-sym", "Q4_1": "int4-g32-asym",
                                "Q8_0": "int8-g32"}
+# GGUF types the engine holds as the file's raw ggml blocks, byte for byte (format = the type's
+# own name; fitserve.quant.ggml_blocks.GgmlBlockWeight). Any other quantized ggml type gguf-py
+# reads (Q2_K, Q3_K, IQ2_*, TQ*, ...) is dequantized on load to the model dtype.
+GGML_HELD_TYPES: tuple[str, ...] = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS")
 
 # Spellings accepted for the same format (config.json torch_dtype, ggml names, CLI habits).
 ALIASES: dict[str, str] = {
@@ -269,9 +280,10 @@ def tensor_role(hf_name: str, ndim: int) -> str:
 def engine_tensor_format(choice: str, stored: str, role: str, dtype: str) -> str:
     """The format the engine holds one tensor in, for a ``--weights`` choice.
 
-    ``choice``: "auto"/"as-stored" (GGUF Q4_0/Q4_1/Q8_0 packed as stored, see GGUF_PACKED, and
-    a `fitserve quantize` checkpoint's engine layouts such as "int4-g128-sym" as they are;
-    anything else dequantized or converted to the model dtype), "int4"/"int8" (RTN at load,
+    ``choice``: "auto"/"as-stored" (GGUF Q4_0/Q4_1/Q8_0 packed as stored, see GGUF_PACKED;
+    the GGML_HELD_TYPES as their raw blocks, the format being the type; a `fitserve quantize`
+    checkpoint's engine layouts such as "int4-g128-sym" as they are; anything else
+    dequantized or converted to the model dtype), "int4"/"int8" (RTN at load,
     RTN_FORMATS), or a dense dtype ("bf16", "float32": every tensor in it). ``stored``: the
     file's type of the tensor ("Q4_1", "F32", "bf16" ...). ``role``: "matrix" (a projection),
     "embedding" (token embedding, lm_head), "vector" (norms, biases: always the model dtype).
@@ -286,6 +298,8 @@ def engine_tensor_format(choice: str, stored: str, role: str, dtype: str) -> str
         name = ALIASES.get(stored, stored)
         if name.startswith(("int4-", "int8-")) and weight_format(name).packed is not None:
             return weight_format(name).name  # an engine layout as stored (fitserve quantize)
+        if name.upper() in GGML_HELD_TYPES:
+            return name.upper()
         return GGUF_PACKED.get(name.upper(), model)
     if choice in RTN_FORMATS:
         return RTN_FORMATS[choice][0 if role == "matrix" else 1]

@@ -114,6 +114,7 @@ class WeightBytes:
     tp: int
     lines: tuple[TensorBytes, ...]
     num_params: int  # all parameters of the model (not per rank)
+    mix_is_per_tensor: bool = False  # counted tensor by tensor in each one's own format
 
     @property
     def total(self) -> int:
@@ -159,9 +160,10 @@ def model_weight_bytes(spec: ModelSpec, fmt: str, *, tp: int = 1,
 # -- the weights fitserve's engine holds ---------------------------------------------------------
 #
 # NOTE: the engine counts what it holds tensor by tensor through these functions, and the
-# planner's `--gpu cpu` weights line is the same call, so they cannot disagree. Today every
-# tensor is held in the model dtype (a GGUF file is dequantized on load); weights held packed
-# as stored (GGUF Q4_0/Q4_1/Q8_0 ...) are a ``rule``: bytes = f(inventory, format per tensor).
+# planner's `--gpu cpu` weights line is the same call, so they cannot disagree. Without a
+# rule every tensor is held in the model dtype; weights held as stored (GGUF Q4_0/Q4_1/Q8_0
+# packed, K-quants / Q5 / IQ4 as raw ggml blocks, a checkpoint's packed layouts) are a
+# ``rule``: bytes = f(inventory, format per tensor), each at its format's exact bits.
 
 # (Hugging Face name, ndim, the format the file stores it in or None) -> the format held in
 FormatRule = Callable[[str, int, str | None], str]
@@ -194,6 +196,32 @@ def held_bytes(tensors_held: Iterable[EngineTensor]) -> int:
         rows = t.shape[0] if len(t.shape) >= 2 else 0
         total += weight_bytes(math.prod(t.shape), t.fmt, rows=rows)
     return total
+
+
+def tensor_mix_bytes(mix: str, tensors_held: Iterable[EngineTensor]) -> WeightBytes:
+    """A per-tensor mix as WeightBytes (tp=1), one line per format: the real mix of a file
+    (a Q4_K_M GGUF is Q4_K, Q6_K and Q5_0/Q8_0 rows, each at its own exact bits per weight) or
+    of what the engine holds. Bytes per tensor are ``formats.weight_bytes`` (as ``held_bytes``)."""
+    by_fmt: dict[str, tuple[int, int]] = {}
+    params = 0
+    for t in tensors_held:
+        rows = t.shape[0] if len(t.shape) >= 2 else 0
+        n = math.prod(t.shape)
+        count, total = by_fmt.get(t.fmt, (0, 0))
+        by_fmt[t.fmt] = (count + 1, total + weight_bytes(n, t.fmt, rows=rows))
+        params += n
+    lines = tuple(TensorBytes(f"{count} tensors", fmt, count, b)
+                  for fmt, (count, b) in sorted(by_fmt.items(), key=lambda kv: -kv[1][1]))
+    return WeightBytes(mix, 1, lines, params, mix_is_per_tensor=True)
+
+
+def stored_format_rule(dtype: str) -> FormatRule:
+    """Each tensor in the format its file stores it in (``dtype`` where the file says none)."""
+
+    def rule(name: str, ndim: int, stored: str | None) -> str:
+        return weight_format(stored or dtype).name
+
+    return rule
 
 
 def engine_runs(spec: ModelSpec) -> bool:

@@ -2,7 +2,9 @@
 
 Tensors are dequantized with ``gguf.quants.dequantize``, or, for the engine's ``--weights``
 choices, held as stored (Q4_0/Q4_1/Q8_0 blocks split into packed codes and f16 scales, see
-``fitserve.quant.gguf_map``) or RTN-packed at load. llama.cpp's converter permutes the
+``fitserve.quant.gguf_map``; Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_NL, IQ4_XS as the file's raw
+ggml blocks, see ``fitserve.quant.ggml_blocks``) or RTN-packed at load. Every other type
+gguf-py reads (Q2_K, Q3_K, IQ2_*, TQ*, ...) is dequantized at load, one log line per type. llama.cpp's converter permutes the
 rows of Q and K for the llama architecture (so that its interleaved RoPE matches HF's
 split-halves RoPE); we undo that here, so the weights equal the original HF checkpoint's
 (up to quantization) and the model needs only split-halves RoPE::
@@ -15,6 +17,7 @@ split-halves RoPE); we undo that here, so the weights equal the original HF chec
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -25,10 +28,11 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from fitserve.config import ModelSpec
-from fitserve.ledger.formats import GGUF_PACKED
+from fitserve.ledger.formats import GGML_HELD_TYPES, GGUF_PACKED
 from fitserve.loading.errors import ModelLoadError, UnsupportedTensorTypeError
 from fitserve.loading.generation_defaults import GenerationDefaults, from_gguf_metadata
 from fitserve.loading.gguf_spec import (  # noqa: F401 (the spec part lives there; re-exported)
+    SUPPORTED_GGUF_TYPES,
     gguf_fields,
     header_from_reader,
     hf_tensor_name,
@@ -38,16 +42,18 @@ from fitserve.loading.gguf_spec import (  # noqa: F401 (the spec part lives ther
 )
 from fitserve.loading.gguf_vocab import GGUFVocab, VocabError, backend_from_vocab
 from fitserve.loading.hf_config import check_weights
-from fitserve.loading.support import (  # noqa: F401 (SUPPORTED_GGUF_TYPES: re-exported)
-    SUPPORTED_GGUF_TYPES,
+from fitserve.loading.support import (
     gguf_support,
     gguf_tokenizer_support,
 )
 from fitserve.loading.tokenizer import Tokenizer
 from fitserve.quant.convert import held_format, hold
+from fitserve.quant.ggml_blocks import ggml_from_gguf
 from fitserve.quant.gguf_map import packed_from_gguf
 from fitserve.quant.held import HeldTensor, dtype_table_name
 
+log = logging.getLogger("fitserve.loading")
+_FLOAT_TYPES = ("F32", "F16", "BF16")
 _PERMUTED_ARCHS = ("llama", "mistral")  # llama.cpp's LlamaModel.permute applies to these
 
 
@@ -107,12 +113,14 @@ def read_gguf_weights(
     ``weights`` None: every tensor dequantized to ``dtype``. Otherwise a ``--weights`` choice
     ("as-stored", "int4", "int8", a dtype): each tensor in the format
     ``fitserve.quant.convert.held_format`` picks. Q4_0/Q4_1/Q8_0 held as stored become
-    PackedWeights by splitting their blocks (no float copy is made); the rest is dequantized
-    one tensor at a time (then RTN-packed or cast).
+    PackedWeights by splitting their blocks, the GGML_HELD_TYPES GgmlBlockWeights of the
+    file's bytes (no float copy is made); the rest is dequantized one tensor at a time (then
+    RTN-packed or cast), with one log line per quantized type dequantized.
     """
     out: dict[str, HeldTensor] = {}
     stored: dict[str, str] = {}
     elements: Counter[str] = Counter()
+    dequantized: dict[str, list[str]] = {}  # quantized type -> the formats its tensors went to
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue
@@ -127,16 +135,23 @@ def read_gguf_weights(
         order = _row_order(hf, spec, shape[0])
         fmt = (dtype_table_name(dtype) if weights is None
                else held_format(weights, hf, len(shape), type_name, dtype))
-        if len(shape) == 2 and GGUF_PACKED.get(type_name) == fmt:
+        as_blocks = fmt == type_name and type_name in GGML_HELD_TYPES
+        if len(shape) == 2 and (GGUF_PACKED.get(type_name) == fmt or as_blocks):
+            make = ggml_from_gguf if as_blocks else packed_from_gguf
             try:
-                out[hf] = packed_from_gguf(t.data, type_name, (shape[0], shape[1]), order)
+                out[hf] = make(t.data, type_name, (shape[0], shape[1]), order)
             except ValueError as exc:
                 raise ModelLoadError(f"{path}: tensor {t.name!r} ({type_name}) is corrupt: "
                                      f"{exc}") from exc
         else:
             out[hf] = hold(_dequantized(t, type_name, shape, order, path), fmt)
+            if type_name not in _FLOAT_TYPES:
+                dequantized.setdefault(type_name, []).append(fmt)
         if len(shape) >= 2:
             elements[type_name] += int(np.prod(shape))
+    for type_name, fmts in dequantized.items():
+        log.info("%s: %d %s tensor(s) dequantized at load, held as %s", path.name, len(fmts),
+                 type_name, ", ".join(sorted(set(fmts))))
     check_weights(out, spec, path)
     dominant = elements.most_common(1)[0][0] if elements else "F32"
     return out, dominant, stored

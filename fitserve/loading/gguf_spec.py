@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from fitserve.config import SUPPORTED_ARCHITECTURES, ModelSpec, RopeScaling
@@ -51,6 +51,31 @@ _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _SWA_PERIOD = {"gemma2": 2, "gemma3": 6, "gpt-oss": 2}
 _GELU_ARCHS = ("gemma", "gemma2", "gemma3")
 _NORMS_PER_LAYER = {"gemma2": 4, "gemma3": 4}
+
+
+def _dequantizable(qtype: GGMLQuantizationType) -> bool:
+    """Whether ``gguf.quants.dequantize`` reads this type (probed on one zero block)."""
+    if qtype not in GGML_QUANT_SIZES:
+        return False
+    try:
+        dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+# NOTE: every tensor type the engine loads is every type the installed gguf-py dequantizes
+# (probed, not listed: a newer gguf brings its new types along). How each is held under a
+# --weights choice is ledger.formats.engine_tensor_format's rule. The planner's "can the
+# engine run this file" and the loader's refusal both read this one tuple.
+SUPPORTED_GGUF_TYPES: tuple[str, ...] = tuple(
+    q.name for q in GGMLQuantizationType if _dequantizable(q))
+
+
+def unsupported_types(header: GGUFHeader) -> dict[str, str]:
+    """GGUF tensor name -> its type, for every tensor the engine cannot load (empty: all load)."""
+    return {t.name: t.type_name for t in header.tensors
+            if t.type_name not in SUPPORTED_GGUF_TYPES}
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,22 +17,14 @@ from pathlib import Path
 
 from fitserve.config import SUPPORTED_ARCHITECTURES, ModelSpec
 from fitserve.loading.errors import ModelLoadError
-from fitserve.loading.gguf_spec import GGUFHeader, spec_from_gguf_header
+from fitserve.loading.gguf_spec import SUPPORTED_GGUF_TYPES, GGUFHeader, spec_from_gguf_header
+
 # tokenizer.ggml.model values fitserve.loading.gguf.tokenizer_from_gguf builds
-from fitserve.loading.gguf_vocab import SUPPORTED_TOKENIZER_MODELS as SUPPORTED_GGUF_TOKENIZER_MODELS
+from fitserve.loading.gguf_vocab import (
+    SUPPORTED_TOKENIZER_MODELS as SUPPORTED_GGUF_TOKENIZER_MODELS,
+)
 from fitserve.loading.hf_config import spec_from_hf_folder
 
-# ggml tensor types the GGUF loader (fitserve.loading.gguf) reads.
-SUPPORTED_GGUF_TYPES: tuple[str, ...] = (
-    "F32",
-    "F16",
-    "BF16",
-    "Q8_0",
-    "Q4_0",
-    "Q4_1",
-    "Q4_K",
-    "Q6_K",
-)
 # NOTE: tensors the GGUF loader skips (llama3 RoPE factors, read as metadata).
 SKIPPED_GGUF_TENSORS = frozenset({"rope_freqs.weight"})
 

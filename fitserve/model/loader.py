@@ -16,10 +16,12 @@ from torch import nn
 from fitserve.config import ModelSpec
 from fitserve.loading.support import spec_problems
 from fitserve.model.fp8_linear import Fp8Linear
+from fitserve.model.ggml_linear import GgmlEmbedding, GgmlLinear
 from fitserve.model.layers import RotaryEmbedding
 from fitserve.model.linear import ConcatLinear, DenseLinear, PackedEmbedding, PackedLinear
 from fitserve.model.llama import CausalLM
 from fitserve.quant.fp8 import Fp8Weight
+from fitserve.quant.ggml_blocks import GgmlBlockWeight
 from fitserve.quant.held import DenseWeight, HeldTensor, HeldWeight, as_held, as_stored
 from fitserve.quant.packed import PackedWeight
 
@@ -42,6 +44,7 @@ LINEAR_MODULES: dict[type[HeldWeight], Callable[[Any, torch.Tensor | None, torch
     DenseWeight: DenseLinear.from_held,
     PackedWeight: lambda w, bias, dtype: PackedLinear(w, bias),
     Fp8Weight: lambda w, bias, dtype: Fp8Linear(w, bias),
+    GgmlBlockWeight: lambda w, bias, dtype: GgmlLinear(w, bias),
 }
 
 # A fused projection's weight: one held weight (a dense one as its tensor), or its parts when
@@ -114,8 +117,9 @@ def _install_held(model: CausalLM, state: dict[str, FusedWeight], dtype: torch.d
         assert not isinstance(held, torch.Tensor)
         weight = tuple(p.to(device) for p in held) if isinstance(held, tuple) else held.to(device)
         if path == "embed_tokens":
-            assert isinstance(weight, PackedWeight)
-            emb = PackedEmbedding(weight, dtype)
+            assert isinstance(weight, PackedWeight | GgmlBlockWeight)
+            emb = (GgmlEmbedding(weight, dtype) if isinstance(weight, GgmlBlockWeight)
+                   else PackedEmbedding(weight, dtype))
             model.embed_tokens = emb  # type: ignore[assignment]
             if model.spec.tie_word_embeddings:
                 model.lm_head = emb.tied_linear()  # type: ignore[assignment]  # same buffers

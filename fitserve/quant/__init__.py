@@ -1,6 +1,7 @@
 """Runtime weight formats: the held-weight interface (held: dense, packed int4/int8, fp8), the
 packed layout, RTN quantizers, converting a loaded tensor to its held format (convert), the GGUF
-block mapping and the quantized KV cache.
+block mapping (gguf_map: Q4_0/Q4_1/Q8_0 -> packed; ggml_blocks: K-quants, Q5, IQ4 as raw
+blocks) and the quantized KV cache.
 
     from fitserve.quant import quantize_int4, dequantize
     pw = quantize_int4(w, 32)                   # PackedWeight, w [N, K] float

@@ -25,6 +25,9 @@ def hold(tensor: torch.Tensor, fmt: str) -> HeldTensor:
     """``tensor`` (float) in format ``fmt``: packed by RTN, fp8 with per-channel scales, or
     cast to that dense dtype."""
     f = weight_format(fmt)
+    if f.gguf:
+        raise ValueError(f"{fmt} is held only as a GGUF file's own blocks (as stored); float "
+                         "weights are not re-quantized to it (--weights int4/int8 are)")
     if f.fp8:
         return quantize_fp8(tensor.float(), f.fp8, "channel")
     if f.packed is not None:

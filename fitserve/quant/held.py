@@ -7,6 +7,7 @@ Logical weight ``W [N out, K in]``, ``y = x @ W.T``. Every format the engine hol
     DenseWeight      f32 / bf16 / f16 (any torch tensor)     DenseLinear
     PackedWeight     int4-g*-asym|sym, int8-g*, int8-ch      PackedLinear   (quant.packed)
     Fp8Weight        fp8, fp8-ch, fp8-block, fp8_e5m2-ch     Fp8Linear      (quant.fp8)
+    GgmlBlockWeight  Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_*     GgmlLinear     (quant.ggml_blocks)
 
 A new format is one class here (its tensors, ``fuse``, ``shard``, ``dequantize``), its kernel
 module in ``fitserve.model`` (registered in ``model.linear.LINEAR_MODULES``) and its row in

@@ -1,4 +1,4 @@
-"""A GGUF file mixing block types (Q4_0/Q4_1/Q8_0 packed, Q4_K/Q6_K dequantized) run by a real
+"""A GGUF file mixing block types (Q4_0/Q4_1/Q8_0 packed, Q4_K/Q6_K raw ggml blocks) run by a real
 engine as stored against the same file run dense (the file is made by tests.unit.quant.test_quant_gguf)."""
 
 from __future__ import annotations
@@ -11,10 +11,12 @@ from tests.unit.quant.test_quant_gguf import write_model
 
 
 def test_mixed_file_engine_as_stored_equals_dense(tmp_path: Path) -> None:
-    """q/k/v in three formats (a ConcatLinear of packed parts), gate/up Q6_K + Q4_K (dense),
+    """q/k/v in three formats (a ConcatLinear of packed parts), gate/up Q6_K + Q4_K (a
+    ConcatLinear of GgmlLinears),
     Q4_0 embedding: the packed engine computes what the dense fp32 engine computes."""
     from fitserve.config import EngineConfig
     from fitserve.engine.core import Engine
+    from fitserve.model.ggml_linear import GgmlLinear
     from fitserve.model.linear import ConcatLinear, PackedLinear
     from fitserve.sampling import SamplingParams
 
@@ -30,7 +32,10 @@ def test_mixed_file_engine_as_stored_equals_dense(tmp_path: Path) -> None:
         if weights == "as-stored":
             assert isinstance(layer.self_attn.qkv_proj, ConcatLinear)
             assert isinstance(layer.mlp.down_proj, PackedLinear)
-            assert not isinstance(layer.mlp.gate_up_proj, PackedLinear | ConcatLinear)
+            gate_up = layer.mlp.gate_up_proj
+            assert isinstance(gate_up, ConcatLinear)
+            assert [p.ggml_type for p in gate_up.parts if isinstance(p, GgmlLinear)] == [
+                "Q6_K", "Q4_K"]
         outs.append(list(engine.stream([5, 9, 77, 3], params))[-1])
     packed, dense = outs
     assert packed.token_ids == dense.token_ids

@@ -122,3 +122,25 @@ def test_layout_that_does_not_divide_fails_before_any_process(tiny_hf_model_dir)
     with pytest.raises(ValueError, match="num_heads=4 is not divisible by tensor_parallel_size=3"):
         _engine(folder, 3)
     assert not _children(os.getpid())
+
+
+@pytest.mark.slow
+def test_ggml_blocks_tp2_matches_tp1(tmp_path: Path) -> None:
+    """A Q4_K_M-like file held as raw ggml blocks on 2 ranks: rows split anywhere, the
+    row-parallel o_proj / down_proj columns on whole 256-weight super-blocks (Q4_K, Q5_0)."""
+    from gguf import GGMLQuantizationType as Q
+
+    from tests.tiny_gguf import TinyGGUF, write_tiny_gguf
+
+    case = TinyGGUF(hidden=512, ff=512, heads=4, kv_heads=2, vocab=320, std=0.1, qtype=Q.Q4_K,
+                    embd_qtype=Q.Q6_K, types={"attn_v": Q.Q6_K, "ffn_down": Q.Q5_0})
+    path = write_tiny_gguf(tmp_path / "k.gguf", case)
+    prompts: list[str | list[int]] = [[5, 9, 200, 31], [(7 * i + 3) % 300 for i in range(20)]]
+    one = _engine(path, 1)
+    want = run(one, prompts, GREEDY)
+    del one
+    eng = _engine(path, 2)
+    try:
+        assert run(eng, prompts, GREEDY) == want
+    finally:
+        eng.shutdown()

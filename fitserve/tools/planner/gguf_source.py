@@ -10,7 +10,12 @@ from pathlib import Path
 
 from fitserve.ledger.errors import PlanError
 from fitserve.loading.errors import ModelLoadError
-from fitserve.loading.gguf_spec import read_gguf_header, spec_from_gguf_header, stored_types
+from fitserve.loading.gguf_spec import (
+    read_gguf_header,
+    spec_from_gguf_header,
+    stored_types,
+    unsupported_types,
+)
 from fitserve.loading.support import gguf_support
 from fitserve.tools.planner.entry import ModelEntry
 
@@ -30,6 +35,9 @@ def gguf_entry(path: Path) -> ModelEntry:
     main = max(by_type, key=lambda k: by_type[k]) if by_type else "F32"
     types = ", ".join(f"{k} {v:,} B" for k, v in sorted(by_type.items(), key=lambda kv: -kv[1]))
     source = f"{path} (tensors: {types})"
+    refused = sorted(set(unsupported_types(header).values()))
+    if refused:  # the loader's own list (SUPPORTED_GGUF_TYPES: what gguf-py dequantizes)
+        source += f"; fitserve's engine cannot load tensors of type {', '.join(refused)}"
     per_layer = [k for k in ("attention.head_count_kv", "attention.head_count",
                              "feed_forward_length")
                  if isinstance(header.fields.get(f"{header.fields.get('general.architecture')}.{k}"),

@@ -10,6 +10,7 @@ from fitserve.config import EngineConfig, ModelSpec
 from fitserve.ledger.errors import PlanError
 from fitserve.ledger.formats import (
     ENGINE_WEIGHT_CHOICES,
+    GGML_HELD_TYPES,
     dtype_bytes,
     kv_format,
     resolve_engine_weights,
@@ -251,7 +252,7 @@ def _engine_weights_note(entry: ModelEntry, choice: str, act: str) -> str:
     """How fitserve's engine holds the weights for a --weights choice, in words."""
     counts = engine_held_formats(entry.spec, act, stored=entry.stored_formats,
                                  rule=engine_format_rule(choice, act))
-    packed = [f for f in counts if weight_format(f).packed is not None]
+    packed = [f for f in counts if weight_format(f).packed is not None or f in GGML_HELD_TYPES]
     if not packed:
         return _weights_note(entry, act, act, True)
     stored = entry.engine_file_format or entry.native_weights.removeprefix("gguf-file:")

@@ -18,9 +18,14 @@ from fitserve.ledger.kv import (
 from fitserve.ledger.params import count_params, is_mla
 from fitserve.ledger.units import fmt_bytes, fmt_count, fmt_seconds
 from fitserve.ledger.weights import (
+    WeightBytes,
     engine_format_rule,
+    engine_held_tensors,
     engine_plan_weight_bytes,
+    engine_runs,
     model_weight_bytes,
+    stored_format_rule,
+    tensor_mix_bytes,
 )
 from fitserve.tools.planner.report import Line, Resolved, Section
 from fitserve.tools.planner.speculative import (
@@ -68,19 +73,37 @@ def model_section(r: Resolved) -> Section:
     return Section(f"Model {s.name} ({s.architecture})", tuple(lines), (r.entry.source,))
 
 
+def whole_model_weights(r: Resolved) -> WeightBytes:
+    """The weights of the whole model (tp=1), tensor by tensor where the file says each
+    tensor's format (a GGUF file's real mix; on cpu what the engine holds of it), else the
+    ledger's count of the format or mix ``r.weights``."""
+    s, stored = r.entry.spec, r.entry.stored_formats
+    if stored is not None and engine_runs(s):
+        if r.on_cpu and r.engine_weights is not None:
+            rule = engine_format_rule(r.engine_weights, r.act_dtype)
+            return tensor_mix_bytes(r.weights, engine_held_tensors(s, r.act_dtype,
+                                                                   stored=stored, rule=rule))
+        if r.entry.file_weight_bytes is not None and r.req.weights is None:
+            return tensor_mix_bytes(r.weights, engine_held_tensors(
+                s, r.base_dtype, stored=stored, rule=stored_format_rule(r.base_dtype)))
+    return model_weight_bytes(s, r.weights, tp=1, base_dtype=r.base_dtype)
+
+
 def weights_section(r: Resolved) -> Section:
-    s, tp = r.entry.spec, r.req.tp
+    tp = r.req.tp
     per_gpu = weight_bytes_per_gpu(r)
-    wb = model_weight_bytes(s, r.weights, tp=1, base_dtype=r.base_dtype)
+    wb = whole_model_weights(r)
     fmts = sorted({line.fmt for line in wb.lines})
     lines = [
         Line("format", "formats.weight_format", r.weights, r.weights, "per tensor: " + ", ".join(fmts)),
         Line("bits per weight", "weight_bytes x 8 / params", wb.bits_per_weight,
              f"{wb.bits_per_weight:.3f}", f"{wb.total:,} B x 8 / {wb.num_params:,}"),
-        Line("weights, whole model", "model_weight_bytes(tp=1)", wb.total, fmt_bytes(wb.total)),
+        Line("weights, whole model", "tensor_mix_bytes (per tensor)" if wb.mix_is_per_tensor
+             else "model_weight_bytes(tp=1)", wb.total, fmt_bytes(wb.total)),
         Line("weights per GPU", "gguf file tensor bytes / tp" if r.entry.file_weight_bytes
              is not None and r.req.weights is None and not r.on_cpu
-             else "engine_plan_weight_bytes" if r.on_cpu and r.weights == r.act_dtype
+             else "engine_plan_weight_bytes" if r.on_cpu and (
+                 r.weights == r.act_dtype or r.engine_weights is not None)
              else f"model_weight_bytes(tp={tp})", per_gpu, fmt_bytes(per_gpu),
              r.weights_note or "column/row splits divide by tp; norms, routers and MLA "
              "down-projections replicate; KV projections replicate past the KV-head count"),

@@ -29,6 +29,22 @@ def test_gguf_blocks_match_the_gguf_package() -> None:
     assert weight_format("mxfp4").block_bits == 17 * 8
 
 
+def test_every_type_the_engine_loads_has_a_row() -> None:
+    """The ledger counts any GGUF file the engine loads: every type of SUPPORTED_GGUF_TYPES
+    (probed from gguf-py) has a table row of gguf's own block layout; the held-as-stored
+    types are exactly what fitserve.quant.ggml_blocks dequantizes."""
+    from fitserve.ledger.formats import GGML_HELD_TYPES
+    from fitserve.loading.gguf_spec import SUPPORTED_GGUF_TYPES
+    from fitserve.quant.ggml_blocks import GGML_BLOCK_TYPES
+
+    assert {"Q2_K", "Q3_K", "Q5_0", "IQ2_XXS", "IQ4_XS", "TQ1_0"} <= set(SUPPORTED_GGUF_TYPES)
+    for name in SUPPORTED_GGUF_TYPES:
+        block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
+        f = weight_format(name)
+        assert f.block_bits / f.block_elements == nbytes * 8 / block, name
+    assert set(GGML_HELD_TYPES) == set(GGML_BLOCK_TYPES)
+
+
 def test_bits_per_weight() -> None:
     assert weight_format("Q4_0").bits_per_weight == 4.5  # 18 B * 8 / 32
     assert weight_format("Q4_1").bits_per_weight == 5.0  # 20 B * 8 / 32

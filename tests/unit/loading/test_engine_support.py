@@ -38,7 +38,7 @@ def first_unsupported(candidates: tuple[str, ...], supported: tuple[str, ...]) -
 
 
 ARCH = first_unsupported(("mamba", "rwkv6", "bloom"), SUPPORTED_ARCHITECTURES)
-TYPE = first_unsupported(("IQ4_NL", "Q5_1", "Q5_0"), SUPPORTED_GGUF_TYPES)  # 32-weight blocks
+TYPE = first_unsupported(("Q8_1", "IQ4_NL", "Q5_1"), SUPPORTED_GGUF_TYPES)  # 32-weight blocks
 TOKENIZER = first_unsupported(("rwkv", "t5", "plamo2"), SUPPORTED_GGUF_TOKENIZER_MODELS)
 
 

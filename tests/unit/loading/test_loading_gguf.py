@@ -329,10 +329,13 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
 
 
 def test_unsupported_tensor_type(tmp_path: Path) -> None:
-    path = tmp_path / "q5.gguf"
-    data = quantize(hf_weights("llama", False)["blk.0.ffn_up.weight"], Q.Q5_0)
-    write_gguf(path, raw={"blk.0.ffn_up.weight": (data, Q.Q5_0)})
-    with pytest.raises(EngineCannotRunError, match=r"Q5_0 \(1 tensor, e\.g\. 'blk\.0\.ffn_up\.weight'"):
+    """Q8_K (llama.cpp's activation type) is a ggml type gguf-py does not dequantize."""
+    path = tmp_path / "q8k.gguf"
+    block_size, type_size = gguf.GGML_QUANT_SIZES[Q.Q8_K]
+    data = np.zeros((FF, H // block_size * type_size), np.uint8)
+    write_gguf(path, raw={"blk.0.ffn_up.weight": (data, Q.Q8_K)})
+    with pytest.raises(EngineCannotRunError,
+                       match=r"Q8_K \(1 tensor, e\.g\. 'blk\.0\.ffn_up\.weight'; supported: .*Q5_0.*Q3_K.*IQ4_XS"):
         load_model(path)
 
 

@@ -3,8 +3,9 @@ own ``gguf.quants.dequantize`` of the file's blocks, exactly (torch.equal), tens
 
 For GGUF files written here (GGUFWriter + gguf.quants.quantize for Q4_0, Q4_1 and Q8_0, with
 llama.cpp's Q/K row permutation applied as its converter does) and for every tensor of the
-real SmolLM2 Q4_1 file. K-quants and float tensors are not packed: they are dequantized to
-the model dtype (see fitserve.ledger.formats.GGUF_PACKED).
+real SmolLM2 Q4_1 file. K-quants, Q5_0/Q5_1 and IQ4 are held as their raw ggml blocks
+(GgmlBlockWeight, fitserve.ledger.formats.GGML_HELD_TYPES) and dequantize exactly too; the other
+quantized types (Q2_K, Q3_K, IQ2_*, TQ*) and float tensors are dequantized to the model dtype.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from fitserve.loading.gguf import read_gguf
 from fitserve.loading.gguf_spec import hf_tensor_name, open_gguf
 from fitserve.loading.tokenizer import bytes_to_unicode
 from fitserve.quant import PackedWeight, dequantize
+from fitserve.quant.ggml_blocks import GgmlBlockWeight
 from fitserve.quant.gguf_map import packed_from_gguf
+from tests.ggml_random_blocks import F16_FIELDS, random_blocks
 
 H, FF, HEADS, KV, HD = 256, 96, 4, 2, 32  # rows of 256: k-quant blocks fit
 LLAMA_PERMUTED = {"attn_q": HEADS, "attn_k": KV}
@@ -37,18 +40,7 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-K_QUANTS = {Q.Q4_K: (144, (0, 2)), Q.Q6_K: (210, (208,))}  # block bytes, f16 scale offsets
-
-
-def k_quant_blocks(rng: np.random.Generator, qtype: Q, shape: tuple[int, int]) -> np.ndarray:
-    """Raw k-quant blocks by hand (gguf.quants cannot quantize them): random codes and
-    sub-block scales, the f16 super-block scales set to sane values."""
-    nbytes, f16_at = K_QUANTS[qtype]
-    blocks = rng.integers(0, 256, (shape[0], shape[1] // 256, nbytes), dtype=np.uint8)
-    for at in f16_at:
-        d = rng.uniform(1e-3, 1e-2, blocks.shape[:2]).astype(np.float16)
-        blocks[:, :, at : at + 2] = d.view(np.uint8).reshape(*blocks.shape[:2], 2)
-    return blocks.reshape(shape[0], -1)
+K_QUANTS = tuple(F16_FIELDS)  # written as random valid blocks (gguf.quants cannot quantize them)
 
 
 def write_model(path: Path, types: dict[str, Q], seed: int = 0) -> dict[str, Q]:
@@ -83,8 +75,10 @@ def write_model(path: Path, types: dict[str, Q], seed: int = 0) -> dict[str, Q]:
         stored[name] = qtype
         if qtype == Q.F32:
             w.add_tensor(name, arr)
+        elif qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+            w.add_tensor(name, gguf_quantize(arr, qtype), raw_dtype=qtype)
         elif qtype in K_QUANTS:
-            w.add_tensor(name, k_quant_blocks(rng, qtype, shape), raw_dtype=qtype)
+            w.add_tensor(name, random_blocks(rng, qtype, shape), raw_dtype=qtype)
         else:
             w.add_tensor(name, gguf_quantize(arr, qtype), raw_dtype=qtype)
     for name in ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"):
@@ -125,6 +119,9 @@ def check_every_tensor(path: Path, n_heads: dict[str, int]) -> dict[str, str]:
         if isinstance(got, PackedWeight):
             formats[hf] = got.format
             assert torch.equal(dequantize(got, torch.float32), ref), t.name
+        elif isinstance(got, GgmlBlockWeight):
+            formats[hf] = got.format
+            assert torch.equal(got.dequantize(torch.float32), ref), t.name
         else:
             formats[hf] = str(got.dtype)
             assert got.dtype == torch.float32 and torch.equal(got, ref), t.name
@@ -144,16 +141,40 @@ def test_written_files_held_as_stored_dequantize_exactly(tmp_path: Path, qtype: 
     assert formats["model.norm.weight"] == "torch.float32"
 
 
-def test_mixed_types_and_k_quants_are_dequantized(tmp_path: Path) -> None:
+def test_mixed_types_and_k_quants_held_as_blocks(tmp_path: Path) -> None:
     path = tmp_path / "mixed.gguf"
     write_model(path, {"attn_q": Q.Q4_1, "attn_k": Q.Q4_0, "attn_v": Q.Q8_0, "ffn_up": Q.Q4_K,
                        "ffn_gate": Q.Q6_K, "attn_output": Q.F32, "token_embd": Q.Q4_0})
     formats = check_every_tensor(path, LLAMA_PERMUTED)
     assert formats["model.layers.0.self_attn.k_proj.weight"] == "int4-g32-sym"
-    # k-quants and F32 are dequantized to the model dtype, equal to gguf's dequantization
-    for name in ("mlp.up_proj", "mlp.gate_proj", "self_attn.o_proj"):
-        assert formats[f"model.layers.0.{name}.weight"] == "torch.float32"
+    # k-quants as their raw blocks, F32 dense: each equal to gguf's dequantization
+    assert formats["model.layers.0.mlp.up_proj.weight"] == "Q4_K"
+    assert formats["model.layers.0.mlp.gate_proj.weight"] == "Q6_K"
+    assert formats["model.layers.0.self_attn.o_proj.weight"] == "torch.float32"
     assert formats["model.embed_tokens.weight"] == "int4-g32-sym"
+
+
+@pytest.mark.parametrize(("types", "want"), [
+    ({"attn_q": Q.Q5_K, "attn_k": Q.Q5_0, "attn_v": Q.Q5_1, "ffn_up": Q.IQ4_XS,
+      "ffn_gate": Q.IQ4_NL, "token_embd": Q.Q6_K},
+     {"q_proj": "Q5_K", "k_proj": "Q5_0", "v_proj": "Q5_1", "up_proj": "IQ4_XS",
+      "gate_proj": "IQ4_NL", "embed_tokens": "Q6_K"}),
+    ({"attn_q": Q.Q3_K, "attn_k": Q.Q2_K, "attn_v": Q.IQ2_XXS, "ffn_up": Q.TQ2_0,
+      "ffn_gate": Q.IQ3_S, "token_embd": Q.Q3_K},
+     dict.fromkeys(["q_proj", "k_proj", "v_proj", "up_proj", "gate_proj", "embed_tokens"],
+                   "torch.float32")),
+], ids=["held-as-blocks", "dequantized-at-load"])
+def test_every_gguf_type_loads_exactly(tmp_path: Path, types: dict[str, Q],
+                                       want: dict[str, str]) -> None:
+    """Held as blocks (the permuted Q/K rows moved whole) or dequantized at load: every tensor
+    equals gguf's own dequantization with llama.cpp's permutation undone independently."""
+    path = tmp_path / "m.gguf"
+    write_model(path, types)
+    formats = check_every_tensor(path, LLAMA_PERMUTED)
+    for hf, fmt in formats.items():
+        stem = hf.split(".")[-2]
+        if stem in want:
+            assert fmt == want[stem], hf
 
 
 def test_row_order_permutes_packed_rows_exactly() -> None:

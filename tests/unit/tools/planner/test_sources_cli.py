@@ -89,6 +89,31 @@ def test_gguf_header(tmp_path: Path) -> None:
     assert e.file_weight_bytes == 100 * 64 * 4
 
 
+def test_gguf_types_the_engine_cannot_load_are_named(tmp_path: Path) -> None:
+    """The planner reads the loader's own list (SUPPORTED_GGUF_TYPES): a Q8_K tensor (no
+    gguf-py dequantization) is named in the source note; K-quants and IQ types are not."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    path = tmp_path / "mixed.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (("context_length", 256), ("embedding_length", 256),
+                       ("feed_forward_length", 256), ("block_count", 1), ("head_count", 4),
+                       ("head_count_kv", 2)):
+        getattr(w, f"add_{key}")(value)
+    w.add_token_list([f"t{i}" for i in range(100)])
+    for name, qtype in (("token_embd.weight", Q.Q6_K), ("blk.0.ffn_up.weight", Q.Q8_K),
+                        ("blk.0.ffn_gate.weight", Q.IQ2_XXS)):
+        block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+        w.add_tensor(name, np.zeros((100, 256 // block * nbytes), np.uint8), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    source = resolve_model(str(path)).source
+    assert source.endswith("fitserve's engine cannot load tensors of type Q8_K"), source
+
+
 def test_cli_table_and_json(capsys: pytest.CaptureFixture[str],
                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COLUMNS", "300")

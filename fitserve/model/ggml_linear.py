@@ -1,0 +1,122 @@
+"""Linear layers and the token embedding over raw ggml blocks (``GgmlBlockWeight``).
+
+    GgmlLinear(w)(x [..., K]) -> [..., N]        y in x's dtype
+    GgmlEmbedding(w, dtype)(ids [T]) -> [T, K]   gather the ids' block rows, dequantize only them
+
+GgmlLinear runs the C++ ``ggml_matmul`` (fitserve.kernels.cpu.ggml_blocks) where it exists for
+the weight's type and x is float32 / bfloat16, else the pure-torch path: dequantize bounded row
+chunks (float32, exact to gguf-py) and F.linear, as ``run_torch`` does for packed weights.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fitserve.quant.ggml_blocks import GgmlBlockWeight, dequantize_blocks
+
+# Rows dequantized at once by the torch path: ~1M elements (4 MiB of fp32) whatever the layer.
+_TORCH_CHUNK_ELEMENTS = 1 << 20
+
+
+@functools.cache
+def _kernels() -> ModuleType | None:
+    """The C++ ggml block kernels' module, or None where this build has none."""
+    try:
+        from fitserve.kernels.cpu import ggml_blocks  # type: ignore[attr-defined, unused-ignore]
+    except ImportError:
+        return None
+    return ggml_blocks  # type: ignore[no-any-return, unused-ignore]
+
+
+def kernel_available(ggml_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``ggml_matmul`` runs this type for activations of ``dtype``."""
+    k = _kernels()
+    if k is None or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    try:
+        return bool(k.ggml_kernel_available(ggml_type))
+    except Exception:  # a broken build counts as absent: the pure-torch path runs
+        return False
+
+
+def torch_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: str, n: int,
+                 k: int) -> torch.Tensor:
+    """``x [M, K] @ W.T`` in x's dtype, W dequantized in row chunks: the reference path."""
+    rows = max(1, _TORCH_CHUNK_ELEMENTS // k)
+    outs = [F.linear(x, dequantize_blocks(blocks[r0 : r0 + rows], ggml_type).to(x.dtype))
+            for r0 in range(0, n, rows)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+class GgmlLinear(nn.Module):
+    """``y = x @ W.T (+ bias)`` with W held as its ggml blocks (buffer ``blocks``)."""
+
+    blocks: torch.Tensor
+
+    def __init__(self, w: GgmlBlockWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.ggml_type, self.in_features, self.out_features = w.ggml_type, w.K, w.N
+        self.register_buffer("blocks", w.blocks)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.force_torch = False  # tests and benchmarks: the pure-torch path whatever is built
+        # NOTE: decided once (not per call): a compiled decode step traces only a bool here
+        self._kernel = {dt: kernel_available(w.ggml_type, dt)
+                        for dt in (torch.float32, torch.bfloat16)}
+
+    @property
+    def weight_blocks(self) -> GgmlBlockWeight:
+        """The weight over this module's buffer (no copy)."""
+        return GgmlBlockWeight(self.ggml_type, self.out_features, self.in_features, self.blocks)
+
+    def uses_kernel(self, dtype: torch.dtype) -> bool:
+        """Whether a call with x of ``dtype`` runs the C++ kernel."""
+        return not self.force_torch and self._kernel.get(dtype, False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        n, k = self.out_features, self.in_features
+        if self.uses_kernel(x2.dtype):
+            kernels = _kernels()
+            assert kernels is not None
+            out: torch.Tensor = kernels.ggml_matmul(x2.contiguous(), self.blocks, self.ggml_type,
+                                                    n, k)
+            y = out.to(x.dtype)
+        else:
+            y = torch_matmul(x2, self.blocks, self.ggml_type, n, k)
+        if self.bias is not None:
+            y = y + self.bias
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"format={self.ggml_type}, bias={self.bias is not None}")
+
+
+class GgmlEmbedding(nn.Module):
+    """Token embedding held as ggml blocks: the rows of ``ids`` are gathered, then dequantized
+    (exact to gguf-py) into ``dtype``. ``tied_linear()`` is the lm_head over the SAME buffer."""
+
+    blocks: torch.Tensor
+
+    def __init__(self, w: GgmlBlockWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ggml_type, self.num_embeddings, self.embedding_dim = w.ggml_type, w.N, w.K
+        self.dtype = dtype
+        self.register_buffer("blocks", w.blocks)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.blocks.index_select(0, ids.reshape(-1))
+        out = dequantize_blocks(rows, self.ggml_type).to(self.dtype)
+        return out.reshape(*ids.shape, self.embedding_dim)
+
+    def tied_linear(self) -> GgmlLinear:
+        w = GgmlBlockWeight(self.ggml_type, self.num_embeddings, self.embedding_dim, self.blocks)
+        return GgmlLinear(w)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, format={self.ggml_type}"
