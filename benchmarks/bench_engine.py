@@ -51,6 +51,7 @@ TEXT = (
 ) * 8
 FITSERVE_CONFIGS = {  # name -> (EngineConfig.dtype, EngineConfig.weights, enforce_eager)
     "q4_1": ("bfloat16", "as-stored", True),
+    "as-stored": ("bfloat16", "as-stored", True),  # any GGUF as stored (bench_formats.py)
     "bf16": ("bfloat16", "bf16", True),
     "fp32": ("float32", "float32", True),
     # decode steps under torch.compile; run twice on one fresh compile cache (cold, then warm)
@@ -115,8 +116,10 @@ def fitserve_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     w1()
     r1 = [w1() for _ in range(spec["runs"])]
-    w2()
-    r2 = [w2() for _ in range(spec["runs"])]
+    r2 = []
+    if "w2_batch" in spec:  # absent: W1 only (bench_formats.py without --w2)
+        w2()
+        r2 = [w2() for _ in range(spec["runs"])]
     model = engine.runner.model
     weight_bytes = sum(t.numel() * t.element_size() for t in
                        {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()
@@ -125,7 +128,7 @@ def fitserve_worker(spec: dict[str, Any]) -> dict[str, Any]:
     return {"engine": "fitserve", "config": spec["config"], "startup_s": startup,
             "W1": {"ttft_ms": statistics.median(r[0] for r in r1),
                    "tok_s": statistics.median(r[1] for r in r1), "runs": [r[1] for r in r1]},
-            "W2": {"tok_s": statistics.median(r2), "runs": r2},
+            **({"W2": {"tok_s": statistics.median(r2), "runs": r2}} if r2 else {}),
             "weight_bytes_read": weight_bytes - rope, "peak_rss_mib": peak_rss_mib()}
 
 
@@ -167,11 +170,12 @@ def transformers_worker(spec: dict[str, Any]) -> dict[str, Any]:
     with torch.inference_mode():
         w1()
         r1 = [w1() for _ in range(spec["runs"])]
-        r2 = [w2() for _ in range(max(1, spec["runs"] - 1))]
+        r2 = [w2() for _ in range(max(1, spec["runs"] - 1))] if "w2_batch" in spec else []
     return {"engine": "transformers", "version": transformers.__version__,
             "W1": {"ttft_ms": statistics.median(r[0] for r in r1),
                    "tok_s": statistics.median(r[1] for r in r1), "runs": [r[1] for r in r1]},
-            "W2": {"tok_s": statistics.median(r2), "runs": r2}, "peak_rss_mib": peak_rss_mib()}
+            **({"W2": {"tok_s": statistics.median(r2), "runs": r2}} if r2 else {}),
+            "peak_rss_mib": peak_rss_mib()}
 
 
 def write_hf_folder(gguf: str, out: Path) -> Path:
