@@ -115,3 +115,14 @@ def grouped_max_concurrency(groups: tuple[KVGroupPlan, ...], block_size: int, co
     """Sequences of ``context`` tokens (decoding) that fit at once: the tightest group."""
     per_seq = request_group_blocks(groups, block_size, context)
     return min(g.usable_blocks // n for g, n in zip(groups, per_seq, strict=True) if n)
+
+
+def windowed_pools(spec: ModelSpec, pool_bytes: int, block_size: int, kv_dtype: str, *,
+                   max_num_seqs: int, max_num_batched_tokens: int, tp: int = 1
+                   ) -> tuple[KVGroupPlan, ...]:
+    """The group pools of a model with sliding-window layers; () for one without (its one full
+    pool is the plain ``num_kv_blocks x kv_block_bytes``)."""
+    if "sliding" not in layer_kinds(spec):
+        return ()
+    return plan_kv_groups(spec, pool_bytes, block_size, kv_dtype, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens, tp=tp)

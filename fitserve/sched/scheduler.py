@@ -139,7 +139,7 @@ class Scheduler:
             total = g.num_usable_blocks
             # a windowed group holds at most its window and one step's chunk per sequence
             held = need if g.window is None else min(need, seats * window_span_blocks(
-                g.window, bs, min(longest, self.config.max_num_batched_tokens)))
+                g.window, bs, self._max_chunk(longest)))
             if held > total:
                 who = f"request {rid!r}" + (f" with its {seats - 1} siblings" if seats > 1 else "")
                 pool = "the whole KV pool" if len(self.kv.groups) == 1 else f"the {g.group.kind} layers' KV pool"
@@ -164,6 +164,11 @@ class Scheduler:
             c.priority, c.late, c.arrival_time = req.priority, req.late, req.arrival_time
             self._requests[c.request_id] = c
         self._enqueue(req)
+
+    def _max_chunk(self, longest: int) -> int:
+        """The most tokens one chunk of a request of ``longest`` tokens can hold."""
+        t = self.config.long_prefill_token_threshold
+        return min(longest, self.config.max_num_batched_tokens, t or longest)
 
     def fork(self, parent_id: str, child: SchedRequest) -> None:
         """Add ``child`` as a fork of a request: same prompt, its own outputs (which must extend
