@@ -126,3 +126,16 @@ def windowed_pools(spec: ModelSpec, pool_bytes: int, block_size: int, kv_dtype: 
         return ()
     return plan_kv_groups(spec, pool_bytes, block_size, kv_dtype, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, tp=tp)
+
+
+def request_kv_held(spec: ModelSpec, context: int, block_size: int, kv_dtype: str, *, tp: int = 1
+                    ) -> tuple[tuple[int, ...], int]:
+    """What the engine holds for one sequence decoding at ``context`` tokens: (blocks per layer
+    group, bytes); windowed groups only their window's blocks (whole blocks, so a little more
+    than ``request_kv().bytes_reclaimed``'s tokens)."""
+    out, total = [], 0
+    for _, window, layers in kv_group_layers(spec):
+        n = window_blocks_held(block_size, context - 1, context, window)
+        out.append(n)
+        total += n * group_block_bytes(spec, layers, block_size, kv_dtype, tp)
+    return tuple(out), total
