@@ -245,21 +245,29 @@ class KVCacheManager:
         if not 0 <= write_start <= num_tokens:
             raise ValueError(f"write range [{write_start}, {num_tokens}) is not a range")
         bs = self.block_size
-        plans: list[list[int]] = []
+        want = _cdiv(num_tokens, bs)
+        first = write_start // bs
+        plans: list[tuple[GroupTables, list[int], list[int]]] = []
         for g in self.groups:
-            g.remove_skipped(request_id, write_start)
-            table = g.tables.get(request_id, [])
-            first, end = write_start // bs, min(len(table), _cdiv(num_tokens, bs))
-            shared = [i for i in range(first, end)
-                      if table[i] != g.null_block and g.pool.ref_count(table[i]) > 1]
-            if g.blocks_needed(request_id, num_tokens) + len(shared) > g.pool.num_free_blocks:
+            if g.window is not None:
+                g.remove_skipped(request_id, write_start)
+            table = g.tables.get(request_id)
+            if table is None:
+                table = []
+            pool = g.pool
+            # NOTE: the null block's one reference is the group's own, so it is never "shared"
+            shared = [i for i in range(first, min(len(table), want)) if pool.ref_count(table[i]) > 1]
+            if max(0, want - len(table)) + len(shared) > pool.num_free_blocks:
                 return None
-            plans.append(shared)
+            plans.append((g, table, shared))
         copies: list[list[tuple[int, int]]] = []
-        for g, shared in zip(self.groups, plans, strict=True):
-            copies.append(self._copy_on_write(g, request_id, shared, write_start))
-        ok = self.allocate(request_id, num_tokens)
-        assert ok, "blocks were counted above"
+        for g, table, shared in plans:
+            copies.append(self._copy_on_write(g, request_id, shared, write_start) if shared else [])
+            if request_id not in g.tables:
+                g.tables[request_id] = table
+            if want > len(table):
+                table.extend(g.pool.allocate(want - len(table)))
+        self._used_slots[request_id] = num_tokens
         return copies
 
     def _copy_on_write(self, g: GroupTables, request_id: str, shared: list[int],
