@@ -48,6 +48,10 @@ class ScheduledChunk:
     # speculative decoding: the last num_draft token_ids are draft tokens to verify (the chunk
     # is [last token, d1 .. dk]; its k + 1 logits rows score d1 .. dk and give one more token)
     num_draft: int = 0
+    # a hybrid model's KV layer groups (fitserve.kv.group): every group's table, group 0's
+    # (``block_table``) first; empty for a one-group model. A windowed group's slots before its
+    # window point at the null block 0.
+    group_tables: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -72,6 +76,9 @@ class SchedulerOutput:
     # copy-on-write: (src, dst) physical blocks whose K/V the runner copies, in order, before
     # this step's forward writes anything (a shared partial block a request is about to write)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # a hybrid model's KV layer groups: each group's copies (``block_copies`` is group 0's);
+    # empty for a one-group model
+    group_block_copies: list[list[tuple[int, int]]] = field(default_factory=list)
     # slo policy: the prompt-chunk tokens this step was allowed beside its decodes (None: no cap)
     prefill_cap: int | None = None
     # speculative decoding's inputs to the runner (None: off; the scheduler never sets it)

@@ -23,6 +23,7 @@ from fitserve.config import EngineConfig, ModelSpec, SpeculativeConfig
 from fitserve.dist.engine_tp import TPModelRunner, start_tensor_parallel
 from fitserve.dist.group import TPGroup
 from fitserve.engine.sizing import KVPoolSize, check_pool_fits, engine_kv_format, size_kv_pool
+from fitserve.kv.group import KVGroup
 from fitserve.kv.manager import KVCacheManager
 from fitserve.ledger.formats import resolve_engine_weights
 from fitserve.ledger.weights import engine_format_rule, engine_weight_bytes
@@ -141,11 +142,13 @@ def _size_and_wire(cfg: EngineConfig, model: CausalLM, spec: ModelSpec, shard_sp
         raise RuntimeError(f"the model holds {held:,} B of weights, the ledger says "
                            f"{weight_bytes:,} B (fitserve.ledger.weights.engine_weight_bytes)")
     pool = size_kv_pool(cfg, shard_spec, dtype, device, weight_bytes)
-    check_pool_fits(pool, max_model_len)
+    sched = cfg.scheduler
+    check_pool_fits(pool, max_model_len, min(sched.max_num_batched_tokens,
+                                             sched.long_prefill_token_threshold or max_model_len))
     if tp_group is not None:
         tp_group.send_startup(pool.num_blocks)
     cache = cfg.cache
-    kv = KVCacheManager(pool.num_blocks, cache.block_size, enable_caching=cache.enable_prefix_caching)
+    kv, groups = _kv_manager(pool, cfg, tp=tp_group is not None)
     # the scheduler's max_model_len is the one resolved from the config and the model (as vLLM)
     scheduler = Scheduler(replace(cfg.scheduler, max_model_len=max_model_len), kv)
     runner = (ModelRunner if tp_group is None else TPModelRunner)(
@@ -155,6 +158,7 @@ def _size_and_wire(cfg: EngineConfig, model: CausalLM, spec: ModelSpec, shard_sp
         compile_decode=not cfg.enforce_eager and tp_group is None,
         kv_cache_dtype=cache.kv_cache_dtype, kv_cache_scales=cache.kv_cache_scales,
         verify=None if cfg.speculative is None else verify_drafts,
+        kv_groups=groups if len(groups) > 1 else (),
     )
     if isinstance(runner, TPModelRunner):
         assert tp_group is not None
@@ -164,6 +168,28 @@ def _size_and_wire(cfg: EngineConfig, model: CausalLM, spec: ModelSpec, shard_sp
                            f"{pool.allocated_bytes:,} B ({pool.num_blocks} blocks of "
                            f"{pool.block_bytes:,} B)")
     return pool, kv, scheduler, runner
+
+
+def _kv_manager(pool: KVPoolSize, cfg: EngineConfig, *, tp: bool
+                ) -> tuple[KVCacheManager, list[KVGroup]]:
+    """The KV manager over the ledger's pools: one per layer group for a model with
+    sliding-window layers (their blocks are freed behind the window), else the one pool."""
+    cache = cfg.cache
+    plan_groups = pool.memory_plan.kv_groups if pool.memory_plan is not None else ()
+    if not plan_groups:
+        return KVCacheManager(pool.num_blocks, cache.block_size,
+                              enable_caching=cache.enable_prefix_caching), []
+    if len(plan_groups) > 1 and tp:
+        raise ValueError("a model mixing sliding-window and full-attention layers runs without "
+                         "tensor parallelism for now (the TP step message carries one block table "
+                         "per chunk); drop --tp")
+    if len(plan_groups) > 1 and cfg.speculative is not None and cfg.speculative.method == "draft_model":
+        raise ValueError("a model mixing sliding-window and full-attention layers cannot use a "
+                         "draft model yet (its lookahead slots come from one block table); use "
+                         "--speculative-method ngram")
+    groups = [KVGroup(g.kind, g.num_blocks, g.window, g.layers) for g in plan_groups]
+    return KVCacheManager.from_groups(groups, cache.block_size,
+                                      enable_caching=cache.enable_prefix_caching), groups
 
 
 def _compile_decode_steps(cfg: EngineConfig, runner: ModelRunner, startup: dict[str, float]

@@ -42,7 +42,11 @@ class KVPoolSize:
 
     @property
     def allocated_bytes(self) -> int:
-        """What the runner's KV tensors take: num_blocks x block_bytes."""
+        """What the runner's KV tensors take: num_blocks x block_bytes (a hybrid model: every
+        layer group's pool, ``EngineMemoryPlan.kv_allocated_bytes``)."""
+        plan = self.memory_plan
+        if plan is not None and len(plan.kv_groups) > 1:
+            return plan.kv_allocated_bytes
         return self.num_blocks * self.block_bytes
 
 
@@ -95,10 +99,21 @@ def size_kv_pool(
                       plan.block_bytes, plan)
 
 
-def check_pool_fits(pool: KVPoolSize, max_model_len: int) -> None:
-    """Fail at start-up, naming the knobs, when one max_model_len request cannot fit."""
+def check_pool_fits(pool: KVPoolSize, max_model_len: int, max_chunk: int | None = None) -> None:
+    """Fail at start-up, naming the knobs, when one max_model_len request cannot fit (a windowed
+    layer group needs only its window and one step's chunk of at most ``max_chunk`` tokens, as
+    the scheduler admits it)."""
+    from fitserve.ledger.kv import window_span_blocks
+
     capacity = pool.num_blocks * pool.block_size
-    if capacity >= max_model_len:
+    groups = pool.memory_plan.kv_groups if pool.memory_plan is not None else ()
+    if groups and max_chunk is not None:
+        whole = -(-max_model_len // pool.block_size)
+        need = [whole if g.window is None else min(whole, window_span_blocks(
+            g.window, pool.block_size, min(max_model_len, max_chunk))) for g in groups]
+        if all(g.usable_blocks >= n for g, n in zip(groups, need, strict=True)):
+            return
+    elif capacity >= max_model_len:
         return
     need_blocks = -(-max_model_len // pool.block_size)
     need_bytes = need_blocks * (pool.block_bytes or pool.block_size * pool.bytes_per_token)

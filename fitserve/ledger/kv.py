@@ -174,3 +174,27 @@ def sharing_blocks(prompt_tokens: int, new_tokens: int, sharers: int, block_size
     private = total - full
     return SharingBlocks(sharers, prompt_tokens, new_tokens, block_size, sharers * total,
                          full + sharers * private, full, private)
+
+
+def window_blocks_held(block_size: int, computed: int, total: int, window: int | None) -> int:
+    """Blocks one sequence's table holds in a layer group once it has slots for ``total``
+    tokens, ``computed`` of them computed: every block for a full group; for a windowed group
+    (fitserve.kv.group) only those from the block of ``computed - window + 1`` on, the first
+    key the next query can see::
+
+        window 5, block 4, computed 14, total 15:  ceil(15 / 4) - (14 - 5 + 1) // 4 = 4 - 2 = 2
+    """
+    if block_size < 1 or not 0 <= computed <= total:
+        raise PlanError(f"need block size >= 1 and 0 <= computed <= total (got {block_size}, "
+                        f"{computed}, {total})")
+    first = max(0, computed - window + 1) // block_size if window else 0
+    return max(0, -(-total // block_size) - first)
+
+
+def window_span_blocks(window: int, block_size: int, chunk: int = 1) -> int:
+    """The most blocks a windowed group holds for one sequence computing ``chunk`` new tokens:
+    keys ``s - window + 1 .. s + chunk - 1`` span ``window + chunk - 1`` positions, which touch
+    at most ``ceil((window + chunk - 2) / block_size) + 1`` blocks (decode: chunk 1)."""
+    if window < 1 or block_size < 1 or chunk < 1:
+        raise PlanError(f"need window, block size and chunk >= 1 (got {window}, {block_size}, {chunk})")
+    return -(-(window + chunk - 2) // block_size) + 1

@@ -45,6 +45,7 @@ from fitserve.config import ModelSpec
 from fitserve.ledger.errors import PlanError
 from fitserve.ledger.formats import kv_format
 from fitserve.ledger.kv import kv_block_bytes, kv_bytes_per_token, layer_kinds
+from fitserve.ledger.kv_groups import KVGroupPlan, grouped_max_concurrency, windowed_pools
 from fitserve.ledger.params import is_mla
 from fitserve.ledger.sampler_memory import sampler_chunk_rows
 from fitserve.ledger.scratch import (
@@ -155,6 +156,9 @@ class EngineMemoryPlan:
     load_bytes: int = 0  # the loading transient
     step_bytes: int = 0  # the step peak: masks + max(attention, MLP, sampling phase)
     step_phase: str = ""  # the phase that sets the step peak
+    # a model with sliding-window layers: the pool of each KV layer group (fitserve.ledger.
+    # kv_groups); a hybrid model's num_kv_blocks / block_bytes are its full group's
+    kv_groups: tuple[KVGroupPlan, ...] = ()
 
     def peak_with_kv(self, kv_bytes: int) -> int:
         """The cpu peak RSS with ``kv_bytes`` of KV in place of the pool (``plan.fit``)."""
@@ -163,7 +167,9 @@ class EngineMemoryPlan:
     @property
     def kv_allocated_bytes(self) -> int:
         """Bytes of KV tensors the engine allocates: num_kv_blocks x block_bytes (whole blocks
-        only, so up to one block less than the budget)."""
+        only, so up to one block less than the budget); every group's pool for a hybrid model."""
+        if len(self.kv_groups) > 1:
+            return sum(g.pool_bytes for g in self.kv_groups)
         return self.num_kv_blocks * self.block_bytes
 
     def line(self, name: str) -> MemoryLine:
@@ -187,6 +193,8 @@ class EngineMemoryPlan:
             raise PlanError(f"context length must be >= 1, got {context_len}")
         per_seq = -(-context_len // self.block_size)
         by_kv = self.num_kv_blocks // per_seq
+        if self.kv_groups:  # windowed groups hold only their window: the tightest group
+            by_kv = grouped_max_concurrency(self.kv_groups, self.block_size, context_len)
         value, limit = (by_kv, "kv_pool") if by_kv <= self.max_num_seqs else (
             self.max_num_seqs, "max_num_seqs")
         reasons = [
@@ -200,8 +208,8 @@ class EngineMemoryPlan:
             reasons.insert(0, f"capped by max_num_seqs = {self.max_num_seqs} "
                               f"(the KV pool alone would allow {by_kv})")
         if "sliding" in layer_kinds(self.spec):
-            reasons.append("sliding-window layers are allocated for every token here; an "
-                           "allocator that reclaims them would allow more")
+            reasons.append("sliding-window layers hold only the blocks their window reads "
+                           "(reclaimed as a sequence moves on), in a pool of their own")
         return Ceiling(value, limit, tuple(reasons))
 
 
@@ -258,12 +266,33 @@ def engine_memory_plan(spec: ModelSpec, *, weight_bytes: int, total_memory_bytes
     blocks = num_kv_blocks(pool, spec, block_size, kv_dtype, tp)
     if blocks < 1 and strict:
         raise PlanError(_no_block_message(tuple(lines), total_memory_bytes, pool, block))
+    groups = windowed_pools(spec, max(0, pool), block_size, kv_dtype, max_num_seqs=max_num_seqs,
+                            max_num_batched_tokens=max_num_batched_tokens, tp=tp)
+    blocks, block, kv_bytes = _group_blocks(groups, blocks, block)
     kv_line = MemoryLine("KV pool", "total - lines above" if fixed is None else fixed[1], pool,
-                         f"{blocks} blocks x {fmt_bytes(block)} (block_size={block_size})")
-    peak = sum(line.bytes for line in lines[:-1]) + blocks * block
+                         f"{blocks} blocks x {fmt_bytes(block)} (block_size={block_size})"
+                         + _groups_note(groups))
+    peak = sum(line.bytes for line in lines[:-1]) + kv_bytes
     return EngineMemoryPlan(spec, (*lines, kv_line), pool, blocks, block_size, block,
                             kv_bytes_per_token(spec, kv_dtype, tp=tp), max_num_seqs,
-                            kv_dtype, tp, "gpu", peak)
+                            kv_dtype, tp, "gpu", peak, kv_groups=groups)
+
+
+def _group_blocks(groups: tuple[KVGroupPlan, ...], blocks: int, block: int) -> tuple[int, int, int]:
+    """(num_kv_blocks, block_bytes, KV bytes allocated): a hybrid model's are its full group's
+    blocks and every group's bytes."""
+    if len(groups) > 1:
+        return groups[0].num_blocks, groups[0].block_bytes, sum(g.pool_bytes for g in groups)
+    return blocks, block, blocks * block
+
+
+def _groups_note(groups: tuple[KVGroupPlan, ...]) -> str:
+    """The KV pool line's account of the layer groups' pools."""
+    if not groups:
+        return ""
+    parts = [f"{g.kind} x{len(g.layers)} layers" + (f" (window {g.window}, 1 null block)" if g.window else "")
+             + f": {g.num_blocks} blocks x {fmt_bytes(g.block_bytes)}" for g in groups]
+    return "; " + "; ".join(parts)
 
 
 def _logits_line(spec: ModelSpec, max_num_seqs: int) -> MemoryLine:
@@ -310,6 +339,9 @@ def cpu_engine_memory_plan(spec: ModelSpec, *, weight_bytes: int, max_num_batche
     if blocks < 1 and strict:
         raise PlanError(f"a KV budget of {fmt_bytes(pool)} holds no block of {fmt_bytes(block)} "
                         f"(block_size={block_size}): raise --kv-cache-memory")
+    groups = windowed_pools(spec, pool, block_size, kv_dtype, max_num_seqs=max_num_seqs,
+                            max_num_batched_tokens=max_num_batched_tokens)
+    blocks, block, kv_bytes = _group_blocks(groups, blocks, block)
     mml = spec.max_position_embeddings if max_model_len is None else max_model_len
     budget = max_num_batched_tokens
     scratch = cpu_attention_scratch(
@@ -324,7 +356,7 @@ def cpu_engine_memory_plan(spec: ModelSpec, *, weight_bytes: int, max_num_batche
                                        act_dtype_bytes)
     step, phase = cpu_step_bytes(spec, budget, act_dtype_bytes, scratch, logits.bytes + sampler,
                                  dequant)
-    running = blocks * block + step
+    running = kv_bytes + step
     rope = rope_table_bytes(spec, mml)
     lines = (
         MemoryLine("runtime baseline", "measured VmRSS", runtime_bytes,
@@ -351,16 +383,17 @@ def cpu_engine_memory_plan(spec: ModelSpec, *, weight_bytes: int, max_num_batche
                       "(at most min(num_kv_blocks, max_num_seqs x ceil(max_model_len / "
                       "block_size))), dense in the model dtype plus their f32 decode")]
           if dequant else []),
-        MemoryLine("KV pool", "num_kv_blocks x block_bytes", blocks * block,
+        MemoryLine("KV pool", "num_kv_blocks x block_bytes", kv_bytes,
                    f"{how} = {pool:,} B -> {blocks} blocks x {block:,} B "
                    f"(block_size={block_size}); resident as blocks are first written, "
-                   f"all of it once the run has held or cached that many at once"),
+                   f"all of it once the run has held or cached that many at once"
+                   + _groups_note(groups)),
     )
     resident = runtime_bytes + weight_bytes + rope
     peak = resident + max(load_transient_bytes, running)
     return EngineMemoryPlan(spec, lines, pool, blocks, block_size, block,
                             kv_bytes_per_token(spec, kv_dtype), max_num_seqs, kv_dtype, 1,
-                            "cpu", peak, resident, load_transient_bytes, step, phase)
+                            "cpu", peak, resident, load_transient_bytes, step, phase, groups)
 
 
 def kv_dequant_scratch_bytes(spec: ModelSpec, kv_dtype: str, num_blocks: int, block_size: int,

@@ -311,12 +311,8 @@ def check_engine_spec(spec: ModelSpec, source: object) -> None:
     NOTE: not part of ``spec_from_hf_config(require_supported=True)``: a spec with per-layer
     windows is still a valid description; only building an engine from it must fail.
     """
-    if spec.layer_types is not None and len(set(spec.layer_types)) > 1:
-        n = spec.layer_types.count("sliding")
-        raise ModelLoadError(
-            f"{source}: {n} of {spec.num_layers} layers use a {spec.sliding_window}-token sliding "
-            "window and the rest full attention; the engine runs one attention kind for all layers"
-        )
+    # NOTE: layer_types mixing "sliding" and "full" runs: one KV layer group per kind
+    # (fitserve.kv.group), each layer reading its group's batch.
     if spec.num_experts or spec.kv_lora_rank:
         raise ModelLoadError(f"{source}: mixture-of-experts / MLA models are not supported")
 

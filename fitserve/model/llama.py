@@ -122,8 +122,9 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         rope = StepRope(self.rotary, positions, x.dtype)
         residual: torch.Tensor | None = None
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, rope, batch, kv, residual)
+        batches = batch.layer_batches(len(self.layers))
+        for layer, kv, b in zip(self.layers, kv_caches, batches, strict=True):
+            x, residual = layer(x, rope, b, kv, residual)
         return x if residual is None else self.norm.add_forward(residual, x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ scheduler's block tables into the flat cache slots each new token writes::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -17,6 +17,7 @@ from fitserve import envs
 from fitserve.config import ModelSpec
 from fitserve.kernels.cpu.paged_attention import paged_attention_available
 from fitserve.kernels.cpu.paged_attention_kvq import paged_attention_kvq_available
+from fitserve.kv.group import KVGroup
 from fitserve.ledger.formats import kv_format as kv_format_entry
 from fitserve.ledger.formats import resolve_engine_kv_format
 from fitserve.model.attention.backend import AttentionBackend, DecodeBatch, PrefillSeq
@@ -52,6 +53,7 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         kv_cache_scales: str = "auto",
         verify: DraftVerifier | None = None,
+        kv_groups: Sequence[KVGroup] = (),
     ) -> None:
         self.model = model
         # speculative decoding's rejection sampling (fitserve.spec_decode.rejection.verify), given
@@ -62,9 +64,23 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.device = device
         self.sliding_window = spec.sliding_window
+        # a hybrid model (several KV layer groups): each layer's group, each group's window
+        self.layer_group: list[int] | None = None
+        self.group_windows: list[int | None] = []
+        layer_blocks = [num_blocks] * spec.num_layers
+        if len(kv_groups) > 1:
+            self.layer_group = [0] * spec.num_layers
+            for g, group in enumerate(kv_groups):
+                for layer in group.layers:
+                    self.layer_group[layer] = g
+                    layer_blocks[layer] = group.num_blocks
+            if sorted(la for g in kv_groups for la in g.layers) != list(range(spec.num_layers)):
+                raise ValueError(f"the KV groups' layers {[g.layers for g in kv_groups]} do not cover "
+                                 f"the model's {spec.num_layers} layers once each")
+            self.group_windows = [g.window for g in kv_groups]
         self.kv_format = resolve_engine_kv_format(kv_cache_dtype, kv_cache_scales, _table_name(kv_dtype))
         self.kv_caches = make_kv_caches(spec, self.kv_format, num_blocks=num_blocks, block_size=block_size,
-                                        dtype=kv_dtype, device=device)
+                                        dtype=kv_dtype, device=device, layer_blocks=layer_blocks)
         # a quantized cache: each step dequantizes the blocks it reads into a compact dense cache
         self.quantized_kv = isinstance(self.kv_caches[0], QuantizedKVCache)
         self.sampler = Sampler()
@@ -75,12 +91,15 @@ class ModelRunner:
         self.use_kvq = self.quantized_kv and device.type == "cpu" and paged_attention_kvq_available()
         # decode-only steps under torch.compile (fitserve.runner.compiled_step); None = eager
         self.compiled: CompiledDecode | None = None
-        if compile_decode and self.use_cpp and not self.quantized_kv:
+        # NOTE: a hybrid model's steps run through the modules (one batch per layer group); the
+        # compiled step and the flat decode loop bind one batch for every layer
+        one_batch = self.layer_group is None
+        if compile_decode and self.use_cpp and not self.quantized_kv and one_batch:
             self.compiled = CompiledDecode(model, self.kv_caches, spec.sliding_window)
         # eager decode-only steps as one flat loop of prebound ops (fitserve.runner.decode_loop);
         # FITSERVE_DECODE_LOOP=0 runs them through the modules instead (same bits, slower)
         self.decode_loop: DecodeLoop | None = None
-        if (self.use_cpp and not self.quantized_kv and envs.FITSERVE_DECODE_LOOP()
+        if (one_batch and self.use_cpp and not self.quantized_kv and envs.FITSERVE_DECODE_LOOP()
                 and DecodeLoop.supports(model, kv_dtype)):
             self.decode_loop = DecodeLoop(model, kv_dtype)
 
@@ -105,7 +124,11 @@ class ModelRunner:
     def execute(
         self, out: SchedulerOutput, states: dict[str, RequestSamplingState]
     ) -> RunnerOutput:
-        if out.block_copies:
+        if out.group_block_copies:
+            for g, pairs in enumerate(out.group_block_copies):
+                if pairs:
+                    self.copy_blocks(pairs, group=g)
+        elif out.block_copies:
             self.copy_blocks(out.block_copies)
         chunks = decode_rows_first(out.chunks)
         input_ids, positions, batch = self._prepare(chunks)
@@ -158,13 +181,15 @@ class ModelRunner:
             result.emitted[rid] = emitted
             result.sampled[rid] = emitted[-1]
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write: the K/V of each (src, dst) block pair, every layer, before the step's
-        writes. No dst is another pair's src (dst blocks are fresh, src blocks still held), so
-        the pairs are copied at once."""
+    def copy_blocks(self, copies: list[tuple[int, int]], group: int | None = None) -> None:
+        """Copy-on-write: the K/V of each (src, dst) block pair, every layer (``group``: the
+        layers of that KV layer group), before the step's writes. No dst is another pair's src
+        (dst blocks are fresh, src blocks still held), so the pairs are copied at once."""
         src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
         dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
-        for kv in self.kv_caches:
+        for i, kv in enumerate(self.kv_caches):
+            if group is not None and self.layer_group is not None and self.layer_group[i] != group:
+                continue
             if isinstance(kv, QuantizedKVCache):
                 kv.copy_blocks(src, dst)
                 continue
@@ -211,6 +236,23 @@ class ModelRunner:
     def _prepare(
         self, chunks: list[ScheduledChunk]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        if self.layer_group is None:
+            return self._prepare_group(chunks, [c.block_table for c in chunks], self.sliding_window)
+        # a hybrid model: one batch per KV layer group (its tables and window), each layer
+        # reads its group's (AttentionBatch.per_layer)
+        groups = [self._prepare_group(chunks, [c.group_tables[g] for c in chunks], w)
+                  for g, w in enumerate(self.group_windows)]
+        ids, pos, first = groups[0]
+        batch = AttentionBatch(slot_mapping=first.slot_mapping, decode=first.decode,
+                               prefills=first.prefills, kv_blocks=first.kv_blocks,
+                               per_layer=[groups[g][2] for g in self.layer_group])
+        return ids, pos, batch
+
+    def _prepare_group(
+        self, chunks: list[ScheduledChunk], tables: list[list[int]], window: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        """Token ids, positions and the attention batch of ``chunks`` over ``tables`` (one per
+        chunk, in a KV layer group whose layers see ``window`` keys)."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -221,10 +263,10 @@ class ModelRunner:
         # a quantized cache: decode-only steps read it in place (the quantized kernel); others
         # dequantize the blocks they read into a compact dense cache the tables then index
         in_place = self.use_kvq and all(runs_as_decode(c) for c in chunks)
-        compact = compact_blocks(chunks, bs) if self.quantized_kv and not in_place else None
-        for chunk in chunks:
+        compact = (compact_blocks(chunks, bs, tables) if self.quantized_kv and not in_place
+                   else None)
+        for chunk, table in zip(chunks, tables, strict=True):
             start, t = chunk.start_pos, len(chunk.token_ids)
-            table = chunk.block_table
             ids.extend(chunk.token_ids)
             rng = range(start, start + t)
             pos.extend(rng)
@@ -239,11 +281,11 @@ class ModelRunner:
                 decode_lens.extend(range(start + 1, start + t + 1))
             else:
                 prefills.append(self._backend([t], [start + t]).build_prefill(
-                    len(ids) - t, start, t, table, block_size=bs, window=self.sliding_window,
+                    len(ids) - t, start, t, table, block_size=bs, window=window,
                     device=self.device,
                 ))
-        decode = (self._decode_batch(decode_tables, decode_lens, in_place) if decode_tables
-                  else None)
+        decode = (self._decode_batch(decode_tables, decode_lens, window, in_place)
+                  if decode_tables else None)
         batch = AttentionBatch(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             decode=decode,
@@ -258,10 +300,10 @@ class ModelRunner:
             batch,
         )
 
-    def _decode_batch(self, tables: list[list[int]], seq_lens: list[int], kv_quant: bool = False
-                      ) -> DecodeBatch:
+    def _decode_batch(self, tables: list[list[int]], seq_lens: list[int], window: int | None,
+                      kv_quant: bool = False) -> DecodeBatch:
         return self._backend([1] * len(tables), seq_lens, kv_quant).build_decode(
-            tables, seq_lens, block_size=self.block_size, window=self.sliding_window,
+            tables, seq_lens, block_size=self.block_size, window=window,
             device=self.device,
         )
 
@@ -271,20 +313,24 @@ def _table_name(dtype: torch.dtype) -> str:
 
 
 def make_kv_caches(spec: ModelSpec, kv_format: str, *, num_blocks: int, block_size: int,
-                   dtype: torch.dtype, device: torch.device) -> list[LayerKV]:
+                   dtype: torch.dtype, device: torch.device,
+                   layer_blocks: Sequence[int] | None = None) -> list[LayerKV]:
     """One cache per layer in ``kv_format`` (a KV_FORMATS name): dense (K, V) tensors of
     ``dtype`` [kv_heads, num_blocks, block_size, head_dim] (head-major), or a QuantizedKVCache.
-    Zero-filled; on the CPU resident only as blocks are first written (``lazy_zeros``)."""
+    ``layer_blocks``: each layer's own block count (a hybrid model's layer groups have pools of
+    their own). Zero-filled; on the CPU resident only as blocks are first written
+    (``lazy_zeros``)."""
     fmt = kv_format_entry(kv_format)
+    blocks = list(layer_blocks) if layer_blocks is not None else [num_blocks] * spec.num_layers
     if fmt.codec:
         key_layout = "channel-key" if fmt.key_scales == "channel" else "token"
         return [QuantizedKVCache(fmt.codec, key_layout, num_kv_heads=spec.num_kv_heads,
-                                 num_blocks=num_blocks, block_size=block_size,
+                                 num_blocks=n, block_size=block_size,
                                  head_dim=spec.head_dim, device=device, zeros=lazy_zeros)
-                for _ in range(spec.num_layers)]
-    shape = (spec.num_kv_heads, num_blocks, block_size, spec.head_dim)
-    return [(lazy_zeros(shape, dtype, device), lazy_zeros(shape, dtype, device))
-            for _ in range(spec.num_layers)]
+                for n in blocks]
+    return [(lazy_zeros((spec.num_kv_heads, n, block_size, spec.head_dim), dtype, device),
+             lazy_zeros((spec.num_kv_heads, n, block_size, spec.head_dim), dtype, device))
+            for n in blocks]
 
 
 def layer_kv_bytes(kv: LayerKV) -> int:
@@ -294,12 +340,15 @@ def layer_kv_bytes(kv: LayerKV) -> int:
     return sum(t.numel() * t.element_size() for t in kv)
 
 
-def compact_blocks(chunks: list[ScheduledChunk], block_size: int) -> dict[int, int]:
+def compact_blocks(chunks: list[ScheduledChunk], block_size: int,
+                   tables: list[list[int]] | None = None) -> dict[int, int]:
     """Physical block -> its index in the step's compact cache: the blocks the step reads
-    (each chunk's table up to its last new token), in first-seen order."""
+    (each chunk's table, or its ``tables`` entry, up to its last new token), in first-seen
+    order."""
     out: dict[int, int] = {}
-    for c in chunks:
-        for b in c.block_table[: -(-(c.start_pos + len(c.token_ids)) // block_size)]:
+    for i, c in enumerate(chunks):
+        table = c.block_table if tables is None else tables[i]
+        for b in table[: -(-(c.start_pos + len(c.token_ids)) // block_size)]:
             out.setdefault(b, len(out))
     return out
 

@@ -37,6 +37,10 @@ first); the last holder writes it in place::
     fork: B, C share A's [3, 8] (ref 3)       step k+1: A writes a at 6, B b, C c (block 8)
     A: 8 -> copy 9, B: 8 -> copy 10, C: writes block 8 in place (the last holder)
 
+Layer groups (fitserve.kv.group): a model with sliding-window layers has its tables per group;
+each chunk carries every group's (``ScheduledChunk.group_tables`` when there are several) and a
+windowed group frees the blocks behind its window as the request's chunks are given slots.
+
 Beam search forks and prunes through :meth:`Scheduler.fork`, :meth:`Scheduler.append_token` and
 :meth:`Scheduler.finish`; a beam that sampled before its siblings is idle (nothing to compute)
 until the group's next tokens are chosen.
@@ -52,7 +56,7 @@ from collections.abc import Callable
 from fitserve.config import SchedulerConfig
 from fitserve.kv.manager import KVCacheManager
 from fitserve.kv.prefix_hash import extend_block_hashes
-from fitserve.ledger.kv import sharing_blocks
+from fitserve.ledger.kv import sharing_blocks, window_span_blocks
 from fitserve.ledger.step_time import StepTimeModel
 from fitserve.sched.request import SchedRequest
 from fitserve.sched.slo import SLOController
@@ -131,14 +135,19 @@ class Scheduler:
         bs = self.kv.block_size
         # the planner's count of sequences sharing a prompt (one ledger): its full blocks once
         need = sharing_blocks(n, longest - n, seats, bs).shared if seats > 1 else _cdiv(longest, bs)
-        total = self.kv.pool.num_blocks
-        if need > total:
-            who = f"request {rid!r}" + (f" with its {seats - 1} siblings" if seats > 1 else "")
-            raise ValueError(
-                f"{who} can grow to {longest} tokens{' each' if seats > 1 else ''}, which needs {need} blocks of "
-                f"{bs} slots, but the whole KV pool has {total} blocks ({total * bs} slots); "
-                "lower max_model_len or max_tokens, or give the KV cache more memory"
-            )
+        for g in self.kv.groups:
+            total = g.num_usable_blocks
+            # a windowed group holds at most its window and one step's chunk per sequence
+            held = need if g.window is None else min(need, seats * window_span_blocks(
+                g.window, bs, self._max_chunk(longest)))
+            if held > total:
+                who = f"request {rid!r}" + (f" with its {seats - 1} siblings" if seats > 1 else "")
+                pool = "the whole KV pool" if len(self.kv.groups) == 1 else f"the {g.group.kind} layers' KV pool"
+                raise ValueError(
+                    f"{who} can grow to {longest} tokens{' each' if seats > 1 else ''}, which needs {held} blocks of "
+                    f"{bs} slots, but {pool} has {total} blocks ({total * bs} slots); "
+                    "lower max_model_len or max_tokens, or give the KV cache more memory"
+                )
         if req.priority != 0 and self.policy != "priority":
             raise ValueError(f"request {rid!r} has priority {req.priority}, but the scheduling policy is "
                              f"{self.policy!r}: priorities need --scheduling-policy priority")
@@ -155,6 +164,11 @@ class Scheduler:
             c.priority, c.late, c.arrival_time = req.priority, req.late, req.arrival_time
             self._requests[c.request_id] = c
         self._enqueue(req)
+
+    def _max_chunk(self, longest: int) -> int:
+        """The most tokens one chunk of a request of ``longest`` tokens can hold."""
+        t = self.config.long_prefill_token_threshold
+        return min(longest, self.config.max_num_batched_tokens, t or longest)
 
     def fork(self, parent_id: str, child: SchedRequest) -> None:
         """Add ``child`` as a fork of a request: same prompt, its own outputs (which must extend
@@ -320,17 +334,27 @@ class Scheduler:
                 continue
             drafts = self._take_drafts(req, budget) if num_new == 1 else []
             start, num_new = req.num_computed_tokens, num_new + len(drafts)
-            while (copies := self.kv.allocate_for_write(req.request_id, start, start + num_new)) is None:
+            while (copies := self.kv.allocate_slots(req.request_id, start, start + num_new)) is None:
                 victim = self.running[-1]  # newest; always at index >= i
                 self._preempt(victim, out)
                 if victim is req:
                     return budget  # nothing older is left to take blocks from
-            out.block_copies.extend(copies)
+            self._add_copies(out, copies)
             out.chunks.append(self._make_chunk(req, num_new - len(drafts), drafts))
             self._took(req, num_new, start)
             budget -= num_new
             i += 1
         return budget
+
+    def _add_copies(self, out: SchedulerOutput, copies: list[list[tuple[int, int]]]) -> None:
+        """Copy-on-write copies of one request: group 0's in ``block_copies``, and every
+        group's in ``group_block_copies`` for a hybrid model."""
+        out.block_copies.extend(copies[0])
+        if len(copies) > 1:
+            if not out.group_block_copies:
+                out.group_block_copies = [[] for _ in copies]
+            for acc, c in zip(out.group_block_copies, copies, strict=True):
+                acc.extend(c)
 
     def _take_drafts(self, req: SchedRequest, budget: int) -> list[int]:
         """The request's draft tokens that fit this step: in the token budget, before
@@ -349,9 +373,10 @@ class Scheduler:
             if seats + req.seats > self.config.max_num_seqs:
                 break
             hits = self._lookup_prefix(req)
-            num_cached = len(hits) * self.kv.block_size
+            num_cached = len(hits[0]) * self.kv.block_size
             num_new = self._chunk_len(req, budget, computed=num_cached)
-            if num_new <= 0 or not self.kv.allocate(req.request_id, num_cached + num_new, hits):
+            if num_new <= 0 or not self.kv.allocate(req.request_id, num_cached + num_new,
+                                                     computed_groups=hits):
                 break  # FIFO: never let a later request jump ahead of this one
             self.kv.record_prefix_lookup(req.num_tokens, num_cached)
             req.num_computed_tokens = req.num_cached_tokens = num_cached
@@ -363,12 +388,12 @@ class Scheduler:
             self._took(req, num_new, num_cached)
             budget -= num_new
 
-    def _lookup_prefix(self, req: SchedRequest) -> list[int]:
-        """The cached blocks a waiting request (no blocks, nothing computed) can start from."""
-        if not self.kv.enable_caching:
-            return []
-        self._extend_hashes(req, req.num_tokens)
-        return self.kv.get_computed_blocks(req.block_hashes, req.num_tokens)
+    def _lookup_prefix(self, req: SchedRequest) -> list[list[int]]:
+        """Per layer group, the cached blocks a waiting request (no blocks, nothing computed)
+        can start from (fitserve.kv.manager.KVCacheManager.find_prefix_hit)."""
+        if self.kv.enable_caching:
+            self._extend_hashes(req, req.num_tokens)
+        return self.kv.find_prefix_hit(req.block_hashes, req.num_tokens)
 
     def _extend_hashes(self, req: SchedRequest, num_tokens: int) -> None:
         """Hash the request's full blocks among its first ``num_tokens`` tokens (new ones only)."""
@@ -403,6 +428,7 @@ class Scheduler:
             sample=sample,
             fanout=[c.request_id for c in req.fork_children] if sample else [],
             num_draft=len(drafts or ()),
+            group_tables=self.kv.block_tables(req.request_id) if self.kv.num_groups > 1 else [],
         )
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int],

@@ -148,7 +148,9 @@ def test_pool_small_enough_to_preempt(tiny: LoadedModel) -> None:
         back_with_hits.update(r.request_id for r in engine.scheduler.running
                               if r.num_preemptions and r.num_cached_tokens)
 
-    off, on = check_on_equals_off(tiny, watch=watch, num_kv_blocks=14, max_model_len=112)
+    # NOTE: Mistral's windowed pool keeps one block as its null block (fitserve.kv.group)
+    blocks = 14 + (tiny.spec.sliding_window is not None)
+    off, on = check_on_equals_off(tiny, watch=watch, num_kv_blocks=blocks, max_model_len=112)
     assert off.scheduler.total_preemptions > 0 and on.scheduler.total_preemptions > 0
     assert back_with_hits, "vacuous: no preempted request hit cached blocks on its return"
     assert on.kv.pool.num_evictions > 0, "vacuous: the pool never needed a cached block"

@@ -237,7 +237,10 @@ def test_draft_model_greedy_on_tiny_models_under_pressure(tiny: LoadedModel, tmp
     prompts = repetitive(tiny.spec.vocab_size, 6, 4)
     work = [(p, GREEDY) for p in prompts]
     work.append((prompts[0], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, presence_penalty=0.5)))
-    kw: dict[str, Any] = {"max_num_batched_tokens": 12, "num_kv_blocks": 13, "max_model_len": 96}
+    # NOTE: Mistral's windowed layers free their blocks behind the window (fitserve.kv.group),
+    # so its pool must be smaller still to preempt
+    blocks = 13 if tiny.spec.sliding_window is None else 6
+    kw: dict[str, Any] = {"max_num_batched_tokens": 12, "num_kv_blocks": blocks, "max_model_len": 96}
     plain = drive(make(tiny, None, **kw), work)
     engine = make(tiny, draft(folder), **kw)
     assert drive(engine, work) == plain

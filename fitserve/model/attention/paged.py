@@ -43,6 +43,13 @@ class AttentionBatch:
     # quantized KV: the physical blocks the step reads, in the order of the compact dense cache
     # they are dequantized into (the block tables above index that compact cache)
     kv_blocks: torch.Tensor | None = None
+    # a hybrid model's KV layer groups (fitserve.kv.group): the batch each layer reads (its
+    # group's tables, slots and window); None: every layer reads this one
+    per_layer: list[AttentionBatch] | None = None
+
+    def layer_batches(self, num_layers: int) -> list[AttentionBatch]:
+        """The batch of each of ``num_layers`` layers."""
+        return self.per_layer if self.per_layer is not None else [self] * num_layers
 
 
 def write_kv(

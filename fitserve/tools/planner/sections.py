@@ -15,6 +15,7 @@ from fitserve.ledger.kv import (
     request_kv,
     sharing_blocks,
 )
+from fitserve.ledger.kv_groups import request_kv_held
 from fitserve.ledger.params import count_params, is_mla
 from fitserve.ledger.units import fmt_bytes, fmt_count, fmt_seconds
 from fitserve.ledger.weights import (
@@ -245,7 +246,13 @@ def kv_section(r: Resolved) -> Section:
                           f"min({ctx}, {req.window}) tokens x {layer} B; saving "
                           f"{req.window_saving:.1%} = ({req.sliding_layers}/{s.num_layers}) x "
                           f"(1 - {min(ctx, req.window or ctx)}/{ctx})"))
+        blocks, held = request_kv_held(s, ctx, r.req.block_size, kv, tp=tp)
+        lines.append(Line("KV per request, as the engine holds it", "request_kv_held", held,
+                          fmt_bytes(held),
+                          f"blocks of {r.req.block_size} per layer group (full first): "
+                          f"{', '.join(map(str, blocks))}; a windowed group keeps the blocks its "
+                          "window reads and frees the rest as the request moves on"))
         notes.append(f"{kinds.count('sliding')} of {len(kinds)} layers use a {req.window}-token "
-                     "window: the saving is real only if the allocator frees windowed blocks; "
-                     "the engine lines below assume it does not")
+                     "window: the engine gives them a pool of their own and frees their blocks "
+                     "behind the window (fitserve.kv.group)")
     return Section("KV cache", tuple(lines), tuple(notes))
