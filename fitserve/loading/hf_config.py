@@ -18,12 +18,13 @@ possibly nested per layer type); as in transformers, a legacy ``rope_scaling`` w
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from fitserve.config import SUPPORTED_ARCHITECTURES, ModelSpec, RopeScaling
+from fitserve.config import GEMMA_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelSpec, RopeScaling
 from fitserve.ledger.errors import PlanError
 from fitserve.ledger.formats import weight_format
 from fitserve.ledger.weight_names import expected_weight_shapes as expected_weight_shapes
@@ -38,8 +39,11 @@ _ARCH_ALIASES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "Phi3ForCausalLM": "phi3",
 }
-ENGINE_ROPE_KINDS = ("llama3", "linear")
+ENGINE_ROPE_KINDS = ("llama3", "linear", "longrope")
 # quantization_config.quant_method of a `fitserve quantize` checkpoint (fitserve.loading.checkpoint)
 FITSERVE_QUANT_METHOD = "fitserve"
 # Keys transformers requires per rope type (original_max_position_embeddings defaults to
@@ -49,6 +53,7 @@ _ROPE_REQUIRED = {
     "dynamic": ("factor",),
     "yarn": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+    "longrope": ("short_factor", "long_factor"),
 }
 _ROPE_ORIGINAL_MAX = ("llama3", "yarn", "longrope")
 
@@ -110,6 +115,8 @@ def _rope(
     p = _rope_params(config)
     theta = float(p.get("rope_theta", config.get("rope_theta") or d.default(arch, "rope_theta")))
     kind = str(p.get("rope_type", p.get("type", "default")) or "default")
+    if kind in ("su", "yarn") and arch == "phi3":
+        kind = "longrope"  # Phi3Config's backward compatibility: "su"/"yarn" mean longrope
     if kind == "default":
         return theta, None
     if require_supported and kind not in ENGINE_ROPE_KINDS:
@@ -125,8 +132,15 @@ def _rope(
         )
     dflt = RopeScaling(kind=kind)
     orig = p.get("original_max_position_embeddings")
+    if kind in _ROPE_ORIGINAL_MAX and (
+            "original_max_position_embeddings" in config or arch == "phi3"):
+        # NOTE: transformers' standardize_rope_params gives a top-level field priority; Phi3Config
+        # always has one (class default 4096)
+        orig = config.get("original_max_position_embeddings") or 4096
     if orig is None:
         orig = max_pos if kind in _ROPE_ORIGINAL_MAX else dflt.original_max_position_embeddings
+    if kind == "longrope":
+        return theta, _longrope(p, max_pos, int(orig))
     return theta, RopeScaling(
         kind=kind,
         factor=float(p.get("factor", dflt.factor)),
@@ -134,6 +148,45 @@ def _rope(
         high_freq_factor=float(p.get("high_freq_factor", dflt.high_freq_factor)),
         original_max_position_embeddings=int(orig),
     )
+
+
+def _longrope(p: Mapping[str, Any], max_pos: int, orig: int) -> RopeScaling:
+    """LongRoPE as transformers' _compute_longrope_parameters reads it: ``factor`` defaults to
+    max_position_embeddings / original, ``attention_factor`` to sqrt(1 + ln f / ln original)."""
+    factor = p.get("factor")
+    factor = max_pos / orig if factor is None else float(factor)
+    attention = p.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    return RopeScaling("longrope", factor=factor, original_max_position_embeddings=orig,
+                       short_factor=tuple(float(x) for x in p["short_factor"]),
+                       long_factor=tuple(float(x) for x in p["long_factor"]),
+                       attention_factor=float(attention))
+
+
+def _gemma_fields(config: Mapping[str, Any], arch: str, source: object,
+                  require_supported: bool) -> dict[str, Any]:
+    """Gemma 2/3's attention scale, soft-caps and the sliding layers' RoPE base."""
+    if arch not in GEMMA_ARCHITECTURES:
+        return {}
+    out: dict[str, Any] = {
+        "query_pre_attn_scalar": float(_get(config, "query_pre_attn_scalar", arch)),
+        "attn_logit_softcapping": _get(config, "attn_logit_softcapping", arch),
+        "final_logit_softcapping": _get(config, "final_logit_softcapping", arch),
+    }
+    if require_supported and config.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{source}: use_bidirectional_attention (an encoder) is not supported")
+    if arch != "gemma2":  # Gemma 3: the local layers' own base (default RoPE, no scaling)
+        params = config.get("rope_parameters")
+        local = params.get("sliding_attention") if isinstance(params, Mapping) else None
+        local = dict(local or {})
+        kind = str(local.get("rope_type", "default"))
+        if require_supported and kind != "default":
+            raise ModelLoadError(f"{source}: sliding_attention rope type {kind!r} is not supported "
+                                 "(only default)")
+        out["sliding_rope_theta"] = float(local.get("rope_theta") or config.get(
+            "rope_local_base_freq") or 10000.0)
+    return {k: (float(v) if v is not None else None) for k, v in out.items()}
 
 
 def _sliding_per_layer(config: Mapping[str, Any], arch: str, n: int, source: object) -> list[bool]:
@@ -230,6 +283,19 @@ def _check_engine_config(config: Mapping[str, Any], arch: str, source: object) -
         raise ModelLoadError(f"{source}: llama with attention_bias/mlp_bias is not supported")
     if arch == "qwen3" and config.get("attention_bias"):
         raise ModelLoadError(f"{source}: qwen3 with attention_bias (an o_proj bias) is not supported")
+    if (config.get("architectures") or [""])[0] == "Gemma3ForConditionalGeneration":
+        raise ModelLoadError(f"{source}: Gemma3ForConditionalGeneration (image + text) is not "
+                             "supported; the engine runs Gemma3ForCausalLM (gemma3_text) checkpoints")
+    if arch in GEMMA_ARCHITECTURES and config.get("attention_bias"):
+        raise ModelLoadError(f"{source}: {arch} with attention_bias is not supported")
+    if arch == "phi3":
+        partial = config.get("partial_rotary_factor")
+        params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if partial is None and isinstance(params, Mapping):
+            partial = params.get("partial_rotary_factor")
+        if partial not in (None, 1, 1.0):
+            raise ModelLoadError(f"{source}: phi3 with partial_rotary_factor={partial} (Phi-4-mini) "
+                                 "is not supported: the engine rotates whole heads")
 
 
 def spec_from_hf_config(
@@ -301,6 +367,7 @@ def spec_from_hf_config(
         eos_token_ids=tuple(eos),
         name=name or str(config.get("_name_or_path", "") or ""),
         extra=extra,
+        **_gemma_fields(config, arch, source, require_supported),
     )
     return replace(spec, **experts)
 
@@ -311,11 +378,13 @@ def check_engine_spec(spec: ModelSpec, source: object) -> None:
     NOTE: not part of ``spec_from_hf_config(require_supported=True)``: a spec with per-layer
     windows is still a valid description; only building an engine from it must fail.
     """
-    if spec.layer_types is not None and len(set(spec.layer_types)) > 1:
+    mixed = spec.layer_types is not None and len(set(spec.layer_types)) > 1
+    if mixed and spec.architecture not in GEMMA_ARCHITECTURES:
         n = spec.layer_types.count("sliding")
         raise ModelLoadError(
             f"{source}: {n} of {spec.num_layers} layers use a {spec.sliding_window}-token sliding "
-            "window and the rest full attention; the engine runs one attention kind for all layers"
+            "window and the rest full attention; the engine runs mixed layer kinds for Gemma 2/3 "
+            "only"
         )
     if spec.num_experts or spec.kv_lora_rank:
         raise ModelLoadError(f"{source}: mixture-of-experts / MLA models are not supported")

@@ -30,6 +30,8 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.scale = spec.head_dim**-0.5
         self.layer_idx = layer_idx
+        # reads AttentionBatch.sliding's windowed metadata (a model mixing layer kinds)
+        self.sliding = spec.layer_types is not None and spec.layer_types[layer_idx] == "sliding"
 
     def forward(
         self,
@@ -39,6 +41,7 @@ class Attention(nn.Module):
         kv_cache: LayerKV,
     ) -> torch.Tensor:
         n = x.shape[0]
+        batch = batch.for_layer(self.sliding)
         qkv = self.qkv_proj(x)
         heads = self.num_heads + self.num_kv
         qk = qkv[:, : self.q_size + self.kv_size].view(n, heads, self.head_dim)
@@ -123,3 +126,10 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def install_rotary(self, max_positions: int, device: torch.device | str) -> None:
+        """fp32 rotary tables on ``device`` (whatever the model dtype: angles at long positions),
+        shared by every layer."""
+        self.rotary = RotaryEmbedding(self.spec, max_positions).to(device)
+        for layer in self.layers:
+            layer.self_attn.rotary = self.rotary

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fitserve.config import SUPPORTED_ARCHITECTURES, ModelSpec
+from fitserve.config import GEMMA_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelSpec
 from fitserve.model.fp8_linear import Fp8Linear
-from fitserve.model.layers import RotaryEmbedding
+from fitserve.model.gemma import GemmaCausalLM
 from fitserve.model.linear import ConcatLinear, DenseLinear, PackedEmbedding, PackedLinear
 from fitserve.model.llama import CausalLM
 from fitserve.quant.fp8 import Fp8Weight
@@ -35,8 +35,20 @@ def check_supported(spec: ModelSpec) -> None:
         )
     if spec.num_experts:
         raise UnsupportedModelError("mixture-of-experts models are not supported by the engine")
-    if spec.hidden_act != "silu":
-        raise UnsupportedModelError(f"activation {spec.hidden_act!r} is not supported (only silu)")
+    act = "gelu_pytorch_tanh" if spec.architecture in GEMMA_ARCHITECTURES else "silu"
+    if spec.hidden_act != act:
+        raise UnsupportedModelError(f"activation {spec.hidden_act!r} is not supported for "
+                                    f"{spec.architecture} (only {act})")
+    if spec.layer_types is not None and len(set(spec.layer_types)) > 1 and (
+            spec.architecture not in GEMMA_ARCHITECTURES):
+        raise UnsupportedModelError("mixed sliding/full layers run for Gemma 2/3 only")
+
+
+def model_class(spec: ModelSpec) -> type[CausalLM] | type[GemmaCausalLM]:
+    """The decoder module of a family: Gemma 2/3 (fitserve.model.gemma), else the Llama-family
+    one (fitserve.model.llama: Llama, Mistral, Qwen2/3, and Phi-3, whose fused checkpoint
+    tensors are split at load and whose LongRoPE is a rotary table)."""
+    return GemmaCausalLM if spec.architecture in GEMMA_ARCHITECTURES else CausalLM
     if spec.num_heads % spec.num_kv_heads:
         raise UnsupportedModelError(
             f"num_heads={spec.num_heads} is not a multiple of num_kv_heads={spec.num_kv_heads}"
@@ -113,7 +125,7 @@ def make_linear(weight: HeldWeight | tuple[HeldWeight, ...], bias: torch.Tensor 
     return LINEAR_MODULES[type(weight)](weight, bias, dtype)
 
 
-def _install_held(model: CausalLM, state: dict[str, FusedWeight], dtype: torch.dtype,
+def _install_held(model: CausalLM | GemmaCausalLM, state: dict[str, FusedWeight], dtype: torch.dtype,
                     device: torch.device | str) -> None:
     """Swap in its module for every weight held in another format than a dense tensor (or in
     parts), popping its entries from ``state``; the dense rest stays for load_state_dict."""
@@ -175,7 +187,7 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device | str,
     max_positions: int,
-) -> CausalLM:
+) -> CausalLM | GemmaCausalLM:
     """Instantiate the decoder on ``device`` without random init, then load ``weights``.
 
     Dense tensors are copied into the model (cast to ``dtype``); PackedWeights are not copied:
@@ -184,7 +196,7 @@ def build_model(
     """
     check_supported(spec)
     with torch.device("meta"):
-        model = CausalLM(spec, max_positions)
+        model = model_class(spec)(spec, max_positions)
     state = fuse_hf_weights(spec, weights)
     expected = {k for k in model.state_dict() if not k.endswith(("rotary.cos", "rotary.sin"))}
     if spec.tie_word_embeddings:
@@ -200,8 +212,5 @@ def build_model(
     model.load_state_dict(state, strict=False)  # copies, casting into the model dtype
     if spec.tie_word_embeddings and isinstance(model.embed_tokens, nn.Embedding):
         model.lm_head.weight = model.embed_tokens.weight
-    # The rotary tables stay fp32 whatever the model dtype (angles at long positions).
-    model.rotary = RotaryEmbedding(spec, max_positions).to(device)
-    for layer in model.layers:
-        layer.self_attn.rotary = model.rotary
+    model.install_rotary(max_positions, device)
     return model.eval().requires_grad_(False)

@@ -18,7 +18,7 @@ from fitserve.config import ModelSpec
 from fitserve.kernels.cpu.paged_attention import paged_attention_available
 from fitserve.ledger.formats import kv_format as kv_format_entry
 from fitserve.ledger.formats import resolve_engine_kv_format
-from fitserve.model.attention.backend import AttentionBackend, DecodeBatch, PrefillSeq
+from fitserve.model.attention.backend import AttentionBackend
 from fitserve.model.attention.dispatch import choose_attention_backend, classify
 from fitserve.model.attention.paged import AttentionBatch
 from fitserve.model.llama import CausalLM, LayerKV
@@ -26,6 +26,7 @@ from fitserve.quant.kv_cache import QuantizedKVCache
 from fitserve.runner.compiled_step import CompiledDecode
 from fitserve.runner.decode_loop import DecodeLoop
 from fitserve.runner.lazy_memory import lazy_zeros
+from fitserve.runner.step_attention import StepShape, attention_batch, layer_windows, rope_rows
 from fitserve.sampling import RequestSamplingState, Sampler
 from fitserve.types import RunnerOutput, ScheduledChunk, SchedulerOutput, SpecDecodeInputs
 
@@ -61,6 +62,12 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.device = device
         self.sliding_window = spec.sliding_window
+        # one metadata set per layer kind (fitserve.runner.step_attention); soft-capped attention
+        # (Gemma 2) dispatches to a backend that applies the cap
+        self.mixed_layers = len(layer_windows(spec)) > 1
+        self.softcap = spec.attn_logit_softcapping is not None
+        # LongRoPE: the long factors' rows of the rotary table start here (None: one table)
+        self.long_row_offset: int | None = getattr(model.rotary, "long_row_offset", None)
         self.kv_format = resolve_engine_kv_format(kv_cache_dtype, kv_cache_scales, _table_name(kv_dtype))
         self.kv_caches = make_kv_caches(spec, self.kv_format, num_blocks=num_blocks, block_size=block_size,
                                         dtype=kv_dtype, device=device)
@@ -72,7 +79,7 @@ class ModelRunner:
         self.use_cpp = device.type == "cpu" and paged_attention_available()
         # decode-only steps under torch.compile (fitserve.runner.compiled_step); None = eager
         self.compiled: CompiledDecode | None = None
-        if compile_decode and self.use_cpp and not self.quantized_kv:
+        if compile_decode and self.use_cpp and not self.quantized_kv and not self.mixed_layers:
             self.compiled = CompiledDecode(model, self.kv_caches, spec.sliding_window)
         # eager decode-only steps as one flat loop of prebound ops (fitserve.runner.decode_loop);
         # FITSERVE_DECODE_LOOP=0 runs them through the modules instead (same bits, slower)
@@ -83,7 +90,8 @@ class ModelRunner:
 
     def _backend(self, q_lens: list[int], k_lens: list[int]) -> AttentionBackend:
         return choose_attention_backend(
-            classify(self.device.type, q_lens, k_lens, triton=self.use_triton, cpp=self.use_cpp)
+            classify(self.device.type, q_lens, k_lens, triton=self.use_triton, cpp=self.use_cpp,
+                     softcap=self.softcap)
         )
 
     @property
@@ -103,7 +111,7 @@ class ModelRunner:
         if out.block_copies:
             self.copy_blocks(out.block_copies)
         chunks = decode_rows_first(out.chunks)
-        input_ids, positions, batch = self._prepare(chunks)
+        input_ids, positions, batch = self._prepare(chunks, self._long_prompts(states))
         hidden = self._forward(input_ids, positions, batch)
         sample_rows, sample_ids, verify = logits_rows(chunks)
         result = RunnerOutput(sampled={})
@@ -121,6 +129,15 @@ class ModelRunner:
         if verify:
             self._verify(hidden, verify, states, spec or SpecDecodeInputs(), result)
         return result
+
+    def _long_prompts(self, states: dict[str, RequestSamplingState]) -> set[str]:
+        """LongRoPE: the requests whose prompt is longer than the original context (all their
+        tokens take the long factors, fitserve.runner.step_attention)."""
+        rs = self.spec.rope_scaling
+        if self.long_row_offset is None or rs is None:
+            return set()
+        orig = rs.original_max_position_embeddings
+        return {rid for rid, st in states.items() if len(st.prompt_token_ids) > orig}
 
     def _rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """``hidden[rows]``; ``hidden`` itself when that is every row in order (a decode-only
@@ -204,22 +221,21 @@ class ModelRunner:
         return not (self.device.type == "cpu" and num_tokens <= 1)
 
     def _prepare(
-        self, chunks: list[ScheduledChunk]
+        self, chunks: list[ScheduledChunk], long_prompt_ids: set[str] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        """Token ids, rotary rows (positions, or LongRoPE's rows) and attention metadata."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillSeq] = []
+        shape = StepShape([], [], [])
         compact = compact_blocks(chunks, bs) if self.quantized_kv else None
         for chunk in chunks:
             start, t = chunk.start_pos, len(chunk.token_ids)
             table = chunk.block_table
             ids.extend(chunk.token_ids)
             rng = range(start, start + t)
-            pos.extend(rng)
+            pos.extend(rope_rows(chunk, self.spec, self.long_row_offset, long_prompt_ids or set()))
             slots.extend(table[p // bs] * bs + p % bs for p in rng)
             if compact is not None:  # attention reads the compact cache: its block indices
                 table = [compact[b] for b in table[: -(-(start + t) // bs)]]
@@ -227,32 +243,19 @@ class ModelRunner:
                 # NOTE: a verification chunk [last, d1 .. dk] is k + 1 decode rows over one
                 # table, row i seeing keys < start + i + 1: every token's K/V is written before
                 # attention reads, so this is its causal attention, on the fused decode kernel.
-                decode_tables.extend([table] * t)
-                decode_lens.extend(range(start + 1, start + t + 1))
+                shape.decode_tables.extend([table] * t)
+                shape.decode_lens.extend(range(start + 1, start + t + 1))
             else:
-                prefills.append(self._backend([t], [start + t]).build_prefill(
-                    len(ids) - t, start, t, table, block_size=bs, window=self.sliding_window,
-                    device=self.device,
-                ))
-        decode = self._decode_batch(decode_tables, decode_lens) if decode_tables else None
-        batch = AttentionBatch(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            decode=decode,
-            prefills=prefills,
-            kv_blocks=None if compact is None else torch.tensor(list(compact), dtype=torch.long,
-                                                                device=self.device),
-        )
+                shape.prefills.append((len(ids) - t, start, t, table))
         dev = self.device
+        batch = attention_batch(
+            self.spec, shape, torch.tensor(slots, dtype=torch.long, device=dev),
+            None if compact is None else torch.tensor(list(compact), dtype=torch.long, device=dev),
+            backend=self._backend, block_size=bs, device=dev)
         return (
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(pos, dtype=torch.long, device=dev),
             batch,
-        )
-
-    def _decode_batch(self, tables: list[list[int]], seq_lens: list[int]) -> DecodeBatch:
-        return self._backend([1] * len(tables), seq_lens).build_decode(
-            tables, seq_lens, block_size=self.block_size, window=self.sliding_window,
-            device=self.device,
         )
 
 

@@ -4,6 +4,7 @@ The rule: on CUDA with Triton importable, ``TritonPagedDecode`` for decode and
 ``TritonPrefill`` for chunks. On the CPU, decode runs the fused C++ kernel (``CpuPagedDecode``)
 whenever it loaded; without it (no compiler, failed build, FITSERVE_DISABLE_CPP=1)
 ``EagerGather`` up to 4096 keys and ``TorchSDPA`` beyond; prefill chunks run ``TorchSDPA``.
+A model with attention logit soft-capping (Gemma 2) runs ``EagerGather`` everywhere.
 Measured: docs/benchmarks.md, section 'Attention backend rule' (``benchmarks/bench_kernels.py``
 puts the rule's pick next to the measured fastest). Choosing costs a few comparisons per group
 and step, against milliseconds won per call.
@@ -37,6 +38,7 @@ class ShapeClass:
     length_bucket: LengthBucket
     triton: bool = False        # Triton importable (only matters on CUDA)
     cpp: bool = False           # the fused C++ paged decode kernel loaded (only matters on CPU)
+    softcap: bool = False       # attention logits soft-capped (Gemma 2)
 
 
 def _batch_bucket(batch: int) -> BatchBucket:
@@ -48,15 +50,19 @@ def _length_bucket(max_len: int) -> LengthBucket:
 
 
 def classify(device: str, q_lens: list[int], k_lens: list[int], *, triton: bool = False,
-             cpp: bool = False) -> ShapeClass:
+             cpp: bool = False, softcap: bool = False) -> ShapeClass:
     """Shape class of a ragged batch (per-sequence query and key counts)."""
     phase: Phase = "decode" if q_lens and all(t == 1 for t in q_lens) else "prefill"
     return ShapeClass(device, phase, _batch_bucket(len(q_lens)),
-                      _length_bucket(max(k_lens, default=0)), triton, cpp)
+                      _length_bucket(max(k_lens, default=0)), triton, cpp, softcap)
 
 
 def choose_attention_backend(shape_class: ShapeClass) -> AttentionBackend:
     """The backend for a shape class (one of :data:`BACKENDS`)."""
+    if shape_class.softcap:
+        # NOTE: correctness first: only EagerGather soft-caps its scores (the C++, SDPA and
+        # Triton kernels do not), so a soft-capped model runs it in both phases, on any device
+        return EAGER_GATHER
     if shape_class.device == "cuda" and shape_class.triton:
         return TRITON_DECODE if shape_class.phase == "decode" else TRITON_PREFILL
     if shape_class.phase == "decode":

@@ -43,6 +43,14 @@ class AttentionBatch:
     # quantized KV: the physical blocks the step reads, in the order of the compact dense cache
     # they are dequantized into (the block tables above index that compact cache)
     kv_blocks: torch.Tensor | None = None
+    # a model that mixes layer kinds (Gemma 2/3: ModelSpec.layer_types): the metadata its
+    # "sliding" layers read, windowed (same slots and kv_blocks); this batch is the full layers'.
+    # None: every layer reads this one
+    sliding: AttentionBatch | None = None
+
+    def for_layer(self, sliding: bool) -> AttentionBatch:
+        """The metadata a layer of that kind reads."""
+        return self.sliding if sliding and self.sliding is not None else self
 
 
 def write_kv(
