@@ -145,7 +145,15 @@ def _size_and_wire(cfg: EngineConfig, model: CausalLM, spec: ModelSpec, shard_sp
     if tp_group is not None:
         tp_group.send_startup(pool.num_blocks)
     cache = cfg.cache
-    kv = KVCacheManager(pool.num_blocks, cache.block_size, enable_caching=cache.enable_prefix_caching)
+    caching = cache.enable_prefix_caching
+    if caching and spec.rope_scaling is not None and spec.rope_scaling.kind == "longrope":
+        # NOTE: a LongRoPE key's rotation depends on its sequence (long factors when the prompt
+        # passes the original context, fitserve.runner.step_attention): a block hashed by its
+        # tokens alone could hand a short-prompt request long-rotated keys
+        log.warning("prefix caching is off for LongRoPE models (%s): cached keys' rotation "
+                    "depends on the prompt length", spec.architecture)
+        caching = False
+    kv = KVCacheManager(pool.num_blocks, cache.block_size, enable_caching=caching)
     # the scheduler's max_model_len is the one resolved from the config and the model (as vLLM)
     scheduler = Scheduler(replace(cfg.scheduler, max_model_len=max_model_len), kv)
     runner = (ModelRunner if tp_group is None else TPModelRunner)(
