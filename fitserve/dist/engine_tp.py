@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from fitserve.config import GEMMA_ARCHITECTURES, EngineConfig, ModelSpec
+from fitserve.config import EngineConfig, ModelSpec
 from fitserve.dist.comm import CollectiveError, OpCount
 from fitserve.dist.group import TPGroup, launched_externally
 from fitserve.dist.layout import check_tp_layout, rank_spec
@@ -29,9 +29,6 @@ def check_tp_config(cfg: EngineConfig, loaded: LoadedModel, device: torch.device
     if spec.rope_scaling is not None and spec.rope_scaling.kind == "longrope":
         raise ValueError("tensor parallelism with LongRoPE (Phi-3 long context) is not supported: "
                          "the worker ranks do not see prompt lengths, which pick the rotary rows")
-    if spec.architecture in GEMMA_ARCHITECTURES:
-        raise ValueError(f"tensor parallelism is not supported for {spec.architecture} yet "
-                         "(the rank decoder wraps the Llama-family layer only)")
     check_tp_layout(spec, tp, group_sizes=row_parallel_groups(loaded.weights))
 
 
