@@ -18,7 +18,6 @@ possibly nested per layer type); as in transformers, a legacy ``rope_scaling`` w
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -30,6 +29,7 @@ from fitserve.ledger.formats import weight_format
 from fitserve.ledger.weight_names import expected_weight_shapes as expected_weight_shapes
 from fitserve.loading import hf_defaults as d
 from fitserve.loading.errors import ModelLoadError, UnsupportedArchitectureError
+from fitserve.loading.hf_families import gemma_fields, longrope_scaling
 from fitserve.loading.weight_names import check_weights as check_weights  # re-exported
 
 # HF class names -> model_type, for configs that only name ``architectures``.
@@ -140,7 +140,7 @@ def _rope(
     if orig is None:
         orig = max_pos if kind in _ROPE_ORIGINAL_MAX else dflt.original_max_position_embeddings
     if kind == "longrope":
-        return theta, _longrope(p, max_pos, int(orig))
+        return theta, longrope_scaling(p, max_pos, int(orig))
     return theta, RopeScaling(
         kind=kind,
         factor=float(p.get("factor", dflt.factor)),
@@ -148,45 +148,6 @@ def _rope(
         high_freq_factor=float(p.get("high_freq_factor", dflt.high_freq_factor)),
         original_max_position_embeddings=int(orig),
     )
-
-
-def _longrope(p: Mapping[str, Any], max_pos: int, orig: int) -> RopeScaling:
-    """LongRoPE as transformers' _compute_longrope_parameters reads it: ``factor`` defaults to
-    max_position_embeddings / original, ``attention_factor`` to sqrt(1 + ln f / ln original)."""
-    factor = p.get("factor")
-    factor = max_pos / orig if factor is None else float(factor)
-    attention = p.get("attention_factor")
-    if attention is None:
-        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
-    return RopeScaling("longrope", factor=factor, original_max_position_embeddings=orig,
-                       short_factor=tuple(float(x) for x in p["short_factor"]),
-                       long_factor=tuple(float(x) for x in p["long_factor"]),
-                       attention_factor=float(attention))
-
-
-def _gemma_fields(config: Mapping[str, Any], arch: str, source: object,
-                  require_supported: bool) -> dict[str, Any]:
-    """Gemma 2/3's attention scale, soft-caps and the sliding layers' RoPE base."""
-    if arch not in GEMMA_ARCHITECTURES:
-        return {}
-    out: dict[str, Any] = {
-        "query_pre_attn_scalar": float(_get(config, "query_pre_attn_scalar", arch)),
-        "attn_logit_softcapping": _get(config, "attn_logit_softcapping", arch),
-        "final_logit_softcapping": _get(config, "final_logit_softcapping", arch),
-    }
-    if require_supported and config.get("use_bidirectional_attention"):
-        raise ModelLoadError(f"{source}: use_bidirectional_attention (an encoder) is not supported")
-    if arch != "gemma2":  # Gemma 3: the local layers' own base (default RoPE, no scaling)
-        params = config.get("rope_parameters")
-        local = params.get("sliding_attention") if isinstance(params, Mapping) else None
-        local = dict(local or {})
-        kind = str(local.get("rope_type", "default"))
-        if require_supported and kind != "default":
-            raise ModelLoadError(f"{source}: sliding_attention rope type {kind!r} is not supported "
-                                 "(only default)")
-        out["sliding_rope_theta"] = float(local.get("rope_theta") or config.get(
-            "rope_local_base_freq") or 10000.0)
-    return {k: (float(v) if v is not None else None) for k, v in out.items()}
 
 
 def _sliding_per_layer(config: Mapping[str, Any], arch: str, n: int, source: object) -> list[bool]:
@@ -367,7 +328,7 @@ def spec_from_hf_config(
         eos_token_ids=tuple(eos),
         name=name or str(config.get("_name_or_path", "") or ""),
         extra=extra,
-        **_gemma_fields(config, arch, source, require_supported),
+        **gemma_fields(config, arch, source, require_supported),
     )
     return replace(spec, **experts)
 
