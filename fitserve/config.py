@@ -13,18 +13,28 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Literal, get_args
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text",
+                           "phi3")
+# Gemma 2/3 (fitserve.model.gemma): 4 norms a layer, (1 + w) RMSNorm, GeGLU, scaled embedding.
+# "gemma3" is llama.cpp's name (and the multimodal HF config's) for the text decoder
+# transformers calls gemma3_text.
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3", "gemma3_text")
 
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
-    """RoPE frequency scaling (Hugging Face ``rope_scaling``); ``kind`` is "llama3" or "linear"."""
+    """RoPE frequency scaling (Hugging Face ``rope_scaling``); ``kind`` is "llama3", "linear" or
+    "longrope" (Phi-3's LongRoPE / "su": per-frequency ``short_factor`` and ``long_factor``
+    divisors, cos/sin multiplied by ``attention_factor``)."""
 
     kind: str
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +67,14 @@ class ModelSpec:
     # Per-layer attention kind for hybrid models ("full" or "sliding"); None means all one kind.
     layer_types: tuple[str, ...] | None = None
     hidden_act: str = "silu"
+    # Gemma 2/3: attention scale query_pre_attn_scalar**-0.5 (None: head_dim**-0.5), scores and
+    # final logits soft-capped as tanh(s / cap) * cap (None: not capped)
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    # Per-layer-type RoPE (Gemma 3): the "sliding" layers rotate with this base and no scaling;
+    # None: every layer uses rope_theta / rope_scaling
+    sliding_rope_theta: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""

@@ -108,6 +108,16 @@ def tiny_hf_config(arch: str, **overrides: Any) -> Any:
         return tf.Qwen2Config(**{"tie_word_embeddings": True, **sizes})
     if arch == "qwen3":
         return tf.Qwen3Config(**{"head_dim": 24, **sizes})
+    if arch == "gemma2":  # soft-caps that bite, windowed and full layers
+        return tf.Gemma2Config(**{"head_dim": 24, "query_pre_attn_scalar": 24, "sliding_window": 6,
+                                  "attn_logit_softcapping": 4.0, "final_logit_softcapping": 6.0,
+                                  "num_hidden_layers": 4, **sizes})
+    if arch == "gemma3":  # layers mixed 3:1, local and global RoPE tables
+        return tf.Gemma3TextConfig(**{"head_dim": 32, "query_pre_attn_scalar": 32,
+                                      "sliding_window": 5, "num_hidden_layers": 4,
+                                      "sliding_window_pattern": 4, **sizes})
+    if arch == "phi3":  # fused qkv / gate_up checkpoint tensors
+        return tf.Phi3Config(**{"pad_token_id": 0, **sizes})
     raise ValueError(f"no tiny config for {arch!r}")
 
 

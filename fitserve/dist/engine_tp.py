@@ -25,7 +25,11 @@ def check_tp_config(cfg: EngineConfig, loaded: LoadedModel, device: torch.device
     tp = cfg.tensor_parallel_size
     if device.type != "cpu":
         raise ValueError(f"tensor parallelism runs on the CPU (gloo) here, not on {device}")
-    check_tp_layout(loaded.spec, tp, group_sizes=row_parallel_groups(loaded.weights))
+    spec = loaded.spec
+    if spec.rope_scaling is not None and spec.rope_scaling.kind == "longrope":
+        raise ValueError("tensor parallelism with LongRoPE (Phi-3 long context) is not supported: "
+                         "the worker ranks do not see prompt lengths, which pick the rotary rows")
+    check_tp_layout(spec, tp, group_sizes=row_parallel_groups(loaded.weights))
 
 
 def start_tensor_parallel(cfg: EngineConfig, loaded: LoadedModel, *, dtype: torch.dtype,

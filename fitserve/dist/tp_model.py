@@ -18,6 +18,7 @@ from fitserve.dist.comm import Collectives
 from fitserve.dist.layout import RankSlice, rank_slice, rank_spec
 from fitserve.dist.shard import shard_weights
 from fitserve.model.attention.paged import AttentionBatch
+from fitserve.model.gemma import GemmaCausalLM, GemmaDecoderLayer
 from fitserve.model.llama import CausalLM, DecoderLayer, LayerKV
 from fitserve.model.loader import build_model
 from fitserve.quant.held import HeldTensor
@@ -53,17 +54,24 @@ class TPCausalLM(nn.Module):
     """Rank r's decoder: forward as CausalLM (hidden states are whole on every rank after each
     all-reduce); compute_logits returns the full vocabulary on rank 0, None on the others."""
 
-    def __init__(self, model: CausalLM, full: ModelSpec, s: RankSlice, comm: Collectives) -> None:
+    def __init__(self, model: CausalLM | GemmaCausalLM, full: ModelSpec, s: RankSlice, comm: Collectives) -> None:
         super().__init__()
         self.model, self.full_spec, self.slice, self.comm = model, full, s, comm
         self.spec = model.spec
         model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, s.vocab, comm)  # type: ignore[assignment]
         for layer in model.layers:
-            assert isinstance(layer, DecoderLayer)
+            # the Llama family's layer or Gemma's: both end attention in o_proj, the MLP in
+            # down_proj; Gemma's post-norms and embedding scale act on whole (reduced) tensors
+            assert isinstance(layer, DecoderLayer | GemmaDecoderLayer)
             attn, mlp = layer.self_attn, layer.mlp
             attn.o_proj = RowParallel(attn.o_proj, comm, "layer")  # type: ignore[assignment]
             mlp.down_proj = RowParallel(mlp.down_proj, comm, "layer")  # type: ignore[assignment]
         self.shard_sizes = [rank_slice(full, s.tp, r).vocab for r in range(s.tp)]
+
+    @property
+    def rotary(self) -> nn.Module:
+        """The rank model's rotary tables (the runner reads LongRoPE's row offset there)."""
+        return self.model.rotary
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv_caches: list[LayerKV]) -> torch.Tensor:

@@ -148,7 +148,7 @@ def _size_and_wire(cfg: EngineConfig, model: CausalLM, spec: ModelSpec, shard_sp
     if tp_group is not None:
         tp_group.send_startup(pool.num_blocks)
     cache = cfg.cache
-    kv, groups = _kv_manager(pool, cfg, tp=tp_group is not None)
+    kv, groups = _kv_manager(pool, cfg, spec, tp=tp_group is not None)
     # the scheduler's max_model_len is the one resolved from the config and the model (as vLLM)
     scheduler = Scheduler(replace(cfg.scheduler, max_model_len=max_model_len), kv)
     runner = (ModelRunner if tp_group is None else TPModelRunner)(
@@ -170,15 +170,22 @@ def _size_and_wire(cfg: EngineConfig, model: CausalLM, spec: ModelSpec, shard_sp
     return pool, kv, scheduler, runner
 
 
-def _kv_manager(pool: KVPoolSize, cfg: EngineConfig, *, tp: bool
+def _kv_manager(pool: KVPoolSize, cfg: EngineConfig, spec: ModelSpec, *, tp: bool
                 ) -> tuple[KVCacheManager, list[KVGroup]]:
     """The KV manager over the ledger's pools: one per layer group for a model with
     sliding-window layers (their blocks are freed behind the window), else the one pool."""
     cache = cfg.cache
+    caching = cache.enable_prefix_caching
+    if caching and spec.rope_scaling is not None and spec.rope_scaling.kind == "longrope":
+        # NOTE: a LongRoPE key's rotation depends on its sequence (long factors when the prompt
+        # passes the original context, fitserve.runner.rope_rows): a block hashed by its
+        # tokens alone could hand a short-prompt request long-rotated keys
+        log.warning("prefix caching is off for LongRoPE models (%s): cached keys' rotation "
+                    "depends on the prompt length", spec.architecture)
+        caching = False
     plan_groups = pool.memory_plan.kv_groups if pool.memory_plan is not None else ()
     if not plan_groups:
-        return KVCacheManager(pool.num_blocks, cache.block_size,
-                              enable_caching=cache.enable_prefix_caching), []
+        return KVCacheManager(pool.num_blocks, cache.block_size, enable_caching=caching), []
     if len(plan_groups) > 1 and tp:
         raise ValueError("a model mixing sliding-window and full-attention layers runs without "
                          "tensor parallelism for now (the TP step message carries one block table "
@@ -188,8 +195,7 @@ def _kv_manager(pool: KVPoolSize, cfg: EngineConfig, *, tp: bool
                          "draft model yet (its lookahead slots come from one block table); use "
                          "--speculative-method ngram")
     groups = [KVGroup(g.kind, g.num_blocks, g.window, g.layers) for g in plan_groups]
-    return KVCacheManager.from_groups(groups, cache.block_size,
-                                      enable_caching=cache.enable_prefix_caching), groups
+    return KVCacheManager.from_groups(groups, cache.block_size, enable_caching=caching), groups
 
 
 def _compile_decode_steps(cfg: EngineConfig, runner: ModelRunner, startup: dict[str, float]

@@ -297,8 +297,10 @@ class Engine:
             plan.spec_decode = self.spec_decode.step_inputs(plan, drafts)
         self.num_steps += 1
         beams = self._beams
+        # NOTE: every chunk's request, not only the sampling ones: the runner reads prompt
+        # lengths from them (LongRoPE's long factors, fitserve.runner.rope_rows)
         states = {rid: beams.state(rid) if beams.is_beam(rid) else self._requests[rid].sampling
-                  for c in plan.chunks if c.sample for rid in (c.request_id, *c.fanout)}
+                  for c in plan.chunks for rid in (c.request_id, *(c.fanout if c.sample else ()))}
         t_forward = time.perf_counter()
         result, failed = self._execute(plan, states, top=True)
         t_forward = time.perf_counter() - t_forward

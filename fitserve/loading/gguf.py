@@ -27,11 +27,14 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from fitserve.config import ModelSpec
+from fitserve.config import GEMMA_ARCHITECTURES, ModelSpec
 from fitserve.ledger.formats import GGML_HELD_TYPES, GGUF_PACKED
 from fitserve.loading.errors import ModelLoadError, UnsupportedTensorTypeError
+from fitserve.loading.fused_weights import fused_parts
 from fitserve.loading.generation_defaults import GenerationDefaults, from_gguf_metadata
+from fitserve.loading.gguf_names import gguf_to_hf_names
 from fitserve.loading.gguf_spec import (  # noqa: F401 (the spec part lives there; re-exported)
+    ROPE_TENSORS,
     SUPPORTED_GGUF_TYPES,
     gguf_fields,
     header_from_reader,
@@ -115,37 +118,31 @@ def read_gguf_weights(
     ``fitserve.quant.convert.held_format`` picks. Q4_0/Q4_1/Q8_0 held as stored become
     PackedWeights by splitting their blocks, the GGML_HELD_TYPES GgmlBlockWeights of the
     file's bytes (no float copy is made); the rest is dequantized one tensor at a time (then
-    RTN-packed or cast), with one log line per quantized type dequantized.
+    RTN-packed or cast), with one log line per quantized type dequantized. Names come from
+    gguf-py's tensor map (fitserve.loading.gguf_names); Phi-3's fused attn_qkv / ffn_up are
+    split by rows, and the 1 llama.cpp's converter adds to every Gemma norm weight is taken
+    off again.
     """
+    arch = str(reader.fields["general.architecture"].contents())
+    names = gguf_to_hf_names(spec, arch, path)
     out: dict[str, HeldTensor] = {}
     stored: dict[str, str] = {}
     elements: Counter[str] = Counter()
     dequantized: dict[str, list[str]] = {}  # quantized type -> the formats its tensors went to
     for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
+        if t.name in ROPE_TENSORS:
             continue
-        hf = hf_tensor_name(t.name)
+        hf = names.get(t.name)
         if hf is None:
             raise ModelLoadError(f"{path}: unexpected tensor {t.name!r} for {spec.architecture}")
         type_name = GGMLQuantizationType(t.tensor_type).name
         if type_name not in SUPPORTED_GGUF_TYPES:
             raise UnsupportedTensorTypeError(t.name, type_name, SUPPORTED_GGUF_TYPES, path)
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-        stored[hf] = type_name
-        order = _row_order(hf, spec, shape[0])
-        fmt = (dtype_table_name(dtype) if weights is None
-               else held_format(weights, hf, len(shape), type_name, dtype))
-        as_blocks = fmt == type_name and type_name in GGML_HELD_TYPES
-        if len(shape) == 2 and (GGUF_PACKED.get(type_name) == fmt or as_blocks):
-            make = ggml_from_gguf if as_blocks else packed_from_gguf
-            try:
-                out[hf] = make(t.data, type_name, (shape[0], shape[1]), order)
-            except ValueError as exc:
-                raise ModelLoadError(f"{path}: tensor {t.name!r} ({type_name}) is corrupt: "
-                                     f"{exc}") from exc
-        else:
-            out[hf] = hold(_dequantized(t, type_name, shape, order, path), fmt)
-            if type_name not in _FLOAT_TYPES:
+        for part, rows in _parts(spec, hf, shape[0], path):
+            stored[part] = type_name
+            out[part], fmt = _held(t, part, rows, type_name, shape, spec, path, dtype, weights)
+            if fmt is not None and type_name not in _FLOAT_TYPES:
                 dequantized.setdefault(type_name, []).append(fmt)
         if len(shape) >= 2:
             elements[type_name] += int(np.prod(shape))
@@ -155,6 +152,47 @@ def read_gguf_weights(
     check_weights(out, spec, path)
     dominant = elements.most_common(1)[0][0] if elements else "F32"
     return out, dominant, stored
+
+
+def _parts(spec: ModelSpec, hf: str, rows: int, path: Path) -> list[tuple[str, np.ndarray | None]]:
+    """(HF name, the file's rows it takes, None = all) of one tensor: one entry, or the parts of
+    a fused tensor (Phi-3)."""
+    parts = fused_parts(spec, hf)
+    if parts is None:
+        return [(hf, None)]
+    if rows != sum(r for _, r in parts):
+        raise ModelLoadError(f"{path}: tensor {hf!r} has {rows} rows, expected "
+                             f"{' + '.join(str(r) for _, r in parts)}")
+    bounds = np.cumsum([0] + [r for _, r in parts])
+    return [(name, np.arange(bounds[i], bounds[i + 1])) for i, (name, _) in enumerate(parts)]
+
+
+def _held(t: Any, hf: str, rows: np.ndarray | None, type_name: str, shape: tuple[int, ...],
+          spec: ModelSpec, path: Path, dtype: torch.dtype, weights: str | None
+          ) -> tuple[HeldTensor, str | None]:
+    """One (part of a) tensor in the format the engine holds it in, and that format when the
+    tensor was dequantized to get there (None: held from the file's blocks as they are)."""
+    order = _row_order(hf, spec, shape[0])
+    if rows is not None:
+        order = rows if order is None else order[rows]
+    part_shape = shape if rows is None else (len(rows), *shape[1:])
+    fmt = (dtype_table_name(dtype) if weights is None
+           else held_format(weights, hf, len(shape), type_name, dtype))
+    as_blocks = fmt == type_name and type_name in GGML_HELD_TYPES
+    if len(shape) == 2 and (GGUF_PACKED.get(type_name) == fmt or as_blocks):
+        make = ggml_from_gguf if as_blocks else packed_from_gguf
+        try:
+            return make(t.data, type_name, (shape[0], shape[1]), order), None
+        except ValueError as exc:
+            raise ModelLoadError(f"{path}: tensor {t.name!r} ({type_name}) is corrupt: "
+                                 f"{exc}") from exc
+    tensor = _dequantized(t, type_name, shape, order, path)
+    assert tuple(tensor.shape) == part_shape
+    if spec.architecture in GEMMA_ARCHITECTURES and hf.endswith("norm.weight"):
+        # NOTE: llama.cpp's Gemma converters store w + 1 (the (1 + w) of Gemma's RMSNorm); for
+        # |w| < 0.5 the float32 (w + 1) - 1 is exact (Sterbenz), so 1 + w is the file's value
+        tensor -= 1.0
+    return hold(tensor, fmt), fmt
 
 
 def tokenizer_from_gguf(fields: dict[str, Any], spec: ModelSpec, path: Path) -> Tokenizer:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from fitserve.config import SUPPORTED_ARCHITECTURES, ModelSpec, RopeScaling
+from fitserve.config import GEMMA_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelSpec, RopeScaling
 from fitserve.loading.errors import ModelLoadError, UnsupportedArchitectureError
 
 _GLOBAL_NAMES = {
@@ -50,6 +50,12 @@ _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # period-th layer is full attention, the others slide. Planner only (the engine runs none).
 _SWA_PERIOD = {"gemma2": 2, "gemma3": 6, "gpt-oss": 2}
 _GELU_ARCHS = ("gemma", "gemma2", "gemma3")
+# RoPE data stored as tensors (a few floats each), read with the header: llama3's divisors,
+# LongRoPE's short and long factors (llama.cpp's Phi-3 converter)
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
+# llama.cpp's layer count of the 27B models (llm_load_hparams), whose attention scale is
+# (hidden / heads)**-0.5 instead of head_dim**-0.5; the files store no query_pre_attn_scalar
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _NORMS_PER_LAYER = {"gemma2": 4, "gemma3": 4}
 
 
@@ -100,6 +106,8 @@ class GGUFHeader:
     fields: dict[str, Any]
     tensors: tuple[GGUFTensor, ...]
     rope_freqs: tuple[float, ...] | None = None  # rope_freqs.weight, when the file has one
+    # Phi-3's LongRoPE: rope_factors_short.weight / rope_factors_long.weight, when present
+    rope_factors: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
     @property
     def tensor_names(self) -> frozenset[str]:
@@ -154,19 +162,19 @@ def header_from_reader(
 ) -> GGUFHeader:
     """The header of an already open file (``fields``: its metadata, if already parsed)."""
     tensors = []
-    rope_freqs: tuple[float, ...] | None = None
+    small: dict[str, tuple[float, ...]] = {}
     for t in reader.tensors:
         type_name = GGMLQuantizationType(t.tensor_type).name
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
         tensors.append(GGUFTensor(t.name, type_name, shape, int(t.n_bytes)))
-        if t.name == "rope_freqs.weight":
+        if t.name in ROPE_TENSORS:
             try:
                 values = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float64)
             except Exception as exc:
-                raise ModelLoadError(f"{path}: tensor 'rope_freqs.weight' is corrupt: {exc}") from exc
-            rope_freqs = tuple(float(x) for x in values.reshape(-1))
+                raise ModelLoadError(f"{path}: tensor {t.name!r} is corrupt: {exc}") from exc
+            small[t.name] = tuple(float(x) for x in values.reshape(-1))
     return GGUFHeader(path, gguf_fields(reader) if fields is None else fields, tuple(tensors),
-                      rope_freqs)
+                      small.pop("rope_freqs.weight", None), small)
 
 
 def read_gguf_header(path: Path) -> GGUFHeader:
@@ -262,8 +270,24 @@ class _Meta:
         return values[-1]
 
 
+def _longrope(header: GGUFHeader, m: _Meta, context: int) -> RopeScaling:
+    """LongRoPE as llama.cpp's converter stores it: the factor tensors, the original context
+    and the attention factor it computed (sqrt(1 + ln(ctx / orig) / ln orig))."""
+    short = header.rope_factors.get("rope_factors_short.weight")
+    long = header.rope_factors.get("rope_factors_long.weight")
+    if short is None or long is None:
+        raise ModelLoadError(f"{m.path}: rope_factors_long.weight without rope_factors_short.weight"
+                             " (or the reverse)")
+    orig = int(m.get("rope.scaling.original_context_length"))
+    attn = float(m.fields.get(f"{m.arch}.rope.scaling.attn_factor") or 1.0)
+    return RopeScaling("longrope", factor=context / orig, original_max_position_embeddings=orig,
+                       short_factor=short, long_factor=long, attention_factor=attn)
+
+
 def _rope_scaling(header: GGUFHeader, m: _Meta, theta: float, head_dim: int) -> RopeScaling | None:
     kind = m.fields.get(f"{m.arch}.rope.scaling.type")
+    if header.rope_factors:
+        return _longrope(header, m, int(m.get("context_length", 2048)))
     if header.rope_freqs is not None:
         factors = np.asarray(header.rope_freqs, dtype=np.float32)
         found = infer_llama3(factors, theta, head_dim)
@@ -302,9 +326,9 @@ def _layer_kinds(m: _Meta, window: int | None, n: int) -> tuple[str, ...] | None
         return None
     if not any(sliding):
         return ("full",) * n
-    if m.engine:
+    if m.engine and m.arch not in GEMMA_ARCHITECTURES:
         raise ModelLoadError(f"{m.path}: {n - sum(sliding)} of {n} layers are full attention and "
-                             "the rest sliding; the engine runs one attention kind for all layers")
+                             "the rest sliding; the engine runs mixed layer kinds for Gemma 2/3 only")
     return tuple("sliding" if x else "full" for x in sliding)
 
 
@@ -337,6 +361,25 @@ def _planner_fields(m: _Meta, head_dim: int) -> dict[str, Any]:
                    qk_nope_head_dim=head_dim - rope_dim,
                    q_lora_rank=int(m.fields.get(f"{m.arch}.attention.q_lora_rank") or 0),
                    v_head_dim=int(m.fields.get(f"{m.arch}.attention.value_length") or head_dim))
+    return out
+
+
+def _gemma_fields(m: _Meta, head_dim: int, hidden: int, heads: int, layers: int
+                  ) -> dict[str, Any]:
+    """Gemma 2/3's scale, soft-caps and local RoPE base as llama.cpp reads them: the scale is
+    derived (llm_load_hparams), the local base is ``rope.freq_base_swa`` or llama.cpp's 10000."""
+    if m.arch not in GEMMA_ARCHITECTURES:
+        return {}
+    big = layers == _GEMMA_27B_LAYERS.get(m.arch)
+    attn_cap = m.fields.get(f"{m.arch}.attn_logit_softcapping")
+    final_cap = m.fields.get(f"{m.arch}.final_logit_softcapping")
+    out: dict[str, Any] = {
+        "query_pre_attn_scalar": float(hidden // heads if big else head_dim),
+        "attn_logit_softcapping": None if attn_cap is None else float(attn_cap),
+        "final_logit_softcapping": None if final_cap is None else float(final_cap),
+    }
+    if m.arch == "gemma3":
+        out["sliding_rope_theta"] = float(m.fields.get(f"{m.arch}.rope.freq_base_swa") or 10000.0)
     return out
 
 
@@ -400,4 +443,5 @@ def spec_from_gguf_header(header: GGUFHeader, *, require_supported: bool = True)
         name=name,
         extra=extra,
         **_planner_fields(m, head_dim),
+        **_gemma_fields(m, head_dim, hidden, heads, layers),
     )

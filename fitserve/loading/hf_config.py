@@ -23,12 +23,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from fitserve.config import SUPPORTED_ARCHITECTURES, ModelSpec, RopeScaling
+from fitserve.config import GEMMA_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelSpec, RopeScaling
 from fitserve.ledger.errors import PlanError
 from fitserve.ledger.formats import weight_format
 from fitserve.ledger.weight_names import expected_weight_shapes as expected_weight_shapes
 from fitserve.loading import hf_defaults as d
 from fitserve.loading.errors import ModelLoadError, UnsupportedArchitectureError
+from fitserve.loading.hf_families import gemma_fields, longrope_scaling
 from fitserve.loading.weight_names import check_weights as check_weights  # re-exported
 
 # HF class names -> model_type, for configs that only name ``architectures``.
@@ -38,8 +39,11 @@ _ARCH_ALIASES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "Phi3ForCausalLM": "phi3",
 }
-ENGINE_ROPE_KINDS = ("llama3", "linear")
+ENGINE_ROPE_KINDS = ("llama3", "linear", "longrope")
 # quantization_config.quant_method of a `fitserve quantize` checkpoint (fitserve.loading.checkpoint)
 FITSERVE_QUANT_METHOD = "fitserve"
 # Keys transformers requires per rope type (original_max_position_embeddings defaults to
@@ -49,6 +53,7 @@ _ROPE_REQUIRED = {
     "dynamic": ("factor",),
     "yarn": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+    "longrope": ("short_factor", "long_factor"),
 }
 _ROPE_ORIGINAL_MAX = ("llama3", "yarn", "longrope")
 
@@ -110,6 +115,8 @@ def _rope(
     p = _rope_params(config)
     theta = float(p.get("rope_theta", config.get("rope_theta") or d.default(arch, "rope_theta")))
     kind = str(p.get("rope_type", p.get("type", "default")) or "default")
+    if kind in ("su", "yarn") and arch == "phi3":
+        kind = "longrope"  # Phi3Config's backward compatibility: "su"/"yarn" mean longrope
     if kind == "default":
         return theta, None
     if require_supported and kind not in ENGINE_ROPE_KINDS:
@@ -125,8 +132,15 @@ def _rope(
         )
     dflt = RopeScaling(kind=kind)
     orig = p.get("original_max_position_embeddings")
+    if kind in _ROPE_ORIGINAL_MAX and (
+            "original_max_position_embeddings" in config or arch == "phi3"):
+        # NOTE: transformers' standardize_rope_params gives a top-level field priority; Phi3Config
+        # always has one (class default 4096)
+        orig = config.get("original_max_position_embeddings") or 4096
     if orig is None:
         orig = max_pos if kind in _ROPE_ORIGINAL_MAX else dflt.original_max_position_embeddings
+    if kind == "longrope":
+        return theta, longrope_scaling(p, max_pos, int(orig))
     return theta, RopeScaling(
         kind=kind,
         factor=float(p.get("factor", dflt.factor)),
@@ -230,6 +244,19 @@ def _check_engine_config(config: Mapping[str, Any], arch: str, source: object) -
         raise ModelLoadError(f"{source}: llama with attention_bias/mlp_bias is not supported")
     if arch == "qwen3" and config.get("attention_bias"):
         raise ModelLoadError(f"{source}: qwen3 with attention_bias (an o_proj bias) is not supported")
+    if (config.get("architectures") or [""])[0] == "Gemma3ForConditionalGeneration":
+        raise ModelLoadError(f"{source}: Gemma3ForConditionalGeneration (image + text) is not "
+                             "supported; the engine runs Gemma3ForCausalLM (gemma3_text) checkpoints")
+    if arch in GEMMA_ARCHITECTURES and config.get("attention_bias"):
+        raise ModelLoadError(f"{source}: {arch} with attention_bias is not supported")
+    if arch == "phi3":
+        partial = config.get("partial_rotary_factor")
+        params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if partial is None and isinstance(params, Mapping):
+            partial = params.get("partial_rotary_factor")
+        if partial not in (None, 1, 1.0):
+            raise ModelLoadError(f"{source}: phi3 with partial_rotary_factor={partial} (Phi-4-mini) "
+                                 "is not supported: the engine rotates whole heads")
 
 
 def spec_from_hf_config(
@@ -301,6 +328,7 @@ def spec_from_hf_config(
         eos_token_ids=tuple(eos),
         name=name or str(config.get("_name_or_path", "") or ""),
         extra=extra,
+        **gemma_fields(config, arch, source, require_supported),
     )
     return replace(spec, **experts)
 

@@ -18,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 from fitserve.config import ModelSpec
 from fitserve.loading.checkpoint import PARTS, join_packed, prefix_of
 from fitserve.loading.errors import ModelLoadError
+from fitserve.loading.fused_weights import split_fused
 from fitserve.loading.hf_config import (
     check_weights,
     expected_weight_shapes,
@@ -61,7 +62,8 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def read_safetensors(files: list[Path], dtype: torch.dtype,
-                     weights: str | None = None, *, packed: Mapping[str, PackedEntry] | None = None
+                     weights: str | None = None, *, packed: Mapping[str, PackedEntry] | None = None,
+                     spec: ModelSpec | None = None
                      ) -> tuple[dict[str, HeldTensor], str, dict[str, str]]:
     """Read all tensors converted to ``dtype``; also name the dominant stored format, and each
     tensor's stored format (name -> "bf16", "f32", "int4-g32-asym" ...).
@@ -72,7 +74,8 @@ def read_safetensors(files: list[Path], dtype: torch.dtype,
     (N, K)), see ``fitserve.loading.checkpoint``): their ``<prefix>.qweight/.scales/.mins`` are
     joined into a PackedWeight, held as it is when the choice's format is the stored one
     ("as-stored", or "int4"/"int8" whose RTN format it is), else dequantized (then cast, or
-    RTN-packed into the choice's format).
+    RTN-packed into the choice's format). ``spec``: a fused tensor of its architecture (Phi-3's
+    qkv_proj, gate_up_proj) is split into the engine's names first (fitserve.loading.fused_weights).
     """
     packed = packed or {}
     parts = {prefix_of(name): name for name in packed}
@@ -100,12 +103,14 @@ def read_safetensors(files: list[Path], dtype: torch.dtype,
                         )
                     if tensor.dim() >= 2:
                         stored[_DTYPE_NAMES[tensor.dtype]] += tensor.numel()
-                    stored_as[name] = _DTYPE_NAMES[tensor.dtype]
-                    if weights is None:
-                        out[name] = tensor.to(dtype)
-                    else:
-                        out[name] = hold(tensor, held_format(weights, name, tensor.dim(),
-                                                             stored_as[name], dtype))
+                    split = [(name, tensor)] if spec is None else _split(spec, name, tensor, path)
+                    for part, t in split:
+                        stored_as[part] = _DTYPE_NAMES[t.dtype]
+                        if weights is None:
+                            out[part] = t.to(dtype)
+                        else:
+                            out[part] = hold(t.contiguous(), held_format(
+                                weights, part, t.dim(), stored_as[part], dtype))
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"{path}: corrupt or unreadable safetensors file: {exc}") from exc
     source = files[0].parent if files else Path(".")
@@ -117,6 +122,14 @@ def read_safetensors(files: list[Path], dtype: torch.dtype,
         stored_as[name] = fmt
         stored[fmt] += shape[0] * shape[1]
     return out, (stored.most_common(1)[0][0] if stored else "f32"), stored_as
+
+
+def _split(spec: ModelSpec, name: str, tensor: torch.Tensor, path: Path
+           ) -> list[tuple[str, torch.Tensor]]:
+    try:
+        return split_fused(spec, name, tensor)
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
 
 
 def _held_packed(name: str, fmt: str, shape: tuple[int, int], pieces: dict[str, torch.Tensor],
@@ -166,6 +179,7 @@ def read_hf_folder(
     if not spec.eos_token_ids and tokenizer.eos_token_ids:
         spec = replace(spec, eos_token_ids=tokenizer.eos_token_ids)
     packed = packed_entries(folder / "config.json", spec)
-    held, fmt, stored = read_safetensors(safetensors_files(folder), dtype, weights, packed=packed)
+    held, fmt, stored = read_safetensors(safetensors_files(folder), dtype, weights, packed=packed,
+                                          spec=spec)
     check_weights(held, spec, folder)
     return spec, held, tokenizer, fmt, stored

@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from fitserve.config import SUPPORTED_ARCHITECTURES, ModelSpec
+from fitserve.config import GEMMA_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelSpec
 from fitserve.loading.errors import ModelLoadError
 from fitserve.loading.gguf_spec import SUPPORTED_GGUF_TYPES, GGUFHeader, spec_from_gguf_header
 
@@ -62,8 +62,10 @@ def spec_problems(spec: ModelSpec) -> list[str]:
                    f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
     if spec.num_experts:
         out.append("mixture-of-experts models are not supported by the engine")
-    if spec.hidden_act != "silu":
-        out.append(f"activation {spec.hidden_act!r} is not supported (only silu)")
+    act = "gelu_pytorch_tanh" if spec.architecture in GEMMA_ARCHITECTURES else "silu"
+    if spec.hidden_act != act:
+        out.append(f"activation {spec.hidden_act!r} is not supported for {spec.architecture} "
+                   f"(only {act})")
     if spec.num_heads % spec.num_kv_heads:
         out.append(f"num_heads={spec.num_heads} is not a multiple of "
                    f"num_kv_heads={spec.num_kv_heads}")

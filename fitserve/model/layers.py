@@ -32,15 +32,27 @@ class RMSNorm(nn.Module):
         return fused.add_rms_norm_(residual, x, self.weight, self.eps)
 
 
+def longrope_inv_freq(head_dim: int, theta: float, factors: tuple[float, ...]) -> torch.Tensor:
+    """LongRoPE's inverse frequencies: each divided by its factor (transformers'
+    _compute_longrope_parameters, op for op)."""
+    if len(factors) != head_dim // 2:
+        raise ValueError(f"longrope has {len(factors)} factors for head_dim {head_dim} "
+                         f"(needs {head_dim // 2})")
+    shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**shape)
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Inverse frequencies (fp32) for split-half RoPE, with optional llama3 / linear scaling."""
+    """Inverse frequencies (fp32) for split-half RoPE, with optional llama3 / linear scaling
+    (longrope has two sets: ``RotaryEmbedding`` builds both)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv_freq
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
     if scaling.kind != "llama3":
-        raise ValueError(f"unsupported rope scaling type {scaling.kind!r} (supported: llama3, linear)")
+        raise ValueError(f"unsupported rope scaling type {scaling.kind!r} "
+                         "(supported: llama3, linear, longrope)")
     old_ctx = scaling.original_max_position_embeddings
     low_wavelen = old_ctx / scaling.low_freq_factor
     high_wavelen = old_ctx / scaling.high_freq_factor
@@ -59,17 +71,29 @@ class RotaryEmbedding(nn.Module):
 
     Angles are position * inv_freq computed in fp32 (a bf16 angle at position 100k is off by
     hundreds of radians' worth of ulps), then cast to the activation dtype like the reference.
+
+    LongRoPE (Phi-3) has two tables, stacked: rows [0, P) the short factors', rows [P, 2P) the
+    long factors' (``long_row_offset`` = P), both times ``attention_factor`` as transformers
+    scales cos/sin. The runner picks a token's row (fitserve.runner.model_runner.rope_rows).
     """
 
     def __init__(self, spec: ModelSpec, max_positions: int) -> None:
         super().__init__()
         self.head_dim = spec.head_dim
         self.interleaved = spec.rope_interleaved
-        inv_freq = rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+        self.long_row_offset: int | None = None
         pos = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(pos, inv_freq)  # [P, D/2]
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        rs = spec.rope_scaling
+        if rs is not None and rs.kind == "longrope":
+            self.long_row_offset = max_positions
+            freqs = torch.cat([torch.outer(pos, longrope_inv_freq(spec.head_dim, spec.rope_theta, f))
+                               for f in (rs.short_factor, rs.long_factor)])  # [2P, D/2]
+            cos, sin = freqs.cos() * rs.attention_factor, freqs.sin() * rs.attention_factor
+        else:
+            freqs = torch.outer(pos, rope_inv_freq(spec.head_dim, spec.rope_theta, rs))  # [P, D/2]
+            cos, sin = freqs.cos(), freqs.sin()
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for the tokens' positions [N], shaped to broadcast over heads; once per step.

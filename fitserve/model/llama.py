@@ -129,3 +129,10 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def install_rotary(self, max_positions: int, device: torch.device | str) -> None:
+        """fp32 rotary tables on ``device`` (whatever the model dtype: angles at long positions),
+        shared by every layer."""
+        self.rotary = RotaryEmbedding(self.spec, max_positions).to(device)
+        for layer in self.layers:
+            layer.self_attn.rotary = self.rotary

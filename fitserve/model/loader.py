@@ -13,9 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from fitserve.config import ModelSpec
+from fitserve.config import GEMMA_ARCHITECTURES, ModelSpec
 from fitserve.loading.support import spec_problems
 from fitserve.model.fp8_linear import Fp8Linear
+from fitserve.model.gemma import GemmaCausalLM
 from fitserve.model.ggml_linear import GgmlEmbedding, GgmlLinear
 from fitserve.model.layers import RotaryEmbedding
 from fitserve.model.linear import ConcatLinear, DenseLinear, PackedEmbedding, PackedLinear
@@ -35,6 +36,13 @@ def check_supported(spec: ModelSpec) -> None:
     problems = spec_problems(spec)
     if problems:
         raise UnsupportedModelError("; ".join(problems))
+
+
+def model_class(spec: ModelSpec) -> type[CausalLM] | type[GemmaCausalLM]:
+    """The decoder module of a family: Gemma 2/3 (fitserve.model.gemma), else the Llama-family
+    one (fitserve.model.llama: Llama, Mistral, Qwen2/3, and Phi-3, whose fused checkpoint
+    tensors are split at load and whose LongRoPE is a rotary table)."""
+    return GemmaCausalLM if spec.architecture in GEMMA_ARCHITECTURES else CausalLM
 
 
 # The module that runs each held format (vLLM's quantize method of a layer): a new format is
@@ -107,7 +115,7 @@ def make_linear(weight: HeldWeight | tuple[HeldWeight, ...], bias: torch.Tensor 
     return LINEAR_MODULES[type(weight)](weight, bias, dtype)
 
 
-def _install_held(model: CausalLM, state: dict[str, FusedWeight], dtype: torch.dtype,
+def _install_held(model: CausalLM | GemmaCausalLM, state: dict[str, FusedWeight], dtype: torch.dtype,
                     device: torch.device | str) -> None:
     """Swap in its module for every weight held in another format than a dense tensor (or in
     parts), popping its entries from ``state``; the dense rest stays for load_state_dict."""
@@ -170,7 +178,7 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device | str,
     max_positions: int,
-) -> CausalLM:
+) -> CausalLM | GemmaCausalLM:
     """Instantiate the decoder on ``device`` without random init, then load ``weights``.
 
     Dense tensors are copied into the model (cast to ``dtype``); PackedWeights are not copied:
@@ -179,7 +187,7 @@ def build_model(
     """
     check_supported(spec)
     with torch.device("meta"):
-        model = CausalLM(spec, max_positions)
+        model = model_class(spec)(spec, max_positions)
     state = fuse_hf_weights(spec, weights)
     expected = {k for k in model.state_dict() if not k.endswith(("rotary.cos", "rotary.sin"))}
     if spec.tie_word_embeddings:
@@ -195,8 +203,5 @@ def build_model(
     model.load_state_dict(state, strict=False)  # copies, casting into the model dtype
     if spec.tie_word_embeddings and isinstance(model.embed_tokens, nn.Embedding):
         model.lm_head.weight = model.embed_tokens.weight
-    # The rotary tables stay fp32 whatever the model dtype (angles at long positions).
-    model.rotary = RotaryEmbedding(spec, max_positions).to(device)
-    for layer in model.layers:
-        layer.self_attn.rotary = model.rotary
+    model.install_rotary(max_positions, device)
     return model.eval().requires_grad_(False)

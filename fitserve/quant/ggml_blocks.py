@@ -254,4 +254,4 @@ def ggml_from_gguf(data: object, ggml_type: str, shape: tuple[int, int],
     # one copy out of the mapped file: the row gather makes it, else an explicit copy
     picked = np.array(rows, copy=True) if row_order is None else rows[np.asarray(row_order)]
     blocks = torch.from_numpy(np.ascontiguousarray(picked))
-    return GgmlBlockWeight(ggml_type, n, k, blocks)
+    return GgmlBlockWeight(ggml_type, blocks.shape[0], k, blocks)

@@ -28,6 +28,7 @@ from fitserve.quant.kv_cache import QuantizedKVCache
 from fitserve.runner.compiled_step import CompiledDecode
 from fitserve.runner.decode_loop import DecodeLoop
 from fitserve.runner.lazy_memory import lazy_zeros
+from fitserve.runner.rope_rows import rope_rows
 from fitserve.sampling import RequestSamplingState, Sampler
 from fitserve.types import RunnerOutput, ScheduledChunk, SchedulerOutput, SpecDecodeInputs
 
@@ -78,6 +79,10 @@ class ModelRunner:
                 raise ValueError(f"the KV groups' layers {[g.layers for g in kv_groups]} do not cover "
                                  f"the model's {spec.num_layers} layers once each")
             self.group_windows = [g.window for g in kv_groups]
+        # soft-capped attention (Gemma 2) dispatches to a backend that applies the cap
+        self.softcap = spec.attn_logit_softcapping is not None
+        # LongRoPE: the long factors' rows of the rotary table start here (None: one table)
+        self.long_row_offset: int | None = getattr(model.rotary, "long_row_offset", None)
         self.kv_format = resolve_engine_kv_format(kv_cache_dtype, kv_cache_scales, _table_name(kv_dtype))
         self.kv_caches = make_kv_caches(spec, self.kv_format, num_blocks=num_blocks, block_size=block_size,
                                         dtype=kv_dtype, device=device, layer_blocks=layer_blocks)
@@ -107,7 +112,7 @@ class ModelRunner:
                  ) -> AttentionBackend:
         return choose_attention_backend(
             classify(self.device.type, q_lens, k_lens, triton=self.use_triton, cpp=self.use_cpp,
-                     kv_quant=kv_quant)
+                     kv_quant=kv_quant, softcap=self.softcap)
         )
 
     @property
@@ -131,7 +136,7 @@ class ModelRunner:
         elif out.block_copies:
             self.copy_blocks(out.block_copies)
         chunks = decode_rows_first(out.chunks)
-        input_ids, positions, batch = self._prepare(chunks)
+        input_ids, positions, batch = self._prepare(chunks, self._long_prompts(states))
         hidden = self._forward(input_ids, positions, batch)
         sample_rows, sample_ids, verify = logits_rows(chunks)
         result = RunnerOutput(sampled={})
@@ -149,6 +154,15 @@ class ModelRunner:
         if verify:
             self._verify(hidden, verify, states, spec or SpecDecodeInputs(), result)
         return result
+
+    def _long_prompts(self, states: dict[str, RequestSamplingState]) -> set[str]:
+        """LongRoPE: the requests whose prompt is longer than the original context (all their
+        tokens take the long factors, fitserve.runner.rope_rows)."""
+        rs = self.spec.rope_scaling
+        if self.long_row_offset is None or rs is None:
+            return set()
+        orig = rs.original_max_position_embeddings
+        return {rid for rid, st in states.items() if len(st.prompt_token_ids) > orig}
 
     def _rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """``hidden[rows]``; ``hidden`` itself when that is every row in order (a decode-only
@@ -234,13 +248,15 @@ class ModelRunner:
         return not (self.device.type == "cpu" and num_tokens <= 1)
 
     def _prepare(
-        self, chunks: list[ScheduledChunk]
+        self, chunks: list[ScheduledChunk], long_prompt_ids: set[str] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        long = long_prompt_ids or set()
         if self.layer_group is None:
-            return self._prepare_group(chunks, [c.block_table for c in chunks], self.sliding_window)
+            return self._prepare_group(chunks, [c.block_table for c in chunks],
+                                       self.sliding_window, long)
         # a hybrid model: one batch per KV layer group (its tables and window), each layer
         # reads its group's (AttentionBatch.per_layer)
-        groups = [self._prepare_group(chunks, [c.group_tables[g] for c in chunks], w)
+        groups = [self._prepare_group(chunks, [c.group_tables[g] for c in chunks], w, long)
                   for g, w in enumerate(self.group_windows)]
         ids, pos, first = groups[0]
         batch = AttentionBatch(slot_mapping=first.slot_mapping, decode=first.decode,
@@ -249,10 +265,12 @@ class ModelRunner:
         return ids, pos, batch
 
     def _prepare_group(
-        self, chunks: list[ScheduledChunk], tables: list[list[int]], window: int | None
+        self, chunks: list[ScheduledChunk], tables: list[list[int]], window: int | None,
+        long_prompt_ids: set[str],
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
-        """Token ids, positions and the attention batch of ``chunks`` over ``tables`` (one per
-        chunk, in a KV layer group whose layers see ``window`` keys)."""
+        """Token ids, rotary rows (positions, or LongRoPE's rows) and the attention batch of
+        ``chunks`` over ``tables`` (one per chunk, in a KV layer group whose layers see
+        ``window`` keys)."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -260,16 +278,19 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillSeq] = []
-        # a quantized cache: decode-only steps read it in place (the quantized kernel); others
-        # dequantize the blocks they read into a compact dense cache the tables then index
-        in_place = self.use_kvq and all(runs_as_decode(c) for c in chunks)
+        # a quantized cache: decode-only steps read it in place (the quantized kernel; not under
+        # soft-capping, which only EagerGather applies); others dequantize the blocks they read
+        # into a compact dense cache the tables then index
+        in_place = (self.use_kvq and not self.softcap
+                    and all(runs_as_decode(c) for c in chunks))
         compact = (compact_blocks(chunks, bs, tables) if self.quantized_kv and not in_place
                    else None)
+        cap = self.spec.attn_logit_softcapping
         for chunk, table in zip(chunks, tables, strict=True):
             start, t = chunk.start_pos, len(chunk.token_ids)
             ids.extend(chunk.token_ids)
             rng = range(start, start + t)
-            pos.extend(rng)
+            pos.extend(rope_rows(chunk, self.spec, self.long_row_offset, long_prompt_ids))
             slots.extend(table[p // bs] * bs + p % bs for p in rng)
             if compact is not None:  # attention reads the compact cache: its block indices
                 table = [compact[b] for b in table[: -(-(start + t) // bs)]]
@@ -280,12 +301,16 @@ class ModelRunner:
                 decode_tables.extend([table] * t)
                 decode_lens.extend(range(start + 1, start + t + 1))
             else:
-                prefills.append(self._backend([t], [start + t]).build_prefill(
+                seq = self._backend([t], [start + t]).build_prefill(
                     len(ids) - t, start, t, table, block_size=bs, window=window,
                     device=self.device,
-                ))
+                )
+                seq.softcap = cap
+                prefills.append(seq)
         decode = (self._decode_batch(decode_tables, decode_lens, window, in_place)
                   if decode_tables else None)
+        if decode is not None:
+            decode.softcap = cap
         batch = AttentionBatch(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             decode=decode,

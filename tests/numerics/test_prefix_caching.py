@@ -1,7 +1,8 @@
 """Prefix caching changes no output: fp32 greedy tokens with it on equal those with it off.
 
-Tiny random Llama-3 and Mistral (sliding window 12, shorter than the shared prefixes, so a hit
-feeds windowed attention from cached blocks) run a workload whose prompts share a system
+Tiny random Llama-3, Mistral (sliding window 12, shorter than the shared prefixes, so a hit
+feeds windowed attention from cached blocks) and Gemma 3 (sliding and full layers mixed, window
+5: a hit feeds both kinds from the same cached blocks) run a workload whose prompts share a system
 prefix, repeat one another, extend one another and arrive over time, so later requests hit the
 blocks of earlier (running, finished, aborted or preempted) ones. Each case checks it is not
 vacuous: hits happened with caching on (none with it off), chunks were split, requests were
@@ -38,12 +39,12 @@ def hf_tokenizer(smollm2_gguf: Path):  # type: ignore[no-untyped-def]
     return transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral"])
+@pytest.fixture(scope="module", params=["llama", "mistral", "gemma3"])
 def tiny(request, tmp_path_factory, hf_tokenizer) -> LoadedModel:  # type: ignore[no-untyped-def]
     folder = tmp_path_factory.mktemp(f"tiny-{request.param}")
     build_tiny(request.param, folder, hf_tokenizer)
     loaded = load_model(folder, dtype=torch.float32)
-    if request.param == "mistral":
+    if request.param in ("mistral", "gemma3"):
         assert loaded.spec.sliding_window is not None and loaded.spec.sliding_window < 37
     return loaded
 

@@ -5,7 +5,8 @@
    very weights our kernels read, exactly). Run twice: with the table's kernels (exact weight
    dequantization in fp32) and with every layer forced onto the act_quant kernel (activations
    quantized to int8 per 32 columns, llama.cpp's Q8 activations).
-2. RTN int4 / int8 at load of tiny random HF models (llama; qwen2: tied embedding, qkv bias) vs
+2. RTN int4 / int8 at load of tiny random HF models (llama; qwen2: tied embedding, qkv bias;
+   phi3) vs
    transformers with its weights replaced by our RTN's float64-exact dequantization.
 
 "Match" (DESIGN.md): greedy tokens identical for NUM_TOKENS on at least MIN_IDENTICAL of the
@@ -174,7 +175,9 @@ def rtn_reference(hf_model: Any, choice: str) -> Any:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("choice", ["int4", "int8"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+# phi3: its fused qkv / gate_up split before RTN (row-local formats: the same as quantizing
+# the fused tensor)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3"])
 def test_rtn_tiny_model_matches_transformers_on_dequantized_weights(
         tiny_hf_model_dir: Any, arch: str, choice: str) -> None:
     folder, hf_model = tiny_hf_model_dir(arch, return_model=True)

@@ -102,6 +102,10 @@ def test_smollm2_tp3_as_stored_matches_tp1(smollm2_gguf: Path) -> None:
     ("qwen3", 4, {"vocab_size": 386}),
     ("mistral", 2, {}),  # sliding window 12 < the prompt
     ("qwen2", 2, {}),  # q/k/v bias, tied embeddings
+    # Gemma 2: soft-capped attention and logits; 2 KV heads on 2 ranks
+    ("gemma2", 2, {}),
+    ("gemma3", 2, {}),  # mixed sliding/full layers, two RoPE tables, (1 + w) q/k norms
+    ("phi3", 2, {}),  # fused checkpoint tensors split before sharding
 ])
 def test_tiny_models_match_tp1(tiny_hf_model_dir, arch: str, tp: int,  # type: ignore[no-untyped-def]
                                overrides: dict[str, int]) -> None:

@@ -30,6 +30,40 @@ def tiny_config(arch: str, **overrides: object):  # type: ignore[no-untyped-def]
         return tf.Qwen2Config(**{**TINY, "tie_word_embeddings": True})
     if arch == "qwen3":
         return tf.Qwen3Config(**TINY, head_dim=24)
+    return _new_family_config(tf, arch)
+
+
+# Gemma 2/3 and Phi-3 (issue 38): GQA 4:1, head_dim != hidden / heads, windows shorter than the
+# prompts, soft-caps small enough to bite, both Gemma 3 RoPE tables, LongRoPE past its original
+# context. Used by tests/numerics/test_new_families_vs_transformers.py.
+_NEW = dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=1,
+            vocab_size=384, max_position_embeddings=512)
+PHI3_ORIGINAL_CONTEXT = 100
+
+
+def _new_family_config(tf, arch: str):  # type: ignore[no-untyped-def]
+    if arch == "gemma2":
+        return tf.Gemma2Config(**_NEW, num_hidden_layers=4, head_dim=24, query_pre_attn_scalar=20,
+                               sliding_window=6, attn_logit_softcapping=4.0,
+                               final_logit_softcapping=6.0, tie_word_embeddings=True)
+    if arch == "gemma3":
+        return tf.Gemma3TextConfig(
+            **_NEW, num_hidden_layers=4, head_dim=32, query_pre_attn_scalar=24, sliding_window=5,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                         "sliding_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+            tie_word_embeddings=True)
+    if arch == "phi3":
+        half = 16 // 2  # head_dim 16
+        return tf.Phi3Config(
+            **_NEW, num_hidden_layers=3, sliding_window=48,
+            original_max_position_embeddings=PHI3_ORIGINAL_CONTEXT,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                             "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                             "long_factor": [1.5 + 0.7 * i for i in range(half)]},
+            tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     raise ValueError(arch)
 
 

@@ -31,6 +31,8 @@ class AttentionBackend:
     """
 
     name: ClassVar[str]
+    # applies attention logit soft-capping (DecodeBatch/PrefillSeq.softcap; Gemma 2)
+    supports_softcap: ClassVar[bool] = False
     # NOTE: None for the CUDA backends: the ledger sizes CPU steps only
     ledger_kind: ClassVar[ScratchKind | None] = None
     # decode reads a QuantizedKVCache's codes in place (``decode_quantized``), so the runner
@@ -100,6 +102,7 @@ class PrefillSeq:
     mask: torch.Tensor | None = None  # [T, cached + T] bool (True = visible), None = plain causal
     hidden: torch.Tensor | None = None  # ~mask, made once per step for EagerGather
     window: int | None = None
+    softcap: float | None = None  # scores -> tanh(s / cap) * cap before the mask (Gemma 2)
 
 
 @dataclass(slots=True)
@@ -113,6 +116,14 @@ class DecodeBatch:
     visible: torch.Tensor | None = None  # [1, num, 1, max_blocks * block_size] bool (gather paths)
     hidden: torch.Tensor | None = None  # ~visible, made once per step for EagerGather
     window: int | None = None
+    softcap: float | None = None  # scores -> tanh(s / cap) * cap before the mask (Gemma 2)
+
+
+def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """tanh(scores / cap) * cap in place (transformers' Gemma 2 eager attention), or scores."""
+    if cap is None:
+        return scores
+    return scores.div_(cap).tanh_().mul_(cap)
 
 
 def padded_tables(tables: list[list[int]], width: int) -> list[list[int]]:

@@ -5,6 +5,7 @@ The rule: on CUDA with Triton importable, ``TritonPagedDecode`` for decode and
 whenever it loaded (over a quantized KV cache, when the step is decode only, its twin reading the
 int8 / fp8 codes in place, ``CpuPagedDecodeKVQ``); without it (no compiler, failed build, FITSERVE_DISABLE_CPP=1)
 ``EagerGather`` up to 4096 keys and ``TorchSDPA`` beyond; prefill chunks run ``TorchSDPA``.
+A model with attention logit soft-capping (Gemma 2) runs ``EagerGather`` everywhere.
 Measured: docs/benchmarks.md, section 'Attention backend rule' (``benchmarks/bench_kernels.py``
 puts the rule's pick next to the measured fastest). Choosing costs a few comparisons per group
 and step, against milliseconds won per call.
@@ -41,6 +42,7 @@ class ShapeClass:
     # a quantized KV cache read in place by the quantized C++ decode kernel (loaded); the runner
     # sets it for decode-only steps (a step with a prefill chunk reads a dequantized copy)
     kv_quant: bool = False
+    softcap: bool = False       # attention logits soft-capped (Gemma 2)
 
 
 def _batch_bucket(batch: int) -> BatchBucket:
@@ -52,15 +54,19 @@ def _length_bucket(max_len: int) -> LengthBucket:
 
 
 def classify(device: str, q_lens: list[int], k_lens: list[int], *, triton: bool = False,
-             cpp: bool = False, kv_quant: bool = False) -> ShapeClass:
+             cpp: bool = False, kv_quant: bool = False, softcap: bool = False) -> ShapeClass:
     """Shape class of a ragged batch (per-sequence query and key counts)."""
     phase: Phase = "decode" if q_lens and all(t == 1 for t in q_lens) else "prefill"
     return ShapeClass(device, phase, _batch_bucket(len(q_lens)),
-                      _length_bucket(max(k_lens, default=0)), triton, cpp, kv_quant)
+                      _length_bucket(max(k_lens, default=0)), triton, cpp, kv_quant, softcap)
 
 
 def choose_attention_backend(shape_class: ShapeClass) -> AttentionBackend:
     """The backend for a shape class (one of :data:`BACKENDS`)."""
+    if shape_class.softcap:
+        # NOTE: correctness first: only EagerGather soft-caps its scores (the C++, SDPA and
+        # Triton kernels do not), so a soft-capped model runs it in both phases, on any device
+        return EAGER_GATHER
     if shape_class.device == "cuda" and shape_class.triton:
         return TRITON_DECODE if shape_class.phase == "decode" else TRITON_PREFILL
     if shape_class.phase == "decode":

@@ -16,6 +16,7 @@ from fitserve.model.attention.backend import (
     AttentionBackend,
     DecodeBatch,
     PrefillSeq,
+    soft_cap,
     visible_mask,
 )
 
@@ -43,6 +44,7 @@ class EagerGather(AttentionBackend):
 
     name = "eager_gather"
     ledger_kind = ScratchKind.GATHER_EAGER
+    supports_softcap = True
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                d: DecodeBatch, scale: float) -> torch.Tensor:
@@ -53,7 +55,7 @@ class EagerGather(AttentionBackend):
         k = gather_blocks(k_cache, d.block_tables)
         v = gather_blocks(v_cache, d.block_tables)
         qg = (q * scale).reshape(num, num_kv, num_heads // num_kv, head_dim).transpose(0, 1)
-        scores = torch.matmul(qg, k.transpose(-1, -2)).float()  # [Hkv, B, G, L]
+        scores = soft_cap(torch.matmul(qg, k.transpose(-1, -2)).float(), d.softcap)  # [Hkv, B, G, L]
         hidden = d.hidden if d.hidden is not None else ~d.visible
         probs = torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1).to(v.dtype)
         return torch.matmul(probs, v).transpose(0, 1).reshape(num, num_heads, head_dim)
@@ -68,6 +70,7 @@ class EagerGather(AttentionBackend):
         # the T queries of the G heads of one KV head become G*T rows
         qg = (q * scale).reshape(t, num_kv, group, -1).permute(1, 2, 0, 3).reshape(num_kv, group * t, -1)
         scores = torch.matmul(qg, kh[0].transpose(-1, -2)).float().view(num_kv, group, t, total)
+        scores = soft_cap(scores, seq.softcap)
         hidden = seq.hidden if seq.hidden is not None else ~visible_mask(t, seq.cached, seq.window, q.device)
         probs = torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1).to(vh.dtype)
         o = torch.matmul(probs.view(num_kv, group * t, total), vh[0])  # [Hkv, G*T, D]

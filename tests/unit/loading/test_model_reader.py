@@ -219,8 +219,10 @@ def test_missing_fields_are_clear_errors(key: str) -> None:
 def test_architecture_from_model_type_or_class_name() -> None:
     spec = spec_from_hf_config({**BASE, "architectures": ["Qwen2ForCausalLM"]})
     assert spec.architecture == "qwen2" and spec.attention_bias
-    with pytest.raises(UnsupportedArchitectureError, match="gemma2"):
-        spec_from_hf_config({**BASE, "model_type": "gemma2"})
+    with pytest.raises(UnsupportedArchitectureError, match="gpt_oss"):
+        spec_from_hf_config({**BASE, "model_type": "gpt_oss"})
+    assert spec_from_hf_config({**BASE, "architectures": ["Gemma2ForCausalLM"]}).architecture == "gemma2"
+    assert spec_from_hf_config({**BASE, "architectures": ["Phi3ForCausalLM"]}).architecture == "phi3"
     with pytest.raises(UnsupportedArchitectureError, match="none: config has no model_type"):
         spec_from_hf_config(BASE)
     assert describe(BASE).architecture == "llama"  # planner: a bare config is read as Llama
@@ -234,6 +236,8 @@ def test_multimodal_text_config() -> None:
     assert (spec.architecture, spec.hidden_size, spec.tie_word_embeddings, spec.qk_norm) == (
         "gemma3_text", 64, True, True)
     assert spec.extra["norms_per_layer"] == 4
+    with pytest.raises(ModelLoadError, match="Gemma3ForConditionalGeneration"):
+        spec_from_hf_config(cfg)  # the engine runs the text checkpoint only
 
 
 def test_eos_from_config_and_generation_config(tmp_path: Path) -> None:
@@ -328,11 +332,19 @@ def test_gguf_bias_norms_tying_and_unsupported(tmp_path: Path) -> None:
     assert s3.qk_norm and not s3.attention_bias and s3.head_dim == 24
     g = read_gguf_header(write_tiny_gguf(tmp_path / "g.gguf", TinyGGUF(
         arch="gemma2", sliding_window=32, layers=4)))
-    with pytest.raises(UnsupportedArchitectureError, match="'gemma2'"):
-        spec_from_gguf_header(g)
     planned = spec_from_gguf_header(g, require_supported=False)
     assert planned.layer_types == ("sliding", "full", "sliding", "full")  # llama.cpp's pattern
     assert planned.hidden_act == "gelu_pytorch_tanh" and planned.extra["norms_per_layer"] == 4
+    assert spec_from_gguf_header(g) == planned  # the engine runs it (mixed kinds: Gemma 2/3)
+    # llama.cpp's scale rule: head_dim, except the 27B's (46 layers) hidden / heads
+    assert planned.query_pre_attn_scalar == 16.0
+    big = spec_from_gguf_header(read_gguf_header(write_tiny_gguf(tmp_path / "g27.gguf", TinyGGUF(
+        arch="gemma2", sliding_window=32, layers=46, head_dim=32, tokenizer=False))))
+    assert big.query_pre_attn_scalar == 16.0 and big.head_dim == 32
+    w = read_gguf_header(write_tiny_gguf(tmp_path / "w.gguf", TinyGGUF(sliding_window=8,
+        layers=2, meta={"attention.sliding_window_pattern": [True, False]})))
+    with pytest.raises(ModelLoadError, match="mixed layer kinds for Gemma 2/3 only"):
+        spec_from_gguf_header(w)
 
 
 def test_gguf_moe_in_llama_arch(tmp_path: Path) -> None:

@@ -1,0 +1,36 @@
+"""GGUF tensor names -> the Hugging Face names the engine holds, from gguf-py's own tables.
+
+llama.cpp's converter names tensors with ``gguf.get_tensor_name_map(arch, n_blocks)``
+(HF name -> GGUF name, per architecture: Gemma's ``post_attention_layernorm`` is
+``post_attention_norm``, Llama's is ``ffn_norm``); this module runs the same map over the
+names the engine holds for a spec (fitserve.ledger.weight_names; Phi-3's fused ``qkv_proj`` /
+``gate_up_proj`` in place of their parts) and inverts it, so no table here lists a family.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import gguf
+
+from fitserve.config import ModelSpec
+from fitserve.ledger.weight_names import expected_weight_shapes
+from fitserve.loading.errors import ModelLoadError
+from fitserve.loading.fused_weights import checkpoint_names
+
+_ARCH_BY_NAME = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
+
+
+def gguf_to_hf_names(spec: ModelSpec, gguf_arch: str, source: object) -> dict[str, str]:
+    """GGUF tensor name -> HF name (a fused one for Phi-3) of every tensor ``spec`` needs."""
+    arch = _ARCH_BY_NAME.get(gguf_arch)
+    if arch is None:
+        raise ModelLoadError(f"{source}: gguf-py knows no architecture {gguf_arch!r}")
+    tmap = gguf.get_tensor_name_map(arch, spec.num_layers)
+    out: dict[str, str] = {}
+    for hf in checkpoint_names(spec, list(expected_weight_shapes(spec))):
+        stem, _, suffix = hf.rpartition(".")
+        name = tmap.get_name(stem)
+        if name is None:
+            raise ModelLoadError(f"{source}: gguf-py's {gguf_arch} tensor map has no name for {hf!r}")
+        out[f"{name}.{suffix}"] = hf
+    return out

@@ -1,0 +1,184 @@
+"""Gemma 2, Gemma 3 (text) and Phi-3 vs transformers on the same random tiny weights.
+
+The models (tests/numerics/tiny_models.py) have GQA 4:1, head_dim != hidden / heads, windows
+shorter than the prompts (Gemma 2: 6, Gemma 3: 5, Phi-3: 48), Gemma 2's attention and final
+soft-caps small enough to change the logits, Gemma 3's two RoPE tables (local base 1e4; global
+1e6 with linear scaling 4) and Phi-3's LongRoPE with an original context of 100: a 120-token
+prompt starts past it (every token on the long factors) and a 90-token one crosses it while
+decoding. Greedy tokens must equal transformers' for 32 tokens and every top-5 logprob must be
+within a tolerance derived from the shapes (``derived_tolerance``): alone, batched with chunked
+prefill (chunk 7, block 4), with n-gram speculative decoding, and from a GGUF file written as
+llama.cpp's converter writes it.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fitserve.config import EngineConfig
+from fitserve.engine.core import Engine
+from fitserve.loading import LoadedModel, load_model
+from fitserve.sampling import SamplingParams
+
+from .conftest import hf_greedy
+from .hf_to_gguf import write_gguf_like_llama_cpp
+from .tiny_models import PHI3_ORIGINAL_CONTEXT, build_tiny
+
+transformers = pytest.importorskip("transformers")
+
+NUM_TOKENS = 32
+PROMPT_LENGTHS = {"gemma2": (1, 5, 23, 40), "gemma3": (1, 5, 23, 40),
+                  "phi3": (1, 23, 90, 120)}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5)
+FP32_EPS = torch.finfo(torch.float32).eps
+
+
+@dataclass
+class Family:
+    arch: str
+    folder: Path
+    ref: Any  # the transformers model
+    loaded: LoadedModel
+    prompts: list[list[int]]
+    want: list[tuple[list[int], list[torch.Tensor]]]  # transformers' tokens and logprobs
+    tol: float
+
+
+@torch.inference_mode()
+def derived_tolerance(ref: Any, prompt: list[int]) -> float:
+    """The logprob error two fp32 implementations that differ only in summation order can
+    show: each of the L layers (and the head) sums at most K = max(hidden, intermediate)
+    products, a relative error of about sqrt(K) * eps each; relative errors of the hidden state
+    reach the logits scaled by their magnitude. A factor 10 covers softmax/norm amplification
+    (a wrong rule anywhere — a mask, a scale, a norm — is off by far more: ~1e-1 and up)."""
+    cfg = ref.config
+    logits = ref(torch.tensor([prompt])).logits[0].double()
+    k = max(cfg.hidden_size, cfg.intermediate_size)
+    return 10 * (cfg.num_hidden_layers + 1) * k**0.5 * FP32_EPS * float(logits.abs().max())
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(smollm2_gguf: Path) -> Any:
+    return transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent),
+                                                      gguf_file=smollm2_gguf.name)
+
+
+@pytest.fixture(scope="module", params=["gemma2", "gemma3", "phi3"])
+def family(request: Any, tmp_path_factory: Any, hf_tokenizer: Any) -> Family:
+    arch = request.param
+    folder = tmp_path_factory.mktemp(f"tiny-{arch}")
+    ref = build_tiny(arch, folder, hf_tokenizer)
+    loaded = load_model(folder, dtype=torch.float32)
+    rng = random.Random(arch)
+    prompts = [[rng.randrange(3, loaded.spec.vocab_size) for _ in range(n)]
+               for n in PROMPT_LENGTHS[arch]]
+    want = [hf_greedy(ref, p, NUM_TOKENS) for p in prompts]
+    return Family(arch, folder, ref, loaded, prompts, want, derived_tolerance(ref, prompts[-1]))
+
+
+def make(loaded: LoadedModel, **kw: Any) -> Engine:
+    fields: dict[str, Any] = {"model": str(loaded.path), "dtype": "float32", "device": "cpu",
+                              "max_model_len": 256, "num_kv_blocks": 320, "block_size": 4}
+    return Engine(EngineConfig(**{**fields, **kw}), loaded=loaded)
+
+
+def run(engine: Engine, prompts: list[list[int]], *, together: bool) -> list[Any]:
+    """The finished outputs of ``prompts``: all added at once, or one after another."""
+    done: dict[int, Any] = {}
+    waves = [list(enumerate(prompts))] if together else [[(i, p)] for i, p in enumerate(prompts)]
+    for wave in waves:
+        for i, p in wave:
+            engine.add_request(p, GREEDY, request_id=str(i))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                assert out.error is None
+                if out.finished:
+                    done[int(out.request_id)] = out
+    return [done[i] for i in range(len(prompts))]
+
+
+def check(fam: Family, outs: list[Any], what: str) -> None:
+    for i, (out, (tokens, lps)) in enumerate(zip(outs, fam.want, strict=True)):
+        assert out.token_ids == tokens, f"{fam.arch} {what}: prompt {i} ({len(fam.prompts[i])})"
+        for ours, ref in zip(out.logprobs, lps, strict=True):
+            for tok, lp in ours.top:
+                assert abs(lp - float(ref[tok])) < fam.tol, (fam.arch, what, i, tok)
+
+
+def test_spec(family: Family) -> None:
+    """The config read as transformers reads it (the fields that make these families)."""
+    spec, cfg = family.loaded.spec, family.ref.config
+    assert spec.num_heads == 4 * spec.num_kv_heads  # GQA 4:1
+    if family.arch == "phi3":
+        rs = spec.rope_scaling
+        assert rs is not None and rs.kind == "longrope"
+        assert rs.original_max_position_embeddings == PHI3_ORIGINAL_CONTEXT
+        assert rs.long_factor == tuple(cfg.rope_parameters["long_factor"])
+        assert family.ref.model.rotary_emb.attention_scaling == pytest.approx(rs.attention_factor)
+        assert spec.sliding_window == cfg.sliding_window and spec.layer_types is None
+        return
+    assert spec.head_dim != spec.hidden_size // spec.num_heads
+    assert spec.query_pre_attn_scalar == cfg.query_pre_attn_scalar
+    assert spec.layer_types == tuple(t.split("_")[0] for t in cfg.layer_types)
+    assert spec.attn_logit_softcapping == cfg.attn_logit_softcapping
+    assert spec.final_logit_softcapping == cfg.final_logit_softcapping
+
+
+def test_alone(family: Family) -> None:
+    """One request at a time, whole prompts in one step."""
+    check(family, run(make(family.loaded, block_size=16), family.prompts, together=False),
+          "alone")
+
+
+def test_batched_chunked(family: Family) -> None:
+    """All prompts at once, chunked prefill of 7 tokens over 4-token blocks."""
+    engine = make(family.loaded, long_prefill_token_threshold=7)
+    check(family, run(engine, family.prompts, together=True), "batched, chunk 7")
+
+
+def test_ngram_speculative_decoding(family: Family) -> None:
+    """Greedy speculative decoding emits exactly the greedy tokens (verification chunks run
+    as decode rows over the same soft-capped / windowed / LongRoPE attention)."""
+    engine = make(family.loaded, speculative_config={"method": "ngram",
+                                                     "num_speculative_tokens": 3})
+    check(family, run(engine, family.prompts, together=True), "ngram speculative")
+
+
+def test_gguf_round_trip(family: Family, tmp_path: Path, hf_tokenizer: Any) -> None:
+    """The same model as a GGUF file (gguf-py's writer, llama.cpp's names, metadata and norm
+    + 1): the engine loads it and generates transformers' tokens. Gemma's attention scale is
+    written by no key (llama.cpp derives head_dim**-0.5), so the Gemma models here have
+    query_pre_attn_scalar = head_dim."""
+    overrides: dict[str, Any] = {}
+    if family.arch != "phi3":
+        overrides["query_pre_attn_scalar"] = family.ref.config.head_dim
+    ref = build_tiny(family.arch, tmp_path / "hf", hf_tokenizer, **overrides) if overrides else (
+        family.ref)
+    path = write_gguf_like_llama_cpp(ref, tmp_path / f"{family.arch}.gguf")
+    loaded = load_model(path, dtype=torch.float32)
+    assert loaded.file_format == "gguf"
+    hf_spec = load_model(tmp_path / "hf", dtype=torch.float32).spec if overrides else (
+        family.loaded.spec)
+    for field in ("num_layers", "head_dim", "sliding_window", "layer_types", "rope_theta",
+                  "query_pre_attn_scalar", "attn_logit_softcapping",
+                  "final_logit_softcapping", "sliding_rope_theta", "tie_word_embeddings"):
+        assert getattr(loaded.spec, field) == getattr(hf_spec, field), field
+    ours, theirs = loaded.spec.rope_scaling, hf_spec.rope_scaling
+    assert (ours is None) == (theirs is None)
+    if ours is not None and theirs is not None:  # the file stores float32 factors
+        assert (ours.kind, ours.original_max_position_embeddings) == (
+            theirs.kind, theirs.original_max_position_embeddings)
+        for a, b in ((ours.factor, theirs.factor), (ours.attention_factor, theirs.attention_factor),
+                     *zip(ours.long_factor + ours.short_factor,
+                          theirs.long_factor + theirs.short_factor, strict=True)):
+            assert a == pytest.approx(b, rel=1e-6)
+    fam = Family(family.arch, path, ref, loaded, family.prompts,
+                 [hf_greedy(ref, p, NUM_TOKENS) for p in family.prompts], family.tol)
+    check(fam, run(make(loaded, long_prefill_token_threshold=7), fam.prompts, together=True),
+          "gguf")
