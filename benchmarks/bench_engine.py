@@ -18,7 +18,7 @@ host's bandwidth moves by +-20% within minutes; the planner's cached figure is p
 requests x 128-token prompt x 128 new tokens (generated tok/s, wall clock incl. prefill).
 
 fitserve configs: q4_1 (the GGUF as stored: Q4_1 blocks, Q8_0 embedding/lm_head), bf16, fp32
-(dequantized); q4_1-compiled / bf16-compiled run decode steps under torch.compile (--compile),
+(dequantized), fp8 (--weights fp8: dequantized, then e4m3 with per-channel scales); q4_1-compiled / bf16-compiled run decode steps under torch.compile (--compile),
 each twice on one fresh compile cache, so their start-up is reported cold and warm. Peers: transformers (always; bf16 on the dequantized weights), llama.cpp
 (llama-cpp-python, on the same GGUF) and vLLM's CPU build (bf16, on an HF folder written from
 the dequantized GGUF) when their venvs exist (--llamacpp-python / --vllm-python, default
@@ -54,6 +54,7 @@ FITSERVE_CONFIGS = {  # name -> (EngineConfig.dtype, EngineConfig.weights, enfor
     "as-stored": ("bfloat16", "as-stored", True),  # any GGUF as stored (bench_formats.py)
     "bf16": ("bfloat16", "bf16", True),
     "fp32": ("float32", "float32", True),
+    "fp8": ("bfloat16", "fp8", True),  # the GGUF dequantized, then e4m3 codes per channel (RTN)
     # decode steps under torch.compile; run twice on one fresh compile cache (cold, then warm)
     "q4_1-compiled": ("bfloat16", "as-stored", False),
     "bf16-compiled": ("bfloat16", "bf16", False),

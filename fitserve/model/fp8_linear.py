@@ -2,11 +2,16 @@
 
     Fp8Linear(fw)(x [..., K]) -> [..., N]     x float32 / bfloat16 / float16; y in x's dtype
 
-Two paths:
+Three paths:
 
-    dequant    (default, weight-only W8A16) dequantize row chunks in float32 to x's dtype and
-               F.linear; scratch bounded to ~1M elements whatever the layer (as ``run_torch``
-               in fitserve.model.linear). Exact up to the float GEMM's own sums.
+    kernel     (default, weight-only W8A16, up to FP8_GEMV_MAX_ROWS rows of x on CPU) the C++
+               op of fitserve/kernels/cpu/fp8_gemv.cpp: one byte read per weight, the codes
+               converted in registers, fp32 sums, the scale once per output (per 128 columns
+               for block scales), the bias in fp32; every granularity and both formats.
+    dequant    (weight-only W8A16: more rows, another device, or no C++ build) dequantize row
+               chunks in float32 to x's dtype and F.linear; scratch bounded to ~1M elements
+               whatever the layer (as ``run_torch`` in fitserve.model.linear). Exact up to the
+               float GEMM's own sums.
     scaled-mm  (``act_fp8=True``, W8A8-fp8) x quantized per token to the weight's fp8 format,
                then ``torch._scaled_mm`` with per-token x scales and per-channel weight scales
                (tensor/channel granularity only; block weights stay on the dequant path).
@@ -24,7 +29,7 @@ _scaled_mm runs for fp8 on this CPU, but only with fp8 activations: it is slower
 dequant path at every M and ~10x less exact (it quantizes x), so it is never chosen by itself;
 ``act_fp8`` is an explicit opt-in to W8A8-fp8 numerics. The dequant path decodes e4m3 by bit
 moves (``codes_as_f16``; torch's e4m3 cast took 8.7 ms here); it is still ~10x a dense bf16
-GEMM at decode: a fused fp8 kernel (fitserve/kernels/cpu) is what would make it pay.
+GEMM at decode, which is why the kernel path exists (see fitserve/kernels/cpu/fp8_gemv.py).
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fitserve.kernels.cpu.fp8_gemv import FP8_GEMV_MAX_ROWS, fp8_gemv_available
+from fitserve.kernels.cpu.fp8_gemv import fp8_linear as fp8_linear_op
 from fitserve.quant.fp8 import FORMATS, Fp8Weight, fp8_max
 
 _CHUNK_ELEMENTS = 1 << 20
@@ -120,12 +127,22 @@ class Fp8Linear(nn.Module):
         return Fp8Weight(self.fmt, self.granularity, self.out_features, self.in_features,
                          self.weight_fp8, self.weight_scale, self.block)
 
+    def kernel_applies(self, x2: torch.Tensor) -> bool:
+        """Whether ``x2 [M, K]`` runs the C++ op (see the module docstring)."""
+        return (not self.act_fp8 and x2.device.type == "cpu" and x2.shape[0] <= FP8_GEMV_MAX_ROWS
+                and x2.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                and fp8_gemv_available())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        run = scaled_mm_linear if self.act_fp8 else dequant_linear
-        y = run(self.fp8, x2)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
+        if self.kernel_applies(x2):
+            y = fp8_linear_op(x2, self.weight_fp8, self.weight_scale, self.fmt, self.granularity,
+                              self.block, self.bias)
+        else:
+            run = scaled_mm_linear if self.act_fp8 else dequant_linear
+            y = run(self.fp8, x2)
+            if self.bias is not None:
+                y = y + self.bias.to(y.dtype)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

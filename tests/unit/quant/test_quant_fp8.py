@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fitserve.kernels.cpu.fp8_gemv import fp8_gemv_available
 from fitserve.ledger.formats import weight_bytes
 from fitserve.model import fp8_linear
 from fitserve.model.fp8_linear import Fp8Linear, scaled_mm_available
@@ -135,9 +136,14 @@ def test_fp8_linear_matches_the_float64_reference(granularity: str, dtype: torch
     x = torch.randn(2, 5, K, generator=g).to(dtype)
     ref = fp8_linear_reference(x, fw) + bias.double()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for chunk in (1 << 20, 128 * K - 1):  # one chunk; several (row chunks of whole tiles)
+    # the C++ op (10 rows) where it is built; the dequant path in one chunk and in several (row
+    # chunks of whole tiles) with the op's row limit at 0
+    for max_rows, chunk in ((64, 1 << 20), (0, 1 << 20), (0, 128 * K - 1)):
+        monkeypatch.setattr(fp8_linear, "FP8_GEMV_MAX_ROWS", max_rows)
         monkeypatch.setattr(fp8_linear, "_CHUNK_ELEMENTS", chunk)
-        y = Fp8Linear(fw, bias.to(dtype))(x)
+        layer = Fp8Linear(fw, bias.to(dtype))
+        assert layer.kernel_applies(x[0]) == (max_rows > 0 and fp8_gemv_available())
+        y = layer(x)
         assert y.dtype == dtype and y.shape == (2, 5, N)
         assert float((y.double() - ref).norm() / ref.norm()) < tol
 
@@ -173,3 +179,5 @@ def test_bit_decode_equals_torch_cast_for_every_code(fmt: str) -> None:
     ours = codes_as_f16(codes, fmt).to(torch.float64) * F16_FACTOR[fmt]
     finite = torch.isfinite(torch_value)
     assert torch.equal(ours[finite], torch_value[finite])
+    assert torch.equal(ours.isnan(), torch_value.isnan())  # e4m3fn 0x7F / 0xFF: NaN
+    assert torch.equal(ours[ours.isinf()], torch_value[torch_value.isinf()])
