@@ -18,7 +18,6 @@ from fitserve.loading.support import spec_problems
 from fitserve.model.fp8_linear import Fp8Linear
 from fitserve.model.gemma import GemmaCausalLM
 from fitserve.model.ggml_linear import GgmlEmbedding, GgmlLinear
-from fitserve.model.layers import RotaryEmbedding
 from fitserve.model.linear import ConcatLinear, DenseLinear, PackedEmbedding, PackedLinear
 from fitserve.model.llama import CausalLM
 from fitserve.quant.fp8 import Fp8Weight
