@@ -112,7 +112,9 @@ def tiny_hf_config(arch: str, **overrides: Any) -> Any:
         return tf.Gemma2Config(**{"head_dim": 24, "query_pre_attn_scalar": 24, "sliding_window": 6,
                                   "attn_logit_softcapping": 4.0, "final_logit_softcapping": 6.0,
                                   "num_hidden_layers": 4, **sizes})
-    if arch == "gemma3":  # layers mixed 3:1, local and global RoPE tables
+    # NOTE: TINY_SIZES' num_hidden_layers (2) wins over the 4 here: with pattern 4 both layers
+    # slide (the spec's layer_types is None) and rotate with the local RoPE table (1e4)
+    if arch == "gemma3":
         return tf.Gemma3TextConfig(**{"head_dim": 32, "query_pre_attn_scalar": 32,
                                       "sliding_window": 5, "num_hidden_layers": 4,
                                       "sliding_window_pattern": 4, **sizes})

@@ -90,10 +90,25 @@ class GemmaDecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(h)
 
 
+def layer_uses_local_rope(spec: ModelSpec, layer_idx: int) -> bool:
+    """Whether layer ``layer_idx`` rotates with the sliding layers' own table (Gemma 3).
+
+    NOTE: a spec whose layers all slide has layer_types None (one kind) and a sliding_window:
+    every layer is then a sliding one and uses the local table, as transformers' per-layer-type
+    rotary does (reading None as "all full" rotated a 2-layer all-sliding Gemma 3 with the
+    global base 1e6 instead of 1e4).
+    """
+    if spec.sliding_rope_theta is None:
+        return False
+    if spec.layer_types is not None:
+        return spec.layer_types[layer_idx] == "sliding"
+    return spec.sliding_window is not None
+
+
 def local_rope_spec(spec: ModelSpec) -> ModelSpec | None:
     """The spec the sliding layers' rotary table is built from (Gemma 3: their own base, no
-    scaling), or None when every layer shares one table."""
-    if spec.sliding_rope_theta is None or spec.layer_types is None:
+    scaling), or None when no layer has its own table."""
+    if not any(layer_uses_local_rope(spec, i) for i in range(spec.num_layers)):
         return None
     return replace(spec, rope_theta=spec.sliding_rope_theta, rope_scaling=None)
 
@@ -116,8 +131,7 @@ class GemmaCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def _rotary_of(self, layer_idx: int) -> RotaryEmbedding:
-        kinds = self.spec.layer_types
-        if self.rotary_local is not None and kinds is not None and kinds[layer_idx] == "sliding":
+        if self.rotary_local is not None and layer_uses_local_rope(self.spec, layer_idx):
             return self.rotary_local
         return self.rotary
 

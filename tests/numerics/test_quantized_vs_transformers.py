@@ -176,8 +176,8 @@ def rtn_reference(hf_model: Any, choice: str) -> Any:
 @pytest.mark.slow
 @pytest.mark.parametrize("choice", ["int4", "int8"])
 # phi3: its fused qkv / gate_up split before RTN (row-local formats: the same as quantizing
-# the fused tensor)
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3"])
+# the fused tensor); gemma3: (1 + w) norms and q/k norms stay f32, its 2 layers all slide
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3", "gemma3"])
 def test_rtn_tiny_model_matches_transformers_on_dequantized_weights(
         tiny_hf_model_dir: Any, arch: str, choice: str) -> None:
     folder, hf_model = tiny_hf_model_dir(arch, return_model=True)

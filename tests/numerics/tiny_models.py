@@ -55,6 +55,14 @@ def _new_family_config(tf, arch: str):  # type: ignore[no-untyped-def]
                                                 "rope_theta": 1e6},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
             tie_word_embeddings=True)
+    if arch == "gemma3_all_sliding":  # every layer windowed: the spec's layer_types is None
+        return tf.Gemma3TextConfig(
+            **_NEW, num_hidden_layers=2, head_dim=32, query_pre_attn_scalar=32, sliding_window=5,
+            layer_types=["sliding_attention"] * 2,
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+            tie_word_embeddings=True)
     if arch == "phi3":
         half = 16 // 2  # head_dim 16
         return tf.Phi3Config(
