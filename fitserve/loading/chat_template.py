@@ -141,32 +141,45 @@ def render_chat_template(
     for message in messages:
         if not isinstance(message, Mapping):
             raise ChatTemplateError(f"chat messages must be dicts, got {message!r}")
+    chat = [dict(m) for m in messages]
+    if continue_final_message:
+        _tag_final_message(chat)
     context: dict[str, Any] = {k: v for k, v in (special_tokens or {}).items() if v is not None}
     context.update(kwargs)
     try:
-        text = _compile(template).render(
-            messages=[dict(m) for m in messages],
-            add_generation_prompt=add_generation_prompt,
-            **context,
-        )
+        text = _compile(template).render(messages=chat, add_generation_prompt=add_generation_prompt, **context)
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"chat template failed: {exc}") from exc
-    return _cut_after_final_message(text, messages) if continue_final_message else text
+    return _cut_at_tag(text) if continue_final_message else text
 
 
-def _cut_after_final_message(text: str, messages: list[dict[str, Any]]) -> str:
-    """``text`` up to the end of the last message's content (transformers' rule, spaces included)."""
-    if not messages:
+# NOTE: transformers' way to find where the last message ends: render it with this tag appended
+# and cut there (a template that trims the message also trims the space before the tag).
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tag_final_message(chat: list[dict[str, Any]]) -> None:
+    """Append the tag to the last message's text (its last text part, for a list of parts)."""
+    if not chat:
         raise ChatTemplateError("continue_final_message needs at least one message")
-    final = messages[-1].get("content") or ""
-    if not isinstance(final, str):
-        raise ChatTemplateError("continue_final_message needs the last message's content as text")
-    if final.strip() not in text:
+    final = chat[-1].get("content")
+    if isinstance(final, str):
+        chat[-1]["content"] = final + _CONTINUE_TAG
+        return
+    parts = [dict(p) for p in final] if isinstance(final, (list, tuple)) else []
+    for part in reversed(parts):
+        if isinstance(part.get("text"), str):
+            part["text"] += _CONTINUE_TAG
+            chat[-1]["content"] = parts
+            return
+    raise ChatTemplateError("continue_final_message needs text in the last message to continue")
+
+
+def _cut_at_tag(text: str) -> str:
+    """``text`` up to where the last message's text ended."""
+    tag = _CONTINUE_TAG.strip()
+    if tag not in text:
         raise ChatTemplateError("continue_final_message: the chat template does not show the last message's "
                                 "content, so there is nothing to continue")
-    at = text.rindex(final.strip())
-    # NOTE: a template that trims the message keeps only its stripped text; otherwise keep its
-    # trailing spaces (transformers' apply_chat_template does the same).
-    if text[at:at + len(final.lstrip())] == final:
-        return text[:at + len(final.lstrip())]
-    return text[:at + len(final.strip())]
+    at = text.rindex(tag)
+    return text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
