@@ -184,7 +184,7 @@ def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], tools: list[d
                                "continue_final_message": choice.continue_final_message, **choice.kwargs}
     try:
         if template_takes_tools(tokenizer, choice.template):
-            extra = {"tools": tools} if tools else {}
+            extra: dict[str, Any] = {"tools": tools} if tools else {}
             return tokenizer.apply_chat_template([_native(m) for m in messages], **options, **extra)
         return tokenizer.apply_chat_template(_hermes(messages, tools), **options)
     except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
