@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fitserve.engine.args import add_engine_args, engine_config_from_args
+from fitserve.engine.args import add_chat_template_arg, add_engine_args, engine_config_from_args
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
@@ -22,7 +22,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from fitserve.engine.core import Engine
     from fitserve.sampling import SamplingParams
 
+    if args.chat_template is not None and not args.chat:
+        print("fitserve generate: error: --chat-template needs --chat (a plain prompt uses no template)",
+              file=sys.stderr)
+        return 2
     engine = Engine(engine_config_from_args(args))
+    if args.chat_template is not None:
+        engine.tokenizer.chat_template = args.chat_template  # --chat-template replaces the model's
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos,
@@ -59,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate text for one prompt, streaming tokens")
     add_engine_args(p)
     p.add_argument("prompt")
-    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--chat", action="store_true", help="apply the chat template (the model's, or --chat-template)")
+    add_chat_template_arg(p)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)

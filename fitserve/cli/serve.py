@@ -22,7 +22,7 @@ import uvicorn
 
 from fitserve import envs
 from fitserve.config import EngineConfig
-from fitserve.engine.args import add_engine_args, engine_config_from_args
+from fitserve.engine.args import add_chat_template_arg, add_engine_args, engine_config_from_args
 from fitserve.server.connections import (
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_MAX_HEADER_BYTES,
@@ -90,6 +90,9 @@ def add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--seed", type=int, default=0, help="seed of the engine's global RNG")
+    add_chat_template_arg(p)
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="run a chat_template a request sends (a template is code; refused with 400 otherwise)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     _add_sampling_default_args(p)
     p.set_defaults(func=run_serve)
@@ -152,6 +155,7 @@ def run_serve(args: argparse.Namespace) -> int:
         body_timeout_s=args.body_timeout, send_timeout_s=args.send_timeout, allowed_origins=args.allowed_origins,
         generation_config=args.generation_config,
         default_sampling={k: getattr(args, f"default_{k}") for k in DEFAULTED_FIELDS},
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     try:
         settings.resolve_sampling(GenerationDefaults())  # a bad --default-* value fails now
@@ -173,6 +177,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     def load(cfg: EngineConfig) -> Engine:
         engine = Engine(cfg)
+        if args.chat_template is not None:
+            engine.tokenizer.chat_template = args.chat_template  # --chat-template replaces the model's
         logging.getLogger("fitserve.server").info(
             "sampling defaults for requests that omit them: %s",
             settings.resolve_sampling(engine.loaded.generation_defaults).describe())

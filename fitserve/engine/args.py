@@ -52,6 +52,27 @@ def parse_speculative_config_arg(text: str) -> SpeculativeConfig:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def parse_chat_template_arg(text: str) -> str:
+    """argparse type for ``--chat-template``: a Jinja file or the template text, compiled now.
+
+    A template that does not compile, or a path that cannot be read, is an ArgumentTypeError,
+    so argparse exits 2 naming the flag before any model loads.
+    """
+    from fitserve.loading.chat_template import ChatTemplateError, load_chat_template
+
+    try:
+        return load_chat_template(text)
+    except ChatTemplateError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_chat_template_arg(p: argparse.ArgumentParser) -> None:
+    """``--chat-template`` (vLLM's flag), for the commands that render chats."""
+    p.add_argument("--chat-template", type=parse_chat_template_arg, default=None, metavar="FILE|TEMPLATE",
+                   help="the Jinja chat template to use instead of the model's own (a model file without "
+                        "one cannot chat otherwise): a file's path, or the template text itself")
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The flags every engine-running command takes (names follow vLLM's)."""
     p.add_argument("--model", default="smollm2-135m", help="a .gguf file, a Hugging Face folder, or a known name")

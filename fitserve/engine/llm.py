@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from fitserve.config import EngineConfig
 from fitserve.engine.core import Engine
+from fitserve.loading.chat_template import load_chat_template
 from fitserve.sampling import SamplingParams
 from fitserve.sampling.beam_search import BeamSearchParams
 from fitserve.spec_decode.stats import SpecDecodeStats
@@ -64,12 +65,17 @@ class LLM:
 
     Keyword arguments are EngineConfig keywords (dtype, max_model_len, num_kv_blocks, ...),
     among them ``weights`` ("auto" = as stored, "bf16", "float32", "int4", "int8") and
-    ``quantization`` (None, "int4", "int8": RTN at load, vLLM's spelling).
+    ``quantization`` (None, "int4", "int8": RTN at load, vLLM's spelling). ``chat_template``
+    (a Jinja file or the template text, as ``--chat-template``) replaces the model's own.
     """
 
-    def __init__(self, model: str = "smollm2-135m", **engine_kwargs: object) -> None:
+    def __init__(self, model: str = "smollm2-135m", *, chat_template: str | None = None,
+                 **engine_kwargs: object) -> None:
+        template = None if chat_template is None else load_chat_template(chat_template)  # fails before loading
         self.engine = Engine(EngineConfig(model=model, **engine_kwargs))  # type: ignore[arg-type]
         self.tokenizer = self.engine.tokenizer
+        if template is not None:
+            self.tokenizer.chat_template = template
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's recommended defaults (vLLM's method of this name).
@@ -204,14 +210,27 @@ class LLM:
         self,
         messages: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
         params: SamplingParams | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, object] | None = None,
         **kwargs: object,
     ) -> list[GenerationResult]:
-        """Apply the model's chat template to one conversation (or a list of them), then generate."""
+        """Apply the chat template to one conversation (or a list of them), then generate.
+
+        As vLLM's ``LLM.chat``: ``chat_template`` (its text) replaces the model's for this call,
+        ``chat_template_kwargs`` are more template variables; ``continue_final_message`` ends the
+        prompt inside the last message (then ``add_generation_prompt`` must be false).
+        """
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         # The template writes its own special tokens, so none are added when encoding.
         prompts = [
             self.tokenizer.encode(
-                self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True),  # type: ignore[arg-type]
+                self.tokenizer.apply_chat_template(
+                    list(c), add_generation_prompt=add_generation_prompt,  # type: ignore[arg-type]
+                    chat_template=chat_template, continue_final_message=continue_final_message,
+                    **(chat_template_kwargs or {})),
                 add_special_tokens=False,
             )
             for c in convs

@@ -22,6 +22,8 @@ from fitserve.loading.gguf_vocab import (  # noqa: F401 (re-exported: GGUF vocab
     bytes_to_unicode,
 )
 
+NO_TEMPLATE_HINT = ("this model has no chat template: give one with --chat-template FILE|TEXT (a Jinja "
+                    "file or the template itself), or send a plain prompt to /v1/completions")
 _GIL_FREE_ENCODE_CHARS = 8192  # longer texts are encoded without holding the GIL (see encode)
 
 
@@ -89,15 +91,21 @@ class Tokenizer:
         return self.backend.token_to_id(token)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
+        chat_template: str | None = None, continue_final_message: bool = False, **kwargs: Any,
     ) -> str:
-        """Render a conversation to the prompt text the model was trained on."""
-        if not self.chat_template:
-            raise ChatTemplateError("this model has no chat template; pass a plain prompt instead")
+        """Render a conversation to the prompt text the model was trained on.
+
+        ``chat_template`` (its text) replaces the model's own for this call, as in transformers.
+        """
+        template = chat_template or self.chat_template
+        if not template:
+            raise ChatTemplateError(NO_TEMPLATE_HINT)
         return render_chat_template(
-            self.chat_template,
+            template,
             messages,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             special_tokens=self.special_tokens,
             **kwargs,
         )

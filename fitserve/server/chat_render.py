@@ -19,12 +19,18 @@ Two ways to show tools, chosen by whether the template reads a ``tools`` variabl
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
-from fitserve.loading.chat_template import template_variables
-from fitserve.loading.tokenizer import Tokenizer
+from fitserve.loading.chat_template import (
+    ChatTemplateError,
+    check_chat_template,
+    template_globals,
+    template_variables,
+)
+from fitserve.loading.tokenizer import NO_TEMPLATE_HINT, Tokenizer
 from fitserve.server.errors import bad_request
-from fitserve.server.protocol.chat import ChatMessage
+from fitserve.server.protocol.chat import ChatMessage, ChatTemplateFields
 from fitserve.server.protocol.common import MAX_MESSAGES
 from fitserve.server.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
@@ -34,6 +40,11 @@ _TOOLS_HEAD = ("# Tools\n\nYou may call one or more functions to assist with the
 _TOOLS_TAIL = ("</tools>\n\nFor each function call, return a json object with function name and arguments "
                f"within {TOOL_CALL_OPEN}{TOOL_CALL_CLOSE} XML tags:\n{TOOL_CALL_OPEN}\n"
                '{"name": <function-name>, "arguments": <args-json-object>}\n' + TOOL_CALL_CLOSE)
+
+
+# Template variables the server sets itself (or the template's own helpers): not chat_template_kwargs'.
+_SERVER_SET = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                         "chat_template", *template_globals()})
 
 
 def check_messages(messages: list[ChatMessage]) -> None:
@@ -107,23 +118,74 @@ def _hermes(messages: list[ChatMessage], tools: list[dict[str, Any]]) -> list[di
     return out
 
 
-def template_takes_tools(tokenizer: Tokenizer) -> bool:
-    """Whether the model's chat template reads ``tools`` (else the server shows them itself)."""
-    return bool(tokenizer.chat_template) and "tools" in template_variables(tokenizer.chat_template)
+def template_takes_tools(tokenizer: Tokenizer, template: str | None = None) -> bool:
+    """Whether the chat template (``template``, else the model's) reads ``tools``."""
+    source = template or tokenizer.chat_template
+    return bool(source) and "tools" in template_variables(source)
+
+
+@dataclass(frozen=True, slots=True)
+class TemplateChoice:
+    """How one request renders: the template's text and the knobs it passes."""
+
+    template: str
+    add_generation_prompt: bool
+    continue_final_message: bool
+    kwargs: dict[str, Any]
+
+
+def _request_template(tokenizer: Tokenizer, req: ChatTemplateFields | None, trusted: bool) -> str:
+    """The template text this request uses: its own (when trusted), else the server's."""
+    if req is not None and req.chat_template is not None:
+        if not trusted:
+            raise bad_request("a chat_template sent with the request is refused: a template is code the server "
+                              "runs; start the server with --trust-request-chat-template to allow it",
+                              "chat_template")
+        try:
+            return check_chat_template(req.chat_template)
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc), "chat_template") from None
+    if not tokenizer.chat_template:
+        raise bad_request(NO_TEMPLATE_HINT, "messages")
+    return tokenizer.chat_template
+
+
+def choose_template(tokenizer: Tokenizer, req: ChatTemplateFields | None, trusted: bool = False) -> TemplateChoice:
+    """Check a request's chat-template fields (each works or is a 400 naming it)."""
+    template = _request_template(tokenizer, req, trusted)
+    if req is None:
+        return TemplateChoice(template, True, False, {})
+    cont = req.continue_final_message
+    if cont and req.add_generation_prompt:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true: one continues "
+                          "the last message, the other starts a new assistant turn", "continue_final_message")
+    add = (not cont) if req.add_generation_prompt is None else req.add_generation_prompt
+    kwargs = dict(req.chat_template_kwargs or {})
+    own = sorted(kwargs.keys() & _SERVER_SET)
+    if own:
+        raise bad_request(f"chat_template_kwargs cannot set {own}: the server sets them (use the request's own "
+                          "fields)", "chat_template_kwargs")
+    unread = sorted(kwargs.keys() - template_variables(template))
+    if unread:
+        raise bad_request(f"chat_template_kwargs: the chat template never reads {unread}", "chat_template_kwargs")
+    return TemplateChoice(template, add, cont, kwargs)
 
 
 def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], tools: list[dict[str, Any]],
-                add_generation_prompt: bool = True) -> str:
+                req: ChatTemplateFields | None = None, *, trusted: bool = False) -> str:
     """The prompt text of ``messages`` with ``tools`` shown (OpenAI tool dicts; may be empty).
 
-    A template error (or a model without a template) is a 400 naming ``messages``.
+    ``req`` carries the request's chat-template fields; ``trusted``: the server accepts a
+    request's own ``chat_template``. A template error (or no template) is a 400.
     """
     check_messages(messages)
+    choice = choose_template(tokenizer, req, trusted)
+    options: dict[str, Any] = {"chat_template": choice.template, "add_generation_prompt": choice.add_generation_prompt,
+                               "continue_final_message": choice.continue_final_message, **choice.kwargs}
     try:
-        if template_takes_tools(tokenizer):
-            extra = {"tools": tools} if tools else {}
-            return tokenizer.apply_chat_template([_native(m) for m in messages],
-                                                 add_generation_prompt=add_generation_prompt, **extra)
-        return tokenizer.apply_chat_template(_hermes(messages, tools), add_generation_prompt=add_generation_prompt)
+        if template_takes_tools(tokenizer, choice.template):
+            extra: dict[str, Any] = {"tools": tools} if tools else {}
+            return tokenizer.apply_chat_template([_native(m) for m in messages], **options, **extra)
+        return tokenizer.apply_chat_template(_hermes(messages, tools), **options)
     except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
         raise bad_request(f"could not apply the chat template: {exc}", "messages") from None

@@ -44,6 +44,7 @@ class ModelContext:
     max_model_len: int
     vocab_size: int
     created: int
+    trust_request_chat_template: bool = False  # a request's own chat_template may run
 
 
 @dataclass(slots=True)
@@ -211,7 +212,8 @@ def prepare_chat(req: ChatCompletionRequest, ctx: ModelContext) -> Prepared:
     tools = plan_tools(req, user_guided=guided is not None)
     if tools is not None and tools.guided is not None:
         guided = Guided(tools.guided, "tools")  # the grammar is built from the tools' schemas
-    text = render_chat(ctx.tokenizer, req.messages, tools.shown if tools else [])
+    text = render_chat(ctx.tokenizer, req.messages, tools.shown if tools else [], req,
+                       trusted=ctx.trust_request_chat_template)
     prompts = [ctx.tokenizer.encode(text, add_special_tokens=False)]
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     _check_lengths(prompts, max_tokens, ctx, param)

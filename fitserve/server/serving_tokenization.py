@@ -28,7 +28,7 @@ def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest, ctx: ModelCon
     check_model(req.model, ctx)
     if isinstance(req, TokenizeChatRequest):
         tools = shown_tools(req.tools) if req.tools else []
-        text = render_chat(ctx.tokenizer, req.messages, tools, add_generation_prompt=req.add_generation_prompt)
+        text = render_chat(ctx.tokenizer, req.messages, tools, req, trusted=ctx.trust_request_chat_template)
     else:
         text = req.prompt
     ids = ctx.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)

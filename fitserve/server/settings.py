@@ -28,6 +28,7 @@ class ServerSettings:
     metrics_public: bool = False  # serve /metrics without the API key (for Prometheus scrapers)
     generation_config: GenerationConfigMode = "auto"  # "vllm": ignore the model's sampling defaults
     default_sampling: dict[str, float | int | None] = field(default_factory=dict)  # --default-* given
+    trust_request_chat_template: bool = False  # run a chat_template a request sends (vLLM's flag)
 
     def resolve_sampling(self, model: GenerationDefaults) -> DefaultSampling:
         """The defaults omitted request fields get with this model (see generation_defaults)."""

@@ -57,12 +57,30 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(BaseModel):
+    """vLLM's chat-template fields, shared by /v1/chat/completions and /tokenize."""
+
+    model_config = STRICT
+    chat_template: str | None = desc(
+        None, "vLLM extension: a Jinja chat template used instead of the server's for this request. Refused "
+              "(400) unless the server was started with --trust-request-chat-template.")
+    chat_template_kwargs: dict[str, Any] | None = desc(
+        None, "vLLM extension: more variables for the chat template (e.g. Qwen3's `enable_thinking`). A name "
+              "the template never reads, or one the server sets itself (`messages`, `tools`...), is a 400.")
+    add_generation_prompt: bool | None = desc(
+        None, "vLLM extension: end the prompt with the template's assistant header. Omitted: true, or false "
+              "with `continue_final_message`.")
+    continue_final_message: bool = desc(
+        False, "vLLM extension: end the prompt where the last message's text ends (no end-of-turn), so the "
+               "model continues that message. Cannot be combined with `add_generation_prompt: true`.")
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(
-        description=f"The conversation, 1..{MAX_MESSAGES} messages, rendered with the model's own chat "
-                    "template (a client cannot send one).",
+        description=f"The conversation, 1..{MAX_MESSAGES} messages, rendered with the server's chat "
+                    "template (the model's own, or --chat-template).",
         json_schema_extra={"minItems": 1, "maxItems": MAX_MESSAGES})
     max_tokens: int | None = desc(None, "Deprecated by OpenAI in favour of `max_completion_tokens` (which wins "
                                         "when both are given); >= 1, null: up to the context length.",

@@ -4,9 +4,9 @@ the model list).
 
 Requests are validated in strict mode straight from the JSON bytes, so ``"max_tokens": "5"`` or
 ``"n": 1.5`` is a 400, not a silent coercion. Unknown fields are ignored (clients send things
-like ``metadata``), except the ones listed in :data:`REJECTED_FIELDS`: a chat template is code,
-and the server never runs a template a client sent; the others are features fitserve does not
-have. Every field a model declares has an effect (or is checked and refused): none is accepted
+like ``metadata``), except the ones listed in :data:`REJECTED_FIELDS`: features fitserve does not
+have. A chat template a client sends is code: it runs only on a server started with
+``--trust-request-chat-template`` (``fitserve.server.chat_render``). Every field a model declares has an effect (or is checked and refused): none is accepted
 and dropped. ``user`` (OpenAI's end-user id) goes into the server's debug log of the request.
 
 Sampling fields default to ``None`` so that "omitted" and "given" differ: an omitted
@@ -37,22 +37,17 @@ MAX_PROMPTS_PER_REQUEST = 64
 MAX_MESSAGES = 512
 MAX_STOP_TOKEN_IDS = 64  # serving.py's limit (it has its own constant), stated in the OpenAPI document
 
-# Fields a client may not set. Chat-template knobs run server-side Jinja; the others are
-# features fitserve does not have, and silently ignoring them would change results.
+# Fields a client may not set: features fitserve does not have, and silently ignoring them would
+# change results. (The chat-template fields are protocol.chat.ChatTemplateFields.)
 REJECTED_FIELDS: dict[str, str] = {
-    "chat_template": "client-supplied chat templates are not accepted",
-    "chat_template_kwargs": "client-supplied chat template arguments are not accepted",
-    "add_generation_prompt": "client-supplied chat template arguments are not accepted",
-    "continue_final_message": "client-supplied chat template arguments are not accepted",
     "documents": "client-supplied chat template arguments are not accepted",
     "functions": "the legacy `functions` field is not supported: use `tools`",
     "function_call": "the legacy `function_call` field is not supported: use `tool_choice`",
     "suffix": "suffix (text after the completion, for insertion) is not supported",
     "guided_whitespace_pattern": "guided_whitespace_pattern is not supported (JSON output is compact)",
 }
-# Tokenizer routes (/tokenize) take vLLM's add_generation_prompt: only the template's code is refused.
-TOKENIZE_REJECTED_FIELDS: dict[str, str] = {
-    k: v for k, v in REJECTED_FIELDS.items() if k not in ("add_generation_prompt", "suffix")}
+# Tokenizer routes (/tokenize): the same, but a completion's suffix is not theirs to refuse.
+TOKENIZE_REJECTED_FIELDS: dict[str, str] = {k: v for k, v in REJECTED_FIELDS.items() if k != "suffix"}
 MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias
 
 # Request fields an omitted value of which takes the server's default (not SamplingParams').

@@ -1,8 +1,8 @@
 """vLLM's tokenizer routes, POST /tokenize and POST /detokenize: their requests and responses.
 
 ``/tokenize`` takes a plain prompt (``prompt``, ``add_special_tokens`` default true, as a
-completion encodes it) or a conversation (``messages``, ``add_generation_prompt`` default
-true, ``tools``, ``add_special_tokens`` default false); :func:`tokenize_model` tells which.
+completion encodes it) or a conversation (``messages``, the chat-template fields of
+/v1/chat/completions, ``tools``, ``add_special_tokens`` default false); :func:`tokenize_model` tells which.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from fitserve.server.errors import bad_request
-from fitserve.server.protocol.chat import ChatMessage
+from fitserve.server.protocol.chat import ChatMessage, ChatTemplateFields
 from fitserve.server.protocol.common import BODY, MAX_MESSAGES, STRICT, NonNegInt
 from fitserve.server.protocol.structured import MAX_TOOLS, ToolDefinition
 
@@ -31,15 +31,13 @@ class TokenizeCompletionRequest(BaseModel):
     return_token_strs: bool = Field(False, description=_TOKEN_STRS)
 
 
-class TokenizeChatRequest(BaseModel):
+class TokenizeChatRequest(ChatTemplateFields):
     """POST /tokenize with a conversation, rendered by the model's chat template."""
 
     model_config = STRICT
     model: str | None = Field(None, description=_MODEL)
     messages: list[ChatMessage] = Field(description=f"1..{MAX_MESSAGES} messages, as for /v1/chat/completions.",
                                         json_schema_extra={"minItems": 1, "maxItems": MAX_MESSAGES})
-    add_generation_prompt: bool = Field(True, description="End with the template's assistant header (what "
-                                                          "/v1/chat/completions generates after).")
     add_special_tokens: bool = Field(False, description="Add BOS on top of the template's own special tokens.")
     tools: list[ToolDefinition] | None = Field(None, description="Tools shown to the model, as with "
                                                                  "/v1/chat/completions and tool_choice auto.",

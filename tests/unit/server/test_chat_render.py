@@ -39,9 +39,10 @@ class FakeTokenizer:
     def __init__(self, template: str) -> None:
         self.chat_template = template
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            **kw: Any) -> str:
-        return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt, **kw)
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
+                            chat_template: str | None = None, **kw: Any) -> str:
+        return render_chat_template(chat_template or self.chat_template, messages,
+                                    add_generation_prompt=add_generation_prompt, **kw)
 
 
 def msgs(raw: list[dict[str, Any]]) -> list[ChatMessage]:
