@@ -10,36 +10,27 @@ chunks (float32, exact to gguf-py) and F.linear, as ``run_torch`` does for packe
 
 from __future__ import annotations
 
-import functools
-from types import ModuleType
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fitserve.kernels.cpu.ggml_blocks import ggml_kernel_available, ggml_matmul
 from fitserve.quant.ggml_blocks import GgmlBlockWeight, dequantize_blocks
 
 # Rows dequantized at once by the torch path: ~1M elements (4 MiB of fp32) whatever the layer.
 _TORCH_CHUNK_ELEMENTS = 1 << 20
 
 
-@functools.cache
-def _kernels() -> ModuleType | None:
-    """The C++ ggml block kernels' module, or None where this build has none."""
-    try:
-        from fitserve.kernels.cpu import ggml_blocks  # type: ignore[attr-defined, unused-ignore]
-    except ImportError:
-        return None
-    return ggml_blocks  # type: ignore[no-any-return, unused-ignore]
-
-
 def kernel_available(ggml_type: str, dtype: torch.dtype) -> bool:
-    """Whether ``ggml_matmul`` runs this type for activations of ``dtype``."""
-    k = _kernels()
-    if k is None or dtype not in (torch.float32, torch.bfloat16):
+    """Whether ``ggml_matmul`` runs this type for activations of ``dtype``.
+
+    NOTE: bf16 activations only, as PackedLinear's table (fitserve.model.linear): the kernel
+    quantizes x to int8 the way llama.cpp does, which is the bf16 model's precision; a float32
+    model is the exact mode and dequantizes (the torch path)."""
+    if dtype != torch.bfloat16:
         return False
     try:
-        return bool(k.ggml_kernel_available(ggml_type))
+        return ggml_kernel_available(ggml_type)
     except Exception:  # a broken build counts as absent: the pure-torch path runs
         return False
 
@@ -81,10 +72,7 @@ class GgmlLinear(nn.Module):
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         n, k = self.out_features, self.in_features
         if self.uses_kernel(x2.dtype):
-            kernels = _kernels()
-            assert kernels is not None
-            out: torch.Tensor = kernels.ggml_matmul(x2.contiguous(), self.blocks, self.ggml_type,
-                                                    n, k)
+            out: torch.Tensor = ggml_matmul(x2.contiguous(), self.blocks, self.ggml_type, n, k)
             y = out.to(x.dtype)
         else:
             y = torch_matmul(x2, self.blocks, self.ggml_type, n, k)

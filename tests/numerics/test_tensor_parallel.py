@@ -102,9 +102,8 @@ def test_smollm2_tp3_as_stored_matches_tp1(smollm2_gguf: Path) -> None:
     ("qwen3", 4, {"vocab_size": 386}),
     ("mistral", 2, {}),  # sliding window 12 < the prompt
     ("qwen2", 2, {}),  # q/k/v bias, tied embeddings
-    # Gemma 2: soft-capped attention and logits; 2 KV heads on 2 ranks
-    ("gemma2", 2, {}),
-    ("gemma3", 2, {}),  # mixed sliding/full layers, two RoPE tables, (1 + w) q/k norms
+    # Gemma 3 (the conftest's: 2 layers, both sliding): the local RoPE table, (1 + w) q/k norms
+    ("gemma3", 2, {}),
     ("phi3", 2, {}),  # fused checkpoint tensors split before sharding
 ])
 def test_tiny_models_match_tp1(tiny_hf_model_dir, arch: str, tp: int,  # type: ignore[no-untyped-def]
@@ -119,6 +118,16 @@ def test_tiny_models_match_tp1(tiny_hf_model_dir, arch: str, tp: int,  # type: i
         assert run(eng, prompts, GREEDY) == want
     finally:
         eng.shutdown()
+
+
+def test_mixed_layer_kinds_refuse_tp_before_any_process(tiny_hf_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """Gemma 2 (the conftest's: a sliding and a full layer, two KV layer groups) under TP: the
+    step message carries one block table per chunk, so the engine refuses by name."""
+    folder = tiny_hf_model_dir("gemma2")
+    with pytest.raises(ValueError, match="mixing sliding-window and full-attention layers runs "
+                       "without tensor parallelism"):
+        _engine(folder, 2)
+    assert not _children(os.getpid())
 
 
 def test_layout_that_does_not_divide_fails_before_any_process(tiny_hf_model_dir) -> None:  # type: ignore[no-untyped-def]

@@ -77,12 +77,15 @@ def test_embedding_gathers_exact_rows_and_ties_the_lm_head() -> None:
 def test_kernel_path_when_built(qtype: Q) -> None:
     """With the C++ build, the module runs ggml_matmul (int8 activations, as llama.cpp): the
     result is the float64 reference within the activation rounding (|x| max / 127 / 2 per
-    element, summed against |w|), and it agrees with the torch path within the same."""
+    element, summed against |w|) and the bf16 output's rounding."""
     w, ref = held(qtype, 24, 512, seed=3)
     lin = GgmlLinear(w)
-    if not lin.uses_kernel(torch.float32):
+    assert not lin.uses_kernel(torch.float32)  # a float32 model computes exactly
+    if not lin.uses_kernel(torch.bfloat16):
         pytest.skip("the C++ ggml kernels are not built here")
-    x = torch.randn(3, 512)
+    x = torch.randn(3, 512).to(torch.bfloat16)
     want = x.double() @ ref.double().T
     bound = (x.abs().max(dim=1).values.double() / 127 / 2)[:, None] * ref.double().abs().sum(1)
-    assert bool(((lin(x).double() - want).abs() <= bound + 1e-4).all())
+    # + the bf16 rounding of the float32 result
+    got = lin(x).double()
+    assert bool(((got - want).abs() <= bound + want.abs() / 128 + 1e-3).all())
