@@ -79,7 +79,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
         run()
         out[str(ctx)] = [run() for _ in range(spec["runs"])]
-    backend = runner._decode_batch([[0]], [1], runner.use_kvq).backend.name
+    backend = runner._decode_batch([[0]], [1], None, runner.use_kvq).backend.name
     return {"config": spec["config"], "tok_s": out, "decode_backend": backend,
             "kv_format": runner.kv_format}
 
