@@ -87,6 +87,19 @@ def tensor_shapes(c: TinyGGUF) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def add_tiny_vocab(w: gguf.GGUFWriter, vocab: int, model: str = "gpt2") -> None:
+    """The tiny byte-level vocabulary's metadata (bos 1, eos 2, no automatic BOS), under
+    tokenizer model ``model``."""
+    tokens, merges, types = tiny_vocab(vocab)
+    w.add_tokenizer_model(model)
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+
+
 def write_tiny_gguf(path: Path, c: TinyGGUF, seed: int = 0) -> Path:
     """Write the model ``c`` describes to ``path`` (random weights) and return ``path``."""
     rng = np.random.default_rng(seed)
@@ -118,14 +131,7 @@ def write_tiny_gguf(path: Path, c: TinyGGUF, seed: int = 0) -> Path:
     if c.edit is not None:
         c.edit(w)
     if c.tokenizer:
-        tokens, merges, types = tiny_vocab(c.vocab)
-        w.add_tokenizer_model("gpt2")
-        w.add_token_list(tokens)
-        w.add_token_merges(merges)
-        w.add_token_types(types)
-        w.add_bos_token_id(1)
-        w.add_eos_token_id(2)
-        w.add_add_bos_token(False)
+        add_tiny_vocab(w, c.vocab)
     for name, shape in tensor_shapes(c).items():
         arr = (rng.standard_normal(shape) * c.std).astype(np.float32)
         if len(shape) == 1:

@@ -17,7 +17,12 @@ from pathlib import Path
 
 from fitserve.config import GEMMA_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelSpec
 from fitserve.loading.errors import ModelLoadError
-from fitserve.loading.gguf_spec import SUPPORTED_GGUF_TYPES, GGUFHeader, spec_from_gguf_header
+from fitserve.loading.gguf_spec import (
+    SUPPORTED_GGUF_TYPES,
+    GGUFHeader,
+    spec_from_gguf_header,
+    unsupported_types,
+)
 
 # tokenizer.ggml.model values fitserve.loading.gguf.tokenizer_from_gguf builds
 from fitserve.loading.gguf_vocab import (
@@ -105,10 +110,10 @@ def _architecture(header: GGUFHeader) -> list[str]:
 
 
 def _tensor_types(header: GGUFHeader) -> list[str]:
-    bad = [t for t in header.tensors
-           if t.name not in SKIPPED_GGUF_TENSORS and t.type_name not in SUPPORTED_GGUF_TYPES]
-    counts = Counter(t.type_name for t in bad)
-    first = {t.type_name: t.name for t in reversed(bad)}
+    bad = {name: type_name for name, type_name in unsupported_types(header).items()
+           if name not in SKIPPED_GGUF_TENSORS}
+    counts = Counter(bad.values())
+    first = {type_name: name for name, type_name in reversed(bad.items())}
     return [f"tensor type {name} ({n} tensor{'s' * (n > 1)}, e.g. {first[name]!r}; supported: "
             f"{', '.join(SUPPORTED_GGUF_TYPES)})" for name, n in counts.items()]
 

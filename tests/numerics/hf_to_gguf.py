@@ -19,7 +19,7 @@ import gguf
 import numpy as np
 import torch
 
-from tests.tiny_gguf import tiny_vocab
+from tests.tiny_gguf import add_tiny_vocab
 
 _ARCH = {"gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3_text": gguf.MODEL_ARCH.GEMMA3,
          "phi3": gguf.MODEL_ARCH.PHI3}
@@ -71,14 +71,7 @@ def write_gguf_like_llama_cpp(model: torch.nn.Module, path: Path) -> Path:
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     w.add_name(f"tiny-{model_type}")
     _metadata(w, cfg, model_type)
-    tokens, merges, types = tiny_vocab(cfg.vocab_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_merges(merges)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
+    add_tiny_vocab(w, cfg.vocab_size)
     tmap = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
     for name, tensor in model.state_dict().items():
         if model_type != "phi3" and name == "lm_head.weight":

@@ -12,7 +12,6 @@ or exceed it by exactly the term torch skipped (stated per test). Plain C++ allo
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -34,6 +33,7 @@ from fitserve.runner.model_runner import ModelRunner
 from fitserve.sampling import SamplingParams
 from fitserve.sampling.sampler import RequestSamplingState, Sampler
 from fitserve.types import ScheduledChunk, SchedulerOutput
+from tests.memory_events import peak_extra
 
 SPEC = ModelSpec(architecture="llama", vocab_size=1024, hidden_size=576, intermediate_size=1536,
                  num_layers=2, num_heads=9, num_kv_heads=3, head_dim=64,
@@ -46,22 +46,6 @@ BS = 16
 CPU = torch.device("cpu")
 
 
-def peak_extra(fn: Callable[[], Any]) -> int:
-    """Peak bytes allocated and not yet freed while ``fn`` runs (its result is dropped)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn()
-        del out
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    if not events:
-        pytest.skip("this torch's profiler records no CPU memory events")
-    events.sort(key=lambda e: e.start_ns())
-    running = peak = 0
-    for e in events:
-        running += e.nbytes()
-        peak = max(peak, running)
-    return peak
 
 
 def act_bytes(dtype: torch.dtype) -> int:

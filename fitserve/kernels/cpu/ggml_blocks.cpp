@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "build_tier.h"
 #include "ggml_blocks_iq4.h"
 #include "ggml_blocks_kquant.h"
 #include "ggml_blocks_q5.h"
@@ -159,17 +160,7 @@ std::vector<std::string> ggml_kernel_types() {
   return v;
 }
 
-std::string ggml_blocks_tier() {
-#if defined(FITSERVE_TIER_AVX512_VNNI)
-  return "avx512_vnni";
-#elif defined(FITSERVE_TIER_AVX512)
-  return "avx512";
-#elif defined(FITSERVE_TIER_AVX2)
-  return "avx2";
-#else
-  return "scalar";
-#endif
-}
+std::string ggml_blocks_tier() { return build_tier_name(); }
 
 }  // namespace
 }  // namespace fitserve::ggml

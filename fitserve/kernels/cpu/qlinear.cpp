@@ -15,6 +15,7 @@
 #include <optional>
 #include <string>
 
+#include "build_tier.h"
 #include "qlinear_run.h"
 
 namespace fitserve::qlinear {
@@ -110,19 +111,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   return run(x, w, false, act_quant);
 }
 
-const char* tier() {
-#if defined(FITSERVE_TIER_AVX512_VNNI)
-  return "avx512_vnni";
-#elif defined(FITSERVE_TIER_AVX512)
-  return "avx512";
-#elif defined(FITSERVE_TIER_AVX2)
-  return "avx2";
-#else
-  return "scalar";
-#endif
-}
 
-std::string qlinear_tier() { return tier(); }
+std::string qlinear_tier() { return build_tier_name(); }
 
 }  // namespace
 }  // namespace fitserve::qlinear

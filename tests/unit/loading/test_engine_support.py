@@ -27,7 +27,7 @@ from fitserve.loading.support import (
     gguf_support,
 )
 from fitserve.tools.planner.cli import main as plan_main
-from tests.tiny_gguf import TinyGGUF, tensor_shapes, tiny_vocab, write_tiny_gguf
+from tests.tiny_gguf import TinyGGUF, add_tiny_vocab, tensor_shapes, write_tiny_gguf
 
 
 def first_unsupported(candidates: tuple[str, ...], supported: tuple[str, ...]) -> str:
@@ -57,12 +57,7 @@ def write(path: Path, *, arch: str = "llama", qtype: str | None = None,
     w.add_rope_freq_base(c.theta)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_vocab_size(c.vocab)
-    tokens, merges, types = tiny_vocab(c.vocab)
-    w.add_tokenizer_model(tokenizer)
-    w.add_token_list(tokens)
-    w.add_token_merges(merges)
-    w.add_token_types(types)
-    w.add_eos_token_id(2)
+    add_tiny_vocab(w, c.vocab, tokenizer)
     rng = np.random.default_rng(0)
     for name, shape in tensor_shapes(c).items():
         if qtype is not None and name.endswith("ffn_down.weight"):

@@ -31,7 +31,6 @@ filters and the greedy argmax choose among the allowed tokens only.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from itertools import chain
 from typing import TYPE_CHECKING
 
@@ -39,62 +38,16 @@ import torch
 
 from fitserve.kernels.cpu.fused import argmax
 from fitserve.sampling.params import SamplingParams
+
+# NOTE: the per-request state is data, not the algorithm under comparison: the engine's own
+from fitserve.sampling.sampler import RequestSamplingState
 from fitserve.structured.logits import GuidedMasker, apply_logit_bias
 from fitserve.types import TokenLogprobs
 
 if TYPE_CHECKING:
-    from fitserve.structured.guide import GuideState
+    pass
 
 _NEG_INF = float("-inf")
-_U64_MASK = (1 << 64) - 1
-
-
-@dataclass(slots=True)
-class RequestSamplingState:
-    """What the sampler needs to know about one request at each step.
-
-    ``output_token_ids`` is the scheduler's own list (it appends; the sampler only reads it),
-    so penalties always see the tokens generated so far without any copying.
-
-    ``num_logprobs`` is how many top alternatives to return (None: no logprobs); it is
-    ``params.logprobs`` unless the engine asks for more than a client may (beam search reads
-    the top 2 x beam_width of each beam).
-
-    ``guide`` is the request's grammar state when ``params.guided`` is set (the engine builds
-    it: fitserve.structured); the sampler only reads it. ``logit_bias`` is ``params.logit_bias``
-    as (token ids, values) tensors, built once.
-    """
-
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    generator: torch.Generator | None = None
-    num_logprobs: int | None = None
-    guide: GuideState | None = None
-    logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def __post_init__(self) -> None:
-        if self.num_logprobs is None:
-            self.num_logprobs = self.params.logprobs
-        bias = self.params.logit_bias
-        if bias and self.logit_bias is None:
-            self.logit_bias = (torch.tensor(list(bias), dtype=torch.long),
-                               torch.tensor(list(bias.values()), dtype=torch.float32))
-
-    @classmethod
-    def create(
-        cls,
-        params: SamplingParams,
-        prompt_token_ids: list[int],
-        output_token_ids: list[int],
-        device: str | torch.device = "cpu",
-    ) -> RequestSamplingState:
-        """Build the state, with a private generator seeded from ``params.seed`` if set."""
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(params.seed & _U64_MASK)  # any Python int -> a valid seed
-        return cls(params, prompt_token_ids, output_token_ids, generator)
 
 
 class Sampler:

@@ -54,7 +54,7 @@ def test_tokens_and_logprobs_equal_the_batched_formula(
     new = Sampler(generator=torch.Generator().manual_seed(5))
     old = ref.Sampler(generator=torch.Generator().manual_seed(5))
     new_states = states_for(MODES[mode], rows, True, RequestSamplingState)
-    old_states = states_for(MODES[mode], rows, True, ref.RequestSamplingState)
+    old_states = states_for(MODES[mode], rows, True, RequestSamplingState)
     data = torch.Generator().manual_seed(rows)
     for step in range(3):  # the generators' streams stay aligned step after step
         logits = torch.randn(rows, VOCAB, generator=data) * (1 + step)
@@ -78,7 +78,7 @@ def test_probabilities_equal_the_batched_formula(
         got = Sampler().probabilities(logits, states_for(variant, rows, False,
                                                          RequestSamplingState))
         want = ref.Sampler().probabilities(logits, states_for(variant, rows, False,
-                                                              ref.RequestSamplingState))
+                                                              RequestSamplingState))
         assert torch.equal(got, want)
 
 
@@ -90,5 +90,5 @@ def test_unseeded_rows_follow_the_global_rng(monkeypatch: pytest.MonkeyPatch) ->
     got = Sampler()(logits, states_for(MODES["top_k+top_p"], 7, False, RequestSamplingState))
     torch.manual_seed(3)
     want = ref.Sampler()(logits, states_for(MODES["top_k+top_p"], 7, False,
-                                            ref.RequestSamplingState))
+                                            RequestSamplingState))
     assert got == want

@@ -8,7 +8,6 @@ chunks of one row, several rows and the whole batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,23 +16,7 @@ import torch
 from fitserve.ledger import sampler_memory as sm
 from fitserve.ledger.sampler_memory import SamplerPath, sampler_chunk_rows, sampler_path_bytes
 from fitserve.sampling import RequestSamplingState, Sampler, SamplingParams
-
-
-def peak_bytes(fn: Callable[[], Any]) -> int:
-    """Peak bytes allocated and not yet freed while ``fn`` runs (its result is dropped)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn()
-        del out
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    if not events:
-        pytest.skip("this torch's profiler records no CPU memory events")
-    running = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        running += e.nbytes()
-        peak = max(peak, running)
-    return peak
+from tests.memory_events import peak_extra
 
 
 def path_params(path: SamplerPath, vocab: int) -> list[dict[str, Any]]:
@@ -75,7 +58,7 @@ def test_measured_peak_is_the_formula(path: SamplerPath, batch: int, vocab: int,
     logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(batch))
     sampler = Sampler(generator=torch.Generator().manual_seed(0))
     sampler(logits, states)  # warm-up: lazy imports, the C++ argmax
-    measured = peak_bytes(lambda: sampler(logits, states))
+    measured = peak_extra(lambda: sampler(logits, states))
     formula = sampler_path_bytes(path, batch, vocab)
     assert 0 <= measured - formula <= slack(batch, vocab), (
         f"{path} B={batch} V={vocab}: measured {measured:,} B, formula {formula:,} B")
