@@ -86,6 +86,7 @@ class ActiveBytes:
     expert_bytes_all: int  # every routed expert, one rank (what a saturated step reads)
     num_experts: int
     k: int
+    embedding: int = 0  # the untied input embedding table, one rank
 
     @property
     def per_token(self) -> int:
@@ -99,11 +100,15 @@ class ActiveBytes:
         return next((b for n, b in self.parts if n == name), 0)
 
     def step_read(self, tokens: int) -> float:
-        """Expected weight bytes a step of ``tokens`` tokens reads (uniform routing)."""
-        if not self.num_experts:
-            return float(self.per_token)
-        touched = expected_experts_touched(self.num_experts, self.k, tokens)
-        return self.non_expert + self.expert_bytes_all * touched / self.num_experts
+        """Expected weight bytes a step of ``tokens`` tokens reads (uniform routing), as the
+        rooflines count it (``moe_step_weight_read``): the embedding table included.
+
+        NOTE: the ledger's rooflines count the untied embedding table as read every step, for
+        dense and MoE models alike (an upper bound: a step reads only its tokens' rows)."""
+        touched = (expected_experts_touched(self.num_experts, self.k, tokens)
+                   if self.num_experts else 0.0)
+        experts = self.expert_bytes_all * touched / self.num_experts if self.num_experts else 0
+        return self.non_expert + self.embedding + experts
 
 
 def active_bytes(spec: ModelSpec, wb: WeightBytes) -> ActiveBytes:
@@ -115,18 +120,19 @@ def active_bytes(spec: ModelSpec, wb: WeightBytes) -> ActiveBytes:
                         "a file's per-format totals")
     by_name = {t.name: t for t in tensors(spec)}
     parts: dict[str, int] = {}
-    experts_all = 0
+    experts_all = embedding = 0
     for line in wb.lines:
         t = by_name[line.name]
         group = _group(t)
         if group == "embedding":
+            embedding += line.bytes
             continue
         active = line.bytes * t.active_count // t.count
         parts[group] = parts.get(group, 0) + active
         if group == "routed experts":
             experts_all += line.bytes
     return ActiveBytes(wb.tp, tuple(parts.items()), experts_all, spec.num_experts,
-                       spec.num_experts_per_token)
+                       spec.num_experts_per_token, embedding)
 
 
 def moe_step_weight_read(spec: ModelSpec, wb: WeightBytes, tokens: int) -> float:

@@ -131,7 +131,8 @@ def moe_tp_schemes(spec: ModelSpec, wb_tp: WeightBytes, wb_whole: WeightBytes, *
     shared_extra = whole.part("shared expert") - mega_active.part("shared expert")
     per_expert = whole.expert_bytes_all / (moe_layers * e)
     busiest = expected_busiest_rank_experts(e, k, batch, tp)
-    ep_read = mega_active.non_expert + shared_extra + busiest * per_expert * moe_layers
+    ep_read = (mega_active.non_expert + mega_active.embedding + shared_extra
+               + busiest * per_expert * moe_layers)
     ep = MoeTpScheme("expert-parallel",
                      "reduce-scatter + all-gather around attention, all-to-all dispatch + "
                      "combine", 2 * spec.first_k_dense + 4 * moe_layers,

@@ -30,9 +30,10 @@ def _read_line(r: Resolved, ab: ActiveBytes, batch: int, label: str) -> Line:
     t = read / r.hw.mem_bytes_per_s
     return Line(f"decode weight read, {label}", "ActiveBytes.step_read", read,
                 f"{fmt_bytes(read)} = {fmt_seconds(t)}, {batch / t:,.0f} tok/s",
-                f"{ab.non_expert:,} B non-expert + {ab.expert_bytes_all:,} B experts x "
-                f"{touched:.2f} / {e} touched; / {r.hw.mem_bytes_per_s:.3g} B/s (weights only, "
-                f"per GPU; the speed section adds KV and compute)")
+                f"{ab.non_expert:,} B non-expert + {ab.embedding:,} B embedding table + "
+                f"{ab.expert_bytes_all:,} B experts x {touched:.2f} / {e} touched; / "
+                f"{r.hw.mem_bytes_per_s:.3g} B/s (weights only, per GPU; the speed section "
+                "adds KV and compute)")
 
 
 def _scheme_line(s: MoeTpScheme, tp: int) -> Line:
