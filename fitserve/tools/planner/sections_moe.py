@@ -44,7 +44,8 @@ def _scheme_line(s: MoeTpScheme, tp: int) -> Line:
                 f"per layer {s.calls_per_layer}; each rank sends {s.rank_bytes_per_token:,.0f} B "
                 f"per token of the step; at batch {s.batch} the slowest rank reads "
                 f"{s.weight_read_per_rank:,.0f} B of weights ({s.busiest_rank_experts:.2f} "
-                f"experts of its layer share)")
+                "experts' worth per layer; expert-parallel: the busiest rank's whole experts, "
+                "uniform routing)")
 
 
 def moe_section(r: Resolved, batch: int) -> Section | None:
