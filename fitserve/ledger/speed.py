@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 from fitserve.config import ModelSpec
 from fitserve.ledger.flops import flops_per_token, prefill_flops
-from fitserve.ledger.formats import weight_format
 from fitserve.ledger.hardware import Hardware
 from fitserve.ledger.kv import request_kv
+from fitserve.ledger.moe import expected_experts_touched, moe_step_weight_read
 from fitserve.ledger.parallel import tp_allreduce
-from fitserve.ledger.weights import WeightBytes, model_weight_bytes
+from fitserve.ledger.weights import WeightBytes, roofline_weight_bytes
 
 MAX_BATCH = 1 << 16
 
@@ -63,12 +63,13 @@ def experts_touched_fraction(spec: ModelSpec, batch: int) -> float:
     """Expected share of routed experts a batch of ``batch`` tokens uses in one layer."""
     if not spec.num_experts:
         return 1.0
-    return 1.0 - (1.0 - spec.num_experts_per_token / spec.num_experts) ** batch
+    e = spec.num_experts
+    return expected_experts_touched(e, spec.num_experts_per_token, batch) / e
 
 
 def weight_bytes_read(spec: ModelSpec, wb: WeightBytes, batch: int) -> float:
-    expert = sum(line.bytes for line in wb.lines if line.name.startswith("expert_"))
-    return wb.total - expert + expert * experts_touched_fraction(spec, batch)
+    """Weight bytes a step of ``batch`` tokens reads on one rank (``moe_step_weight_read``)."""
+    return moe_step_weight_read(spec, wb, batch)
 
 
 def decode_step(spec: ModelSpec, hw: Hardware, wb: WeightBytes, *, batch: int, context: int,
@@ -97,9 +98,7 @@ def decode_step_roofline(spec: ModelSpec, hw: Hardware, *, batch: int, context: 
     vectors in bf16. The W1 benchmark calls it with ``hw = cpu_hardware()``; read ``.seconds``,
     ``.t_memory``, ``.t_compute``, ``.weight_bytes``, ``.kv_bytes``, ``.flops``, ``.bound``.
     """
-    f = weight_format(weight_fmt)
-    plain = f.block_elements == 1 and not f.row_scale_bytes and not f.tensor_scale_bytes
-    wb = model_weight_bytes(spec, weight_fmt, tp=tp, base_dtype=f.name if plain else "bf16")
+    wb = roofline_weight_bytes(spec, weight_fmt, tp=tp)
     return decode_step(spec, hw, wb, batch=batch, context=context, kv_dtype=kv_dtype,
                        weights_fmt=weight_fmt, act_dtype_bytes=act_dtype_bytes)
 

@@ -271,35 +271,43 @@ def predicted_knee(model: StepTimeModel, *, prompt_tokens: int, output_tokens: i
 
 
 def roofline_step_model(spec: ModelSpec, hw: Hardware | str, *, weight_fmt: str = "bf16",
-                        kv_dtype: str = "bf16", tp: int = 1) -> StepTimeModel:
+                        kv_dtype: str = "bf16", tp: int = 1, step_tokens: int = 1
+                        ) -> StepTimeModel:
     """The step-time model of a device (a catalog GPU's name, or a Hardware such as the measured
     CPU) from its roofline, term by term:
 
-        a = weight bytes per rank / bandwidth            (weights streamed once per step)
+        a = weight bytes read per step per rank / bandwidth   (weights streamed once per step)
         b = FLOPs per token / peak                       (the matmuls, no attention context)
         c = 0                                            (no per-sequence cost on a roofline)
         d = KV bytes per token per rank / bandwidth      (each cached token read once)
+
+    ``weight_fmt``: a format or a per-tensor mix ("gpt-oss-mxfp4": each tensor in its own
+    format, plan.weights). A mixture-of-experts model reads the non-expert tensors and only the
+    experts a step of ``step_tokens`` tokens touches, E (1 - (1 - k/E)^n) of E under uniform
+    routing (plan.moe): 1 = the k experts of one decode token; the capacity sheet passes its
+    steady-state step.
 
     NOTE: the roofline is max(memory, compute); this adds them, so it is an upper bound that
     is exact where one term dominates (small-batch decode: a; long prefill: b) and at most 2x
     off where they balance. Collectives under TP are left out (see plan.parallel).
     """
     from fitserve.ledger.flops import flops_per_token
-    from fitserve.ledger.formats import weight_format
     from fitserve.ledger.kv import request_kv
-    from fitserve.ledger.weights import model_weight_bytes
+    from fitserve.ledger.moe import moe_step_weight_read
+    from fitserve.ledger.weights import roofline_weight_bytes
 
     if isinstance(hw, str):
         hw = get_hardware(hw)
-    f = weight_format(weight_fmt)
-    plain = f.block_elements == 1 and not f.row_scale_bytes and not f.tensor_scale_bytes
-    wb = model_weight_bytes(spec, weight_fmt, tp=tp, base_dtype=f.name if plain else "bf16")
+    if step_tokens < 1:
+        raise PlanError(f"a step carries at least 1 token, got step_tokens={step_tokens}")
+    wb = roofline_weight_bytes(spec, weight_fmt, tp=tp)
     bw = hw.mem_bytes_per_s
-    a = wb.total / bw
+    a = moe_step_weight_read(spec, wb, step_tokens) / bw
     b = flops_per_token(spec, 0).total / tp / hw.peak_flops(weight_fmt)
     d = request_kv(spec, 1, kv_dtype, tp=tp).bytes_reclaimed / bw
+    moe = (f", experts read by {step_tokens:,}-token steps" if spec.num_experts else "")
     return StepTimeModel(a, b, 0.0, d, source=f"roofline of {hw.name} ({weight_fmt} weights, "
-                                              f"{kv_dtype} KV, tp={tp})")
+                                              f"{kv_dtype} KV, tp={tp}{moe})")
 
 
 # ---------------------------------------------------------------------------------- on disk

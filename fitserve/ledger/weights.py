@@ -89,6 +89,23 @@ def plain_mix(fmt: str, base_dtype: str = "bf16") -> WeightMix:
     return WeightMix(f.name, f.name, base_dtype, (keep,), "decoder linear layers quantized")
 
 
+def roofline_base_dtype(fmt: str) -> str:
+    """The dtype a roofline holds a format's other tensors in: a plain dtype ("bf16", "f32")
+    holds every tensor in itself; a quantized format or a per-tensor mix ("int4-g128",
+    "gpt-oss-mxfp4") keeps the embedding, lm_head and vectors in bf16."""
+    if fmt in MIXES or fmt.upper() in MIXES:
+        return "bf16"
+    f = weight_format(fmt)
+    plain = f.block_elements == 1 and not f.row_scale_bytes and not f.tensor_scale_bytes
+    return f.name if plain else "bf16"
+
+
+def roofline_weight_bytes(spec: ModelSpec, fmt: str, *, tp: int = 1) -> WeightBytes:
+    """``model_weight_bytes`` with ``roofline_base_dtype``: the weights the roofline models
+    (step time, capacity, W1's limit) count, for a format or a mix name."""
+    return model_weight_bytes(spec, fmt, tp=tp, base_dtype=roofline_base_dtype(fmt))
+
+
 def resolve_mix(fmt: str, base_dtype: str = "bf16") -> WeightMix:
     if fmt in MIXES:
         return MIXES[fmt]

@@ -22,6 +22,7 @@ from fitserve.ledger.kv import check_tp
 from fitserve.ledger.memory import DEFAULT_GPU_WORKSPACE_BYTES
 from fitserve.ledger.units import fmt_bytes
 from fitserve.ledger.weights import (
+    MIXES,
     engine_format_rule,
     engine_held_formats,
     engine_main_format,
@@ -140,7 +141,12 @@ def resolve(req: PlanRequest, *, entry: ModelEntry | None = None,
     gguf_main = entry.native_weights.removeprefix("gguf-file:")
     on_cpu = hw.name == "cpu"
     engine_weights: str | None = None
-    if on_cpu and (req.weights is None or req.weights in ENGINE_WEIGHT_CHOICES):
+    moe_as_stored = on_cpu and req.weights is None and spec.num_experts and gguf_main in MIXES
+    if moe_as_stored:
+        # NOTE: an MoE checkpoint whose experts are stored quantized (gpt-oss: MXFP4) runs its
+        # experts as stored on cpu and the rest in the checkpoint's bf16: the mix itself.
+        weights = gguf_main
+    elif on_cpu and (req.weights is None or req.weights in ENGINE_WEIGHT_CHOICES):
         # the engine's own --weights rule (a dense choice is also the model dtype)
         engine_weights, dtype_arg = resolve_engine_weights(req.weights or "auto", None, req.dtype)
         if dtype_arg != req.dtype:
@@ -160,10 +166,12 @@ def resolve(req: PlanRequest, *, entry: ModelEntry | None = None,
     ws = req.workspace_bytes if req.workspace_bytes is not None else (
         0 if on_cpu else DEFAULT_GPU_WORKSPACE_BYTES)
     seqs = req.max_num_seqs or max(ENGINE_DEFAULTS.scheduler.max_num_seqs, req.concurrency)
+    note = (f"{weights} checkpoint: routed experts held as stored, the rest as the mix "
+            f"stores them ({MIXES[weights].source})" if moe_as_stored
+            else _engine_weights_note(entry, engine_weights, act) if engine_weights
+            else _weights_note(entry, weights, act, on_cpu))
     return Resolved(req, entry, hw, weights, kv, dtype_bytes(act), seqs, ws, hypothetical,
-                    tuple(warnings), act, base,
-                    _engine_weights_note(entry, engine_weights, act) if engine_weights
-                    else _weights_note(entry, weights, act, on_cpu), engine_weights)
+                    tuple(warnings), act, base, note, engine_weights)
 
 
 def check_inputs(req: PlanRequest) -> None:

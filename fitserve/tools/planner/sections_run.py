@@ -29,6 +29,7 @@ from fitserve.tools.planner.sections import (
     speculative_section,
     weights_section,
 )
+from fitserve.tools.planner.sections_moe import moe_section
 from fitserve.tools.planner.sections_slo import step_time_section
 
 
@@ -275,6 +276,9 @@ def build_plan(req: PlanRequest) -> Plan:
     batch = max(1, min(req.concurrency, ceiling))
     sections = [model_section(r), weights_section(r), kv_section(r), memory_section(r, mp, fc),
                 fit_section(r, mp, fc, alts), speed_section(r, batch)]
+    moe = moe_section(r, batch)
+    if moe is not None:
+        sections.append(moe)
     energy = energy_section(r, max(1, ceiling))
     if energy is not None:
         sections.append(energy)

@@ -16,7 +16,9 @@ def step_time_section(r: Resolved, batch: int) -> Section | None:
     if q.slo_tpot_ms is None:
         return None
     s, tpot = r.entry.spec, q.slo_tpot_ms / 1000
-    m = roofline_step_model(s, r.hw, weight_fmt=r.weights, kv_dtype=r.kv_dtype, tp=q.tp)
+    # NOTE: an MoE model's weight read is that of the decode step priced here (batch tokens)
+    m = roofline_step_model(s, r.hw, weight_fmt=r.weights, kv_dtype=r.kv_dtype, tp=q.tp,
+                            step_tokens=batch)
     ctx = q.context
     kv = batch * ctx
     decode = m.predict(batch, batch, kv)

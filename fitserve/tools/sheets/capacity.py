@@ -29,14 +29,15 @@ from dataclasses import dataclass
 
 from fitserve.config import ModelSpec
 from fitserve.ledger.errors import PlanError
-from fitserve.ledger.formats import dtype_bytes, resolve_kv_dtype, weight_format
+from fitserve.ledger.formats import dtype_bytes, resolve_kv_dtype
 from fitserve.ledger.hardware import Hardware, get_hardware
 from fitserve.ledger.kv import check_tp
 from fitserve.ledger.memory import DEFAULT_GPU_WORKSPACE_BYTES, engine_memory_plan
+from fitserve.ledger.moe import expected_experts_touched
 from fitserve.ledger.speed import MAX_BATCH
-from fitserve.ledger.step_time import StepTimeModel, predicted_knee, roofline_step_model
+from fitserve.ledger.step_time import StepTimeModel
 from fitserve.ledger.units import fmt_bytes, parse_tokens
-from fitserve.ledger.weights import model_weight_bytes
+from fitserve.ledger.weights import roofline_weight_bytes
 from fitserve.tools.planner.model_source import resolve_model
 from fitserve.tools.planner.report import ENGINE_DEFAULTS, Line, Section
 from fitserve.tools.sheets._rates import (
@@ -48,8 +49,8 @@ from fitserve.tools.sheets._rates import (
     open_fraction,
     positive,
     ttft_at,
-    ttft_limit,
 )
+from fitserve.tools.sheets.capacity_steps import step_model
 from fitserve.tools.sheets.sheet import Sheet
 
 AUTO_TP = (1, 2, 4, 8)
@@ -104,6 +105,10 @@ class GpuCapacity:
     binding: str
     note: str = ""
     tp_rule: str = ""
+    # MoE: the tokens a steady-state step carries and the experts they touch (of num_experts)
+    step_tokens: int = 0
+    experts_touched: float = 0.0
+    num_experts: int = 0
 
     @property
     def per_gpu(self) -> float:
@@ -113,10 +118,7 @@ class GpuCapacity:
 def _memory(spec: ModelSpec, hw: Hardware, args: argparse.Namespace, weights: str, kv: str,
             act_bytes: int, tp: int, context: int) -> tuple[int, int]:
     """(weight bytes per GPU, KV ceiling of ``context``-token sequences) on one rank."""
-    # NOTE: the base dtype rule of roofline_step_model, so both count the same weight bytes
-    f = weight_format(weights)
-    plain = f.block_elements == 1 and not f.row_scale_bytes and not f.tensor_scale_bytes
-    wb = model_weight_bytes(spec, weights, tp=tp, base_dtype=f.name if plain else "bf16")
+    wb = roofline_weight_bytes(spec, weights, tp=tp)  # what roofline_step_model counts
     seqs = ENGINE_DEFAULTS.scheduler.max_num_seqs if args.max_num_seqs is None else count(
         "--max-num-seqs", args.max_num_seqs)
     for _ in range(2):  # NOTE: max_num_seqs defaults to what the pool holds (its logits line)
@@ -161,31 +163,25 @@ def gpu_capacity(name: str, spec: ModelSpec, args: argparse.Namespace, weights: 
     if hw.name == "cpu":
         raise PlanError("--gpus: capacity units compare catalog GPUs; cpu is not one")
     tp, wbytes, kv_seqs = _tp_and_memory(spec, hw, args, weights, kv, act_bytes, w)
-    m = roofline_step_model(spec, hw, weight_fmt=weights, kv_dtype=kv, tp=tp)
-    p, o = w.prompt, w.new
-    h = m.a + m.c + m.d * p
-    k = m.b * (p + o) + m.c * o + m.d * o * (p + o / 2)
-    r_tpot = predicted_knee(m, prompt_tokens=p, output_tokens=o, tpot_s=w.tpot)
-    r_kv = kv_seqs / (o * h + kv_seqs * k)
-    b_ttft, met = ttft_limit(m, w)
-    r_ttft = None if b_ttft is None else b_ttft / (o * h + b_ttft * k)
-    limits = {"TPOT": r_tpot, "KV pool": r_kv}
-    if r_ttft is not None:
-        limits["TTFT"] = r_ttft
+    m, r = step_model(spec, hw, weights, kv, tp, w, kv_seqs)
+    limits = r.limits()
     binding = min(limits, key=lambda x: limits[x])
     note = ""
     if kv_seqs < 1:
-        note = f"does not hold the weights and one {p + o:,}-token sequence at tp={tp}"
-    elif r_tpot <= 0:
+        note = f"does not hold the weights and one {w.prompt + w.new:,}-token sequence at tp={tp}"
+    elif r.tpot <= 0:
         note = f"one step's weight read alone ({m.a * 1e3:.2f} ms) exceeds the TPOT target"
-    elif not met:
+    elif not r.ttft_met:
         note = "even an idle replica misses the TTFT target"
     elif limits[binding] <= 0:
         note = f"{binding} leaves no request rate"
     rule = ("given" if args.tp != "auto" else
             "auto: the smallest of 1, 2, 4, 8 that holds the weights and one sequence")
-    return GpuCapacity(hw.name, hw, tp, wbytes, kv_seqs, m, h, k, r_tpot, r_kv, b_ttft, r_ttft,
-                       max(0.0, limits[binding]), binding, note, rule)
+    n = r.step_tokens(w)
+    e, k = spec.num_experts, spec.num_experts_per_token
+    return GpuCapacity(hw.name, hw, tp, wbytes, kv_seqs, m, r.h, r.k, r.tpot, r.kv, r.b_ttft,
+                       r.ttft, max(0.0, limits[binding]), binding, note, rule, n,
+                       expected_experts_touched(e, k, n) if e else 0.0, e)
 
 
 def _gpu_section(g: GpuCapacity, w: Workload) -> Section:
@@ -200,6 +196,12 @@ def _gpu_section(g: GpuCapacity, w: Workload) -> Section:
              "workspace and headroom leave, in whole blocks"),
         Line("step-time model", "roofline_step_model", m.describe(), m.describe(),
              m.source),
+        *([Line("MoE: tokens per step at capacity, experts read", "lambda (P + O) t; "
+                "E (1 - (1 - k/E)^n)", g.step_tokens, f"{g.step_tokens:,} tokens, "
+                f"{g.experts_touched:.1f} of {g.num_experts} experts",
+                "a reads the experts a step of this many tokens touches (uniform routing), at "
+                "the rate it sets: the fixed point of capacity_steps.step_model")]
+          if g.num_experts else []),
         Line("per-step constant", "H = a + c + d P", g.h, f"{g.h * 1e3:.4f} ms",
              f"{m.a * 1e3:.4f} ms + {m.c * 1e3:.4f} ms + {m.d * 1e9:.4f} ns x {p:,}"),
         Line("per-request load", "K = b (P+O) + c O + d O (P + O/2)", g.k, f"{g.k * 1e3:.4f} ms",

@@ -44,6 +44,10 @@ GOLDEN = {
     # router 32 x 2880 + 32; norms 5,760 -> 823,186,976 x 24 + 2 x 201,088 x 2880 + 2880
     "gpt-oss-20b": 20_914_757_184,
     "gpt-oss-120b": 116_829_156_672,
+    # per layer: q 2048 x 4096, k,v 2 x 2048 x 512, o 4096 x 2048 = 18,874,368; q/k norms 2 x 128;
+    # router 128 x 2048 = 262,144; 128 experts x 3 x 2048 x 768 = 603,979,776; norms 2 x 2048
+    # -> 623,120,640 x 48 + 2 x 151,936 x 2048 + 2048
+    "Qwen3-30B-A3B": 30_532_122_624,
     # MLA per layer: q_a 1536 x 7168, q_b 128 x 192 x 1536, kv_a 576 x 7168, kv_b 128 x 256
     # x 512, o 7168 x 16384, norms 1536 + 512 -> 187,107,328; 3 dense MLP layers 3 x 7168 x
     # 18432; 58 MoE layers: 256 routed + 1 shared experts x 3 x 7168 x 2048, router 256 x 7168
@@ -84,6 +88,9 @@ def test_hand_derivations_of_two_layers() -> None:
     moe = 257 * 3 * 7168 * 2048 + 256 * 7168 + 256  # routed + shared experts, router, bias
     dsv3 = 61 * (mla + 2 * 7168) + 3 * 3 * 7168 * 18432 + 58 * moe + 2 * 129280 * 7168 + 7168
     assert dsv3 == GOLDEN["DeepSeek-V3"]
+    q3moe = 2 * 2048 * 4096 + 2 * 2048 * 512 + 2 * 128 + 128 * 2048 + 128 * 3 * 2048 * 768 + 2 * 2048
+    assert q3moe == 623_120_640
+    assert q3moe * 48 + 2 * 151936 * 2048 + 2048 == GOLDEN["Qwen3-30B-A3B"]
     smol = 2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536 + 2 * 576
     assert smol * 30 + 49152 * 576 + 576 == GOLDEN["SmolLM2-135M"]
 
@@ -96,7 +103,8 @@ def test_tied_embedding_is_counted_once_as_matmul() -> None:
     assert untied.lookup == 128256 * 4096
 
 
-@pytest.mark.parametrize("name", ["Mixtral-8x7B", "gpt-oss-20b", "gpt-oss-120b", "DeepSeek-V3"])
+@pytest.mark.parametrize("name", ["Mixtral-8x7B", "gpt-oss-20b", "gpt-oss-120b", "DeepSeek-V3",
+                                  "Qwen3-30B-A3B"])
 def test_moe_active_params(name: str) -> None:
     e = catalog_entry(name)
     p = count_params(e.spec)
