@@ -295,7 +295,7 @@ def main() -> None:
         return
 
     from fitserve.envs import fitserve_home
-    from fitserve.ledger.hardware import measure_copy_bandwidth
+    from fitserve.ledger.cpu_measure import measure_copy_bandwidth
 
     base = workload_spec(args.threads, args.runs, args.w2_requests)
     if args.kv_cache_memory:

@@ -145,7 +145,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from fitserve.envs import fitserve_home
-    from fitserve.ledger.hardware import measure_copy_bandwidth
+    from fitserve.ledger.cpu_measure import measure_copy_bandwidth
 
     if not Path(args.llamacpp_python).exists():
         sys.exit(f"needs llama.cpp's quantizer: no {args.llamacpp_python} (see ../shared/PEERS.md)")

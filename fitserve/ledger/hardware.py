@@ -10,12 +10,14 @@ import platform
 import time
 from dataclasses import asdict, dataclass
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from fitserve.envs import fitserve_home
+from fitserve.ledger import cpu_measure
 from fitserve.ledger.errors import PlanError
 
-CPU_CACHE_VERSION = 1
+CPU_CACHE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class Hardware:
     link_latency_s: float
     source: str
     measured: bool = False
+    measured_at: float | None = None  # unix time of a measured device's figures
 
     def peak_flops(self, weights_fmt: str) -> float:
         """Matmul peak for a weight format: fp8 GEMMs where the device has them, else bf16.
@@ -77,8 +80,9 @@ def get_hardware(name: str) -> Hardware:
     raise PlanError(f"unknown GPU {name!r}{hint} Known: {', '.join(gpu_names())}")
 
 
-def _machine_key() -> str:
-    return f"{platform.node()}|{platform.machine()}|{os.cpu_count()}|v{CPU_CACHE_VERSION}"
+def machine_key() -> str:
+    """This host, architecture and CPU count: what a per-machine cache is keyed by."""
+    return f"{platform.node()}|{platform.machine()}|{os.cpu_count()}"
 
 
 def _mem_total() -> int:
@@ -116,57 +120,42 @@ def cpu_engine_dtype() -> str:
     return "bf16" if cpu_has_fast_bf16() else "f32"
 
 
-def measure_copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
-    """Best-of-``repeats`` bytes/s of a numpy copy, counting read + write (2 x nbytes)."""
-    import numpy as np
-
-    src = np.ones(nbytes // 8, dtype=np.float64)
-    dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * src.nbytes / best
-
-
-def measure_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
-    """Best-of-``repeats`` FLOP/s of an n x n float32 numpy matmul (2 n^3 FLOPs)."""
-    import numpy as np
-
-    a = np.ones((n, n), dtype=np.float32)
-    b = np.ones((n, n), dtype=np.float32)
-    a @ b  # warm-up (thread pool start)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
-
-
 def cpu_hardware(*, refresh: bool = False) -> Hardware:
-    """This machine: copy bandwidth and matmul FLOP/s measured with numpy (< 5 s), cached
-    in $FITSERVE_HOME/hardware-cpu.json for this host; ``refresh`` measures again."""
+    """This machine: copy bandwidth and matmul FLOP/s (``fitserve.ledger.cpu_measure``), cached
+    in $FITSERVE_HOME/hardware-cpu.json and measured again when the cache no longer describes
+    this CPU (another model or thread count, stale, or a quick probe > 25% off); ``refresh``
+    measures again in any case."""
     path = fitserve_home() / "hardware-cpu.json"
-    if not refresh and path.is_file():
+    model, threads = cpu_measure.cpu_model(), cpu_measure.default_threads()
+    figures = None if refresh else _read_cached(path)
+    if figures is not None:
+        usable, _why = cpu_measure.cached_is_usable(
+            figures, now=time.time(), model=model, threads=threads,
+            probe=lambda: cpu_measure.probe_copy_bandwidth(threads))
+        figures = figures if usable else None
+    if figures is None:
+        figures = cpu_measure.measure_figures(threads)
         try:
-            data = json.loads(path.read_text())
-            if data.pop("key", None) == _machine_key():
-                return Hardware(**data)
-        except (OSError, ValueError, TypeError):
-            pass  # a bad cache is measured again
-    bw, flops = measure_copy_bandwidth(), measure_matmul_flops()
-    hw = Hardware(
-        name="cpu", memory_bytes=_mem_total(), mem_bytes_per_s=bw, bf16_flops=flops,
-        fp8_flops=None, power_w=None, link="none", link_bytes_per_s=0.0, link_latency_s=0.0,
-        source=(f"measured on {platform.node()} ({os.cpu_count()} CPUs): numpy copy of 256 MiB "
-                f"(read+write) and a 1024^3 float32 matmul, best of 5; f32 FLOP/s stands in "
-                f"for bf16; memory = physical RAM"),
-        measured=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"version": CPU_CACHE_VERSION, **asdict(figures)},
+                                       indent=1))
+        except OSError:
+            pass  # a read-only home only costs a re-measure next time
+    return Hardware(
+        name="cpu", memory_bytes=_mem_total(), mem_bytes_per_s=figures.mem_bytes_per_s,
+        bf16_flops=figures.flops, fp8_flops=None, power_w=None, link="none",
+        link_bytes_per_s=0.0, link_latency_s=0.0,
+        source=(f"{figures.describe()}: {figures.threads} parallel numpy copies of 256 MiB "
+                f"(read+write), median of the undisturbed runs of 7; a 1024^3 float32 matmul "
+                f"(f32 FLOP/s stands in for bf16); memory = physical RAM"),
+        measured=True, measured_at=figures.measured_at)
+
+
+def _read_cached(path: Path) -> cpu_measure.CpuFigures | None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"key": _machine_key(), **asdict(hw)}, indent=1))
-    except OSError:
-        pass  # a read-only home only costs a re-measure next time
-    return hw
+        data = json.loads(path.read_text())
+        if data.pop("version", None) != CPU_CACHE_VERSION:
+            return None
+        return cpu_measure.CpuFigures(**data)
+    except (OSError, ValueError, TypeError):
+        return None  # missing, old-format or damaged: measured again

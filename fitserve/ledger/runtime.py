@@ -14,7 +14,7 @@ import sys
 from importlib import metadata
 
 from fitserve.envs import fitserve_home
-from fitserve.ledger.hardware import _machine_key
+from fitserve.ledger.hardware import machine_key
 
 RUNTIME_CACHE_VERSION = 1
 
@@ -42,7 +42,7 @@ def _env_key() -> str:
         torch_version = metadata.version("torch")
     except metadata.PackageNotFoundError:
         torch_version = "none"
-    return f"{_machine_key()}|{sys.executable}|torch {torch_version}|r{RUNTIME_CACHE_VERSION}"
+    return f"{machine_key()}|v1|{sys.executable}|torch {torch_version}|r{RUNTIME_CACHE_VERSION}"
 
 
 def measure_runtime_baseline(timeout_s: float = 120.0) -> int | None:

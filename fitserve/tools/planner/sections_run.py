@@ -201,8 +201,11 @@ def speed_section(r: Resolved, batch: int) -> Section:
         lines.append(Line("int4-g128 vs bf16 stops paying at batch", "quant_crossover",
                           x.stops_paying_at, str(x.stops_paying_at or "never"),
                           f"speedup of W4A16 over bf16 (< 1.05 = stops): {table}"))
+    notes = ["floors: kernels reach a fraction of peak bandwidth and FLOP/s"]
+    if hw.measured:  # the figures every line above divides by, and when they were taken
+        notes.append(f"{hw.name}: {hw.source}")
     return Section(f"Speed (roofline on {hw.name}, per TP group of {q.tp})", tuple(lines),
-                   ("floors: kernels reach a fraction of peak bandwidth and FLOP/s",))
+                   tuple(notes))
 
 
 def energy_section(r: Resolved, max_batch: int) -> Section | None:
