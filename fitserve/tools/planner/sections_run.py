@@ -230,14 +230,16 @@ def layouts_section(r: Resolved) -> tuple[Section, LayoutChoice]:
     q = r.req
     lq = LayoutQuery(q.gpus, q.context, q.concurrency, r.weights, r.kv_dtype,
                      memory_utilization=q.memory_utilization, act_dtype_bytes=r.act_bytes,
-                     step_tokens=q.max_num_batched_tokens)
+                     step_tokens=q.max_num_batched_tokens, max_num_seqs=r.max_num_seqs)
     choice = recommend_layout(r.entry.spec, r.hw, lq)
     lines = tuple(
         Line(x.name, "layout", x.tokens_per_s,
              f"{'fits' if x.fits else 'NO FIT'}; W {fmt_bytes(x.weight_bytes_per_gpu)} + KV "
              f"{fmt_bytes(x.kv_bytes_per_gpu)}/GPU; dup KV {fmt_bytes(x.duplicated_kv_bytes)}; "
              f"comm {fmt_bytes(x.comm_bytes_per_token)}/tok; bubble {x.bubble:.0%}; "
-             f"{x.tokens_per_s:,.0f} tok/s")
+             f"{x.tokens_per_s:,.0f} tok/s aggregate, {x.per_user_tokens_per_s:,.0f} per user"
+             + (f" ({x.busy_replicas} of {x.dp} replicas busy)" if x.busy_replicas < x.dp
+                else ""))
         for x in choice.layouts)
     return Section(f"Layouts on {q.gpus} x {r.hw.name} for {q.concurrency} x {q.context} tokens",
                    lines, (choice.reason,)), choice
