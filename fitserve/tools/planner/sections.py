@@ -136,13 +136,23 @@ def sharing_section(r: Resolved) -> Section | None:
         Line("KV bytes, unshared", "sharing_blocks.unshared x block_bytes", sb.unshared * block,
              fmt_bytes(sb.unshared * block), f"{sb.unshared:,} x {block:,} B (per GPU, tp={q.tp})"),
         Line("KV bytes, shared", "sharing_blocks.shared x block_bytes", sb.shared * block,
-             fmt_bytes(sb.shared * block), f"{sb.shared:,} x {block:,} B (per GPU, tp={q.tp})"),
+             fmt_bytes(sb.shared * block), f"{sb.shared:,} x {block:,} B (per GPU, tp={q.tp}); "
+             "exact for n samples, an upper bound for beams"),
+        Line("blocks, beam floor", "sharing_blocks.beam_floor", sb.beam_floor,
+             f"{sb.beam_floor:,}", f"floor(({prompt} + {q.new_tokens} - 1) / {bs}) blocks of "
+             f"the common history once + {k} x the rest (beams that all descend from one beam "
+             "share every token but their last)"),
+        Line("KV bytes, beam floor", "sharing_blocks.beam_floor x block_bytes",
+             sb.beam_floor * block, fmt_bytes(sb.beam_floor * block),
+             f"{sb.beam_floor:,} x {block:,} B (per GPU, tp={q.tp})"),
     ]
     saved = 1 - sb.shared / sb.unshared if sb.unshared else 0.0
     return Section(f"KV sharing: {k} sequences over one {prompt:,}-token prompt, "
                    f"{q.new_tokens:,} new tokens each", tuple(lines),
                    (f"sharing saves {saved:.1%} of the blocks; every block of a sequence is "
-                    "held (no window trimming), as fitserve's engine does",))
+                    "held (no window trimming), as fitserve's engine does",
+                    "beams: the engine holds between the beam floor and the shared figure (beams "
+                    "that forked earlier keep private copies of their history since the fork)"))
 
 
 def speculative_section(r: Resolved) -> Section | None:
