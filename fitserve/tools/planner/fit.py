@@ -88,7 +88,7 @@ class FitCheck:
 class Alternative:
     """A change to the request that fits: ``flags`` says it as `fitserve plan` options."""
 
-    option: str  # context, concurrency, max_num_seqs, gpus, weights, kv, kv_cache_memory
+    option: str  # context, concurrency, max_num_seqs, gpus, tp, weights, kv, kv_cache_memory
     value: int | str
     flags: str
     note: str
@@ -315,7 +315,7 @@ def _more_gpus_or_smaller_formats(r: Resolved,
                 flags = " ".join(x for x in (f"--weights {fmt}" if weights else "",
                                              f"--tp {tp} --gpus {gpus}" if tp != q.tp else "")
                                  if x)
-                out.append(Alternative("weights" if weights else "gpus",
+                out.append(Alternative("weights" if weights else "tp",
                                        fmt if weights else gpus, flags,
                                        f"{fmt} weights on TP groups of {tp} GPUs"))
                 best_tp = tp

@@ -66,7 +66,7 @@ def with_flags(args: list[str], flags: str) -> list[str]:
 
 # ---- 1. a 70B model in bf16 on one 24 GB GPU -------------------------------------------------
 
-ARGS_70B_24GB = ["Llama-3.3-70B", "--gpu", "h100", "--gpu-memory", "24e9"]
+ARGS_70B_24GB = ["Llama-3.3-70B", "--gpu", "h100", "--gpu-memory", "24e9", "--context", "8k"]
 W70 = 2 * P70  # bf16: 141,107,412,992 B
 # tokens x (2 B x max(attn 3 x 8192 + 2 x 8192 + 2 x 1024 = 43,008, mlp 110,592) + 24 B)
 ACT70 = 2048 * (2 * (3 * 8192 + 3 * 28672) + 24)
@@ -109,7 +109,7 @@ def test_70b_alternatives_fit_and_are_the_fewest_gpus(capsys: pytest.CaptureFixt
     _, plan = run_json(capsys, ARGS_70B_24GB)
     alts = {a["option"]: a for a in plan["alternatives"]}
     # bf16 over TP 4: the weights alone are >= 141.1e9 / 4 = 35.3e9 B > 21.6e9 B usable
-    assert alts["gpus"]["flags"] == "--tp 8 --gpus 8"
+    assert alts["tp"]["flags"] == "--tp 8 --gpus 8"
     assert alts["weights"]["flags"] == "--weights fp8 --tp 4 --gpus 4"
     assert "context" not in alts and "concurrency" not in alts  # the weights alone overflow
     for a in plan["alternatives"]:  # each one, planned again, fits
