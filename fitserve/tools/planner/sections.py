@@ -90,6 +90,21 @@ def whole_model_weights(r: Resolved) -> WeightBytes:
     return model_weight_bytes(s, r.weights, tp=1, base_dtype=r.base_dtype)
 
 
+def _more_than_whole(r: Resolved, per_gpu: int, whole: int) -> str:
+    """Why one GPU holds more than the whole model ("" when it does not)."""
+    if per_gpu <= whole:
+        return ""
+    why = (f"; MORE than the whole model ({per_gpu:,} > {whole:,} B): ")
+    if r.on_cpu and not engine_runs(r.entry.spec):
+        return why + (f"fitserve's engine cannot run {r.entry.spec.architecture}, so its "
+                      f"--weights rule does not apply: this line is the whole model in "
+                      f"{r.act_dtype}, the line above the ledger's {r.weights} count")
+    if r.req.tp > 1:
+        return why + "tensors replicated on every rank"
+    return why + ("the engine holds tensors the ledger's count of the format keeps smaller "
+                  "(see the weights note)")
+
+
 def weights_section(r: Resolved) -> Section:
     tp = r.req.tp
     per_gpu = weight_bytes_per_gpu(r)
@@ -106,8 +121,9 @@ def weights_section(r: Resolved) -> Section:
              else "engine_plan_weight_bytes" if r.on_cpu and (
                  r.weights == r.act_dtype or r.engine_weights is not None)
              else f"model_weight_bytes(tp={tp})", per_gpu, fmt_bytes(per_gpu),
-             r.weights_note or "column/row splits divide by tp; norms, routers and MLA "
-             "down-projections replicate; KV projections replicate past the KV-head count"),
+             (r.weights_note or "column/row splits divide by tp; norms, routers and MLA "
+              "down-projections replicate; KV projections replicate past the KV-head count")
+             + _more_than_whole(r, per_gpu, wb.total)),
     ]
     if r.on_cpu and r.entry.file_weight_bytes is not None:
         fb = r.entry.file_weight_bytes

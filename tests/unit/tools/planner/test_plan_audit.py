@@ -115,3 +115,25 @@ def test_no_row_twice(concurrency: str, capsys: pytest.CaptureFixture[str]) -> N
     decode = [x["name"] for x in speed["lines"] if x["name"].startswith("decode, batch")]
     assert decode == (["decode, batch 1"] if concurrency == "1"
                       else ["decode, batch 1", "decode, batch 4"])
+
+
+@pytest.mark.parametrize("name,weights", [("Mixtral-8x7B", "int4"), ("gpt-oss-20b", "int8"),
+                                          ("Llama-3.1-8B", "int4"), ("SmolLM2-135M", None)])
+def test_weights_per_gpu_over_whole_model_says_why(name: str, weights: str | None,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    # Mixtral-8x7B --weights int4 on cpu: whole model (ledger, every matrix int4-g32-asym)
+    # 29,551,501,312 B; per GPU 93,405,585,408 B = the whole model in bf16, because the engine
+    # cannot run a MoE and its RTN-at-load rule does not apply. The old plan printed both
+    # numbers with no word on why one GPU held 3.2x the whole model.
+    args = [name, "--gpu", "cpu", "--context", "1k", "--kv-cache-memory", "64M"]
+    _, plan = run_json(capsys, args + (["--weights", weights] if weights else []))
+    w = {x["name"]: x for x in next(s for s in plan["sections"]
+                                    if s["title"] == "Weights")["lines"]}
+    per, whole = w["weights per GPU"], w["weights, whole model"]
+    if per["value"] > whole["value"]:
+        assert "MORE than the whole model" in per["explain"]
+        assert "cannot run" in per["explain"] and plan["engine_cannot_run"]
+    else:
+        assert "MORE than" not in per["explain"]
+    if name == "Mixtral-8x7B":
+        assert (whole["value"], per["value"]) == (29_551_501_312, 93_405_585_408)
