@@ -150,7 +150,14 @@ class SharingBlocks:
     Unshared, each sequence holds ceil((P + T) / block) blocks. Shared, the prompt's full blocks,
     floor(P / block), are held once (ref counts) and each sequence holds the rest privately:
     its copy of the partial last prompt block (copy-on-write on its first new token) and the
-    blocks of its own T new tokens.
+    blocks of its own T new tokens. That is exact for n samples (their new tokens differ from
+    the first) and an upper bound for beams, which also share their common generated history.
+
+    The beam floor: beams that all descend from one beam of the previous step share every
+    token but the last, so the full blocks of the first P + T - 1 tokens are held once and each
+    beam holds only the block(s) from there on (T = 0: nothing generated, the n-samples figure)::
+
+        floor((P + T - 1) / block) + k x (ceil((P + T) / block) - floor((P + T - 1) / block))
     """
 
     sharers: int
@@ -161,6 +168,7 @@ class SharingBlocks:
     shared: int  # blocks
     shared_prompt_blocks: int  # held once
     private_blocks_each: int
+    beam_floor: int = 0  # blocks: beams sharing all but their last token (see above)
 
 
 def sharing_blocks(prompt_tokens: int, new_tokens: int, sharers: int, block_size: int
@@ -172,8 +180,10 @@ def sharing_blocks(prompt_tokens: int, new_tokens: int, sharers: int, block_size
     total = -(-(prompt_tokens + new_tokens) // block_size)
     full = prompt_tokens // block_size
     private = total - full
+    shared = full + sharers * private
+    common = (prompt_tokens + new_tokens - 1) // block_size if new_tokens else full
     return SharingBlocks(sharers, prompt_tokens, new_tokens, block_size, sharers * total,
-                         full + sharers * private, full, private)
+                         shared, full, private, common + sharers * (total - common))
 
 
 def window_blocks_held(block_size: int, computed: int, total: int, window: int | None) -> int:

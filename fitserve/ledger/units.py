@@ -37,6 +37,42 @@ def parse_bytes(text: str) -> int:
         raise PlanError(f"not a size: {text!r} (e.g. 512M, 2G)") from None
 
 
+_SI = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15}
+_IEC = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "pib": 1 << 50}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$")
+
+
+def parse_size(text: str, flag: str) -> int:
+    """A byte size with its unit spelled out: "500GB" = 500 x 10^9 B (SI, as vendors and the
+    question "a 500 GB model" mean it), "500GiB" = 500 x 2^30 B, "500e9" or "1024" (bytes, "B"
+    optional). A bare K/M/G/T is refused with both readings: it means GiB to the engine's
+    --kv-cache-memory but GB to most people asking.
+    """
+    m = _SIZE_RE.match(text.strip().lower())
+    unit = m.group(2) if m else ""
+    if m is not None and unit in ("k", "m", "g", "t", "p"):
+        num = float(m.group(1))
+        si, iec = num * _SI[unit + "b"], num * _IEC[unit + "ib"]
+        raise PlanError(f"{flag} {text}: a bare {unit.upper()} is ambiguous; write "
+                        f"{m.group(1)}{unit.upper()}B ({si:,.0f} B) or {m.group(1)}"
+                        f"{unit.upper()}iB ({iec:,.0f} B)")
+    scale = {"": 1, "b": 1, **_SI, **_IEC}.get(unit) if m else None
+    if m is None or scale is None:
+        raise PlanError(f"{flag}: not a size: {text!r} (e.g. 500GB, 465.66GiB, 500e9)")
+    value = float(m.group(1)) * scale
+    if value != int(value):
+        raise PlanError(f"{flag} {text}: not a whole number of bytes ({value:g})")
+    return int(value)
+
+
+def fmt_bytes_both(n: float) -> str:
+    """Decimal and binary side by side: 500e9 -> "500.00 GB = 465.66 GiB"."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit} = {fmt_bytes(n)}"
+    return fmt_bytes(n)
+
+
 def fmt_bytes(n: float) -> str:
     """Bytes with binary units: 1536 -> "1.50 KiB"."""
     sign = "-" if n < 0 else ""

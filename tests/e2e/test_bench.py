@@ -79,6 +79,11 @@ def test_bench_cli_writes_reports(server: Server, tmp_path: Path) -> None:
     assert summary["total_output_tokens"] == 18  # ignore_eos: exactly 3 tokens each
     assert summary["ttft_ms"]["p50"] > 0
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the server's KV over the run, scraped from its /metrics (fitserve's gauges)
+    kv = summary["kv"]
+    assert kv is not None and kv["samples"] >= 1 and 0 <= kv["fragmentation"] < 1
+    assert 0 <= kv["utilization_mean"] <= kv["utilization_peak"] <= 1
+    assert "KV: utilisation" in proc.stdout
     # goodput and attainment are exactly the requests meeting both targets, from the records
     good = sum(_meets(r, slo_ttft, slo_tpot) for r in records)
     assert summary["slo"] == {"ttft_ms": slo_ttft, "tpot_ms": slo_tpot}

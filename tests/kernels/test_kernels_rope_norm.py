@@ -113,10 +113,35 @@ def test_rmsnorm_awkward_sizes(hidden: int, dtype: torch.dtype) -> None:
     torch.testing.assert_close(rms_norm_eager(x, w).double(), ref, atol=tol * 10, rtol=2 * tol)
 
 
-def test_rmsnorm_bytes_fused_vs_eager() -> None:
-    b = rmsnorm_bytes(rows=1, hidden=4096, dtype_bytes=2)
-    assert b.fused == 2 * 4096 * 2 + 4096 * 2
-    assert b.eager >= 4096 * (4 * 2 + 24)
-    assert b.ratio > 5                                            # w and per-row terms dilute it
-    big = rmsnorm_bytes(rows=4096, hidden=4096, dtype_bytes=2)
-    assert abs(big.ratio - 8.0) < 0.01
+# The eager transformers LlamaRMSNorm, op by op: (read, write) bytes per element for element
+# size b (intermediates fp32). Per-row scalars (mean, rsqrt) and w are counted apart.
+def _eager_table(b: int) -> list[tuple[int, int]]:
+    return [(b, 4),   # x.to(f32)
+            (4, 4),   # .pow(2)
+            (4, 0),   # .mean(-1) (writes one fp32 per row)
+            (4, 4),   # h * rsqrt(var + eps)
+            (4, b),   # .to(x.dtype)
+            (b, b)]   # weight * y
+
+
+@pytest.mark.parametrize("rows,hidden,dtype_bytes,ratio", [
+    # bf16: sum of the table = (2+4)+(4+4)+4+(4+4)+(4+2)+(2+2) = 36 = 4b + 28; fused 2b = 4: 9x
+    # (the old count was 4b + 24 = 32: 8x)
+    (4096, 4096, 2, 9.0),   # Llama-3-8B hidden
+    (2048, 8192, 2, 9.0),   # Llama-3-70B hidden
+    # fp32: 4 x 4 + 28 = 44 per element, fused 8: 5.5x
+    (4096, 4096, 4, 5.5),
+])
+def test_rmsnorm_bytes_fused_vs_eager(rows: int, hidden: int, dtype_bytes: int,
+                                      ratio: float) -> None:
+    per_elem = sum(r + w for r, w in _eager_table(dtype_bytes))
+    assert per_elem == 4 * dtype_bytes + 28
+    elems = rows * hidden
+    per_row = 4 + 4 + 4 + 4   # mean write, rsqrt read + write, the per-row read of x * rsqrt
+    want_eager = elems * per_elem + rows * per_row + hidden * dtype_bytes
+    want_fused = 2 * elems * dtype_bytes + hidden * dtype_bytes   # read x, write y, read w
+    b = rmsnorm_bytes(rows=rows, hidden=hidden, dtype_bytes=dtype_bytes)
+    assert (b.fused, b.eager) == (want_fused, want_eager)
+    assert abs(b.ratio - ratio) < 0.01
+    one = rmsnorm_bytes(rows=1, hidden=hidden, dtype_bytes=dtype_bytes)
+    assert one.ratio < ratio   # w and the per-row terms dilute one row's ratio

@@ -185,3 +185,37 @@ def test_beam_search_with_eos_matches_transformers(smollm2, question: str) -> No
             gen = gen[: gen.index(b.token_ids[-1]) + 1]
         assert b.token_ids == gen
         assert b.score == pytest.approx(score, abs=LOGPROB_TOL)
+
+
+def test_beam_blocks_between_planner_floor_and_bound(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    """The planner's two beam figures (fitserve.ledger.kv.sharing_blocks) bracket what the
+    engine holds: each step's used blocks lie between the beam floor (all beams descend from
+    one beam: every token but the last shared) and the n-samples figure (only the prompt's full
+    blocks shared), for the P + t tokens each beam has slots for at that step."""
+    from fitserve.ledger.kv import sharing_blocks
+
+    loaded, _ = tiny_llama
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(3, 384, (19,), generator=g).tolist()
+    width, steps, bs = 4, 24, 8
+    engine = make(loaded)
+    execute = engine.runner.execute
+    held: list[tuple[int, int]] = []  # (tokens with slots per beam, blocks used)
+
+    def spy(plan: SchedulerOutput, states: Any) -> RunnerOutput:
+        beams = [c for c in plan.chunks if ".beam" in c.request_id]
+        if beams and all(len(c.token_ids) == 1 for c in beams):  # every beam decodes
+            slots = {c.start_pos + 1 for c in beams}
+            assert len(slots) == 1 and len(beams) == width
+            held.append((slots.pop(), engine.kv.stats().used_blocks))
+        return execute(plan, states)
+
+    engine.runner.execute = spy  # type: ignore[method-assign]
+    run(engine, prompt, BeamSearchParams(beam_width=width, max_tokens=steps, ignore_eos=True))
+    assert len(held) >= steps - 2
+    below_bound = 0
+    for tokens, used in held:
+        sb = sharing_blocks(19, tokens - 19, width, bs)
+        assert sb.beam_floor <= used <= sb.shared, (tokens, used, sb)
+        below_bound += used < sb.shared
+    assert below_bound > 0  # beams do share generated history: the bound is not the measure

@@ -87,20 +87,26 @@ def _prepare(cfg: BenchConfig) -> _Prepared:
 
 
 def _run_once(cfg: BenchConfig, prep: _Prepared, arrivals: Arrivals, workload: list[Any],
-              desc: str) -> tuple[list[Any], float]:
-    """One load run; returns (RequestResult list, wall seconds)."""
+              desc: str) -> tuple[list[Any], float, dict[str, Any] | None]:
+    """One load run; returns (RequestResult list, wall seconds, the server's KV utilisation
+    and fragmentation over the run from its /metrics, None if it has no fitserve gauges)."""
     from tqdm.auto import tqdm
 
+    from fitserve.tools.bench.kv_monitor import KVMonitor, metrics_url
     from fitserve.tools.bench.loadgen import RunLimits, run_load
 
     bar = tqdm(total=cfg.num_requests, desc=desc, unit="req", disable=not cfg.progress, file=sys.stderr)
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    monitor = KVMonitor(metrics_url(cfg.base_url), headers).start()
     try:
-        return asyncio.run(run_load(
+        results, wall = asyncio.run(run_load(
             prep.target, workload, arrivals, RunLimits(cfg.num_requests, cfg.duration_s, cfg.warmup),
             seed=cfg.seed, on_done=lambda _r: bar.update(1),
         ))
     finally:
+        kv = monitor.stop()
         bar.close()
+    return results, wall, kv
 
 
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
@@ -109,13 +115,14 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 
     arrivals = cfg.arrivals()
     prep = _prepare(cfg)
-    results, wall = _run_once(cfg, prep, arrivals, prep.workload, cfg.label or "bench")
+    results, wall, kv = _run_once(cfg, prep, arrivals, prep.workload, cfg.label or "bench")
     meta = {
         "label": cfg.label, "base_url": cfg.base_url, "model": prep.model, "api": cfg.api,
         "arrivals": {"mode": arrivals.mode, "rate": arrivals.rate, "concurrency": arrivals.concurrency},
         "prompt_len": str(prep.prompt_len), "output_len": str(prep.output_len), "warmup": cfg.warmup,
     }
     summary = summarize(results, wall, SLO(cfg.slo_ttft_ms, cfg.slo_tpot_ms), meta)
+    summary["kv"] = kv
     if cfg.output_json is not None:
         write_json(summary, results, cfg.output_json)
     if cfg.output_png is not None:
@@ -150,8 +157,9 @@ def run_sweep(cfg: BenchConfig, rates: Sequence[float], *, overlays: Sequence[di
     for i, rate in enumerate(rates):
         arrivals = replace(cfg, request_rate=rate).arrivals()
         workload = prep.workload if i == 0 else retext_workload(prep.workload, f"{cfg.seed}/{i}")
-        results, wall = _run_once(cfg, prep, arrivals, workload, f"{cfg.label or 'bench'} @ {rate:g} req/s")
-        rows.append(rate_summary(results, wall, slo, rate))
+        results, wall, kv = _run_once(cfg, prep, arrivals, workload,
+                                      f"{cfg.label or 'bench'} @ {rate:g} req/s")
+        rows.append({**rate_summary(results, wall, slo, rate), "kv": kv})
     sweep = {
         "kind": SWEEP_KIND,
         "meta": {

@@ -141,6 +141,10 @@ def format_table(summary: dict[str, Any]) -> str:
     slo = summary["slo"]
     lines.append(f"goodput: {summary['goodput']:.3f} req/s meeting TTFT<={slo['ttft_ms']} ms, "
                  f"TPOT<={slo['tpot_ms']} ms (attainment {summary['slo_attainment']})")
+    if "kv" in summary:
+        from fitserve.tools.bench.kv_monitor import format_kv
+
+        lines.append(format_kv(summary["kv"]))
     for e in summary["errors"]:
         lines.append(f"error: {e}")
     return "\n".join(lines)

@@ -194,7 +194,8 @@ def format_sweep_table(sweep: dict[str, Any]) -> str:
     """A plain-text table: one line per rate."""
     slo = sweep["meta"]["slo"]
     head = (f"{'offered':>8}{'req/s':>8}{'goodput':>9}{'good':>7}{'reject':>7}{'errors':>7}"
-            f"{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}")
+            f"{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}{'KV util':>9}"
+            f"{'KV frag':>9}")
 
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v:.0f}"
@@ -210,5 +211,15 @@ def format_sweep_table(sweep: dict[str, Any]) -> str:
             f"{r['offered_rate']:>8.2f}{r['request_throughput']:>8.2f}{r['goodput']:>9.2f}"
             f"{frac(r['good_fraction']):>7}{r['rejected']:>7}{r['failed_other']:>7}"
             f"{ms(r['ttft_ms']['p50']):>10}{ms(r['ttft_ms']['p99']):>10}"
-            f"{ms(r['tpot_ms']['p50']):>10}{ms(r['tpot_ms']['p99']):>10}")
+            f"{ms(r['tpot_ms']['p50']):>10}{ms(r['tpot_ms']['p99']):>10}"
+            + _kv_cells(r.get("kv")))
     return "\n".join(lines)
+
+
+def _kv_cells(kv: dict[str, Any] | None) -> str:
+    """Mean KV utilisation and fragmentation of one rate's run ('-' without fitserve gauges);
+    a fragmentation >= 5% is marked '!'."""
+    if kv is None:
+        return f"{'-':>9}{'-':>9}"
+    flag = "!" if kv["fragmentation_flag"] else ""
+    return f"{kv['utilization_mean']:>9.1%}{format(kv['fragmentation'], '.1%') + flag:>9}"

@@ -15,7 +15,7 @@ from typing import Any
 
 from fitserve.ledger.errors import PlanError
 from fitserve.ledger.units import parse_bytes, parse_tokens
-from fitserve.tools.planner.report import ENGINE_DEFAULTS, PlanRequest, Section
+from fitserve.tools.planner.report import ENGINE_DEFAULTS, MODEL_CONTEXT, PlanRequest, Section
 from fitserve.tools.planner.sections_run import Plan, build_plan
 from fitserve.tools.planner.speculative import check_speculative
 
@@ -43,7 +43,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu", default="h100", help="accelerator from the catalog, or 'cpu'")
     p.add_argument("--gpus", type=int, default=None, help="GPUs in all (default: --tp)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
-    p.add_argument("--context", default="8k", help="tokens per sequence; 128k = 131,072")
+    p.add_argument("--context", default=None,
+                   help="tokens per sequence; 128k = 131,072 (default: the model's own context, "
+                        "a GGUF's context_length or a config's max_position_embeddings, as the "
+                        "engine's --max-model-len defaults)")
     p.add_argument("--weights", default=None,
                    help="bf16, fp8, int8, int4-g128, Q4_K_M ... (default: the checkpoint's). "
                         "On cpu the engine's --weights: as-stored (the default: GGUF "
@@ -105,7 +108,8 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
     ws = None if args.workspace_gib is None else int(args.workspace_gib * (1 << 30))
     return PlanRequest(
         model=args.model, gpu=args.gpu, gpus=args.gpus or args.tp, tp=args.tp,
-        context=parse_tokens(args.context), context_text=args.context, weights=args.weights,
+        context=MODEL_CONTEXT if args.context is None else parse_tokens(args.context),
+        context_text="" if args.context is None else args.context, weights=args.weights,
         kv=args.kv, concurrency=args.concurrency, block_size=args.block_size,
         memory_utilization=args.memory_utilization,
         max_num_batched_tokens=parse_tokens(args.max_num_batched_tokens),

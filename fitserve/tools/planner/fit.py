@@ -45,6 +45,7 @@ from fitserve.ledger.memory import (
 )
 from fitserve.ledger.units import fmt_bytes
 from fitserve.ledger.weights import model_weight_bytes
+from fitserve.tools.planner.fit_more import format_pair, larger_gpu, smaller_tp
 from fitserve.tools.planner.report import PlanRequest, Resolved, resolve
 from fitserve.tools.planner.sections import weight_bytes_per_gpu
 
@@ -88,7 +89,8 @@ class FitCheck:
 class Alternative:
     """A change to the request that fits: ``flags`` says it as `fitserve plan` options."""
 
-    option: str  # context, concurrency, max_num_seqs, gpus, weights, kv, kv_cache_memory
+    option: str  # context, concurrency, max_num_seqs, gpus, tp, weights, kv, weights+kv,
+    # kv_cache_memory, gpu
     value: int | str
     flags: str
     note: str
@@ -234,6 +236,18 @@ def _fits_fn(r: Resolved, runtime: Runtime) -> Callable[[PlanRequest], bool]:
     return fits
 
 
+def _fits_on_fn(r: Resolved) -> Callable[[PlanRequest, str], bool]:
+    """``fits`` on another catalog accelerator (a GPU plan: no measured runtime)."""
+    def fits_on(req: PlanRequest, gpu: str) -> bool:
+        try:
+            v = resolve(dataclasses.replace(req, gpu=gpu), entry=r.entry)
+            return check_fit(v, memory_plan(v, runtime=None)).fits
+        except PlanError:
+            return False
+
+    return fits_on
+
+
 def what_fits(r: Resolved, runtime: Runtime = None) -> tuple[Alternative, ...]:
     """Changes to a request that does not fit, each planned again and found to fit."""
     q, fits = r.req, _fits_fn(r, runtime)
@@ -257,6 +271,9 @@ def what_fits(r: Resolved, runtime: Runtime = None) -> tuple[Alternative, ...]:
         out += _pool_as_needed(r, fits)
     if not r.on_cpu:
         out += _more_gpus_or_smaller_formats(r, fits)
+        more = [*smaller_tp(r, fits), *format_pair(r, fits, SMALLER_WEIGHT_FORMATS),
+                *larger_gpu(r, _fits_on_fn(r))]
+        out += [Alternative(*a) for a in more if a[2] not in {x.flags for x in out}]
     return tuple(out)
 
 
@@ -315,7 +332,7 @@ def _more_gpus_or_smaller_formats(r: Resolved,
                 flags = " ".join(x for x in (f"--weights {fmt}" if weights else "",
                                              f"--tp {tp} --gpus {gpus}" if tp != q.tp else "")
                                  if x)
-                out.append(Alternative("weights" if weights else "gpus",
+                out.append(Alternative("weights" if weights else "tp",
                                        fmt if weights else gpus, flags,
                                        f"{fmt} weights on TP groups of {tp} GPUs"))
                 best_tp = tp

@@ -20,7 +20,7 @@ from fitserve.ledger.errors import PlanError
 from fitserve.loading.errors import ModelLoadError
 from fitserve.loading.hf_config import FITSERVE_QUANT_METHOD, packed_formats, spec_from_hf_folder
 from fitserve.loading.hf_config import spec_from_hf_config as read_hf_config
-from fitserve.loading.support import hf_support
+from fitserve.loading.support import hf_support, spec_problems
 from fitserve.tools.planner.entry import ModelEntry
 from fitserve.tools.planner.gguf_source import gguf_entry
 
@@ -65,11 +65,15 @@ def catalog_entry(name: str) -> ModelEntry:
                         f"{', '.join(x['name'] for x in models)}; or pass a config.json / .gguf path")
     cfg = found["config"]
     spec = spec_from_hf_config(cfg, found["name"])
+    # NOTE: a catalog name on --gpu cpu plans fitserve's engine on that model's checkpoint: the
+    # spec's own refusals (architecture, MoE, activation) are what the engine would raise.
     return ModelEntry(spec, found["native_weights"],
                       _dtype(cfg), found["source"], found.get("published_params"),
                       found.get("published_active_params"),
                       engine_file_format=found.get("engine_file_format"),
-                      stored_formats=_engine_file_types(spec, found.get("engine_file_types")))
+                      stored_formats=_engine_file_types(spec, found.get("engine_file_types")),
+                      engine_refusal=tuple(p if p.startswith("architecture") else f"architecture: {p}"
+                                           for p in spec_problems(spec)))
 
 
 def _engine_file_types(spec: ModelSpec, types: dict[str, str] | None) -> dict[str, str] | None:

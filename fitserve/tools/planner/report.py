@@ -55,6 +55,13 @@ class Section:
     notes: tuple[str, ...] = ()
 
 
+# NOTE: PlanRequest.context == MODEL_CONTEXT plans at the model's own trained context (a GGUF's
+# context_length, a config's max_position_embeddings), as the engine's --max-model-len defaults
+# and vLLM's max_model_len does; nothing bounds it further (a context that does not fit is a
+# miss with "would fit: --context N", vLLM's "estimated maximum model length").
+MODEL_CONTEXT = 0
+
+
 @dataclass(frozen=True)
 class PlanRequest:
     model: str
@@ -124,8 +131,11 @@ def resolve(req: PlanRequest, *, entry: ModelEntry | None = None,
     request, see ``plan.fit``). Input that cannot be planned raises; a plan that does not fit
     does not: ``plan.fit`` says by how much it misses.
     """
-    check_inputs(req)
     entry = entry or resolve_model(req.model)
+    if req.context == MODEL_CONTEXT:
+        own = entry.spec.max_position_embeddings
+        req = dataclasses.replace(req, context=own, context_text=f"{own} (the model's own)")
+    check_inputs(req)
     hw = hw or _with_overrides(get_hardware(req.gpu), req)
     spec = entry.spec
     check_tp(spec, req.tp)

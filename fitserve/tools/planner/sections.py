@@ -90,6 +90,21 @@ def whole_model_weights(r: Resolved) -> WeightBytes:
     return model_weight_bytes(s, r.weights, tp=1, base_dtype=r.base_dtype)
 
 
+def _more_than_whole(r: Resolved, per_gpu: int, whole: int) -> str:
+    """Why one GPU holds more than the whole model ("" when it does not)."""
+    if per_gpu <= whole:
+        return ""
+    why = (f"; MORE than the whole model ({per_gpu:,} > {whole:,} B): ")
+    if r.on_cpu and not engine_runs(r.entry.spec):
+        return why + (f"fitserve's engine cannot run {r.entry.spec.architecture}, so its "
+                      f"--weights rule does not apply: this line is the whole model in "
+                      f"{r.act_dtype}, the line above the ledger's {r.weights} count")
+    if r.req.tp > 1:
+        return why + "tensors replicated on every rank"
+    return why + ("the engine holds tensors the ledger's count of the format keeps smaller "
+                  "(see the weights note)")
+
+
 def weights_section(r: Resolved) -> Section:
     tp = r.req.tp
     per_gpu = weight_bytes_per_gpu(r)
@@ -106,8 +121,9 @@ def weights_section(r: Resolved) -> Section:
              else "engine_plan_weight_bytes" if r.on_cpu and (
                  r.weights == r.act_dtype or r.engine_weights is not None)
              else f"model_weight_bytes(tp={tp})", per_gpu, fmt_bytes(per_gpu),
-             r.weights_note or "column/row splits divide by tp; norms, routers and MLA "
-             "down-projections replicate; KV projections replicate past the KV-head count"),
+             (r.weights_note or "column/row splits divide by tp; norms, routers and MLA "
+              "down-projections replicate; KV projections replicate past the KV-head count")
+             + _more_than_whole(r, per_gpu, wb.total)),
     ]
     if r.on_cpu and r.entry.file_weight_bytes is not None:
         fb = r.entry.file_weight_bytes
@@ -136,13 +152,23 @@ def sharing_section(r: Resolved) -> Section | None:
         Line("KV bytes, unshared", "sharing_blocks.unshared x block_bytes", sb.unshared * block,
              fmt_bytes(sb.unshared * block), f"{sb.unshared:,} x {block:,} B (per GPU, tp={q.tp})"),
         Line("KV bytes, shared", "sharing_blocks.shared x block_bytes", sb.shared * block,
-             fmt_bytes(sb.shared * block), f"{sb.shared:,} x {block:,} B (per GPU, tp={q.tp})"),
+             fmt_bytes(sb.shared * block), f"{sb.shared:,} x {block:,} B (per GPU, tp={q.tp}); "
+             "exact for n samples, an upper bound for beams"),
+        Line("blocks, beam floor", "sharing_blocks.beam_floor", sb.beam_floor,
+             f"{sb.beam_floor:,}", f"floor(({prompt} + {q.new_tokens} - 1) / {bs}) blocks of "
+             f"the common history once + {k} x the rest (beams that all descend from one beam "
+             "share every token but their last)"),
+        Line("KV bytes, beam floor", "sharing_blocks.beam_floor x block_bytes",
+             sb.beam_floor * block, fmt_bytes(sb.beam_floor * block),
+             f"{sb.beam_floor:,} x {block:,} B (per GPU, tp={q.tp})"),
     ]
     saved = 1 - sb.shared / sb.unshared if sb.unshared else 0.0
     return Section(f"KV sharing: {k} sequences over one {prompt:,}-token prompt, "
                    f"{q.new_tokens:,} new tokens each", tuple(lines),
                    (f"sharing saves {saved:.1%} of the blocks; every block of a sequence is "
-                    "held (no window trimming), as fitserve's engine does",))
+                    "held (no window trimming), as fitserve's engine does",
+                    "beams: the engine holds between the beam floor and the shared figure (beams "
+                    "that forked earlier keep private copies of their history since the fork)"))
 
 
 def speculative_section(r: Resolved) -> Section | None:

@@ -110,13 +110,17 @@ def memory_section(r: Resolved, mp: EngineMemoryPlan, fc: FitCheck) -> Section:
 
 
 def fit_section(r: Resolved, mp: EngineMemoryPlan, fc: FitCheck,
-                alternatives: tuple[Alternative, ...]) -> Section:
-    """The verdict: fits or not, the KV the workload needs, each miss, what would fit."""
+                alternatives: tuple[Alternative, ...], cannot: str = "") -> Section:
+    """The verdict: fits or not, the KV the workload needs, each miss, what would fit;
+    ``cannot``: the engine's refusal, which overrides a memory fit."""
     q, per_seq = r.req, -(-r.req.context // mp.block_size)
     where = "in the KV budget / host RAM" if r.on_cpu else "per GPU"
     dp = q.gpus // q.tp
+    shown = "yes" if fc.fits else "NO"
+    if cannot:
+        shown = f"NO: {cannot} (memory alone: {'fits' if fc.fits else 'does not fit'})"
     lines = [
-        Line("fits", "check_fit", fc.fits, "yes" if fc.fits else "NO",
+        Line("fits", "check_fit", fc.fits and not cannot, shown,
              f"{fc.sequences} x {q.context:,} tokens at once per engine "
              f"(ceil({q.concurrency} / {dp} engines of TP {q.tp}))"),
         Line("KV needed", "sequences x ceil(context / block_size) x block_bytes",
@@ -136,7 +140,8 @@ def fit_section(r: Resolved, mp: EngineMemoryPlan, fc: FitCheck,
               for a in alternatives]
     notes = () if fc.fits or alternatives else (
         "nothing tried fits: shorter context, fewer sequences, more GPUs, smaller formats",)
-    return Section("Fit" if fc.fits else "Fit: DOES NOT FIT", tuple(lines), notes)
+    title = "Fit: ENGINE CANNOT RUN" if cannot else "Fit" if fc.fits else "Fit: DOES NOT FIT"
+    return Section(title, tuple(lines), notes)
 
 
 def verdict(fc: FitCheck, alternatives: tuple[Alternative, ...], where: str) -> str:
@@ -169,7 +174,8 @@ def speed_section(r: Resolved, batch: int) -> Section:
         Line("attention = rest at context", "attention_crossover_context", cross,
              "never (windows cap it)" if cross is None else f"{cross:,} tokens"),
     ]
-    for label, st in (("decode, batch 1", one), (f"decode, batch {batch}", many)):
+    rows = [("decode, batch 1", one)] + ([(f"decode, batch {batch}", many)] if batch > 1 else [])
+    for label, st in rows:
         lines.append(Line(label, "decode_step (roofline)", st.seconds,
                           f"{fmt_seconds(st.seconds)}/token, {st.tokens_per_s:,.1f} tok/s, "
                           f"{st.bound}-bound",
@@ -224,7 +230,7 @@ def energy_section(r: Resolved, max_batch: int) -> Section | None:
     best = best_point(pts)
     lines = [Line(f"J/token, batch {p.batch}", "power / throughput", p.joules_per_token,
                   f"{p.joules_per_token:.4g} J", f"{p.watts:.0f} W / {p.tokens_per_s:,.1f} tok/s")
-             for p in (pts[0], best)]
+             for p in ((pts[0], best) if best.batch != pts[0].batch else (pts[0],))]
     return Section("Energy per token", tuple(lines),
                    (f"{q.tp} x {hw.power_w:.0f} W power limit at every batch: batch-1 figure is "
                     f"an upper bound; batches up to the KV ceiling {max_batch}",))
@@ -234,14 +240,16 @@ def layouts_section(r: Resolved) -> tuple[Section, LayoutChoice]:
     q = r.req
     lq = LayoutQuery(q.gpus, q.context, q.concurrency, r.weights, r.kv_dtype,
                      memory_utilization=q.memory_utilization, act_dtype_bytes=r.act_bytes,
-                     step_tokens=q.max_num_batched_tokens)
+                     step_tokens=q.max_num_batched_tokens, max_num_seqs=r.max_num_seqs)
     choice = recommend_layout(r.entry.spec, r.hw, lq)
     lines = tuple(
         Line(x.name, "layout", x.tokens_per_s,
              f"{'fits' if x.fits else 'NO FIT'}; W {fmt_bytes(x.weight_bytes_per_gpu)} + KV "
              f"{fmt_bytes(x.kv_bytes_per_gpu)}/GPU; dup KV {fmt_bytes(x.duplicated_kv_bytes)}; "
              f"comm {fmt_bytes(x.comm_bytes_per_token)}/tok; bubble {x.bubble:.0%}; "
-             f"{x.tokens_per_s:,.0f} tok/s")
+             f"{x.tokens_per_s:,.0f} tok/s aggregate, {x.per_user_tokens_per_s:,.0f} per user"
+             + (f" ({x.busy_replicas} of {x.dp} replicas busy)" if x.busy_replicas < x.dp
+                else ""))
         for x in choice.layouts)
     return Section(f"Layouts on {q.gpus} x {r.hw.name} for {q.concurrency} x {q.context} tokens",
                    lines, (choice.reason,)), choice
@@ -271,14 +279,19 @@ def build_plan(req: PlanRequest) -> Plan:
     """Resolve the request and compute every section, fitting or not (raises PlanError only
     on input that cannot be planned)."""
     r = resolve(req)
+    req = r.req  # the model's own context filled in where none was asked
     mp = memory_plan(r)
     fc = check_fit(r, mp)
     runtime = mp.line("runtime baseline").bytes if r.on_cpu else None
     alts = () if fc.fits else what_fits(r, runtime)
     ceiling = mp.max_concurrent_sequences(req.context).value
     batch = max(1, min(req.concurrency, ceiling))
+    # NOTE: the memory lines still print (what it would take), but the plan never says "fits"
+    # for a model the engine refuses: it names every missing part and exits 1.
+    cannot = (f"engine: cannot run ({'; '.join(r.entry.engine_refusal)})"
+              if r.on_cpu and r.entry.engine_refusal else "")
     sections = [model_section(r), weights_section(r), kv_section(r), memory_section(r, mp, fc),
-                fit_section(r, mp, fc, alts), speed_section(r, batch)]
+                fit_section(r, mp, fc, alts, cannot), speed_section(r, batch)]
     moe = moe_section(r, batch)
     if moe is not None:
         sections.append(moe)
@@ -301,9 +314,6 @@ def build_plan(req: PlanRequest) -> Plan:
                 choice.recommended.name if choice.recommended else None, engine_summary(r, mp),
                 fc.fits, fc.shortfall_bytes, round(fc.shortfall_bytes / (1 << 30), 2),
                 fc.misses, alts, verdict(fc, alts, where))
-    if r.on_cpu and r.entry.engine_refusal:
-        # NOTE: the memory lines still print (what it would take), but the plan never says
-        # "fits" for a file the engine refuses: it names every missing part and exits 1.
-        cannot = f"engine: cannot run ({'; '.join(r.entry.engine_refusal)})"
+    if cannot:
         plan = dataclasses.replace(plan, fits=False, verdict=cannot, engine_cannot_run=cannot)
     return plan

@@ -12,7 +12,8 @@ from fitserve.ledger.speed import MAX_BATCH, smallest_batch
 from fitserve.ledger.step_time import StepTimeModel
 
 # NOTE: bandwidths are decimal, as link and storage vendors quote them: 1 Gb/s = 10^9 bit/s
-# = 1.25 x 10^8 B/s; 1 GB/s = 10^9 B/s. Byte sizes (--model-bytes, --chunk) are binary.
+# = 1.25 x 10^8 B/s; 1 GB/s = 10^9 B/s. --model-bytes spells its unit out (GB or GiB,
+# ledger.units.parse_size); --chunk is binary (64M = 64 MiB).
 GBIT_S = 1e9 / 8  # bytes per second in one gigabit per second
 GBYTE_S = 1e9  # bytes per second in one gigabyte per second
 

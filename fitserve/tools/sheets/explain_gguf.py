@@ -32,6 +32,7 @@ from fitserve.ledger.speed import compute_bound_batch, decode_step
 from fitserve.ledger.units import fmt_bytes
 from fitserve.ledger.weights import MIXES, WeightBytes, model_weight_bytes, use_more_bits
 from fitserve.tools.planner.report import Line, Section
+from fitserve.tools.sheets.dequant_cost import dequant_lines, issue_rate, kernel_step
 from fitserve.tools.sheets.explain_common import (
     hardware,
     line,
@@ -70,7 +71,7 @@ def build_llamacpp(args: argparse.Namespace) -> Sheet:
     block = opt_int(args, "block_size", 16)
     ref, quant = model_weight_bytes(spec, "bf16"), model_weight_bytes(spec, qfmt)
     one = _one_user(spec, hw, ref, quant, ctx)
-    many, agg = _many_users(spec, hw, ref, quant, ctx, batch)
+    many, agg, x = _many_users(spec, hw, ref, quant, ctx, batch)
     kv, fits = _kv_section(spec, hw, ref, ctx, max_ctx, block, batch)
     warnings = [f"HYPOTHETICAL: {wb.mix} weights ({fmt_bytes(wb.total)}) exceed one "
                 f"{hw.name} ({fmt_bytes(hw.memory_bytes)}): its lines need tensor parallelism"
@@ -81,10 +82,12 @@ def build_llamacpp(args: argparse.Namespace) -> Sheet:
     t1 = decode_step(spec, hw, quant, batch=1, context=ctx, kv_dtype="bf16", weights_fmt=qfmt)
     verdict = (f"{model_name(entry)} on {hw.name}: one user {t1.tokens_per_s:,.0f} tok/s from "
                f"a {qfmt} file; {batch} users share each weight read: {agg:,.0f} tok/s in bf16 "
-               f"(x{agg / t1.tokens_per_s:,.1f})")
+               f"(x{agg / t1.tokens_per_s:,.1f}); at batch {batch} the {qfmt} file runs "
+               f"x{x:.3f} bf16's speed" + (", it no longer pays" if x < 1.05 else ""))
     return Sheet(f"llama.cpp vs vLLM: {model_name(entry)} on {hw.name}", (one, many, kv),
                  tuple(warnings), verdict,
-                 data={"batch1_tok_s_quant": t1.tokens_per_s, "batch_tok_s_bf16": agg})
+                 data={"batch1_tok_s_quant": t1.tokens_per_s, "batch_tok_s_bf16": agg,
+                       "batch_speedup_quant": x})
 
 
 def _one_user(spec: ModelSpec, hw: Hardware, ref: WeightBytes, quant: WeightBytes,
@@ -112,7 +115,7 @@ def _one_user(spec: ModelSpec, hw: Hardware, ref: WeightBytes, quant: WeightByte
 
 
 def _many_users(spec: ModelSpec, hw: Hardware, ref: WeightBytes, quant: WeightBytes, ctx: int,
-                batch: int) -> tuple[Section, float]:
+                batch: int) -> tuple[Section, float, float]:
     lines: list[Line] = []
     agg = 0.0
     ridge = hw.bf16_flops / hw.mem_bytes_per_s
@@ -129,18 +132,33 @@ def _many_users(spec: ModelSpec, hw: Hardware, ref: WeightBytes, quant: WeightBy
                           f"{cb:,}" if cb else "never (KV reads dominate)",
                           f"smallest b with b x F / {hw.bf16_flops:.4g} >= (W + b x KV) / "
                           f"{hw.mem_bytes_per_s:.4g} at {ctx:,} tokens"))
+    lines += dequant_lines(hw, quant, 0.05)
+    issue = issue_rate(hw)
+    steps = []
     for wb in (ref, quant):
-        st = decode_step(spec, hw, wb, batch=batch, context=ctx, kv_dtype="bf16",
-                         weights_fmt="bf16")
-        agg = agg or st.tokens_per_s
-        lines.append(line(f"{wb.mix} at batch {batch:,}", f"decode_step({batch})",
-                          st.tokens_per_s, f"{st.tokens_per_s:,.0f} tok/s "
-                                           f"({st.tokens_per_s / batch:,.1f} per user)",
-                          st.describe()))
+        t_lin, t_att, t_comm = kernel_step(spec, hw, wb, batch=batch, context=ctx, issue=issue)
+        step = t_lin + t_att + t_comm
+        steps.append(step)
+        tok = batch / step
+        agg = agg or tok
+        lines.append(line(f"{wb.mix} at batch {batch:,}",
+                          "kernel by kernel: linear layers + attention + all-reduces", tok,
+                          f"{tok:,.0f} tok/s ({tok / batch:,.1f} per user)",
+                          f"GEMMs {t_lin * 1e3:.3f} ms (max(weights / bandwidth, b x matmul "
+                          f"FLOPs / peak + dequant)) + attention {t_att * 1e3:.3f} ms (KV "
+                          f"reads) + {t_comm * 1e3:.3f} ms = {step * 1e3:.3f} ms"))
+    x = steps[0] / steps[1]
+    lines.append(line(f"{quant.mix} / bf16 at batch {batch:,}", "t_bf16 / t_quant", x,
+                      f"x{x:.3f}" + (" (stops paying: < x1.05)" if x < 1.05 else ""),
+                      f"{steps[0] * 1e3:.3f} / {steps[1] * 1e3:.3f} ms"))
+    notes: tuple[str, ...] = ("past the GEMMs' compute-bound batch a smaller file saves nothing there (both run "
+             "at the bf16 peak) and its dequant instructions cost extra; the KV reads of long "
+             "contexts are their own kernels, the same in either format",)
+    if issue is None:
+        notes += (f"no SM data for {hw.name}: dequant cost left out (plan explain "
+                  "int4-dequant lists the accelerators it knows)",)
     return Section(f"Many users: batch {batch:,} shares each weight read", tuple(lines),
-                   ("past the GEMMs' compute-bound batch a smaller file saves nothing there "
-                    "(both run at the bf16 peak); the KV reads of long contexts keep a decode "
-                    "step memory-bound, which batching does not share",)), agg
+                   notes), agg, x
 
 
 def _kv_section(spec: ModelSpec, hw: Hardware, ref: WeightBytes, ctx: int, max_ctx: int,
@@ -220,14 +238,22 @@ def build_q4km(args: argparse.Namespace) -> Sheet:
                           f"{tb.copies} copies: {tb.bytes:,} B"))
     bf16 = model_weight_bytes(spec, "bf16").total
     lines += _totals(wb, bf16, hw)
+    dq = dequant_lines(hw, wb, 0.05)
     warnings = _row_warnings(spec)
+    stop = dq[-1].value if dq else None
     verdict = (f"{model_name(entry)} as {mix.name}: {wb.bits_per_weight:.4g} bits/weight on "
                f"average, {fmt_bytes(wb.total)} ({wb.total:,} B), x{bf16 / wb.total:.2f} "
-               f"smaller than bf16")
-    return Sheet(f"What {mix.name} costs per weight: {model_name(entry)}",
-                 (blocks, Section(f"{mix.name} on {model_name(entry)} ({mix.source})",
-                                  tuple(lines))), warnings, verdict,
-                 data={"bits_per_weight": wb.bits_per_weight, "bytes": wb.total})
+               f"smaller than bf16" + (f"; its GEMMs stop paying against bf16 from batch {stop} "
+                                       f"on {hw.name} (dequant included)" if dq else ""))
+    sections: tuple[Section, ...] = (blocks, Section(f"{mix.name} on {model_name(entry)} ({mix.source})",
+                                tuple(lines)))
+    if dq:
+        sections += (Section(f"Dequant cost on {hw.name}: where the smaller file stops paying",
+                             tuple(dq), ("the batch depends on the accelerator's ridge and the "
+                                         "dequant count per weight, not on the model",)),)
+    return Sheet(f"What {mix.name} costs per weight: {model_name(entry)}", sections, warnings,
+                 verdict, data={"bits_per_weight": wb.bits_per_weight, "bytes": wb.total,
+                                "gemm_stops_paying_at": stop})
 
 
 def _elements(spec: ModelSpec, name: str, copies: int) -> int:

@@ -39,6 +39,7 @@ from fitserve.ledger.units import fmt_bytes
 from fitserve.ledger.weights import WeightBytes, model_weight_bytes
 from fitserve.tools.planner.model_source import ModelEntry
 from fitserve.tools.planner.report import Line, Section
+from fitserve.tools.sheets.dequant_cost import dequant_lines
 from fitserve.tools.sheets.explain_common import (
     fmt_flops,
     hardware,
@@ -103,6 +104,11 @@ def build_crossover(args: argparse.Namespace) -> Sheet:
                         f"no saving to cross over")
     gemm_stop = smallest_batch(lambda b: gemm_speedup(hw, bits, b) < 1 + thr, MAX_BATCH)
     gemm = _gemm_section(hw, qfmt, bits, thr, gemm_stop)
+    dq = dequant_lines(hw, quant, thr)
+    if dq:
+        gemm = Section(gemm.title, gemm.lines + tuple(dq),
+                       ("activations left out; the dequant lines charge plan explain "
+                        "int4-dequant's instruction count per weight on the compute side",))
     kv = "bf16"
 
     def speedup(b: int) -> float:
@@ -113,8 +119,9 @@ def build_crossover(args: argparse.Namespace) -> Sheet:
     stop = smallest_batch(lambda b: speedup(b) < 1 + thr, MAX_BATCH)
     x = quant_crossover(spec, hw, quant, ref, context=ctx, kv_dtype=kv, threshold=thr)
     step = _step_section(spec, hw, ref, quant, ctx, thr, speedup(1), stop, x.speedups)
+    dq_stop = f" ({dq[-1].value} with its dequant instructions)" if dq else ""
     verdict = (f"{qfmt} vs bf16 on {hw.name}: a linear layer's W4A16 GEMM stops paying "
-               f"(< x{1 + thr:g}) from batch {gemm_stop}; a whole {model_name(entry)} decode "
+               f"(< x{1 + thr:g}) from batch {gemm_stop}{dq_stop}; a whole {model_name(entry)} decode "
                f"step at {ctx:,} tokens (KV reads included) from batch "
                f"{stop if stop is not None else 'never'}")
     return Sheet(f"W4A16 crossover: {qfmt} vs bf16 on {hw.name}, {model_name(entry)}",

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from fitserve.ledger.errors import PlanError
 from fitserve.ledger.hardware import get_hardware
-from fitserve.ledger.units import fmt_bytes, parse_bytes
+from fitserve.ledger.units import fmt_bytes, fmt_bytes_both, parse_bytes, parse_size
 from fitserve.ledger.weights import model_weight_bytes
 from fitserve.tools.planner.model_source import resolve_model
 from fitserve.tools.planner.report import ENGINE_DEFAULTS, Line, Section
@@ -71,8 +71,9 @@ STARTUP = (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--model-bytes", help="bytes of one replica's weights, binary units: "
-                                            "500G = 500 GiB = 536,870,912,000 B")
+    what.add_argument("--model-bytes", help="bytes of one replica's weights, unit spelled out: "
+                                            "500GB = 500e9 B, 500GiB = 536,870,912,000 B, or "
+                                            "500e9 (a bare 500G is refused as ambiguous)")
     what.add_argument("--model", help="a catalog model (or config.json / .gguf): its weight "
                                       "bytes from the ledger in --weights")
     p.add_argument("--weights", default=None, help="weight format with --model (default: the "
@@ -144,10 +145,10 @@ class Links:
 
 def _payload(args: argparse.Namespace) -> tuple[int, str]:
     if args.model_bytes is not None:
-        b = parse_bytes(args.model_bytes)
+        b = parse_size(args.model_bytes, "--model-bytes")
         if b <= 0:
             raise PlanError(f"--model-bytes must be > 0, got {args.model_bytes!r}")
-        return b, f"--model-bytes {args.model_bytes} = {b:,} B"
+        return b, f"--model-bytes {args.model_bytes} = {b:,} B = {fmt_bytes_both(b)}"
     entry = resolve_model(args.model)
     fmt = args.weights or entry.native_weights.removeprefix("gguf-file:")
     if entry.file_weight_bytes is not None and args.weights is None:
@@ -159,7 +160,7 @@ def _payload(args: argparse.Namespace) -> tuple[int, str]:
 def _bytes_section(ly: Layout, how: str) -> Section:
     s, r, g, n = ly.model_bytes, ly.replicas, ly.gpus_per_replica, ly.gpus_per_node
     lines = (
-        Line("model bytes per replica", "S", s, fmt_bytes(s), how),
+        Line("model bytes per replica", "S", s, fmt_bytes_both(s), how),
         Line("nodes", "N = ceil(R G / n)", ly.nodes, f"{ly.nodes:,}",
              f"ceil({r:,} replicas x {g} GPUs / {n} per node)"),
         Line("bytes per GPU", "s = S / G", ly.shard_bytes, fmt_bytes(ly.shard_bytes),

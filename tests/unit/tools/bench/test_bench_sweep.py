@@ -11,6 +11,7 @@ import pytest
 
 from fitserve.tools.bench import cli as cli_bench
 from fitserve.tools.bench.cli import BenchConfig, add_bench_parser, run_sweep
+from fitserve.tools.bench.kv_monitor import KVSample, kv_summary
 from fitserve.tools.bench.loadgen import RequestResult
 from fitserve.tools.bench.report import SLO
 from fitserve.tools.bench.sweep import (
@@ -138,10 +139,11 @@ def test_run_sweep_json_shape(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     calls: list[tuple[Arrivals, list[str]]] = []
 
     def fake_run_once(cfg: BenchConfig, prep: Any, arrivals: Arrivals, workload: list[BenchRequest],
-                      desc: str) -> tuple[list[RequestResult], float]:
+                      desc: str) -> tuple[list[RequestResult], float, dict[str, Any] | None]:
         calls.append((arrivals, [r.prompt for r in workload]))
         good = [_ok(0.25, 0.75) for _ in range(round(arrivals.rate * 2))]
-        return [*good, _failed("HTTP 429: b'no'")], 2.0
+        kv = kv_summary([KVSample(8, 64, 0.375)]) if arrivals.rate == 2.0 else None
+        return [*good, _failed("HTTP 429: b'no'")], 2.0, kv
 
     monkeypatch.setattr(cli_bench, "_run_once", fake_run_once)
     cfg = BenchConfig(model="m", num_requests=5, warmup=1, duration_s=2.0, seed=3, slo_ttft_ms=500.0,
@@ -166,5 +168,8 @@ def test_run_sweep_json_shape(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     assert (tmp_path / "s.png").read_bytes()[:8] == PNG_MAGIC
     table = format_sweep_table(sweep)
     assert "TTFT <= 500.0 ms" in table and len(table.splitlines()) == 3 + 2
+    # per-rate KV columns: none from a server without fitserve gauges, 12.5% / 37.5% flagged
+    assert [r["kv"] is None for r in rows] == [True, False]
+    assert "KV frag" in table and table.splitlines()[-1].endswith("12.5%   37.5%!")
     with pytest.raises(ValueError, match="twice"):
         run_sweep(cfg, [1.0, 1.0])

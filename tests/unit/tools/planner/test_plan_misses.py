@@ -66,7 +66,7 @@ def with_flags(args: list[str], flags: str) -> list[str]:
 
 # ---- 1. a 70B model in bf16 on one 24 GB GPU -------------------------------------------------
 
-ARGS_70B_24GB = ["Llama-3.3-70B", "--gpu", "h100", "--gpu-memory", "24e9"]
+ARGS_70B_24GB = ["Llama-3.3-70B", "--gpu", "h100", "--gpu-memory", "24e9", "--context", "8k"]
 W70 = 2 * P70  # bf16: 141,107,412,992 B
 # tokens x (2 B x max(attn 3 x 8192 + 2 x 8192 + 2 x 1024 = 43,008, mlp 110,592) + 24 B)
 ACT70 = 2048 * (2 * (3 * 8192 + 3 * 28672) + 24)
@@ -109,7 +109,7 @@ def test_70b_alternatives_fit_and_are_the_fewest_gpus(capsys: pytest.CaptureFixt
     _, plan = run_json(capsys, ARGS_70B_24GB)
     alts = {a["option"]: a for a in plan["alternatives"]}
     # bf16 over TP 4: the weights alone are >= 141.1e9 / 4 = 35.3e9 B > 21.6e9 B usable
-    assert alts["gpus"]["flags"] == "--tp 8 --gpus 8"
+    assert alts["tp"]["flags"] == "--tp 8 --gpus 8"
     assert alts["weights"]["flags"] == "--weights fp8 --tp 4 --gpus 4"
     assert "context" not in alts and "concurrency" not in alts  # the weights alone overflow
     for a in plan["alternatives"]:  # each one, planned again, fits
@@ -191,7 +191,9 @@ def test_fixed_kv_pool_bigger_than_the_gpu(capsys: pytest.CaptureFixture[str]) -
     (miss,) = plan["misses"]
     assert miss["line"] == "KV pool" and (miss["need"], miss["have"]) == (lines, 80_000_000_000)
     alts = {a["option"]: a["value"] for a in plan["alternatives"]}
-    assert alts == {"kv_cache_memory": 512 * 368_640}  # what one 8k sequence needs
+    # what one 8k sequence needs; or the same 100 GiB pool on an H200: its lines with a
+    # 141e9 x 0.1 headroom, 0.31e9 + 1 GiB + 14.1e9 + 107.4e9 = 122.9e9 <= 141e9
+    assert alts == {"kv_cache_memory": 512 * 368_640, "gpu": "h200"}
 
 
 def test_cpu_kv_budget_too_small(capsys: pytest.CaptureFixture[str],

@@ -19,12 +19,12 @@ GIB = 1 << 30
 
 
 def test_500g_onto_125_replicas_by_hand() -> None:
-    # S = 500 GiB = 500 x 2^30 = 536,870,912,000 B (binary, as --kv-cache-memory reads it).
+    # S = 500 GiB = 500 x 2^30 = 536,870,912,000 B (--model-bytes 500GiB).
     # R = 125 replicas of G = 8 GPUs, n = 8 per node: N = ceil(1000 / 8) = 125 nodes.
     # s = S / 8 = 67,108,864,000 B per GPU; a node holds one replica: U = S.
     s_bytes = 500 * GIB
     assert s_bytes == 536_870_912_000
-    sh = build_sheet("fleet", ["--model-bytes", "500G", "--replicas", "125"])
+    sh = build_sheet("fleet", ["--model-bytes", "500GiB", "--replicas", "125"])
     assert sh.line("nodes").value == 125
     assert sh.line("bytes per GPU").value == 67_108_864_000
     assert sh.line("bytes from storage, every replica its own").value == 125 * s_bytes
@@ -61,6 +61,29 @@ def test_500g_onto_125_replicas_by_hand() -> None:
                                                                       rel=1e-12)
     assert sh.line("serving after, naive").value == pytest.approx(1342.17728 + 35, rel=1e-12)
     assert sh.ok
+
+
+def test_500gb_is_decimal_and_a_bare_g_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    # "a 500 GB model": S = 500 x 10^9 B (the old parser read 500G and 500GB as 500 GiB,
+    # 7.4% more). 125 replicas: storage 125 x 500e9 / 50e9 = 1,250 s (was 1,342.18 s);
+    # chunks ceil(500e9 / 67,108,864) = ceil(7,450.58) = 7,451 (was 8,000);
+    # equal chunks of 500e9 / 7,451 B, each 3.35526 ms at the disk's 20e9 B/s;
+    # T = (7,451 + 127 - 1) x 3.35526 ms = 7,577 x 3.35526 ms = 25.4228 s (was 27.2663 s)
+    for text in ("500GB", "500e9", "500 gb", "500000000000"):
+        sh = build_sheet("fleet", ["--model-bytes", text, "--replicas", "125"])
+        assert sh.line("model bytes per replica").value == 500_000_000_000
+        assert sh.line("model bytes per replica").shown == "500.00 GB = 465.66 GiB"
+        assert sh.line("storage egress bound").value == pytest.approx(1250.0, rel=1e-12)
+        assert sh.line("chunks").value == 7451
+        assert sh.line("pipelined broadcast time").value == pytest.approx(
+            7577 * 500e9 / 7451 / 20e9, rel=1e-12)
+    gib = build_sheet("fleet", ["--model-bytes", "500GiB", "--replicas", "125"])
+    assert gib.line("model bytes per replica").shown == "536.87 GB = 500.00 GiB"
+    # a bare G: refused, both readings named
+    assert run_tool("fleet", ["--model-bytes", "500G", "--replicas", "125"]) == 2
+    err = capsys.readouterr().err
+    assert "ambiguous" in err and "500GB (500,000,000,000 B)" in err
+    assert "500GiB (536,870,912,000 B)" in err
 
 
 def test_llama_8b_one_gpu_replicas_share_a_node_copy() -> None:
@@ -123,7 +146,7 @@ def test_llama_70b_fp8_direct_two_nodes_per_replica() -> None:
 
 
 def test_gpu_memory_check_on_two_accelerators() -> None:
-    base = ["--model-bytes", "500G", "--replicas", "4"]
+    base = ["--model-bytes", "500GiB", "--replicas", "4"]
     # 62.5 GiB = 67.1e9 B per GPU: fits an h100 (80e9 x 0.9 = 72e9), not an a100-40gb (36e9)
     assert build_sheet("fleet", [*base, "--gpu", "h100"]).warnings == ()
     w = build_sheet("fleet", [*base, "--gpu", "a100-40gb"]).warnings
@@ -131,7 +154,7 @@ def test_gpu_memory_check_on_two_accelerators() -> None:
 
 
 def test_exit_codes_and_json(capsys: pytest.CaptureFixture[str]) -> None:
-    base = ["--model-bytes", "500G", "--replicas", "125"]
+    base = ["--model-bytes", "500GiB", "--replicas", "125"]
     assert run_tool("fleet", [*base, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["data"]["pipelined_s"] == pytest.approx(27.2663314432, rel=1e-12)
@@ -159,7 +182,7 @@ def test_exit_codes_and_json(capsys: pytest.CaptureFixture[str]) -> None:
 ])
 def test_bad_input_exits_2_naming_the_problem(capsys: pytest.CaptureFixture[str],
                                               extra: list[str], message: str) -> None:
-    assert run_tool("fleet", ["--model-bytes", "500G", *extra]) == 2
+    assert run_tool("fleet", ["--model-bytes", "500GiB", *extra]) == 2
     assert message in capsys.readouterr().err
 
 
