@@ -14,6 +14,7 @@ from fitserve.ledger import runtime
 from fitserve.ledger.moe import active_bytes, expected_experts_touched
 from fitserve.ledger.step_time import roofline_step_model
 from fitserve.ledger.weights import model_weight_bytes
+from fitserve.loading.support import spec_problems
 from fitserve.tools.planner.cli import main
 from fitserve.tools.planner.model_source import catalog_entry, load_catalog
 from fitserve.tools.sheets._rates import Workload
@@ -58,7 +59,8 @@ def test_plan_capacity_gpt_oss_20b(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_plan_step_time_section_of_gpt_oss_20b(capsys: pytest.CaptureFixture[str]) -> None:
     """Exit 2 before (the same mix name); the decode step reads the experts 32 tokens touch."""
-    plan = _plan(capsys, ["gpt-oss-20b", "--concurrency", "32", "--slo-tpot-ms", "50"])
+    plan = _plan(capsys, ["gpt-oss-20b", "--context", "8k", "--concurrency", "32",
+                          "--slo-tpot-ms", "50"])
     sec = next(s for s in plan["sections"] if s["title"].startswith("Step time"))
     got = {ln["formula"]: ln["value"] for ln in sec["lines"]}
     spec = catalog_entry("gpt-oss-20b").spec
@@ -66,9 +68,9 @@ def test_plan_step_time_section_of_gpt_oss_20b(capsys: pytest.CaptureFixture[str
     assert got["StepTimeModel.predict"] == pytest.approx(m.predict(32, 32, 32 * 8192))
 
 
-def _plan(capsys: pytest.CaptureFixture[str], args: list[str]) -> dict[str, Any]:
+def _plan(capsys: pytest.CaptureFixture[str], args: list[str], code: int = 0) -> dict[str, Any]:
     capsys.readouterr()
-    assert main([*args, "--json"]) == 0
+    assert main([*args, "--json"]) == code
     out: dict[str, Any] = json.loads(capsys.readouterr().out)
     return out
 
@@ -101,8 +103,12 @@ def test_plan_on_cpu_for_every_moe_model(name: str, monkeypatch: pytest.MonkeyPa
                                          capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(runtime, "runtime_baseline_bytes", lambda **_: 300 << 20)
     # NOTE: host RAM differs between machines: a what-if memory large enough for each model
-    plan = _plan(capsys, [name, "--gpu", "cpu", "--gpu-memory", "4TiB"])
+    # a model the engine cannot run (yet) is still planned, then refused by name: exit 1
     e = catalog_entry(name)
+    refused = bool(spec_problems(e.spec))
+    plan = _plan(capsys, [name, "--gpu", "cpu", "--gpu-memory", "4TiB"], 1 if refused else 0)
+    fit = json.dumps(plan["sections"])
+    assert ("engine: cannot run" in fit) is refused
     weights = plan["engine"]["weight_bytes"]
     if name.startswith("gpt-oss"):  # experts as stored (MXFP4), the rest bf16: the mix
         assert weights == model_weight_bytes(e.spec, "gpt-oss-mxfp4").total
