@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from fitserve.config import EngineConfig
-from fitserve.engine.core import Engine
+from fitserve.engine.core import Engine, EngineStats
 from fitserve.runner.placement import release_freed_host_memory
 from fitserve.sampling.beam_search import BeamSearchParams
 from fitserve.sched.slo import AdmissionRejected
@@ -92,6 +92,7 @@ class EngineLoop:
         *,
         engine_factory: Callable[[EngineConfig], Engine] = Engine,
         snapshot_interval: float = 0.25,
+        warm_up: bool = False,
     ) -> None:
         self.config = config
         self.metrics = metrics
@@ -100,6 +101,7 @@ class EngineLoop:
         self.snapshot: DashboardSnapshot | None = None
         self.gauges: EngineGauges | None = None
         self._factory = engine_factory
+        self._warm_up = warm_up  # run every request path once before ready (fitserve.engine.warmup)
         self.on_load_error: Callable[[BaseException], None] | None = None
         self._interval = snapshot_interval
         self._cmds: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
@@ -179,8 +181,16 @@ class EngineLoop:
 
     # -- engine thread --------------------------------------------------------------------------
     def _run(self) -> None:
+        t0 = time.perf_counter()
+        log.info("loading %s", self.config.model)
         try:
             self.engine = self._factory(self.config)
+            if self._warm_up:
+                from fitserve.engine.warmup import startup_summary, warm_up
+
+                report = warm_up(self.engine)
+                log.info("%s", startup_summary(self.engine, time.perf_counter() - t0, report))
+                self.metrics.baseline(self._gauges(self.engine))  # the warm-up is not served work
         except BaseException as exc:  # noqa: BLE001 - reported through /health and the log
             self.error = exc
             log.error("model failed to load: %s", exc)
@@ -366,8 +376,7 @@ class EngineLoop:
             return
         self._last_publish = now
         st = engine.stats(with_owners=True)
-        gauges = EngineGauges(st.num_running, st.num_waiting, st.total_preemptions, st.kv, st.spec_decode,
-                              st.slo_deprioritized, st.slo_step_time_correction, st.kv_block_bytes)
+        gauges = self._gauges(engine, st)
         self.metrics.set_gauges(gauges)
         holders: dict[str, int] = {}  # request -> blocks it holds (a beam search: all its beams')
         for owners in st.block_owners.values():
@@ -385,6 +394,13 @@ class EngineLoop:
             num_running=st.num_running, num_waiting=st.num_waiting, total_preemptions=st.total_preemptions,
         )
         self.gauges = gauges
+
+
+    @staticmethod
+    def _gauges(engine: Engine, st: EngineStats | None = None) -> EngineGauges:
+        st = engine.stats() if st is None else st
+        return EngineGauges(st.num_running, st.num_waiting, st.total_preemptions, st.kv, st.spec_decode,
+                            st.slo_deprioritized, st.slo_step_time_correction, st.kv_block_bytes)
 
 
 def _tell(on_added: Added | None, outcome: BaseException | None) -> None:

@@ -168,6 +168,18 @@ class Metrics:
         if g.slo_step_time_correction is not None:
             self.slo_correction.set(g.slo_step_time_correction)
 
+    def baseline(self, g: EngineGauges) -> None:
+        """Take the engine's totals in ``g`` as the counters' zero (its start-up warm-up ran
+        steps that are not served work); gauges are set as usual."""
+        self._last_preemptions = g.total_preemptions
+        self._last_prefix = (g.kv.prefix_cache_queries, g.kv.prefix_cache_hits)
+        self._last_deprioritized = g.slo_deprioritized
+        if g.spec_decode is not None:
+            st = g.spec_decode
+            self.spec._last = (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens)
+            self.spec._last_pos = list(st.accepted_per_position)
+        self.set_gauges(g)
+
     # -- readers (HTTP thread) ----------------------------------------------------------------
     def exposition(self) -> bytes:
         """The Prometheus text format of every metric."""
