@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import time
 from pathlib import Path
 
 import httpx
@@ -53,6 +54,7 @@ def test_no_kernel_loads_after_health_is_ok(tmp_path: Path, monkeypatch: pytest.
     home.mkdir()
     seeded = _seed_home(home)
     monkeypatch.setenv("FITSERVE_HOME", str(home))
+    monkeypatch.setenv("FITSERVE_LOG_STATS_INTERVAL", "0.5")  # the throughput line, often
     # the default configuration (dtype, compile setting, sampler), a small KV pool
     srv = start_server(tmp_path, "--dtype", "auto", "--num-kv-blocks", "128", "--log-level", "info")
     try:
@@ -70,6 +72,7 @@ def test_no_kernel_loads_after_health_is_ok(tmp_path: Path, monkeypatch: pytest.
             "model": MODEL, "max_tokens": 6, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]})
         assert r.status_code == 200, r.text
         srv.wait_idle()
+        time.sleep(0.6)  # one more throughput line: it covers the interval the requests ended in
     finally:
         assert stop_server(srv) == 0
     log = srv.log.read_text()
@@ -83,3 +86,9 @@ def test_no_kernel_loads_after_health_is_ok(tmp_path: Path, monkeypatch: pytest.
     assert "compiled now" not in ready[0]
     for field in ("model SmolLM2-135M-Instruct", "weights ", "KV cache ", "warm-up "):
         assert field in ready[0], ready[0]
+    # the logs a vLLM user reads: an access line per request, the periodic throughput line
+    assert re.search(r'"POST /v1/completions HTTP/1.1" 200 [\d.]+ ms', after_ready)
+    assert re.search(r'"POST /v1/chat/completions HTTP/1.1" 200 [\d.]+ ms', after_ready)
+    rates = re.findall(r"Avg prompt throughput: ([\d.]+) tokens/s, Avg generation throughput: ([\d.]+) "
+                       r"tokens/s, Running: \d+ reqs, Waiting: \d+ reqs, KV cache usage: [\d.]+%", after_ready)
+    assert any(float(gen) > 0 for _, gen in rates), after_ready[-3000:]
