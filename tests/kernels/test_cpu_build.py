@@ -114,22 +114,3 @@ def test_prebuild_command_refuses_an_unknown_name(capsys: pytest.CaptureFixture[
         build.main(["qlinear", "qlinaer"])
     assert exc.value.code == 2 and "unknown extension qlinaer" in capsys.readouterr().err
 
-
-def test_a_cached_build_loads_without_compiling(tmp_path: Path) -> None:
-    """The prebuild command over a home whose cache holds the build: loaded, nothing compiled."""
-    if build.cpp_disabled() or not build.build_all(["fused_ops"])["fused_ops"]:
-        pytest.skip("fused_ops cannot be built here")
-    src = build.build_dir("fused_ops", "fused_ops.cpp")
-    dst = tmp_path / "extensions" / src.name
-    dst.mkdir(parents=True)
-    for so in src.glob("*.so"):
-        (dst / so.name).write_bytes(so.read_bytes())
-    code = ("from fitserve.kernels.cpu import build\n"
-            "assert build.main(['fused_ops']) == 0\n"
-            "print('built:', build.built_in_process(), 'loaded:', build.loaded_extensions())\n")
-    env = {**os.environ, "FITSERVE_HOME": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "built: [] loaded: ['fused_ops']" in proc.stdout and "building" not in proc.stderr
-    assert "1/1 C++ kernels ready" in proc.stdout
