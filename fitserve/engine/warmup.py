@@ -41,6 +41,7 @@ class WarmUpReport:
 def warm_up(engine: Engine, max_tokens: int = 4) -> WarmUpReport:
     """Run the prefill, batched and batch-1 decode and sampler paths once (see the module note)."""
     t0 = time.perf_counter()
+    log.info("warming up: prefill, batched and batch-1 decode, greedy and filtered sampling")
     ids = engine.tokenizer.encode("fitserve warm-up: the first request is as fast as any later one.")
     ids = (ids * WARM_UP_PROMPT_TOKENS)[:WARM_UP_PROMPT_TOKENS] or [0] * WARM_UP_PROMPT_TOKENS
     ids = ids[: max(1, min(len(ids), engine.max_model_len - max_tokens - 1))]
