@@ -61,6 +61,9 @@ def warm_up(engine: Engine, max_tokens: int = 4) -> WarmUpReport:
     engine.reset_prefix_cache()  # a later request with the same prompt computes it
     engine.step_log.clear()  # the warm-up is not the engine's work
     engine.num_steps = 0
+    slo = engine.scheduler.slo
+    if slo is not None:  # cold first steps are not the serving step time the slo policy learns
+        slo.correction = 1.0
     return WarmUpReport(time.perf_counter() - t0, steps, tuple(loaded_extensions()))
 
 

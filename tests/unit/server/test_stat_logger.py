@@ -62,3 +62,20 @@ def test_access_log_line_per_request(caplog: pytest.LogCaptureFixture) -> None:
     assert len(lines) == 2, lines
     for line, path, code in zip(lines, ("GET /health", "POST /v1/completions"), codes, strict=True):
         assert f'"{path} HTTP/1.1" {code} ' in line and line.endswith(" ms"), line
+
+
+def test_metrics_baseline_leaves_the_warm_up_out() -> None:
+    """The engine's totals at ready (its warm-up steps) are the counters' zero, fitserve_* and
+    vllm:* alike; what comes after counts in full."""
+    m = Metrics()
+    m.vllm.bind("m")
+    m.baseline(EngineGauges(0, 0, 3, _kv(0, 40, 16)))  # warm-up: 40 queried, 16 hit, 3 preempted
+    m.set_gauges(EngineGauges(1, 0, 4, _kv(2, 65, 26)))
+    text = m.exposition().decode()
+    for line in ("fitserve_prefix_cache_queries_total 25.0", "fitserve_prefix_cache_hits_total 10.0",
+                 "fitserve_preemptions_total 1.0",
+                 'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 25.0',
+                 'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 10.0',
+                 'vllm:num_preemptions_total{engine="0",model_name="m"} 1.0',
+                 'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.05'):
+        assert line in text.splitlines(), line
