@@ -35,7 +35,7 @@ from fitserve.kv.manager import KVStats
 from fitserve.server.vllm_metrics import FinishedRequest, VllmMetrics
 from fitserve.spec_decode.stats import SpecDecodeStats
 
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 # CPU-friendly buckets: a 135M model on two cores has TTFTs of 0.05-10 s.
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)

@@ -27,6 +27,7 @@ max_model_len, unknown when the metrics are built here); counts and sums are the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -44,7 +45,8 @@ LABELS = ("model_name", "engine")
 
 def one_two_five_buckets(max_value: int) -> tuple[int, ...]:
     """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's ``build_1_2_5_buckets``)."""
-    out, scale = [], 1
+    out: list[int] = []
+    scale = 1
     while True:
         for m in (1, 2, 5):
             if m * scale > max_value:
@@ -110,7 +112,7 @@ class VllmMetrics:
             self._families[key] = Histogram(name, doc, lab, registry=r, buckets=REQUEST_LATENCY_BUCKETS)
         self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                 [*lab, "finished_reason"], registry=r)
-        self._c: dict[str, Gauge | Counter | Histogram] = {}
+        self._c: dict[str, Any] = {}  # key -> the family's child for this model
         self._finished: dict[str, Counter] = {}
 
     def bind(self, model_name: str, engine: str = "0") -> None:
@@ -118,26 +120,26 @@ class VllmMetrics:
         self._c = {k: f.labels(model_name, engine) for k, f in self._families.items()}
         self._finished = {r: self._success.labels(model_name, engine, r) for r in FINISHED_REASONS}
 
-    def _child(self, key: str) -> Gauge | Counter | Histogram:
+    def _child(self, key: str) -> Any:
         if not self._c:
             self.bind("")
         return self._c[key]
 
     # -- observations (engine thread) ---------------------------------------------------------
     def set_state(self, running: int, waiting: int, kv_usage: float) -> None:
-        self._child("running").set(running)  # type: ignore[union-attr]
-        self._child("waiting").set(waiting)  # type: ignore[union-attr]
-        self._child("kv_usage").set(kv_usage)  # type: ignore[union-attr]
+        self._child("running").set(running)
+        self._child("waiting").set(waiting)
+        self._child("kv_usage").set(kv_usage)
 
     def inc(self, key: str, amount: float) -> None:
         """Advance one counter ("prefix_queries", "prefix_hits", "preemptions", "prompt_tokens",
         "generation_tokens") by ``amount`` > 0."""
         if amount > 0:
-            self._child(key).inc(amount)  # type: ignore[union-attr]
+            self._child(key).inc(amount)
 
     def observe(self, key: str, value: float) -> None:
         """One observation of a histogram ("iteration_tokens", "ttft", "itl", ...)."""
-        self._child(key).observe(value)  # type: ignore[union-attr]
+        self._child(key).observe(value)
 
     def observe_gap(self, per_token_seconds: float, num_tokens: int) -> None:
         """``num_tokens`` output tokens that came ``per_token_seconds`` apart each."""

@@ -130,7 +130,7 @@ def _load_cached(name: str, out_dir: Path, key: str) -> ModuleType | None:
     try:
         import torch
 
-        torch.ops.load_library(str(so))
+        torch.ops.load_library(str(so))  # type: ignore[no-untyped-call]
     except (OSError, RuntimeError) as exc:  # a truncated or foreign .so: rebuild it
         log.warning("cached %s did not load (%s): rebuilding", so, exc)
         return None
