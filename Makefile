@@ -17,7 +17,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q $(PIPOPTS) -e ".[test]"
 	touch $(STAMP)
 
+# The C++ kernels this CPU's tier uses, built into FITSERVE_HOME's cache now (a few minutes on
+# 2 cores the first time, ~2 s once cached) so no server start or first request compiles one.
 setup: $(STAMP)
+	$(BIN)/python -m fitserve.kernels.cpu.build || \
+		echo "some C++ kernels did not build: their paths run pure torch (see above)"
 
 pull: setup
 	$(BIN)/fitserve pull smollm2-135m

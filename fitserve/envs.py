@@ -65,6 +65,10 @@ FITSERVE_TP_WATCHDOG_S: EnvVar[float] = EnvVar(
 FITSERVE_TP_PARENT: EnvVar[int] = EnvVar(
     "FITSERVE_TP_PARENT", 0, int,
     "set by the engine for the workers it spawns: its pid, which each worker watches to exit with it")
+FITSERVE_LOG_STATS_INTERVAL: EnvVar[float] = EnvVar(
+    "FITSERVE_LOG_STATS_INTERVAL", 10.0, float,
+    "seconds between `fitserve serve`'s throughput log lines while busy (vLLM's "
+    "VLLM_LOG_STATS_INTERVAL); 0 turns them off")
 FITSERVE_API_KEY: EnvVar[str | None] = EnvVar(
     "FITSERVE_API_KEY", None, str,
     "`fitserve serve`'s default --api-key: requests must bring it as a Bearer token")

@@ -184,7 +184,7 @@ def run_serve(args: argparse.Namespace) -> int:
             settings.resolve_sampling(engine.loaded.generation_defaults).describe())
         return engine
 
-    loop = EngineLoop(config, Metrics(), engine_factory=load)
+    loop = EngineLoop(config, Metrics(), engine_factory=load, warm_up=True)
     app = create_app(loop, settings)
     limits = raise_fd_limit()  # thousands of idle connections must not starve new ones
     if limits is not None and limits[1] < 4096:

@@ -85,6 +85,8 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) 
     given = loaded is not None
     if loaded is None:
         loaded = load_model(cfg.model, dtype=dtype, weights=choice)
+        log.info("read %s (%s %s) in %.1f s", loaded.path.name, loaded.file_format,
+                 loaded.weight_format, time.perf_counter() - t_start)
     explicit = cfg.weights != "auto" or cfg.quantization is not None
     weights_choice = loaded_weights_choice(loaded.weights_choice, choice, explicit=explicit,
                                            dtype=dtype)
@@ -104,6 +106,8 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) 
     else:
         model = build_model(spec, loaded.weights, dtype=dtype, device=device,
                             max_positions=max_model_len)
+        log.info("built the model (%s, %d layers) at %.1f s", spec.architecture, spec.num_layers,
+                 time.perf_counter() - t_start)
     try:
         pool, kv, scheduler, runner = _size_and_wire(
             cfg, model, spec, shard_spec, loaded, tp_group, weights_choice=weights_choice,
@@ -142,6 +146,8 @@ def _size_and_wire(cfg: EngineConfig, model: CausalLM, spec: ModelSpec, shard_sp
         raise RuntimeError(f"the model holds {held:,} B of weights, the ledger says "
                            f"{weight_bytes:,} B (fitserve.ledger.weights.engine_weight_bytes)")
     pool = size_kv_pool(cfg, shard_spec, dtype, device, weight_bytes)
+    log.info("weights %.1f MiB as the ledger counts them; KV cache %d blocks, %.1f MiB",
+             weight_bytes / 2**20, pool.num_blocks, pool.allocated_bytes / 2**20)
     sched = cfg.scheduler
     check_pool_fits(pool, max_model_len, min(sched.max_num_batched_tokens,
                                              sched.long_prefill_token_threshold or max_model_len))

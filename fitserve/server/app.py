@@ -9,6 +9,7 @@ routers (``fitserve.server.auth``).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,10 +20,12 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from fitserve import envs
 from fitserve.server.engine_loop import EngineLoop
 from fitserve.server.errors import APIError, error_body
 from fitserve.server.routers import dashboard, openai, ops, tokenize
 from fitserve.server.settings import ServerSettings
+from fitserve.server.stat_logger import AccessLogMiddleware, ThroughputLogger
 from fitserve.server.state import AppState
 
 log = logging.getLogger("fitserve.server")
@@ -32,11 +35,18 @@ def create_app(engine_loop: EngineLoop, settings: ServerSettings | None = None) 
     """Build the app; the engine loop is started by the app's lifespan and stopped with it."""
     settings = settings or ServerSettings()
 
+    engine_loop.metrics.vllm.bind(settings.model_name)  # the model_name label of vllm:* series
+    stats = ThroughputLogger(engine_loop.metrics, lambda: engine_loop.gauges)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if not engine_loop.alive and engine_loop.error is None:
             engine_loop.start()  # loads in the background: /health answers 503 meanwhile
+        interval = envs.FITSERVE_LOG_STATS_INTERVAL()
+        task = asyncio.create_task(stats.run(interval)) if interval > 0 else None
         yield
+        if task is not None:
+            task.cancel()
         engine_loop.stop()
 
     # openapi_url=None: FastAPI's own document would show no bodies (read by hand); see /openapi.json
@@ -48,6 +58,7 @@ def create_app(engine_loop: EngineLoop, settings: ServerSettings | None = None) 
                            allow_headers=["Authorization", "Content-Type"])
     for module in (openai, tokenize, ops, dashboard):
         app.include_router(module.router)
+    app.add_middleware(AccessLogMiddleware)  # outermost: sees every response, errors included
     return app
 
 

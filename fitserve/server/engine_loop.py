@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from fitserve.config import EngineConfig
-from fitserve.engine.core import Engine
+from fitserve.engine.core import Engine, EngineStats
 from fitserve.runner.placement import release_freed_host_memory
 from fitserve.sampling.beam_search import BeamSearchParams
 from fitserve.sched.slo import AdmissionRejected
@@ -51,7 +51,8 @@ from fitserve.server.engine_commands import (
     StopCommand,
 )
 from fitserve.server.metrics import EngineGauges, Metrics
-from fitserve.server.snapshot import DashboardSnapshot, KVSnapshot, RequestRow
+from fitserve.server.snapshot import DashboardSnapshot
+from fitserve.server.vllm_metrics import FinishedRequest
 from fitserve.types import RequestOutput
 
 log = logging.getLogger("fitserve.server")
@@ -80,6 +81,8 @@ class _Live:
     prompt_len: int
     num_tokens: int = 0
     last_token_time: float | None = None
+    scheduled: float | None = None  # start of the step that first scheduled it
+    first_token_time: float | None = None
 
 
 class EngineLoop:
@@ -92,6 +95,7 @@ class EngineLoop:
         *,
         engine_factory: Callable[[EngineConfig], Engine] = Engine,
         snapshot_interval: float = 0.25,
+        warm_up: bool = False,
     ) -> None:
         self.config = config
         self.metrics = metrics
@@ -100,6 +104,7 @@ class EngineLoop:
         self.snapshot: DashboardSnapshot | None = None
         self.gauges: EngineGauges | None = None
         self._factory = engine_factory
+        self._warm_up = warm_up  # run every request path once before ready (fitserve.engine.warmup)
         self.on_load_error: Callable[[BaseException], None] | None = None
         self._interval = snapshot_interval
         self._cmds: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
@@ -179,8 +184,16 @@ class EngineLoop:
 
     # -- engine thread --------------------------------------------------------------------------
     def _run(self) -> None:
+        t0 = time.perf_counter()
+        log.info("loading %s", self.config.model)
         try:
             self.engine = self._factory(self.config)
+            if self._warm_up:
+                from fitserve.engine.warmup import startup_summary, warm_up
+
+                report = warm_up(self.engine)
+                log.info("%s", startup_summary(self.engine, time.perf_counter() - t0, report))
+                self.metrics.baseline(self._gauges(self.engine))  # the warm-up is not served work
         except BaseException as exc:  # noqa: BLE001 - reported through /health and the log
             self.error = exc
             log.error("model failed to load: %s", exc)
@@ -307,6 +320,7 @@ class EngineLoop:
             self.metrics.prompt_tokens.inc(len(c.prompt_ids))
 
     def _step(self, engine: Engine) -> None:
+        t_step, steps_before = time.monotonic(), engine.num_steps
         try:
             outputs = engine.step()
         except Exception as exc:  # noqa: BLE001 - not one request's fault: fail the batch, keep serving
@@ -317,6 +331,13 @@ class EngineLoop:
             self._fail_all(EngineStepError(f"internal error: {type(exc).__name__} (see the server log)"))
             return
         now = time.monotonic()
+        if engine.num_steps > steps_before and engine.step_log:
+            self.metrics.observe_step(engine.step_log[-1].new_tokens)
+        # Requests scheduled for the first time (or finished/failed) have left the queue.
+        for rid in [rid for rid in self._queued_ids if not engine.is_queued(rid)]:
+            if (left := self._live.get(rid)) is not None and left.scheduled is None:
+                left.scheduled = t_step
+            self._unqueue(rid)
         batches: dict[int, tuple[Sink, list[RequestOutput]]] = {}
         for out in outputs:
             live = self._live.get(out.request_id)
@@ -328,19 +349,18 @@ class EngineLoop:
             elif out.delta_token_ids:
                 gap = None if live.last_token_time is None else now - live.last_token_time
                 if live.last_token_time is None:
-                    self.metrics.observe_ttft(now - live.arrival)
+                    live.first_token_time = now
+                    self.metrics.observe_ttft(now - live.arrival, live.prompt_len)
                 self.metrics.observe_tokens(len(out.delta_token_ids), gap)
                 live.last_token_time = now
             live.num_tokens = out.num_output_tokens
             if out.finished:
                 del self._live[out.request_id]
                 reason = out.finish_reason.value if out.finish_reason else "stop"
-                self.metrics.observe_finished(reason, now - live.arrival)
+                self.metrics.observe_finished(reason, now - live.arrival, FinishedRequest(
+                    reason, live.arrival, live.scheduled, live.first_token_time,
+                    live.last_token_time, live.prompt_len, live.num_tokens))
             batches.setdefault(id(live.sink), (live.sink, []))[1].append(out)
-        # Requests scheduled for the first time (or finished/failed) have left the queue.
-        left = [rid for rid in self._queued_ids if not engine.is_queued(rid)]
-        for rid in left:
-            self._unqueue(rid)
         for sink, outs in batches.values():
             _deliver(sink, outs)
 
@@ -366,25 +386,17 @@ class EngineLoop:
             return
         self._last_publish = now
         st = engine.stats(with_owners=True)
-        gauges = EngineGauges(st.num_running, st.num_waiting, st.total_preemptions, st.kv, st.spec_decode,
-                              st.slo_deprioritized, st.slo_step_time_correction, st.kv_block_bytes)
+        gauges = self._gauges(engine, st)
         self.metrics.set_gauges(gauges)
-        holders: dict[str, int] = {}  # request -> blocks it holds (a beam search: all its beams')
-        for owners in st.block_owners.values():
-            for rid in {engine.request_of(o) for o in owners}:
-                holders[rid] = holders.get(rid, 0) + 1
-        requests = [
-            RequestRow(id=rid, group=live.group, state="running" if rid in holders else "waiting",
-                       prompt_tokens=live.prompt_len, output_tokens=live.num_tokens,
-                       blocks=holders.get(rid, 0), age_s=round(now - live.arrival, 2))
-            for rid, live in self._live.items()
-        ]
-        self.snapshot = DashboardSnapshot(
-            time=time.time(), kv=KVSnapshot.of(st.kv, engine.config.cache.block_size),
-            owners=sorted(st.block_owners.items()), cached=st.evictable_blocks, requests=requests,
-            num_running=st.num_running, num_waiting=st.num_waiting, total_preemptions=st.total_preemptions,
-        )
+        rows = [(rid, live.group, live.prompt_len, live.num_tokens, live.arrival) for rid, live in self._live.items()]
+        self.snapshot = DashboardSnapshot.of(st, engine.request_of, engine.config.cache.block_size, rows, now)
         self.gauges = gauges
+
+    @staticmethod
+    def _gauges(engine: Engine, st: EngineStats | None = None) -> EngineGauges:
+        st = engine.stats() if st is None else st
+        return EngineGauges(st.num_running, st.num_waiting, st.total_preemptions, st.kv, st.spec_decode,
+                            st.slo_deprioritized, st.slo_step_time_correction, st.kv_block_bytes)
 
 
 def _tell(on_added: Added | None, outcome: BaseException | None) -> None:

@@ -1,4 +1,6 @@
-"""Prometheus metrics (``fitserve_`` prefix) and the short history the dashboard plots.
+"""Prometheus metrics (``fitserve_`` prefix, and vLLM's ``vllm:`` names beside them: see
+fitserve.server.vllm_metrics) and the short history the dashboard plots. No ``_created``
+series (prometheus_client's ``disable_created_metrics``): they double every counter's lines.
 
 Observations come from the engine thread (one call per engine step); prometheus-client's
 metrics are thread-safe, and the dashboard history is guarded by a lock.
@@ -20,10 +22,20 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from fitserve.kv.manager import KVStats
+from fitserve.server.vllm_metrics import FinishedRequest, VllmMetrics
 from fitserve.spec_decode.stats import SpecDecodeStats
+
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 # CPU-friendly buckets: a 135M model on two cores has TTFTs of 0.05-10 s.
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
@@ -95,6 +107,8 @@ class Metrics:
                                     "predicted step time (running average)", registry=r)
         self._last_deprioritized = 0
         self.spec = _SpecDecodeMetrics(r)
+        self.vllm = VllmMetrics(r)
+        self.totals = [0, 0]  # prompt tokens (at first token), generated tokens: the throughput log
         self._lock = threading.Lock()
         self._last_preemptions = 0
         self._last_prefix = (0, 0)  # (queries, hits) already counted
@@ -112,8 +126,12 @@ class Metrics:
                 self._bins.popleft()
         return self._bins[-1]
 
-    def observe_ttft(self, seconds: float) -> None:
+    def observe_ttft(self, seconds: float, prompt_tokens: int = 0) -> None:
+        """A request's first token, ``seconds`` after it arrived; its prompt counts as done."""
         self.ttft.observe(seconds)
+        self.vllm.observe("ttft", seconds)
+        self.vllm.inc("prompt_tokens", prompt_tokens)
+        self.totals[0] += prompt_tokens
         with self._lock:
             b = self._bin(time.time())
             b.ttft_sum += seconds
@@ -122,6 +140,10 @@ class Metrics:
     def observe_tokens(self, num_tokens: int, gap_seconds: float | None) -> None:
         """``num_tokens`` new tokens of one request; ``gap_seconds`` since its previous ones."""
         self.generation_tokens.inc(num_tokens)
+        self.vllm.inc("generation_tokens", num_tokens)
+        self.totals[1] += num_tokens
+        if gap_seconds is not None and num_tokens > 0:
+            self.vllm.observe_gap(gap_seconds / num_tokens, num_tokens)
         now = time.time()
         with self._lock:
             b = self._bin(now)
@@ -133,10 +155,17 @@ class Metrics:
                 b.itl_sum += per_token
                 b.itl_count += 1
 
-    def observe_finished(self, reason: str, e2e_seconds: float | None) -> None:
+    def observe_finished(self, reason: str, e2e_seconds: float | None,
+                         request: FinishedRequest | None = None) -> None:
+        """A request left; ``request`` has its timestamps (None: aborted before any)."""
         self.requests.labels(finish_reason=reason).inc()
         if e2e_seconds is not None:
             self.e2e.observe(e2e_seconds)
+        self.vllm.observe_finished(request or FinishedRequest(reason, 0.0, None, None, None, 0, 0))
+
+    def observe_step(self, num_tokens: int) -> None:
+        """One engine step that computed ``num_tokens`` tokens (vllm:iteration_tokens_total)."""
+        self.vllm.observe("iteration_tokens", num_tokens)
 
     def set_gauges(self, g: EngineGauges) -> None:
         self.running.set(g.num_running)
@@ -144,17 +173,22 @@ class Metrics:
         delta = g.total_preemptions - self._last_preemptions
         if delta > 0:
             self.preemptions.inc(delta)
+            self.vllm.inc("preemptions", delta)
         self._last_preemptions = g.total_preemptions
         self.kv_used.set(g.kv.used_blocks)
         self.kv_total.set(g.kv.num_blocks)
-        self.kv_usage.set(g.kv.used_blocks / g.kv.num_blocks if g.kv.num_blocks else 0.0)
+        usage = g.kv.used_blocks / g.kv.num_blocks if g.kv.num_blocks else 0.0
+        self.kv_usage.set(usage)
+        self.vllm.set_state(g.num_running, g.num_waiting, usage)
         self.kv_frag.set(g.kv.fragmentation)
         # the engine's counts are totals since start; the counters advance by the difference
         queries, hits = g.kv.prefix_cache_queries, g.kv.prefix_cache_hits
         if queries > self._last_prefix[0]:
             self.prefix_queries.inc(queries - self._last_prefix[0])
+            self.vllm.inc("prefix_queries", queries - self._last_prefix[0])
         if hits > self._last_prefix[1]:
             self.prefix_hits.inc(hits - self._last_prefix[1])
+            self.vllm.inc("prefix_hits", hits - self._last_prefix[1])
         self._last_prefix = (queries, hits)
         self.prefix_evictable.set(g.kv.evictable_cached_blocks)
         self.kv_shared.set(g.kv.shared_blocks)
@@ -167,6 +201,18 @@ class Metrics:
             self._last_deprioritized = g.slo_deprioritized
         if g.slo_step_time_correction is not None:
             self.slo_correction.set(g.slo_step_time_correction)
+
+    def baseline(self, g: EngineGauges) -> None:
+        """Take the engine's totals in ``g`` as the counters' zero (its start-up warm-up ran
+        steps that are not served work); gauges are set as usual."""
+        self._last_preemptions = g.total_preemptions
+        self._last_prefix = (g.kv.prefix_cache_queries, g.kv.prefix_cache_hits)
+        self._last_deprioritized = g.slo_deprioritized
+        if g.spec_decode is not None:
+            st = g.spec_decode
+            self.spec._last = (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens)
+            self.spec._last_pos = list(st.accepted_per_position)
+        self.set_gauges(g)
 
     # -- readers (HTTP thread) ----------------------------------------------------------------
     def exposition(self) -> bytes:

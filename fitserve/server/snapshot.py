@@ -7,10 +7,15 @@ keys are the records' fields, in their order.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from fitserve.kv.manager import KVStats
+
+if TYPE_CHECKING:
+    from fitserve.engine.core import EngineStats
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,6 +65,27 @@ class DashboardSnapshot:
     num_running: int
     num_waiting: int
     total_preemptions: int
+
+    @classmethod
+    def of(cls, st: EngineStats, request_of: Callable[[str], str], block_size: int,
+           live: Iterable[tuple[str, str, int, int, float]], now: float) -> DashboardSnapshot:
+        """From the engine's stats (with owners), who each scheduler entry belongs to, and the
+        live requests as (id, group, prompt tokens, output tokens, arrival) at ``now``
+        (time.monotonic())."""
+        holders: dict[str, int] = {}  # request -> blocks it holds (a beam search: all its beams')
+        for owners in st.block_owners.values():
+            for rid in {request_of(o) for o in owners}:
+                holders[rid] = holders.get(rid, 0) + 1
+        requests = [
+            RequestRow(id=rid, group=group, state="running" if rid in holders else "waiting",
+                       prompt_tokens=prompt, output_tokens=output, blocks=holders.get(rid, 0),
+                       age_s=round(now - arrival, 2))
+            for rid, group, prompt, output, arrival in live
+        ]
+        return cls(time=time.time(), kv=KVSnapshot.of(st.kv, block_size),
+                   owners=sorted(st.block_owners.items()), cached=st.evictable_blocks,
+                   requests=requests, num_running=st.num_running, num_waiting=st.num_waiting,
+                   total_preemptions=st.total_preemptions)
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object of GET /dashboard/state (before the server adds its own keys)."""

@@ -93,3 +93,24 @@ def test_tier_from_flags_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
     assert build_tier(zen4) == "avx512_vnni"
     assert compile_flags(zen4, "scalar") == []
     assert set(TIERS) >= {detect_isa().tier}
+
+
+def test_every_loaded_extension_is_registered_for_prebuild() -> None:
+    """``python -m fitserve.kernels.cpu.build`` builds EXTENSIONS: it must name every
+    ``load_extension(name, source)`` call in the package (else a prebuilt cache misses one)."""
+    import re
+
+    calls: set[tuple[str, str]] = set()
+    for py in (ROOT / "fitserve").rglob("*.py"):
+        calls |= set(re.findall(r'load_extension\("(\w+)", "(\w+\.cpp)"\)', py.read_text()))
+    assert calls == set(build.EXTENSIONS.items())
+    assert all((build.SOURCE_DIR / src).is_file() for src in build.EXTENSIONS.values())
+    assert "dense_gemv" not in build.extensions_for_tier("scalar")  # torch's GEMV there
+    assert build.extensions_for_tier("avx2") == list(build.EXTENSIONS)
+
+
+def test_prebuild_command_refuses_an_unknown_name(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build.main(["qlinear", "qlinaer"])
+    assert exc.value.code == 2 and "unknown extension qlinaer" in capsys.readouterr().err
+
