@@ -20,7 +20,13 @@ from fitserve.sampling.params import MAX_LOGPROBS
 from fitserve.server.chat_render import render_chat
 from fitserve.server.engine_commands import Child
 from fitserve.server.errors import APIError, bad_request, param_from_message
-from fitserve.server.guided_fields import Guided, guided_from_request, logit_bias_from_request
+from fitserve.server.guided_fields import (
+    Guided,
+    guided_from_request,
+    logit_bias_from_request,
+    sampling_extras,
+    truncate_prompts,
+)
 from fitserve.server.protocol.chat import ChatCompletionRequest
 from fitserve.server.protocol.common import (
     MAX_N,
@@ -69,6 +75,7 @@ class Prepared:
     guided_param: str | None = None  # the request field the output constraint came from
     echo: list[str] | None = None  # completions with echo: each prompt's text, prepended to its choices
     user: str | None = None  # OpenAI's end-user id (for the request log)
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs say `token_id:N`
 
     def children(self) -> list[Child]:
         """The engine requests; a child's id ends in its first choice index."""
@@ -123,7 +130,7 @@ def _sampling_params(
             logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
             logit_bias=logit_bias_from_request(req.logit_bias, ctx.vocab_size), guided=guided,
-            **{k: v for k, v in fields.items() if v is not None},
+            **sampling_extras(req, ctx.vocab_size), **{k: v for k, v in fields.items() if v is not None},
         )
     except ValueError as exc:
         raise bad_request(str(exc), param_from_message(str(exc))) from None
@@ -187,6 +194,7 @@ def prepare_completion(req: CompletionRequest, ctx: ModelContext) -> Prepared:
             if any(not 0 <= t < ctx.vocab_size for t in ids):
                 raise bad_request(f"prompt token ids must be in [0, {ctx.vocab_size})", "prompt")
             prompts.append(ids)
+    prompts = truncate_prompts(prompts, req.truncate_prompt_tokens, ctx.max_model_len)
     _check_lengths(prompts, req.max_tokens, ctx)
     echo = _echo(req, raw, prompts, ctx)
     guided = guided_from_request(req)
@@ -215,6 +223,7 @@ def prepare_chat(req: ChatCompletionRequest, ctx: ModelContext) -> Prepared:
     text = render_chat(ctx.tokenizer, req.messages, tools.shown if tools else [], req,
                        trusted=ctx.trust_request_chat_template)
     prompts = [ctx.tokenizer.encode(text, add_special_tokens=False)]
+    prompts = truncate_prompts(prompts, req.truncate_prompt_tokens, ctx.max_model_len)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     _check_lengths(prompts, max_tokens, ctx, param)
     try:
@@ -245,6 +254,7 @@ def _prepared(
         arrival=time.monotonic(), beam=_beam_params(req, prompts, params, ctx),
         priority=req.priority, slo_ttft_ms=req.slo_ttft_ms, slo_tpot_ms=req.slo_tpot_ms,
         guided_param=guided.param if guided else None, user=req.user,
+        tokens_as_ids=bool(req.return_tokens_as_token_ids),
     )
 
 
@@ -261,6 +271,9 @@ def _beam_params(req: CompletionRequest | ChatCompletionRequest, prompts: list[l
     if params.stop or params.stop_token_ids:
         raise bad_request("stop and stop_token_ids are not supported with use_beam_search (EOS ends a beam)",
                           "stop")
+    masked = next((k for k in ("allowed_token_ids", "bad_words", "min_tokens") if getattr(params, k)), None)
+    if masked is not None:
+        raise bad_request(f"{masked} is not supported with use_beam_search", masked)
     if params.guided is not None or params.logit_bias:
         which = "logit_bias" if params.logit_bias else "structured output"
         raise bad_request(f"{which} is not supported with use_beam_search", "use_beam_search")
