@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from fitserve.sampling import SamplingParams
-from fitserve.sampling.token_masks import TokenMasks, apply_token_masks, bad_words_token_ids, build_token_masks
+from fitserve.sampling.token_masks import (
+    TokenMasks,
+    apply_token_masks,
+    bad_words_token_ids,
+    build_token_masks,
+)
 
 V = 40
 
