@@ -51,6 +51,7 @@ class ModelContext:
     vocab_size: int
     created: int
     trust_request_chat_template: bool = False  # a request's own chat_template may run
+    max_logprobs: int = MAX_LOGPROBS  # --max-logprobs: the most top alternatives a request may ask for
 
 
 @dataclass(slots=True)
@@ -174,8 +175,9 @@ def prepare_completion(req: CompletionRequest, ctx: ModelContext) -> Prepared:
     _check_common(req)
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of is not supported (it must be absent or equal to n)", "best_of")
-    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {req.logprobs}", "logprobs")
+    if req.logprobs is not None and not 0 <= req.logprobs <= ctx.max_logprobs:
+        raise bad_request(f"logprobs must be between 0 and {ctx.max_logprobs} (--max-logprobs), got {req.logprobs}",
+                          "logprobs")
     p = req.prompt
     if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
         raw: list[Any] = [p]
@@ -209,9 +211,9 @@ def prepare_chat(req: ChatCompletionRequest, ctx: ModelContext) -> Prepared:
     check_model(req.model, ctx)
     _check_common(req)
     if req.top_logprobs is not None:
-        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {req.top_logprobs}",
-                              "top_logprobs")
+        if not 0 <= req.top_logprobs <= ctx.max_logprobs:
+            raise bad_request(f"top_logprobs must be between 0 and {ctx.max_logprobs} (--max-logprobs), got "
+                              f"{req.top_logprobs}", "top_logprobs")
         if not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
