@@ -112,7 +112,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="a .gguf file, a Hugging Face folder, or a known name")
     p.add_argument("--dtype", default="auto", type=parse_dtype_arg, choices=list(get_args(DType)),
                    help="the model's activation/weight dtype; vLLM's half and float mean float16 and float32 "
-                        "(float16 runs on CPU through torch's kernels; bfloat16 is the fast path there)")
+                        "(the CPU kernels take float16 too)")
     p.add_argument("--device", default="auto")
     p.add_argument("--max-model-len", "-c", "--ctx-size", dest="max_model_len", type=int, default=None,
                    help="the context length: prompt + output tokens of one request (llama.cpp's -c/--ctx-size)")

@@ -3,9 +3,11 @@ sampling fields of both generation requests, and the response parts both write (
 the model list).
 
 Requests are validated in strict mode straight from the JSON bytes, so ``"max_tokens": "5"`` or
-``"n": 1.5`` is a 400, not a silent coercion. Unknown fields are ignored (clients send things
-like ``metadata``), except the ones listed in :data:`REJECTED_FIELDS`: features fitserve does not
-have. A chat template a client sends is code: it runs only on a server started with
+``"n": 1.5`` is a 400, not a silent coercion. A field no model declares is ignored with a warning
+in the log naming it (vLLM's rule: ``extra="allow"`` plus a warning; clients send fields of newer
+API versions), except the ones listed in :data:`REJECTED_FIELDS`: OpenAI's and vLLM's fields for
+features fitserve does not have, each a 400 naming it (:data:`ACCEPTED_VALUES`: their values
+that ask for nothing fitserve lacks, such as ``store: false``). A chat template a client sends is code: it runs only on a server started with
 ``--trust-request-chat-template`` (``fitserve.server.chat_render``). Every field a model declares has an effect (or is checked and refused): none is accepted
 and dropped. ``user`` (OpenAI's end-user id) goes into the server's debug log of the request.
 

@@ -54,7 +54,14 @@ def test_generation_config_modes_and_folder(tmp_path: Path) -> None:
     assert parse("serve", "--generation-config", str(tmp_path)).generation_config == str(tmp_path)
     from fitserve.cli.serve import _folder_defaults
 
-    assert _folder_defaults(str(tmp_path)).values() == {"temperature": 0.3}
+    folder = _folder_defaults(str(tmp_path))
+    assert folder.values() == {"temperature": 0.3}
+    from fitserve.loading.generation_defaults import GenerationDefaults
+    from fitserve.server.settings import ServerSettings
+
+    model = GenerationDefaults(temperature=0.9, source="model")
+    assert ServerSettings(generation_defaults=folder).resolve_sampling(model).values["temperature"] == 0.3
+    assert ServerSettings().resolve_sampling(model).values["temperature"] == 0.9
 
 
 @pytest.mark.parametrize(("argv", "needle"), [
