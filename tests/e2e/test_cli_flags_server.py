@@ -1,4 +1,4 @@
-"""`fitserve serve MODEL -t 1 -c 512 --alias foo --max-logprobs 2`: the flags people type, on a
+"""`fitserve serve MODEL -t 1 -c 512 --alias foo --max-logprobs 2 --dtype half`: the flags people type, on a
 real server (the model given positionally, as `vllm serve MODEL`)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from tests.e2e.conftest import start_server, stop_server
 def test_positional_model_threads_ctx_size_alias_and_max_logprobs(
         smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     srv = start_server(tmp_path_factory.mktemp("flags"), str(smollm2_path), "-t", "1", "-c", "512",
-                       "--alias", "foo", "--max-logprobs", "2", "--log-level", "info")
+                       "--alias", "foo", "--max-logprobs", "2", "--dtype", "half", "--log-level", "info")
     try:
         [card] = httpx.get(f"{srv.url}/v1/models", timeout=30).json()["data"]
         assert card["id"] == "foo" and card["max_model_len"] == 512
