@@ -186,7 +186,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig the parsed engine flags describe."""
+    """The EngineConfig the parsed engine flags describe (ValueError: flags that contradict)."""
+    if getattr(args, "threads", None) is not None and args.tensor_parallel_size > 1:
+        # NOTE: each tensor-parallel rank takes cores / N threads (fitserve.dist.group)
+        raise ValueError("--threads/-t cannot be combined with --tensor-parallel-size > 1: each rank "
+                         "takes (CPU cores / N) threads; set OMP_NUM_THREADS under torchrun instead")
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,

@@ -36,6 +36,8 @@ def test_llama_cpp_short_flags() -> None:
     assert engine_config_from_args(args).max_model_len == 512
     assert parse("serve", "--ctx-size", "256").max_model_len == 256
     assert parse("generate", "hi", "--threads", "3").threads == 3
+    with pytest.raises(ValueError, match="--tensor-parallel-size"):
+        engine_config_from_args(parse("serve", "-t", "2", "-tp", "2"))
 
 
 def test_vllm_flags() -> None:
