@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import get_args
+from typing import Any, get_args
 
 from fitserve.config import (
     SCHEDULING_POLICIES,
@@ -205,7 +205,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def _memory_utilization(args: argparse.Namespace) -> dict[str, float]:
+def _memory_utilization(args: argparse.Namespace) -> dict[str, Any]:
     """--gpu-memory-utilization as the cache config's CUDA and host fractions (absent: defaults)."""
     frac = getattr(args, "gpu_memory_utilization", None)
     return {} if frac is None else {"gpu_memory_utilization": frac, "host_memory_utilization": frac}
