@@ -190,7 +190,7 @@ def prepare_completion(req: CompletionRequest, ctx: ModelContext) -> Prepared:
     prompts = []
     for item in raw:
         if isinstance(item, str):
-            prompts.append(ctx.tokenizer.encode(item))
+            prompts.append(ctx.tokenizer.encode(item, add_special_tokens=req.add_special_tokens))
         else:
             ids = list(item)
             if any(not 0 <= t < ctx.vocab_size for t in ids):
@@ -224,7 +224,7 @@ def prepare_chat(req: ChatCompletionRequest, ctx: ModelContext) -> Prepared:
         guided = Guided(tools.guided, "tools")  # the grammar is built from the tools' schemas
     text = render_chat(ctx.tokenizer, req.messages, tools.shown if tools else [], req,
                        trusted=ctx.trust_request_chat_template)
-    prompts = [ctx.tokenizer.encode(text, add_special_tokens=False)]
+    prompts = [ctx.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)]
     prompts = truncate_prompts(prompts, req.truncate_prompt_tokens, ctx.max_model_len)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     _check_lengths(prompts, max_tokens, ctx, param)

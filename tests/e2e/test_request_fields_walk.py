@@ -97,6 +97,7 @@ FIELDS: dict[str, tuple[str, ...] | Refused] = {
     "tools": ("tests/e2e/test_tools_api.py::test_required_always_parses",),
     "tool_choice": ("tests/e2e/test_tools_api.py::test_named_function_streams_like_the_response",),
     "parallel_tool_calls": (f"{ME}::test_parallel_tool_calls_bounds_the_calls",),
+    "add_special_tokens": (f"{ME}::test_add_special_tokens_adds_bos",),
     "chat_template": (TPL,),
     "chat_template_kwargs": (TPL,),
     "add_generation_prompt": (TPL,),
@@ -198,6 +199,21 @@ def test_parallel_tool_calls_bounds_the_calls(ctx: ModelContext) -> None:
 
     assert bound("auto", None) is None and bound("auto", False) == 1
     assert bound("required", None) == 1 and bound("required", True) == 8
+
+
+def test_add_special_tokens_adds_bos(smollm2_tokenizer_dir: Path) -> None:
+    tok = Tokenizer.from_folder(smollm2_tokenizer_dir, bos_token_id=0)
+    tok.add_bos_token = True  # a model that uses BOS (SmolLM2 itself does not)
+    bos_ctx = ModelContext(MODEL, tok, 2048, 49152, 0)
+    text = tok.encode("Hello there", add_special_tokens=False)
+    cmpl = {"prompt": "Hello there"}
+    assert prepare_completion(CompletionRequest.model_validate(cmpl), bos_ctx).prompts == [[0, *text]]
+    assert prepare_completion(CompletionRequest.model_validate({**cmpl, "add_special_tokens": False}),
+                              bos_ctx).prompts == [text]
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    plain = prepare_chat(ChatCompletionRequest.model_validate(chat), bos_ctx).prompts[0]
+    added = prepare_chat(ChatCompletionRequest.model_validate({**chat, "add_special_tokens": True}), bos_ctx).prompts[0]
+    assert plain[0] != 0 and added == [0, *plain]
 
 
 def test_truncate_prompt_tokens_in_preparation(ctx: ModelContext) -> None:
