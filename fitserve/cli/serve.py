@@ -79,7 +79,7 @@ def add_serve_parser(subparsers: Any) -> None:
                         "(env FITSERVE_API_KEY)")
     p.add_argument("--served-model-name", "--alias", dest="served_model_name", default=None,
                    help="the model id clients use (default: the model as given; llama.cpp's --alias)")
-    p.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS, metavar="N",
+    p.add_argument("--max-logprobs", type=_max_logprobs, default=MAX_LOGPROBS, metavar="N",
                    help=f"the most logprobs (top alternatives) a request may ask for, 0..{MAX_LOGPROBS} "
                         "(vLLM's flag); more is a 400")
     p.add_argument("--max-waiting", type=int, default=256,
@@ -116,6 +116,16 @@ def _positive(text: str) -> float:
     if not v > 0:
         raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
     return v
+
+
+def _max_logprobs(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise argparse.ArgumentTypeError(f"must be in 0..{MAX_LOGPROBS}, got {value}")
+    return value
 
 
 def _generation_config(text: str) -> str:
@@ -196,15 +206,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from fitserve.server.settings import ServerSettings
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        resolve_model_tag(args)
-    except ValueError as exc:
-        print(f"fitserve serve: error: {exc}", file=sys.stderr)
-        return 2
-    if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
-        print(f"fitserve serve: error: --max-logprobs must be in 0..{MAX_LOGPROBS}, got {args.max_logprobs}",
-              file=sys.stderr)
-        return 2
+    resolve_model_tag(args)  # NOTE: a ValueError here (or below) is main()'s exit 2 with its message
     config: EngineConfig = engine_config_from_args(args)
     if args.seed:
         import dataclasses

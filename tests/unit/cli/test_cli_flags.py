@@ -74,6 +74,7 @@ def test_generation_config_modes_and_folder(tmp_path: Path) -> None:
     (["serve", "--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
     (["serve", "--dtype", "fp64"], "invalid choice"),
     (["serve", "-t", "0"], "must be >= 1"),
+    (["serve", "--max-logprobs", "21"], "must be in 0..20"),
     (["serve", "--generation-config", "/nonexistent"], "generation_config.json"),
     (["generate", "hi", "--max-tok", "3"], "did you mean --max-tokens?"),
 ])
