@@ -192,6 +192,9 @@ class CacheConfig:
     num_kv_blocks: int | None = None  # None = size the pool from kv_cache_memory_bytes
     kv_cache_memory_bytes: int | None = None  # None = 1 GiB on CPU, the ledger's plan on CUDA
     gpu_memory_utilization: float = 0.9
+    # CPU: the engine's whole budget as a share of the RAM available at start-up (None: the KV
+    # pool is kv_cache_memory_bytes or the fixed default); set with --gpu-memory-utilization
+    host_memory_utilization: float | None = None
     # Automatic prefix caching (vLLM's): full KV blocks are kept under a hash of their prefix
     # and reused by later requests that share it (fitserve.kv.prefix_hash).
     enable_prefix_caching: bool = True

@@ -7,7 +7,13 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fitserve.engine.args import add_chat_template_arg, add_engine_args, engine_config_from_args
+from fitserve.cli.parser import FitserveArgumentParser
+from fitserve.engine.args import (
+    add_chat_template_arg,
+    add_engine_args,
+    apply_threads_arg,
+    engine_config_from_args,
+)
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
@@ -26,6 +32,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print("fitserve generate: error: --chat-template needs --chat (a plain prompt uses no template)",
               file=sys.stderr)
         return 2
+    apply_threads_arg(args)
     engine = Engine(engine_config_from_args(args))
     if args.chat_template is not None:
         engine.tokenizer.chat_template = args.chat_template  # --chat-template replaces the model's
@@ -55,8 +62,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fitserve", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = FitserveArgumentParser(prog="fitserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)  # subcommands inherit the class
 
     p = sub.add_parser("pull", help="fetch a known model into the local cache")
     p.add_argument("name", nargs="?", default="smollm2-135m")

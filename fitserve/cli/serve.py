@@ -22,7 +22,14 @@ import uvicorn
 
 from fitserve import envs
 from fitserve.config import EngineConfig
-from fitserve.engine.args import add_chat_template_arg, add_engine_args, engine_config_from_args
+from fitserve.engine.args import (
+    DEFAULT_MODEL,
+    add_chat_template_arg,
+    add_engine_args,
+    apply_threads_arg,
+    engine_config_from_args,
+)
+from fitserve.sampling.params import MAX_LOGPROBS
 from fitserve.server.connections import (
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_MAX_HEADER_BYTES,
@@ -62,13 +69,19 @@ class _GracefulServer(uvicorn.Server):
 def add_serve_parser(subparsers: Any) -> None:
     """Register ``fitserve serve`` on the CLI's subparsers."""
     p = subparsers.add_parser("serve", help="serve a model over the OpenAI HTTP API")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model to serve (as `vllm serve MODEL`; the same as --model/-m)")
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=envs.FITSERVE_API_KEY(),
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(env FITSERVE_API_KEY)")
-    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
+    p.add_argument("--served-model-name", "--alias", dest="served_model_name", default=None,
+                   help="the model id clients use (default: the model as given; llama.cpp's --alias)")
+    p.add_argument("--max-logprobs", type=_max_logprobs, default=MAX_LOGPROBS, metavar="N",
+                   help=f"the most logprobs (top alternatives) a request may ask for, 0..{MAX_LOGPROBS} "
+                        "(vLLM's flag); more is a 400")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="queued requests before new ones get 503 + Retry-After")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get 413")
@@ -105,6 +118,37 @@ def _positive(text: str) -> float:
     return v
 
 
+def _max_logprobs(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise argparse.ArgumentTypeError(f"must be in 0..{MAX_LOGPROBS}, got {value}")
+    return value
+
+
+def _generation_config(text: str) -> str:
+    """``auto``, ``vllm``, or a folder holding ``generation_config.json`` (checked now)."""
+    from pathlib import Path
+
+    if text in ("auto", "vllm"):
+        return text
+    if not (Path(text) / "generation_config.json").is_file():
+        raise argparse.ArgumentTypeError(f"must be auto, vllm or a folder with generation_config.json, got {text!r}")
+    return text
+
+
+def resolve_model_tag(args: argparse.Namespace) -> None:
+    """``fitserve serve MODEL``: the positional model, which --model/-m may repeat but not contradict."""
+    tag = getattr(args, "model_tag", None)
+    if tag is None:
+        return
+    if args.model not in (DEFAULT_MODEL, tag):
+        raise ValueError(f"the model is given twice: {tag!r} and --model {args.model!r}")
+    args.model = tag
+
+
 def _origins(text: str) -> list[str]:
     """``["https://a", "https://b"]`` (vLLM's form) or ``https://a,https://b``."""
     text = text.strip()
@@ -123,14 +167,32 @@ def _add_sampling_default_args(p: Any) -> None:
     """What requests that omit a sampling field get (see fitserve.loading.generation_defaults)."""
     from fitserve.loading.generation_defaults import SERVER_DEFAULTS
 
-    p.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
+    p.add_argument("--generation-config", default="auto", type=_generation_config, metavar="auto|vllm|FOLDER",
                    help="auto: the model's recommended sampling defaults (generation_config.json, "
-                        "GGUF general.sampling.*); vllm: ignore them")
+                        "GGUF general.sampling.*); vllm: ignore them; a folder: read its "
+                        "generation_config.json instead (vLLM's flag)")
     for name, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("min_p", float),
                        ("repetition_penalty", float)):
         p.add_argument(f"--default-{name.replace('_', '-')}", type=kind, default=None, dest=f"default_{name}",
                        help=f"{name} of requests that omit it; overrides the model's (built-in default "
                             f"when the model has none: {SERVER_DEFAULTS[name]})")
+
+
+def _folder_defaults(mode: str) -> Any:
+    """--generation-config FOLDER: that folder's sampling defaults (None for auto / vllm)."""
+    if mode in ("auto", "vllm"):
+        return None
+    from pathlib import Path
+
+    from fitserve.loading.generation_defaults import read_generation_defaults
+
+    return read_generation_defaults(Path(mode))
+
+
+def torch_threads() -> int:
+    import torch
+
+    return int(torch.get_num_threads())
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -144,6 +206,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from fitserve.server.settings import ServerSettings
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    resolve_model_tag(args)  # NOTE: a ValueError here (or below) is main()'s exit 2 with its message
     config: EngineConfig = engine_config_from_args(args)
     if args.seed:
         import dataclasses
@@ -153,7 +216,8 @@ def run_serve(args: argparse.Namespace) -> int:
         model_name=args.served_model_name or args.model, api_key=args.api_key or None,
         max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes, metrics_public=args.metrics_public,
         body_timeout_s=args.body_timeout, send_timeout_s=args.send_timeout, allowed_origins=args.allowed_origins,
-        generation_config=args.generation_config,
+        generation_config="auto" if args.generation_config not in ("auto", "vllm") else args.generation_config,
+        generation_defaults=_folder_defaults(args.generation_config), max_logprobs=args.max_logprobs,
         default_sampling={k: getattr(args, f"default_{k}") for k in DEFAULTED_FIELDS},
         trust_request_chat_template=args.trust_request_chat_template,
     )
@@ -176,6 +240,8 @@ def run_serve(args: argparse.Namespace) -> int:
         return run_worker(config, int(os.environ["RANK"]), config.tensor_parallel_size, "env://")
 
     def load(cfg: EngineConfig) -> Engine:
+        apply_threads_arg(args)  # NOTE: here, in the engine thread: OpenMP's thread count is per thread
+        logging.getLogger("fitserve.server").info("torch CPU threads of the engine: %d", torch_threads())
         engine = Engine(cfg)
         if args.chat_template is not None:
             engine.tokenizer.chat_template = args.chat_template  # --chat-template replaces the model's

@@ -112,7 +112,7 @@ def run_worker(cfg: EngineConfig, rank: int, world: int, init: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fitserve.dist.worker")
+    p = argparse.ArgumentParser(prog="python -m fitserve.dist.worker", allow_abbrev=False)
     p.add_argument("--init", required=True, help="the rendezvous, e.g. tcp://127.0.0.1:29500")
     p.add_argument("--config", required=True, help="the EngineConfig as JSON")
     args = p.parse_args(argv)

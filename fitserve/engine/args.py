@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import get_args
+from typing import Any, get_args
 
 from fitserve.config import (
     SCHEDULING_POLICIES,
@@ -73,12 +73,55 @@ def add_chat_template_arg(p: argparse.ArgumentParser) -> None:
                         "one cannot chat otherwise): a file's path, or the template text itself")
 
 
+DEFAULT_MODEL = "smollm2-135m"
+# vLLM's --dtype spellings that name one of fitserve's dtypes
+DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def parse_dtype_arg(text: str) -> str:
+    """argparse type for ``--dtype``: vLLM's aliases (half, float) mapped to fitserve's names."""
+    return DTYPE_ALIASES.get(text, text)
+
+
+def parse_fraction_arg(text: str) -> float:
+    """argparse type for ``--gpu-memory-utilization``: a fraction in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def parse_threads_arg(text: str) -> int:
+    """argparse type for ``--threads``: a positive thread count."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """The flags every engine-running command takes (names follow vLLM's)."""
-    p.add_argument("--model", default="smollm2-135m", help="a .gguf file, a Hugging Face folder, or a known name")
-    p.add_argument("--dtype", default="auto", choices=list(get_args(DType)))
+    """The flags every engine-running command takes (names follow vLLM's; llama.cpp's short
+    forms -m, -c and -t too)."""
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                   help="a .gguf file, a Hugging Face folder, or a known name")
+    p.add_argument("--dtype", default="auto", type=parse_dtype_arg, choices=list(get_args(DType)),
+                   help="the model's activation/weight dtype; vLLM's half and float mean float16 and float32 "
+                        "(the CPU kernels take float16 too)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-model-len", "-c", "--ctx-size", dest="max_model_len", type=int, default=None,
+                   help="the context length: prompt + output tokens of one request (llama.cpp's -c/--ctx-size)")
+    p.add_argument("--threads", "-t", type=parse_threads_arg, default=None, metavar="N",
+                   help="torch's CPU threads for the model (llama.cpp's -t; default: torch's, one per core)")
+    p.add_argument("--gpu-memory-utilization", type=parse_fraction_arg, default=None, metavar="FRACTION",
+                   help="vLLM's: the share of the device's memory the engine may hold (CUDA default 0.9). On CPU: "
+                        "that share of the RAM available at start-up; the KV pool gets what weights and step "
+                        "scratch leave (the start-up ledger prints it). --kv-cache-memory / --num-kv-blocks win")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=parse_bytes_arg, default=None,
@@ -143,7 +186,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig the parsed engine flags describe."""
+    """The EngineConfig the parsed engine flags describe (ValueError: flags that contradict)."""
+    if getattr(args, "threads", None) is not None and args.tensor_parallel_size > 1:
+        # NOTE: each tensor-parallel rank takes cores / N threads (fitserve.dist.group)
+        raise ValueError("--threads/-t cannot be combined with --tensor-parallel-size > 1: each rank "
+                         "takes (CPU cores / N) threads; set OMP_NUM_THREADS under torchrun instead")
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
@@ -154,4 +201,21 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_scales=args.kv_cache_scales, scheduling_policy=args.scheduling_policy,
         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, slo_action=args.slo_action,
         step_model=args.step_model, tensor_parallel_size=args.tensor_parallel_size,
+        **_memory_utilization(args),
     )
+
+
+def _memory_utilization(args: argparse.Namespace) -> dict[str, Any]:
+    """--gpu-memory-utilization as the cache config's CUDA and host fractions (absent: defaults)."""
+    frac = getattr(args, "gpu_memory_utilization", None)
+    return {} if frac is None else {"gpu_memory_utilization": frac, "host_memory_utilization": frac}
+
+
+def apply_threads_arg(args: argparse.Namespace) -> None:
+    """--threads: torch's intra-op threads of the calling thread (call it in the thread that runs
+    the model: OpenMP's thread count is per thread)."""
+    threads = getattr(args, "threads", None)
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)

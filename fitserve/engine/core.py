@@ -31,6 +31,7 @@ from fitserve.loading import IncrementalDetokenizer, LoadedModel
 from fitserve.runner.placement import check_max_model_len, release_freed_host_memory
 from fitserve.sampling import RequestSamplingState, SamplingParams
 from fitserve.sampling.beam_search import BeamSearchParams
+from fitserve.sampling.token_masks import build_token_masks
 from fitserve.sched.request import SchedRequest
 from fitserve.sched.slo import step_shape
 from fitserve.spec_decode.stats import SpecDecodeStats
@@ -181,6 +182,8 @@ class Engine:
         room = self.max_model_len - len(prompt_ids)
         overrides = _slo_overrides(slo_ttft_ms, slo_tpot_ms)
         guides = guide_states(self.grammars, params, self.tokenizer, self.spec.vocab_size)
+        masks = [build_token_masks(p, self.tokenizer, self.spec.vocab_size, self.tokenizer.eos_token_ids)
+                 for p in params]  # allowed_token_ids / bad_words / min_tokens (ValueError: none queued)
         scheds = [SchedRequest(request_id=rid, prompt_token_ids=prompt_ids,
                                max_tokens=room if p.max_tokens is None else min(p.max_tokens, room),
                                priority=priority, slo_ttft_s=overrides[0], slo_tpot_s=overrides[1])
@@ -188,9 +191,10 @@ class Engine:
         scheds[0].fork_children = scheds[1:]
         self.scheduler.add_request(scheds[0])  # validates against the pool before anything is kept
         now = time.monotonic()
-        for sched, p, guide in zip(scheds, params, guides, strict=True):
+        for sched, p, guide, mask in zip(scheds, params, guides, masks, strict=True):
             sampling = RequestSamplingState.create(p, prompt_ids, sched.output_token_ids, device=str(self.device))
             sampling.guide = guide
+            sampling.token_masks = mask
             self._requests[sched.request_id] = Tracked(
                 sched=sched,
                 params=p,

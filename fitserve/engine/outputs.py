@@ -40,9 +40,11 @@ def can_speculate(p: SamplingParams) -> bool:
     """Whether a request's tokens may come from verified drafts: not with penalties (the
     target distribution at a draft position would depend on which earlier drafts held), a
     grammar (its mask moves with each token too) or logit bias (the verifier's distribution
-    has none), nor logprobs (one logprobs entry per step)."""
+    has none), nor logprobs (one logprobs entry per step), nor vLLM's token masks
+    (allowed_token_ids, bad_words, min_tokens: the verifier's distribution has none)."""
     return (p.logprobs is None and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
-            and p.presence_penalty == 0.0 and p.guided is None and not p.logit_bias)
+            and p.presence_penalty == 0.0 and p.guided is None and not p.logit_bias
+            and not p.allowed_token_ids and not p.bad_words and not p.min_tokens)
 
 
 def failed_output(rid: str, t: Tracked, exc: Exception, now: float) -> RequestOutput:
@@ -104,6 +106,7 @@ def advance_output(rid: str, t: Tracked, new_tokens: list[int], now: float, *, m
             new_text_len=len(delta),
             stop_strings=[p.stop] if isinstance(p.stop, str) else (p.stop or []),
             include_stop_str=p.include_stop_str_in_output,
+            min_tokens=p.min_tokens,
         )
         if decision is None and guide is not None and guide.is_stopped:
             decision = StopDecision(FinishReason.STOP, None)

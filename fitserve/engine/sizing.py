@@ -8,6 +8,7 @@ already in use on the device). The engine never carries a rule of its own.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,8 @@ from fitserve.ledger.memory import (
     engine_memory_plan,
 )
 from fitserve.runner.placement import dtype_name
+
+log = logging.getLogger("fitserve.engine")
 
 __all__ = [
     "DEFAULT_CPU_KV_BYTES",
@@ -87,16 +90,54 @@ def size_kv_pool(
         # NOTE: the engine's max_model_len (check_max_model_len: the requested value, else the
         # model's max_position_embeddings) sizes the RoPE tables and the attention scratch;
         # whether decode runs the fused C++ kernel or gathers K/V is the runner's own test.
-        plan = cpu_engine_memory_plan(
-            spec, weight_bytes=weight_bytes, max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_num_seqs=sched.max_num_seqs, block_size=cache.block_size, kv_dtype=kv_name,
-            act_dtype_bytes=act_bytes, kv_cache_memory_bytes=cache.kv_cache_memory_bytes,
-            kv_blocks=cache.num_kv_blocks,
-            max_model_len=cfg.max_model_len or spec.max_position_embeddings,
-            fused_decode=paged_attention_available())
+        def cpu_plan(kv_bytes: int | None, kv_blocks: int | None) -> EngineMemoryPlan:
+            return cpu_engine_memory_plan(
+                spec, weight_bytes=weight_bytes, max_num_batched_tokens=sched.max_num_batched_tokens,
+                max_num_seqs=sched.max_num_seqs, block_size=cache.block_size, kv_dtype=kv_name,
+                act_dtype_bytes=act_bytes, kv_cache_memory_bytes=kv_bytes, kv_blocks=kv_blocks,
+                max_model_len=cfg.max_model_len or spec.max_position_embeddings,
+                fused_decode=paged_attention_available())
+
+        kv_bytes = cache.kv_cache_memory_bytes
+        if cache.host_memory_utilization is not None and kv_bytes is None and cache.num_kv_blocks is None:
+            kv_bytes = host_kv_budget(cache.host_memory_utilization, cpu_plan(None, 1))
+        plan = cpu_plan(kv_bytes, cache.num_kv_blocks)
     budget = None if cache.num_kv_blocks is not None else plan.kv_pool_bytes
     return KVPoolSize(plan.num_kv_blocks, cache.block_size, plan.kv_bytes_per_token, budget,
                       plan.block_bytes, plan)
+
+
+def available_host_bytes() -> int:
+    """RAM available for new allocations now (Linux's MemAvailable; else torch's view of the total)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def host_kv_budget(fraction: float, one_block: EngineMemoryPlan, available: int | None = None) -> int:
+    """vLLM's --gpu-memory-utilization read on a CPU: the engine may hold ``fraction`` of the RAM
+    available at start-up; the KV pool is that less what the ledger reserves besides it (runtime,
+    weights, RoPE tables and the step peak, from a one-block plan). ValueError if nothing is left."""
+    avail = available_host_bytes() if available is None else available
+    total = int(fraction * avail)
+    others = one_block.resident_bytes + one_block.step_bytes
+    kv = total - others
+    log.info("--gpu-memory-utilization %.2f on CPU: %.2f GiB of %.2f GiB available; weights, runtime and step "
+             "scratch take %.2f GiB, the KV pool gets %.2f GiB", fraction, total / 2**30, avail / 2**30,
+             others / 2**30, max(kv, 0) / 2**30)
+    if kv < one_block.block_bytes:
+        raise ValueError(f"--gpu-memory-utilization {fraction}: {fraction} x {avail / 2**30:.2f} GiB available "
+                         f"RAM = {total / 2**30:.2f} GiB leaves no room for KV blocks after the "
+                         f"{others / 2**30:.2f} GiB the weights and step scratch need: raise it, or give "
+                         "--kv-cache-memory")
+    return kv
 
 
 def check_pool_fits(pool: KVPoolSize, max_model_len: int, max_chunk: int | None = None) -> None:

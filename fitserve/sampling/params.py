@@ -72,6 +72,11 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # structured output: the output must match this schema / regex / choice / grammar
     guided: GuidedDecoding | None = None
+    # vLLM's extras: EOS / stop tokens and stop strings do not end the output before min_tokens;
+    # only these ids may be sampled; these words (tokenized by the engine) are never completed
+    min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         self.n = _as_int("n", self.n)
@@ -118,8 +123,31 @@ class SamplingParams:
         )
         if self.logit_bias is not None:
             self.logit_bias = self._normalise_logit_bias(self.logit_bias)
+        self._check_extras()
         if self.guided is not None and not isinstance(self.guided, GuidedDecoding):
             raise ValueError(f"guided must be a GuidedDecoding, got {self.guided!r}")
+
+    def _check_extras(self) -> None:
+        """min_tokens, allowed_token_ids and bad_words, checked as vLLM's SamplingParams does."""
+        self.min_tokens = _as_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list | tuple):
+                raise ValueError(f"allowed_token_ids must be a list of token ids, got {self.allowed_token_ids!r}")
+            ids = [_as_int("allowed_token_ids", i) for i in self.allowed_token_ids]
+            if not ids:
+                raise ValueError("allowed_token_ids must not be empty (nothing could be sampled)")
+            if min(ids) < 0:
+                raise ValueError(f"allowed_token_ids must be non-negative, got {min(ids)}")
+            self.allowed_token_ids = ids
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, list | tuple) or not all(
+                    isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
+            self.bad_words = list(self.bad_words)
 
     @staticmethod
     def _normalise_logit_bias(bias: object) -> dict[int, float]:

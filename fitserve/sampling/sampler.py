@@ -4,6 +4,7 @@ Per row, in this order::
 
     raw logits --log_softmax--> logprobs returned to the user (chosen, rank, top-N)
         |
+        +-- allowed_token_ids / bad_words / min_tokens -> -inf (vLLM's; sampling.token_masks)
         +-- logit_bias (OpenAI's: added to the raw logits)
         +-- repetition penalty (prompt + output tokens), frequency / presence (output tokens)
         +-- guided rows: tokens the grammar forbids -> -inf (fitserve.structured)
@@ -41,6 +42,7 @@ from fitserve.kernels.cpu.fused import argmax
 from fitserve.ledger.sampler_memory import SAMPLER_CANDIDATE_WIDTH, sampler_chunk_rows
 from fitserve.sampling.filters import RowFilter, chunk_logprobs, chunk_thresholds
 from fitserve.sampling.params import SamplingParams
+from fitserve.sampling.token_masks import TokenMasks, apply_token_masks
 from fitserve.structured.logits import GuidedMasker, apply_logit_bias
 from fitserve.types import TokenLogprobs
 
@@ -64,7 +66,8 @@ class RequestSamplingState:
 
     ``guide`` is the request's grammar state when ``params.guided`` is set (the engine builds
     it: fitserve.structured); the sampler only reads it. ``logit_bias`` is ``params.logit_bias``
-    as (token ids, values) tensors, built once.
+    as (token ids, values) tensors, built once. ``token_masks`` is what the engine resolved of
+    ``allowed_token_ids``, ``bad_words`` and ``min_tokens`` (fitserve.sampling.token_masks).
     """
 
     params: SamplingParams
@@ -74,6 +77,7 @@ class RequestSamplingState:
     num_logprobs: int | None = None
     guide: GuideState | None = None
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
+    token_masks: TokenMasks | None = None
 
     def __post_init__(self) -> None:
         if self.num_logprobs is None:
@@ -130,6 +134,10 @@ class Sampler:
         # A private fp32 copy: penalties and filters then work in place on it. ``logits``
         # itself stays raw, for the logprobs below.
         x = logits.to(torch.float32, copy=True).contiguous()
+        masked = [i for i, s in enumerate(states) if s.token_masks is not None]
+        if masked:
+            apply_token_masks(x, masked, [m for i in masked if (m := states[i].token_masks) is not None],
+                              [states[i].output_token_ids for i in masked])
         biased = [i for i, s in enumerate(states) if s.logit_bias is not None]
         if biased:
             apply_logit_bias(x, biased, [b for i in biased if (b := states[i].logit_bias) is not None])
@@ -302,10 +310,11 @@ def _top_k(s: RequestSamplingState, vocab: int) -> int:
 
 
 def _changes_logits(s: RequestSamplingState) -> bool:
-    """A penalty, a logit bias or a grammar applies to this row's logits before sampling."""
+    """A penalty, a logit bias, a token mask or a grammar applies to this row's logits."""
     p = s.params
     return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
-            or p.presence_penalty != 0.0 or s.guide is not None or s.logit_bias is not None)
+            or p.presence_penalty != 0.0 or s.guide is not None or s.logit_bias is not None
+            or s.token_masks is not None)
 
 
 def _plain_greedy(s: RequestSamplingState) -> bool:

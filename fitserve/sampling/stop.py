@@ -48,8 +48,15 @@ def check_stop(
     new_text_len: int,
     stop_strings: list[str],
     include_stop_str: bool,
+    min_tokens: int = 0,
 ) -> StopDecision | None:
-    """vLLM order: EOS / stop tokens, then stop strings, then the length limits."""
+    """vLLM order: EOS / stop tokens, then stop strings, then the length limits.
+
+    Before ``min_tokens`` output tokens only the length limits apply (vLLM's ``check_stop``;
+    the sampler also bans EOS and stop tokens until then, see sampling.token_masks).
+    """
+    if num_output_tokens < min_tokens:
+        stop_strings, stop_token_ids, ignore_eos = [], [], True
     if not ignore_eos and token_id in eos_token_ids:
         return StopDecision(FinishReason.STOP, None)
     if token_id in stop_token_ids:

@@ -1,4 +1,5 @@
-"""Structured-output request fields -> the engine's :class:`GuidedDecoding`, and logit_bias.
+"""Structured-output request fields -> the engine's :class:`GuidedDecoding`; logit_bias, vLLM's token-level
+extras (allowed_token_ids, bad_words, min_tokens) and truncate_prompt_tokens.
 
 The fields (OpenAI's ``response_format``; vLLM's ``guided_json``, ``guided_regex``,
 ``guided_choice``, ``guided_grammar`` and its newer ``structured_outputs``) are checked for their
@@ -140,3 +141,36 @@ def logit_bias_from_request(bias: dict[str, float] | None, vocab_size: int) -> d
             raise bad_request(f"logit_bias values must be in [-100, 100], got {value} for token {key}", "logit_bias")
         out[int(key)] = float(value)
     return out
+
+
+def sampling_extras(req: CompletionRequest | ChatCompletionRequest, vocab_size: int) -> dict[str, Any]:
+    """vLLM's token-level extras as SamplingParams fields; a 400 naming a bad or refused one."""
+    if req.allowed_token_ids is not None:
+        if not req.allowed_token_ids:
+            raise bad_request("allowed_token_ids must list at least one token id", "allowed_token_ids")
+        if max(req.allowed_token_ids) >= vocab_size:
+            raise bad_request(f"allowed_token_ids must be token ids in [0, {vocab_size}), got "
+                              f"{max(req.allowed_token_ids)}", "allowed_token_ids")
+    if req.bad_words is not None and any(not w.strip() for w in req.bad_words):
+        raise bad_request("bad_words must not contain an empty or blank word", "bad_words")
+    if req.spaces_between_special_tokens and not req.skip_special_tokens:
+        raise bad_request("spaces_between_special_tokens: fitserve decodes special tokens as vLLM's fast "
+                          "detokenizer does, with no spaces added around them (send false or leave it out)",
+                          "spaces_between_special_tokens")
+    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+        raise bad_request("stream_options.continuous_usage_stats is not supported: usage comes in the last "
+                          "chunk (include_usage)", "stream_options")
+    return {"min_tokens": req.min_tokens, "allowed_token_ids": req.allowed_token_ids,
+            "bad_words": req.bad_words or None}
+
+
+def truncate_prompts(prompts: list[list[int]], keep: int | None, max_model_len: int) -> list[list[int]]:
+    """vLLM's ``truncate_prompt_tokens``: each prompt's last ``keep`` tokens (-1: the context length)."""
+    if keep is None:
+        return prompts
+    if keep == -1:
+        keep = max_model_len
+    if not 1 <= keep <= max_model_len:
+        raise bad_request(f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}] (the context length), "
+                          f"got {keep}", "truncate_prompt_tokens")
+    return [ids[-keep:] for ids in prompts]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -16,9 +17,10 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from fitserve.server.errors import APIError
-from fitserve.server.protocol.common import REJECTED_FIELDS
+from fitserve.server.protocol.common import ACCEPTED_VALUES, REJECTED_FIELDS
 
 _M = TypeVar("_M", bound=BaseModel)
+log = logging.getLogger("fitserve.server")
 
 
 async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
@@ -56,9 +58,11 @@ def parse_body(raw: bytes, model: type[_M] | Callable[[dict[str, Any]], type[_M]
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
     for name, why in rejected.items():
-        if data.get(name) not in (None, [], {}):
+        value = data.get(name)
+        if value not in (None, [], {}) and value not in ACCEPTED_VALUES.get(name, ()):
             raise APIError(400, why, param=name, code="unsupported_parameter")
     chosen: type[_M] = model if isinstance(model, type) else model(data)
+    _warn_unknown(data, chosen, rejected)
     try:
         return chosen.model_validate_json(raw)
     except ValidationError as exc:
@@ -67,6 +71,16 @@ def parse_body(raw: bytes, model: type[_M] | Callable[[dict[str, Any]], type[_M]
             raise APIError(400, f"{field} contains a lone UTF-16 surrogate escape (\\ud800-\\udfff without "
                                 "its pair): it is not valid Unicode text", param=field) from None
         raise APIError(400, _validation_message(exc), param=_validation_param(exc)) from None
+
+
+def _warn_unknown(data: dict[str, Any], model: type[BaseModel], rejected: dict[str, str]) -> None:
+    """Log the fields ``model`` does not have (vLLM's rule: ignored, with a warning naming them)."""
+    known = {f.alias or name for name, f in model.model_fields.items()} | set(model.model_fields) | set(rejected)
+    unknown = sorted(str(k) for k in data if k not in known)
+    if unknown:
+        # NOTE: as vLLM (extra="allow" + a warning), not a 400: clients send fields of newer API
+        # versions; every field vLLM or OpenAI defines is either a model field or in REJECTED_FIELDS.
+        log.warning("The following fields were present in the request but ignored: %s", unknown[:16])
 
 
 def _lone_surrogate_field(data: dict[str, Any]) -> str | None:

@@ -20,7 +20,13 @@ from fitserve.sampling.params import MAX_LOGPROBS
 from fitserve.server.chat_render import render_chat
 from fitserve.server.engine_commands import Child
 from fitserve.server.errors import APIError, bad_request, param_from_message
-from fitserve.server.guided_fields import Guided, guided_from_request, logit_bias_from_request
+from fitserve.server.guided_fields import (
+    Guided,
+    guided_from_request,
+    logit_bias_from_request,
+    sampling_extras,
+    truncate_prompts,
+)
 from fitserve.server.protocol.chat import ChatCompletionRequest
 from fitserve.server.protocol.common import (
     MAX_N,
@@ -45,6 +51,7 @@ class ModelContext:
     vocab_size: int
     created: int
     trust_request_chat_template: bool = False  # a request's own chat_template may run
+    max_logprobs: int = MAX_LOGPROBS  # --max-logprobs: the most top alternatives a request may ask for
 
 
 @dataclass(slots=True)
@@ -69,6 +76,7 @@ class Prepared:
     guided_param: str | None = None  # the request field the output constraint came from
     echo: list[str] | None = None  # completions with echo: each prompt's text, prepended to its choices
     user: str | None = None  # OpenAI's end-user id (for the request log)
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs say `token_id:N`
 
     def children(self) -> list[Child]:
         """The engine requests; a child's id ends in its first choice index."""
@@ -123,7 +131,7 @@ def _sampling_params(
             logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
             logit_bias=logit_bias_from_request(req.logit_bias, ctx.vocab_size), guided=guided,
-            **{k: v for k, v in fields.items() if v is not None},
+            **sampling_extras(req, ctx.vocab_size), **{k: v for k, v in fields.items() if v is not None},
         )
     except ValueError as exc:
         raise bad_request(str(exc), param_from_message(str(exc))) from None
@@ -167,8 +175,9 @@ def prepare_completion(req: CompletionRequest, ctx: ModelContext) -> Prepared:
     _check_common(req)
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of is not supported (it must be absent or equal to n)", "best_of")
-    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {req.logprobs}", "logprobs")
+    if req.logprobs is not None and not 0 <= req.logprobs <= ctx.max_logprobs:
+        raise bad_request(f"logprobs must be between 0 and {ctx.max_logprobs} (--max-logprobs), got {req.logprobs}",
+                          "logprobs")
     p = req.prompt
     if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
         raw: list[Any] = [p]
@@ -181,12 +190,13 @@ def prepare_completion(req: CompletionRequest, ctx: ModelContext) -> Prepared:
     prompts = []
     for item in raw:
         if isinstance(item, str):
-            prompts.append(ctx.tokenizer.encode(item))
+            prompts.append(ctx.tokenizer.encode(item, add_special_tokens=req.add_special_tokens))
         else:
             ids = list(item)
             if any(not 0 <= t < ctx.vocab_size for t in ids):
                 raise bad_request(f"prompt token ids must be in [0, {ctx.vocab_size})", "prompt")
             prompts.append(ids)
+    prompts = truncate_prompts(prompts, req.truncate_prompt_tokens, ctx.max_model_len)
     _check_lengths(prompts, req.max_tokens, ctx)
     echo = _echo(req, raw, prompts, ctx)
     guided = guided_from_request(req)
@@ -201,9 +211,9 @@ def prepare_chat(req: ChatCompletionRequest, ctx: ModelContext) -> Prepared:
     check_model(req.model, ctx)
     _check_common(req)
     if req.top_logprobs is not None:
-        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {req.top_logprobs}",
-                              "top_logprobs")
+        if not 0 <= req.top_logprobs <= ctx.max_logprobs:
+            raise bad_request(f"top_logprobs must be between 0 and {ctx.max_logprobs} (--max-logprobs), got "
+                              f"{req.top_logprobs}", "top_logprobs")
         if not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -214,7 +224,8 @@ def prepare_chat(req: ChatCompletionRequest, ctx: ModelContext) -> Prepared:
         guided = Guided(tools.guided, "tools")  # the grammar is built from the tools' schemas
     text = render_chat(ctx.tokenizer, req.messages, tools.shown if tools else [], req,
                        trusted=ctx.trust_request_chat_template)
-    prompts = [ctx.tokenizer.encode(text, add_special_tokens=False)]
+    prompts = [ctx.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)]
+    prompts = truncate_prompts(prompts, req.truncate_prompt_tokens, ctx.max_model_len)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     _check_lengths(prompts, max_tokens, ctx, param)
     try:
@@ -245,6 +256,7 @@ def _prepared(
         arrival=time.monotonic(), beam=_beam_params(req, prompts, params, ctx),
         priority=req.priority, slo_ttft_ms=req.slo_ttft_ms, slo_tpot_ms=req.slo_tpot_ms,
         guided_param=guided.param if guided else None, user=req.user,
+        tokens_as_ids=bool(req.return_tokens_as_token_ids),
     )
 
 
@@ -261,6 +273,9 @@ def _beam_params(req: CompletionRequest | ChatCompletionRequest, prompts: list[l
     if params.stop or params.stop_token_ids:
         raise bad_request("stop and stop_token_ids are not supported with use_beam_search (EOS ends a beam)",
                           "stop")
+    masked = next((k for k in ("allowed_token_ids", "bad_words", "min_tokens") if getattr(params, k)), None)
+    if masked is not None:
+        raise bad_request(f"{masked} is not supported with use_beam_search", masked)
     if params.guided is not None or params.logit_bias:
         which = "logit_bias" if params.logit_bias else "structured output"
         raise bad_request(f"{which} is not supported with use_beam_search", "use_beam_search")

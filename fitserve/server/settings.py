@@ -11,6 +11,7 @@ from fitserve.loading.generation_defaults import (
     GenerationDefaults,
     resolve_default_sampling,
 )
+from fitserve.sampling.params import MAX_LOGPROBS
 
 
 @dataclass(slots=True)
@@ -29,7 +30,10 @@ class ServerSettings:
     generation_config: GenerationConfigMode = "auto"  # "vllm": ignore the model's sampling defaults
     default_sampling: dict[str, float | int | None] = field(default_factory=dict)  # --default-* given
     trust_request_chat_template: bool = False  # run a chat_template a request sends (vLLM's flag)
+    generation_defaults: GenerationDefaults | None = None  # --generation-config FOLDER: used instead of the model's
+    max_logprobs: int = MAX_LOGPROBS  # --max-logprobs: a request asking more is a 400
 
     def resolve_sampling(self, model: GenerationDefaults) -> DefaultSampling:
         """The defaults omitted request fields get with this model (see generation_defaults)."""
-        return resolve_default_sampling(model, self.generation_config, self.default_sampling)
+        chosen = self.generation_defaults if self.generation_defaults is not None else model
+        return resolve_default_sampling(chosen, self.generation_config, self.default_sampling)

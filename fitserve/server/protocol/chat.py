@@ -99,6 +99,8 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
         None, "`none` (no tools shown), `auto` (the default with tools: the model decides), `required` (at least "
               "one call) or a named function (a call to it); `required` and a named function are enforced by a "
               "grammar, so their calls always parse. `required` or a named function need `tools`.")
+    add_special_tokens: bool = desc(False, "vLLM extension (not OpenAI): add BOS on top of the chat template's "
+                                           "own special tokens.")
     parallel_tool_calls: bool | None = desc(
         None, "OpenAI's: false: at most one tool call per choice. `required` makes exactly one call unless this "
               "is true (then up to 8); `auto` parses as many as the model makes unless this is false.")

@@ -3,9 +3,11 @@ sampling fields of both generation requests, and the response parts both write (
 the model list).
 
 Requests are validated in strict mode straight from the JSON bytes, so ``"max_tokens": "5"`` or
-``"n": 1.5`` is a 400, not a silent coercion. Unknown fields are ignored (clients send things
-like ``metadata``), except the ones listed in :data:`REJECTED_FIELDS`: features fitserve does not
-have. A chat template a client sends is code: it runs only on a server started with
+``"n": 1.5`` is a 400, not a silent coercion. A field no model declares is ignored with a warning
+in the log naming it (vLLM's rule: ``extra="allow"`` plus a warning; clients send fields of newer
+API versions), except the ones listed in :data:`REJECTED_FIELDS`: OpenAI's and vLLM's fields for
+features fitserve does not have, each a 400 naming it (:data:`ACCEPTED_VALUES`: their values
+that ask for nothing fitserve lacks, such as ``store: false``). A chat template a client sends is code: it runs only on a server started with
 ``--trust-request-chat-template`` (``fitserve.server.chat_render``). Every field a model declares has an effect (or is checked and refused): none is accepted
 and dropped. ``user`` (OpenAI's end-user id) goes into the server's debug log of the request.
 
@@ -45,6 +47,28 @@ REJECTED_FIELDS: dict[str, str] = {
     "function_call": "the legacy `function_call` field is not supported: use `tool_choice`",
     "suffix": "suffix (text after the completion, for insertion) is not supported",
     "guided_whitespace_pattern": "guided_whitespace_pattern is not supported (JSON output is compact)",
+    # OpenAI's fields for features fitserve does not have (a value in ACCEPTED_VALUES passes)
+    "service_tier": "service_tier: fitserve has one tier; only `auto` or `default` are accepted",
+    "store": "store is not supported: fitserve stores no completions",
+    "metadata": "metadata is not supported: it tags stored completions, and fitserve stores none",
+    "modalities": "modalities: fitserve generates text only (`[\"text\"]`)",
+    "audio": "audio output is not supported",
+    "prediction": "prediction (predicted outputs) is not supported",
+    "web_search_options": "web_search_options is not supported: fitserve has no web search",
+    "reasoning_effort": "reasoning_effort is not supported: use chat_template_kwargs for a model's thinking switch",
+    # vLLM's extras fitserve does not have
+    "prompt_embeds": "prompt_embeds is not supported: send text or token ids",
+    "logits_processors": "logits_processors (server-side Python) are not supported",
+    "guided_decoding_backend": "guided_decoding_backend: fitserve has one grammar backend (llguidance)",
+    "kv_transfer_params": "kv_transfer_params: fitserve has no disaggregated prefill",
+    "vllm_xargs": "vllm_xargs (custom logits processor arguments) are not supported",
+    "mm_processor_kwargs": "mm_processor_kwargs: fitserve serves text-only models",
+    "cache_salt": "cache_salt is not supported: the prefix cache is shared by every request (--no-prefix-caching)",
+    "return_token_ids": "return_token_ids is not supported: use logprobs with return_tokens_as_token_ids",
+}
+# Values of a REJECTED_FIELDS entry that ask for what fitserve does anyway (OpenAI's defaults).
+ACCEPTED_VALUES: dict[str, tuple[object, ...]] = {
+    "service_tier": ("auto", "default"), "store": (False,), "modalities": (["text"],),
 }
 # Tokenizer routes (/tokenize): the same, but a completion's suffix is not theirs to refuse.
 TOKENIZE_REJECTED_FIELDS: dict[str, str] = {k: v for k, v in REJECTED_FIELDS.items() if k != "suffix"}
@@ -86,6 +110,8 @@ class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool = Field(False, description="Send a last chunk with `usage` (and no choices) "
                                                    "before `data: [DONE]`.")
+    continuous_usage_stats: bool = Field(False, description="vLLM extension: `usage` in every chunk. Not "
+                                                            "supported: true is a 400.")
 
 
 class SamplingFields(BaseModel):
@@ -128,6 +154,22 @@ class SamplingFields(BaseModel):
                                                   array={"maxItems": MAX_STOP_TOKEN_IDS})
     ignore_eos: bool = desc(False, "vLLM extension (not OpenAI): keep generating past the end-of-sequence token.")
     skip_special_tokens: bool = desc(True, "vLLM extension (not OpenAI): leave special tokens out of the text.")
+    spaces_between_special_tokens: bool | None = desc(
+        None, "vLLM extension (not OpenAI): fitserve decodes as vLLM's fast detokenizer does, with no spaces "
+              "added around special tokens; `true` with `skip_special_tokens: false` is a 400.")
+    min_tokens: int = desc(0, "vLLM extension (not OpenAI): EOS, `stop_token_ids` and `stop` strings do not end "
+                              "the output before this many tokens (<= max_tokens).", integer={"minimum": 0})
+    allowed_token_ids: list[NonNegInt] | None = desc(
+        None, "vLLM extension (not OpenAI): only these token ids may be generated (non-empty, each in "
+              "[0, vocabulary size)).", array={"minItems": 1})
+    bad_words: list[str] | None = desc(
+        None, "vLLM extension (not OpenAI): words never generated: a word's last token is banned wherever the "
+              "output ends with the tokens before it (tokenized with and without a leading space).")
+    truncate_prompt_tokens: int | None = desc(
+        None, "vLLM extension (not OpenAI): keep only the last N prompt tokens (N >= 1, or -1: the context "
+              "length); N over the context length is a 400.", integer={"minimum": -1})
+    return_tokens_as_token_ids: bool | None = desc(
+        None, "vLLM extension (not OpenAI): logprobs name each token as `token_id:N` instead of its text.")
     include_stop_str_in_output: bool = desc(False, "vLLM extension (not OpenAI): keep the matched stop string "
                                                    "at the end of the text.")
     stream: bool = desc(False, "Stream the result as server-sent events (text/event-stream), one chunk per "

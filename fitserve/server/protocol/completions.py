@@ -53,6 +53,8 @@ class CompletionRequest(SamplingFields):
                                 integer={"minimum": 0, "maximum": MAX_LOGPROBS})
     echo: bool = desc(False, "Prepend the prompt's text to each choice's text (a token-id prompt is decoded). "
                              "Not with `logprobs` (fitserve computes no prompt logprobs: a 400).")
+    add_special_tokens: bool = desc(True, "vLLM extension (not OpenAI): add the model's BOS token to a text "
+                                          "prompt if it uses one (token-id prompts are taken as given).")
     best_of: int | None = desc(None, "Not supported beyond OpenAI's default: absent, null or equal to `n`.")
 
 

@@ -55,6 +55,11 @@ async def models(state: StateDep) -> JSONResponse:
     return JSONResponse(ModelList(data=[card]).model_dump())
 
 
+def _token_id_text(token_id: int) -> str:
+    """vLLM's return_tokens_as_token_ids: a token named by its id."""
+    return f"token_id:{token_id}"
+
+
 async def _generate(request: Request, state: AppState, prep: Prepared) -> Response:
     """Admit a prepared request, run it, and answer it (a stream, or one body once finished)."""
     settings, engine_loop = state.settings, state.loop
@@ -84,10 +89,11 @@ async def _generate(request: Request, state: AppState, prep: Prepared) -> Respon
             # its schema/regex/grammar not compiling (the message says what is wrong).
             err.param = prep.guided_param
         raise
+    token_text = _token_id_text if prep.tokens_as_ids else state.token_text
     if prep.stream:
-        return RunStreamingResponse(job, stream_events(job, state.token_text), settings.send_timeout_s)
+        return RunStreamingResponse(job, stream_events(job, token_text), settings.send_timeout_s)
     try:
-        return JSONResponse(await collect(job, request, state.token_text))
+        return JSONResponse(await collect(job, request, token_text))
     except ClientGone:
         return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
     finally:

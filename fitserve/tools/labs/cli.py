@@ -121,7 +121,7 @@ def run_kernels(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="fitserve")
+    _parser = argparse.ArgumentParser(prog="fitserve", allow_abbrev=False)
     add_kernels_parser(_parser.add_subparsers(dest="command", required=True))
     _args = _parser.parse_args()
     sys.exit(_args.func(_args))

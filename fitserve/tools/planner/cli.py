@@ -233,7 +233,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fitserve plan", description=__doc__)
+    parser = argparse.ArgumentParser(prog="fitserve plan", description=__doc__, allow_abbrev=False)
     _add_arguments(parser)
     return run_plan(parser.parse_args(argv))
 

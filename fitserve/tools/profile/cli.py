@@ -65,7 +65,6 @@ def add_profile_parser(subparsers: Any) -> None:
     p.add_argument("--output-dir", type=Path, default=Path("fitserve-profile"))
     p.add_argument("--trace-steps", type=_count(0), default=24,
                    help="engine steps in the profiled window (0: no trace and no op tables)")
-    p.add_argument("--threads", type=_count(1), default=None, help="torch threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
     p.add_argument("--quick", action="store_true", help="calibrate: the short sweep (as at engine start)")
     p.add_argument("--json", action="store_true", help="print summary.json to stdout instead of tables")

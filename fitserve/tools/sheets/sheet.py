@@ -42,7 +42,7 @@ def tool_module(name: str) -> ModuleType:
 
 
 def build_parser(name: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"fitserve plan {name}", description=TOOLS[name][1])
+    p = argparse.ArgumentParser(prog=f"fitserve plan {name}", description=TOOLS[name][1], allow_abbrev=False)
     tool_module(name).add_arguments(p)
     p.add_argument("--explain", action="store_true", help="show the arithmetic of each line")
     p.add_argument("--json", action="store_true", help="print the sheet as JSON")
