@@ -80,21 +80,22 @@ class SparseMoeBlock(nn.Module):
     def combine(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t, in fp32 [N, H]:
         each active expert runs once over its tokens, idle experts are not touched."""
+        n, hidden = x.shape
         order, counts = group_by_expert(ids, self.num_experts)
         tokens = order // self.top_k
-        slot_weights = weights.reshape(-1)[order]
-        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        grouped = torch.empty(n * self.top_k, hidden, dtype=torch.float32, device=x.device)
         start = 0
         for e, c in enumerate(counts):
             if c == 0:
                 continue
-            rows = tokens[start : start + c]
-            y = self.experts[e](x.index_select(0, rows))
-            # NOTE: summed in fp32 and cast once (transformers adds in the model dtype: the same
-            # numbers in fp32, a few bf16 roundings fewer in bf16)
-            out.index_add_(0, rows, y.float() * slot_weights[start : start + c, None])
+            grouped[start : start + c] = self.experts[e](x.index_select(0, tokens[start : start + c]))
             start += c
-        return out
+        # back to (token, slot) order, then the weighted sum over each token's k slots
+        # NOTE: one scatter of whole rows and a [N, k] reduction instead of index_add_ per
+        # expert (measured ~ms per call on a loaded CPU); summed in fp32 and cast once
+        # (transformers adds in the model dtype: the same numbers in fp32)
+        per_slot = torch.empty_like(grouped).index_copy_(0, order, grouped)
+        return (per_slot.view(n, self.top_k, hidden) * weights.unsqueeze(-1)).sum(dim=1)
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, top_k={self.top_k}, renormalize={self.renormalize}"
