@@ -29,10 +29,6 @@ def check_tp_config(cfg: EngineConfig, loaded: LoadedModel, device: torch.device
     if spec.rope_scaling is not None and spec.rope_scaling.kind == "longrope":
         raise ValueError("tensor parallelism with LongRoPE (Phi-3 long context) is not supported: "
                          "the worker ranks do not see prompt lengths, which pick the rotary rows")
-    if spec.num_experts:
-        raise ValueError("tensor parallelism with a mixture-of-experts model is not supported "
-                         "yet: the shards split dense MLPs only (each expert's gate/up by columns "
-                         "and down by rows is the planned layout); drop --tp")
     check_tp_layout(spec, tp, group_sizes=row_parallel_groups(loaded.weights))
 
 

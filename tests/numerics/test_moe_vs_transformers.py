@@ -230,3 +230,33 @@ def test_fused_3d_checkpoint(family: Family, tmp_path: Path) -> None:
     assert fused.weights.keys() == family.loaded.weights.keys()
     for name, w in family.loaded.weights.items():
         assert torch.equal(fused.weights[name], w), name  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2_moe"], indirect=True)
+def test_tensor_parallel_2(family: Family) -> None:
+    """--tp 2 (two gloo processes): every expert's and the shared expert's gate/up split by
+    rows, down by columns, one all-reduce of the block's output; a dense mlp_only layer
+    beside. Greedy tokens are transformers', and the collectives are 2 per layer."""
+    from fitserve.dist.layout import rank_spec
+
+    engine = Engine(EngineConfig(model=str(family.loaded.path), dtype="float32", device="cpu",
+                                 max_model_len=128, num_kv_blocks=96, block_size=4,
+                                 tensor_parallel_size=2))
+    try:
+        shard = rank_spec(family.loaded.spec, 2, 0)
+        assert (shard.moe_intermediate_size, shard.shared_expert_intermediate_size) == (32, 40)
+        moe = engine.runner.model.model.layers[1].mlp.inner
+        assert isinstance(moe, SparseMoeBlock)
+        assert moe.experts[3].down_proj.weight.shape == (64, 32)
+        outs = run(engine, family.prompts, together=True)
+        for out, (tokens, _) in zip(outs, family.want, strict=True):
+            assert out.token_ids == tokens
+        # the ledger's collectives (dense-layer arithmetic: 2 per layer) are the engine's
+        measured = engine.tp_group.comm.counts  # type: ignore[union-attr]
+        for kind, led in engine.runner.ledger.items():  # type: ignore[attr-defined]
+            assert (measured[kind].calls, measured[kind].bytes) == (led.calls, led.bytes), kind
+        steps = measured["embedding all_reduce"].calls
+        assert measured["layer all_reduce"].calls == 2 * 2 * steps
+    finally:
+        engine.shutdown()
