@@ -251,3 +251,26 @@ def test_tensor_parallel_2(family: Family) -> None:
         assert measured["layer all_reduce"].calls == 2 * 2 * steps
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe"], indirect=True)
+def test_draft_model_speculation_and_compile_fallback(family: Family,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """The MoE model drafting for itself: every draft accepted, transformers' tokens (drafts
+    and verification rows run through the expert block); --compile runs the MoE decode step
+    eager and says why."""
+    plain = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    engine = make(family.loaded, speculative_config={
+        "method": "draft_model", "model": str(family.loaded.path), "num_speculative_tokens": 3})
+    ids = [engine.add_request(p, plain) for p in family.prompts[1:]]
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    assert [done[i] for i in ids] == [tokens for tokens, _ in family.want[1:]]
+    st = engine.spec_stats
+    assert st is not None and st.num_drafts > 0 and st.num_accepted_tokens == st.num_draft_tokens
+    with caplog.at_level("WARNING"):
+        assert make(family.loaded, enforce_eager=False).runner.compiled is None
+    assert "mixture-of-experts model runs eager" in caplog.text
