@@ -3,7 +3,7 @@ convert_hf_to_gguf.py writes it (gguf-py's writer and tensor map, the converter'
 with the tiny byte-level vocabulary of tests/tiny_gguf.py.
 
 Experts go into 3-D tensors ``ffn_{gate,up,down}_exps`` [E, rows, cols] (transformers 5's fused
-``experts.gate_up_proj`` cut into its gate and up halves), in F16 or Q8_0 (``expert_type``;
+``experts.gate_up_proj`` cut into its gate and up halves), in F16 or a type gguf-py quantizes (``expert_type``;
 everything else F32). Mixtral is written as llama.cpp writes it: architecture "llama" with an
 expert count, Q and K rows permuted (LlamaModel.permute). ``load_dequantized_experts`` puts
 the file's experts, dequantized by gguf-py, back into the transformers model: the reference
