@@ -60,10 +60,12 @@ def moe_config(arch: str) -> Any:
                              num_experts_per_tok=2, mlp_only_layers=[0])
 
 
-def build_moe(arch: str, folder: Path, tokenizer_dir: Path | None) -> Any:
+def build_moe(arch: str, folder: Path, tokenizer_dir: Path | None, **overrides: Any) -> Any:
     """A random tiny model saved as an HF folder (weights scaled so logits are far from ties)."""
     torch.manual_seed(sum(map(ord, arch)))
     config = moe_config(arch)
+    for key, value in overrides.items():
+        setattr(config, key, value)
     config._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -196,6 +198,21 @@ def test_gguf_round_trip(family: Family, expert_type: Q, tmp_path: Path) -> None
 @pytest.mark.parametrize("family", ["mixtral"], indirect=True)
 def test_gguf_round_trip_mixtral(family: Family, tmp_path: Path) -> None:
     gguf_round_trip(family, Q.Q8_0, tmp_path)
+
+
+@pytest.mark.parametrize("family", ["olmoe"], indirect=True)
+def test_gguf_round_trip_qwen2_moe_shared_expert(family: Family, tmp_path: Path) -> None:
+    """Qwen2-MoE as llama.cpp writes it (every layer sparse: its graph has no dense layers):
+    ffn_{gate,up,down}_shexp and ffn_gate_inp_shexp load as the shared expert and its gate."""
+    ref = build_moe("qwen2_moe", tmp_path / "hf", None, mlp_only_layers=[])
+    path = write_moe_gguf(ref, tmp_path / "q2.gguf", Q.F16)
+    loaded = load_model(path, dtype=torch.float32)
+    assert loaded.spec.shared_expert_intermediate_size == 80
+    load_dequantized_experts(ref, path)  # the routed experts as the file holds them (F16)
+    prompts = family.prompts[1:]
+    want = [hf_greedy(ref, p, NUM_TOKENS) for p in prompts]
+    fam = Family("qwen2_moe", ref, loaded, prompts, want, derived_tolerance(ref, prompts[-1]))
+    check(fam, run(make(loaded), prompts, together=True), "gguf shared expert")
 
 
 def gguf_round_trip(family: Family, expert_type: Q, tmp_path: Path) -> None:
