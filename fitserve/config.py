@@ -14,7 +14,12 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Literal, get_args
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text",
-                           "phi3")
+                           "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "qwen2moe",
+                           "qwen3moe")
+# Mixture-of-experts families the engine runs (fitserve.model.moe), by their Hugging Face names;
+# llama.cpp spells two of them without the underscore (a GGUF spec takes the HF name) and writes
+# Mixtral as "llama" with an expert count.
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 # Gemma 2/3 (fitserve.model.gemma): 4 norms a layer, (1 + w) RMSNorm, GeGLU, scaled embedding.
 # "gemma3" is llama.cpp's name (and the multimodal HF config's) for the text decoder
 # transformers calls gemma3_text.
@@ -63,6 +68,9 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm on per-head q and k (Qwen3)
+    # "head": q/k norms per head over head_dim (Qwen3); "projection": over the whole q / k
+    # projection, all heads at once (OLMoE)
+    qk_norm_scope: str = "head"
     sliding_window: int | None = None  # tokens a query sees, itself included (Mistral)
     # Per-layer attention kind for hybrid models ("full" or "sliding"); None means all one kind.
     layer_types: tuple[str, ...] | None = None
@@ -78,10 +86,20 @@ class ModelSpec:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
-    # Planner-only extensions (mixture of experts, MLA); the engine rejects specs that use them.
+    # Mixture of experts (the engine runs MOE_ARCHITECTURES; fitserve.model.moe). Experts are
+    # moe_intermediate_size wide (0: intermediate_size, Mixtral/OLMoE); the routing weights of
+    # the top num_experts_per_token are renormalised to sum 1 when norm_topk_prob (Mixtral
+    # always). Qwen2-MoE adds one shared expert of shared_expert_intermediate_size, scaled by
+    # sigmoid(shared_expert_gate(x)). A layer is sparse when (i + 1) % decoder_sparse_step == 0
+    # and i is not in mlp_only_layers (nor below first_k_dense); the others run a dense MLP of
+    # intermediate_size.
     num_experts: int = 0
     num_experts_per_token: int = 0
     moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
     extra: dict[str, float | int | str] = field(default_factory=dict, hash=False, compare=False)
     # Planner-only: mixture of experts beyond the basics (DeepSeek-V3: 1 shared expert, the
     # first 3 layers dense) and multi-head latent attention (MLA). kv_lora_rank > 0 means MLA:
@@ -97,6 +115,17 @@ class ModelSpec:
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """The width of one routed expert's MLP."""
+        return self.moe_intermediate_size or self.intermediate_size
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` runs the sparse expert block (else a dense MLP)."""
+        return (self.num_experts > 0 and layer >= self.first_k_dense
+                and layer not in self.mlp_only_layers
+                and (layer + 1) % max(1, self.decoder_sparse_step) == 0)
 
     @property
     def kv_size(self) -> int:

@@ -41,6 +41,10 @@ class RankSlice:
     intermediate: tuple[int, int]  # [first, last) MLP rows (gate/up) = columns (down)
     vocab: tuple[int, int]  # [first, last) token ids of the embedding and lm_head
     vocab_shard: int  # the largest rank's vocabulary rows: the logits gather's width
+    # mixture of experts: [first, last) rows of every routed expert's gate/up (= columns of its
+    # down), and of the shared expert's; (0, 0) for a dense model
+    expert_intermediate: tuple[int, int] = (0, 0)
+    shared_intermediate: tuple[int, int] = (0, 0)
 
 
 def check_tp_layout(spec: ModelSpec, tp: int, *, group_sizes: tuple[int, ...] = ()) -> None:
@@ -59,12 +63,17 @@ def check_tp_layout(spec: ModelSpec, tp: int, *, group_sizes: tuple[int, ...] = 
         raise TPLayoutError(f"{name}: num_kv_heads={kv} and tensor_parallel_size={tp}: one must "
                             "divide the other (KV heads are split, or replicated when tp exceeds "
                             "them)")
-    if spec.intermediate_size % tp:
-        raise TPLayoutError(f"{name}: intermediate_size={spec.intermediate_size} is not "
-                            f"divisible by tensor_parallel_size={tp}")
+    widths = [("intermediate_size", spec.intermediate_size)]
+    if spec.num_experts:  # each expert split the Megatron way, as a dense MLP
+        widths.append(("expert intermediate size", spec.expert_intermediate_size))
+    if spec.shared_expert_intermediate_size:
+        widths.append(("shared_expert_intermediate_size", spec.shared_expert_intermediate_size))
+    for what, k in widths:
+        if k % tp:
+            raise TPLayoutError(f"{name}: {what}={k} is not divisible by "
+                                f"tensor_parallel_size={tp}")
     for g in group_sizes:
-        for what, k in (("num_heads x head_dim", spec.q_size),
-                        ("intermediate_size", spec.intermediate_size)):
+        for what, k in (("num_heads x head_dim", spec.q_size), *widths):
             if (k // tp) % g:
                 raise TPLayoutError(f"{name}: {what}={k} / tensor_parallel_size={tp} = {k // tp} "
                                     f"columns per rank is not a whole number of the packed "
@@ -94,8 +103,11 @@ def rank_slice(spec: ModelSpec, tp: int, rank: int) -> RankSlice:
         head = q0 // (hq // kv)  # the KV head of this rank's query heads
         kvr = (head, head + 1)
     inter = spec.intermediate_size // tp
+    expert = spec.expert_intermediate_size // tp if spec.num_experts else 0
+    shared = spec.shared_expert_intermediate_size // tp
     return RankSlice(rank, tp, q, kvr, (rank * inter, (rank + 1) * inter),
-                     _split(spec.vocab_size, tp, rank), -(-spec.vocab_size // tp))
+                     _split(spec.vocab_size, tp, rank), -(-spec.vocab_size // tp),
+                     (rank * expert, (rank + 1) * expert), (rank * shared, (rank + 1) * shared))
 
 
 def rank_spec(spec: ModelSpec, tp: int, rank: int) -> ModelSpec:
@@ -105,4 +117,7 @@ def rank_spec(spec: ModelSpec, tp: int, rank: int) -> ModelSpec:
     return dataclasses.replace(
         spec, num_heads=s.q_heads[1] - s.q_heads[0], num_kv_heads=s.kv_heads[1] - s.kv_heads[0],
         intermediate_size=s.intermediate[1] - s.intermediate[0],
+        moe_intermediate_size=(s.expert_intermediate[1] - s.expert_intermediate[0]
+                               if spec.moe_intermediate_size else 0),
+        shared_expert_intermediate_size=s.shared_intermediate[1] - s.shared_intermediate[0],
         vocab_size=s.vocab[1] - s.vocab[0])

@@ -18,6 +18,9 @@ _LAYER = re.compile(r"(?:model\.)?layers\.\d+\.(self_attn|mlp)\.(\w+)\.(weight|b
 # which dimension of which projection is split, and by what range of RankSlice
 _COLUMN = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "inter", "up_proj": "inter"}
 _ROW = {"o_proj": "q", "down_proj": "inter"}
+# a routed expert's or the shared expert's projections: split as a dense MLP's, over their width
+_EXPERT = re.compile(r"layers\.\d+\.mlp\.(experts\.\d+|shared_expert)\.(gate_proj|up_proj|"
+                     r"down_proj)\.weight$")
 
 
 def row_parallel_groups(weights: dict[str, HeldTensor]) -> tuple[int, ...]:
@@ -27,8 +30,9 @@ def row_parallel_groups(weights: dict[str, HeldTensor]) -> tuple[int, ...]:
     out: set[int] = set()
     for name, w in weights.items():
         m = _LAYER.search(name)
+        x = _EXPERT.search(name)
         block = as_held(w).column_block
-        if m and m.group(2) in _ROW and block > 1:
+        if ((m and m.group(2) in _ROW) or (x and x.group(2) == "down_proj")) and block > 1:
             out.add(block)
     return tuple(sorted(out))
 
@@ -42,7 +46,11 @@ def shard_weights(spec: ModelSpec, weights: dict[str, HeldTensor], s: RankSlice
     out: dict[str, HeldTensor] = {}
     for name, w in weights.items():
         m = _LAYER.search(name)
-        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        x = _EXPERT.search(name)
+        if x is not None:
+            r = s.shared_intermediate if x.group(1) == "shared_expert" else s.expert_intermediate
+            out[name] = _shard(w, 1 if x.group(2) == "down_proj" else 0, r, name)
+        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
             out[name] = _shard(w, 0, s.vocab, name)
         elif m and m.group(2) in _COLUMN:
             out[name] = _shard(w, 0, ranges[_COLUMN[m.group(2)]], name)

@@ -21,6 +21,7 @@ from fitserve.model.attention.paged import AttentionBatch
 from fitserve.model.gemma import GemmaCausalLM, GemmaDecoderLayer
 from fitserve.model.llama import CausalLM, DecoderLayer, LayerKV
 from fitserve.model.loader import build_model
+from fitserve.model.moe import SparseMoeBlock
 from fitserve.quant.held import HeldTensor
 
 
@@ -65,7 +66,14 @@ class TPCausalLM(nn.Module):
             assert isinstance(layer, DecoderLayer | GemmaDecoderLayer)
             attn, mlp = layer.self_attn, layer.mlp
             attn.o_proj = RowParallel(attn.o_proj, comm, "layer")  # type: ignore[assignment]
-            mlp.down_proj = RowParallel(mlp.down_proj, comm, "layer")  # type: ignore[assignment]
+            if isinstance(mlp, SparseMoeBlock):
+                # NOTE: every expert's down (and the shared expert's) holds its slice of the
+                # columns; the block's output is linear in their partial products (routing
+                # weights and the shared gate are whole on every rank), so one all-reduce of
+                # the block's output sums them: 2 per layer, as a dense layer
+                layer.mlp = RowParallel(mlp, comm, "layer")
+            else:
+                mlp.down_proj = RowParallel(mlp.down_proj, comm, "layer")  # type: ignore[assignment]
         self.shard_sizes = [rank_slice(full, s.tp, r).vocab for r in range(s.tp)]
 
     @property

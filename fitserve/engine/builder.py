@@ -139,9 +139,13 @@ def _size_and_wire(cfg: EngineConfig, model: CausalLM, spec: ModelSpec, shard_sp
         release_freed_host_memory()
     # One ledger: the planner's function counts the weights; the model must hold exactly that.
     dname = dtype_name(dtype)
-    weight_bytes = engine_weight_bytes(shard_spec, dname, stored=loaded.stored_formats,
-                                       rule=engine_format_rule(weights_choice, dname))
     held = held_weight_bytes(model)  # parameters and packed buffers, each tensor once
+    # NOTE (merge): the ledger's engine_weight_bytes lists dense MLPs only; a mixture-of-experts
+    # model is sized from the bytes it holds (its experts as stored) until the ledger counts
+    # experts, when this branch goes and the check below covers MoE too.
+    weight_bytes = held if spec.num_experts else engine_weight_bytes(
+        shard_spec, dname, stored=loaded.stored_formats,
+        rule=engine_format_rule(weights_choice, dname))
     if held != weight_bytes:
         raise RuntimeError(f"the model holds {held:,} B of weights, the ledger says "
                            f"{weight_bytes:,} B (fitserve.ledger.weights.engine_weight_bytes)")
@@ -161,7 +165,9 @@ def _size_and_wire(cfg: EngineConfig, model: CausalLM, spec: ModelSpec, shard_sp
         model, shard_spec, num_blocks=pool.num_blocks, block_size=cache.block_size,  # type: ignore[arg-type]
         kv_dtype=dtype, device=device,
         # NOTE: under --tp every step runs eager (collectives inside a compiled graph: later)
-        compile_decode=not cfg.enforce_eager and tp_group is None,
+        # NOTE: nor for a mixture-of-experts model: which experts run (and over how many
+        # tokens) is data, so the step is no single graph (_compile_decode_steps says so)
+        compile_decode=not cfg.enforce_eager and tp_group is None and not spec.num_experts,
         kv_cache_dtype=cache.kv_cache_dtype, kv_cache_scales=cache.kv_cache_scales,
         verify=None if cfg.speculative is None else verify_drafts,
         kv_groups=groups if len(groups) > 1 else (),
@@ -215,6 +221,9 @@ def _compile_decode_steps(cfg: EngineConfig, runner: ModelRunner, startup: dict[
         startup["compile"] = time.perf_counter() - t0
         log.info("decode step compiled in %.1f s (%s)", startup["compile"],
                  ", ".join(f"{k}: {v:.1f} s" for k, v in per_class.items()))
+    elif not cfg.enforce_eager and runner.spec.num_experts:
+        log.warning("--compile: the decode step of a mixture-of-experts model runs eager (its "
+                    "expert routing is data-dependent: no single graph)")
     elif not cfg.enforce_eager:
         log.warning("--compile: the decode step runs eager here (compiled steps need the "
                     "CPU device and the C++ paged attention kernel)")

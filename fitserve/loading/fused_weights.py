@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TypeVar
 
 from fitserve.config import ModelSpec
+from fitserve.loading.moe_names import split_expert_tensor
 
 T = TypeVar("T")  # a torch tensor or a numpy array: anything sliced by rows
 
@@ -36,6 +37,9 @@ def fused_parts(spec: ModelSpec, name: str) -> list[tuple[str, int]] | None:
 def split_fused(spec: ModelSpec, name: str, tensor: T) -> list[tuple[str, T]]:
     """``[(name, tensor)]``, or the parts of a fused tensor as row slices (a ValueError when
     its rows do not add up to the spec's)."""
+    experts = split_expert_tensor(spec, name, tensor)
+    if experts is not None:
+        return experts
     parts = fused_parts(spec, name)
     if parts is None:
         return [(name, tensor)]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,9 @@ from fitserve.quant.held import HeldTensor, dtype_table_name
 
 log = logging.getLogger("fitserve.loading")
 _FLOAT_TYPES = ("F32", "F16", "BF16")
-_PERMUTED_ARCHS = ("llama", "mistral")  # llama.cpp's LlamaModel.permute applies to these
+_PERMUTED_ARCHS = ("llama", "mistral", "mixtral")
+_EXPERT_PROJ = ("mlp.experts.gate_proj.weight", "mlp.experts.up_proj.weight",
+                "mlp.experts.down_proj.weight")  # llama.cpp's LlamaModel.permute applies to these
 
 
 def _fields(reader: GGUFReader) -> dict[str, Any]:
@@ -139,9 +142,10 @@ def read_gguf_weights(
         if type_name not in SUPPORTED_GGUF_TYPES:
             raise UnsupportedTensorTypeError(t.name, type_name, SUPPORTED_GGUF_TYPES, path)
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-        for part, rows in _parts(spec, hf, shape[0], path):
+        for part, rows, one, one_shape in _pieces(t, spec, hf, shape, path):
             stored[part] = type_name
-            out[part], fmt = _held(t, part, rows, type_name, shape, spec, path, dtype, weights)
+            out[part], fmt = _held(one, part, rows, type_name, one_shape, spec, path, dtype,
+                                   weights)
             if fmt is not None and type_name not in _FLOAT_TYPES:
                 dequantized.setdefault(type_name, []).append(fmt)
         if len(shape) >= 2:
@@ -152,6 +156,31 @@ def read_gguf_weights(
     check_weights(out, spec, path)
     dominant = elements.most_common(1)[0][0] if elements else "F32"
     return out, dominant, stored
+
+
+@dataclass(frozen=True)
+class _ExpertSlice:
+    """One expert's [rows, cols] of a 3-D ``ffn_*_exps`` tensor, read like a 2-D tensor."""
+
+    name: str
+    tensor_type: Any
+    data: np.ndarray  # its slice of the file's data along the expert axis (no copy)
+
+
+def _pieces(t: Any, spec: ModelSpec, hf: str, shape: tuple[int, ...], path: Path
+            ) -> list[tuple[str, np.ndarray | None, Any, tuple[int, ...]]]:
+    """(HF name, rows, the tensor or its expert slice, its shape) of each weight a file tensor holds: a
+    3-D expert tensor cut along the expert axis (its data is [E, rows, bytes per row], so each
+    slice is whole rows of ggml blocks), else ``_parts``."""
+    if len(shape) == 3 and hf.endswith(_EXPERT_PROJ):
+        if shape[0] != spec.num_experts:
+            raise ModelLoadError(f"{path}: tensor {t.name!r} holds {shape[0]} experts, the "
+                                 f"metadata says {spec.num_experts}")
+        stem = hf.removesuffix(".weight").rpartition(".")
+        return [(f"{stem[0]}.{e}.{stem[2]}.weight", None,
+                 _ExpertSlice(f"{t.name}[{e}]", t.tensor_type, t.data[e]), shape[1:])
+                for e in range(shape[0])]
+    return [(name, rows, t, shape) for name, rows in _parts(spec, hf, shape[0], path)]
 
 
 def _parts(spec: ModelSpec, hf: str, rows: int, path: Path) -> list[tuple[str, np.ndarray | None]]:

@@ -13,21 +13,27 @@ from __future__ import annotations
 import gguf
 
 from fitserve.config import ModelSpec
-from fitserve.ledger.weight_names import expected_weight_shapes
 from fitserve.loading.errors import ModelLoadError
 from fitserve.loading.fused_weights import checkpoint_names
+from fitserve.loading.moe_names import engine_weight_shapes, merged_expert_name
 
 _ARCH_BY_NAME = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
 
 
 def gguf_to_hf_names(spec: ModelSpec, gguf_arch: str, source: object) -> dict[str, str]:
-    """GGUF tensor name -> HF name (a fused one for Phi-3) of every tensor ``spec`` needs."""
+    """GGUF tensor name -> HF name (a fused one for Phi-3; ``mlp.experts.gate_proj.weight`` for
+    the 3-D ``ffn_gate_exps``) of every tensor ``spec`` needs."""
     arch = _ARCH_BY_NAME.get(gguf_arch)
     if arch is None:
         raise ModelLoadError(f"{source}: gguf-py knows no architecture {gguf_arch!r}")
     tmap = gguf.get_tensor_name_map(arch, spec.num_layers)
     out: dict[str, str] = {}
-    for hf in checkpoint_names(spec, list(expected_weight_shapes(spec))):
+    # experts: one 3-D tensor per projection and layer (ffn_gate_exps ...), named here by the
+    # per-projection HF name the converter maps (fitserve.loading.gguf splits it per expert)
+    names = [merged_expert_name(n) for n in engine_weight_shapes(spec)]
+    merged = dict.fromkeys(m[0] for m in names if m is not None)
+    singles = [n for n, m in zip(engine_weight_shapes(spec), names, strict=True) if m is None]
+    for hf in [*checkpoint_names(spec, singles), *merged]:
         stem, _, suffix = hf.rpartition(".")
         name = tmap.get_name(stem)
         if name is None:

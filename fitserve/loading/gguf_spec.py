@@ -57,6 +57,12 @@ ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_
 # (hidden / heads)**-0.5 instead of head_dim**-0.5; the files store no query_pre_attn_scalar
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _NORMS_PER_LAYER = {"gemma2": 4, "gemma3": 4}
+# llama.cpp's architecture names of the MoE families, as transformers names them (a GGUF spec
+# carries the HF name; "llama" with an expert count is Mixtral)
+_HF_ARCH = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+# llama.cpp's build_moe_ffn norm_w per architecture (hard-coded in its graphs, no metadata):
+# the top-k weights renormalised to sum 1 (Mixtral, Qwen3-MoE) or not (Qwen2-MoE, OLMoE)
+_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False}
 
 
 def _dequantizable(qtype: GGMLQuantizationType) -> bool:
@@ -353,9 +359,15 @@ def _planner_fields(m: _Meta, head_dim: int) -> dict[str, Any]:
         num_shared_experts=int(m.fields.get(f"{m.arch}.expert_shared_count") or 0),
         first_k_dense=int(m.fields.get(f"{m.arch}.leading_dense_block_count") or 0),
     )
-    if m.engine and (out["num_experts"] or kv_lora):
-        raise ModelLoadError(f"{m.path}: mixture-of-experts / MLA models are not supported "
-                             f"(expert_count {out['num_experts']}, kv_lora_rank {kv_lora})")
+    if m.engine and kv_lora:
+        raise ModelLoadError(f"{m.path}: multi-head latent attention (MLA) models are not "
+                             f"supported (kv_lora_rank {kv_lora})")
+    if out["num_experts"]:
+        norm = m.fields.get(f"{m.arch}.expert_weights_norm")
+        out.update(
+            norm_topk_prob=bool(_EXPERT_WEIGHTS_NORM.get(m.arch, False) if norm is None else norm),
+            shared_expert_intermediate_size=int(
+                m.fields.get(f"{m.arch}.expert_shared_feed_forward_length") or 0))
     if kv_lora:
         out.update(kv_lora_rank=kv_lora, qk_rope_head_dim=rope_dim,
                    qk_nope_head_dim=head_dim - rope_dim,
@@ -419,6 +431,9 @@ def spec_from_gguf_header(header: GGUFHeader, *, require_supported: bool = True)
     # llama.cpp writes Mistral as "llama"; transformers' GGUF loader tells them apart by name.
     # NOTE: the window is the file's own key (llama.cpp writes none for "llama": full attention).
     spec_arch = "mistral" if arch == "llama" and "mistral" in name.lower() else arch
+    if arch == "llama" and f.get(f"{arch}.expert_count"):
+        spec_arch = "mixtral"
+    spec_arch = _HF_ARCH.get(spec_arch, spec_arch)
     return ModelSpec(
         architecture=spec_arch,
         vocab_size=_vocab(header, m),
@@ -435,6 +450,7 @@ def spec_from_gguf_header(header: GGUFHeader, *, require_supported: bool = True)
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
+        qk_norm_scope="projection" if arch == "olmoe" else "head",
         sliding_window=window,
         layer_types=kinds,
         hidden_act="gelu_pytorch_tanh" if arch in _GELU_ARCHS else "silu",

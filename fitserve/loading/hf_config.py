@@ -23,13 +23,21 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from fitserve.config import GEMMA_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelSpec, RopeScaling
+from fitserve.config import (
+    GEMMA_ARCHITECTURES,
+    MOE_ARCHITECTURES,
+    SUPPORTED_ARCHITECTURES,
+    ModelSpec,
+    RopeScaling,
+)
 from fitserve.ledger.errors import PlanError
 from fitserve.ledger.formats import weight_format
-from fitserve.ledger.weight_names import expected_weight_shapes as expected_weight_shapes
 from fitserve.loading import hf_defaults as d
 from fitserve.loading.errors import ModelLoadError, UnsupportedArchitectureError
-from fitserve.loading.hf_families import gemma_fields, longrope_scaling
+from fitserve.loading.hf_families import gemma_fields, longrope_scaling, moe_fields
+
+# the engine's names: the ledger's list with a mixture-of-experts model's experts
+from fitserve.loading.moe_names import engine_weight_shapes as expected_weight_shapes  # noqa: F401
 from fitserve.loading.weight_names import check_weights as check_weights  # re-exported
 
 # HF class names -> model_type, for configs that only name ``architectures``.
@@ -39,6 +47,9 @@ _ARCH_ALIASES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
     "Phi3ForCausalLM": "phi3",
@@ -242,8 +253,9 @@ def _check_engine_config(config: Mapping[str, Any], arch: str, source: object) -
         raise UnsupportedArchitectureError(shown, source)
     if arch == "llama" and (config.get("attention_bias") or config.get("mlp_bias")):
         raise ModelLoadError(f"{source}: llama with attention_bias/mlp_bias is not supported")
-    if arch == "qwen3" and config.get("attention_bias"):
-        raise ModelLoadError(f"{source}: qwen3 with attention_bias (an o_proj bias) is not supported")
+    if arch in ("qwen3", "qwen3_moe", "olmoe") and config.get("attention_bias"):
+        raise ModelLoadError(f"{source}: {arch} with attention_bias (an o_proj bias) is not "
+                             "supported")
     if (config.get("architectures") or [""])[0] == "Gemma3ForConditionalGeneration":
         raise ModelLoadError(f"{source}: Gemma3ForConditionalGeneration (image + text) is not "
                              "supported; the engine runs Gemma3ForCausalLM (gemma3_text) checkpoints")
@@ -330,7 +342,7 @@ def spec_from_hf_config(
         extra=extra,
         **gemma_fields(config, arch, source, require_supported),
     )
-    return replace(spec, **experts)
+    return replace(spec, **experts, **moe_fields(config, arch, source, require_supported))
 
 
 def check_engine_spec(spec: ModelSpec, source: object) -> None:
@@ -341,8 +353,11 @@ def check_engine_spec(spec: ModelSpec, source: object) -> None:
     """
     # NOTE: layer_types mixing "sliding" and "full" runs: one KV layer group per kind
     # (fitserve.kv.group), each layer reading its group's batch.
-    if spec.num_experts or spec.kv_lora_rank:
-        raise ModelLoadError(f"{source}: mixture-of-experts / MLA models are not supported")
+    if spec.kv_lora_rank:
+        raise ModelLoadError(f"{source}: multi-head latent attention (MLA) models are not supported")
+    if spec.num_experts and spec.architecture not in MOE_ARCHITECTURES:
+        raise ModelLoadError(f"{source}: mixture-of-experts {spec.architecture} is not supported "
+                             f"(the engine runs experts of {', '.join(MOE_ARCHITECTURES)})")
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -45,10 +45,13 @@ DEFAULTS: dict[str, dict[str, Any]] = {
               "sliding_window": 4096, "max_window_layers": 28},
     "qwen2_moe": {"num_key_value_heads": 16, "max_position_embeddings": 32768,
                   "sliding_window": 4096, "max_window_layers": 28,
-                  "moe_intermediate_size": 1408, "num_experts": 60, "num_experts_per_tok": 4},
+                  "moe_intermediate_size": 1408, "num_experts": 60, "num_experts_per_tok": 4,
+                  "shared_expert_intermediate_size": 5632},
     "qwen3_moe": {"num_key_value_heads": 4, "max_position_embeddings": 32768,
                   "sliding_window": 4096, "moe_intermediate_size": 768, "num_experts": 128,
                   "num_experts_per_tok": 8},
+    "olmoe": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "num_experts": 64,
+              "num_experts_per_tok": 8},
     "gemma": {**_GEMMA, "num_key_value_heads": 16, "max_position_embeddings": 8192},
     "gemma2": {**_GEMMA, "num_key_value_heads": 4, "max_position_embeddings": 8192,
                "sliding_window": 4096, "query_pre_attn_scalar": 256,
@@ -82,11 +85,11 @@ WINDOW_GATED = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # only with use_sli
 WINDOW_EVERY_LAYER = ("mistral", "mixtral", "qwen3_moe")  # one window, layer_types ignored
 # Default layer pattern when config.json has no layer_types: the period's last layer is full.
 WINDOW_PERIOD = {"gemma2": 2, "gpt_oss": 2}  # gemma3_text: sliding_window_pattern (6)
-QK_NORM = ("qwen3", "qwen3_moe", "gemma3", "gemma3_text")
+QK_NORM = ("qwen3", "qwen3_moe", "gemma3", "gemma3_text", "olmoe")
 ALWAYS_QKV_BIAS = ("qwen2",)  # Qwen2Attention: q/k/v bias=True whatever attention_bias says
 # attention_bias puts a bias on o_proj too (LlamaAttention, Qwen3Attention, GptOssAttention)
 O_BIAS_WITH_ATTENTION_BIAS = ("llama", "gemma", "gemma2", "gemma3_text", "qwen3", "qwen3_moe",
-                              "gpt_oss")
+                              "gpt_oss", "olmoe")
 # Model types whose attention_bias transformers ignores (no such field; biases hard-coded off);
 # qwen2_moe reads ``qkv_bias`` (default True) instead.
 IGNORES_ATTENTION_BIAS = ("mistral", "mixtral", "qwen2", "qwen2_moe")

@@ -55,3 +55,25 @@ def gemma_fields(config: Mapping[str, Any], arch: str, source: object,
         out["sliding_rope_theta"] = float(local.get("rope_theta") or config.get(
             "rope_local_base_freq") or 10000.0)
     return {k: (float(v) if v is not None else None) for k, v in out.items()}
+
+
+def moe_fields(config: Mapping[str, Any], arch: str, source: object,
+               require_supported: bool) -> dict[str, Any]:
+    """The expert block's settings beyond the counts (``_moe_and_mla``): top-k renormalisation
+    (Mixtral always renormalises; Qwen2/3-MoE and OLMoE read ``norm_topk_prob``), Qwen2-MoE's
+    shared expert, and which layers are sparse (``decoder_sparse_step``, ``mlp_only_layers``).
+    ``router_aux_loss_coef`` / ``output_router_logits`` are training-only: ignored."""
+    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
+        return {}
+    if require_supported and config.get("clip_qkv") is not None:
+        raise ModelLoadError(f"{source}: {arch} with clip_qkv={config['clip_qkv']} is not "
+                             "supported (q/k/v clamping)")
+    only = _get(config, "mlp_only_layers", arch) or []
+    return {
+        "norm_topk_prob": True if arch == "mixtral" else bool(_get(config, "norm_topk_prob", arch)),
+        "shared_expert_intermediate_size": int(
+            _get(config, "shared_expert_intermediate_size", arch) or 0),
+        "decoder_sparse_step": int(_get(config, "decoder_sparse_step", arch) or 1),
+        "mlp_only_layers": tuple(int(i) for i in only),
+        "qk_norm_scope": "projection" if arch == "olmoe" else "head",
+    }

@@ -15,7 +15,12 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from fitserve.config import GEMMA_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelSpec
+from fitserve.config import (
+    GEMMA_ARCHITECTURES,
+    MOE_ARCHITECTURES,
+    SUPPORTED_ARCHITECTURES,
+    ModelSpec,
+)
 from fitserve.loading.errors import ModelLoadError
 from fitserve.loading.gguf_spec import (
     SUPPORTED_GGUF_TYPES,
@@ -65,8 +70,7 @@ def spec_problems(spec: ModelSpec) -> list[str]:
     if spec.architecture not in SUPPORTED_ARCHITECTURES:
         out.append(f"architecture {spec.architecture!r} is not supported by the engine "
                    f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    if spec.num_experts:
-        out.append("mixture-of-experts models are not supported by the engine")
+    out += _moe_problems(spec)
     act = "gelu_pytorch_tanh" if spec.architecture in GEMMA_ARCHITECTURES else "silu"
     if spec.hidden_act != act:
         out.append(f"activation {spec.hidden_act!r} is not supported for {spec.architecture} "
@@ -75,6 +79,21 @@ def spec_problems(spec: ModelSpec) -> list[str]:
         out.append(f"num_heads={spec.num_heads} is not a multiple of "
                    f"num_kv_heads={spec.num_kv_heads}")
     return out
+
+
+def _moe_problems(spec: ModelSpec) -> list[str]:
+    """What the expert block (fitserve.model.moe) cannot run in a mixture-of-experts spec."""
+    if not spec.num_experts:
+        return []
+    if spec.architecture not in MOE_ARCHITECTURES:
+        return [f"mixture-of-experts {spec.architecture!r} is not supported by the engine "
+                f"(experts run for {', '.join(MOE_ARCHITECTURES)})"]
+    if spec.kv_lora_rank or spec.num_shared_experts:
+        return ["DeepSeek-style MLA / shared experts are not supported by the engine"]
+    if not 1 <= spec.num_experts_per_token <= spec.num_experts:
+        return [f"num_experts_per_tok={spec.num_experts_per_token} is not in 1..num_experts="
+                f"{spec.num_experts}"]
+    return []
 
 
 def gguf_support(header: GGUFHeader) -> EngineSupport:

@@ -1,5 +1,7 @@
 """One decoder for the Llama family: Llama 1/2/3, Mistral (sliding window), Qwen2 (qkv bias),
-Qwen3 (per-head q/k RMSNorm). Weights use Hugging Face names; q/k/v and gate/up are fused.
+Qwen3 (per-head q/k RMSNorm), and the mixture-of-experts families whose layers differ only in
+the MLP (Mixtral, Qwen2-MoE, Qwen3-MoE; OLMoE with q/k norms over the whole projection; the
+expert block is fitserve.model.moe). Weights use Hugging Face names; q/k/v and gate/up are fused.
 The modules only: ``fitserve.model.loader`` turns a state dict into them (``build_model``)."""
 
 from __future__ import annotations
@@ -10,8 +12,9 @@ from torch import nn
 from fitserve.config import ModelSpec
 from fitserve.kernels.cpu import fused
 from fitserve.model.attention.paged import AttentionBatch, paged_attention, write_kv
-from fitserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, StepRope
+from fitserve.model.layers import RMSNorm, RotaryEmbedding, StepRope
 from fitserve.model.linear import DenseLinear
+from fitserve.model.moe import make_mlp
 from fitserve.quant.kv_cache import QuantizedKVCache
 
 # One layer's KV cache: dense (K, V) tensors, or int8/fp8 codes with scales
@@ -25,8 +28,11 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = spec.q_size, spec.kv_size
         self.qkv_proj = DenseLinear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
         self.o_proj = DenseLinear(self.q_size, spec.hidden_size, bias=False)
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        # q/k norms per head (Qwen3) or over the whole projection (OLMoE: qk_norm_scope)
+        self.norm_whole = spec.qk_norm_scope == "projection"
+        q_dim, k_dim = (self.q_size, self.kv_size) if self.norm_whole else (self.head_dim,) * 2
+        self.q_norm = RMSNorm(q_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.rotary = rotary
         self.scale = spec.head_dim**-0.5
         self.layer_idx = layer_idx
@@ -43,7 +49,12 @@ class Attention(nn.Module):
         heads = self.num_heads + self.num_kv
         qk = qkv[:, : self.q_size + self.kv_size].view(n, heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None and self.norm_whole:
+            q_end = self.q_size
+            qk = torch.cat((self.q_norm(qkv[:, :q_end]),
+                            self.k_norm(qkv[:, q_end : q_end + self.kv_size])), 1).view(
+                                n, heads, self.head_dim)
+        elif self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), 1)
         if isinstance(kv_cache, QuantizedKVCache):
             qk = self.rotary(qk, rope.tables())
@@ -74,7 +85,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = Attention(spec, layer_idx, rotary)
-        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size)
+        self.mlp = make_mlp(spec, layer_idx)  # a dense SwiGLU, or the expert block (MoE)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 

@@ -91,8 +91,9 @@ def fuse_hf_weights(spec: ModelSpec, weights: dict[str, HeldTensor]) -> dict[str
         out[a + "qkv_proj.weight"] = _fuse([take(a + f"{x}_proj.weight") for x in "qkv"])
         if spec.attention_bias:
             out[a + "qkv_proj.bias"] = _fuse([take(a + f"{x}_proj.bias") for x in "qkv"])
-        m = p + "mlp."
-        out[m + "gate_up_proj.weight"] = _fuse([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
+        for m in _gated_mlps(spec, i):
+            out[m + "gate_up_proj.weight"] = _fuse([take(m + "gate_proj.weight"),
+                                                    take(m + "up_proj.weight")])
     if spec.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     elif "lm_head.weight" not in out:
@@ -100,6 +101,16 @@ def fuse_hf_weights(spec: ModelSpec, weights: dict[str, HeldTensor]) -> dict[str
     if missing:
         raise UnsupportedModelError(f"model weights are missing tensors: {', '.join(missing[:8])}")
     return out
+
+
+def _gated_mlps(spec: ModelSpec, layer: int) -> list[str]:
+    """The prefixes of layer ``layer``'s SwiGLU MLPs whose gate/up are fused: the dense MLP,
+    or each expert (and the shared expert) of a sparse layer."""
+    m = f"layers.{layer}.mlp."
+    if not spec.is_moe_layer(layer):
+        return [m]
+    shared = [m + "shared_expert."] if spec.shared_expert_intermediate_size else []
+    return [f"{m}experts.{e}." for e in range(spec.num_experts)] + shared
 
 
 def make_linear(weight: HeldWeight | tuple[HeldWeight, ...], bias: torch.Tensor | None,

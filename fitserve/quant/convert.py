@@ -15,10 +15,16 @@ from fitserve.quant.fp8 import quantize_fp8
 from fitserve.quant.held import HeldTensor, as_held, dtype_table_name, table_dtype
 from fitserve.quant.rtn import quantize
 
+# NOTE: a mixture-of-experts router (mlp.gate) and Qwen2-MoE's shared_expert_gate stay in the
+# model dtype under every --weights choice, as llama.cpp's quantizer and vLLM keep them: their
+# few rows pick the experts, and a rounding there changes which weights run.
+_ROUTER_SUFFIXES = (".mlp.gate.weight", ".mlp.shared_expert_gate.weight")
+
 
 def held_format(choice: str, hf_name: str, ndim: int, stored: str, dtype: torch.dtype) -> str:
     """The format the engine holds ``hf_name`` in under ``--weights choice``."""
-    return engine_tensor_format(choice, stored, tensor_role(hf_name, ndim), dtype_table_name(dtype))
+    role = "vector" if hf_name.endswith(_ROUTER_SUFFIXES) else tensor_role(hf_name, ndim)
+    return engine_tensor_format(choice, stored, role, dtype_table_name(dtype))
 
 
 def hold(tensor: torch.Tensor, fmt: str) -> HeldTensor:

@@ -37,7 +37,7 @@ from fitserve.kernels.cpu.fused import fused_ops_available
 from fitserve.kernels.cpu.paged_attention import DEFAULT_PARTITION, paged_attention_available
 from fitserve.model.attention.cpu_paged import CpuPagedDecode
 from fitserve.model.attention.paged import AttentionBatch
-from fitserve.model.layers import RMSNorm
+from fitserve.model.layers import GatedMLP, RMSNorm
 from fitserve.model.linear import DenseLinear, PackedLinear, shape_class
 from fitserve.model.llama import CausalLM, LayerKV
 
@@ -116,12 +116,14 @@ class DecodeLoop:
 
     @staticmethod
     def supports(model: nn.Module, dtype: torch.dtype) -> bool:
-        """The model is the plain CPU decoder this loop replays (no TP wrapper, no q/k norms)."""
+        """The model is the plain CPU decoder this loop replays (no TP wrapper, no q/k norms,
+        dense MLPs: an expert block's routing is not one prebound op list)."""
         if type(model) is not CausalLM or not (fused_ops_available() and paged_attention_available()):
             return False
         if not model.layers or not _norm_ok(model.norm, dtype):
             return False
-        return all(layer.self_attn.q_norm is None and _norm_ok(layer.input_layernorm, dtype)
+        return all(layer.self_attn.q_norm is None and isinstance(layer.mlp, GatedMLP)
+                   and _norm_ok(layer.input_layernorm, dtype)
                    and _norm_ok(layer.post_attention_layernorm, dtype) for layer in model.layers)
 
     def applies(self, batch: AttentionBatch, kv_caches: list[LayerKV], num_tokens: int) -> bool:
