@@ -106,7 +106,8 @@ def test_plan_on_cpu_for_every_moe_model(name: str, monkeypatch: pytest.MonkeyPa
     # a model the engine cannot run (yet) is still planned, then refused by name: exit 1
     e = catalog_entry(name)
     refused = bool(spec_problems(e.spec))
-    plan = _plan(capsys, [name, "--gpu", "cpu", "--gpu-memory", "4TiB"], 1 if refused else 0)
+    plan = _plan(capsys, [name, "--gpu", "cpu", "--gpu-memory", "4TiB", "--context", "4k"],
+                 1 if refused else 0)
     fit = json.dumps(plan["sections"])
     assert ("engine: cannot run" in fit) is refused
     weights = plan["engine"]["weight_bytes"]
