@@ -140,12 +140,8 @@ def _size_and_wire(cfg: EngineConfig, model: CausalLM, spec: ModelSpec, shard_sp
     # One ledger: the planner's function counts the weights; the model must hold exactly that.
     dname = dtype_name(dtype)
     held = held_weight_bytes(model)  # parameters and packed buffers, each tensor once
-    # NOTE (merge): the ledger's engine_weight_bytes lists dense MLPs only; a mixture-of-experts
-    # model is sized from the bytes it holds (its experts as stored) until the ledger counts
-    # experts, when this branch goes and the check below covers MoE too.
-    weight_bytes = held if spec.num_experts else engine_weight_bytes(
-        shard_spec, dname, stored=loaded.stored_formats,
-        rule=engine_format_rule(weights_choice, dname))
+    weight_bytes = engine_weight_bytes(shard_spec, dname, stored=loaded.stored_formats,
+                                       rule=engine_format_rule(weights_choice, dname))
     if held != weight_bytes:
         raise RuntimeError(f"the model holds {held:,} B of weights, the ledger says "
                            f"{weight_bytes:,} B (fitserve.ledger.weights.engine_weight_bytes)")

@@ -35,10 +35,30 @@ def expected_weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             if spec.attention_bias:
                 shapes[f"{p}self_attn.{name}_proj.bias"] = (rows,)
         shapes[p + "self_attn.o_proj.weight"] = (h, q)
-        if spec.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (dim,)
-            shapes[p + "self_attn.k_norm.weight"] = (dim,)
-        shapes[p + "mlp.gate_proj.weight"] = (spec.intermediate_size, h)
-        shapes[p + "mlp.up_proj.weight"] = (spec.intermediate_size, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, spec.intermediate_size)
+        if spec.qk_norm:  # OLMoE normalises the whole projection, the others each head
+            whole = spec.qk_norm_scope == "projection"
+            shapes[p + "self_attn.q_norm.weight"] = (q if whole else dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (kv if whole else dim,)
+        if spec.num_experts and spec.is_moe_layer(i):
+            shapes.update(_moe_mlp(spec, p + "mlp."))
+        else:
+            shapes.update(_mlp(p + "mlp.", h, spec.intermediate_size))
     return shapes
+
+
+def _mlp(prefix: str, hidden: int, inter: int) -> dict[str, tuple[int, ...]]:
+    return {prefix + "gate_proj.weight": (inter, hidden), prefix + "up_proj.weight": (inter, hidden),
+            prefix + "down_proj.weight": (hidden, inter)}
+
+
+def _moe_mlp(spec: ModelSpec, prefix: str) -> dict[str, tuple[int, ...]]:
+    """A sparse layer: the router, each expert apart (as the engine holds them: only the
+    active ones are read), and Qwen2-MoE's shared expert with its gate."""
+    h, e, inter = spec.hidden_size, spec.num_experts, spec.expert_intermediate_size
+    out: dict[str, tuple[int, ...]] = {prefix + "gate.weight": (e, h)}
+    for x in range(e):
+        out.update(_mlp(f"{prefix}experts.{x}.", h, inter))
+    if spec.shared_expert_intermediate_size:
+        out.update(_mlp(prefix + "shared_expert.", h, spec.shared_expert_intermediate_size))
+        out[prefix + "shared_expert_gate.weight"] = (1, h)
+    return out

@@ -13,9 +13,10 @@ from __future__ import annotations
 import gguf
 
 from fitserve.config import ModelSpec
+from fitserve.ledger.weight_names import expected_weight_shapes
 from fitserve.loading.errors import ModelLoadError
 from fitserve.loading.fused_weights import checkpoint_names
-from fitserve.loading.moe_names import engine_weight_shapes, merged_expert_name
+from fitserve.loading.moe_names import merged_expert_name
 
 _ARCH_BY_NAME = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
 
@@ -30,9 +31,9 @@ def gguf_to_hf_names(spec: ModelSpec, gguf_arch: str, source: object) -> dict[st
     out: dict[str, str] = {}
     # experts: one 3-D tensor per projection and layer (ffn_gate_exps ...), named here by the
     # per-projection HF name the converter maps (fitserve.loading.gguf splits it per expert)
-    names = [merged_expert_name(n) for n in engine_weight_shapes(spec)]
+    names = [merged_expert_name(n) for n in expected_weight_shapes(spec)]
     merged = dict.fromkeys(m[0] for m in names if m is not None)
-    singles = [n for n, m in zip(engine_weight_shapes(spec), names, strict=True) if m is None]
+    singles = [n for n, m in zip(expected_weight_shapes(spec), names, strict=True) if m is None]
     for hf in [*checkpoint_names(spec, singles), *merged]:
         stem, _, suffix = hf.rpartition(".")
         name = tmap.get_name(stem)

@@ -32,12 +32,12 @@ from fitserve.config import (
 )
 from fitserve.ledger.errors import PlanError
 from fitserve.ledger.formats import weight_format
+
+# the engine's names: the ledger's list with a mixture-of-experts model's experts
+from fitserve.ledger.weight_names import expected_weight_shapes  # noqa: F401
 from fitserve.loading import hf_defaults as d
 from fitserve.loading.errors import ModelLoadError, UnsupportedArchitectureError
 from fitserve.loading.hf_families import gemma_fields, longrope_scaling, moe_fields
-
-# the engine's names: the ledger's list with a mixture-of-experts model's experts
-from fitserve.loading.moe_names import engine_weight_shapes as expected_weight_shapes  # noqa: F401
 from fitserve.loading.weight_names import check_weights as check_weights  # re-exported
 
 # HF class names -> model_type, for configs that only name ``architectures``.

@@ -19,7 +19,6 @@ import re
 from typing import TypeVar
 
 from fitserve.config import ModelSpec
-from fitserve.ledger.weight_names import expected_weight_shapes
 
 T = TypeVar("T")  # a torch tensor or a numpy array
 
@@ -27,44 +26,6 @@ _MIXTRAL = re.compile(r"(.*\.)block_sparse_moe\.(gate|experts\.(\d+)\.(w1|w2|w3)
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _FUSED_3D = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
-def engine_weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Every HF parameter name (and shape) the engine holds for ``spec``: the ledger's list
-    (fitserve.ledger.weight_names) with each sparse layer's MLP replaced by its router and
-    experts (and shared expert), and OLMoE's q/k norms over the whole projection.
-
-    NOTE (merge): the ledger's list knows dense MLPs only; until it lists experts the engine
-    takes this one, and sizes an MoE model's weights from what it holds (engine.builder)."""
-    shapes = expected_weight_shapes(spec)
-    if not spec.num_experts:
-        return shapes
-    h, e, inter = spec.hidden_size, spec.num_experts, spec.expert_intermediate_size
-    out: dict[str, tuple[int, ...]] = {}
-    for name, shape in shapes.items():
-        m = re.fullmatch(r"(model\.layers\.(\d+)\.)mlp\.(gate|up|down)_proj\.weight", name)
-        if spec.qk_norm_scope == "projection" and name.endswith("self_attn.q_norm.weight"):
-            shape = (spec.q_size,)
-        if spec.qk_norm_scope == "projection" and name.endswith("self_attn.k_norm.weight"):
-            shape = (spec.kv_size,)
-        if m is None or not spec.is_moe_layer(int(m.group(2))):
-            out[name] = shape
-            continue
-        if m.group(3) != "gate":
-            continue  # the layer's expert names are all added at its gate_proj
-        p = m.group(1) + "mlp."
-        out[p + "gate.weight"] = (e, h)
-        for x in range(e):
-            out.update(_mlp(f"{p}experts.{x}.", h, inter))
-        if spec.shared_expert_intermediate_size:
-            out.update(_mlp(p + "shared_expert.", h, spec.shared_expert_intermediate_size))
-            out[p + "shared_expert_gate.weight"] = (1, h)
-    return out
-
-
-def _mlp(prefix: str, hidden: int, inter: int) -> dict[str, tuple[int, ...]]:
-    return {prefix + "gate_proj.weight": (inter, hidden), prefix + "up_proj.weight": (inter, hidden),
-            prefix + "down_proj.weight": (hidden, inter)}
 
 
 def split_expert_tensor(spec: ModelSpec, name: str, tensor: T) -> list[tuple[str, T]] | None:

@@ -7,8 +7,8 @@ import re
 from typing import Any
 
 from fitserve.config import ModelSpec
+from fitserve.ledger.weight_names import expected_weight_shapes
 from fitserve.loading.errors import MissingTensorError, ModelLoadError
-from fitserve.loading.moe_names import engine_weight_shapes as expected_weight_shapes
 
 # Tensors some checkpoints carry that the engine does not need (recomputed or redundant).
 _HARMLESS_EXTRA = re.compile(r".*rotary_emb\.inv_freq$")
