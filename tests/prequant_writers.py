@@ -47,9 +47,11 @@ def _finish(folder: Path, tokenizer_dir: Path, quant: dict[str, Any] | None = No
 
 # -- compressed-tensors ---------------------------------------------------------------------
 def write_compressed_tensors(folder: Path, tokenizer_dir: Path, *, bits: int, strategy: str,
-                             group: int | None, symmetric: bool) -> tuple[Path, dict[str, Any]]:
-    """A pack-quantized checkpoint of the bf16 tiny Llama written by compressed-tensors, and
-    compressed-tensors' own decompression of each quantized weight (HF name -> bf16 tensor)."""
+                             group: int | None, symmetric: bool, model: Any = None
+                             ) -> tuple[Path, dict[str, Any]]:
+    """A pack-quantized checkpoint of ``model`` (a bf16 transformers model; default the tiny
+    Llama) written by compressed-tensors, and compressed-tensors' own decompression of each
+    quantized weight (HF name -> bf16 tensor)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -59,7 +61,7 @@ def write_compressed_tensors(folder: Path, tokenizer_dir: Path, *, bits: int, st
     )
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    model = tiny_llama(torch.bfloat16)
+    model = tiny_llama(torch.bfloat16) if model is None else model
     args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric, strategy=strategy,
                             group_size=group)
     config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(
@@ -152,10 +154,11 @@ def pack_fields(values: torch.Tensor, bits: int, order: tuple[int, ...] | None =
 
 
 def write_gptq(folder: Path, tokenizer_dir: Path, *, bits: int, group: int, sym: bool,
-               act_order: bool, coarse: bool = True) -> tuple[Path, dict[str, Quantized]]:
-    """A GPTQ (v1) checkpoint of the f32 tiny Llama and each weight's codes, zero points and
-    scales (``Quantized.reference()``: its float64 dequantization)."""
-    model = tiny_llama(torch.float32)
+               act_order: bool, coarse: bool = True, model: Any = None
+               ) -> tuple[Path, dict[str, Quantized]]:
+    """A GPTQ (v1) checkpoint of ``model`` (default the f32 tiny Llama) and each weight's codes,
+    zero points and scales (``Quantized.reference()``: its float64 dequantization)."""
+    model = tiny_llama(torch.float32) if model is None else model
     tensors = {k: v for k, v in model.state_dict().items()}
     refs = {}
     gen = torch.Generator().manual_seed(11)
@@ -182,12 +185,12 @@ def _pack_rows(intweight: torch.Tensor, bits: int) -> torch.Tensor:
     return pack_fields(intweight.T.contiguous(), bits).T.contiguous()
 
 
-def write_awq(folder: Path, tokenizer_dir: Path, *, group: int, coarse: bool
+def write_awq(folder: Path, tokenizer_dir: Path, *, group: int, coarse: bool, model: Any = None
               ) -> tuple[Path, dict[str, Quantized]]:
-    """An AWQ GEMM checkpoint of the f32 tiny Llama and each weight's codes, zero points and
-    scales."""
+    """An AWQ GEMM checkpoint of ``model`` (default the f32 tiny Llama) and each weight's codes,
+    zero points and scales."""
     awq_order = (0, 2, 4, 6, 1, 3, 5, 7)
-    model = tiny_llama(torch.float32)
+    model = tiny_llama(torch.float32) if model is None else model
     tensors = {k: v for k, v in model.state_dict().items()}
     refs = {}
     for name in linear_names(model):
@@ -208,6 +211,8 @@ def _save(folder: Path, tokenizer_dir: Path, model: Any, tensors: dict[str, torc
 
     folder.mkdir(parents=True)
     model.config.save_pretrained(folder)
+    if model.config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)  # one storage with the embedding
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"),
               metadata={"format": "pt"})
     return _finish(folder, tokenizer_dir, quant)

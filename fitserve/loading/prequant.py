@@ -18,7 +18,7 @@ from fitserve.loading.hf_config import read_json
 from fitserve.loading.hf_quant_config import PrequantConfig, read_prequant
 from fitserve.quant.convert import held_format, hold
 from fitserve.quant.held import HeldTensor, HeldWeight, dtype_table_name
-from fitserve.quant.hf_checkpoint_formats import PARTS, convert
+from fitserve.quant.hf_checkpoint_formats import PARTS, Rounding, convert
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ class PrequantPieces:
         """Convert every gathered weight into ``out`` (HF name ``<prefix>.weight``), recording
         the format it is stored as (an engine layout, or ``dtype`` where it is dequantized)."""
         held_as: Counter[str] = Counter()
+        rounding = Rounding()
         for prefix, parts in self.pieces.items():
             name = prefix + ".weight"
             scheme = self.config.scheme_for(prefix)
@@ -76,7 +77,7 @@ class PrequantPieces:
                 raise ModelLoadError(f"{source}: tensor {name!r} is stored both dense and "
                                      f"quantized ({scheme.tag})")
             try:
-                held = convert(name, parts, scheme, (shape[0], shape[1]), dtype)
+                held = convert(name, parts, scheme, (shape[0], shape[1]), dtype, rounding)
             except KeyError as exc:
                 raise ModelLoadError(f"{source}: {prefix}.{exc.args[0]} missing ({scheme.tag})"
                                      ) from exc
@@ -94,3 +95,6 @@ class PrequantPieces:
             held_as[fmt] += 1
         log.info("%s: %s checkpoint (%s), %s", source, self.config.method, self.config.tag,
                  ", ".join(f"{n} weights as {f}" for f, n in held_as.items()))
+        if rounding.rounded:  # NOTE: see fitserve.quant.hf_checkpoint_formats (f16 scales/mins)
+            log.info("%s: %d of %d group scales/mins rounded to float16 (max relative error "
+                     "%.2g)", source, rounding.rounded, rounding.total, rounding.worst)

@@ -25,13 +25,12 @@ NOTE: the engine's scales and mins are float16. GPTQ/AWQ scales are float16 alre
 compressed-tensors stores them in the model dtype (bf16: exact in f16 above 2^-14). A min
 ``-s * z`` (or its flipped form) that does not fit an f16 (f16 scales times an odd zero point)
 is rounded once to the nearest f16 (error at most 2^-12 of |s * z|, under 1% of one
-quantization step); ``_to_f16`` logs how many groups were rounded: exact wherever none is
-(always for bf16 scales).
+quantization step); ``Rounding`` counts the groups rounded (the loader logs it once per
+checkpoint): exact wherever none is (always for bf16 scales).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -42,8 +41,6 @@ from fitserve.ledger.prequant import QuantScheme, held_format
 from fitserve.quant.held import HeldTensor, dtype_table_name
 from fitserve.quant.packed import CODES, PackedWeight, channel_group, padded_k
 from fitserve.quant.permuted import InputPermutedWeight
-
-log = logging.getLogger(__name__)
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)  # column j of a word is field AWQ_REVERSE[j]
@@ -136,8 +133,27 @@ def dequantize_stored(u: Unpacked, group: int) -> torch.Tensor:
     return q * u.scales.to(torch.float64)[:, cols]
 
 
+@dataclass(slots=True)
+class Rounding:
+    """Scales and mins an f16 could not hold exactly, over the weights converted."""
+
+    rounded: int = 0
+    total: int = 0
+    worst: float = 0.0  # largest relative error
+
+    def add(self, exact: torch.Tensor, held: torch.Tensor) -> None:
+        e, h = exact.to(torch.float64), held.to(torch.float64)
+        bad = h != e
+        self.total += bad.numel()
+        if bool(bad.any()):
+            self.rounded += int(bad.sum())
+            rel = ((h - e).abs() / e.abs().clamp_min(1e-30))[bad]
+            self.worst = max(self.worst, float(rel.max()))
+
+
 def convert(name: str, parts: Mapping[str, torch.Tensor], scheme: QuantScheme,
-            shape: tuple[int, int], dtype: torch.dtype) -> HeldTensor:
+            shape: tuple[int, int], dtype: torch.dtype,
+            rounding: Rounding | None = None) -> HeldTensor:
     """One stored weight held in its engine format (``held_format``): a PackedWeight (inside an
     InputPermutedWeight for act-order), or a dense ``dtype`` tensor. ValueError for tensors
     that disagree with the scheme or the model's shape."""
@@ -169,17 +185,18 @@ def convert(name: str, parts: Mapping[str, torch.Tensor], scheme: QuantScheme,
                              "last the rest)")
         u = Unpacked(u.codes[:, perm], u.zeros, u.scales)
     group = scheme.group_size or channel_group(k)
-    pw = _packed(name, u, scheme, group, k)
+    pw = _packed(u, scheme, group, k, rounding or Rounding())
     return pw if perm is None else InputPermutedWeight(pw, perm)
 
 
-def _packed(name: str, u: Unpacked, scheme: QuantScheme, group: int, k: int) -> PackedWeight:
+def _packed(u: Unpacked, scheme: QuantScheme, group: int, k: int, rounding: Rounding
+            ) -> PackedWeight:
     """Codes in column order, zero points and scales -> the engine's PackedWeight."""
     codes, zeros, scales, bits = u.codes, u.zeros, u.scales, scheme.bits
     n = codes.shape[0]
     kp = padded_k(k, group)
     mid = 1 << (bits - 1)
-    s16 = _to_f16(name, "scales", scales)
+    s16 = _to_f16(scales, rounding)
     q = torch.zeros((n, kp), dtype=torch.int64)
     if bits == 8:
         q[:, :k] = codes - mid  # int8 codes: w = s * (q - 128) = s * code
@@ -196,7 +213,7 @@ def _packed(name: str, u: Unpacked, scheme: QuantScheme, group: int, k: int) -> 
     q = torch.where(flip_cols, 15 - q, q)
     q[:, k:] = 0
     s16 = torch.where(flip, -s16, s16)
-    mins = _to_f16(name, "mins", torch.where(flip, s64 * (15 - z64), -s64 * z64))
+    mins = _to_f16(torch.where(flip, s64 * (15 - z64), -s64 * z64), rounding)
     return PackedWeight("int4", n, k, kp, group, CODES["int4"].pack(q, group), s16, mins)
 
 
@@ -204,13 +221,8 @@ def _fits_f16(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float16).to(torch.float64) == t
 
 
-def _to_f16(name: str, what: str, t: torch.Tensor) -> torch.Tensor:
-    """``t`` as the engine's float16, logging the groups whose value it rounds."""
+def _to_f16(t: torch.Tensor, rounding: Rounding) -> torch.Tensor:
+    """``t`` as the engine's float16, counting what it rounds."""
     out = t.to(torch.float16).contiguous()
-    bad = out.to(torch.float64) != t.to(torch.float64)
-    if bool(bad.any()):
-        err = ((out.to(torch.float64) - t.to(torch.float64)).abs() / t.to(torch.float64).abs()
-               .clamp_min(1e-30))[bad]
-        log.info("%s: %d of %d group %s rounded to float16 (max relative error %.2g)", name,
-                 int(bad.sum()), bad.numel(), what, float(err.max()))
+    rounding.add(t, out)
     return out

@@ -10,7 +10,13 @@ import torch.nn.functional as F
 
 from fitserve.ledger.prequant import QuantScheme
 from fitserve.model.linear import CANDIDATES, PackedLinear
-from fitserve.quant.hf_checkpoint_formats import AWQ_REVERSE, Unpacked, _packed, unpack_words
+from fitserve.quant.hf_checkpoint_formats import (
+    AWQ_REVERSE,
+    Rounding,
+    Unpacked,
+    _packed,
+    unpack_words,
+)
 
 
 def test_unpack_words_field_order() -> None:
@@ -42,7 +48,9 @@ def flipped_case(n: int = 32, k: int = 96, group: int = 32) -> tuple[Unpacked, t
 
 def test_asymmetric_int4_flipped_groups_are_exact() -> None:
     u, w = flipped_case()
-    pw = _packed("w", u, QuantScheme("compressed-tensors", 4, 32, False), 32, 96)
+    rounding = Rounding()
+    pw = _packed(u, QuantScheme("compressed-tensors", 4, 32, False), 32, 96, rounding)
+    assert rounding.rounded == 0 and rounding.total == 2 * pw.scales.numel()
     assert bool((pw.scales < 0).any()) and bool((pw.scales > 0).any())  # some flipped, not all
     assert torch.equal(pw.dequantize(torch.float32).double(), w)
 
@@ -51,7 +59,7 @@ def test_asymmetric_int4_flipped_groups_are_exact() -> None:
 @pytest.mark.parametrize("m", [1, 5, 40])
 def test_every_kernel_runs_flipped_groups(dtype: torch.dtype, m: int) -> None:
     u, w = flipped_case()
-    pw = _packed("w", u, QuantScheme("compressed-tensors", 4, 32, False), 32, 96)
+    pw = _packed(u, QuantScheme("compressed-tensors", 4, 32, False), 32, 96, Rounding())
     x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m)).to(dtype)
     want = F.linear(x.double(), w)
     ran = []
