@@ -1,7 +1,7 @@
 """Pre-quantized HF checkpoints held as stored: W1 decode of each format against the same model
 with fitserve's own RTN int4 (``--weights int4``) and dense bf16.
 
-    .venv/bin/python benchmarks/bench_prequant.py                 # hidden 1024, 8 layers
+    .venv/bin/python benchmarks/bench_prequant.py                 # hidden 1536, 8 layers
     .venv/bin/python benchmarks/bench_prequant.py --layers 16 --runs 5
 
 One random Llama (bf16 weights, SmolLM2's tokenizer) is written as a plain folder and as
@@ -34,8 +34,10 @@ def build(root: Path, tok: Path, layers: int) -> dict[str, tuple[Path, str]]:
 
     from tests import prequant_writers as pw
 
-    cfg = tf.LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers,
-                         num_attention_heads=16, num_key_value_heads=4, vocab_size=49152,
+    # NOTE: a small vocabulary: the tied embedding stays bf16 in every checkpoint, the
+    # projections are what the formats differ in
+    cfg = tf.LlamaConfig(hidden_size=1536, intermediate_size=4096, num_hidden_layers=layers,
+                         num_attention_heads=12, num_key_value_heads=4, vocab_size=8192,
                          max_position_embeddings=2048, tie_word_embeddings=True)
 
     def model(dtype: torch.dtype) -> Any:
@@ -65,7 +67,7 @@ def build(root: Path, tok: Path, layers: int) -> dict[str, tuple[Path, str]]:
     out = {}
     for name, make in makers.items():
         folder = root / f"{name}-L{layers}"
-        if not (folder / "config.json").is_file():
+        if not (folder / "tokenizer.json").is_file():  # written last
             shutil.rmtree(folder, ignore_errors=True)
             make(folder)
         out[name] = (folder, "as-stored")
@@ -128,7 +130,7 @@ def main() -> None:
 
         tf.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tok)
     configs = build(fitserve_home() / "bench" / "prequant", tok, args.layers)
-    print(f"CPU: {be.cpu_description()}; torch threads {torch.get_num_threads()}; hidden 1024, "
+    print(f"CPU: {be.cpu_description()}; torch threads {torch.get_num_threads()}; hidden 1536, "
           f"{args.layers} layers, bf16 activations, W1 = 32-token prompt + {args.new_tokens}")
     print(f"{'config':26} {'weights MiB':>11} {'decode kernel':>14} {'W1 tok/s':>9}")
     for name, (folder, weights) in configs.items():

@@ -6,7 +6,8 @@ points ``z`` per group of input columns, meaning ``w = s * (q - z)``; they diffe
 codes are packed into int32 words (field ``i`` of a word is bits ``i*b .. i*b+b-1``)::
 
     compressed-tensors  weight_packed [N, ceil(K*b/32)]: along a row, codes q = stored + 2^(b-1)
-                        weight_zero_point [ceil(N*b/32), K/G]: along the output rows, signed
+                        weight_zero_point [ceil(N*b/32), K/G]: along the output rows, offset
+                        as the codes (asymmetric only)
     GPTQ                qweight [K*b/32, N]: along the input rows; qzeros [K/G, N*b/32] along
                         the outputs, each zero minus 1 (v1; gptq_v2: as is); g_idx [K] the group
                         of each input column

@@ -110,6 +110,25 @@ def test_held_as_stored_equals_the_writers_dequantization(
     assert rounded > 0 if case.startswith("awq") else rounded == 0  # the bound is not vacuous
 
 
+def test_awq_writer_agrees_with_compressed_tensors_awq_reader(
+        written: Callable[[str], tuple[Path, dict[str, Any]]]) -> None:
+    """The AWQ files written from the spec read back, through compressed-tensors' own AutoAWQ
+    converter, to the codes and zero points the writer quantized (the test writer is right)."""
+    from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
+    from safetensors.torch import load_file
+
+    folder, refs = written("awq-4bit-g32")
+    tensors = load_file(str(folder / "model.safetensors"))
+    for name, ref in refs.items():
+        p = name.removesuffix(".weight")
+        q, z = AutoAWQConverter.unpack_awq(tensors[p + ".qweight"], tensors[p + ".qzeros"], 4)
+        q, z = AutoAWQConverter.reverse_awq_order(q, z, 4)
+        assert z is not None
+        assert torch.equal((q.to(torch.int64) & 15).T, ref.q), name
+        assert torch.equal((z.to(torch.int64) & 15).T, ref.z), name
+        assert torch.equal(tensors[p + ".scales"].T, ref.s), name
+
+
 @pytest.mark.parametrize("case", [c for c, (_, _, run) in CASES.items() if run])
 def test_engine_plan_and_greedy_tokens_match_transformers(
         written: Callable[[str], tuple[Path, dict[str, Any]]], case: str,
