@@ -24,7 +24,7 @@ float16 scales (and float16 mins) per group, and pad each row to whole groups:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import get_args
 
 from fitserve.config import KVCacheDType, KVCacheScales, WeightsChoice
@@ -58,6 +58,9 @@ class WeightFormat:
     # 2-D tiles: one f32 scale per tile x tile square of a [rows, cols] matrix (edge tiles
     # partial, codes unpadded); with rows unknown, whole tiles are assumed
     tile: int = 0
+    # bytes per input column: the int32 column order of an act-order (GPTQ desc_act) weight
+    # held with its columns sorted by group (``-perm`` formats, fitserve.quant.permuted)
+    col_index_bytes: int = 0
 
     @property
     def bits_per_weight(self) -> float:
@@ -69,8 +72,9 @@ def _gguf(name: str, block: int, nbytes: int, layout: str) -> WeightFormat:
     return WeightFormat(name, block, nbytes * 8, gguf=True, note=f"ggml {layout}")
 
 
-_INT4_RE = re.compile(r"^int4-g(\d+)(-sym|-asym)?$")
-_INT8_RE = re.compile(r"^int8-g(\d+)$")
+_INT4_RE = re.compile(r"^int4-g(\d+)(-sym|-asym)?(-perm)?$")
+_INT8_RE = re.compile(r"^int8-g(\d+)(-perm)?$")
+PERM_SUFFIX = "-perm"  # an engine packed layout whose input columns are held permuted
 
 
 def int4_format(group: int, *, symmetric: bool = False, zero: str = "int4") -> WeightFormat:
@@ -98,6 +102,15 @@ def _int8_group(group: int) -> WeightFormat:
     return WeightFormat(f"int8-g{group}", group, group * 8 + 16, row_padded=True,
                         packed=PackedLayout("int8", group, True),
                         note=f"int8 codes, per group of {group}: f16 scale")
+
+
+def _permuted(f: WeightFormat) -> WeightFormat:
+    """``f`` held with its input columns sorted by group (GPTQ act-order): + an int32 index
+    per input column."""
+    if f.packed is None:
+        raise PlanError(f"{f.name}{PERM_SUFFIX}: only the engine's packed layouts are permuted")
+    return replace(f, name=f.name + PERM_SUFFIX, col_index_bytes=4,
+                   note=f.note + ", + int32 column order (act-order)")
 
 
 WEIGHT_FORMATS: dict[str, WeightFormat] = {
@@ -183,11 +196,13 @@ def weight_format(fmt: str) -> WeightFormat:
         return WEIGHT_FORMATS[upper]
     m = _INT4_RE.match(name.lower())
     if m:
-        return int4_format(int(m.group(1)), symmetric=m.group(2) == "-sym",
-                           zero="f16" if m.group(2) == "-asym" else "int4")
+        f = int4_format(int(m.group(1)), symmetric=m.group(2) == "-sym",
+                        zero="f16" if m.group(2) == "-asym" else "int4")
+        return _permuted(f) if m.group(3) else f
     m = _INT8_RE.match(name.lower())
     if m:
-        return _int8_group(int(m.group(1)))
+        return _permuted(_int8_group(int(m.group(1)))) if m.group(2) else _int8_group(
+            int(m.group(1)))
     known = ", ".join([*WEIGHT_FORMATS, "int4-g<N>[-sym|-asym]", "int8-g<N>"])
     raise PlanError(f"unknown weight format {fmt!r}; known: {known}")
 
@@ -216,11 +231,15 @@ def weight_bytes(num_elements: int, fmt: str, *, rows: int = 0) -> int:
             tiles = -(-num_elements // (t * t))
         return num_elements + 4 * tiles + f.tensor_scale_bytes
     blocks = -(-num_elements // f.block_elements)
+    if f.col_index_bytes and rows <= 0:
+        raise PlanError(f"{f.name} has a per-column index: pass rows= (output channels)")
+    cols = num_elements // rows if f.col_index_bytes else 0
     if f.row_padded and rows > 0:
         if num_elements % rows:
             raise PlanError(f"{num_elements} elements do not split into {rows} rows")
         blocks = rows * -(-(num_elements // rows) // f.block_elements)
-    return -(-blocks * f.block_bits // 8) + rows * f.row_scale_bytes + f.tensor_scale_bytes
+    return (-(-blocks * f.block_bits // 8) + rows * f.row_scale_bytes + f.tensor_scale_bytes
+            + cols * f.col_index_bytes)
 
 
 # The engine's ``--weights`` choices (EngineConfig.weights; `fitserve plan --gpu cpu --weights`).

@@ -38,6 +38,7 @@ from fitserve.ledger.weight_names import expected_weight_shapes  # noqa: F401
 from fitserve.loading import hf_defaults as d
 from fitserve.loading.errors import ModelLoadError, UnsupportedArchitectureError
 from fitserve.loading.hf_families import gemma_fields, longrope_scaling, moe_fields
+from fitserve.loading.hf_quant_config import PREQUANT_METHODS, quant_problems
 from fitserve.loading.weight_names import check_weights as check_weights  # re-exported
 
 # HF class names -> model_type, for configs that only name ``architectures``.
@@ -376,10 +377,10 @@ def read_json(path: Path) -> dict[str, Any]:
 def packed_formats(config: Mapping[str, Any], source: object) -> dict[str, str] | None:
     """The engine layout of each packed tensor of a `fitserve quantize` checkpoint
     (``quantization_config.formats``: HF weight name -> "int4-g32-asym", "int8-ch" ...), or None
-    for a folder without ``quantization_config``.
+    for a folder without ``quantization_config`` or a pre-quantized one (compressed-tensors,
+    GPTQ, AWQ: ``fitserve.loading.hf_quant_config``; what the engine cannot hold of it raises).
 
-    Raises :class:`ModelLoadError` naming ``source`` for another ``quant_method`` (AWQ, GPTQ,
-    compressed-tensors ... checkpoints: their layouts are not the engine's), a missing or empty
+    Raises :class:`ModelLoadError` naming ``source`` for another ``quant_method``, a missing or empty
     ``formats``, a name that is not a ``.weight`` or a format that is not an engine packed
     layout of ``fitserve.ledger.formats`` (spelled as the table spells it).
     """
@@ -387,9 +388,15 @@ def packed_formats(config: Mapping[str, Any], source: object) -> dict[str, str] 
     if not quant:
         return None
     method = quant.get("quant_method", "?") if isinstance(quant, Mapping) else "?"
+    if method in PREQUANT_METHODS:  # held as stored by fitserve.quant.hf_checkpoint_formats
+        problems = quant_problems(config)
+        if problems:
+            raise ModelLoadError(f"{source}: {'; '.join(problems)}")
+        return None
     if method != FITSERVE_QUANT_METHOD:
         raise ModelLoadError(f"{source}: quantized checkpoints ({method}) are not supported "
-                             f"(only quant_method {FITSERVE_QUANT_METHOD!r}: fitserve quantize)")
+                             f"(quant_method {FITSERVE_QUANT_METHOD!r}: fitserve quantize, "
+                             f"{', '.join(map(repr, PREQUANT_METHODS))})")
     formats = quant.get("formats")
     if not isinstance(formats, Mapping) or not formats:
         raise ModelLoadError(f"{source}: quantization_config has no 'formats' "

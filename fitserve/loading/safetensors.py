@@ -26,10 +26,10 @@ from fitserve.loading.hf_config import (
     read_json,
     spec_from_hf_folder,
 )
+from fitserve.loading.prequant import PrequantPieces, rehold
 from fitserve.loading.tokenizer import Tokenizer
 from fitserve.quant.convert import held_format, hold
-from fitserve.quant.held import HeldTensor, dtype_table_name
-from fitserve.quant.packed import dequantize
+from fitserve.quant.held import HeldTensor
 
 # a packed tensor of a checkpoint: (its format, its logical shape (N, K))
 PackedEntry = tuple[str, tuple[int, int]]
@@ -63,7 +63,7 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 def read_safetensors(files: list[Path], dtype: torch.dtype,
                      weights: str | None = None, *, packed: Mapping[str, PackedEntry] | None = None,
-                     spec: ModelSpec | None = None
+                     spec: ModelSpec | None = None, prequant: PrequantPieces | None = None
                      ) -> tuple[dict[str, HeldTensor], str, dict[str, str]]:
     """Read all tensors converted to ``dtype``; also name the dominant stored format, and each
     tensor's stored format (name -> "bf16", "f32", "int4-g32-asym" ...).
@@ -76,6 +76,8 @@ def read_safetensors(files: list[Path], dtype: torch.dtype,
     ("as-stored", or "int4"/"int8" whose RTN format it is), else dequantized (then cast, or
     RTN-packed into the choice's format). ``spec``: a fused tensor of its architecture (Phi-3's
     qkv_proj, gate_up_proj) is split into the engine's names first (fitserve.loading.fused_weights).
+    ``prequant``: a compressed-tensors / GPTQ / AWQ checkpoint's quantized weights, gathered and
+    held as stored (``fitserve.loading.prequant``), or re-held by ``weights`` as above.
     """
     packed = packed or {}
     parts = {prefix_of(name): name for name in packed}
@@ -88,6 +90,9 @@ def read_safetensors(files: list[Path], dtype: torch.dtype,
             with safe_open(str(path), framework="pt") as fh:
                 for name in fh.keys():  # noqa: SIM118 (safe_open has no __iter__)
                     prefix, _, part = name.rpartition(".")
+                    if prequant is not None and prequant.takes(prefix, part):
+                        prequant.pieces.setdefault(prefix, {})[part] = fh.get_tensor(name)
+                        continue
                     if part in PARTS and prefix in parts:
                         pieces[parts[prefix]][part] = fh.get_tensor(name)
                         continue
@@ -121,6 +126,8 @@ def read_safetensors(files: list[Path], dtype: torch.dtype,
         out[name] = _held_packed(name, fmt, shape, pieces[name], dtype, weights, source)
         stored_as[name] = fmt
         stored[fmt] += shape[0] * shape[1]
+    if prequant is not None:
+        prequant.hold_all(out, stored_as, stored, dtype, weights, source)
     return out, (stored.most_common(1)[0][0] if stored else "f32"), stored_as
 
 
@@ -139,13 +146,7 @@ def _held_packed(name: str, fmt: str, shape: tuple[int, int], pieces: dict[str, 
         pw = join_packed(name, fmt, shape, pieces)
     except ValueError as exc:
         raise ModelLoadError(f"{source}: tensor {name!r} ({fmt}): {exc}") from exc
-    want = dtype_table_name(dtype) if weights is None else held_format(weights, name, 2, fmt,
-                                                                       dtype)
-    if want == fmt:
-        return pw
-    # NOTE: another layout, or dense: dequantized in float32 exactly (packed.dequantize), then
-    # RTN-packed or cast, one tensor at a time like every other loader path.
-    return hold(dequantize(pw, torch.float32), want)
+    return rehold(name, pw, dtype, weights)
 
 
 def packed_entries(config_path: Path, spec: ModelSpec) -> dict[str, PackedEntry]:
@@ -179,7 +180,8 @@ def read_hf_folder(
     if not spec.eos_token_ids and tokenizer.eos_token_ids:
         spec = replace(spec, eos_token_ids=tokenizer.eos_token_ids)
     packed = packed_entries(folder / "config.json", spec)
+    prequant = PrequantPieces.of_folder(folder / "config.json", spec)
     held, fmt, stored = read_safetensors(safetensors_files(folder), dtype, weights, packed=packed,
-                                          spec=spec)
+                                          spec=spec, prequant=prequant)
     check_weights(held, spec, folder)
     return spec, held, tokenizer, fmt, stored

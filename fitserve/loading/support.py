@@ -33,7 +33,14 @@ from fitserve.loading.gguf_spec import (
 from fitserve.loading.gguf_vocab import (
     SUPPORTED_TOKENIZER_MODELS as SUPPORTED_GGUF_TOKENIZER_MODELS,
 )
-from fitserve.loading.hf_config import spec_from_hf_folder
+from fitserve.loading.hf_config import (
+    FITSERVE_QUANT_METHOD,
+    check_engine_spec,
+    packed_formats,
+    read_json,
+    spec_from_hf_config,
+)
+from fitserve.loading.hf_quant_config import PREQUANT_METHODS, quant_method, quant_problems
 
 # NOTE: tensors the GGUF loader skips (llama3 RoPE factors, read as metadata).
 SKIPPED_GGUF_TENSORS = frozenset({"rope_freqs.weight"})
@@ -108,12 +115,36 @@ def gguf_tokenizer_support(header: GGUFHeader) -> EngineSupport:
 
 
 def hf_support(config_path: Path) -> EngineSupport:
-    """What the engine lacks for an HF folder's config.json: its strict reader's refusal."""
+    """What the engine lacks for an HF folder's config.json: its quantization (a pre-quantized
+    checkpoint's parts the engine cannot hold, ``hf_quant_config.quant_problems``, or a
+    quant_method it does not read), then its strict reader's refusal of the rest."""
     try:
-        spec = spec_from_hf_folder(config_path, require_supported=True)
+        config = read_json(config_path)
     except ModelLoadError as exc:
         return EngineSupport(str(config_path), (f"architecture: {_without_source(exc, config_path)}",))
-    return EngineSupport(str(config_path), tuple(f"architecture: {p}" for p in spec_problems(spec)))
+    quant = _quantization(config)
+    try:
+        if not quant:
+            packed_formats(config, config_path)  # a `fitserve quantize` checkpoint's formats
+        spec = spec_from_hf_config({k: v for k, v in config.items()
+                                    if k != "quantization_config" or not quant},
+                                   source=config_path, require_supported=True)
+        check_engine_spec(spec, config_path)
+    except ModelLoadError as exc:
+        return EngineSupport(str(config_path), (*quant, f"architecture: "
+                                                f"{_without_source(exc, config_path)}"))
+    return EngineSupport(str(config_path), (*quant, *(f"architecture: {p}"
+                                                      for p in spec_problems(spec))))
+
+
+def _quantization(config: dict[str, object]) -> tuple[str, ...]:
+    method = quant_method(config)
+    if method is None or method == FITSERVE_QUANT_METHOD:
+        return ()
+    if method not in PREQUANT_METHODS:
+        return (f"quantization: quant_method {method!r} (the engine reads "
+                f"{', '.join(map(repr, (*PREQUANT_METHODS, FITSERVE_QUANT_METHOD)))})",)
+    return tuple(f"quantization: {p}" for p in quant_problems(config))
 
 
 def _architecture(header: GGUFHeader) -> list[str]:

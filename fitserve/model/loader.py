@@ -20,10 +20,12 @@ from fitserve.model.gemma import GemmaCausalLM
 from fitserve.model.ggml_linear import GgmlEmbedding, GgmlLinear
 from fitserve.model.linear import ConcatLinear, DenseLinear, PackedEmbedding, PackedLinear
 from fitserve.model.llama import CausalLM
+from fitserve.model.permuted_linear import InputPermutedLinear
 from fitserve.quant.fp8 import Fp8Weight
 from fitserve.quant.ggml_blocks import GgmlBlockWeight
 from fitserve.quant.held import DenseWeight, HeldTensor, HeldWeight, as_held, as_stored
 from fitserve.quant.packed import PackedWeight
+from fitserve.quant.permuted import InputPermutedWeight
 
 
 class UnsupportedModelError(ValueError):
@@ -52,6 +54,7 @@ LINEAR_MODULES: dict[type[HeldWeight], Callable[[Any, torch.Tensor | None, torch
     PackedWeight: lambda w, bias, dtype: PackedLinear(w, bias),
     Fp8Weight: lambda w, bias, dtype: Fp8Linear(w, bias),
     GgmlBlockWeight: lambda w, bias, dtype: GgmlLinear(w, bias),
+    InputPermutedWeight: lambda w, bias, dtype: InputPermutedLinear(w, bias),
 }
 
 # A fused projection's weight: one held weight (a dense one as its tensor), or its parts when

@@ -38,7 +38,8 @@ TORCH_FREE_ROOTS = ("fitserve.kv", "fitserve.sched", "fitserve.ledger", "fitserv
                     "fitserve.tools.sheets")
 READERS = ("fitserve.loading.hf_config", "fitserve.loading.gguf_spec",
            "fitserve.loading.hf_defaults", "fitserve.loading.weight_names",
-           "fitserve.loading.errors", "fitserve.loading.support")
+           "fitserve.loading.errors", "fitserve.loading.support",
+           "fitserve.loading.hf_quant_config")
 TORCH_LIKE = ("torch", "triton", "transformers", "safetensors.torch")
 TOOLS = "fitserve.tools"
 MAY_IMPORT_TOOLS = ("fitserve.cli.main",)  # the entry point wires the offline subcommands

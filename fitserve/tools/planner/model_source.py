@@ -20,6 +20,7 @@ from fitserve.ledger.errors import PlanError
 from fitserve.loading.errors import ModelLoadError
 from fitserve.loading.hf_config import FITSERVE_QUANT_METHOD, packed_formats, spec_from_hf_folder
 from fitserve.loading.hf_config import spec_from_hf_config as read_hf_config
+from fitserve.loading.hf_quant_config import prequant_formats, read_prequant
 from fitserve.loading.support import hf_support, spec_problems
 from fitserve.tools.planner.entry import ModelEntry
 from fitserve.tools.planner.gguf_source import gguf_entry
@@ -101,6 +102,12 @@ def config_entry(path: Path) -> ModelEntry:
         raise PlanError(str(e)) from e
     packed = _checkpoint_formats(cfg, p)
     refusal = hf_support(p).missing
+    prequant = _prequant_formats(cfg, spec)
+    if prequant is not None:  # compressed-tensors / GPTQ / AWQ, held as stored
+        formats, tag = prequant
+        return ModelEntry(spec, _main_format(spec, formats, _dtype(cfg)), _dtype(cfg),
+                          f"{p} ({tag} checkpoint)", stored_formats=formats,
+                          engine_refusal=refusal)
     if packed is None:
         return ModelEntry(spec, _dtype(cfg), _dtype(cfg), str(p), engine_refusal=refusal)
     # NOTE: a `fitserve quantize` checkpoint: the engine holds these tensors as stored, so the
@@ -120,6 +127,20 @@ def _checkpoint_formats(cfg: dict[str, Any], path: Path) -> dict[str, str] | Non
         return packed_formats(cfg, path)
     except ModelLoadError as e:
         raise PlanError(str(e)) from e
+
+
+def _prequant_formats(cfg: dict[str, Any], spec: ModelSpec
+                      ) -> tuple[dict[str, str], str] | None:
+    """A pre-quantized checkpoint's held format per quantized weight and its schemes in words
+    (None: not one, or one the engine cannot hold: planned as its dtype, the refusal shown)."""
+    from fitserve.ledger.weight_names import expected_weight_shapes
+
+    try:
+        pre = read_prequant(cfg)
+        formats = prequant_formats(cfg, expected_weight_shapes(spec), _dtype(cfg))
+    except ValueError:
+        return None
+    return None if pre is None or formats is None else (formats, pre.tag)
 
 
 def _main_format(spec: ModelSpec, formats: dict[str, str], dense: str) -> str:

@@ -155,8 +155,8 @@ CORRUPT: dict[str, tuple[Callable[[Path], None], str]] = {
         {Q_PROJ: "int3-g32"})), rf"{Q_PROJ}.*unknown packed format 'int3-g32'"),
     "not packed": (lambda o: _edit_config(o, lambda q: q["formats"].update({Q_PROJ: "bf16"})),
                    rf"{Q_PROJ}.*unknown packed format 'bf16'"),
-    "awq method": (lambda o: _edit_config(o, lambda q: q.update({"quant_method": "awq"})),
-                   r"quantized checkpoints \(awq\) are not supported"),
+    "bnb method": (lambda o: _edit_config(o, lambda q: q.update({"quant_method": "bitsandbytes"})),
+                   r"quantized checkpoints \(bitsandbytes\) are not supported"),
     "no formats": (lambda o: _edit_config(o, lambda q: q.pop("formats")), r"no 'formats'"),
     "not a matrix": (lambda o: _edit_config(o, lambda q: q["formats"].update(
         {"model.norm.weight": "int8-ch"})), r"'model.norm.weight'.*not a weight matrix"),

@@ -248,8 +248,8 @@ def test_eos_from_config_and_generation_config(tmp_path: Path) -> None:
     assert (spec.eos_token_ids, spec.bos_token_id, spec.name) == ((7, 8, 9), 1, tmp_path.name)
     assert resolve_model(str(tmp_path)).spec == spec  # the planner reads the folder the same way
     (tmp_path / "config.json").write_text(json.dumps(
-        {**cfg, "quantization_config": {"quant_method": "awq"}}))
-    with pytest.raises(ModelLoadError, match=r"quantized checkpoints \(awq\)"):
+        {**cfg, "quantization_config": {"quant_method": "bitsandbytes"}}))
+    with pytest.raises(ModelLoadError, match=r"quantized checkpoints \(bitsandbytes\)"):
         spec_from_hf_folder(tmp_path)
     assert spec_from_hf_folder(tmp_path, require_supported=False) == spec  # planner describes
 
