@@ -24,6 +24,7 @@ from fitserve.tools.sheets import (
     explain_gguf,
     explain_int4,
     explain_quant,
+    explain_spec,
 )
 from fitserve.tools.sheets.explain_common import flag_name, line
 from fitserve.tools.sheets.sheet import Sheet
@@ -54,6 +55,9 @@ TOPICS: dict[str, Topic] = {
                               "vs hundreds (shared reads, paged KV)", explain_gguf.LLAMACPP_FLAGS),
     "q4km-cost": Topic(explain_gguf.build_q4km, "bits per weight of a Q4_K_M file from ggml's "
                        "blocks and the model's tensor shapes", explain_gguf.Q4KM_FLAGS),
+    "medusa-vs-eagle": Topic(explain_spec.build, "blind Medusa heads vs a conditioned EAGLE "
+                             "drafter: acceptance, draft cost, the batch where the winner "
+                             "flips; EAGLE-3's changes", explain_spec.FLAGS),
 }
 
 # (dest, type, help) of every topic flag; all default to None ("not given").
@@ -76,6 +80,11 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("qat_fraction", float, "QAT tokens as a fraction of pretraining (default 0.001)"),
     ("qat_tokens", float, "QAT tokens outright (instead of --qat-fraction)"),
     ("pretrain_tokens", float, "pretraining tokens (default: published, where known)"),
+    ("tp", int, "tensor-parallel ranks (default 2)"),
+    ("heads_accept", str, "Medusa heads' top-1 acceptance, one per head (default "
+                          "0.6,0.45,0.35,0.25)"),
+    ("draft_accept", float, "EAGLE acceptance per draft, conditioned on the previous (0.75)"),
+    ("draft_k", int, "EAGLE draft tokens per round (default: as many as Medusa heads)"),
 )
 
 
