@@ -23,6 +23,7 @@ from fitserve.tools.sheets import (
     explain_gemv,
     explain_gguf,
     explain_int4,
+    explain_memory,
     explain_quant,
     explain_spec,
 )
@@ -58,6 +59,14 @@ TOPICS: dict[str, Topic] = {
     "medusa-vs-eagle": Topic(explain_spec.build, "blind Medusa heads vs a conditioned EAGLE "
                              "drafter: acceptance, draft cost, the batch where the winner "
                              "flips; EAGLE-3's changes", explain_spec.FLAGS),
+    "fa-l2-reuse": Topic(explain_memory.build_fa, "naive vs textbook FlashAttention IO vs HBM "
+                         "bytes with K/V re-reads hitting L2; the wave's working set",
+                         explain_memory.FA_FLAGS),
+    "gemv-coalescing": Topic(explain_memory.build_gemv, "which lane reads which weight: 32-B "
+                             "sectors per warp load, row- vs column-major, bf16 vs int4",
+                             explain_memory.GEMV_FLAGS),
+    "smem-swizzle": Topic(explain_memory.build_smem, "bank conflicts of fp32 scalars and 16-B "
+                          "bf16 vectors: padding bytes vs XOR swizzle", explain_memory.SMEM_FLAGS),
 }
 
 # (dest, type, help) of every topic flag; all default to None ("not given").
