@@ -23,7 +23,7 @@ import math
 from collections.abc import Callable, Iterable
 
 from fitserve.ledger.units import fmt_bytes
-from fitserve.tools.planner.report import Section
+from fitserve.tools.planner.report import Line, Section
 from fitserve.tools.sheets.explain_attention import parse_tile
 from fitserve.tools.sheets.explain_common import (
     hardware,
@@ -124,7 +124,7 @@ def _first_spill(spills: Callable[[int], bool], br: int, top: int = 4 << 20) -> 
 
 def sectors(addresses: Iterable[tuple[int, int]]) -> int:
     """Distinct 32-B sectors touched by (address, bytes) accesses."""
-    out = set()
+    out: set[int] = set()
     for a, nb in addresses:
         out.update(range(a // SECTOR, (a + nb - 1) // SECTOR + 1))
     return len(out)
@@ -133,7 +133,7 @@ def sectors(addresses: Iterable[tuple[int, int]]) -> int:
 def build_gemv(args: argparse.Namespace) -> Sheet:
     spec = model(args).spec
     k = spec.hidden_size
-    cases = (  # name, bytes per lane, lane -> (address) for a row-major N x K weight
+    cases: tuple[tuple[str, int, Callable[[int], int]], ...] = (  # name, bytes per lane, lane -> (address) for a row-major N x K weight
         ("row-major, warp per row, bf16 x8 (16-B vector)", 16, lambda ln: ln * 16),
         ("row-major, warp per row, int4 x32 (16-B vector)", 16, lambda ln: ln * 16),
         ("row-major, thread per row, bf16 scalar", 2, lambda ln: ln * k * ACT),
@@ -141,7 +141,7 @@ def build_gemv(args: argparse.Namespace) -> Sheet:
         ("column-major, thread per row, bf16 scalar", 2, lambda ln: ln * ACT),
         ("column-major, thread per 8 rows, int4 x8 (int32)", 4, lambda ln: ln * 4),
     )
-    lines = []
+    lines: list[Line] = []
     for name, nb, addr in cases:
         sec = sectors((addr(ln), nb) for ln in range(32))
         useful = 32 * nb
@@ -183,7 +183,7 @@ def _column_vec16(row_bytes: int, swizzle: bool) -> int:
     """Lanes read 16-B chunk 0 of rows 0..31 (phases of 8 lanes); swizzle: chunk ^ (row % 8)."""
     phases = []
     for p in range(4):
-        words = []
+        words: list[int] = []
         for r in range(8 * p, 8 * p + 8):
             chunk = (0 ^ (r % 8)) if swizzle else 0
             base = (r * row_bytes + chunk * 16) // BANK_BYTES
