@@ -26,6 +26,7 @@ from fitserve.tools.sheets import (
     explain_memory,
     explain_quant,
     explain_spec,
+    explain_tiles,
 )
 from fitserve.tools.sheets.explain_common import flag_name, line
 from fitserve.tools.sheets.sheet import Sheet
@@ -67,6 +68,12 @@ TOPICS: dict[str, Topic] = {
                              explain_memory.GEMV_FLAGS),
     "smem-swizzle": Topic(explain_memory.build_smem, "bank conflicts of fp32 scalars and 16-B "
                           "bf16 vectors: padding bytes vs XOR swizzle", explain_memory.SMEM_FLAGS),
+    "gqa-packing": Topic(explain_tiles.build_gqa, "query heads per KV head packed into the "
+                         "MMA's M: tensor-core utilisation in decode", explain_tiles.GQA_FLAGS),
+    "tma-wgmma": Topic(explain_tiles.build_tma, "TMA and wgmma instructions for one GEMM tile "
+                       "vs cp.async and mma.sync", explain_tiles.TMA_FLAGS),
+    "paged-indirection": Topic(explain_tiles.build_paged, "block-table loads, blocks per tile, "
+                               "TMA boxes, the stages that hide them", explain_tiles.PAGED_FLAGS),
 }
 
 # (dest, type, help) of every topic flag; all default to None ("not given").
@@ -93,6 +100,7 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("heads_accept", str, "Medusa heads' top-1 acceptance, one per head (default "
                           "0.6,0.45,0.35,0.25)"),
     ("draft_accept", float, "EAGLE acceptance per draft, conditioned on the previous (0.75)"),
+    ("q_len", int, "query positions per sequence in a decode step (default 1)"),
     ("draft_k", int, "EAGLE draft tokens per round (default: as many as Medusa heads)"),
 )
 
