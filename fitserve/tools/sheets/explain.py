@@ -24,6 +24,7 @@ from fitserve.tools.sheets import (
     explain_gguf,
     explain_int4,
     explain_memory,
+    explain_numerics,
     explain_quant,
     explain_spec,
     explain_tiles,
@@ -74,6 +75,13 @@ TOPICS: dict[str, Topic] = {
                        "vs cp.async and mma.sync", explain_tiles.TMA_FLAGS),
     "paged-indirection": Topic(explain_tiles.build_paged, "block-table loads, blocks per tile, "
                                "TMA boxes, the stages that hide them", explain_tiles.PAGED_FLAGS),
+    "rope-fusion": Topic(explain_numerics.build_rope, "bytes eager RoPE moves vs the fused "
+                         "kernel (and the fused KV-cache write)", explain_numerics.ROPE_FLAGS),
+    "bf16-sum": Topic(explain_numerics.build_sum, "a bf16 running sum's error curve vs fp32 and "
+                      "the bisection for where it crosses --threshold", explain_numerics.SUM_FLAGS),
+    "kv-quant-roads": Topic(explain_numerics.build_roads, "why keys want per-channel scales and "
+                            "values per-token, and what that costs a paged cache",
+                            explain_numerics.ROADS_FLAGS),
 }
 
 # (dest, type, help) of every topic flag; all default to None ("not given").
@@ -86,7 +94,7 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("tile", str, "attention tile BRxBC (default 128x128)"),
     ("value", int, "nibble 0-15 for the worked dequant example (default 11)"),
     ("context", str, "tokens per sequence, k = 1024 (default 2048; llamacpp-vs-vllm 1024)"),
-    ("threshold", float, "speedup below 1 + threshold stops paying (default 0.05)"),
+    ("threshold", float, "w4a16: speedup below 1 + threshold stops paying (0.05); bf16-sum: relative error (0.01)"),
     ("batch", int, "concurrent users (default 256)"),
     ("max_context", str, "tokens a contiguous slot reserves (default 8192)"),
     ("block_size", int, "paged KV block size in tokens (default 16)"),
@@ -101,6 +109,8 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
                           "0.6,0.45,0.35,0.25)"),
     ("draft_accept", float, "EAGLE acceptance per draft, conditioned on the previous (0.75)"),
     ("q_len", int, "query positions per sequence in a decode step (default 1)"),
+    ("kv_bits", int, "KV quantization bits (default 4)"),
+    ("outlier_ratio", float, "key outlier channels' range / the others' (default 10)"),
     ("draft_k", int, "EAGLE draft tokens per round (default: as many as Medusa heads)"),
 )
 
