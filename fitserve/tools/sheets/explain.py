@@ -25,6 +25,7 @@ from fitserve.tools.sheets import (
     explain_int4,
     explain_memory,
     explain_numerics,
+    explain_qat_fleet,
     explain_quant,
     explain_spec,
     explain_tiles,
@@ -82,6 +83,8 @@ TOPICS: dict[str, Topic] = {
     "kv-quant-roads": Topic(explain_numerics.build_roads, "why keys want per-channel scales and "
                             "values per-token, and what that costs a paged cache",
                             explain_numerics.ROADS_FLAGS),
+    "qat-fleet": Topic(explain_qat_fleet.build, "QAT's GPU-hours vs the GPUs int4 weights save "
+                       "at a traffic: payback, and when not to touch it", explain_qat_fleet.FLAGS),
 }
 
 # (dest, type, help) of every topic flag; all default to None ("not given").
@@ -109,6 +112,8 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
                           "0.6,0.45,0.35,0.25)"),
     ("draft_accept", float, "EAGLE acceptance per draft, conditioned on the previous (0.75)"),
     ("q_len", int, "query positions per sequence in a decode step (default 1)"),
+    ("traffic", float, "served tokens per second (default 20000)"),
+    ("months", float, "the model's serving life in months (default 6)"),
     ("kv_bits", int, "KV quantization bits (default 4)"),
     ("outlier_ratio", float, "key outlier channels' range / the others' (default 10)"),
     ("draft_k", int, "EAGLE draft tokens per round (default: as many as Medusa heads)"),
