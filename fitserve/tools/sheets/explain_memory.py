@@ -102,7 +102,12 @@ def build_fa(args: argparse.Namespace) -> Sheet:
              f"bisected over multiples of Br = {br}; past it the re-reads go to HBM"),
     )
     return Sheet(f"FlashAttention IO with L2 reuse: {model_name(model(args))} at {n:,} on "
-                 f"{hw.name}", (Section(f"One attention layer, tile Br={br}", lines),),
+                 f"{hw.name}", (Section(f"One attention layer, tile Br={br}", lines, (
+                     "full (non-causal) attention; a causal mask halves the K/V re-reads and "
+                     "the naive S, P traffic, not the L2 case",
+                     f"L2 sizes: {L2_MIB[hw.name]} MiB on {hw.name} (vendor whitepaper); "
+                     "ASSUMED: the query-tile index is the grid's fastest axis and one CTA "
+                     "per SM")),),
                  verdict=f"{n:,} tokens: naive {fmt_bytes(naive)}, textbook "
                          f"{fmt_bytes(textbook)} ({naive / textbook:.1f}x less), L2 reuse "
                          f"{fmt_bytes(reuse)} ({naive / reuse:.1f}x less) per head",
@@ -122,11 +127,11 @@ def _first_spill(spills: Callable[[int], bool], br: int, top: int = 4 << 20) -> 
     return hi
 
 
-def sectors(addresses: Iterable[tuple[int, int]]) -> int:
-    """Distinct 32-B sectors touched by (address, bytes) accesses."""
+def sectors(addresses: Iterable[tuple[int, int]], unit: int = SECTOR) -> int:
+    """Distinct ``unit``-byte pieces (32-B sectors; 128-B lines) touched by (address, bytes)."""
     out: set[int] = set()
     for a, nb in addresses:
-        out.update(range(a // SECTOR, (a + nb - 1) // SECTOR + 1))
+        out.update(range(a // unit, (a + nb - 1) // unit + 1))
     return len(out)
 
 
@@ -144,15 +149,18 @@ def build_gemv(args: argparse.Namespace) -> Sheet:
     lines: list[Line] = []
     for name, nb, addr in cases:
         sec = sectors((addr(ln), nb) for ln in range(32))
+        lns = sectors(((addr(ln), nb) for ln in range(32)), LINE)
         useful = 32 * nb
         eff = useful / (sec * SECTOR)
         lines.append(line(name, "32 x bytes per lane / (sectors x 32 B)", eff,
-                          f"{pct(eff)}: {sec} sectors, {math.ceil(sec / 4)}+ lines",
+                          f"{pct(eff)}: {sec} sectors in {lns} x 128-B lines",
                           f"lane i reads {nb} B at {_addr_text(addr)}: {useful} useful B in "
                           f"{sec} sectors x 32 B = {sec * SECTOR} B fetched"))
     return Sheet(f"GEMV coalescing: one warp load, K = {k:,} ({model_name(model(args))})",
                  (Section("Which lane reads which element (y = W x, W is N x K)", tuple(lines),
-                          ("thread per row on a row-major W: lanes are K x 2 B apart, one "
+                          ("a warp load is one request; the memory system serves it as the "
+                           "distinct 32-B sectors it touches, grouped by 128-B line",
+                           "thread per row on a row-major W: lanes are K x 2 B apart, one "
                            "sector each; store W column-major (K-major transposed) or give "
                            "each row a warp",)),),
                  verdict="a warp per row (or column-major W) fetches only useful bytes; a "

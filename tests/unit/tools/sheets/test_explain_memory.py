@@ -84,3 +84,12 @@ def test_smem_bank_conflicts() -> None:
     assert val(s, "bf16 [32][72] (16-B pad), chunk-column read") == 1  # +16/128 = 12.5%
     assert val(s, "bf16 [32][64] XOR swizzle chunk ^ (row % 8)") == 1
     assert "12.5%" in s.line("bf16 [32][72] (16-B pad), chunk-column read").shown
+
+
+def test_gemv_lines_per_warp_load() -> None:
+    s = sheet("gemv-coalescing")
+    # 512 contiguous bytes: 16 sectors in 4 lines; 32 lanes 8 KiB apart: 32 sectors, 32 lines
+    assert "16 sectors in 4 x 128-B lines" in s.line(
+        "row-major, warp per row, bf16 x8 (16-B vector)").shown
+    assert "32 sectors in 32 x 128-B lines" in s.line(
+        "row-major, thread per row, bf16 scalar").shown

@@ -81,3 +81,23 @@ def test_kv_quant_roads_int4_and_int2() -> None:
     assert val(t, "block data per KV head") == 4096
     assert val(t, "K per-channel: error of a normal channel") == pytest.approx(1 / math.sqrt(12))
     assert val(t, "full-precision tail per sequence (K)") == 80 * 8 * 127 * 128 * 2
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (("gqa-packing", "--q-len", "0"), "--q-len must be in [1, 1024], got 0"),
+    (("kv-quant-roads", "--kv-bits", "9"), "--kv-bits must be in [2, 8], got 9"),
+    (("kv-quant-roads", "--outlier-ratio", "0"), "--outlier-ratio must be > 0"),
+    (("paged-indirection", "--block-size", "0"), "--block-size must be in [1, 65536], got 0"),
+    (("qat-fleet", "--traffic", "-5"), "--traffic must be > 0"),
+    (("qat-fleet", "--model", "Mistral-7B-v0.1"), "no published pretraining token count"),
+    (("qat-fleet", "--batch", "4096", "--context", "128k"), "does not fit 8 x h100"),
+    (("bf16-sum", "--threshold", "2"), "--threshold must be > 0 and <= 1"),
+    (("gemv-coalescing", "--gpu", "h100"), "--gpu does not apply to gemv-coalescing"),
+    (("fa-l2-reuse", "--gpu", "h1000"), "unknown GPU"),
+])
+def test_bad_input_exit_2(capsys: pytest.CaptureFixture[str], argv: tuple[str, ...],
+                          needle: str) -> None:
+    from fitserve.tools.sheets.sheet import run_tool
+
+    assert run_tool("explain", list(argv)) == 2
+    assert needle in capsys.readouterr().err
