@@ -155,8 +155,9 @@ def per_seq_rate(s: Setup, d: Drafter | None, batch: int) -> float:
     return d.expected / round_seconds(s, d, batch)
 
 
-def winner(s: Setup, ds: tuple[Drafter, Drafter], batch: int) -> str:
-    rates = {"plain decode": per_seq_rate(s, None, batch)}
+def winner(s: Setup, ds: tuple[Drafter, Drafter], batch: int, *, plain: bool = True) -> str:
+    """The fastest per sequence at ``batch`` (among the two drafters alone: plain=False)."""
+    rates = {"plain decode": per_seq_rate(s, None, batch)} if plain else {}
     rates.update({d.name: per_seq_rate(s, d, batch) for d in ds})
     return max(rates, key=lambda n: rates[n])
 
@@ -184,19 +185,23 @@ def stops_paying(s: Setup, d: Drafter) -> int | None:
                           BATCHES[-1])
 
 
-def flips(s: Setup, ds: tuple[Drafter, Drafter]) -> list[tuple[int, str, str]]:
+def flips(s: Setup, ds: tuple[Drafter, Drafter], *, plain: bool = True
+          ) -> list[tuple[int, str, str]]:
     """(first batch, old winner, new winner) wherever the winner changes, bisected exactly
     between the listed batches."""
+    def pick(b: int) -> str:
+        return winner(s, ds, b, plain=plain)
+
     out = []
     for lo, hi in zip(BATCHES, BATCHES[1:], strict=False):
-        w_lo, w_hi = winner(s, ds, lo), winner(s, ds, hi)
+        w_lo, w_hi = pick(lo), pick(hi)
         if w_lo == w_hi:
             continue
         a, b = lo, hi
         while b - a > 1:
             mid = (a + b) // 2
-            a, b = (mid, b) if winner(s, ds, mid) == w_lo else (a, mid)
-        out.append((b, w_lo, winner(s, ds, b)))
+            a, b = (mid, b) if pick(mid) == w_lo else (a, mid)
+        out.append((b, w_lo, pick(b)))
     return out
 
 
@@ -221,6 +226,16 @@ def build(args: argparse.Namespace) -> Sheet:
                      f"bisected between the listed batches: B {b - 1} {old}, B {b} {new}")
                 for b, old, new in fl]
     stop_lines = [_stop_line(s, d) for d in ds]
+    duel = flips(s, ds, plain=False)
+    stop_lines += [line(f"between the drafters alone: flips at batch {b}", "first B where the "
+                        "faster drafter changes", b, f"{old} -> {new}",
+                        f"B {b - 1} {old}, B {b} {new} (plain decode left out)")
+                   for b, old, new in duel]
+    stop_lines += [line(f"{d.name}: tokens per verified position", "E / (k + 1)",
+                        d.expected / (d.k + 1), f"{d.expected / (d.k + 1):.3f}",
+                        f"{d.expected:.4f} / {d.k + 1}: once verification is compute-bound "
+                        f"the round costs ~(k + 1) decode steps, so the larger wins")
+                   for d in ds]
     sec = Section(f"Per-sequence tokens/s on {s.tp} x {hw.name}, {s.fmt} weights, context "
                   f"{s.context:,}", (_fit_line(s, ds, fit), *rows, *fl_lines, *stop_lines),
                   ("round = verify k + 1 positions (ledger roofline) + draft passes; "
@@ -232,6 +247,7 @@ def build(args: argparse.Namespace) -> Sheet:
     return Sheet(f"Medusa vs EAGLE on {model_name(entry)}, {s.tp} x {hw.name}",
                  (draft_sec, sec), (), verdict,
                  data={"flips": [list(f) for f in fl], "fit_batch": fit,
+                       "drafter_flips": [list(f) for f in duel],
                        "stops_paying": {d.name: stops_paying(s, d) for d in ds}, "medusa_expected": med.expected,
                        "eagle_expected": eag.expected})
 

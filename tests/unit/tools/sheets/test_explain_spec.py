@@ -51,18 +51,41 @@ def test_acceptance_params_and_draft_cost_h100() -> None:
     assert val(s, "EAGLE: draft KV per token") == 4096
 
 
-def _rates(gpu: str, b: int, context: int) -> tuple[float, float, float]:
-    """Per-sequence tokens/s (plain, Medusa, EAGLE) from the ledger's roofline, by hand."""
+def _rates(gpu: str, b: int, context: int, *, medusa: tuple[int, int, float] = (
+        4, MEDUSA_PARAMS, MEDUSA_E), eagle: tuple[int, float] = (4, EAGLE_E)
+           ) -> tuple[float, float, float]:
+    """Per-sequence tokens/s (plain, Medusa, EAGLE) from the ledger's roofline, by hand:
+    E / (t_verify(k) + passes x max(bytes / bw, B x 2 x params / bf16 peak)), TP 2."""
     spec, hw = resolve_model("Llama-3.3-70B").spec, get_hardware(gpu)
     wb = roofline_weight_bytes(spec, "fp8", tp=2)
+
+    def verify(k: int) -> float:
+        return verify_step(spec, hw, wb, batch=b, k=k, context=context, kv_dtype="bf16",
+                           weights_fmt="fp8").seconds
+
     dec = decode_step(spec, hw, wb, batch=b, context=context, kv_dtype="bf16",
                       weights_fmt="fp8").seconds
-    ver = verify_step(spec, hw, wb, batch=b, k=4, context=context, kv_dtype="bf16",
-                      weights_fmt="fp8").seconds
-    med = max(MEDUSA_PARAMS * 2 / 2 / hw.mem_bytes_per_s, b * 2 * MEDUSA_PARAMS / 2 / hw.bf16_flops)
-    eag = 4 * max((EAGLE_PARAMS * 2 + b * context * 4096) / 2 / hw.mem_bytes_per_s,
-                  b * 2 * EAGLE_PARAMS / 2 / hw.bf16_flops)
-    return 1 / dec, MEDUSA_E / (ver + med), EAGLE_E / (ver + eag)
+    mk, mparams, me = medusa
+    ek, ee = eagle
+    med = max(mparams * 2 / 2 / hw.mem_bytes_per_s, b * 2 * mparams / 2 / hw.bf16_flops)
+    eag = ek * max((EAGLE_PARAMS * 2 + b * context * 4096) / 2 / hw.mem_bytes_per_s,
+                   b * 2 * EAGLE_PARAMS / 2 / hw.bf16_flops)
+    return 1 / dec, me / (verify(mk) + med), ee / (verify(ek) + eag)
+
+
+def test_long_eagle_chain_loses_to_two_strong_heads_past_batch_46() -> None:
+    s = sheet("--draft-k", "8", "--heads-accept", "0.8,0.7", "--context", "512")
+    # Medusa: 2 heads, E = 1 + 0.8 + 0.56 = 2.36, 2 x (h^2 + h V) params; EAGLE k = 8:
+    # E = (1 - 0.75^9) / 0.25 = 3.6997. Verifying 9 positions costs ~9 decode steps once
+    # compute-bound, 3 for Medusa: E / (k + 1) = 0.411 vs 0.787
+    med = (2, 2 * (H * H + H * V), 2.36)
+    eag = (8, (1 - 0.75 ** 9) / 0.25)
+    assert val(s, "EAGLE: tokens per verified position") == pytest.approx(eag[1] / 9)
+    assert val(s, "Medusa: tokens per verified position") == pytest.approx(2.36 / 3)
+    before = _rates("h100", 45, 512, medusa=med, eagle=eag)
+    at = _rates("h100", 46, 512, medusa=med, eagle=eag)
+    assert before[2] > before[1] and at[1] > at[2]
+    assert s.data["drafter_flips"] == [[46, "EAGLE", "Medusa"]]
 
 
 @pytest.mark.parametrize(("gpu", "stop_medusa", "stop_eagle"), [
