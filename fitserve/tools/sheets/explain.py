@@ -94,9 +94,11 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("weights", str, "weight format or mix (per topic: bf16, int4-g128, Q4_K_M)"),
     ("latency_ns", float, "loaded DRAM latency in ns (default: the table's, 600 on HBM)"),
     ("head_dim", int, "attention head dim (default: the model's)"),
-    ("tile", str, "attention tile BRxBC (default 128x128)"),
+    ("tile", str, "tile BRxBC (attention) or BMxBN (GEMM); default 128x128, paged-indirection "
+                       "64x64"),
     ("value", int, "nibble 0-15 for the worked dequant example (default 11)"),
-    ("context", str, "tokens per sequence, k = 1024 (default 2048; llamacpp-vs-vllm 1024)"),
+    ("context", str, "tokens per sequence, k = 1024 (default 2048; llamacpp-vs-vllm 1024; "
+                          "fa-l2-reuse, paged-indirection 8k; medusa-vs-eagle 4k)"),
     ("threshold", float, "w4a16: speedup below 1 + threshold stops paying (0.05); bf16-sum: relative error (0.01)"),
     ("batch", int, "concurrent users (default 256)"),
     ("max_context", str, "tokens a contiguous slot reserves (default 8192)"),

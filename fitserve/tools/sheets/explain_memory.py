@@ -218,7 +218,8 @@ def build_smem(args: argparse.Namespace) -> Sheet:
         for name, passes, pad, size in rows)
     return Sheet(f"Shared memory: padding vs swizzle ({m.arch}, {BANKS} banks x {BANK_BYTES} B)",
                  (Section("A column of a tile, read by one warp", lines,
-                          ("TMA and wgmma read smem in the canonical 128-B swizzled layout: "
-                           "padding breaks it, XOR swizzle is the layout they expect",)),),
+                          ("TMA writes dense boxes (optionally 32/64/128-B swizzled) and wgmma "
+                           "descriptors expect those layouts: a padded row exists for neither, "
+                           "so Hopper kernels swizzle",)),),
                  verdict="pad fp32 scalars by one word (3.1%); for 16-B vectors XOR-swizzle "
                          "the chunk index (0 bytes) instead of a 16-B pad (12.5%)")

@@ -170,7 +170,8 @@ def build_paged(args: argparse.Namespace) -> Sheet:
              f"{fmt_bytes(min(b, bc) * d * ACT)}"),
         line("contiguous run per head", "b x d x 2 B ([block, head, token, d]) vs d x 2 B "
              "([block, token, head, d])", b * d * ACT, f"{fmt_bytes(b * d * ACT)} / "
-             f"{d * ACT} B", f"{b} x {d} x 2 = {b * d * ACT:,} B head-major in a block; "
+             f"{d * ACT} B", f"{b} x {d} x 2 = {b * d * ACT:,} B head-major in a block (fitserve's "
+                             f"[kv_heads, blocks, block_size, d]); "
                              f"{d * ACT} B token-major (rows {hkv} x {d * ACT} B apart)"),
         line("tile stream time per SM", "2 Bc d x 2 B / (bw / SMs)", t_tile,
              fmt_seconds(t_tile), f"{tile_bytes:,} B / ({hw.mem_bytes_per_s:.4g} / "
