@@ -244,8 +244,11 @@ def build(args: argparse.Namespace) -> Sheet:
                          for b, _, new in fl) or f"no flip up to B {BATCHES[-1]}"
     verdict = (f"E: Medusa {med.expected:.3f} vs EAGLE {eag.expected:.3f} tokens per round; "
                f"winner at B=1: {winner(s, ds, 1)}; {flip_txt}; {fit} sequences fit")
+    warns = (f"{hw.name} has no fp8 tensor cores: {s.fmt} is priced as weight-only (fp8 "
+             f"bytes read, GEMMs at the bf16 peak, as Marlin's fp8 kernels run on Ampere)",
+             ) if s.fmt.startswith("fp8") and not hw.fp8_flops else ()
     return Sheet(f"Medusa vs EAGLE on {model_name(entry)}, {s.tp} x {hw.name}",
-                 (draft_sec, sec), (), verdict,
+                 (draft_sec, sec), warns, verdict,
                  data={"flips": [list(f) for f in fl], "fit_batch": fit,
                        "drafter_flips": [list(f) for f in duel],
                        "stops_paying": {d.name: stops_paying(s, d) for d in ds}, "medusa_expected": med.expected,
