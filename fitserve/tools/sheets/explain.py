@@ -23,7 +23,12 @@ from fitserve.tools.sheets import (
     explain_gemv,
     explain_gguf,
     explain_int4,
+    explain_memory,
+    explain_numerics,
+    explain_qat_fleet,
     explain_quant,
+    explain_spec,
+    explain_tiles,
 )
 from fitserve.tools.sheets.explain_common import flag_name, line
 from fitserve.tools.sheets.sheet import Sheet
@@ -54,6 +59,32 @@ TOPICS: dict[str, Topic] = {
                               "vs hundreds (shared reads, paged KV)", explain_gguf.LLAMACPP_FLAGS),
     "q4km-cost": Topic(explain_gguf.build_q4km, "bits per weight of a Q4_K_M file from ggml's "
                        "blocks and the model's tensor shapes", explain_gguf.Q4KM_FLAGS),
+    "medusa-vs-eagle": Topic(explain_spec.build, "blind Medusa heads vs a conditioned EAGLE "
+                             "drafter: acceptance, draft cost, the batch where the winner "
+                             "flips; EAGLE-3's changes", explain_spec.FLAGS),
+    "fa-l2-reuse": Topic(explain_memory.build_fa, "naive vs textbook FlashAttention IO vs HBM "
+                         "bytes with K/V re-reads hitting L2; the wave's working set",
+                         explain_memory.FA_FLAGS),
+    "gemv-coalescing": Topic(explain_memory.build_gemv, "which lane reads which weight: 32-B "
+                             "sectors per warp load, row- vs column-major, bf16 vs int4",
+                             explain_memory.GEMV_FLAGS),
+    "smem-swizzle": Topic(explain_memory.build_smem, "bank conflicts of fp32 scalars and 16-B "
+                          "bf16 vectors: padding bytes vs XOR swizzle", explain_memory.SMEM_FLAGS),
+    "gqa-packing": Topic(explain_tiles.build_gqa, "query heads per KV head packed into the "
+                         "MMA's M: tensor-core utilisation in decode", explain_tiles.GQA_FLAGS),
+    "tma-wgmma": Topic(explain_tiles.build_tma, "TMA and wgmma instructions for one GEMM tile "
+                       "vs cp.async and mma.sync", explain_tiles.TMA_FLAGS),
+    "paged-indirection": Topic(explain_tiles.build_paged, "block-table loads, blocks per tile, "
+                               "TMA boxes, the stages that hide them", explain_tiles.PAGED_FLAGS),
+    "rope-fusion": Topic(explain_numerics.build_rope, "bytes eager RoPE moves vs the fused "
+                         "kernel (and the fused KV-cache write)", explain_numerics.ROPE_FLAGS),
+    "bf16-sum": Topic(explain_numerics.build_sum, "a bf16 running sum's error curve vs fp32 and "
+                      "the bisection for where it crosses --threshold", explain_numerics.SUM_FLAGS),
+    "kv-quant-roads": Topic(explain_numerics.build_roads, "why keys want per-channel scales and "
+                            "values per-token, and what that costs a paged cache",
+                            explain_numerics.ROADS_FLAGS),
+    "qat-fleet": Topic(explain_qat_fleet.build, "QAT's GPU-hours vs the GPUs int4 weights save "
+                       "at a traffic: payback, and when not to touch it", explain_qat_fleet.FLAGS),
 }
 
 # (dest, type, help) of every topic flag; all default to None ("not given").
@@ -63,10 +94,12 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("weights", str, "weight format or mix (per topic: bf16, int4-g128, Q4_K_M)"),
     ("latency_ns", float, "loaded DRAM latency in ns (default: the table's, 600 on HBM)"),
     ("head_dim", int, "attention head dim (default: the model's)"),
-    ("tile", str, "attention tile BRxBC (default 128x128)"),
+    ("tile", str, "tile BRxBC (attention) or BMxBN (GEMM); default 128x128, paged-indirection "
+                       "64x64"),
     ("value", int, "nibble 0-15 for the worked dequant example (default 11)"),
-    ("context", str, "tokens per sequence, k = 1024 (default 2048; llamacpp-vs-vllm 1024)"),
-    ("threshold", float, "speedup below 1 + threshold stops paying (default 0.05)"),
+    ("context", str, "tokens per sequence, k = 1024 (default 2048; llamacpp-vs-vllm 1024; "
+                          "fa-l2-reuse, paged-indirection 8k; medusa-vs-eagle 4k)"),
+    ("threshold", float, "w4a16: speedup below 1 + threshold stops paying (0.05); bf16-sum: relative error (0.01)"),
     ("batch", int, "concurrent users (default 256)"),
     ("max_context", str, "tokens a contiguous slot reserves (default 8192)"),
     ("block_size", int, "paged KV block size in tokens (default 16)"),
@@ -76,6 +109,16 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("qat_fraction", float, "QAT tokens as a fraction of pretraining (default 0.001)"),
     ("qat_tokens", float, "QAT tokens outright (instead of --qat-fraction)"),
     ("pretrain_tokens", float, "pretraining tokens (default: published, where known)"),
+    ("tp", int, "tensor-parallel ranks (default 2)"),
+    ("heads_accept", str, "Medusa heads' top-1 acceptance, one per head (default "
+                          "0.6,0.45,0.35,0.25)"),
+    ("draft_accept", float, "EAGLE acceptance per draft, conditioned on the previous (0.75)"),
+    ("q_len", int, "query positions per sequence in a decode step (default 1)"),
+    ("traffic", float, "served tokens per second (default 20000)"),
+    ("months", float, "the model's serving life in months (default 6)"),
+    ("kv_bits", int, "KV quantization bits (default 4)"),
+    ("outlier_ratio", float, "key outlier channels' range / the others' (default 10)"),
+    ("draft_k", int, "EAGLE draft tokens per round (default: as many as Medusa heads)"),
 )
 
 

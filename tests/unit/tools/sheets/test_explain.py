@@ -50,7 +50,7 @@ def test_no_topic_and_list_show_every_topic() -> None:
         s = sheet(*argv)
         assert [ln.name for ln in s.sections[0].lines] == list(TOPICS)
         assert s.data["topics"] == list(TOPICS)
-    assert len(TOPICS) == 7
+    assert len(TOPICS) == 18
 
 
 def test_unknown_topic_is_exit_2_listing_topics(capsys: pytest.CaptureFixture[str]) -> None:
