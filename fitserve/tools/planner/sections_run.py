@@ -206,7 +206,9 @@ def speed_section(r: Resolved, batch: int) -> Section:
         table = ", ".join(f"B={b}: x{v:.2f}" for b, v in x.speedups)
         lines.append(Line("int4-g128 vs bf16 stops paying at batch", "quant_crossover",
                           x.stops_paying_at, str(x.stops_paying_at or "never"),
-                          f"speedup of W4A16 over bf16 (< 1.05 = stops): {table}"))
+                          f"speedup of W4A16 over bf16 (< 1.05 = stops): {table}; bytes and "
+                          f"FLOPs only: the dequant instructions per weight move it earlier "
+                          f"(`fitserve plan explain q4km-cost --model ...` counts them)"))
     notes = ["floors: kernels reach a fraction of peak bandwidth and FLOP/s"]
     if hw.measured:  # the figures every line above divides by, and when they were taken
         notes.append(f"{hw.name}: {hw.source}")
