@@ -39,7 +39,7 @@ def write_tasks(folder: Path, mc_docs: list[dict[str, Any]], gen_docs: list[dict
         "metric_list:\n  - metric: acc\n")
     (folder / "fitserve_gen.yaml").write_text(
         head("gen") + "output_type: generate_until\ngeneration_kwargs:\n  until: [\"\\n\"]\n"
-        "  max_gen_toks: 4\n  do_sample: false\n  temperature: 0\nmetric_list:\n  - metric: exact_match\n")
+        "  max_gen_toks: 2\n  do_sample: false\n  temperature: 0\nmetric_list:\n  - metric: exact_match\n")
 
 
 def test_local_completions_loglikelihood_and_generate(server: Server, client: Any, smollm2_tokenizer_dir: Path,
@@ -50,12 +50,17 @@ def test_local_completions_loglikelihood_and_generate(server: Server, client: An
     monkeypatch.setenv("OPENAI_API_KEY", API_KEY)
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
-    greedy = [client.completions.create(model=MODEL, prompt=q, max_tokens=2, temperature=0).choices[0].text
-              for q in QUESTIONS]
+    # the same generation lm-eval asks for (max_gen_toks 2, until a newline)
+    greedy = [client.completions.create(model=MODEL, prompt=q, max_tokens=2, temperature=0, stop=["\n"])
+              .choices[0].text for q in QUESTIONS]
     # the greedy continuation is the answer; the distractors are other documents' continuations
-    mc = [{"question": q, "choices": [g, *(o for o in greedy if o != g)][:3], "answer": 0}
-          for q, g in zip(QUESTIONS, greedy, strict=True)]
-    assert all(len(set(d["choices"])) == 3 for d in mc)  # the distractors differ from the answer
+    # (the answer's index varies: equal or constant logprobs would not pick it)
+    mc = []
+    for i, (q, g) in enumerate(zip(QUESTIONS, greedy, strict=True)):
+        choices = [o for o in greedy if o != g][:2]
+        choices.insert(i % 3, g)
+        mc.append({"question": q, "choices": choices, "answer": i % 3})
+    assert all(len(set(d["choices"])) == 3 and all(d["choices"]) for d in mc)  # distinct, non-empty
     gen = [{"question": q, "answer": greedy[i]} for i, q in enumerate(QUESTIONS[:3])]
     write_tasks(tmp_path, mc, gen)
     results = lm_eval.simple_evaluate(
