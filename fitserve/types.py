@@ -132,6 +132,9 @@ class RunnerOutput:
     # SpecDecodeInputs.return_hidden_states: the final hidden state ([hidden], a copy) whose
     # logits gave each request's latest token (sampled[id]), for a head-style drafter (EAGLE)
     hidden_states: dict[str, torch.Tensor] = field(default_factory=dict)
+    # prompt logprobs (SamplingParams.prompt_logprobs): per request, the prompt index of the
+    # first token this step scored and each scored token's logprobs (fitserve.runner.prompt_logprobs)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
     def update(self, other: RunnerOutput) -> None:
         """Add ``other``'s requests (a disjoint part of the same step) to this output."""
@@ -139,6 +142,7 @@ class RunnerOutput:
         self.logprobs.update(other.logprobs)
         self.emitted.update(other.emitted)
         self.hidden_states.update(other.hidden_states)
+        self.prompt_logprobs.update(other.prompt_logprobs)
 
 
 @dataclass(slots=True)
@@ -184,6 +188,9 @@ class RequestOutput:
     token_ids: list[int] | None = None  # final output only: every generated token
     text: str | None = None  # final output only: the whole text (stop strings applied)
     logprobs: list[TokenLogprobs] | None = None  # final output only, if logprobs were asked for
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (it has no
+    # prefix); on the request's first output and its final one, None on the others
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     error: BaseException | None = None  # set with finish_reason ERROR: why the request failed

@@ -26,6 +26,7 @@ from fitserve.engine.sizing import KVPoolSize, check_pool_fits, engine_kv_format
 from fitserve.kv.group import KVGroup
 from fitserve.kv.manager import KVCacheManager
 from fitserve.ledger.formats import resolve_engine_weights
+from fitserve.ledger.sampler_memory import prompt_logprob_chunk_rows
 from fitserve.ledger.weights import engine_format_rule, engine_weight_bytes
 from fitserve.loading import LoadedModel, load_model
 from fitserve.loading.tokenizer import Tokenizer
@@ -167,6 +168,8 @@ def _size_and_wire(cfg: EngineConfig, model: CausalLM, spec: ModelSpec, shard_sp
         kv_cache_dtype=cache.kv_cache_dtype, kv_cache_scales=cache.kv_cache_scales,
         verify=None if cfg.speculative is None else verify_drafts,
         kv_groups=groups if len(groups) > 1 else (),
+        prompt_logprob_chunk_rows=prompt_logprob_chunk_rows(spec.vocab_size,
+                                                            cfg.scheduler.max_num_seqs),
     )
     if isinstance(runner, TPModelRunner):
         assert tp_group is not None

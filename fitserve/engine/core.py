@@ -179,6 +179,7 @@ class Engine:
             if rid in self._requests or rid in self._beams:
                 raise ValueError(f"request id {rid!r} is already in use")
         prompt_ids = self._checked_prompt(prompt)
+        prompt_top = _prompt_logprobs_top(params, tp=self.tp_group is not None)
         room = self.max_model_len - len(prompt_ids)
         overrides = _slo_overrides(slo_ttft_ms, slo_tpot_ms)
         guides = guide_states(self.grammars, params, self.tokenizer, self.spec.vocab_size)
@@ -189,12 +190,19 @@ class Engine:
                                priority=priority, slo_ttft_s=overrides[0], slo_tpot_s=overrides[1])
                   for rid, p in zip(request_ids, params, strict=True)]
         scheds[0].fork_children = scheds[1:]
+        # NOTE: prompt logprobs need the logits of every prompt position, so the request that
+        # computes the prompt takes no prefix-cache hit (as vLLM: it recomputes the cached
+        # part); the blocks it fills are still cached for later requests.
+        scheds[0].skip_prefix_hits = prompt_top is not None
+        # the group's one prompt-logprobs list, filled by the first request's prefill
+        shared_prompt_lps = None if prompt_top is None else [None] * len(prompt_ids)
         self.scheduler.add_request(scheds[0])  # validates against the pool before anything is kept
         now = time.monotonic()
         for sched, p, guide, mask in zip(scheds, params, guides, masks, strict=True):
             sampling = RequestSamplingState.create(p, prompt_ids, sched.output_token_ids, device=str(self.device))
             sampling.guide = guide
             sampling.token_masks = mask
+            sampling.num_prompt_logprobs = prompt_top if sched is scheds[0] else None
             self._requests[sched.request_id] = Tracked(
                 sched=sched,
                 params=p,
@@ -203,6 +211,7 @@ class Engine:
                 max_tokens=sched.max_tokens,
                 arrival_time=now,
                 logprobs=[] if p.logprobs is not None else None,
+                prompt_logprobs=shared_prompt_lps if p.prompt_logprobs is not None else None,
                 speculates=self.speculative_config is not None and can_speculate(p),
             )
         return list(request_ids)
@@ -333,6 +342,7 @@ class Engine:
                 done = beams.on_sampled(rid, result.logprobs[rid], now)
                 if done is not None:
                     outputs.append(done)
+        self._store_prompt_logprobs(result)
         num_drafts = {c.request_id: c.num_draft for c in plan.chunks if c.num_draft}
         for rid, token in sampled.items():
             tracked = self._requests[rid]
@@ -347,6 +357,13 @@ class Engine:
                 outputs.append(self._fail(rid, tracked, exc, now))
         self._record_step(plan, t_start, t_forward)
         return outputs
+
+    def _store_prompt_logprobs(self, result: RunnerOutput) -> None:
+        """File this step's prompt logprobs by prompt index (a recompute rewrites the same)."""
+        for rid, (first, entries) in result.prompt_logprobs.items():
+            tracked = self._requests.get(rid)
+            if tracked is not None and tracked.prompt_logprobs is not None:
+                tracked.prompt_logprobs[first: first + len(entries)] = entries
 
     def _record_step(self, plan: SchedulerOutput, t_start: float, forward_s: float) -> None:
         slo = self.scheduler.slo
@@ -467,6 +484,17 @@ class Engine:
     def request_of(self, scheduler_id: str) -> str:
         """The request a scheduler entry belongs to: a beam's search, else itself."""
         return self._beams.group_of(scheduler_id) or scheduler_id
+
+
+def _prompt_logprobs_top(params: Sequence[SamplingParams], tp: bool) -> int | None:
+    """Alternatives per prompt token the group's prefill keeps: the largest ``prompt_logprobs``
+    of ``params`` (None: no request asks)."""
+    asked = [p.prompt_logprobs for p in params if p.prompt_logprobs is not None]
+    if not asked:
+        return None
+    if tp:
+        raise ValueError("prompt_logprobs are not supported with tensor parallelism (--tp)")
+    return max(asked)
 
 
 def _slo_overrides(ttft_ms: float | None, tpot_ms: float | None) -> tuple[float | None, float | None]:

@@ -30,6 +30,8 @@ class Tracked:
     held: str = ""  # text produced but held back: it might still become a stop string
     sent_tokens: int = 0  # output tokens (and logprobs) already reported in a delta
     logprobs: list[TokenLogprobs] | None = None
+    # prompt_logprobs: one entry per prompt token (None first); shared by an n>1 group
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     first_token_time: float | None = None
     num_draft_tokens: int = 0  # speculative decoding: drafts verified, and accepted
     num_accepted_tokens: int = 0
@@ -140,11 +142,21 @@ def advance_output(rid: str, t: Tracked, new_tokens: list[int], now: float, *, m
         num_draft_tokens=t.num_draft_tokens,
         num_accepted_tokens=t.num_accepted_tokens,
     )
+    if t.prompt_logprobs is not None and (t.sent_tokens == 0 or decision is not None):
+        out.prompt_logprobs = _own_prompt_logprobs(t)
     t.sent_tokens = len(tokens)
     if decision is not None:
         out.finish_reason, out.stop_reason, out.finish_time = decision.reason, decision.stop_reason, now
         out.token_ids, out.text, out.logprobs = list(tokens), "".join(t.pieces), lps
     return out
+
+
+def _own_prompt_logprobs(t: Tracked) -> list[TokenLogprobs | None]:
+    """The group's prompt logprobs with this request's own number of alternatives."""
+    assert t.prompt_logprobs is not None
+    n = t.params.prompt_logprobs or 0
+    return [e if e is None or len(e.top) <= n else
+            TokenLogprobs(e.token_id, e.logprob, e.rank, e.top[:n]) for e in t.prompt_logprobs]
 
 
 def _flush(t: Tracked, decision: StopDecision, window: str) -> tuple[StopDecision, str]:

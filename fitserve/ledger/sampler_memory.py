@@ -78,3 +78,22 @@ def sampler_path_bytes(path: SamplerPath, batch: int, vocab: int) -> int:
 def sampler_bytes(vocab: int, max_num_seqs: int) -> int:
     """The ledger's sampler line: the worst path (``TOP_K_TOP_P``) at ``max_num_seqs`` rows."""
     return max(sampler_path_bytes(p, max_num_seqs, vocab) for p in SamplerPath)
+
+
+def prompt_logprob_chunk_rows(vocab: int, max_num_seqs: int) -> int:
+    """Prompt positions whose logprobs the runner computes at once (fitserve.runner.
+    prompt_logprobs): ``max(1, min(sampler_chunk_rows(V), max_num_seqs))``.
+
+    NOTE: capped at max_num_seqs so that a chunk's buffers (``prompt_logprobs_bytes``) never
+    exceed the logits line plus the sampler's copy (``2 x max_num_seqs x V x 4``): the step's
+    sampling phase, which runs the prompt logprobs before the sampled rows' logits are made,
+    keeps the peak the ledger already counts.
+    """
+    return max(1, min(sampler_chunk_rows(vocab), max_num_seqs))
+
+
+def prompt_logprobs_bytes(vocab: int, rows: int) -> int:
+    """Peak bytes of one chunk of prompt logprobs: the chunk's fp32 logits ``[rows, V]`` and
+    their log-softmax (ranks counted in place in it): ``2 x rows x V x 4``. (A bf16 model's
+    bf16 logits, ``2 rows V``, are freed once cast, before the log-softmax exists.)"""
+    return 2 * rows * vocab * F32_BYTES

@@ -20,6 +20,7 @@ from fitserve.kernels.cpu.paged_attention_kvq import paged_attention_kvq_availab
 from fitserve.kv.group import KVGroup
 from fitserve.ledger.formats import kv_format as kv_format_entry
 from fitserve.ledger.formats import resolve_engine_kv_format
+from fitserve.ledger.sampler_memory import sampler_chunk_rows
 from fitserve.model.attention.backend import AttentionBackend, DecodeBatch, PrefillSeq
 from fitserve.model.attention.dispatch import choose_attention_backend, classify
 from fitserve.model.attention.paged import AttentionBatch
@@ -28,6 +29,7 @@ from fitserve.quant.kv_cache import QuantizedKVCache
 from fitserve.runner.compiled_step import CompiledDecode
 from fitserve.runner.decode_loop import DecodeLoop
 from fitserve.runner.lazy_memory import lazy_zeros
+from fitserve.runner.prompt_logprobs import compute_prompt_logprobs, prompt_spans
 from fitserve.runner.rope_rows import rope_rows
 from fitserve.sampling import RequestSamplingState, Sampler
 from fitserve.types import RunnerOutput, ScheduledChunk, SchedulerOutput, SpecDecodeInputs
@@ -55,8 +57,12 @@ class ModelRunner:
         kv_cache_scales: str = "auto",
         verify: DraftVerifier | None = None,
         kv_groups: Sequence[KVGroup] = (),
+        prompt_logprob_chunk_rows: int | None = None,
     ) -> None:
         self.model = model
+        # prompt positions scored at once (fitserve.ledger.sampler_memory.prompt_logprob_chunk_rows)
+        self.prompt_logprob_chunk_rows = (prompt_logprob_chunk_rows if prompt_logprob_chunk_rows
+                                          else sampler_chunk_rows(spec.vocab_size))
         # speculative decoding's rejection sampling (fitserve.spec_decode.rejection.verify), given
         # by the engine's builder when speculation is on; None: a chunk with drafts is an error
         self.verify_drafts = verify
@@ -140,6 +146,10 @@ class ModelRunner:
         hidden = self._forward(input_ids, positions, batch)
         sample_rows, sample_ids, verify = logits_rows(chunks)
         result = RunnerOutput(sampled={})
+        spans = prompt_spans(chunks, states)
+        if spans:  # before the sampled rows' logits exist (the ledger's sampling phase)
+            result.prompt_logprobs = compute_prompt_logprobs(
+                self.model.compute_logits, hidden, spans, self.prompt_logprob_chunk_rows)
         spec = out.spec_decode
         if sample_rows:
             logits = self.model.compute_logits(self._rows(hidden, sample_rows))

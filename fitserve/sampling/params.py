@@ -48,8 +48,10 @@ class SamplingParams:
 
     Defaults follow the OpenAI API / vLLM: plain sampling at temperature 1, 16 new tokens.
     ``top_k`` of 0 or -1 disables top-k; ``logprobs=0`` returns only the chosen token's logprob,
-    ``logprobs=N`` also the N most likely tokens. ``stop`` may be given as one string or a list;
-    it is stored as a list.
+    ``logprobs=N`` also the N most likely tokens. ``prompt_logprobs=N`` (vLLM's) returns, for
+    every prompt token but the first, its logprob given the tokens before it and the N most
+    likely tokens there (``RequestOutput.prompt_logprobs``). ``stop`` may be given as one string
+    or a list; it is stored as a list.
     """
 
     n: int = 1
@@ -66,6 +68,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to its logit before sampling
@@ -116,6 +119,11 @@ class SamplingParams:
                 raise ValueError(
                     f"logprobs must be in [0, {MAX_LOGPROBS}] (or None), got {self.logprobs}"
                 )
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _as_int("prompt_logprobs", self.prompt_logprobs)
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] (or None), "
+                                 f"got {self.prompt_logprobs}")
         self.ignore_eos = _as_bool("ignore_eos", self.ignore_eos)
         self.skip_special_tokens = _as_bool("skip_special_tokens", self.skip_special_tokens)
         self.include_stop_str_in_output = _as_bool(

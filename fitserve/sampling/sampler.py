@@ -78,10 +78,15 @@ class RequestSamplingState:
     guide: GuideState | None = None
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
     token_masks: TokenMasks | None = None
+    # alternatives per prompt token when the runner scores the prompt (None: it does not);
+    # ``params.prompt_logprobs``, or the largest of an n>1 group's on the request computing it
+    num_prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_logprobs is None:
             self.num_logprobs = self.params.logprobs
+        if self.num_prompt_logprobs is None:
+            self.num_prompt_logprobs = self.params.prompt_logprobs
         bias = self.params.logit_bias
         if bias and self.logit_bias is None:
             self.logit_bias = (torch.tensor(list(bias), dtype=torch.long),

@@ -55,6 +55,9 @@ class SchedRequest:
     arrival_time: float = 0.0
     late: bool = False
     predicted_ttft_s: float | None = None
+    # computes its whole prompt even where the prefix cache holds it (prompt logprobs need
+    # every prompt position's logits); the blocks it fills are still cached for others
+    skip_prefix_hits: bool = False
 
     @property
     def is_idle(self) -> bool:

@@ -393,6 +393,8 @@ class Scheduler:
         can start from (fitserve.kv.manager.KVCacheManager.find_prefix_hit)."""
         if self.kv.enable_caching:
             self._extend_hashes(req, req.num_tokens)
+        if req.skip_prefix_hits:  # no hashes to match: every group's hit is empty
+            return self.kv.find_prefix_hit([], req.num_tokens)
         return self.kv.find_prefix_hit(req.block_hashes, req.num_tokens)
 
     def _extend_hashes(self, req: SchedRequest, num_tokens: int) -> None:

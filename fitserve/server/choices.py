@@ -15,7 +15,7 @@ from typing import Any
 from fitserve.loading.tokenizer import Tokenizer
 from fitserve.server.serving import Prepared
 from fitserve.server.tool_calls import ToolCallParser
-from fitserve.types import TokenLogprobs
+from fitserve.types import RequestOutput, TokenLogprobs
 
 
 class ChoiceText:
@@ -24,13 +24,14 @@ class ChoiceText:
 
     def __init__(self, prep: Prepared, index: int) -> None:
         self._prefix = prep.echo[index // prep.n] if prep.echo else ""
+        self._echo_only = prep.echo_only  # max_tokens 0: the generated text is not the choice's
         plan = prep.tools
         self.parser = ToolCallParser(plan.names or (), plan.max_calls) if plan is not None else None
         self._sent_calls = 0
 
     def stream(self, delta: str, finished: bool) -> tuple[str, list[dict[str, Any]]]:
         """The content to send for this delta and the tool-call deltas completed by it."""
-        text, self._prefix = self._prefix + delta, ""
+        text, self._prefix = self._prefix + ("" if self._echo_only else delta), ""
         if self.parser is None:
             return text, []
         content, calls = self.parser.feed(text)
@@ -71,15 +72,58 @@ def chat_logprobs(lps: list[TokenLogprobs], text: Callable[[int], str]) -> list[
             for t in lps]
 
 
-def completion_logprobs(lps: list[TokenLogprobs], text: Callable[[int], str], offset: int) -> dict[str, Any]:
-    tokens = [text(t.token_id) for t in lps]
+def completion_logprobs(lps: list[TokenLogprobs], text: Callable[[int], str], offset: int,
+                        head: int | None = None) -> dict[str, Any]:
+    """OpenAI's legacy ``logprobs`` of ``lps``; ``head``: a token before them that has no
+    logprob (an echoed prompt's first token: null logprob and top_logprobs)."""
+    ids = ([] if head is None else [head]) + [t.token_id for t in lps]
+    tokens = [text(t) for t in ids]
     offsets = []
     for s in tokens:
         offsets.append(offset)
         offset += len(s)
+    none: list[Any] = [] if head is None else [None]
     return {
         "tokens": tokens,
-        "token_logprobs": [t.logprob for t in lps],
-        "top_logprobs": [{text(i): lp for i, lp in t.top} for t in lps],
+        "token_logprobs": none + [t.logprob for t in lps],
+        "top_logprobs": none + [{text(i): lp for i, lp in t.top} for t in lps],
         "text_offset": offsets,
     }
+
+
+def echoed_prompt_logprobs(prompt_lps: list[TokenLogprobs | None], num: int) -> list[TokenLogprobs]:
+    """An echoed prompt's entries after its first token, with ``num`` alternatives each (the
+    engine may have kept more: the prompt_logprobs field's)."""
+    return [TokenLogprobs(e.token_id, e.logprob, e.rank, e.top[:num]) for e in prompt_lps[1:]
+            if e is not None]
+
+
+def completion_choice_logprobs(prep: Prepared, out: RequestOutput, text: Callable[[int], str]
+                               ) -> dict[str, Any] | None:
+    """A finished completion choice's ``logprobs``: with echo, the prompt's tokens first."""
+    num = prep.params.logprobs
+    if num is None:
+        return None
+    generated = [] if prep.echo_only else (out.logprobs or [])
+    if prep.echo is None or out.prompt_logprobs is None:
+        return completion_logprobs(generated, text, 0)
+    return completion_logprobs(echoed_prompt_logprobs(out.prompt_logprobs, num) + generated, text, 0,
+                               head=out.prompt_token_ids[0])
+
+
+def vllm_prompt_logprobs(prompt_lps: list[TokenLogprobs | None] | None, num: int | None,
+                         text: Callable[[int], str]) -> list[dict[str, Any] | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token (None first), token id -> {logprob, rank,
+    decoded_token} for the prompt's own token and the top ``num``."""
+    if prompt_lps is None or num is None:
+        return None
+    out: list[dict[str, Any] | None] = []
+    for e in prompt_lps:
+        if e is None:
+            out.append(None)
+            continue
+        entry = {str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": text(e.token_id)}}
+        for r, (tid, lp) in enumerate(e.top[:num], start=1):
+            entry.setdefault(str(tid), {"logprob": lp, "rank": r, "decoded_token": text(tid)})
+        out.append(entry)
+    return out

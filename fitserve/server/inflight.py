@@ -36,9 +36,12 @@ class _Pending:
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # the first output's, kept
 
     def add(self, out: RequestOutput) -> None:
         self.last = out
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.token_ids.extend(out.delta_token_ids)
         self.text.append(out.delta_text)
         if out.delta_logprobs is not None:
@@ -53,6 +56,7 @@ class _Pending:
         out.delta_token_ids = self.token_ids
         out.delta_text = "".join(self.text)
         out.delta_logprobs = self.logprobs
+        out.prompt_logprobs = self.prompt_logprobs
         return out
 
 
@@ -195,6 +199,8 @@ class Run:
         prompt = sum(len(p) for p in self.prep.prompts)
         completion = sum(sum(len(b.token_ids) for b in o.beams) if o.beams is not None else o.num_output_tokens
                          for o in self.finished.values())
+        if self.prep.echo_only:  # max_tokens 0: the one token the engine made is not returned
+            completion = 0
         # each prompt counts once (as prompt_tokens): its first child's cache hits
         n = self.prep.n
         cached = sum(o.num_cached_tokens for rid, o in self.finished.items() if self.index[rid] % n == 0)

@@ -75,6 +75,8 @@ class Prepared:
     tools: ToolPlan | None = None  # chat with tools: what is parsed out of the output
     guided_param: str | None = None  # the request field the output constraint came from
     echo: list[str] | None = None  # completions with echo: each prompt's text, prepended to its choices
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone (the engine's one token dropped)
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field: written in the response
     user: str | None = None  # OpenAI's end-user id (for the request log)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs say `token_id:N`
 
@@ -117,7 +119,7 @@ def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
 
 def _sampling_params(
     req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None,
-    ctx: ModelContext, guided: GuidedDecoding | None,
+    ctx: ModelContext, guided: GuidedDecoding | None, prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     fields: dict[str, Any] = {
         "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
@@ -128,7 +130,8 @@ def _sampling_params(
         return SamplingParams(
             n=1, max_tokens=max_tokens, seed=req.seed, stop=req.stop,
             stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-            logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
             logit_bias=logit_bias_from_request(req.logit_bias, ctx.vocab_size), guided=guided,
             **sampling_extras(req, ctx.vocab_size), **{k: v for k, v in fields.items() if v is not None},
@@ -162,9 +165,6 @@ def _echo(req: CompletionRequest, raw: list[Any], prompts: list[list[int]], ctx:
     """``echo``: each prompt's text (as sent, or its token ids decoded), else None."""
     if not req.echo:
         return None
-    if req.logprobs is not None:
-        raise bad_request("echo with logprobs is not supported: fitserve does not compute the prompt's "
-                          "logprobs (send echo or logprobs, not both)", "echo")
     return [item if isinstance(item, str) else ctx.tokenizer.decode(ids, skip_special_tokens=False)
             for item, ids in zip(raw, prompts, strict=True)]
 
@@ -197,12 +197,21 @@ def prepare_completion(req: CompletionRequest, ctx: ModelContext) -> Prepared:
                 raise bad_request(f"prompt token ids must be in [0, {ctx.vocab_size})", "prompt")
             prompts.append(ids)
     prompts = truncate_prompts(prompts, req.truncate_prompt_tokens, ctx.max_model_len)
-    _check_lengths(prompts, req.max_tokens, ctx)
+    # NOTE: max_tokens 0 with echo (lm-eval's loglikelihood) runs as max_tokens 1, the token
+    # dropped from the choice, as vLLM does; the prompt's logprobs come from its prefill
+    echo_only = req.echo and req.max_tokens == 0
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens must be >= 1 (0 only with echo: the prompt alone)", "max_tokens")
+    max_tokens = 1 if echo_only else req.max_tokens
+    _check_lengths(prompts, max_tokens, ctx)
     echo = _echo(req, raw, prompts, ctx)
     guided = guided_from_request(req)
-    params = _sampling_params(req, req.max_tokens, req.logprobs, ctx, guided.decoding if guided else None)
+    # the prefill scores the prompt for the prompt_logprobs field, and for echo with logprobs
+    asked = [n for n in (req.prompt_logprobs, req.logprobs if req.echo else None) if n is not None]
+    params = _sampling_params(req, max_tokens, req.logprobs, ctx, guided.decoding if guided else None,
+                              max(asked) if asked else None)
     prep = _prepared("cmpl", False, req, prompts, params, ctx, guided)
-    prep.echo = echo
+    prep.echo, prep.echo_only = echo, echo_only
     return prep
 
 
@@ -229,7 +238,8 @@ def prepare_chat(req: ChatCompletionRequest, ctx: ModelContext) -> Prepared:
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     _check_lengths(prompts, max_tokens, ctx, param)
     try:
-        params = _sampling_params(req, max_tokens, logprobs, ctx, guided.decoding if guided else None)
+        params = _sampling_params(req, max_tokens, logprobs, ctx, guided.decoding if guided else None,
+                                  req.prompt_logprobs)
     except APIError as exc:
         if exc.param == "max_tokens":
             exc.param = param
@@ -250,6 +260,9 @@ def _prepared(
         v = getattr(req, name)
         if v is not None and not (math.isfinite(v) and v > 0):
             raise bad_request(f"{name} must be a number of milliseconds > 0, got {v}", name)
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs are not available with stream (as vLLM); echo with logprobs "
+                          "streams the prompt's logprobs in the first chunk", "prompt_logprobs")
     return Prepared(
         group=_new_id(prefix), created=int(time.time()), model=ctx.name, chat=chat,
         prompts=prompts, params=params, n=req.n, stream=req.stream, include_usage=include_usage,
@@ -257,6 +270,7 @@ def _prepared(
         priority=req.priority, slo_ttft_ms=req.slo_ttft_ms, slo_tpot_ms=req.slo_tpot_ms,
         guided_param=guided.param if guided else None, user=req.user,
         tokens_as_ids=bool(req.return_tokens_as_token_ids),
+        prompt_logprobs=req.prompt_logprobs,
     )
 
 
@@ -270,6 +284,10 @@ def _beam_params(req: CompletionRequest | ChatCompletionRequest, prompts: list[l
                           "stream")
     if params.logprobs is not None:
         raise bad_request("logprobs are not supported with use_beam_search", "logprobs")
+    if params.prompt_logprobs is not None:
+        which = "prompt_logprobs" if req.prompt_logprobs is not None else "echo"
+        raise bad_request("prompt logprobs (prompt_logprobs, echo with logprobs) are not supported with "
+                          "use_beam_search", which)
     if params.stop or params.stop_token_ids:
         raise bad_request("stop and stop_token_ids are not supported with use_beam_search (EOS ends a beam)",
                           "stop")

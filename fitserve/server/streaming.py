@@ -16,7 +16,14 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
-from fitserve.server.choices import ChoiceText, chat_logprobs, completion_logprobs
+from fitserve.server.choices import (
+    ChoiceText,
+    chat_logprobs,
+    completion_choice_logprobs,
+    completion_logprobs,
+    echoed_prompt_logprobs,
+    vllm_prompt_logprobs,
+)
 from fitserve.server.errors import APIError
 from fitserve.server.inflight import ClientGone, Run
 from fitserve.server.protocol.chat import chat_body
@@ -65,10 +72,14 @@ async def collect(run: Run, request: Request, text: Callable[[int], str]) -> dic
         if prep.chat:
             lp_body = {"content": chat_logprobs(lps, text)} if lps is not None else None
         else:
-            lp_body = completion_logprobs(lps, text, 0) if lps is not None else None
+            lp_body = completion_choice_logprobs(prep, out, text)
         choices.append(_choice(prep, k, out.text or "", lp_body, reason, out.stop_reason))
+        if not prep.chat:
+            choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs, prep.prompt_logprobs, text)
     if prep.chat:
-        return chat_body(prep.group, prep.created, prep.model, choices, chunk=False, usage=run.usage())
+        first = run.finished[run.children[0].request_id]  # one prompt: every choice's is the same
+        return chat_body(prep.group, prep.created, prep.model, choices, chunk=False, usage=run.usage(),
+                         prompt_logprobs=vllm_prompt_logprobs(first.prompt_logprobs, prep.prompt_logprobs, text))
     return completion_chunk(prep.group, prep.created, prep.model, choices, usage=run.usage())
 
 
@@ -81,7 +92,7 @@ def _choice(prep: Prepared, index: int, text: str, logprobs: Any, reason: str | 
         return {"index": index, "message": {"role": "assistant", "content": content, "tool_calls": calls},
                 "logprobs": logprobs, "finish_reason": shaped.finish_reason(reason), "stop_reason": stop_reason}
     return {"index": index, "text": content or "", "logprobs": logprobs, "finish_reason": reason,
-            "stop_reason": stop_reason}
+            "stop_reason": stop_reason, "prompt_logprobs": None}
 
 
 # -- streaming ----------------------------------------------------------------------------------
@@ -95,6 +106,11 @@ async def stream_events(run: Run, text: Callable[[int], str]) -> AsyncIterator[s
     prep = run.prep
     want_lps = prep.params.logprobs is not None
     carry_lps: dict[str, list[TokenLogprobs]] = {rid: [] for rid in run.index}
+    # echo with logprobs: the prompt's logprobs go first, in a choice's first chunk, after the
+    # prompt's first token (null logprob, held in echo_head until that chunk is sent);
+    # echo_pending: the choices whose prompt logprobs have not come yet
+    echo_head: dict[str, int] = {}
+    echo_pending = set(run.index) if want_lps and prep.echo is not None else set()
     sent_chars = dict.fromkeys(run.index, 0)
     shaped = {rid: ChoiceText(prep, k) for rid, k in run.index.items()}  # echo, tool calls
 
@@ -116,7 +132,11 @@ async def stream_events(run: Run, text: Callable[[int], str]) -> AsyncIterator[s
             choices = []
             for out in outputs:
                 rid = out.request_id
-                if want_lps and out.delta_logprobs:
+                if rid in echo_pending and out.prompt_logprobs is not None:
+                    echo_pending.discard(rid)
+                    carry_lps[rid][:0] = echoed_prompt_logprobs(out.prompt_logprobs, prep.params.logprobs or 0)
+                    echo_head[rid] = out.prompt_token_ids[0]
+                if want_lps and out.delta_logprobs and not prep.echo_only:
                     carry_lps[rid].extend(out.delta_logprobs)
                 content, calls = shaped[rid].stream(out.delta_text, out.finished)
                 if not content and not calls and not out.finished:
@@ -137,7 +157,8 @@ async def stream_events(run: Run, text: Callable[[int], str]) -> AsyncIterator[s
                 else:
                     choice = {
                         "index": k, "text": content,
-                        "logprobs": completion_logprobs(new_lps, text, sent_chars[rid]) if new_lps is not None else None,
+                        "logprobs": completion_logprobs(new_lps, text, sent_chars[rid], echo_head.pop(rid, None))
+                        if new_lps is not None else None,
                     }
                 choice["finish_reason"] = reason
                 if out.finished:

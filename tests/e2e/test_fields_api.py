@@ -59,10 +59,8 @@ def test_echo_prepends_the_prompt(server: Server, client) -> None:  # type: igno
     assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPT + plain
 
 
-def test_echo_with_logprobs_and_suffix_are_400(client) -> None:  # type: ignore[no-untyped-def]
-    with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, echo=True, logprobs=1)
-    assert info.value.body["param"] == "echo" and "prompt" in info.value.body["message"]
+def test_suffix_is_400(client) -> None:  # type: ignore[no-untyped-def]
+    # (echo with logprobs works: tests/e2e/test_prompt_logprobs_api.py)
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, suffix=" end.")
     assert info.value.body["param"] == "suffix" and "not supported" in info.value.body["message"]

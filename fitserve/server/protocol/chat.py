@@ -20,6 +20,7 @@ from fitserve.server.protocol.common import (
     absent_or_value,
     desc,
 )
+from fitserve.server.protocol.completions import PromptLogprobs
 from fitserve.server.protocol.structured import (
     MAX_TOOLS,
     MessageToolCall,
@@ -91,6 +92,10 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     logprobs: bool = desc(False, "Return the logprob of each chosen token (in `choices[].logprobs.content`).")
     top_logprobs: int | None = desc(None, f"Alternatives per token, 0..{MAX_LOGPROBS}; needs `logprobs: true`.",
                                     integer={"minimum": 0, "maximum": MAX_LOGPROBS})
+    prompt_logprobs: int | None = desc(None, f"vLLM extension (not OpenAI): return `prompt_logprobs` (top level), "
+                                             f"each prompt token's logprob with the top-N, N in 0..{MAX_LOGPROBS}. "
+                                             "Not with `stream` (a 400).",
+                                       integer={"minimum": 0, "maximum": MAX_LOGPROBS})
     tools: list[ToolDefinition] | None = desc(
         None, f"OpenAI's: up to {MAX_TOOLS} functions the model may call, shown to it through its chat template "
               "(or, if the template has no place for tools, in the system message, Hermes style).",
@@ -149,6 +154,8 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs = Field(description="vLLM extension: with `prompt_logprobs` set "
+                                                        "(the rendered prompt's tokens).")
 
 
 class ChatDelta(BaseModel):
@@ -187,7 +194,7 @@ class ChatCompletionChunk(BaseModel):
 
 def chat_body(
     rid: str, created: int, model: str, choices: list[dict[str, Any]], *, chunk: bool,
-    usage: Usage | None = None,
+    usage: Usage | None = None, prompt_logprobs: list[Any] | None = None,
 ) -> dict[str, Any]:
     """A /v1/chat/completions response (``chunk=False``) or stream chunk (``chunk=True``)."""
     body: dict[str, Any] = {
@@ -196,4 +203,6 @@ def chat_body(
     }
     if usage is not None:
         body["usage"] = usage.model_dump()
+    if not chunk:
+        body["prompt_logprobs"] = prompt_logprobs
     return body

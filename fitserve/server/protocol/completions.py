@@ -46,13 +46,19 @@ class CompletionRequest(SamplingFields):
                     "must be in [0, vocabulary size); no prompt may be empty or fill the context.",
         json_schema_extra=_prompt_schema)
     max_tokens: int | None = desc(16, "Most tokens to generate, >= 1 (default 16, as OpenAI); null: up to the "
-                                      "context length. Prompt + max_tokens over the context length is a 400.",
-                                  integer={"minimum": 1})
+                                      "context length. Prompt + max_tokens over the context length is a 400. "
+                                      "0 only with `echo`: the prompt alone, scored (lm-eval's loglikelihood).",
+                                  integer={"minimum": 0})
     logprobs: int | None = desc(None, f"Return the chosen tokens' logprobs and the top-N alternatives, N in "
                                       f"0..{MAX_LOGPROBS} (OpenAI allows 5).",
                                 integer={"minimum": 0, "maximum": MAX_LOGPROBS})
-    echo: bool = desc(False, "Prepend the prompt's text to each choice's text (a token-id prompt is decoded). "
-                             "Not with `logprobs` (fitserve computes no prompt logprobs: a 400).")
+    echo: bool = desc(False, "Prepend the prompt's text to each choice's text (a token-id prompt is decoded); "
+                             "with `logprobs`, the prompt's tokens come first in `logprobs` too (the first "
+                             "one's logprob and top_logprobs null).")
+    prompt_logprobs: int | None = desc(None, f"vLLM extension (not OpenAI): return `prompt_logprobs`, each prompt "
+                                             f"token's logprob given the tokens before it with the top-N, N in "
+                                             f"0..{MAX_LOGPROBS}. Not with `stream` (a 400).",
+                                       integer={"minimum": 0, "maximum": MAX_LOGPROBS})
     add_special_tokens: bool = desc(True, "vLLM extension (not OpenAI): add the model's BOS token to a text "
                                           "prompt if it uses one (token-id prompts are taken as given).")
     best_of: int | None = desc(None, "Not supported beyond OpenAI's default: absent, null or equal to `n`.")
@@ -61,9 +67,23 @@ class CompletionRequest(SamplingFields):
 class CompletionLogprobs(BaseModel):
     model_config = BODY
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None] = Field(description="null for an echoed prompt's first token.")
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int] = Field(description="Character offset of each token in the choice's text.")
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob: one token's entry in ``prompt_logprobs``."""
+
+    model_config = BODY
+    logprob: float
+    rank: int = Field(description="1 = the most likely token at that position.")
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None] | None
+"""vLLM's prompt_logprobs: per prompt token (null first), token id -> its entry, the prompt's
+token and the top-N."""
 
 
 class CompletionChoice(BaseModel):
@@ -71,6 +91,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
+    prompt_logprobs: PromptLogprobs = Field(description="vLLM extension: with `prompt_logprobs` set.")
     finish_reason: FinishReasonName | None
     stop_reason: StopReason = Field(description="vLLM extension: the stop string or stop token id that "
                                                 "ended the choice.")

@@ -76,13 +76,23 @@ def test_what_the_server_writes_validates() -> None:
                   prompt_tokens_details=PromptTokensDetails(cached_tokens=0))
     lps = {"tokens": ["a"], "token_logprobs": [-0.5], "top_logprobs": [{"a": -0.5}], "text_offset": [0]}
     body = completion_chunk("cmpl-1", 1, "m", [{"index": 0, "text": "a", "logprobs": lps,
-                                                 "finish_reason": "length", "stop_reason": None}], usage=usage)
+                                                 "finish_reason": "length", "stop_reason": None,
+                                                 "prompt_logprobs": None}], usage=usage)
+    assert validator(doc, "Completion").is_valid(body)
+    # echo with logprobs (the prompt's first token null) and vLLM's prompt_logprobs
+    echoed = {"tokens": ["a", "b"], "token_logprobs": [None, -0.5], "top_logprobs": [None, {"b": -0.5}],
+              "text_offset": [0, 1]}
+    plp = [None, {"7": {"logprob": -0.5, "rank": 1, "decoded_token": "b"}}]
+    body = completion_chunk("cmpl-1", 1, "m", [{"index": 0, "text": "ab", "logprobs": echoed,
+                                                 "finish_reason": "length", "stop_reason": None,
+                                                 "prompt_logprobs": plp}], usage=usage)
     assert validator(doc, "Completion").is_valid(body)
     entry = {"token": "a", "logprob": -0.5, "bytes": [97]}
     chat = chat_body("chatcmpl-1", 1, "m", [{"index": 0, "message": {"role": "assistant", "content": "a",
                                                                      "tool_calls": []},
                                              "logprobs": {"content": [{**entry, "top_logprobs": [entry]}]},
-                                             "finish_reason": "stop", "stop_reason": 2}], chunk=False, usage=usage)
+                                             "finish_reason": "stop", "stop_reason": 2}], chunk=False, usage=usage,
+                     prompt_logprobs=plp)
     assert validator(doc, "ChatCompletion").is_valid(chat)
     first = chat_body("chatcmpl-1", 1, "m", [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                               "logprobs": None, "finish_reason": None}], chunk=True)
