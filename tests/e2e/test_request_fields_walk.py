@@ -78,7 +78,7 @@ FIELDS: dict[str, tuple[str, ...] | Refused] = {
     "echo": ("tests/e2e/test_fields_api.py::test_echo_prepends_the_prompt",
              "tests/e2e/test_prompt_logprobs_api.py::test_echo_max_tokens_0_scores_the_prompt"),
     "prompt_logprobs": ("tests/e2e/test_prompt_logprobs_api.py::test_vllm_prompt_logprobs_field",
-                        "tests/numerics/test_prompt_logprobs.py"),
+                        "tests/numerics/test_prompt_logprobs.py::test_alone_and_batched"),
     "best_of": Refused(best_of=3, n=1),
     "stream": (f"{API}::test_chat_stream_matches_non_stream",),
     "stream_options": (f"{API}::test_chat_stream_matches_non_stream",),
