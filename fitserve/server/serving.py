@@ -29,6 +29,8 @@ from fitserve.server.protocol.common import (
     MAX_STOP_SEQUENCES,
 )
 from fitserve.server.protocol.completions import CompletionRequest
+from fitserve.server.reasoning import prompt_opens_think
+from fitserve.server.tool_call_formats import SPECIAL_TOKEN_FORMATS
 from fitserve.server.tools import ToolPlan, plan_tools
 from fitserve.structured.guided import GuidedDecoding
 
@@ -45,6 +47,8 @@ class ModelContext:
     vocab_size: int
     created: int
     trust_request_chat_template: bool = False  # a request's own chat_template may run
+    tool_call_parser: str = "hermes"  # --tool-call-parser: the format tool_choice "auto" is parsed for
+    reasoning_parser: str | None = None  # --reasoning-parser: <think> split into reasoning_content
 
 
 @dataclass(slots=True)
@@ -69,6 +73,8 @@ class Prepared:
     guided_param: str | None = None  # the request field the output constraint came from
     echo: list[str] | None = None  # completions with echo: each prompt's text, prepended to its choices
     user: str | None = None  # OpenAI's end-user id (for the request log)
+    reasoning_parser: str | None = None  # chat: split the output's think block off (vLLM's parser name)
+    reasoning_opened: bool = False  # the rendered prompt ends inside a think block its template opened
 
     def children(self) -> list[Child]:
         """The engine requests; a child's id ends in its first choice index."""
@@ -223,8 +229,15 @@ def prepare_chat(req: ChatCompletionRequest, ctx: ModelContext) -> Prepared:
         if exc.param == "max_tokens":
             exc.param = param
         raise
+    if tools is not None and tools.parses:
+        # NOTE: a grammar (required / a named function) writes Hermes blocks whatever the parser
+        tools = dataclasses.replace(tools, parser="hermes" if tools.guided is not None else ctx.tool_call_parser)
+        if tools.parser in SPECIAL_TOKEN_FORMATS:  # their markers are special tokens (vLLM does the same)
+            params = dataclasses.replace(params, skip_special_tokens=False)
     prep = _prepared("chatcmpl", True, req, prompts, params, ctx, guided)
     prep.tools = tools if tools is not None and tools.parses else None
+    prep.reasoning_parser = ctx.reasoning_parser
+    prep.reasoning_opened = ctx.reasoning_parser is not None and prompt_opens_think(text)
     return prep
 
 

@@ -29,6 +29,8 @@ class ServerSettings:
     generation_config: GenerationConfigMode = "auto"  # "vllm": ignore the model's sampling defaults
     default_sampling: dict[str, float | int | None] = field(default_factory=dict)  # --default-* given
     trust_request_chat_template: bool = False  # run a chat_template a request sends (vLLM's flag)
+    tool_call_parser: str = "hermes"  # --tool-call-parser (vLLM's names)
+    reasoning_parser: str | None = None  # --reasoning-parser (vLLM's names)
 
     def resolve_sampling(self, model: GenerationDefaults) -> DefaultSampling:
         """The defaults omitted request fields get with this model (see generation_defaults)."""
