@@ -63,7 +63,8 @@ def _partial_prefix(text: str, tag: str) -> bool:
 def _json_objects(text: str, sep: str) -> list[Any] | None:
     """Consecutive JSON values in ``text`` separated by whitespace and ``sep``; None if not."""
     decoder = json.JSONDecoder()
-    out, i = [], 0
+    out: list[Any] = []
+    i = 0
     while True:
         while i < len(text) and (text[i].isspace() or (out and text[i] == sep)):
             i += 1
