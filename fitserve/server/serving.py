@@ -17,7 +17,7 @@ from fitserve.loading.tokenizer import Tokenizer
 from fitserve.sampling import SamplingParams
 from fitserve.sampling.beam_search import BeamSearchParams
 from fitserve.sampling.params import MAX_LOGPROBS
-from fitserve.server.chat_render import render_chat
+from fitserve.server.chat_render import render_chat, template_takes_tools
 from fitserve.server.engine_commands import Child
 from fitserve.server.errors import APIError, bad_request, param_from_message
 from fitserve.server.guided_fields import Guided, guided_from_request, logit_bias_from_request
@@ -230,8 +230,10 @@ def prepare_chat(req: ChatCompletionRequest, ctx: ModelContext) -> Prepared:
             exc.param = param
         raise
     if tools is not None and tools.parses:
-        # NOTE: a grammar (required / a named function) writes Hermes blocks whatever the parser
-        tools = dataclasses.replace(tools, parser="hermes" if tools.guided is not None else ctx.tool_call_parser)
+        # NOTE: a grammar (required / a named function) writes Hermes blocks whatever the parser, and
+        # a template that does not read `tools` was shown them Hermes style (chat_render): Hermes then.
+        taught_hermes = tools.guided is not None or not template_takes_tools(ctx.tokenizer, req.chat_template)
+        tools = dataclasses.replace(tools, parser="hermes" if taught_hermes else ctx.tool_call_parser)
         if tools.parser in SPECIAL_TOKEN_FORMATS:  # their markers are special tokens (vLLM does the same)
             params = dataclasses.replace(params, skip_special_tokens=False)
     prep = _prepared("chatcmpl", True, req, prompts, params, ctx, guided)

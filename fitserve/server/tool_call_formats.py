@@ -12,6 +12,10 @@
 
       [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]
 
+The format applies to ``tool_choice: "auto"`` with a chat template that reads ``tools``; a grammar
+(``required``, a named function) and the server's own tool prompt (a template without ``tools``)
+write Hermes blocks, so those are parsed as Hermes (``serving.prepare_chat``).
+
 Each parser is fed the content part of the output (after any reasoning) and returns
 ``(content, calls)`` per delta and at ``finish()``; a streamed choice adds up to the same content
 and calls as the whole text. A call block that does not parse (bad JSON, an unknown tool, more

@@ -89,8 +89,11 @@ def test_qwen3_thinks_then_calls_a_tool_parsed_from_the_content_only() -> None:
         assert streamed_message(prep, text, cut) == whole, cut
 
 
+TAKES_TOOLS = "{{ tools | tojson }}{{ messages[0].content }}"  # reads `tools`, as Mistral's and Llama 3.1's do
+
+
 def test_tool_call_parser_choice_reaches_the_choice() -> None:
-    prep = prepared("{{ messages[0].content }}", None, "mistral", tools=TOOLS)
+    prep = prepared(TAKES_TOOLS, None, "mistral", tools=TOOLS)
     assert prep.tools is not None and prep.tools.parser == "mistral"
     assert prep.params.skip_special_tokens is False  # [TOOL_CALLS] is a special token
     message = _choice(prep, 0, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
@@ -98,5 +101,11 @@ def test_tool_call_parser_choice_reaches_the_choice() -> None:
     assert "reasoning_content" not in message  # no --reasoning-parser: the body is as before
     assert message["content"] is None and len(message["tool_calls"][0]["id"]) == 9
     # a grammar (tool_choice required) writes Hermes blocks whatever the parser
-    forced = prepared("{{ messages[0].content }}", None, "mistral", tools=TOOLS, tool_choice="required")
+    forced = prepared(TAKES_TOOLS, None, "mistral", tools=TOOLS, tool_choice="required")
     assert forced.tools is not None and forced.tools.parser == "hermes"
+    # and so does a template that ignores tools: the server showed them Hermes style
+    taught = prepared("{{ messages[0].content }}", None, "llama3_json", tools=TOOLS)
+    assert taught.tools is not None and taught.tools.parser == "hermes"
+    message = _choice(taught, 0, '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>',
+                      None, "stop", None)["message"]
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
