@@ -106,9 +106,25 @@ def add_serve_parser(subparsers: Any) -> None:
     add_chat_template_arg(p)
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="run a chat_template a request sends (a template is code; refused with 400 otherwise)")
+    _add_parser_args(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     _add_sampling_default_args(p)
     p.set_defaults(func=run_serve)
+
+
+def _add_parser_args(p: Any) -> None:
+    """vLLM's output parser flags: tool-call format, auto tool choice, reasoning split."""
+    from fitserve.server.reasoning import REASONING_PARSERS
+    from fitserve.server.tool_call_formats import TOOL_CALL_PARSERS
+
+    p.add_argument("--tool-call-parser", default="hermes", choices=TOOL_CALL_PARSERS,
+                   help="the format of the model's tool calls (default hermes: <tool_call> blocks)")
+    # NOTE: vLLM refuses tool_choice "auto" without this flag; fitserve always parsed "auto"
+    # (its default with tools), so the flag is accepted and changes nothing.
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM compatibility: tool_choice 'auto' is always on")
+    p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="split the model's <think> block into the chat message's reasoning_content")
 
 
 def _positive(text: str) -> float:
@@ -220,6 +236,7 @@ def run_serve(args: argparse.Namespace) -> int:
         generation_defaults=_folder_defaults(args.generation_config), max_logprobs=args.max_logprobs,
         default_sampling={k: getattr(args, f"default_{k}") for k in DEFAULTED_FIELDS},
         trust_request_chat_template=args.trust_request_chat_template,
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
     )
     try:
         settings.resolve_sampling(GenerationDefaults())  # a bad --default-* value fails now

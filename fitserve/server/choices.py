@@ -1,52 +1,85 @@
 """Each choice's output on its way to the client: logprobs as OpenAI writes them, the echoed
-prompt in front of a completion, and tool calls parsed out of a chat choice's text.
+prompt in front of a completion, and a chat choice's reasoning and tool calls parsed out of its text.
 
 :class:`ChoiceText` does the last two for one choice, streamed (``stream`` per delta) or whole
-(``whole``); both go through :class:`~fitserve.server.tool_calls.ToolCallParser`, so a streamed
-choice adds up to the same content and calls as the same choice returned at once.
+(``whole``); both go through the same incremental parsers (``fitserve.server.reasoning``, then
+``fitserve.server.tool_call_formats`` on the content), so a streamed choice adds up to the same
+reasoning, content and calls as the same choice returned at once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 from fitserve.loading.tokenizer import Tokenizer
+from fitserve.server.reasoning import ReasoningSplitter
 from fitserve.server.serving import Prepared
-from fitserve.server.tool_calls import ToolCallParser
+from fitserve.server.tool_call_formats import ToolParser, make_tool_parser
 from fitserve.types import RequestOutput, TokenLogprobs
 
 
+@dataclass(slots=True)
+class ChoicePiece:
+    """What one delta of a choice adds: reasoning text, content text and completed tool calls."""
+
+    reasoning: str
+    content: str
+    calls: list[dict[str, Any]]
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.calls)
+
+
 class ChoiceText:
-    """One choice's text: ``prep.echo``'s prompt first (completions), tool calls parsed out
-    (chat with tools); otherwise the text as generated."""
+    """One choice's text: ``prep.echo``'s prompt first (completions), reasoning split off
+    (``--reasoning-parser``), tool calls parsed out of the rest (chat with tools, the
+    ``--tool-call-parser`` format); otherwise the text as generated."""
 
     def __init__(self, prep: Prepared, index: int) -> None:
         self._prefix = prep.echo[index // prep.n] if prep.echo else ""
         self._echo_only = prep.echo_only  # max_tokens 0: the generated text is not the choice's
         plan = prep.tools
-        self.parser = ToolCallParser(plan.names or (), plan.max_calls) if plan is not None else None
+        self.parser: ToolParser | None = (make_tool_parser(plan.parser, plan.names or (), plan.max_calls)
+                                          if plan is not None else None)
+        self.splitter = (ReasoningSplitter(prep.reasoning_parser, prep.reasoning_opened)
+                         if prep.reasoning_parser is not None else None)
         self._sent_calls = 0
 
-    def stream(self, delta: str, finished: bool) -> tuple[str, list[dict[str, Any]]]:
-        """The content to send for this delta and the tool-call deltas completed by it."""
+    def stream(self, delta: str, finished: bool) -> ChoicePiece:
+        """The reasoning and content to send for this delta and the tool-call deltas it completed."""
         text, self._prefix = self._prefix + ("" if self._echo_only else delta), ""
+        reasoning = ""
+        if self.splitter is not None:
+            reasoning, text = self.splitter.feed(text)
+            if finished:
+                more_r, more_c = self.splitter.finish()
+                reasoning, text = reasoning + more_r, text + more_c
         if self.parser is None:
-            return text, []
+            return ChoicePiece(reasoning, text, [])
         content, calls = self.parser.feed(text)
         if finished:
             more, rest = self.parser.finish()
             content, calls = content + more, calls + rest
         deltas = [c.delta_dict(self._sent_calls + i) for i, c in enumerate(calls)]
         self._sent_calls += len(calls)
-        return content, deltas
+        return ChoicePiece(reasoning, content, deltas)
 
-    def whole(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """The finished choice: its content (None when it is only tool calls) and its calls."""
-        content, deltas = self.stream(text, finished=True)
-        calls = [{k: v for k, v in c.items() if k != "index"} for c in deltas]
-        return (None if calls and not content else content), calls
+    def whole(self, text: str) -> dict[str, Any]:
+        """The finished choice's message fields: ``content`` (None when it is only tool calls,
+        or only reasoning), ``tool_calls`` and, with a reasoning parser, ``reasoning_content``
+        (also as ``reasoning``, current vLLM's name; None when the output had no think block)."""
+        piece = self.stream(text, finished=True)
+        calls = [{k: v for k, v in c.items() if k != "index"} for c in piece.calls]
+        empty = not piece.content and (calls or (self.splitter is not None and piece.reasoning))
+        message: dict[str, Any] = {"content": None if empty else piece.content}
+        if self.splitter is not None:
+            reasoning = piece.reasoning if self.splitter.saw_reasoning else None
+            message["reasoning_content"] = message["reasoning"] = reasoning
+        message["tool_calls"] = calls
+        return message
 
     def finish_reason(self, reason: str | None) -> str | None:
         """OpenAI's "tool_calls" for a choice that stopped (EOS, grammar end) after making calls."""

@@ -17,7 +17,7 @@ from fitserve.loading.tokenizer import Tokenizer
 from fitserve.sampling import SamplingParams
 from fitserve.sampling.beam_search import BeamSearchParams
 from fitserve.sampling.params import MAX_LOGPROBS
-from fitserve.server.chat_render import render_chat
+from fitserve.server.chat_render import render_chat, template_takes_tools
 from fitserve.server.engine_commands import Child
 from fitserve.server.errors import APIError, bad_request, param_from_message
 from fitserve.server.guided_fields import (
@@ -35,6 +35,8 @@ from fitserve.server.protocol.common import (
     MAX_STOP_SEQUENCES,
 )
 from fitserve.server.protocol.completions import CompletionRequest
+from fitserve.server.reasoning import prompt_opens_think
+from fitserve.server.tool_call_formats import SPECIAL_TOKEN_FORMATS
 from fitserve.server.tools import ToolPlan, plan_tools
 from fitserve.structured.guided import GuidedDecoding
 
@@ -52,6 +54,8 @@ class ModelContext:
     created: int
     trust_request_chat_template: bool = False  # a request's own chat_template may run
     max_logprobs: int = MAX_LOGPROBS  # --max-logprobs: the most top alternatives a request may ask for
+    tool_call_parser: str = "hermes"  # --tool-call-parser: the format tool_choice "auto" is parsed for
+    reasoning_parser: str | None = None  # --reasoning-parser: <think> split into reasoning_content
 
 
 @dataclass(slots=True)
@@ -79,6 +83,8 @@ class Prepared:
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field: written in the response
     user: str | None = None  # OpenAI's end-user id (for the request log)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs say `token_id:N`
+    reasoning_parser: str | None = None  # chat: split the output's think block off (vLLM's parser name)
+    reasoning_opened: bool = False  # the rendered prompt ends inside a think block its template opened
 
     def children(self) -> list[Child]:
         """The engine requests; a child's id ends in its first choice index."""
@@ -244,8 +250,17 @@ def prepare_chat(req: ChatCompletionRequest, ctx: ModelContext) -> Prepared:
         if exc.param == "max_tokens":
             exc.param = param
         raise
+    if tools is not None and tools.parses:
+        # NOTE: a grammar (required / a named function) writes Hermes blocks whatever the parser, and
+        # a template that does not read `tools` was shown them Hermes style (chat_render): Hermes then.
+        taught_hermes = tools.guided is not None or not template_takes_tools(ctx.tokenizer, req.chat_template)
+        tools = dataclasses.replace(tools, parser="hermes" if taught_hermes else ctx.tool_call_parser)
+        if tools.parser in SPECIAL_TOKEN_FORMATS:  # their markers are special tokens (vLLM does the same)
+            params = dataclasses.replace(params, skip_special_tokens=False)
     prep = _prepared("chatcmpl", True, req, prompts, params, ctx, guided)
     prep.tools = tools if tools is not None and tools.parses else None
+    prep.reasoning_parser = ctx.reasoning_parser
+    prep.reasoning_opened = ctx.reasoning_parser is not None and prompt_opens_think(text)
     return prep
 
 

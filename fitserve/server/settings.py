@@ -32,6 +32,8 @@ class ServerSettings:
     trust_request_chat_template: bool = False  # run a chat_template a request sends (vLLM's flag)
     generation_defaults: GenerationDefaults | None = None  # --generation-config FOLDER: used instead of the model's
     max_logprobs: int = MAX_LOGPROBS  # --max-logprobs: a request asking more is a 400
+    tool_call_parser: str = "hermes"  # --tool-call-parser (vLLM's names)
+    reasoning_parser: str | None = None  # --reasoning-parser (vLLM's names)
 
     def resolve_sampling(self, model: GenerationDefaults) -> DefaultSampling:
         """The defaults omitted request fields get with this model (see generation_defaults)."""

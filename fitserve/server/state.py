@@ -41,7 +41,9 @@ class AppState:
             self._ctx = ModelContext(self.settings.model_name, e.tokenizer, e.max_model_len,
                                      e.spec.vocab_size, int(self.loop.snapshot.time) if self.loop.snapshot else 0,
                                      trust_request_chat_template=self.settings.trust_request_chat_template,
-                                     max_logprobs=self.settings.max_logprobs)
+                                     max_logprobs=self.settings.max_logprobs,
+                                     tool_call_parser=self.settings.tool_call_parser,
+                                     reasoning_parser=self.settings.reasoning_parser)
             self.token_text = token_text_fn(e.tokenizer)
             self.defaults = self.settings.resolve_sampling(e.loaded.generation_defaults)
         return self._ctx

@@ -87,11 +87,11 @@ def _choice(prep: Prepared, index: int, text: str, logprobs: Any, reason: str | 
             stop_reason: str | int | None) -> dict[str, Any]:
     """A finished choice of a response body (its echo prepended, its tool calls parsed out)."""
     shaped = ChoiceText(prep, index)
-    content, calls = shaped.whole(text)
+    message = shaped.whole(text)
     if prep.chat:
-        return {"index": index, "message": {"role": "assistant", "content": content, "tool_calls": calls},
+        return {"index": index, "message": {"role": "assistant", **message},
                 "logprobs": logprobs, "finish_reason": shaped.finish_reason(reason), "stop_reason": stop_reason}
-    return {"index": index, "text": content or "", "logprobs": logprobs, "finish_reason": reason,
+    return {"index": index, "text": message["content"] or "", "logprobs": logprobs, "finish_reason": reason,
             "stop_reason": stop_reason, "prompt_logprobs": None}
 
 
@@ -112,7 +112,7 @@ async def stream_events(run: Run, text: Callable[[int], str]) -> AsyncIterator[s
     echo_head: dict[str, int] = {}
     echo_pending = set(run.index) if want_lps and prep.echo is not None else set()
     sent_chars = dict.fromkeys(run.index, 0)
-    shaped = {rid: ChoiceText(prep, k) for rid, k in run.index.items()}  # echo, tool calls
+    shaped = {rid: ChoiceText(prep, k) for rid, k in run.index.items()}  # echo, reasoning, tool calls
 
     def body(choices: list[dict[str, Any]], usage: Usage | None = None) -> dict[str, Any]:
         if prep.chat:
@@ -138,17 +138,22 @@ async def stream_events(run: Run, text: Callable[[int], str]) -> AsyncIterator[s
                     echo_head[rid] = out.prompt_token_ids[0]
                 if want_lps and out.delta_logprobs and not prep.echo_only:
                     carry_lps[rid].extend(out.delta_logprobs)
-                content, calls = shaped[rid].stream(out.delta_text, out.finished)
-                if not content and not calls and not out.finished:
+                piece = shaped[rid].stream(out.delta_text, out.finished)
+                content = piece.content
+                if not piece and not out.finished:
                     continue  # held back (a possible stop string or tool call): its logprobs go later
                 new_lps = carry_lps[rid] if want_lps else None
                 carry_lps[rid] = []
                 reason = out.finish_reason.value if out.finished and out.finish_reason else None
                 k = run.index[rid]
                 if prep.chat:
-                    delta: dict[str, Any] = {"content": content} if content else {}
-                    if calls:
-                        delta["tool_calls"] = calls
+                    delta: dict[str, Any] = {}
+                    if piece.reasoning:  # vLLM's field, and current vLLM's name for it
+                        delta["reasoning_content"] = delta["reasoning"] = piece.reasoning
+                    if content:
+                        delta["content"] = content
+                    if piece.calls:
+                        delta["tool_calls"] = piece.calls
                     choice: dict[str, Any] = {
                         "index": k, "delta": delta,
                         "logprobs": {"content": chat_logprobs(new_lps, text)} if new_lps is not None else None,

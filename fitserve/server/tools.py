@@ -56,13 +56,15 @@ class ToolPlan:
     ``shown``: the tool definitions the prompt presents (OpenAI's ``{"type": "function",
     "function": {...}}`` dicts; empty with ``tool_choice: "none"``). ``names``: the functions
     the output parser accepts (None: parse nothing). ``max_calls``: None for no limit.
-    ``guided``: the grammar of ``required`` / a named function, else None.
+    ``guided``: the grammar of ``required`` / a named function, else None. ``parser``: the
+    ``--tool-call-parser`` format the output is read in (see ``tool_call_formats``).
     """
 
     shown: list[dict[str, Any]]
     names: frozenset[str] | None
     max_calls: int | None
     guided: GuidedDecoding | None
+    parser: str = "hermes"
 
     @property
     def parses(self) -> bool:

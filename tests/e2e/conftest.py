@@ -91,9 +91,10 @@ def stop_server(server: Server) -> int:
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """One server for the session, with an API key so 401 can be tested."""
+    """One server for the session, with an API key so 401 can be tested, and vLLM's qwen3
+    reasoning parser (an output that does not open <think> is unchanged by it)."""
     srv = start_server(tmp_path_factory.mktemp("server"), "--api-key", API_KEY,
-                       "--max-body-bytes", "65536")
+                       "--max-body-bytes", "65536", "--reasoning-parser", "qwen3")
     yield srv
     code = stop_server(srv)
     assert code == 0, srv.log.read_text()[-4000:]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from fitserve.sampling.params import MAX_LOGPROBS
 from fitserve.server.protocol.common import (
@@ -127,11 +127,19 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+def _reasoning_keys_optional(schema: dict[str, Any]) -> None:
+    """The reasoning keys are there only with --reasoning-parser."""
+    schema["required"] = [k for k in schema.get("required", []) if k not in ("reasoning_content", "reasoning")]
+
+
 class AssistantMessage(BaseModel):
-    model_config = BODY
+    model_config = ConfigDict(**BODY, json_schema_extra=_reasoning_keys_optional)
     role: Literal["assistant"]
     content: str | None = Field(description="The text; null when the choice is only tool calls.")
     tool_calls: list[ToolCall] = Field(description="The tool calls the model made (empty: none).")
+    reasoning_content: str | None = Field(None, description="vLLM extension, with --reasoning-parser only: the "
+                                                            "think block's text (null: the output had none).")
+    reasoning: str | None = Field(None, description="The same as reasoning_content (current vLLM's name).")
 
 
 class ChatChoice(BaseModel):
@@ -167,6 +175,10 @@ class ChatDelta(BaseModel):
     tool_calls: list[ToolCallDelta] | None = Field(None, description="Tool calls completed since the last chunk, "
                                                                      "each whole.",
                                                    json_schema_extra=absent_or_value)
+    reasoning_content: str | None = Field(None, description="vLLM extension, with --reasoning-parser: new text of "
+                                                            "the think block.", json_schema_extra=absent_or_value)
+    reasoning: str | None = Field(None, description="The same as reasoning_content (current vLLM's name).",
+                                  json_schema_extra=absent_or_value)
 
 
 class ChatChunkChoice(BaseModel):

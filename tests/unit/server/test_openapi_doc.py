@@ -110,6 +110,13 @@ def test_what_the_server_writes_validates() -> None:
                                               "logprobs": None, "finish_reason": "tool_calls",
                                               "stop_reason": None}], chunk=True)
     assert validator(doc, "ChatCompletionChunk").is_valid(delta)
+    thought = {"role": "assistant", "content": "b", "tool_calls": [], "reasoning_content": "a", "reasoning": "a"}
+    assert validator(doc, "ChatCompletion").is_valid(  # --reasoning-parser's keys
+        chat_body("chatcmpl-1", 1, "m", [{"index": 0, "message": thought, "logprobs": None, "finish_reason": "stop",
+                                          "stop_reason": None}], chunk=False, usage=usage))
+    assert validator(doc, "ChatCompletionChunk").is_valid(
+        chat_body("chatcmpl-1", 1, "m", [{"index": 0, "delta": {"reasoning_content": "a", "reasoning": "a"},
+                                          "logprobs": None, "finish_reason": None}], chunk=True))
     assert validator(doc, "TokenizeResponse").is_valid({"count": 1, "max_model_len": 8, "tokens": [5],
                                                         "token_strs": None})
     assert validator(doc, "DetokenizeResponse").is_valid({"prompt": "hi"})
