@@ -45,7 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fitserve.kv.block_pool import BlockPool
-from fitserve.kv.group import GroupTables, KVGroup
+from fitserve.kv.group import GroupStats, GroupTables, KVGroup
 from fitserve.kv.prefix_hash import BlockHash
 
 
@@ -81,6 +81,7 @@ class KVStats:
     # a manager of several groups (hybrid sliding/full models): the blocks each group's
     # requests hold, in group order (every count above sums the groups); () for one group
     group_used_blocks: tuple[int, ...] = ()
+    groups: tuple[GroupStats, ...] = ()  # every group's pool (one entry for one group)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -421,4 +422,5 @@ class KVCacheManager:
             evictable_cached_blocks=sum(g.pool.num_evictable_cached_blocks for g in self.groups),
             touched_blocks=sum(g.pool.num_touched_blocks for g in self.groups),
             group_used_blocks=tuple(g.num_used_blocks for g in self.groups) if len(self.groups) > 1 else (),
+            groups=tuple(g.stats() for g in self.groups),
         )
