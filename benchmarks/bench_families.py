@@ -99,23 +99,28 @@ def jobs_of(name: str, args: argparse.Namespace, base: dict[str, Any],
 
     me = [sys.executable, str(HERE / "bench_engine.py")]
     out: list[tuple[str, dict[str, Any] | None]] = [(f"{params / 1e6:.0f}M parameters", None)]
+
+    def keep(label: str, result: dict[str, Any] | None) -> None:
+        out.append((label, result))  # printed now too: a cut-short run keeps what it measured
+        print(f"  {name} {label}: W1 {_rate(result, 'W1'):.1f} tok/s, W2 {_rate(result, 'W2'):.1f}"
+              " tok/s", file=sys.stderr)
+
     for qtype in filter(None, args.types.split(",")):
         path = bf.quantize(args.llamacpp_python, f16, qtype, args.threads)
         spec = _drop_none({**base, **ids, "gguf": str(path), "config": "as-stored",
                            **w1_only(qtype)})
         print(f"{name} {qtype}: fitserve ...", file=sys.stderr)
-        out.append((f"fitserve {qtype}", be.run_worker([*me, "--worker", "fitserve"], spec)))
+        keep(f"fitserve {qtype}", be.run_worker([*me, "--worker", "fitserve"], spec))
         if "llamacpp" in args.peers:
             print(f"{name} {qtype}: llama.cpp ...", file=sys.stderr)
-            out.append((f"llama.cpp {qtype}", be.run_worker(
-                [args.llamacpp_python, str(HERE / "peers/llamacpp_worker.py")], spec)))
+            keep(f"llama.cpp {qtype}", be.run_worker(
+                [args.llamacpp_python, str(HERE / "peers/llamacpp_worker.py")], spec))
     for dtype in filter(None, args.hf_dtypes.split(",")):
         spec = _drop_none({**base, **ids, "gguf": str(hf_dir), "hf_dir": str(hf_dir),
                            "config": dtype, **w1_only(dtype)})
         print(f"{name} {dtype}: fitserve, transformers ...", file=sys.stderr)
-        out.append((f"fitserve {dtype}", be.run_worker([*me, "--worker", "fitserve"], spec)))
-        out.append((f"transformers {dtype}",
-                    be.run_worker([*me, "--worker", "transformers"], spec)))
+        keep(f"fitserve {dtype}", be.run_worker([*me, "--worker", "fitserve"], spec))
+        keep(f"transformers {dtype}", be.run_worker([*me, "--worker", "transformers"], spec))
     return out
 
 
