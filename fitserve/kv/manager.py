@@ -42,7 +42,7 @@ place, so n sharers of a partial block cost n - 1 copies::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fitserve.kv.block_pool import BlockPool
 from fitserve.kv.group import GroupStats, GroupTables, KVGroup
@@ -81,7 +81,8 @@ class KVStats:
     # a manager of several groups (hybrid sliding/full models): the blocks each group's
     # requests hold, in group order (every count above sums the groups); () for one group
     group_used_blocks: tuple[int, ...] = ()
-    groups: tuple[GroupStats, ...] = ()  # every group's pool (one entry for one group)
+    # every group's pool (one entry for one group); a view of the counts above, so left out of ==
+    groups: tuple[GroupStats, ...] = field(default=(), compare=False)
 
 
 def _cdiv(a: int, b: int) -> int:
