@@ -139,8 +139,12 @@ def transformers_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(spec["threads"])
     path = Path(spec["gguf"])
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32).to(torch.bfloat16).eval()
+    if "hf_dir" in spec:  # an HF folder (bench_families.py), in fitserve's dtype of the run
+        dtype = torch.float32 if spec["config"] == "fp32" else torch.bfloat16
+        hf = transformers.AutoModelForCausalLM.from_pretrained(spec["hf_dir"], dtype=dtype).eval()
+    else:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32).to(torch.bfloat16).eval()
     new = spec["new_tokens"]
 
     class Clock:

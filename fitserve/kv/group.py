@@ -60,6 +60,21 @@ class KVGroup:
                              f"(a windowed pool keeps one as its null block), got {self.num_blocks}")
 
 
+@dataclass(frozen=True, slots=True)
+class GroupStats:
+    """One group's pool at one moment (the dashboard's per-group line)."""
+
+    kind: str
+    window: int | None
+    num_layers: int
+    num_blocks: int  # usable: a windowed pool's null block left out
+    used_blocks: int
+    free_blocks: int
+    # table slots the window has released since start (a block shared by k tables counts k
+    # times: each release is one reference back to the pool); 0 for a full group
+    window_freed_blocks: int
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -78,6 +93,7 @@ class GroupTables:
             assert self.null_block == NULL_BLOCK
         self.tables: dict[str, list[int]] = {}
         self.num_registered: dict[str, int] = {}  # leading table slots already cache_blocks'd
+        self.window_freed_blocks = 0  # remove_skipped's releases since start
 
     # ---------------------------------------------------------------- counts
 
@@ -90,6 +106,11 @@ class GroupTables:
     def num_used_blocks(self) -> int:
         """Blocks held by requests (the null block not counted)."""
         return self.pool.num_used_blocks - (self.null_block is not None)
+
+    def stats(self) -> GroupStats:
+        return GroupStats(self.group.kind, self.window, len(self.group.layers),
+                          self.num_usable_blocks, self.num_used_blocks, self.pool.num_free_blocks,
+                          self.window_freed_blocks)
 
     def live(self, table: Sequence[int]) -> list[int]:
         """The table's real blocks (null slots left out)."""
@@ -128,6 +149,7 @@ class GroupTables:
             table[i] = NULL_BLOCK
         # NOTE: oldest first, so the prefix cache evicts the oldest window blocks first.
         self.pool.decref(reversed(dead))
+        self.window_freed_blocks += len(dead)
         return len(dead)
 
     # ---------------------------------------------------------------- prefix hits

@@ -42,10 +42,10 @@ place, so n sharers of a partial block cost n - 1 copies::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fitserve.kv.block_pool import BlockPool
-from fitserve.kv.group import GroupTables, KVGroup
+from fitserve.kv.group import GroupStats, GroupTables, KVGroup
 from fitserve.kv.prefix_hash import BlockHash
 
 
@@ -81,6 +81,8 @@ class KVStats:
     # a manager of several groups (hybrid sliding/full models): the blocks each group's
     # requests hold, in group order (every count above sums the groups); () for one group
     group_used_blocks: tuple[int, ...] = ()
+    # every group's pool (one entry for one group); a view of the counts above, so left out of ==
+    groups: tuple[GroupStats, ...] = field(default=(), compare=False)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -421,4 +423,5 @@ class KVCacheManager:
             evictable_cached_blocks=sum(g.pool.num_evictable_cached_blocks for g in self.groups),
             touched_blocks=sum(g.pool.num_touched_blocks for g in self.groups),
             group_used_blocks=tuple(g.num_used_blocks for g in self.groups) if len(self.groups) > 1 else (),
+            groups=tuple(g.stats() for g in self.groups),
         )

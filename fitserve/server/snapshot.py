@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from fitserve.kv.group import GroupStats
 from fitserve.kv.manager import KVStats
 
 if TYPE_CHECKING:
@@ -31,13 +32,16 @@ class KVSnapshot:
     fragmentation: float  # rounded to 4 decimals
     shared_blocks: int
     evictable_cached_blocks: int
+    # every layer group's pool: kind, window, layers, blocks held / usable / free, and the blocks
+    # its window has released so far (hybrid Gemma 2/3 have a full and a sliding group)
+    groups: tuple[GroupStats, ...]
 
     @classmethod
     def of(cls, kv: KVStats, block_size: int) -> KVSnapshot:
         return cls(num_blocks=kv.num_blocks, used_blocks=kv.used_blocks, free_blocks=kv.free_blocks,
                    block_size=block_size, used_slots=kv.used_slots, allocated_slots=kv.allocated_slots,
                    fragmentation=round(kv.fragmentation, 4), shared_blocks=kv.shared_blocks,
-                   evictable_cached_blocks=kv.evictable_cached_blocks)
+                   evictable_cached_blocks=kv.evictable_cached_blocks, groups=kv.groups)
 
 
 @dataclass(slots=True, frozen=True)

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import API_KEY, MODEL, Server
+from tests.e2e.conftest import API_KEY, MODEL, Server, start_server, stop_server
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")
@@ -91,7 +91,37 @@ def test_grid_changes_while_requests_run_and_empties(server: Server, browser: An
     worker.join(300)
     _wait(lambda: _grid(browser) == (0, frozenset()), 30, "the grid to empty")
     assert browser.find_element("id", "kv-used").text == "0"
+    assert not browser.find_element("id", "groups-box").is_displayed()  # one full group
     # freed, but the prompts' full blocks stay cached (evictable) and are painted so
     cached = browser.execute_script("return document.querySelectorAll('#grid .blk.cached').length")
     assert cached > 0 and cached == int(browser.execute_script(
         "return document.getElementById('grid').dataset.cached"))
+
+
+def test_layer_groups_show_the_blocks_the_window_frees(tiny_hf_model_dir: Any, tmp_path: Any,
+                                                        browser: Any) -> None:
+    """A hybrid model (tiny Gemma 2: a layer on a 6-token window, a full layer): the page lists
+    both KV groups, and the windowed group's freed count grows while a request runs."""
+    srv = start_server(tmp_path, "--model", str(tiny_hf_model_dir("gemma2")), "--block-size", "4",
+                       "--max-model-len", "256")  # the tiny model's trained context
+    try:
+        browser.get(f"{srv.url}/dashboard")
+        rows = "return Array.from(document.querySelectorAll('#groups tr')).map(r => [" \
+               "r.children[0].textContent, Number(r.dataset.used), Number(r.dataset.freed)])"
+        _wait(lambda: len(browser.execute_script(rows)) == 2, 30, "two layer groups")
+        assert browser.find_element("id", "groups-box").is_displayed()
+        assert [r[0] for r in browser.execute_script(rows)] == ["full", "sliding (window 6)"]
+        model = httpx.get(f"{srv.url}/v1/models", timeout=10).json()["data"][0]["id"]
+        body = {"model": model, "prompt": [5 + i % 300 for i in range(40)], "max_tokens": 200,
+                "ignore_eos": True}
+        worker = threading.Thread(target=httpx.post, args=(f"{srv.url}/v1/completions",),
+                                  kwargs={"json": body, "timeout": 120})
+        worker.start()
+        running = _wait(lambda: (r := browser.execute_script(rows))[1][2] > 0 and r, 60,
+                        "the window to free blocks")
+        worker.join(120)
+        done = _wait(lambda: (r := browser.execute_script(rows))[0][1] == r[1][1] == 0 and r, 30,
+                     "the groups to empty")
+        assert done[1][2] >= running[1][2] > 0  # freed so far: a count since start
+    finally:
+        assert stop_server(srv) == 0

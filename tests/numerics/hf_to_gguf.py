@@ -63,13 +63,17 @@ def _metadata(w: gguf.GGUFWriter, cfg: Any, model_type: str) -> None:
             math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0)
 
 
-def write_gguf_like_llama_cpp(model: torch.nn.Module, path: Path) -> Path:
-    """Write ``model`` (Gemma2ForCausalLM, Gemma3ForCausalLM or Phi3ForCausalLM) to ``path``."""
+def write_gguf_like_llama_cpp(model: torch.nn.Module, path: Path, f16: bool = False) -> Path:
+    """Write ``model`` (Gemma2ForCausalLM, Gemma3ForCausalLM or Phi3ForCausalLM) to ``path``;
+    every tensor as F32, or with ``f16`` its 2-D tensors as F16 (the converter's --outtype f16,
+    the source llama.cpp's quantizer reads in benchmarks/bench_families.py)."""
     cfg = model.config
     model_type = cfg.model_type
     arch = _ARCH[model_type]
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     w.add_name(f"tiny-{model_type}")
+    if f16:
+        w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     _metadata(w, cfg, model_type)
     add_tiny_vocab(w, cfg.vocab_size)
     tmap = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
@@ -81,7 +85,8 @@ def write_gguf_like_llama_cpp(model: torch.nn.Module, path: Path) -> Path:
             data = data + 1
         new = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
         assert new is not None, name
-        w.add_tensor(new, data.numpy().astype(np.float32))
+        dtype = np.float16 if f16 and data.dim() == 2 else np.float32
+        w.add_tensor(new, data.numpy().astype(dtype))
     if model_type == "phi3":
         rope = cfg.rope_parameters
         w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))

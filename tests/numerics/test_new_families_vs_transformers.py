@@ -7,8 +7,9 @@ soft-caps small enough to change the logits, Gemma 3's two RoPE tables (local ba
 prompt starts past it (every token on the long factors) and a 90-token one crosses it while
 decoding. Greedy tokens must equal transformers' for 32 tokens and every top-5 logprob must be
 within a tolerance derived from the shapes (``derived_tolerance``): alone, batched with chunked
-prefill (chunk 7, block 4), with n-gram speculative decoding, and from a GGUF file written as
-llama.cpp's converter writes it.
+prefill (chunk 7, block 4), under preemption, with n-gram speculative decoding, and from a GGUF
+file written as llama.cpp's converter writes it; beam search equals a dense beam search on
+transformers' model.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ from fitserve.config import EngineConfig
 from fitserve.engine.core import Engine
 from fitserve.loading import LoadedModel, load_model
 from fitserve.sampling import SamplingParams
+from fitserve.sampling.beam_search import BeamSearchParams
 
 from .conftest import hf_greedy
 from .hf_to_gguf import write_gguf_like_llama_cpp
+from .test_beam_search import dense_beam_search
 from .tiny_models import PHI3_ORIGINAL_CONTEXT, build_tiny
 
 transformers = pytest.importorskip("transformers")
@@ -182,3 +185,66 @@ def test_gguf_round_trip(family: Family, tmp_path: Path, hf_tokenizer: Any) -> N
                  [hf_greedy(ref, p, NUM_TOKENS) for p in family.prompts], family.tol)
     check(fam, run(make(loaded, long_prefill_token_threshold=7), fam.prompts, together=True),
           "gguf")
+
+
+def test_under_preemption(family: Family) -> None:
+    """All prompts at once in a pool too small for them together: requests are preempted (their
+    blocks, windowed groups' included, go back) and recomputed, and still emit transformers'
+    tokens."""
+    longest = max(map(len, family.prompts)) + NUM_TOKENS
+    engine = make(family.loaded, num_kv_blocks=-(-longest // 4) + 4, max_model_len=longest,
+                  long_prefill_token_threshold=7)
+    # Gemma: the two longest cannot run together; Phi-3 (every layer on a 48-token window, so a
+    # request holds at most ~15 blocks) needs all four
+    first = 0 if family.arch == "phi3" else 2
+    some = Family(family.arch, family.folder, family.ref, family.loaded, family.prompts[first:],
+                  family.want[first:], family.tol)
+    check(some, run(engine, some.prompts, together=True), "preempted")
+    assert engine.scheduler.total_preemptions > 0
+    assert engine.kv.stats().used_blocks == 0
+
+
+def test_beam_search(family: Family) -> None:
+    """Beam search (width 3) over copy-on-write blocks, windowed groups included, equals a dense
+    beam search on transformers' model that keeps no cache (tests/numerics/test_beam_search)."""
+    prompt = family.prompts[2]  # longer than the Gemma windows; Phi-3: past 90 on long factors
+    steps = 8
+    engine = make(family.loaded, block_size=4)
+    rid = engine.add_beam_search(prompt, BeamSearchParams(beam_width=3, max_tokens=steps,
+                                                          ignore_eos=True))
+    beams = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                beams = out.beams
+    assert beams is not None
+    dense = dense_beam_search(family.ref, prompt, 3, steps)
+    assert [b.token_ids for b in beams] == [t for t, _ in dense]
+    for b, (_, cum) in zip(beams, dense, strict=True):
+        assert b.cum_logprob == pytest.approx(cum, abs=steps * family.tol)
+    assert engine.kv.stats().used_blocks == 0
+
+
+def test_draft_model(family: Family) -> None:
+    """A draft model (the model itself): Phi-3 emits transformers' greedy tokens; Gemma, whose
+    layers mix windowed and full attention (two KV groups), is refused by name."""
+    spec = {"method": "draft_model", "model": str(family.folder), "num_speculative_tokens": 3}
+    if family.arch != "phi3":
+        with pytest.raises(ValueError, match="cannot use a draft model yet.*ngram"):
+            make(family.loaded, speculative_config=spec)
+        return
+    check(family, run(make(family.loaded, speculative_config=spec), family.prompts,
+                      together=True), "draft model")
+
+
+def test_gqa_8_to_1(tmp_path: Path, hf_tokenizer: Any) -> None:
+    """Gemma 2 with 8 query heads on 1 KV head (8:1), soft-caps and windows as above: batched,
+    chunked, transformers' greedy tokens and logprobs."""
+    ref = build_tiny("gemma2", tmp_path, hf_tokenizer, num_attention_heads=8)
+    loaded = load_model(tmp_path, dtype=torch.float32)
+    assert loaded.spec.num_heads == 8 * loaded.spec.num_kv_heads
+    prompts = [list(range(7, 47)), [11, 5, 300]]
+    fam = Family("gemma2 8:1", tmp_path, ref, loaded, prompts,
+                 [hf_greedy(ref, p, NUM_TOKENS) for p in prompts], derived_tolerance(ref, prompts[0]))
+    check(fam, run(make(loaded, long_prefill_token_threshold=7), prompts, together=True),
+          "batched, chunk 7")

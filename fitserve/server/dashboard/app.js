@@ -31,7 +31,9 @@ function ensureGrid(n) {
 }
 
 function drawGrid(state) {
-  ensureGrid(state.kv.num_blocks);
+  // the grid is group 0's pool (a windowed pool's null block 0 included, never painted)
+  const g0 = (state.kv.groups || [])[0];
+  ensureGrid(g0 ? g0.num_blocks + (g0.window === null ? 0 : 1) : state.kv.num_blocks);
   for (const b of painted) {
     const c = cells[b];
     if (c) { c.className = "blk"; c.style.background = ""; c.title = ""; }
@@ -59,6 +61,27 @@ function drawGrid(state) {
   grid.dataset.used = String(used);
   grid.dataset.shared = String(shared);
   grid.dataset.cached = String(painted.length - used);
+}
+
+function drawGroups(state) {  // one line per KV layer group (hybrid / windowed models)
+  const groups = state.kv.groups || [];
+  const show = groups.length > 1 || groups.some((g) => g.window !== null);
+  $("groups-box").style.display = show ? "" : "none";
+  const rows = groups.map((g, i) => {
+    const tr = document.createElement("tr");
+    tr.dataset.group = String(i);
+    tr.dataset.used = String(g.used_blocks);
+    tr.dataset.freed = String(g.window_freed_blocks);
+    const kind = g.window === null ? "full" : `sliding (window ${g.window})`;
+    for (const v of [kind, g.num_layers || "", `${g.used_blocks} / ${g.num_blocks}`, g.free_blocks,
+                     g.window === null ? "-" : g.window_freed_blocks]) {
+      const td = document.createElement("td");
+      td.textContent = v;
+      tr.appendChild(td);
+    }
+    return tr;
+  });
+  $("groups").replaceChildren(...rows);
 }
 
 function drawRequests(state) {
@@ -123,6 +146,7 @@ function render(state) {
   $("waiting").textContent = state.num_waiting;
   $("preempt").textContent = state.total_preemptions;
   drawGrid(state);
+  drawGroups(state);
   drawRequests(state);
   const hist = state.history || [];
   drawSeries($("ttft"), hist.map((p) => ({ t: p.t, v: p.ttft_ms })), "#4c9be8", "ms");
