@@ -114,3 +114,22 @@ def test_prebuild_command_refuses_an_unknown_name(capsys: pytest.CaptureFixture[
         build.main(["qlinear", "qlinaer"])
     assert exc.value.code == 2 and "unknown extension qlinaer" in capsys.readouterr().err
 
+
+
+def test_a_killed_builds_torch_lock_is_cleared_and_builds_are_serialised(tmp_path: Path) -> None:
+    """torch's build 'lock' file, left by a process killed mid-build, used to make every later
+    server wait forever; held under fitserve's flock it is known stale and removed. A second
+    process wanting the same directory waits for the first's flock (released when it exits)."""
+    import time
+
+    (tmp_path / "lock").write_text("")
+    with build.build_dir_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+        code = ("import sys; from pathlib import Path; from fitserve.kernels.cpu import build;"
+                "d = Path(sys.argv[1]); ctx = build.build_dir_lock(d); ctx.__enter__();"
+                "(d / 'acquired').write_text('')")
+        other = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)])
+        for _ in range(10):  # the child imports, then waits on our flock
+            time.sleep(0.2)
+        assert other.poll() is None and not (tmp_path / "acquired").exists()
+    assert other.wait(timeout=60) == 0 and (tmp_path / "acquired").exists()

@@ -13,12 +13,15 @@ cache ahead of time (``make setup`` runs it), so no server start compiles anythi
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import re
 import shutil
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -138,6 +141,28 @@ def _load_cached(name: str, out_dir: Path, key: str) -> ModuleType | None:
     return ModuleType(name)
 
 
+@contextlib.contextmanager
+def build_dir_lock(out_dir: Path) -> Iterator[None]:
+    """Hold this build directory against other fitserve processes for one build.
+
+    torch's own lock is a file created and deleted around its build (``FileBaton``): a process
+    killed mid-build (Ctrl-C, a test's start-up timeout) leaves it behind, and every later
+    process then waits on it forever. This lock is an flock, released by the kernel when its
+    holder dies, so once we hold it nobody else is building here and a torch ``lock`` file
+    left in the directory is stale: it is removed.
+    """
+    with open(out_dir / ".fitserve-build.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            stale = out_dir / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a build that was killed", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def _build(name: str, src: Path) -> ModuleType | None:
     if cpp_disabled():
         log.info("FITSERVE_DISABLE_CPP is set: %s runs its pure-torch path", name)
@@ -154,18 +179,22 @@ def _build(name: str, src: Path) -> ModuleType | None:
     if cached is not None:
         return cached
     out_dir.mkdir(parents=True, exist_ok=True)
-    fresh = not any(out_dir.glob("*.so"))
-    if fresh:
-        log.warning("building C++ kernels %s for %s (first use; cached in %s)", name,
-                    build_tier(detect_isa()), out_dir)
     try:
-        from torch.utils import cpp_extension
+        with build_dir_lock(out_dir):
+            cached = _load_cached(name, out_dir, key)  # another process built it meanwhile
+            if cached is not None:
+                return cached
+            fresh = not any(out_dir.glob("*.so"))
+            if fresh:
+                log.warning("building C++ kernels %s for %s (first use; cached in %s)", name,
+                            build_tier(detect_isa()), out_dir)
+            from torch.utils import cpp_extension
 
-        mod = cpp_extension.load(
-            name=f"{name}_{key}", sources=[str(src)], build_directory=str(out_dir),
-            extra_cflags=["-O3", "-fopenmp", *flags],
-            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
-        )
+            mod = cpp_extension.load(
+                name=f"{name}_{key}", sources=[str(src)], build_directory=str(out_dir),
+                extra_cflags=["-O3", "-fopenmp", *flags],
+                extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
+            )
     except Exception as exc:  # compiler missing headers, bad flags, ... -> fallback, loudly
         log.warning("building %s failed (%s): using the pure-torch path", name,
                     str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
