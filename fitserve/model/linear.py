@@ -245,9 +245,19 @@ def preference(isa: str, layout: str, m_class: str, dtype: str) -> tuple[str, ..
     return best[1]
 
 
-def choose(pw: PackedWeight, m: int, dtype: torch.dtype, isa: str | None = None) -> Candidate:
-    """The kernel the table picks for this weight and x of ``m`` rows and ``dtype``."""
-    prefs = preference(isa or isa_key(), layout_key(pw), shape_class(m), dtype_key(dtype))
+def choose(pw: PackedWeight, m: int, dtype: torch.dtype, isa: str | None = None,
+           act_quant: bool | None = None) -> Candidate:
+    """The kernel the table picks for this weight and x of ``m`` rows and ``dtype``.
+
+    ``act_quant`` (--activation-quant): None = the table as measured; True = the int8-activation
+    kernel for every M ("cpp-aq"), False = the weight-only one ("cpp"). NOTE: one kernel for
+    every M is what keeps a row's result independent of the batch (qlinear_rows.h); the
+    pure-torch path stays the fallback where the C++ ops are unavailable.
+    """
+    if act_quant is not None:
+        prefs: tuple[str, ...] = ("cpp-aq",) if act_quant else ("cpp",)
+    else:
+        prefs = preference(isa or isa_key(), layout_key(pw), shape_class(m), dtype_key(dtype))
     for name in (*prefs, "torch"):
         cand = CANDIDATES[name]
         if cand.applies(pw, dtype):
@@ -321,6 +331,18 @@ class PackedLinear(nn.Module):
         # tensors bound, so a decode step pays one lookup and the op call per linear
         self._runs: dict[tuple[str, torch.dtype], Callable[[torch.Tensor], torch.Tensor]] = {}
         self._force: str | None = None
+        self._act_quant: bool | None = None
+
+    @property
+    def act_quant(self) -> bool | None:
+        """int8 activations (True), weight-only (False), or None: the measured table."""
+        return self._act_quant
+
+    @act_quant.setter
+    def act_quant(self, value: bool | None) -> None:
+        self._act_quant = value
+        self._chosen.clear()
+        self._runs.clear()
 
     @property
     def force(self) -> str | None:
@@ -354,7 +376,7 @@ class PackedLinear(nn.Module):
             return CANDIDATES[self._force]
         key = (shape_class(m), dtype)
         if key not in self._chosen:
-            self._chosen[key] = choose(self.packed, m, dtype)
+            self._chosen[key] = choose(self.packed, m, dtype, act_quant=self._act_quant)
         return self._chosen[key]
 
     def bound_run(self, m: int, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -430,3 +452,21 @@ class ConcatLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+def set_activation_quant(model: nn.Module, choice: str, dtype: torch.dtype) -> str:
+    """Apply --activation-quant to every PackedLinear of ``model`` (the tied lm_head included);
+    returns the one-line summary of what packed weights compute in."""
+    act = {"int8": True, "none": False}.get(choice, dtype == torch.bfloat16)
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, PackedLinear):
+            mod.act_quant = act
+            n += 1
+    if not n:
+        return f"activations: {dtype_key(dtype)} (no packed int4/int8 weights)"
+    if act:
+        return (f"activations: int8 per 32 columns for the {n} packed int4/int8 linears "
+                f"(W4A8/W8A8, --activation-quant int8), {dtype_key(dtype)} elsewhere")
+    return (f"activations: {dtype_key(dtype)} for the {n} packed int4/int8 linears (weight-only, "
+            f"W4A16/W8A16, --activation-quant none)")
