@@ -91,17 +91,18 @@ def run_torch(pw: PackedWeight, x: torch.Tensor, cache: dict[str, torch.Tensor])
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
-def _run_cpp(act_quant: bool) -> Callable[[PackedWeight, torch.Tensor, dict[str, torch.Tensor]],
-                                         torch.Tensor]:
+def _run_cpp(act_quant: bool, invariant: bool = False
+             ) -> Callable[[PackedWeight, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]:
     def run(pw: PackedWeight, x: torch.Tensor, cache: dict[str, torch.Tensor]) -> torch.Tensor:
         from fitserve.kernels.cpu import qlinear
 
         xp = _pad(x.contiguous(), pw.K_padded)
         if pw.codes.bits == 4:  # the int4 op takes the f16 mins (None: symmetric)
             out: torch.Tensor = qlinear.int4_linear(xp, pw.qweight, pw.scales, pw.mins,
-                                                    pw.group_size, act_quant)
+                                                    pw.group_size, act_quant, invariant)
         else:
-            out = qlinear.int8_linear(xp, pw.qweight, pw.scales, pw.group_size, act_quant)
+            out = qlinear.int8_linear(xp, pw.qweight, pw.scales, pw.group_size, act_quant,
+                                      invariant)
         return out
 
     return run
@@ -161,19 +162,21 @@ CANDIDATES: dict[str, Candidate] = {
 }
 
 
-def bind(cand: Candidate, pw: PackedWeight, cache: dict[str, torch.Tensor]
-         ) -> Callable[[torch.Tensor], torch.Tensor]:
+def bind(cand: Candidate, pw: PackedWeight, cache: dict[str, torch.Tensor],
+         invariant: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
     """``cand`` on ``pw`` as a call on x alone. The C++ kernels become a direct op call (no
-    Python wrapper, no checks the op repeats itself) when x needs no column padding."""
+    Python wrapper, no checks the op repeats itself) when x needs no column padding.
+    ``invariant``: the weight-only op keeps one summation order for every M (batch_invariant)."""
+    inv = invariant and cand.name == "cpp"
     if cand.name in ("cpp", "cpp-aq") and pw.K_padded == pw.K and cpp_ops_available():
         aq = cand.name == "cpp-aq"
         q, s, mn, g = pw.qweight, pw.scales, pw.mins, pw.group_size
         if pw.codes.bits == 4:
             op4 = torch.ops.fitserve.int4_linear.default
-            return lambda x: op4(x.contiguous(), q, s, mn, g, aq)
+            return lambda x: op4(x.contiguous(), q, s, mn, g, aq, inv)
         op8 = torch.ops.fitserve.int8_linear.default
-        return lambda x: op8(x.contiguous(), q, s, g, aq)
-    run = cand.run
+        return lambda x: op8(x.contiguous(), q, s, g, aq, inv)
+    run = _run_cpp(False, True) if inv else cand.run
     return lambda x: run(pw, x, cache)
 
 # -- the measured table ----------------------------------------------------------------------
@@ -384,7 +387,9 @@ class PackedLinear(nn.Module):
         key = (shape_class(m), dtype)
         run = self._runs.get(key)
         if run is None:
-            run = self._runs[key] = bind(self.kernel(m, dtype), self.packed, self._cache)
+            # NOTE: an explicit --activation-quant asks for one kernel and one order for every M
+            run = self._runs[key] = bind(self.kernel(m, dtype), self.packed, self._cache,
+                                         invariant=self._act_quant is not None)
         return run
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -53,3 +53,15 @@ def test_bad_value_names_the_flag() -> None:
     with pytest.raises(ValueError, match="--activation-quant"):
         EngineConfig(activation_quant="fp16").validate()  # type: ignore[arg-type]
     assert EngineConfig(activation_quant="none").flat_kwargs()["activation_quant"] == "none"
+
+
+@pytest.mark.parametrize("act", [True, False])
+def test_explicit_choice_is_batch_invariant(act: bool) -> None:
+    """With the choice made (as the engine makes it), row r of M rows == the row alone, also for
+    the weight-only kernel past 16 rows (where it would switch to at::mm)."""
+    gen = torch.Generator().manual_seed(2)
+    lin = model(gen)[0]
+    lin.act_quant = act
+    x = torch.randn(40, 96, generator=gen).bfloat16()
+    alone = torch.cat([lin(x[r:r + 1]) for r in range(40)])
+    assert torch.equal(lin(x), alone)
