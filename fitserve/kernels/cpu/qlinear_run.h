@@ -1,9 +1,11 @@
 // The three ways qlinear.cpp runs a call, each parallel over output rows N (at::parallel_for,
 // so torch.set_num_threads applies):
 //
-//   rows_int / rows_f32  M < kPanelMinRows (int) / kMmMinRows (fp32): row-major register tiles
-//                        (qlinear_tiles.h) of NT weight rows x MT rows of x, over blocks of N
-//   panels_int           M >= kPanelMinRows: "lane = output row" panels (qlinear_panel.h)
+//   rows_int             M < kPanelMinRows, group 32: the canonical rows (qlinear_rows.h)
+//   rows_f32             M < kMmMinRows (fp32; every M with batch_invariant): row-major register
+//                        tiles (qlinear_tiles.h) of NT weight rows x MT rows of x
+//   panels_int           M >= kPanelMinRows, or every M for other groups / the scalar tier:
+//                        "lane = output row" panels (qlinear_panel.h), the same float order
 //   f32_via_mm           M >= kMmMinRows: W dequantized exactly, panel by panel, + at::mm
 //
 // Scratch memory (quantized x, fp32 out before bf16 rounding, panels) lives in thread_local
@@ -24,10 +26,12 @@
 
 namespace fitserve::qlinear {
 
-// NOTE: the crossovers, measured on the Xeon (AVX512-VNNI + AMX) this was written on, one
-// thread, SmolLM2 shapes: panels pay for their packing from ~4 rows of x (2 rows: 1.3x slower,
-// 4: 1.2-1.3x faster than the row tiles); at::mm on exactly dequantized panels beats the fp32
-// register tiles from ~16 rows.
+// NOTE: the crossovers. Integer path: the canonical rows (qlinear_rows.h) redo their int work
+// per row of x, so from 2 rows the panels are faster (Zen 5, 1 thread, SmolLM2 shapes: M=2
+// 21 vs 29 us qkv, 63 vs 86 gate_up); both add the same terms in the same order, so the switch
+// changes no bit. fp32 path: at::mm on exactly dequantized panels beats the register tiles
+// from ~16 rows on the Xeon with AMX it was measured on (not on Zen 5), at the price of an
+// order that depends on M (batch_invariant keeps the tiles).
 constexpr int64_t kPanelMinRows = 2;
 constexpr int64_t kMmMinRows = 16;
 constexpr int64_t kPanelMaxRows = 512;     // rows of x per pass over the int panels (in L2)
@@ -68,21 +72,6 @@ void run_row_blocks(const K& k, int64_t N, int64_t M) {
     for (int64_t b = b0; b < b1; ++b) run_rows(k, M, b * nb, std::min(N, (b + 1) * nb));
   });
 }
-
-template <bool kAsym, bool kOneBlock>
-struct Int4Aq {
-  const QWeight& w; const QAct& x; const ChunkMap& cm; float* out;
-  template <int NT, int MT>
-  void tile(int64_t n0, int64_t m0) const {
-    int4_aq_tile<NT, MT, kAsym, kOneBlock>(w, x, cm, n0, m0, out, w.N);
-  }
-};
-
-struct Int8Aq {
-  const QWeight& w; const QAct& x; const ChunkMap& cm; float* out;
-  template <int NT, int MT>
-  void tile(int64_t n0, int64_t m0) const { int8_aq_tile<NT, MT>(w, x, cm, n0, m0, out, w.N); }
-};
 
 template <bool kAsym>
 struct Int4F32 {
