@@ -138,6 +138,11 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]  # NOTE: "cuda:N" is accepted too (fitserve.runner.placement.resolve_device)
 WeightsChoice = Literal["auto", "as-stored", "bf16", "float32", "float16", "int8", "int4", "fp8"]
 Quantization = Literal["int4", "int8", "fp8"]
+# What packed int4/int8 weights multiply (--activation-quant): "int8" = x quantized to int8 per
+# 32 columns, integer dot products (W4A8 / W8A8, llama.cpp's Q8 activations); "none" = x as is
+# (bf16 / fp32), weights dequantized in registers (weight-only, W4A16); "auto" = int8 for bf16
+# activations, none for float32.
+ActivationQuant = Literal["auto", "int8", "none"]
 KVCacheDType = Literal["auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"]
 KVCacheScales = Literal["auto", "token", "channel-key"]
 SchedulingPolicy = Literal["fcfs", "priority", "slo"]
@@ -324,6 +329,8 @@ class EngineConfig:
     weights: WeightsChoice
     # vLLM's spelling of RTN at load (the same as weights="int4"/"int8"/"fp8").
     quantization: Quantization | None
+    # the activations packed int4/int8 weights multiply (ActivationQuant above)
+    activation_quant: ActivationQuant
     # True: every step runs eager. False: CPU decode-only steps run under torch.compile
     # (fitserve.runner.compiled_step), compiled at start-up for the batch classes max_num_seqs reaches.
     enforce_eager: bool
@@ -349,6 +356,7 @@ class EngineConfig:
         seed: int = 0,
         weights: WeightsChoice = "auto",
         quantization: Quantization | None = None,
+        activation_quant: ActivationQuant = "auto",
         enforce_eager: bool = True,
         step_model: str | None = None,
         tensor_parallel_size: int = 1,
@@ -367,7 +375,7 @@ class EngineConfig:
             speculative = SpeculativeConfig.of(speculative_config)
         own = {"model": model, "dtype": dtype, "device": device, "max_model_len": max_model_len,
                "seed": seed, "weights": weights, "quantization": quantization,
-               "enforce_eager": enforce_eager, "step_model": step_model,
+               "activation_quant": activation_quant, "enforce_eager": enforce_eager, "step_model": step_model,
                "tensor_parallel_size": tensor_parallel_size,
                "scheduler": replace(scheduler or SchedulerConfig(), **sched),
                "cache": replace(cache or CacheConfig(), **kv), "speculative": speculative}
@@ -389,6 +397,9 @@ class EngineConfig:
         flag. The engine and `fitserve serve` call it before the model loads."""
         self._validate_scheduling()
         self.scheduler.validate()
+        if self.activation_quant not in get_args(ActivationQuant):
+            raise ValueError(f"--activation-quant must be one of {', '.join(get_args(ActivationQuant))}, "
+                             f"got {self.activation_quant!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.speculative is not None and self.tensor_parallel_size > 1:

@@ -134,6 +134,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "stored), bf16/float32 (dense), int4/int8 (RTN at load), fp8 (e4m3, per-channel scales)")
     p.add_argument("--quantization", default=None, choices=list(get_args(Quantization)),
                    help="quantize at load (vLLM's flag; same as --weights int4/int8/fp8)")
+    p.add_argument("--activation-quant", default="auto", choices=["auto", "int8", "none"],
+                   help="what packed int4/int8 weights multiply: int8 (x quantized per 32 "
+                        "columns, integer dots: W4A8 as llama.cpp), none (bf16/fp32 x, weight-"
+                        "only: W4A16, slower, closer to the unquantized model); auto: int8 for "
+                        "bf16, none for float32")
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(ENGINE_KV_CACHE_DTYPES),
                    help="KV cache element format: auto (the model dtype), fp8 (= fp8_e4m3), "
                         "fp8_e5m2 or int8 codes with float32 scales (vLLM's flag)")
@@ -196,7 +201,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_bytes=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, weights=args.weights, quantization=args.quantization,
-        enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
+        activation_quant=args.activation_quant, enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
         speculative_config=args.speculative_config, kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_scales=args.kv_cache_scales, scheduling_policy=args.scheduling_policy,
         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, slo_action=args.slo_action,

@@ -91,17 +91,18 @@ def run_torch(pw: PackedWeight, x: torch.Tensor, cache: dict[str, torch.Tensor])
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
-def _run_cpp(act_quant: bool) -> Callable[[PackedWeight, torch.Tensor, dict[str, torch.Tensor]],
-                                         torch.Tensor]:
+def _run_cpp(act_quant: bool, invariant: bool = False
+             ) -> Callable[[PackedWeight, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]:
     def run(pw: PackedWeight, x: torch.Tensor, cache: dict[str, torch.Tensor]) -> torch.Tensor:
         from fitserve.kernels.cpu import qlinear
 
         xp = _pad(x.contiguous(), pw.K_padded)
         if pw.codes.bits == 4:  # the int4 op takes the f16 mins (None: symmetric)
             out: torch.Tensor = qlinear.int4_linear(xp, pw.qweight, pw.scales, pw.mins,
-                                                    pw.group_size, act_quant)
+                                                    pw.group_size, act_quant, invariant)
         else:
-            out = qlinear.int8_linear(xp, pw.qweight, pw.scales, pw.group_size, act_quant)
+            out = qlinear.int8_linear(xp, pw.qweight, pw.scales, pw.group_size, act_quant,
+                                      invariant)
         return out
 
     return run
@@ -161,19 +162,21 @@ CANDIDATES: dict[str, Candidate] = {
 }
 
 
-def bind(cand: Candidate, pw: PackedWeight, cache: dict[str, torch.Tensor]
-         ) -> Callable[[torch.Tensor], torch.Tensor]:
+def bind(cand: Candidate, pw: PackedWeight, cache: dict[str, torch.Tensor],
+         invariant: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
     """``cand`` on ``pw`` as a call on x alone. The C++ kernels become a direct op call (no
-    Python wrapper, no checks the op repeats itself) when x needs no column padding."""
+    Python wrapper, no checks the op repeats itself) when x needs no column padding.
+    ``invariant``: the weight-only op keeps one summation order for every M (batch_invariant)."""
+    inv = invariant and cand.name == "cpp"
     if cand.name in ("cpp", "cpp-aq") and pw.K_padded == pw.K and cpp_ops_available():
         aq = cand.name == "cpp-aq"
         q, s, mn, g = pw.qweight, pw.scales, pw.mins, pw.group_size
         if pw.codes.bits == 4:
             op4 = torch.ops.fitserve.int4_linear.default
-            return lambda x: op4(x.contiguous(), q, s, mn, g, aq)
+            return lambda x: op4(x.contiguous(), q, s, mn, g, aq, inv)
         op8 = torch.ops.fitserve.int8_linear.default
-        return lambda x: op8(x.contiguous(), q, s, g, aq)
-    run = cand.run
+        return lambda x: op8(x.contiguous(), q, s, g, aq, inv)
+    run = _run_cpp(False, True) if inv else cand.run
     return lambda x: run(pw, x, cache)
 
 # -- the measured table ----------------------------------------------------------------------
@@ -245,9 +248,19 @@ def preference(isa: str, layout: str, m_class: str, dtype: str) -> tuple[str, ..
     return best[1]
 
 
-def choose(pw: PackedWeight, m: int, dtype: torch.dtype, isa: str | None = None) -> Candidate:
-    """The kernel the table picks for this weight and x of ``m`` rows and ``dtype``."""
-    prefs = preference(isa or isa_key(), layout_key(pw), shape_class(m), dtype_key(dtype))
+def choose(pw: PackedWeight, m: int, dtype: torch.dtype, isa: str | None = None,
+           act_quant: bool | None = None) -> Candidate:
+    """The kernel the table picks for this weight and x of ``m`` rows and ``dtype``.
+
+    ``act_quant`` (--activation-quant): None = the table as measured; True = the int8-activation
+    kernel for every M ("cpp-aq"), False = the weight-only one ("cpp"). NOTE: one kernel for
+    every M is what keeps a row's result independent of the batch (qlinear_rows.h); the
+    pure-torch path stays the fallback where the C++ ops are unavailable.
+    """
+    if act_quant is not None:
+        prefs: tuple[str, ...] = ("cpp-aq",) if act_quant else ("cpp",)
+    else:
+        prefs = preference(isa or isa_key(), layout_key(pw), shape_class(m), dtype_key(dtype))
     for name in (*prefs, "torch"):
         cand = CANDIDATES[name]
         if cand.applies(pw, dtype):
@@ -321,6 +334,18 @@ class PackedLinear(nn.Module):
         # tensors bound, so a decode step pays one lookup and the op call per linear
         self._runs: dict[tuple[str, torch.dtype], Callable[[torch.Tensor], torch.Tensor]] = {}
         self._force: str | None = None
+        self._act_quant: bool | None = None
+
+    @property
+    def act_quant(self) -> bool | None:
+        """int8 activations (True), weight-only (False), or None: the measured table."""
+        return self._act_quant
+
+    @act_quant.setter
+    def act_quant(self, value: bool | None) -> None:
+        self._act_quant = value
+        self._chosen.clear()
+        self._runs.clear()
 
     @property
     def force(self) -> str | None:
@@ -354,7 +379,7 @@ class PackedLinear(nn.Module):
             return CANDIDATES[self._force]
         key = (shape_class(m), dtype)
         if key not in self._chosen:
-            self._chosen[key] = choose(self.packed, m, dtype)
+            self._chosen[key] = choose(self.packed, m, dtype, act_quant=self._act_quant)
         return self._chosen[key]
 
     def bound_run(self, m: int, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -362,7 +387,9 @@ class PackedLinear(nn.Module):
         key = (shape_class(m), dtype)
         run = self._runs.get(key)
         if run is None:
-            run = self._runs[key] = bind(self.kernel(m, dtype), self.packed, self._cache)
+            # NOTE: an explicit --activation-quant asks for one kernel and one order for every M
+            run = self._runs[key] = bind(self.kernel(m, dtype), self.packed, self._cache,
+                                         invariant=self._act_quant is not None)
         return run
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -430,3 +457,21 @@ class ConcatLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+def set_activation_quant(model: nn.Module, choice: str, dtype: torch.dtype) -> str:
+    """Apply --activation-quant to every PackedLinear of ``model`` (the tied lm_head included);
+    returns the one-line summary of what packed weights compute in."""
+    act = {"int8": True, "none": False}.get(choice, dtype == torch.bfloat16)
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, PackedLinear):
+            mod.act_quant = act
+            n += 1
+    if not n:
+        return f"activations: {dtype_key(dtype)} (no packed int4/int8 weights)"
+    if act:
+        return (f"activations: int8 per 32 columns for the {n} packed int4/int8 linears "
+                f"(W4A8/W8A8, --activation-quant int8), {dtype_key(dtype)} elsewhere")
+    return (f"activations: {dtype_key(dtype)} for the {n} packed int4/int8 linears (weight-only, "
+            f"W4A16/W8A16, --activation-quant none)")

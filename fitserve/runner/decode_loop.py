@@ -73,7 +73,9 @@ def native_linear(mod: nn.Module, rows: int, dtype: torch.dtype
         kernel = mod.kernel(rows, dtype).name
         if kernel not in ("cpp", "cpp-aq") or mod.k_padded != mod.in_features:
             return None  # bind() wraps these in Python (another kernel, or x needs padding)
-        aq = int(kernel == "cpp-aq")
+        # act_quant: 1 int8 activations, 0 weight-only, 2 weight-only in one order for every M
+        # (an explicit --activation-quant none: PackedLinear binds batch_invariant the same way)
+        aq = 1 if kernel == "cpp-aq" else (2 if mod.act_quant is not None else 0)
         has_mins = mod.mins is not None  # asymmetric int4 only
         return ([mod.qweight, mod.scales, mod.mins if has_mins else none],
                 [_PACKED_KINDS[mod.codes.bits], mod.group_size, aq, int(has_mins)])

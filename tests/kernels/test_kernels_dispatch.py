@@ -39,7 +39,9 @@ def test_cpu_rule() -> None:
     # numbers behind each line: docs/benchmarks.md, 'Attention backend rule' (bench_kernels.py)
     for t, s in ((128, 0), (256, 0), (1024, 0), (256, 1792), (512, 7680)):
         assert choose_attention_backend(classify("cpu", [t], [s + t])) is TORCH_SDPA
-        assert choose_attention_backend(classify("cpu", [t], [s + t], cpp=True)) is TORCH_SDPA
+        # the fused kernel takes prefill too, one decode row per query (batch invariance)
+        assert (choose_attention_backend(classify("cpu", [t], [s + t], cpp=True))
+                is CPU_PAGED_DECODE)
     assert choose_attention_backend(classify("cpu", [1] * 32, [2048] * 32)) is EAGER_GATHER
     assert choose_attention_backend(classify("cpu", [1], [8192])) is TORCH_SDPA
     for lens in ([10], [8192], [300] * 32, [5000] * 4):  # the fused kernel takes every decode
@@ -90,7 +92,7 @@ def test_every_shape_class_picks_a_backend_its_device_has(
     backend = choose_attention_backend(sc)
     assert backend in BACKENDS
     if backend is CPU_PAGED_DECODE:
-        assert device == "cpu" and cpp and phase == "decode"
+        assert device == "cpu" and cpp  # decode, and prefill one row per query
     if backend in (TRITON_DECODE, TRITON_PREFILL):
         assert device == "cuda" and triton
         assert backend is (TRITON_DECODE if phase == "decode" else TRITON_PREFILL)

@@ -32,7 +32,7 @@
 namespace {
 
 enum LinearKind : int64_t { kDense = 0, kInt4 = 1, kInt8 = 2, kBf16Gemv = 3 };
-constexpr int64_t kLinearMeta = 4;      // kind, group, act_quant, has_third
+constexpr int64_t kLinearMeta = 4;      // kind, group, act_quant (2: weight-only, batch invariant), has_third
 constexpr int64_t kLinearTensors = 3;   // dense: weight, bias | int4: q, scales, mins | int8: q, scales, -
 constexpr int64_t kLinearsPerLayer = 4;  // qkv, o_proj, gate_up, down
 
@@ -92,15 +92,16 @@ at::Tensor linear(const at::Tensor& x, at::TensorList t, at::IntArrayRef meta, i
     case kInt4: {
       static const auto h =
           op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                        const std::optional<at::Tensor>&, int64_t, bool)>("fitserve::int4_linear");
+                        const std::optional<at::Tensor>&, int64_t, bool, bool)>(
+              "fitserve::int4_linear");
       const std::optional<at::Tensor> mins = third ? std::optional<at::Tensor>(ts[2]) : std::nullopt;
-      return h.call(x.contiguous(), ts[0], ts[1], mins, m[1], m[2] != 0);
+      return h.call(x.contiguous(), ts[0], ts[1], mins, m[1], m[2] == 1, m[2] == 2);
     }
     case kInt8: {
       static const auto h =
-          op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool)>(
-              "fitserve::int8_linear");
-      return h.call(x.contiguous(), ts[0], ts[1], m[1], m[2] != 0);
+          op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool,
+                        bool)>("fitserve::int8_linear");
+      return h.call(x.contiguous(), ts[0], ts[1], m[1], m[2] == 1, m[2] == 2);
     }
     case kBf16Gemv: {  // dense bf16, one row (dense_gemv.cpp)
       static const auto h =

@@ -5,7 +5,9 @@
 //                    (vpdpbusd on AVX512-VNNI, maddubs on AVX2 / AVX-512), fp32 combine
 //   act_quant=False  W dequantized to fp32 (exact) and FMA'd with fp32 x
 //
-// Which kernel runs for which M: qlinear_run.h. The result is accumulated in fp32 and rounded
+// Which kernel runs for which M: qlinear_run.h. act_quant=True gives row m the same bits
+// whatever M (qlinear_rows.h states the order); act_quant=False does with batch_invariant=True
+// (register tiles for every M instead of at::mm from kMmMinRows rows on). The result is accumulated in fp32 and rounded
 // once (to nearest even) into x's dtype.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -47,7 +49,8 @@ void round_into(const float* src, const at::Tensor& out) {
   });
 }
 
-at::Tensor run(const at::Tensor& x, const QWeight& w, bool int4, bool act_quant) {
+at::Tensor run(const at::Tensor& x, const QWeight& w, bool int4, bool act_quant,
+               bool batch_invariant) {
   const int64_t M = x.size(0), kp = x.size(1);
   at::Tensor out = at::empty({M, w.N}, x.options());
   if (M == 0 || w.N == 0) return out;
@@ -55,12 +58,12 @@ at::Tensor run(const at::Tensor& x, const QWeight& w, bool int4, bool act_quant)
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   float* op = bf16 ? scratch(tl_f32_out, M * w.N) : out.data_ptr<float>();
   if (act_quant) {
-    const bool panels = M >= kPanelMinRows;
+    const bool panels = M >= kPanelMinRows || !canonical_rows_apply(w);
     if (bf16 && panels) panels_int(x.data_ptr<c10::BFloat16>(), M, kp, w, int4, op);
     else if (bf16) rows_int(x.data_ptr<c10::BFloat16>(), M, kp, w, int4, op);
     else if (panels) panels_int(x.data_ptr<float>(), M, kp, w, int4, op);
     else rows_int(x.data_ptr<float>(), M, kp, w, int4, op);
-  } else if (M >= kMmMinRows) {
+  } else if (M >= kMmMinRows && !batch_invariant) {  // at::mm's order depends on M
     const at::Tensor xf = x.to(at::kFloat).contiguous();
     f32_via_mm(w, int4, xf, at::from_blob(op, {M, w.N}, xf.options()));
   } else {
@@ -83,7 +86,7 @@ at::Tensor run(const at::Tensor& x, const QWeight& w, bool int4, bool act_quant)
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const std::optional<at::Tensor>& mins, int64_t group_size,
-                       bool act_quant) {
+                       bool act_quant, bool batch_invariant) {
   const int64_t kp = x.size(-1);
   check_common(x, qweight, scales, group_size, kp);
   TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.size(1) * 2 == kp,
@@ -96,11 +99,11 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   const QWeight w{qweight.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
                   asym ? mins->data_ptr<at::Half>() : nullptr, qweight.size(0), kp / 2,
                   kp / group_size, group_size};
-  return run(x, w, true, act_quant);
+  return run(x, w, true, act_quant, batch_invariant);
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                       int64_t group_size, bool act_quant) {
+                       int64_t group_size, bool act_quant, bool batch_invariant) {
   const int64_t kp = x.size(-1);
   check_common(x, qweight, scales, group_size, kp);
   TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.size(1) == kp,
@@ -108,7 +111,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   const QWeight w{reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>()),
                   scales.data_ptr<at::Half>(), nullptr, qweight.size(0), kp, kp / group_size,
                   group_size};
-  return run(x, w, false, act_quant);
+  return run(x, w, false, act_quant, batch_invariant);
 }
 
 
@@ -120,9 +123,9 @@ std::string qlinear_tier() { return build_tier_name(); }
 // NOTE: a FRAGMENT, so other sources (paged_attention.cpp) may add ops to namespace "fitserve".
 TORCH_LIBRARY_FRAGMENT(fitserve, m) {
   m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int group_size, "
-        "bool act_quant) -> Tensor");
+        "bool act_quant, bool batch_invariant=False) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales, int group_size, "
-        "bool act_quant) -> Tensor");
+        "bool act_quant, bool batch_invariant=False) -> Tensor");
   m.def("qlinear_tier() -> str", &fitserve::qlinear::qlinear_tier);
 }
 

@@ -15,9 +15,12 @@
 
 - ``act_quant=False``: the weights are dequantized exactly in fp32 and multiplied with fp32 x,
   so the result equals the fp32 product of the dequantized weight up to fp32 summation order.
+  That order changes at 16 rows (at::mm) unless ``batch_invariant=True`` (register tiles for
+  every M: row m's bits independent of M, slower for many rows).
 - ``act_quant=True``: each 32 columns of x are quantized to int8 with an fp32 scale
   ``absmax / 127`` (llama.cpp's Q8_0 / Q8_1 activations) and the dot products run in integers
-  (AVX512-VNNI vpdpbusd, or AVX2 / AVX-512 maddubs), combined in fp32. The extra error is
+  (AVX512-VNNI vpdpbusd, or AVX2 / AVX-512 maddubs), combined in fp32 in one order for every M (row m of the result does not
+  depend on the other rows: batch invariance). The extra error is
   bounded by ``sum over blocks of (da / 2) * sum |w|`` over the block's columns.
 
 The functions raise RuntimeError when the extension is unavailable (no compiler, failed build,
@@ -52,12 +55,13 @@ def qlinear_tier() -> str:
 
 
 def _int4_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-               mins: torch.Tensor | None, group_size: int, act_quant: bool) -> torch.Tensor:
+               mins: torch.Tensor | None, group_size: int, act_quant: bool,
+               batch_invariant: bool = False) -> torch.Tensor:
     return x.new_empty(x.shape[0], qweight.shape[0])
 
 
 def _int8_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
-               act_quant: bool) -> torch.Tensor:
+               act_quant: bool, batch_invariant: bool = False) -> torch.Tensor:
     return x.new_empty(x.shape[0], qweight.shape[0])
 
 
@@ -85,19 +89,21 @@ def _as_rows(x: torch.Tensor, k_padded: int) -> torch.Tensor:
 
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                mins: torch.Tensor | None, group_size: int, act_quant: bool) -> torch.Tensor:
+                mins: torch.Tensor | None, group_size: int, act_quant: bool,
+                batch_invariant: bool = False) -> torch.Tensor:
     """``x @ W.T`` for int4 W (asymmetric with ``mins``, symmetric without): ``[..., N]``."""
     _require()
     x2 = _as_rows(x, qweight.shape[1] * 2)
     y: torch.Tensor = torch.ops.fitserve.int4_linear(x2, qweight, scales, mins, group_size,
-                                                     act_quant)
+                                                     act_quant, batch_invariant)
     return y.reshape(*x.shape[:-1], qweight.shape[0])
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
-                act_quant: bool) -> torch.Tensor:
+                act_quant: bool, batch_invariant: bool = False) -> torch.Tensor:
     """``x @ W.T`` for int8 W in groups of ``group_size`` columns: ``[..., N]``."""
     _require()
     x2 = _as_rows(x, qweight.shape[1])
-    y: torch.Tensor = torch.ops.fitserve.int8_linear(x2, qweight, scales, group_size, act_quant)
+    y: torch.Tensor = torch.ops.fitserve.int8_linear(x2, qweight, scales, group_size, act_quant,
+                                                     batch_invariant)
     return y.reshape(*x.shape[:-1], qweight.shape[0])

@@ -33,39 +33,6 @@ struct ActLayout {
         a_stride(nchunks * halves_ * S::kBytes), d_stride(nchunks * halves_ * S::kLanes) {}
 };
 
-// The chunk -> group map of a weight row (owns its storage; `view()` is what tiles read).
-struct ChunkTable {
-  std::vector<int32_t> g0, idx;
-  std::vector<S::HMask> hm;
-  int64_t nchunks, nfull;
-  explicit ChunkTable(const ActLayout& L)
-      : g0(L.nchunks), idx(L.nchunks * S::kLanes, 0), hm(L.nchunks), nchunks(L.nchunks),
-        nfull(L.row_bytes / S::kBytes) {
-    for (int64_t c = 0; c < L.nchunks; ++c) {
-      const int64_t first = c * S::kBytes;
-      const int64_t last = std::min(L.row_bytes, first + S::kBytes) - 1;
-      g0[c] = static_cast<int32_t>(first / L.group_bytes);
-      hm[c] = S::hmask(static_cast<int>(last / L.group_bytes - g0[c] + 1));
-      for (int l = 0; l < S::kLanes; ++l) {
-        const int64_t b = first + 4 * l;
-        if (b < L.row_bytes)
-          idx[c * S::kLanes + l] = static_cast<int32_t>(b / L.group_bytes - g0[c]);
-      }
-    }
-  }
-  ChunkMap view() const { return {g0.data(), hm.data(), idx.data(), nchunks, nfull}; }
-};
-
-// The table of a row shape, built once per thread (a model has a handful of shapes; building
-// it per call cost three allocations on every linear of a decode step).
-inline const ChunkTable& chunk_table(const ActLayout& L) {
-  static thread_local std::map<std::tuple<int64_t, int64_t, int64_t>, ChunkTable> tables;
-  const auto key = std::make_tuple(L.row_bytes, L.group_bytes, L.halves);
-  auto it = tables.find(key);
-  if (it == tables.end()) it = tables.emplace(key, ChunkTable(L)).first;
-  return it->second;
-}
-
 // Block-quantize one row: aq [kp], da / isum [kp / 32].
 template <class T>
 inline void quantize_row(const T* x, int64_t kp, int8_t* aq, float* da, int32_t* isum) {
@@ -91,36 +58,10 @@ inline void group_sums(const float* da, const int32_t* isum, int64_t kp, int64_t
   }
 }
 
-// int4 layout of one row: A [nchunks][2][kBytes], D [nchunks][2][kLanes], Sg [ngroups].
-inline void layout_int4_row(const int8_t* aq, const float* da, const int32_t* isum, int64_t kp,
-                            int64_t group, const ActLayout& L, int8_t* A, float* D, float* Sg) {
-  // NOTE: walked group by group (byte b = g * half + i holds columns g * G + i and that + G/2),
-  // no division by the runtime group size per byte: this runs once per call on the hot path
-  const int64_t half = group / 2, padded = L.nchunks * S::kBytes;
-  for (int64_t g = 0, b = 0; g < kp / group; ++g) {
-    for (int64_t i = 0; i < half; ++i, ++b) {
-      const int64_t c = b / S::kBytes, j = b % S::kBytes;  // constant divisor: a shift
-      for (int64_t h = 0; h < 2; ++h) {
-        const int64_t col = g * group + h * half + i;
-        A[(c * 2 + h) * S::kBytes + j] = aq[col];
-        if (j % 4 == 0) D[(c * 2 + h) * S::kLanes + j / 4] = da[col / kActBlock];
-      }
-    }
-  }
-  for (int64_t b = L.row_bytes; b < padded; ++b) {  // the last chunk's tail past the row
-    const int64_t c = b / S::kBytes, j = b % S::kBytes;
-    for (int64_t h = 0; h < 2; ++h) {
-      A[(c * 2 + h) * S::kBytes + j] = 0;
-      if (j % 4 == 0) D[(c * 2 + h) * S::kLanes + j / 4] = 0.f;
-    }
-  }
-  group_sums(da, isum, kp, group, Sg);
-}
-
 #ifdef FITSERVE_QLINEAR_GEMV
 // The batch-1 GEMV's int4 layout for G = 32 (qlinear_gemv.h reads the bytes and S_g, never the
 // lane scales): a chunk holds GPC = kBytes / 16 groups; block g's low 16 columns go to the lo
-// half of chunk g / GPC, its high 16 to the hi half, at byte 16 * (g % GPC): layout_int4_row's
+// half of chunk g / GPC, its high 16 to the hi half, at byte 16 * (g % GPC): the tiles'
 // order, as 16-byte copies instead of a loop over bytes (it runs on every linear of a decode
 // step).
 inline void layout_int4_g32_gemv(const int8_t* aq, const float* da, const int32_t* isum,
@@ -150,15 +91,5 @@ inline void gemv_w8_lane_bias(const int8_t* aq, int64_t kp, const ActLayout& L, 
   }
 }
 #endif
-
-// int8 layout of one row: A [nchunks][kBytes] (biased by kAct8Xor), D [nchunks][kLanes].
-inline void layout_int8_row(const int8_t* aq, const float* da, const ActLayout& L, int8_t* A,
-                            float* D) {
-  for (int64_t b = 0; b < L.nchunks * S::kBytes; ++b) {
-    const bool ok = b < L.row_bytes;
-    A[b] = static_cast<int8_t>(static_cast<uint8_t>(ok ? aq[b] : 0) ^ S::kAct8Xor);
-    if (b % 4 == 0) D[b / 4] = ok ? da[b / kActBlock] : 0.f;
-  }
-}
 
 }  // namespace fitserve::qlinear

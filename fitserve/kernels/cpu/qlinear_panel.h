@@ -1,4 +1,7 @@
-// Integer path for many rows of x: "lane = output row" panels.
+// Integer path for many rows of x: "lane = output row" panels. Every M gives row m the same
+// result: each output is one lane, and its float sequence is the same whatever tile it is in.
+// For G = 32 that sequence is the canonical order of qlinear_rows.h (the few-row kernel); for
+// other groups the panels run every M (qlinear_run.h).
 //
 // kLanes weight rows are transposed once per call into a thread-local panel, dword by dword:
 //
@@ -120,14 +123,22 @@ void int4_panel_tile(const QWeight& w, const Panel& p, const NatAct& x, int64_t 
           else ih[m] = S::dot_u4(ih[m], qh, S::bcast4(a[m] + hi + 4 * d));
         }
       }
-      _Pragma("GCC unroll 16") for (int m = 0; m < MT; ++m) {
-        acc[m] = S::fmadd(S::cvt(il[m]), S::mul(dv, S::set1(da[m][lo / kActBlock])), acc[m]);
-        if constexpr (!kOneBlock)
+      if constexpr (kOneBlock) {  // G = 32: the canonical order of qlinear_rows.h
+        const S::F cv = S::loadf(p.cv.data() + g * L);
+        _Pragma("GCC unroll 16") for (int m = 0; m < MT; ++m) {
+          const S::F t = S::mulr(S::cvt(il[m]), S::mulr(dv, S::set1(da[m][g])));
+          const S::F off = S::mulr(cv, S::set1(x.sg[(m0 + m) * w.ngroups + g]));
+          acc[m] = S::add(acc[m], S::add(t, off));
+        }
+      } else {
+        _Pragma("GCC unroll 16") for (int m = 0; m < MT; ++m) {
+          acc[m] = S::fmadd(S::cvt(il[m]), S::mul(dv, S::set1(da[m][lo / kActBlock])), acc[m]);
           acc[m] = S::fmadd(S::cvt(ih[m]), S::mul(dv, S::set1(da[m][hi / kActBlock])), acc[m]);
+        }
       }
     }
   }
-  for (int64_t g = 0; g < w.ngroups; ++g) {
+  for (int64_t g = 0; g < w.ngroups && !kOneBlock; ++g) {
     const S::F cv = S::loadf(p.cv.data() + g * L);
     _Pragma("GCC unroll 16") for (int m = 0; m < MT; ++m)
       acc[m] = S::fmadd(cv, S::set1(x.sg[(m0 + m) * w.ngroups + g]), acc[m]);
@@ -163,8 +174,13 @@ void int8_panel_tile(const QWeight& w, const Panel& p, const NatAct& x, int64_t 
     // NOTE: G = 32 (Q8_0) and per channel need no division per block
     const int64_t g = per_group == 1 ? blk : w.ngroups == 1 ? 0 : blk / per_group;
     const S::F dv = S::loadf(p.dv.data() + g * L);
-    _Pragma("GCC unroll 16") for (int m = 0; m < MT; ++m)
-      acc[m] = S::fmadd(S::cvt(ia[m]), S::mul(dv, S::set1(da[m][blk])), acc[m]);
+    if (per_group == 1) {  // G = 32: the canonical order of qlinear_rows.h
+      _Pragma("GCC unroll 16") for (int m = 0; m < MT; ++m)
+        acc[m] = S::add(acc[m], S::mulr(S::cvt(ia[m]), S::mulr(dv, S::set1(da[m][blk]))));
+    } else {
+      _Pragma("GCC unroll 16") for (int m = 0; m < MT; ++m)
+        acc[m] = S::fmadd(S::cvt(ia[m]), S::mul(dv, S::set1(da[m][blk])), acc[m]);
+    }
   }
   for (int m = 0; m < MT; ++m) store_lanes(acc[m], out + (m0 + m) * ldo + n0, w.N - n0);
 }

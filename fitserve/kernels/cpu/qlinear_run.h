@@ -1,9 +1,11 @@
 // The three ways qlinear.cpp runs a call, each parallel over output rows N (at::parallel_for,
 // so torch.set_num_threads applies):
 //
-//   rows_int / rows_f32  M < kPanelMinRows (int) / kMmMinRows (fp32): row-major register tiles
-//                        (qlinear_tiles.h) of NT weight rows x MT rows of x, over blocks of N
-//   panels_int           M >= kPanelMinRows: "lane = output row" panels (qlinear_panel.h)
+//   rows_int             M < kPanelMinRows, group 32: the canonical rows (qlinear_rows.h)
+//   rows_f32             M < kMmMinRows (fp32; every M with batch_invariant): row-major register
+//                        tiles (qlinear_tiles.h) of NT weight rows x MT rows of x
+//   panels_int           M >= kPanelMinRows, or every M for other groups / the scalar tier:
+//                        "lane = output row" panels (qlinear_panel.h), the same float order
 //   f32_via_mm           M >= kMmMinRows: W dequantized exactly, panel by panel, + at::mm
 //
 // Scratch memory (quantized x, fp32 out before bf16 rounding, panels) lives in thread_local
@@ -19,15 +21,18 @@
 #include "qlinear_act.h"
 #include "qlinear_gemv.h"
 #include "qlinear_panel.h"
+#include "qlinear_rows.h"
 #include "qlinear_tiles.h"
 
 namespace fitserve::qlinear {
 
-// NOTE: the crossovers, measured on the Xeon (AVX512-VNNI + AMX) this was written on, one
-// thread, SmolLM2 shapes: panels pay for their packing from ~4 rows of x (2 rows: 1.3x slower,
-// 4: 1.2-1.3x faster than the row tiles); at::mm on exactly dequantized panels beats the fp32
-// register tiles from ~16 rows.
-constexpr int64_t kPanelMinRows = 4;
+// NOTE: the crossovers. Integer path: the canonical rows (qlinear_rows.h) redo their int work
+// per row of x, so from 2 rows the panels are faster (Zen 5, 1 thread, SmolLM2 shapes: M=2
+// 21 vs 29 us qkv, 63 vs 86 gate_up); both add the same terms in the same order, so the switch
+// changes no bit. fp32 path: at::mm on exactly dequantized panels beats the register tiles
+// from ~16 rows on the Xeon with AMX it was measured on (not on Zen 5), at the price of an
+// order that depends on M (batch_invariant keeps the tiles).
+constexpr int64_t kPanelMinRows = 2;
 constexpr int64_t kMmMinRows = 16;
 constexpr int64_t kPanelMaxRows = 512;     // rows of x per pass over the int panels (in L2)
 constexpr int64_t kMmPanelBytes = 1 << 21;  // fp32 weight panel of the at::mm path
@@ -68,21 +73,6 @@ void run_row_blocks(const K& k, int64_t N, int64_t M) {
   });
 }
 
-template <bool kAsym, bool kOneBlock>
-struct Int4Aq {
-  const QWeight& w; const QAct& x; const ChunkMap& cm; float* out;
-  template <int NT, int MT>
-  void tile(int64_t n0, int64_t m0) const {
-    int4_aq_tile<NT, MT, kAsym, kOneBlock>(w, x, cm, n0, m0, out, w.N);
-  }
-};
-
-struct Int8Aq {
-  const QWeight& w; const QAct& x; const ChunkMap& cm; float* out;
-  template <int NT, int MT>
-  void tile(int64_t n0, int64_t m0) const { int8_aq_tile<NT, MT>(w, x, cm, n0, m0, out, w.N); }
-};
-
 template <bool kAsym>
 struct Int4F32 {
   const QWeight& w; const float* x; int64_t ldx; float* out;
@@ -98,57 +88,63 @@ struct Int8F32 {
   void tile(int64_t n0, int64_t m0) const { int8_f32_tile<NT, MT>(w, x, ldx, n0, m0, out, w.N); }
 };
 
-// act_quant=True, small M: x quantized into the weight's byte order, then row-major tiles.
+// Whether the canonical rows (qlinear_rows.h) run this weight; otherwise the panels run every M
+// (the same kernel for every M is what keeps a row's result independent of M).
+inline bool canonical_rows_apply(const QWeight& w) {
+#ifdef FITSERVE_QLINEAR_GEMV
+  return w.group == kActBlock;
+#else
+  (void)w;
+  return false;
+#endif
+}
+
+// act_quant=True, small M, group 32: x quantized (as the panels do) and laid out in the weight's
+// byte order, then the canonical rows.
 template <class T>
 void rows_int(const T* x, int64_t M, int64_t kp, const QWeight& w, bool int4, float* out) {
-  static thread_local std::vector<int8_t> a_buf, aq_buf;
-  static thread_local std::vector<float> d_buf, s_buf, da_buf;
-  static thread_local std::vector<int32_t> isum_buf;
-  const ActLayout L(w.row_bytes, int4 ? w.group / 2 : w.group, int4 ? 2 : 1);
-  int8_t* A = scratch(a_buf, M * L.a_stride);
-  float* D = scratch(d_buf, M * L.d_stride);
-  float* Sg = int4 ? scratch(s_buf, M * w.ngroups) : nullptr;
-  int8_t* aq = scratch(aq_buf, kp);
-  float* da = scratch(da_buf, kp / kActBlock);
-  int32_t* isum = scratch(isum_buf, kp / kActBlock);
-  const bool asym = w.mins != nullptr, one = w.group == kActBlock;
 #ifdef FITSERVE_QLINEAR_GEMV
-  if (M == 1 && one) {  // the GEMV reads the bytes and S_g only: no lane scales to lay out
-    quantize_row(x, kp, aq, da, isum);
-    int32_t* bias = nullptr;
+  static thread_local std::vector<int8_t> a_buf, aq_buf;
+  static thread_local std::vector<float> s_buf, da_buf;
+  static thread_local std::vector<int32_t> isum_buf, bias_buf;
+  static thread_local std::vector<RowAct> acts;
+  const ActLayout L(w.row_bytes, int4 ? w.group / 2 : w.group, int4 ? 2 : 1);
+  const int64_t G = w.ngroups, nbias = L.nchunks * S::kLanes;
+  const int64_t a_stride = int4 ? L.a_stride : kp;
+  int8_t* A = scratch(a_buf, M * a_stride);
+  float* Sg = scratch(s_buf, M * G);
+  float* da = scratch(da_buf, M * G);
+  int32_t* isum = scratch(isum_buf, G);
+  int32_t* bias = scratch(bias_buf, M * nbias);
+  int8_t* aq = scratch(aq_buf, kp);
+  acts.resize(M);
+  for (int64_t m = 0; m < M; ++m) {
+    int8_t* am = A + m * a_stride;
+    quantize_row(x + m * kp, kp, int4 ? aq : am, da + m * G, isum);
+    int32_t* bm = nullptr;
     if (int4) {
-      layout_int4_g32_gemv(aq, da, isum, kp, L, A, Sg);
+      layout_int4_g32_gemv(aq, da + m * G, isum, kp, L, am, Sg + m * G);
     } else if (S::kGemvW8Unsigned) {
-      static thread_local std::vector<int32_t> bias_buf;
-      bias = scratch(bias_buf, L.nchunks * S::kLanes);
-      gemv_w8_lane_bias(aq, kp, L, bias);
+      bm = bias + m * nbias;
+      gemv_w8_lane_bias(am, kp, L, bm);
     }
-    const QAct xa{int4 ? A : aq, nullptr, Sg, L.a_stride, L.d_stride, bias};
-    const int64_t nb = block_rows(w.N);
-    at::parallel_for(0, (w.N + nb - 1) / nb, 1, [&](int64_t b0, int64_t b1) {
-      const int64_t n0 = b0 * nb, n1 = std::min(w.N, b1 * nb);
-      if (!int4) g32_gemv<false, false>(w, xa, da, n0, n1, out);
-      else if (asym) g32_gemv<true, true>(w, xa, da, n0, n1, out);
-      else g32_gemv<true, false>(w, xa, da, n0, n1, out);
-    });
-    return;
+    acts[m] = RowAct{QAct{am, nullptr, int4 ? Sg + m * G : nullptr, a_stride, 0, bm}, da + m * G};
   }
+  const RowAct* xs = acts.data();
+  // kLanes weight rows per step; a parallel block is 1-2 steps, >= 4 blocks per thread
+  const int64_t steps = w.N / (4 * S::kLanes * std::max<int64_t>(1, at::get_num_threads()));
+  const int64_t nb = S::kLanes * std::clamp<int64_t>(steps, 1, 2);
+  const bool asym = w.mins != nullptr;
+  at::parallel_for(0, (w.N + nb - 1) / nb, 1, [&](int64_t b0, int64_t b1) {
+    const int64_t n0 = b0 * nb, n1 = std::min(w.N, b1 * nb);
+    if (!int4) canonical_rows<false, false>(w, xs, M, n0, n1, out);
+    else if (asym) canonical_rows<true, true>(w, xs, M, n0, n1, out);
+    else canonical_rows<true, false>(w, xs, M, n0, n1, out);
+  });
+#else
+  (void)x, (void)M, (void)kp, (void)w, (void)int4, (void)out;
+  TORCH_CHECK(false, "qlinear: the canonical rows need the avx2 tier or above");
 #endif
-  for (int64_t m = 0; m < M; ++m) {  // M < kPanelMinRows: not worth a parallel region
-    quantize_row(x + m * kp, kp, aq, da, isum);
-    if (int4)
-      layout_int4_row(aq, da, isum, kp, w.group, L, A + m * L.a_stride, D + m * L.d_stride,
-                      Sg + m * w.ngroups);
-    else
-      layout_int8_row(aq, da, L, A + m * L.a_stride, D + m * L.d_stride);
-  }
-  const QAct xa{A, D, Sg, L.a_stride, L.d_stride};
-  const ChunkMap cm = chunk_table(L).view();  // the tiles' chunk -> group map (not the GEMV's)
-  if (!int4) run_row_blocks(Int8Aq{w, xa, cm, out}, w.N, M);
-  else if (asym && one) run_row_blocks(Int4Aq<true, true>{w, xa, cm, out}, w.N, M);
-  else if (asym) run_row_blocks(Int4Aq<true, false>{w, xa, cm, out}, w.N, M);
-  else if (one) run_row_blocks(Int4Aq<false, true>{w, xa, cm, out}, w.N, M);
-  else run_row_blocks(Int4Aq<false, false>{w, xa, cm, out}, w.N, M);
 }
 
 // act_quant=False, small M: fp32 x (row stride kp), weights dequantized in registers.

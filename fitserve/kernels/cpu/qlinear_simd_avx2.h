@@ -70,6 +70,31 @@ struct Simd {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(w.absw, sa), _mm256_set1_epi16(1));
   }
 
+  // ---- the canonical batch-1 rows (qlinear_rows.h)
+  // 128-bit lane j of the result = [sum of the 4 dwords of lane j of a, of b, of c, of d]
+  static I hsum128x4(I a, I b, I c, I d) {
+    const I ab = _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+    const I cd = _mm256_add_epi32(_mm256_unpacklo_epi32(c, d), _mm256_unpackhi_epi32(c, d));
+    return _mm256_add_epi32(_mm256_unpacklo_epi64(ab, cd), _mm256_unpackhi_epi64(ab, cd));
+  }
+  // 128-bit lanes [a0 + a1, b0 + b1]
+  static I pair128(I a, I b) {
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
+                            _mm256_permute2x128_si256(a, b, 0x31));
+  }
+  // lane n of the natural group order <- lane kNat*[n] of hsum128x4 (int4: chunk j, 128-bit
+  // lane k = group 2j + k) / pair128 (int8: chunk j = group j)
+  static constexpr int32_t kNatU4[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+  static constexpr int32_t kNatW8[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+  // a * b rounded to fp32 and never fused into a later add (C++ lets the compiler contract
+  // mul + add into an FMA, which rounds once: the canonical order needs the rounded product)
+  static F mulr(F a, F b) {
+    F p = mul(a, b);
+    asm("" : "+x"(p));
+    return p;
+  }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+
   static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
   static F fzero() { return _mm256_setzero_ps(); }
   static F set1(float v) { return _mm256_set1_ps(v); }

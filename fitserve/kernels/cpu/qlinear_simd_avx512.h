@@ -113,6 +113,30 @@ struct Simd {
   static I gemv_dot_w8(B w, B a, I) { return dot_w8(prep_w8(w), a); }
 #endif
 
+  // ---- the canonical batch-1 rows (qlinear_rows.h)
+  // 128-bit lane j of the result = [sum of the 4 dwords of lane j of a, of b, of c, of d]
+  static I hsum128x4(I a, I b, I c, I d) {
+    const I ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+    const I cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+  }
+  // 128-bit lanes [a0 + a1, a2 + a3, b0 + b1, b2 + b3]
+  static I pair128(I a, I b) {
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xDD));
+  }
+  // lane n of the natural group order <- lane kNat*[n] of hsum128x4 (int4: chunk j, 128-bit
+  // lane k = group 4j + k) / pair128 (int8: chunk j holds groups 2j, 2j + 1)
+  static constexpr int32_t kNatU4[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+  static constexpr int32_t kNatW8[16] = {0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15};
+  // a * b rounded to fp32 and never fused into a later add (C++ lets the compiler contract
+  // mul + add into an FMA, which rounds once: the canonical order needs the rounded product)
+  static F mulr(F a, F b) {
+    F p = mul(a, b);
+    asm("" : "+v"(p));
+    return p;
+  }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+
   static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
   static F fzero() { return _mm512_setzero_ps(); }
   static F set1(float v) { return _mm512_set1_ps(v); }

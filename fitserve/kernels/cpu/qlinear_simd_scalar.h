@@ -50,6 +50,9 @@ struct Simd {
   static F fzero() { return 0.f; }
   static F set1(float v) { return v; }
   static F mul(F a, F b) { return a * b; }
+  static F add(F a, F b) { return a + b; }
+  // no FMA instructions in this tier: a * b is rounded on its own
+  static F mulr(F a, F b) { return a * b; }
   static F fmadd(F a, F b, F c) { return std::fma(a, b, c); }
   static F loadf(const float* p) { return *p; }
   static void storef(float* p, F v) { *p = v; }

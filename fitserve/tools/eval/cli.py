@@ -35,13 +35,19 @@ def add_eval_parser(sub: Any) -> None:
     p.add_argument("--dtype", default="auto", choices=_DTYPES)
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(ENGINE_KV_CACHE_DTYPES))
     p.add_argument("--kv-cache-scales", default="auto", choices=list(KV_CACHE_SCALES))
+    p.add_argument("--activation-quant", default="auto", choices=["auto", "int8", "none"],
+                   help="what packed int4/int8 weights multiply (the engine's flag)")
     p.add_argument("--reference", default=None, help="the reference model (default: --model)")
     p.add_argument("--reference-weights", default="auto", choices=list(ENGINE_WEIGHT_CHOICES))
+    p.add_argument("--reference-activation-quant", default="auto",
+                   choices=["auto", "int8", "none"],
+                   help="the reference's --activation-quant (none: W4A16 for a packed file)")
     p.add_argument("--reference-dtype", default=None, choices=_DTYPES,
                    help="the reference's dtype (default: --dtype)")
     p.add_argument("--compare", action="append", default=[], metavar="SPEC",
                    help="one more candidate: a --weights choice (int8) or key=value,... with "
                    "keys model, weights, quantization, dtype, kv-cache-dtype, kv-cache-scales, "
+                   "activation-quant, "
                    "label; repeatable; each gets a noise/real verdict against the primary one")
     p.add_argument("--text", default=None, help="a UTF-8 file, or a shipped text: persuasion "
                    "(default, Austen), ecclesiastes (KJV)")
@@ -97,11 +103,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg = _bootstrap(args)
     _check_plot(args.plot)
     primary = ModelChoice(args.model, args.weights, args.quantization, args.dtype,
-                          args.kv_cache_dtype, args.kv_cache_scales)
+                          args.kv_cache_dtype, args.kv_cache_scales, args.activation_quant)
     if args.sweep is not None:
         return _cmd_sweep(args, primary, cfg)
     reference = ModelChoice(args.reference or args.model, args.reference_weights, None,
-                            args.reference_dtype or args.dtype, label="")
+                            args.reference_dtype or args.dtype,
+                            activation_quant=args.reference_activation_quant, label="")
     candidates = [primary, *(derive(primary, spec) for spec in args.compare)]
     run = run_eval(reference, candidates, text=args.text, max_tokens=args.max_tokens,
                    window=args.window, chunk_size=args.chunk_size, device=args.device)

@@ -49,6 +49,7 @@ class ModelChoice:
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     kv_cache_scales: str = "auto"
+    activation_quant: str = "auto"  # --activation-quant: what packed weights multiply
     label: str = ""
 
     def name(self) -> str:
@@ -62,13 +63,16 @@ class ModelChoice:
             parts.append(f"kv={self.kv_cache_dtype}")
         if self.kv_cache_scales != "auto":
             parts.append(f"kv-scales={self.kv_cache_scales}")
+        if self.activation_quant != "auto":
+            parts.append(f"act={self.activation_quant}")
         return " ".join(parts)
 
     def as_dict(self) -> dict[str, object]:
         """JSON-ready."""
         return {"model": self.model, "weights": self.weights, "quantization": self.quantization,
                 "dtype": self.dtype, "kv_cache_dtype": self.kv_cache_dtype,
-                "kv_cache_scales": self.kv_cache_scales, "name": self.name()}
+                "kv_cache_scales": self.kv_cache_scales,
+                "activation_quant": self.activation_quant, "name": self.name()}
 
 
 @dataclass(slots=True)
@@ -99,6 +103,7 @@ def load_scorer(choice: ModelChoice, device: torch.device, max_positions: int) -
     """Load ``choice`` as the engine would (weights held in their chosen format)."""
     from fitserve.ledger.formats import resolve_engine_weights
     from fitserve.loading import load_model
+    from fitserve.model.linear import set_activation_quant
     from fitserve.model.loader import build_model, check_supported
     from fitserve.runner.placement import resolve_dtype
 
@@ -113,6 +118,9 @@ def load_scorer(choice: ModelChoice, device: torch.device, max_positions: int) -
     positions = min(max_positions, loaded.spec.max_position_embeddings)
     model = build_model(loaded.spec, loaded.weights, dtype=dtype, device=device,
                         max_positions=positions)
+    if choice.activation_quant not in ("auto", "int8", "none"):
+        raise EvalError(f"{choice.name()}: activation-quant must be auto, int8 or none")
+    set_activation_quant(model, choice.activation_quant, dtype)
     loaded.weights = {}
     return Scorer(choice, model, loaded.spec, loaded.tokenizer, dtype, weights, positions)
 
@@ -237,14 +245,15 @@ def run_eval(reference: ModelChoice, candidates: list[ModelChoice], *, text: str
 def derive(base: ModelChoice, spec: str) -> ModelChoice:
     """A candidate from ``--compare SPEC``: ``int8`` (a --weights choice) or comma-separated
     ``key=value`` (keys: model, weights, quantization, dtype, kv-cache-dtype, kv-cache-scales,
-    label); keys not given are the primary candidate's. A weights or quantization key replaces
+    activation-quant, label); keys not given are the primary candidate's. A weights or quantization key replaces
     both (so ``--quantization int4 --compare int8`` does not conflict), and a dense weights
     choice (bf16, float32, float16) without a dtype key sets dtype to auto (it is the dtype)."""
     if "=" not in spec:
         spec = f"weights={spec}"
     keys = {"model": "model", "weights": "weights", "quantization": "quantization",
             "dtype": "dtype", "kv-cache-dtype": "kv_cache_dtype",
-            "kv-cache-scales": "kv_cache_scales", "label": "label"}
+            "kv-cache-scales": "kv_cache_scales", "activation-quant": "activation_quant",
+            "label": "label"}
     changes: dict[str, object] = {"label": ""}
     for item in spec.split(","):
         key, sep, value = item.partition("=")
