@@ -27,6 +27,11 @@ is that over the copy bandwidth measured just before the worker
 (fitserve.ledger.cpu_measure.measure_copy_bandwidth). The ledger's model of the mix
 (fitserve.ledger.moe.active_bytes on model_weight_bytes(spec, TYPE)) is printed beside it.
 
+Cost on the 2-core dev host: the default F16 file ~30 s to write, each llama.cpp quantization
+~1-2 min (cached after); the run is dominated by W2 (4 x 32 requests per engine and type:
+--no-w2 or --types Q4_K_M for a shorter one). benchmarks/profile_moe.py shows where a batch-1
+step goes.
+
 Targets (issue 39): W1 >= 1.15x llama.cpp and >= 70% of the active-bytes limit; W2 >= 1.5x.
 """
 
