@@ -43,13 +43,18 @@ def warm_up(engine: Engine, max_tokens: int = 4) -> WarmUpReport:
     t0 = time.perf_counter()
     log.info("warming up: prefill, batched and batch-1 decode, greedy and filtered sampling")
     ids = engine.tokenizer.encode("fitserve warm-up: the first request is as fast as any later one.")
+    # a model may have fewer embeddings than its tokenizer's ids (a trimmed or test model)
+    ids = [t % engine.spec.vocab_size for t in ids]
     ids = (ids * WARM_UP_PROMPT_TOKENS)[:WARM_UP_PROMPT_TOKENS] or [0] * WARM_UP_PROMPT_TOKENS
     ids = ids[: max(1, min(len(ids), engine.max_model_len - max_tokens - 1))]
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
     sampled = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, top_k=40,
                              min_p=0.05, repetition_penalty=1.1, seed=0, ignore_eos=True)
     steps = 0
-    for batch in ([greedy, sampled], [greedy]):
+    # a batch of two where the engine may run two sequences at once (--max-num-seqs 1: apart)
+    batches = ([[greedy, sampled], [greedy]] if engine.scheduler.config.max_num_seqs >= 2
+               else [[greedy], [sampled]])
+    for batch in batches:
         rids = engine.add_requests(ids, batch, [f"warm-up-{steps}-{i}" for i in range(len(batch))])
         try:
             while engine.has_unfinished_requests():

@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from fitserve.config import SUPPORTED_ARCHITECTURES, ModelSpec
+from fitserve.config import MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelSpec
 from fitserve.ledger.errors import PlanError
 from fitserve.ledger.formats import engine_tensor_format, tensor_role, weight_bytes, weight_format
 from fitserve.ledger.params import Tensor, rank_elements, tensors
@@ -242,9 +242,11 @@ def stored_format_rule(dtype: str) -> FormatRule:
 
 
 def engine_runs(spec: ModelSpec) -> bool:
-    """Whether fitserve's engine builds this architecture (dense Llama-family decoders)."""
-    return (spec.architecture in SUPPORTED_ARCHITECTURES and not spec.num_experts
-            and not spec.kv_lora_rank)
+    """Whether fitserve's engine builds this architecture (the dense Llama-family decoders, and
+    the mixture-of-experts families whose expert block it runs)."""
+    return (spec.architecture in SUPPORTED_ARCHITECTURES
+            and (not spec.num_experts or spec.architecture in MOE_ARCHITECTURES)
+            and not spec.kv_lora_rank and not spec.num_shared_experts and not spec.first_k_dense)
 
 
 def engine_held_tensors(spec: ModelSpec, dtype: str, *, stored: Mapping[str, str] | None = None,

@@ -48,7 +48,8 @@ def test_gguf_the_engine_refuses_never_fits(tmp_path: Path, capsys: pytest.Captu
 
 def test_hf_folder_of_a_moe_model_never_fits(tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
-    cfg = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "vocab_size": 320,
+    # (Mixtral, Qwen2/3-MoE and OLMoE run since the MoE engine landed: Phi-MoE does not)
+    cfg = {"model_type": "phimoe", "architectures": ["PhimoeForCausalLM"], "vocab_size": 320,
            "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
            "num_local_experts": 4, "num_experts_per_tok": 2, "torch_dtype": "float32"}
@@ -56,11 +57,11 @@ def test_hf_folder_of_a_moe_model_never_fits(tmp_path: Path,
     rc, plan = run_json(capsys, [str(tmp_path), "--gpu", "cpu", "--kv-cache-memory", "64M"])
     assert rc == 1 and plan["fits"] is False
     assert fit_line(plan)["shown"].startswith("NO: engine: cannot run (architecture")
-    assert "'mixtral (MixtralForCausalLM)'" in plan["engine_cannot_run"]
+    assert "'phimoe (PhimoeForCausalLM)'" in plan["engine_cannot_run"]
 
 
 @pytest.mark.parametrize("name,part", [("DeepSeek-V3", "architecture 'deepseek_v3'"),
-                                       ("Mixtral-8x7B", "mixture-of-experts")])
+                                       ("gpt-oss-20b", "mixture-of-experts 'gpt_oss'")])
 def test_catalog_name_the_engine_refuses_on_cpu(name: str, part: str,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     # (the old plan: no refusal at all for a catalog name; "fits" by memory alone)
@@ -121,10 +122,13 @@ def test_no_row_twice(concurrency: str, capsys: pytest.CaptureFixture[str]) -> N
                                           ("Llama-3.1-8B", "int4"), ("SmolLM2-135M", None)])
 def test_weights_per_gpu_over_whole_model_says_why(name: str, weights: str | None,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    # Mixtral-8x7B --weights int4 on cpu: whole model (ledger, every matrix int4-g32-asym)
-    # 29,551,501,312 B; per GPU 93,405,585,408 B = the whole model in bf16, because the engine
-    # cannot run a MoE and its RTN-at-load rule does not apply. The old plan printed both
-    # numbers with no word on why one GPU held 3.2x the whole model.
+    # gpt-oss-20b --weights int8 on cpu: the engine cannot run gpt_oss, so its RTN-at-load rule
+    # does not apply and the per-GPU line is the whole model in bf16, above the ledger's int8
+    # count of the whole model: the old plan printed both numbers with no word on why.
+    # Mixtral-8x7B --weights int4 (the engine runs it): whole model (ledger, every matrix
+    # int4-g32-asym) 29,551,501,312 B; per GPU the engine's own RTN-at-load rule over the
+    # tensors it holds (int4-g32-asym, int8-ch packed, the rest bf16) 29,288,043,520 B: below
+    # the whole model, so no "MORE than" line.
     args = [name, "--gpu", "cpu", "--context", "1k", "--kv-cache-memory", "64M"]
     _, plan = run_json(capsys, args + (["--weights", weights] if weights else []))
     w = {x["name"]: x for x in next(s for s in plan["sections"]
@@ -136,4 +140,6 @@ def test_weights_per_gpu_over_whole_model_says_why(name: str, weights: str | Non
     else:
         assert "MORE than" not in per["explain"]
     if name == "Mixtral-8x7B":
-        assert (whole["value"], per["value"]) == (29_551_501_312, 93_405_585_408)
+        assert (whole["value"], per["value"]) == (29_551_501_312, 29_288_043_520)
+    if name == "gpt-oss-20b":
+        assert "MORE than the whole model" in per["explain"]
