@@ -32,7 +32,7 @@ from fitserve.sampling import SamplingParams
 
 from .conftest import hf_greedy
 from .moe_to_gguf import load_dequantized_experts, write_moe_gguf
-from .test_new_families_vs_transformers import derived_tolerance
+from .test_new_families_vs_transformers import derived_tolerance, run  # same GREEDY params
 
 transformers = pytest.importorskip("transformers")
 
@@ -108,20 +108,6 @@ def make(loaded: LoadedModel, **kw: Any) -> Engine:
     fields: dict[str, Any] = {"model": str(loaded.path), "dtype": "float32", "device": "cpu",
                               "max_model_len": 128, "num_kv_blocks": 96, "block_size": 4}
     return Engine(EngineConfig(**{**fields, **kw}), loaded=loaded)
-
-
-def run(engine: Engine, prompts: list[list[int]], *, together: bool) -> list[Any]:
-    done: dict[int, Any] = {}
-    waves = [list(enumerate(prompts))] if together else [[(i, p)] for i, p in enumerate(prompts)]
-    for wave in waves:
-        for i, p in wave:
-            engine.add_request(p, GREEDY, request_id=str(i))
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                assert out.error is None
-                if out.finished:
-                    done[int(out.request_id)] = out
-    return [done[i] for i in range(len(prompts))]
 
 
 def check(fam: Family, outs: list[Any], what: str,
