@@ -1,0 +1,126 @@
+"""gpt-oss vs transformers on the same random tiny weights.
+
+GptOssConfig with odd shapes (hidden 96, 6 query heads / 2 KV heads of 16, 6 experts of
+width 64, top-2, 3 layers sliding / full / sliding with a window of 5 under the 23-token
+prompt), nonzero attention sinks, YaRN active (factor 4 over an original context of 16,
+truncate False as gpt-oss ships), biases everywhere transformers has them. Greedy tokens equal
+transformers' for 32 tokens and every top-5 logprob is within the derived tolerance: alone,
+batched with chunked prefill (chunk 7, block 4).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fitserve.loading import load_model
+from fitserve.model.attention.gather import EagerGather
+
+from .conftest import hf_greedy
+from .test_moe_vs_transformers import NUM_TOKENS, Family, check, make
+from .test_new_families_vs_transformers import derived_tolerance, run
+
+transformers = pytest.importorskip("transformers")
+
+PROMPT_LENGTHS = (1, 6, 23)
+WINDOW = 5
+YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+        "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}
+
+
+def gpt_oss_config(**overrides: Any) -> Any:
+    fields: dict[str, Any] = dict(
+        vocab_size=320, hidden_size=96, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=16, num_local_experts=6,
+        num_experts_per_tok=2, sliding_window=WINDOW, max_position_embeddings=256,
+        rope_parameters=dict(YARN), tie_word_embeddings=False)
+    return transformers.GptOssConfig(**{**fields, **overrides})
+
+
+@torch.no_grad()
+def build_gpt_oss(folder: Path, tokenizer_dir: Path | None, seed: int = 39) -> Any:
+    """A random tiny gpt-oss saved as an HF folder (weights scaled so logits are far from ties,
+    sinks in [-1, 2]: some heads give the sink most of the weight, some little)."""
+    torch.manual_seed(seed)
+    config = gpt_oss_config()
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for name, p in model.named_parameters():
+        if name.endswith("sinks"):
+            p.uniform_(-1.0, 2.0)
+        elif "bias" in name:
+            p.normal_(0.0, 0.1)
+        elif p.dim() >= 2:
+            p.normal_(0.0, 0.25 if "embed" in name or "lm_head" in name else 0.12)
+        else:
+            p.uniform_(0.6, 1.4)
+    model.save_pretrained(folder)
+    for f in tokenizer_dir.iterdir() if tokenizer_dir is not None else ():
+        (folder / f.name).write_bytes(f.read_bytes())
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory: Any, smollm2_tokenizer_dir: Path) -> Family:
+    folder = tmp_path_factory.mktemp("tiny-gpt-oss")
+    ref = build_gpt_oss(folder, smollm2_tokenizer_dir)
+    loaded = load_model(folder, dtype=torch.float32)
+    rng = random.Random("gpt_oss")
+    prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in PROMPT_LENGTHS]
+    want = [hf_greedy(ref, p, NUM_TOKENS) for p in prompts]
+    return Family("gpt_oss", ref, loaded, prompts, want, derived_tolerance(ref, prompts[-1]))
+
+
+def test_spec(gpt_oss: Family) -> None:
+    """The config read as transformers reads it: experts, window per layer, YaRN."""
+    spec = gpt_oss.loaded.spec
+    assert (spec.num_experts, spec.num_experts_per_token, spec.expert_intermediate_size) == (
+        6, 2, 64)
+    assert spec.layer_types == ("sliding", "full", "sliding") and spec.sliding_window == WINDOW
+    rs = spec.rope_scaling
+    assert rs is not None and rs.kind == "yarn" and not rs.truncate
+    rotary = gpt_oss.ref.model.rotary_emb
+    assert rs.attention_factor == pytest.approx(rotary.attention_scaling, rel=1e-12)
+
+
+def test_yarn_table_is_transformers(gpt_oss: Family) -> None:
+    """The engine's fp32 cos/sin rows are transformers' GptOssRotaryEmbedding's, bit for bit."""
+    from fitserve.model.layers import RotaryEmbedding
+
+    ours = RotaryEmbedding(gpt_oss.loaded.spec, 64)
+    pos = torch.arange(64).unsqueeze(0)
+    cos, sin = gpt_oss.ref.model.rotary_emb(torch.zeros(1, dtype=torch.float32), pos)
+    assert torch.equal(ours.cos, cos[0]) and torch.equal(ours.sin, sin[0])
+
+
+def test_alone(gpt_oss: Family) -> None:
+    engine = make(gpt_oss.loaded, block_size=16)
+    outs = run(engine, gpt_oss.prompts, together=False)
+    check(gpt_oss, outs, "alone")
+
+
+def test_batched_chunked(gpt_oss: Family) -> None:
+    """Three prompts at once, chunks of 7 over blocks of 4: the sliding layers' group frees
+    blocks behind the window while the full layers keep theirs; EagerGather applies the sinks."""
+    engine = make(gpt_oss.loaded, long_prefill_token_threshold=7)
+    runner = engine.runner
+    assert runner.sinks and set(runner.group_windows) == {None, WINDOW}
+    assert isinstance(runner._backend([1], [9]), EagerGather)
+    check(gpt_oss, run(engine, gpt_oss.prompts, together=True), "batched, chunk 7")
+
+
+def test_sinks_matter(gpt_oss: Family) -> None:
+    """Not vacuous: the same engine with the sinks at -inf (no sink, plain softmax) is far
+    from transformers' logprobs."""
+    engine = make(gpt_oss.loaded, block_size=16)
+    for layer in engine.runner.model.layers:
+        layer.self_attn.sinks.fill_(-1e30)
+    outs = run(engine, gpt_oss.prompts[2:], together=False)
+    tokens, lps = gpt_oss.want[2]
+    worst = max(abs(lp - float(ref[tok])) for ours, ref in zip(outs[0].logprobs, lps, strict=False)
+                for tok, lp in ours.top)
+    assert worst > 10 * gpt_oss.tol
