@@ -32,7 +32,7 @@ _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _FUSED_3D = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _GPT_OSS_ROUTER = re.compile(r"(.*\.mlp)\.router\.(weight|bias)$")
 _GPT_OSS_EXPERTS = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?$")
-_PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)$")
 
 
 def split_expert_tensor(spec: ModelSpec, name: str, tensor: T) -> list[tuple[str, T]] | None:
@@ -98,8 +98,9 @@ def _split_gpt_oss(spec: ModelSpec, name: str, tensor: T) -> list[tuple[str, T]]
 
 def merged_expert_name(name: str) -> tuple[str, int] | None:
     """``(model.layers.i.mlp.experts.gate_proj.weight, e)`` for a per-expert name (the name
-    gguf-py's tensor map gives ``ffn_gate_exps``), None for any other name."""
+    gguf-py's tensor map gives ``ffn_gate_exps``; gpt-oss's ``.bias`` likewise), None for any
+    other name."""
     m = _PER_EXPERT.fullmatch(name)
     if m is None:
         return None
-    return f"{m.group(1)}.{m.group(3)}.weight", int(m.group(2))
+    return f"{m.group(1)}.{m.group(3)}.{m.group(4)}", int(m.group(2))

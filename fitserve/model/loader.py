@@ -17,8 +17,8 @@ from fitserve.config import GEMMA_ARCHITECTURES, ModelSpec
 from fitserve.loading.support import spec_problems
 from fitserve.model.fp8_linear import Fp8Linear
 from fitserve.model.gemma import GemmaCausalLM
-from fitserve.model.gpt_oss import GptOssCausalLM
 from fitserve.model.ggml_linear import GgmlEmbedding, GgmlLinear
+from fitserve.model.gpt_oss import GptOssCausalLM
 from fitserve.model.linear import ConcatLinear, DenseLinear, PackedEmbedding, PackedLinear
 from fitserve.model.llama import CausalLM
 from fitserve.model.permuted_linear import InputPermutedLinear

@@ -98,9 +98,11 @@ def test_yarn_table_is_transformers(gpt_oss: Family) -> None:
 
 
 def test_alone(gpt_oss: Family) -> None:
+    """The 23-token prompt alone (its window of 5 slides over the prompt and the decode)."""
     engine = make(gpt_oss.loaded, block_size=16)
-    outs = run(engine, gpt_oss.prompts, together=False)
-    check(gpt_oss, outs, "alone")
+    alone = Family(gpt_oss.arch, gpt_oss.ref, gpt_oss.loaded, gpt_oss.prompts[2:],
+                   gpt_oss.want[2:], gpt_oss.tol)
+    check(alone, run(engine, alone.prompts, together=False), "alone")
 
 
 def test_batched_chunked(gpt_oss: Family) -> None:
@@ -124,3 +126,42 @@ def test_sinks_matter(gpt_oss: Family) -> None:
     worst = max(abs(lp - float(ref[tok])) for ours, ref in zip(outs[0].logprobs, lps, strict=False)
                 for tok, lp in ours.top)
     assert worst > 10 * gpt_oss.tol
+
+
+def reference_with_llama_cpp_yarn(ref: Any) -> None:
+    """transformers' model, its YaRN ramp truncated as llama.cpp's ggml_rope_yarn_corr_dims
+    always does (a GGUF file runs as llama.cpp runs it)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    ref.config.rope_parameters = {**ref.config.rope_parameters, "truncate": True}
+    ref.model.rotary_emb = GptOssRotaryEmbedding(ref.config)
+
+
+def test_gguf_mxfp4_experts(gpt_oss: Family, tmp_path: Path) -> None:
+    """gpt-oss as llama.cpp writes it (arch "gpt-oss", attn_sinks.weight, ffn_gate_inp with a
+    bias, 3-D ffn_{gate,up,down}_exps in MXFP4 with 2-D biases, yarn metadata): the experts
+    are held as the file's MXFP4 blocks (GgmlLinear, 4.25 bits) and the engine equals
+    transformers running gguf-py's dequantization of the same blocks."""
+    from gguf import GGMLQuantizationType as Q
+
+    from fitserve.model.ggml_linear import GgmlLinear
+
+    from .moe_to_gguf import load_dequantized_experts, write_moe_gguf
+
+    path = write_moe_gguf(gpt_oss.ref, tmp_path / "gpt-oss.gguf", Q.MXFP4)
+    loaded = load_model(path, dtype=torch.float32, weights="as-stored")
+    spec = loaded.spec
+    assert spec.architecture == "gpt_oss" and spec.layer_types == ("sliding", "full", "sliding")
+    assert spec.rope_scaling is not None and spec.rope_scaling.truncate
+    assert loaded.stored_formats["model.layers.2.mlp.experts.5.down_proj.weight"] == "MXFP4"
+    ref = build_gpt_oss(tmp_path / "hf", None)
+    reference_with_llama_cpp_yarn(ref)
+    load_dequantized_experts(ref, path)
+    prompts = gpt_oss.prompts[1:]
+    want = [hf_greedy(ref, p, NUM_TOKENS) for p in prompts]
+    engine = make(loaded, long_prefill_token_threshold=7)
+    expert = engine.runner.model.layers[2].mlp.experts[5]
+    assert isinstance(expert.down_proj, GgmlLinear) and expert.down_proj.ggml_type == "MXFP4"
+    assert expert.down_proj.blocks.numel() * 8 == 96 * 64 * 4.25  # 4.25 bits per weight
+    fam = Family(gpt_oss.arch, ref, loaded, prompts, want, gpt_oss.tol)
+    check(fam, run(engine, prompts, together=True), "gguf MXFP4")
