@@ -398,6 +398,8 @@ def packed_formats(config: Mapping[str, Any], source: object) -> dict[str, str] 
         if problems:
             raise ModelLoadError(f"{source}: {'; '.join(problems)}")
         return None
+    if method == "mxfp4" and normalize_architecture(config) == "gpt_oss":
+        return None  # gpt-oss's MXFP4 experts: fitserve.loading.mxfp4
     if method != FITSERVE_QUANT_METHOD:
         raise ModelLoadError(f"{source}: quantized checkpoints ({method}) are not supported "
                              f"(quant_method {FITSERVE_QUANT_METHOD!r}: fitserve quantize, "

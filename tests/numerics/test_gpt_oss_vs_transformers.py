@@ -165,3 +165,60 @@ def test_gguf_mxfp4_experts(gpt_oss: Family, tmp_path: Path) -> None:
     assert expert.down_proj.blocks.numel() * 8 == 96 * 64 * 4.25  # 4.25 bits per weight
     fam = Family(gpt_oss.arch, ref, loaded, prompts, want, gpt_oss.tol)
     check(fam, run(engine, prompts, together=True), "gguf MXFP4")
+
+
+def write_mxfp4_folder(ref: Any, src: Path, dst: Path) -> dict[str, torch.Tensor]:
+    """``ref`` saved as gpt-oss checkpoints ship: experts as MXFP4 ``*_blocks`` / ``*_scales``
+    (rows quantized by gguf-py, moved into transformers' nibble order), quant_method mxfp4;
+    the rest as ``src`` has it. Returns the checkpoint's MXFP4 tensors."""
+    import json
+
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import quantize
+    from safetensors.torch import save_file
+
+    from tests.unit.quant.test_mxfp4 import ggml_to_hf
+
+    state = {k: v.contiguous() for k, v in ref.state_dict().items()}
+    mx: dict[str, torch.Tensor] = {}
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        rows = state.pop(name).transpose(1, 2).contiguous().numpy()  # [E, out, in]
+        blocks, scales = ggml_to_hf(quantize(rows, Q.MXFP4))
+        mx[f"{name}_blocks"], mx[f"{name}_scales"] = map(torch.from_numpy, (blocks, scales))
+    save_file({**state, **mx}, str(dst / "model.safetensors"))
+    for f in src.iterdir():
+        if f.name not in ("model.safetensors", "config.json"):
+            (dst / f.name).write_bytes(f.read_bytes())
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (dst / "config.json").write_text(json.dumps(config))
+    return mx
+
+
+def test_hf_mxfp4_checkpoint(gpt_oss: Family, tmp_path: Path) -> None:
+    """An HF folder with MXFP4 experts (quant_method mxfp4): held as MXFP4 blocks, the engine
+    equals transformers whose experts are its own dequantization of the same blocks and
+    scales (integrations.mxfp4.convert_moe_packed_tensors, on the CPU)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from fitserve.loading.support import hf_support
+    from fitserve.model.ggml_linear import GgmlLinear
+
+    mx = write_mxfp4_folder(gpt_oss.ref, gpt_oss.loaded.path, tmp_path)
+    assert hf_support(tmp_path / "config.json").runnable
+    loaded = load_model(tmp_path, dtype=torch.float32, weights="as-stored")
+    assert loaded.stored_formats["model.layers.1.mlp.experts.3.up_proj.weight"] == "MXFP4"
+    ref = build_gpt_oss(tmp_path / "ref", None)
+    with torch.no_grad():
+        for i, layer in enumerate(ref.model.layers):
+            for proj in ("gate_up_proj", "down_proj"):
+                stem = f"model.layers.{i}.mlp.experts.{proj}"
+                getattr(layer.mlp.experts, proj).copy_(convert_moe_packed_tensors(
+                    mx[f"{stem}_blocks"], mx[f"{stem}_scales"], dtype=torch.float32))
+    prompts = gpt_oss.prompts[1:]
+    want = [hf_greedy(ref, p, NUM_TOKENS) for p in prompts]
+    engine = make(loaded, long_prefill_token_threshold=7)
+    assert isinstance(engine.runner.model.layers[1].mlp.experts[3].gate_up_proj, GgmlLinear)
+    fam = Family(gpt_oss.arch, ref, loaded, prompts, want, gpt_oss.tol)
+    check(fam, run(engine, prompts, together=True), "hf MXFP4")
