@@ -47,6 +47,7 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_EXPERTS_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|bias)")
 # llama.cpp's sliding-window layer pattern per architecture (hparams.set_swa_pattern): every
 # period-th layer is full attention, the others slide. Planner only (the engine runs none).
 _SWA_PERIOD = {"gemma2": 2, "gemma3": 6, "gpt-oss": 2}
@@ -202,9 +203,16 @@ def hf_tensor_name(gguf_name: str) -> str | None:
 
 
 def stored_types(header: GGUFHeader) -> dict[str, str]:
-    """Hugging Face tensor name -> the ggml type the file stores it in (named tensors only)."""
+    """Hugging Face tensor name -> the ggml type the file stores it in (named tensors only; a
+    3-D ``ffn_*_exps`` names each expert's slice, as the engine holds them)."""
     out = {}
     for t in header.tensors:
+        m = _EXPERTS_RE.fullmatch(t.name)
+        if m is not None:
+            for e in range(t.shape[0]):
+                out[f"model.layers.{m.group(1)}.mlp.experts.{e}.{m.group(2)}_proj."
+                    f"{m.group(3)}"] = t.type_name
+            continue
         hf = hf_tensor_name(t.name)
         if hf is not None:
             out[hf] = t.type_name

@@ -137,18 +137,25 @@ def reference_with_llama_cpp_yarn(ref: Any) -> None:
     ref.model.rotary_emb = GptOssRotaryEmbedding(ref.config)
 
 
-def test_gguf_mxfp4_experts(gpt_oss: Family, tmp_path: Path) -> None:
+def test_gguf_mxfp4_experts(gpt_oss: Family, tmp_path: Path,
+                            capsys: pytest.CaptureFixture[str]) -> None:
     """gpt-oss as llama.cpp writes it (arch "gpt-oss", attn_sinks.weight, ffn_gate_inp with a
-    bias, 3-D ffn_{gate,up,down}_exps in MXFP4 with 2-D biases, yarn metadata): the experts
-    are held as the file's MXFP4 blocks (GgmlLinear, 4.25 bits) and the engine equals
-    transformers running gguf-py's dequantization of the same blocks."""
+    bias, 3-D ffn_{gate,up,down}_exps in MXFP4 with 2-D biases, yarn metadata): the support
+    check runs it, the experts are held as the file's MXFP4 blocks (GgmlLinear, 4.25 bits),
+    `fitserve plan FILE --gpu cpu` counts the very bytes the engine holds, and the engine
+    equals transformers running gguf-py's dequantization of the same blocks."""
     from gguf import GGMLQuantizationType as Q
 
+    from fitserve.loading.gguf_spec import read_gguf_header
+    from fitserve.loading.support import gguf_support
     from fitserve.model.ggml_linear import GgmlLinear
 
     from .moe_to_gguf import load_dequantized_experts, write_moe_gguf
+    from .test_plan_engine_agree import held_by_model
+    from .test_plan_engine_packed import plan_weights
 
     path = write_moe_gguf(gpt_oss.ref, tmp_path / "gpt-oss.gguf", Q.MXFP4)
+    assert gguf_support(read_gguf_header(path)).missing == ()
     loaded = load_model(path, dtype=torch.float32, weights="as-stored")
     spec = loaded.spec
     assert spec.architecture == "gpt_oss" and spec.layer_types == ("sliding", "full", "sliding")
@@ -163,6 +170,7 @@ def test_gguf_mxfp4_experts(gpt_oss: Family, tmp_path: Path) -> None:
     expert = engine.runner.model.layers[2].mlp.experts[5]
     assert isinstance(expert.down_proj, GgmlLinear) and expert.down_proj.ggml_type == "MXFP4"
     assert expert.down_proj.blocks.numel() * 8 == 96 * 64 * 4.25  # 4.25 bits per weight
+    assert plan_weights(capsys, path, "as-stored")["weight_bytes"] == held_by_model(engine)[0]
     fam = Family(gpt_oss.arch, ref, loaded, prompts, want, gpt_oss.tol)
     check(fam, run(engine, prompts, together=True), "gguf MXFP4")
 
