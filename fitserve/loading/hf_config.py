@@ -38,7 +38,7 @@ from fitserve.ledger.weight_names import expected_weight_shapes  # noqa: F401
 from fitserve.loading import hf_defaults as d
 from fitserve.loading.errors import ModelLoadError, UnsupportedArchitectureError
 from fitserve.loading.hf_families import gemma_fields, longrope_scaling, moe_fields, yarn_scaling
-from fitserve.loading.hf_quant_config import PREQUANT_METHODS, quant_problems
+from fitserve.loading.hf_quant_config import MXFP4_METHOD, PREQUANT_METHODS, quant_problems
 from fitserve.loading.weight_names import check_weights as check_weights  # re-exported
 
 # HF class names -> model_type, for configs that only name ``architectures``.
@@ -398,7 +398,7 @@ def packed_formats(config: Mapping[str, Any], source: object) -> dict[str, str] 
         if problems:
             raise ModelLoadError(f"{source}: {'; '.join(problems)}")
         return None
-    if method == "mxfp4" and normalize_architecture(config) == "gpt_oss":
+    if method == MXFP4_METHOD and normalize_architecture(config) == "gpt_oss":
         return None  # gpt-oss's MXFP4 experts: fitserve.loading.mxfp4
     if method != FITSERVE_QUANT_METHOD:
         raise ModelLoadError(f"{source}: quantized checkpoints ({method}) are not supported "

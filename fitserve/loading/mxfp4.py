@@ -26,7 +26,6 @@ from fitserve.loading.prequant import rehold
 from fitserve.quant.ggml_blocks import GgmlBlockWeight
 from fitserve.quant.held import HeldTensor
 
-MXFP4_METHOD = "mxfp4"
 _PART = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)_(blocks|scales)$")
 
 

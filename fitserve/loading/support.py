@@ -40,8 +40,12 @@ from fitserve.loading.hf_config import (
     read_json,
     spec_from_hf_config,
 )
-from fitserve.loading.hf_quant_config import PREQUANT_METHODS, quant_method, quant_problems
-from fitserve.loading.mxfp4 import MXFP4_METHOD
+from fitserve.loading.hf_quant_config import (
+    MXFP4_METHOD,
+    PREQUANT_METHODS,
+    quant_method,
+    quant_problems,
+)
 
 # NOTE: tensors the GGUF loader skips (llama3 RoPE factors, read as metadata).
 SKIPPED_GGUF_TENSORS = frozenset({"rope_freqs.weight"})
