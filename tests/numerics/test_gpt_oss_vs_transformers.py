@@ -204,14 +204,19 @@ def write_mxfp4_folder(ref: Any, src: Path, dst: Path) -> dict[str, torch.Tensor
     return mx
 
 
-def test_hf_mxfp4_checkpoint(gpt_oss: Family, tmp_path: Path) -> None:
-    """An HF folder with MXFP4 experts (quant_method mxfp4): held as MXFP4 blocks, the engine
-    equals transformers whose experts are its own dequantization of the same blocks and
-    scales (integrations.mxfp4.convert_moe_packed_tensors, on the CPU)."""
+def test_hf_mxfp4_checkpoint(gpt_oss: Family, tmp_path: Path,
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    """An HF folder with MXFP4 experts (quant_method mxfp4): held as MXFP4 blocks (the bytes
+    `fitserve plan FOLDER --gpu cpu` counts), the engine equals transformers whose experts are
+    its own dequantization of the same blocks and scales
+    (integrations.mxfp4.convert_moe_packed_tensors, on the CPU)."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     from fitserve.loading.support import hf_support
     from fitserve.model.ggml_linear import GgmlLinear
+
+    from .test_plan_engine_agree import held_by_model
+    from .test_plan_engine_packed import plan_weights
 
     mx = write_mxfp4_folder(gpt_oss.ref, gpt_oss.loaded.path, tmp_path)
     assert hf_support(tmp_path / "config.json").runnable
@@ -228,5 +233,6 @@ def test_hf_mxfp4_checkpoint(gpt_oss: Family, tmp_path: Path) -> None:
     want = [hf_greedy(ref, p, NUM_TOKENS) for p in prompts]
     engine = make(loaded, long_prefill_token_threshold=7)
     assert isinstance(engine.runner.model.layers[1].mlp.experts[3].gate_up_proj, GgmlLinear)
+    assert plan_weights(capsys, tmp_path, "as-stored")["weight_bytes"] == held_by_model(engine)[0]
     fam = Family(gpt_oss.arch, ref, loaded, prompts, want, gpt_oss.tol)
     check(fam, run(engine, prompts, together=True), "hf MXFP4")
