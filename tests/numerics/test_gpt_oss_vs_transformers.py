@@ -236,3 +236,9 @@ def test_hf_mxfp4_checkpoint(gpt_oss: Family, tmp_path: Path,
     assert plan_weights(capsys, tmp_path, "as-stored")["weight_bytes"] == held_by_model(engine)[0]
     fam = Family(gpt_oss.arch, ref, loaded, prompts, want, gpt_oss.tol)
     check(fam, run(engine, prompts, together=True), "hf MXFP4")
+
+
+def test_tensor_parallel_refused_by_name(gpt_oss: Family) -> None:
+    """--tp 2 on gpt-oss says what is missing before any process starts."""
+    with pytest.raises(ValueError, match="tensor parallelism for gpt-oss is not supported"):
+        make(gpt_oss.loaded, tensor_parallel_size=2)
