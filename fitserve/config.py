@@ -15,11 +15,11 @@ from typing import Any, Literal, get_args
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text",
                            "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "qwen2moe",
-                           "qwen3moe")
+                           "qwen3moe", "gpt_oss", "gpt-oss")
 # Mixture-of-experts families the engine runs (fitserve.model.moe), by their Hugging Face names;
 # llama.cpp spells two of them without the underscore (a GGUF spec takes the HF name) and writes
 # Mixtral as "llama" with an expert count.
-MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
 # Gemma 2/3 (fitserve.model.gemma): 4 norms a layer, (1 + w) RMSNorm, GeGLU, scaled embedding.
 # "gemma3" is llama.cpp's name (and the multimodal HF config's) for the text decoder
 # transformers calls gemma3_text.
@@ -28,9 +28,11 @@ GEMMA_ARCHITECTURES = ("gemma2", "gemma3", "gemma3_text")
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
-    """RoPE frequency scaling (Hugging Face ``rope_scaling``); ``kind`` is "llama3", "linear" or
+    """RoPE frequency scaling (Hugging Face ``rope_scaling``); ``kind`` is "llama3", "linear",
     "longrope" (Phi-3's LongRoPE / "su": per-frequency ``short_factor`` and ``long_factor``
-    divisors, cos/sin multiplied by ``attention_factor``)."""
+    divisors, cos/sin multiplied by ``attention_factor``) or "yarn" (``factor``, the ramp
+    between ``beta_fast`` and ``beta_slow`` rotations, ``truncate``; cos/sin multiplied by
+    ``attention_factor``)."""
 
     kind: str
     factor: float = 1.0
@@ -40,6 +42,9 @@ class RopeScaling:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,10 @@ def random_blocks(rng: np.random.Generator, qtype: Q, shape: tuple[int, int],
         raise ValueError(f"{qtype.name} needs columns in multiples of {block_size}, got {cols}")
     nb = rows * cols // block_size
     blocks = rng.integers(0, 256, (nb, type_size), dtype=np.uint8)
+    if qtype == Q.MXFP4:  # an e8m0 exponent byte, no f16: 2^(e - 128) x codes up to 12
+        center = 128 + int(np.round(np.log2(scale / 6.0)))
+        blocks[:, 0] = rng.integers(center - 3, center + 4, nb)
+        return blocks.reshape(rows, -1)
     offsets, typical = F16_FIELDS[qtype]
     for i, at in enumerate(offsets):
         mag = rng.uniform(0.2, 1.8, nb) * scale / typical

@@ -165,7 +165,8 @@ GGUF_PACKED: dict[str, str] = {"Q4_0": "int4-g32-sym", "Q4_1": "int4-g32-asym",
 # GGUF types the engine holds as the file's raw ggml blocks, byte for byte (format = the type's
 # own name; fitserve.quant.ggml_blocks.GgmlBlockWeight). Any other quantized ggml type gguf-py
 # reads (Q2_K, Q3_K, IQ2_*, TQ*, ...) is dequantized on load to the model dtype.
-GGML_HELD_TYPES: tuple[str, ...] = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS")
+GGML_HELD_TYPES: tuple[str, ...] = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS",
+                                    "MXFP4")
 
 # Spellings accepted for the same format (config.json torch_dtype, ggml names, CLI habits).
 ALIASES: dict[str, str] = {

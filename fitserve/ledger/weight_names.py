@@ -35,6 +35,9 @@ def expected_weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             if spec.attention_bias:
                 shapes[f"{p}self_attn.{name}_proj.bias"] = (rows,)
         shapes[p + "self_attn.o_proj.weight"] = (h, q)
+        if spec.architecture == "gpt_oss":  # o_proj bias and one sink logit per head
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+            shapes[p + "self_attn.sinks"] = (spec.num_heads,)
         if spec.qk_norm:  # OLMoE normalises the whole projection, the others each head
             whole = spec.qk_norm_scope == "projection"
             shapes[p + "self_attn.q_norm.weight"] = (q if whole else dim,)
@@ -56,8 +59,14 @@ def _moe_mlp(spec: ModelSpec, prefix: str) -> dict[str, tuple[int, ...]]:
     active ones are read), and Qwen2-MoE's shared expert with its gate."""
     h, e, inter = spec.hidden_size, spec.num_experts, spec.expert_intermediate_size
     out: dict[str, tuple[int, ...]] = {prefix + "gate.weight": (e, h)}
+    biased = spec.architecture == "gpt_oss"  # router and expert biases
+    if biased:
+        out[prefix + "gate.bias"] = (e,)
     for x in range(e):
         out.update(_mlp(f"{prefix}experts.{x}.", h, inter))
+        if biased:
+            out.update({f"{prefix}experts.{x}.{n}.bias": (r,) for n, r in (
+                ("gate_proj", inter), ("up_proj", inter), ("down_proj", h))})
     if spec.shared_expert_intermediate_size:
         out.update(_mlp(prefix + "shared_expert.", h, spec.shared_expert_intermediate_size))
         out[prefix + "shared_expert_gate.weight"] = (1, h)

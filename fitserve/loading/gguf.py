@@ -59,8 +59,10 @@ from fitserve.quant.held import HeldTensor, dtype_table_name
 log = logging.getLogger("fitserve.loading")
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 _PERMUTED_ARCHS = ("llama", "mistral", "mixtral")
+# the 3-D ffn_*_exps (and gpt-oss's 2-D expert biases), cut along the expert axis
 _EXPERT_PROJ = ("mlp.experts.gate_proj.weight", "mlp.experts.up_proj.weight",
-                "mlp.experts.down_proj.weight")  # llama.cpp's LlamaModel.permute applies to these
+                "mlp.experts.down_proj.weight", "mlp.experts.gate_proj.bias",
+                "mlp.experts.up_proj.bias", "mlp.experts.down_proj.bias")
 
 
 def _fields(reader: GGUFReader) -> dict[str, Any]:
@@ -172,12 +174,13 @@ def _pieces(t: Any, spec: ModelSpec, hf: str, shape: tuple[int, ...], path: Path
     """(HF name, rows, the tensor or its expert slice, its shape) of each weight a file tensor holds: a
     3-D expert tensor cut along the expert axis (its data is [E, rows, bytes per row], so each
     slice is whole rows of ggml blocks), else ``_parts``."""
-    if len(shape) == 3 and hf.endswith(_EXPERT_PROJ):
+    if hf.endswith(_EXPERT_PROJ) and len(shape) == (3 if hf.endswith(".weight") else 2):
         if shape[0] != spec.num_experts:
             raise ModelLoadError(f"{path}: tensor {t.name!r} holds {shape[0]} experts, the "
                                  f"metadata says {spec.num_experts}")
-        stem = hf.removesuffix(".weight").rpartition(".")
-        return [(f"{stem[0]}.{e}.{stem[2]}.weight", None,
+        base, _, suffix = hf.rpartition(".")
+        stem = base.rpartition(".")
+        return [(f"{stem[0]}.{e}.{stem[2]}.{suffix}", None,
                  _ExpertSlice(f"{t.name}[{e}]", t.tensor_type, t.data[e]), shape[1:])
                 for e in range(shape[0])]
     return [(name, rows, t, shape) for name, rows in _parts(spec, hf, shape[0], path)]

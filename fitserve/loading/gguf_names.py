@@ -35,6 +35,9 @@ def gguf_to_hf_names(spec: ModelSpec, gguf_arch: str, source: object) -> dict[st
     merged = dict.fromkeys(m[0] for m in names if m is not None)
     singles = [n for n, m in zip(expected_weight_shapes(spec), names, strict=True) if m is None]
     for hf in [*checkpoint_names(spec, singles), *merged]:
+        if hf.endswith(".sinks"):  # a parameter with no .weight (gpt-oss): attn_sinks.weight
+            out[f"{tmap.get_name(hf)}.weight"] = hf
+            continue
         stem, _, suffix = hf.rpartition(".")
         name = tmap.get_name(stem)
         if name is None:

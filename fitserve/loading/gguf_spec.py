@@ -25,6 +25,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from fitserve.config import GEMMA_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelSpec, RopeScaling
+from fitserve.loading import hf_defaults
 from fitserve.loading.errors import ModelLoadError, UnsupportedArchitectureError
 
 _GLOBAL_NAMES = {
@@ -46,6 +47,7 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_EXPERTS_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|bias)")
 # llama.cpp's sliding-window layer pattern per architecture (hparams.set_swa_pattern): every
 # period-th layer is full attention, the others slide. Planner only (the engine runs none).
 _SWA_PERIOD = {"gemma2": 2, "gemma3": 6, "gpt-oss": 2}
@@ -59,10 +61,11 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _NORMS_PER_LAYER = {"gemma2": 4, "gemma3": 4}
 # llama.cpp's architecture names of the MoE families, as transformers names them (a GGUF spec
 # carries the HF name; "llama" with an expert count is Mixtral)
-_HF_ARCH = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+_HF_ARCH = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
 # llama.cpp's build_moe_ffn norm_w per architecture (hard-coded in its graphs, no metadata):
 # the top-k weights renormalised to sum 1 (Mixtral, Qwen3-MoE) or not (Qwen2-MoE, OLMoE)
-_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False}
+_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False,
+                        "gpt-oss": True}
 
 
 def _dequantizable(qtype: GGMLQuantizationType) -> bool:
@@ -200,9 +203,16 @@ def hf_tensor_name(gguf_name: str) -> str | None:
 
 
 def stored_types(header: GGUFHeader) -> dict[str, str]:
-    """Hugging Face tensor name -> the ggml type the file stores it in (named tensors only)."""
+    """Hugging Face tensor name -> the ggml type the file stores it in (named tensors only; a
+    3-D ``ffn_*_exps`` names each expert's slice, as the engine holds them)."""
     out = {}
     for t in header.tensors:
+        m = _EXPERTS_RE.fullmatch(t.name)
+        if m is not None:
+            for e in range(t.shape[0]):
+                out[f"model.layers.{m.group(1)}.mlp.experts.{e}.{m.group(2)}_proj."
+                    f"{m.group(3)}"] = t.type_name
+            continue
         hf = hf_tensor_name(t.name)
         if hf is not None:
             out[hf] = t.type_name
@@ -305,12 +315,32 @@ def _rope_scaling(header: GGUFHeader, m: _Meta, theta: float, head_dim: int) -> 
         return None
     if kind == "linear":
         return RopeScaling("linear", float(m.get("rope.scaling.factor", 1.0)))
+    if kind == "yarn":
+        return _yarn(m)
     if m.engine:
         raise ModelLoadError(
-            f"{m.path}: unsupported rope scaling type {kind!r}; supported: linear, llama3")
+            f"{m.path}: unsupported rope scaling type {kind!r}; supported: linear, llama3, yarn")
     orig = m.fields.get(f"{m.arch}.rope.scaling.original_context_length")
     return RopeScaling(str(kind), float(m.get("rope.scaling.factor", 1.0)),
                        original_max_position_embeddings=int(orig or 8192))
+
+
+def _yarn(m: _Meta) -> RopeScaling:
+    """YaRN as llama.cpp runs it: the file's factor, original context and betas (llama.cpp's
+    defaults 32 / 1), the ramp's ends floored / ceiled (ggml_rope_yarn_corr_dims always
+    truncates; transformers only with truncate=True), cos/sin times 0.1 ln(factor) + 1 unless
+    the file says ``yarn_attn_factor``."""
+    factor = float(m.get("rope.scaling.factor", 1.0))
+    orig = int(m.fields.get(f"{m.arch}.rope.scaling.original_context_length")
+               or m.get("context_length", 2048))
+    attn = m.fields.get(f"{m.arch}.rope.scaling.yarn_attn_factor")
+    if attn is None:
+        attn = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+    return RopeScaling("yarn", factor, original_max_position_embeddings=orig,
+                       attention_factor=float(attn),
+                       beta_fast=float(m.fields.get(f"{m.arch}.rope.scaling.yarn_beta_fast") or 32),
+                       beta_slow=float(m.fields.get(f"{m.arch}.rope.scaling.yarn_beta_slow") or 1),
+                       truncate=True)
 
 
 def _layer_kinds(m: _Meta, window: int | None, n: int) -> tuple[str, ...] | None:
@@ -332,9 +362,10 @@ def _layer_kinds(m: _Meta, window: int | None, n: int) -> tuple[str, ...] | None
         return None
     if not any(sliding):
         return ("full",) * n
-    if m.engine and m.arch not in GEMMA_ARCHITECTURES:
+    if m.engine and m.arch not in (*GEMMA_ARCHITECTURES, "gpt-oss"):
         raise ModelLoadError(f"{m.path}: {n - sum(sliding)} of {n} layers are full attention and "
-                             "the rest sliding; the engine runs mixed layer kinds for Gemma 2/3 only")
+                             "the rest sliding; the engine runs mixed layer kinds for Gemma 2/3 "
+                             "and gpt-oss only")
     return tuple("sliding" if x else "full" for x in sliding)
 
 
@@ -428,6 +459,8 @@ def spec_from_gguf_header(header: GGUFHeader, *, require_supported: bool = True)
         extra["norms_per_layer"] = _NORMS_PER_LAYER[arch]
     if "blk.0.attn_output.bias" in names:
         extra["o_proj_bias"] = 1
+    if arch == "gpt-oss":  # what transformers' config class says (llama.cpp hard-codes them)
+        extra.update(hf_defaults.EXTRAS["gpt_oss"], swiglu_alpha=1.702, swiglu_limit=7.0)
     # llama.cpp writes Mistral as "llama"; transformers' GGUF loader tells them apart by name.
     # NOTE: the window is the file's own key (llama.cpp writes none for "llama": full attention).
     spec_arch = "mistral" if arch == "llama" and "mistral" in name.lower() else arch

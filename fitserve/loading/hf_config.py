@@ -37,8 +37,8 @@ from fitserve.ledger.formats import weight_format
 from fitserve.ledger.weight_names import expected_weight_shapes  # noqa: F401
 from fitserve.loading import hf_defaults as d
 from fitserve.loading.errors import ModelLoadError, UnsupportedArchitectureError
-from fitserve.loading.hf_families import gemma_fields, longrope_scaling, moe_fields
-from fitserve.loading.hf_quant_config import PREQUANT_METHODS, quant_problems
+from fitserve.loading.hf_families import gemma_fields, longrope_scaling, moe_fields, yarn_scaling
+from fitserve.loading.hf_quant_config import MXFP4_METHOD, PREQUANT_METHODS, quant_problems
 from fitserve.loading.weight_names import check_weights as check_weights  # re-exported
 
 # HF class names -> model_type, for configs that only name ``architectures``.
@@ -55,7 +55,7 @@ _ARCH_ALIASES: dict[str, str] = {
     "Gemma3ForCausalLM": "gemma3_text",
     "Phi3ForCausalLM": "phi3",
 }
-ENGINE_ROPE_KINDS = ("llama3", "linear", "longrope")
+ENGINE_ROPE_KINDS = ("llama3", "linear", "longrope", "yarn")
 # quantization_config.quant_method of a `fitserve quantize` checkpoint (fitserve.loading.checkpoint)
 FITSERVE_QUANT_METHOD = "fitserve"
 # Keys transformers requires per rope type (original_max_position_embeddings defaults to
@@ -153,6 +153,8 @@ def _rope(
         orig = max_pos if kind in _ROPE_ORIGINAL_MAX else dflt.original_max_position_embeddings
     if kind == "longrope":
         return theta, longrope_scaling(p, max_pos, int(orig))
+    if kind == "yarn":
+        return theta, yarn_scaling(p, max_pos, int(orig))
     return theta, RopeScaling(
         kind=kind,
         factor=float(p.get("factor", dflt.factor)),
@@ -311,6 +313,9 @@ def spec_from_hf_config(
     extra: dict[str, float | int | str] = dict(d.EXTRAS.get(arch, {}))
     if o_bias:
         extra["o_proj_bias"] = 1
+    if arch == "gpt_oss":  # the experts' clamped SwiGLU (fitserve.model.gpt_oss)
+        extra["swiglu_alpha"] = float(_get(config, "swiglu_alpha", arch) or 1.702)
+        extra["swiglu_limit"] = float(_get(config, "swiglu_limit", arch) or 7.0)
     gen = generation_config or {}
     eos = list(_ids(config.get("eos_token_id")))
     eos += [i for i in _ids(gen.get("eos_token_id")) if i not in eos]
@@ -393,6 +398,8 @@ def packed_formats(config: Mapping[str, Any], source: object) -> dict[str, str] 
         if problems:
             raise ModelLoadError(f"{source}: {'; '.join(problems)}")
         return None
+    if method == MXFP4_METHOD and normalize_architecture(config) == "gpt_oss":
+        return None  # gpt-oss's MXFP4 experts: fitserve.loading.mxfp4
     if method != FITSERVE_QUANT_METHOD:
         raise ModelLoadError(f"{source}: quantized checkpoints ({method}) are not supported "
                              f"(quant_method {FITSERVE_QUANT_METHOD!r}: fitserve quantize, "

@@ -32,6 +32,28 @@ def longrope_scaling(p: Mapping[str, Any], max_pos: int, orig: int) -> RopeScali
                        attention_factor=float(attention))
 
 
+def yarn_scaling(p: Mapping[str, Any], max_pos: int, orig: int) -> RopeScaling:
+    """YaRN as transformers' _compute_yarn_parameters reads it: ``attention_factor`` defaults
+    to mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set, else
+    mscale(factor) = 0.1 ln(factor) + 1 (1 for factor <= 1); beta_fast 32, beta_slow 1 (when
+    absent or 0), truncate True."""
+    factor = p.get("factor")
+    factor = max_pos / orig if factor is None else float(factor)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = p.get("attention_factor")
+    if attention is None:
+        ms, ms_all = p.get("mscale"), p.get("mscale_all_dim")
+        attention = (mscale(factor, ms) / mscale(factor, ms_all) if ms and ms_all
+                     else mscale(factor))
+    return RopeScaling("yarn", factor=factor, original_max_position_embeddings=orig,
+                       attention_factor=float(attention),
+                       beta_fast=float(p.get("beta_fast") or 32), beta_slow=float(p.get("beta_slow") or 1),
+                       truncate=bool(p.get("truncate", True)))
+
+
 def gemma_fields(config: Mapping[str, Any], arch: str, source: object,
                   require_supported: bool) -> dict[str, Any]:
     """Gemma 2/3's attention scale, soft-caps and the sliding layers' RoPE base."""
@@ -63,6 +85,8 @@ def moe_fields(config: Mapping[str, Any], arch: str, source: object,
     (Mixtral always renormalises; Qwen2/3-MoE and OLMoE read ``norm_topk_prob``), Qwen2-MoE's
     shared expert, and which layers are sparse (``decoder_sparse_step``, ``mlp_only_layers``).
     ``router_aux_loss_coef`` / ``output_router_logits`` are training-only: ignored."""
+    if arch == "gpt_oss":  # softmax over the top-k router logits = renormalised top-k probs
+        return {"norm_topk_prob": True}
     if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
         return {}
     if require_supported and config.get("clip_qkv") is not None:

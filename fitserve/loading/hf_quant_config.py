@@ -36,6 +36,8 @@ from fitserve.ledger.prequant import held_format as held_format
 
 CT_METHOD = "compressed-tensors"
 PREQUANT_METHODS = (CT_METHOD, "gptq", "awq")
+# gpt-oss's experts as MXFP4 *_blocks / *_scales (fitserve.loading.mxfp4), any other method aside
+MXFP4_METHOD = "mxfp4"
 # The engine's Linear layers of a decoder (the names ``targets``/``ignore`` are matched against).
 _LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                     "qkv_proj", "gate_up_proj")

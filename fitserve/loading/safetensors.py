@@ -26,6 +26,7 @@ from fitserve.loading.hf_config import (
     read_json,
     spec_from_hf_folder,
 )
+from fitserve.loading.mxfp4 import Mxfp4Experts
 from fitserve.loading.prequant import PrequantPieces, rehold
 from fitserve.loading.tokenizer import Tokenizer
 from fitserve.quant.convert import held_format, hold
@@ -85,6 +86,8 @@ def read_safetensors(files: list[Path], dtype: torch.dtype,
     out: dict[str, HeldTensor] = {}
     stored_as: dict[str, str] = {}
     stored: Counter[str] = Counter()
+    # gpt-oss's MXFP4 experts (*_blocks / *_scales pairs), held once both halves are read
+    mxfp4 = Mxfp4Experts(spec) if spec is not None and spec.architecture == "gpt_oss" else None
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as fh:
@@ -92,6 +95,9 @@ def read_safetensors(files: list[Path], dtype: torch.dtype,
                     prefix, _, part = name.rpartition(".")
                     if prequant is not None and prequant.takes(prefix, part):
                         prequant.pieces.setdefault(prefix, {})[part] = fh.get_tensor(name)
+                        continue
+                    if mxfp4 is not None and mxfp4.takes(name):
+                        mxfp4.add(name, fh.get_tensor(name))
                         continue
                     if part in PARTS and prefix in parts:
                         pieces[parts[prefix]][part] = fh.get_tensor(name)
@@ -128,6 +134,8 @@ def read_safetensors(files: list[Path], dtype: torch.dtype,
         stored[fmt] += shape[0] * shape[1]
     if prequant is not None:
         prequant.hold_all(out, stored_as, stored, dtype, weights, source)
+    if mxfp4 is not None:
+        mxfp4.hold_all(out, stored_as, stored, dtype, weights, source)
     return out, (stored.most_common(1)[0][0] if stored else "f32"), stored_as
 
 

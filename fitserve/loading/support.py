@@ -40,7 +40,12 @@ from fitserve.loading.hf_config import (
     read_json,
     spec_from_hf_config,
 )
-from fitserve.loading.hf_quant_config import PREQUANT_METHODS, quant_method, quant_problems
+from fitserve.loading.hf_quant_config import (
+    MXFP4_METHOD,
+    PREQUANT_METHODS,
+    quant_method,
+    quant_problems,
+)
 
 # NOTE: tensors the GGUF loader skips (llama3 RoPE factors, read as metadata).
 SKIPPED_GGUF_TENSORS = frozenset({"rope_freqs.weight"})
@@ -141,6 +146,10 @@ def _quantization(config: dict[str, object]) -> tuple[str, ...]:
     method = quant_method(config)
     if method is None or method == FITSERVE_QUANT_METHOD:
         return ()
+    if method == MXFP4_METHOD:  # gpt-oss's experts, held as MXFP4 blocks (loading.mxfp4)
+        arch = config.get("model_type")
+        return () if arch == "gpt_oss" else (
+            f"quantization: quant_method 'mxfp4' on {arch!r} (the engine reads it for gpt_oss)",)
     if method not in PREQUANT_METHODS:
         return (f"quantization: quant_method {method!r} (the engine reads "
                 f"{', '.join(map(repr, (*PREQUANT_METHODS, FITSERVE_QUANT_METHOD)))})",)

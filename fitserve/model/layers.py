@@ -42,17 +42,42 @@ def longrope_inv_freq(head_dim: int, theta: float, factors: tuple[float, ...]) -
     return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**shape)
 
 
+def yarn_inv_freq(head_dim: int, theta: float, s: RopeScaling) -> torch.Tensor:
+    """YaRN's inverse frequencies (transformers' _compute_yarn_parameters, op for op): the
+    interpolated 1 / (factor * theta^(2i/d)) below ``beta_slow`` rotations over the original
+    context, the extrapolated 1 / theta^(2i/d) above ``beta_fast``, a linear ramp between.
+    cos/sin are multiplied by ``s.attention_factor`` (``RotaryEmbedding``)."""
+    orig = s.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # transformers: prevent a singular ramp
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).to(dtype=torch.float) / head_dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (s.factor * pos_freqs)
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation_factor = 1 - ramp
+    return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Inverse frequencies (fp32) for split-half RoPE, with optional llama3 / linear scaling
-    (longrope has two sets: ``RotaryEmbedding`` builds both)."""
+    """Inverse frequencies (fp32) for split-half RoPE, with optional llama3 / linear / yarn
+    scaling (longrope has two sets: ``RotaryEmbedding`` builds both)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv_freq
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
+    if scaling.kind == "yarn":
+        return yarn_inv_freq(head_dim, theta, scaling)
     if scaling.kind != "llama3":
         raise ValueError(f"unsupported rope scaling type {scaling.kind!r} "
-                         "(supported: llama3, linear, longrope)")
+                         "(supported: llama3, linear, longrope, yarn)")
     old_ctx = scaling.original_max_position_embeddings
     low_wavelen = old_ctx / scaling.low_freq_factor
     high_wavelen = old_ctx / scaling.high_freq_factor
@@ -92,6 +117,8 @@ class RotaryEmbedding(nn.Module):
         else:
             freqs = torch.outer(pos, rope_inv_freq(spec.head_dim, spec.rope_theta, rs))  # [P, D/2]
             cos, sin = freqs.cos(), freqs.sin()
+            if rs is not None and rs.kind == "yarn":  # transformers scales cos/sin in fp32
+                cos, sin = cos * rs.attention_factor, sin * rs.attention_factor
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 

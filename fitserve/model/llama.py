@@ -36,6 +36,8 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.scale = spec.head_dim**-0.5
         self.layer_idx = layer_idx
+        # a learned logit per query head in each softmax's denominator (gpt-oss), else None
+        self.sinks: nn.Parameter | None = None
 
     def forward(
         self,
@@ -66,7 +68,8 @@ class Attention(nn.Module):
                 return self.o_proj(out.reshape(n, self.q_size))
             assert batch.kv_blocks is not None, "a quantized KV cache needs the step's kv_blocks"
             k_cache, v_cache = kv_cache.dequantize(batch.kv_blocks, qk.dtype)
-            out = paged_attention(qk[:, : self.num_heads], k_cache, v_cache, batch, self.scale)
+            out = paged_attention(qk[:, : self.num_heads], k_cache, v_cache, batch, self.scale,
+                                  self.sinks)
             return self.o_proj(out.reshape(n, self.q_size))
         k_cache, v_cache = kv_cache
         # queries and keys rotate in one pass (same positions, same tables); the C++ op also
@@ -77,7 +80,7 @@ class Attention(nn.Module):
             qk = self.rotary(qk, rope.tables())
             write_kv(qk[:, self.num_heads :], v, k_cache, v_cache, batch.slot_mapping)
         q = qk[:, : self.num_heads]
-        out = paged_attention(q, k_cache, v_cache, batch, self.scale)
+        out = paged_attention(q, k_cache, v_cache, batch, self.scale, self.sinks)
         return self.o_proj(out.reshape(n, self.q_size))
 
 
@@ -111,12 +114,15 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Packed-token decoder: forward takes N tokens of many sequences at once."""
 
+    layer_class: type[nn.Module] = DecoderLayer  # gpt-oss: its own (fitserve.model.gpt_oss)
+
     def __init__(self, spec: ModelSpec, max_positions: int) -> None:
         super().__init__()
         self.spec = spec
         self.rotary = RotaryEmbedding(spec, max_positions)
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, self.rotary) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(spec, i, self.rotary)
+                                    for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = DenseLinear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:

@@ -18,6 +18,7 @@ from fitserve.loading.support import spec_problems
 from fitserve.model.fp8_linear import Fp8Linear
 from fitserve.model.gemma import GemmaCausalLM
 from fitserve.model.ggml_linear import GgmlEmbedding, GgmlLinear
+from fitserve.model.gpt_oss import GptOssCausalLM
 from fitserve.model.linear import ConcatLinear, DenseLinear, PackedEmbedding, PackedLinear
 from fitserve.model.llama import CausalLM
 from fitserve.model.permuted_linear import InputPermutedLinear
@@ -40,9 +41,12 @@ def check_supported(spec: ModelSpec) -> None:
 
 
 def model_class(spec: ModelSpec) -> type[CausalLM] | type[GemmaCausalLM]:
-    """The decoder module of a family: Gemma 2/3 (fitserve.model.gemma), else the Llama-family
-    one (fitserve.model.llama: Llama, Mistral, Qwen2/3, and Phi-3, whose fused checkpoint
-    tensors are split at load and whose LongRoPE is a rotary table)."""
+    """The decoder module of a family: Gemma 2/3 (fitserve.model.gemma), gpt-oss
+    (fitserve.model.gpt_oss), else the Llama-family one (fitserve.model.llama: Llama, Mistral,
+    Qwen2/3, and Phi-3, whose fused checkpoint tensors are split at load and whose LongRoPE is
+    a rotary table)."""
+    if spec.architecture == "gpt_oss":
+        return GptOssCausalLM
     return GemmaCausalLM if spec.architecture in GEMMA_ARCHITECTURES else CausalLM
 
 
@@ -97,6 +101,9 @@ def fuse_hf_weights(spec: ModelSpec, weights: dict[str, HeldTensor]) -> dict[str
         for m in _gated_mlps(spec, i):
             out[m + "gate_up_proj.weight"] = _fuse([take(m + "gate_proj.weight"),
                                                     take(m + "up_proj.weight")])
+            if m + "gate_proj.bias" in out:  # gpt-oss's experts
+                out[m + "gate_up_proj.bias"] = _fuse([take(m + "gate_proj.bias"),
+                                                      take(m + "up_proj.bias")])
     if spec.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     elif "lm_head.weight" not in out:

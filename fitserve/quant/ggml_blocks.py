@@ -1,4 +1,4 @@
-"""GGUF weights held as the file's raw ggml blocks, byte for byte (K-quants, Q5, IQ4).
+"""GGUF weights held as the file's raw ggml blocks, byte for byte (K-quants, Q5, IQ4, MXFP4).
 
 ``GgmlBlockWeight.blocks`` is uint8 ``[N, (K / block_size) * type_size]``: row n is the blocks of
 output row n back to back, exactly as ggml stores them (llama.cpp's Q/K row permutation is
@@ -16,6 +16,9 @@ undone by moving whole rows). The dequantization below is vectorized torch, exac
     block_iq4_nl (18 B, 32 w): d | qs 16 B                             w = d * kvalues[q]
     block_iq4_xs (136 B, 256 w): d | scales_h u16 | scales_l 4 B | qs 128 B
         w = (d * (scale - 32)) * kvalues[q]
+    block_mxfp4 (17 B, 32 w): e u8 | qs 16 B                          w = 2^(e-128) * kv[q]
+        kv: the e2m1 values doubled (0, 1, 2, 3, 4, 6, 8, 12, then negated), the e8m0 scale
+        halved to match (ggml_e8m0_to_fp32_half): the OCP MX value e2m1[q] * 2^(e-127)
 
     6-bit scales/mins of Q4_K/Q5_K (12 bytes, j = 0..3):
         sc[j] = b[j] & 63          sc[j+4] = (b[j+8] & 15) | ((b[j]   >> 2) & 48)
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import MXFP4 as _GGUF_MXFP4
 
 from fitserve.quant.held import HeldWeight
 
@@ -137,10 +141,28 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
     return (dl * q).reshape(nb, 256)
 
 
+# The e2m1 grid doubled, as llama.cpp's kvalues_mxfp4 (gguf.quants.MXFP4.kvalues).
+MXFP4_KVALUES: tuple[int, ...] = tuple(_GGUF_MXFP4.kvalues)
+
+
+def e8m0_to_fp32_half(e: torch.Tensor) -> torch.Tensor:
+    """2^(e - 128) of uint8 exponents as float32, built from its bits (ggml_e8m0_to_fp32_half:
+    e < 2 gives the subnormals 2^-128, 2^-127)."""
+    e = e.to(torch.int32)
+    bits = torch.where(e < 2, torch.full_like(e, 0x00200000) << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def _mxfp4(b: torch.Tensor) -> torch.Tensor:
+    table = torch.tensor(MXFP4_KVALUES, dtype=torch.float32, device=b.device)
+    q = table[_nibbles(b[:, 1:17], 1).reshape(b.shape[0], 32).long()]
+    return e8m0_to_fp32_half(b[:, 0:1]) * q
+
+
 # ggml type -> its block dequantization ``[nb, type_size] uint8 -> [nb, block_size] float32``
 DEQUANTIZERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "Q5_0": _q5_0, "Q5_1": _q5_1,
-    "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs,
+    "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs, "MXFP4": _mxfp4,
 }
 GGML_BLOCK_TYPES: tuple[str, ...] = tuple(DEQUANTIZERS)
 

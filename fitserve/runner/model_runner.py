@@ -87,6 +87,9 @@ class ModelRunner:
             self.group_windows = [g.window for g in kv_groups]
         # soft-capped attention (Gemma 2) dispatches to a backend that applies the cap
         self.softcap = spec.attn_logit_softcapping is not None
+        # attention sinks (gpt-oss) likewise: a backend that adds them to the softmax
+        self.sinks = any(getattr(getattr(layer, "self_attn", None), "sinks", None) is not None
+                         for layer in getattr(model, "layers", ()))
         # LongRoPE: the long factors' rows of the rotary table start here (None: one table)
         self.long_row_offset: int | None = getattr(model.rotary, "long_row_offset", None)
         self.kv_format = resolve_engine_kv_format(kv_cache_dtype, kv_cache_scales, _table_name(kv_dtype))
@@ -118,7 +121,7 @@ class ModelRunner:
                  ) -> AttentionBackend:
         return choose_attention_backend(
             classify(self.device.type, q_lens, k_lens, triton=self.use_triton, cpp=self.use_cpp,
-                     kv_quant=kv_quant, softcap=self.softcap)
+                     kv_quant=kv_quant, softcap=self.softcap, sinks=self.sinks)
         )
 
     @property
@@ -291,7 +294,7 @@ class ModelRunner:
         # a quantized cache: decode-only steps read it in place (the quantized kernel; not under
         # soft-capping, which only EagerGather applies); others dequantize the blocks they read
         # into a compact dense cache the tables then index
-        in_place = (self.use_kvq and not self.softcap
+        in_place = (self.use_kvq and not self.softcap and not self.sinks
                     and all(runs_as_decode(c) for c in chunks))
         compact = (compact_blocks(chunks, bs, tables) if self.quantized_kv and not in_place
                    else None)

@@ -47,14 +47,14 @@ EPS32 = 2.0**-23
 TYPES = list(GGML_KERNEL_TYPES)
 # byte offsets of the fp16 fields, of the scale bytes, and of the quant bits of each block
 F16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q5_1": (0, 2),
-              "IQ4_NL": (0,), "IQ4_XS": (0,)}
+              "IQ4_NL": (0,), "IQ4_XS": (0,), "MXFP4": ()}
 SCALE_BYTES = {"Q4_K": (4, 16), "Q5_K": (4, 16), "Q6_K": (192, 208), "IQ4_XS": (2, 8)}
 # the quant bits: zeroed, they leave each weight's offset (IQ4 types have none: the table is
 # signed, nibble 0 maps to -127, so zeroed quants give d * sc * -127: a valid magnitude bound)
 QUANT_BYTES = {"Q4_K": [(16, 144)], "Q5_K": [(16, 176)], "Q6_K": [(0, 192)], "Q5_0": [(2, 22)],
-               "Q5_1": [(4, 24)], "IQ4_NL": [(2, 18)], "IQ4_XS": [(8, 136)]}
+               "Q5_1": [(4, 24)], "IQ4_NL": [(2, 18)], "IQ4_XS": [(8, 136)], "MXFP4": [(1, 17)]}
 ACT_BLOCK = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "Q5_0": 32, "Q5_1": 32, "IQ4_NL": 32,
-             "IQ4_XS": 256}
+             "IQ4_XS": 256, "MXFP4": 32}
 
 
 def gtype(name: str) -> gguf.GGMLQuantizationType:
@@ -72,6 +72,9 @@ def random_blocks(t: str, n: int, k: int, seed: int) -> np.ndarray:
         v = (rng.standard_normal((n, k // block)) * 0.02).astype(np.float16)
         v[rng.random(v.shape) < 0.05] = 0.0  # some zero d / dmin
         b[:, :, off:off + 2] = v.view(np.uint8).reshape(n, k // block, 2)
+    if t == "MXFP4":  # the e8m0 exponent byte: scales 2^-128 (e = 0, subnormal) .. 2^-3
+        b[:, :, 0] = rng.integers(118, 126, (n, k // block))
+        b[0, 0, 0] = 0
     if t in SCALE_BYTES:
         lo, hi = SCALE_BYTES[t]
         if t in ("Q6_K", "IQ4_XS"):

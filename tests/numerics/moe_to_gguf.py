@@ -24,7 +24,8 @@ from gguf.quants import dequantize, quantize
 from tests.tiny_gguf import add_tiny_vocab
 
 _ARCH = {"mixtral": gguf.MODEL_ARCH.LLAMA, "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
-         "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE, "olmoe": gguf.MODEL_ARCH.OLMOE}
+         "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE, "olmoe": gguf.MODEL_ARCH.OLMOE,
+         "gpt_oss": gguf.MODEL_ARCH.GPT_OSS}
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -51,16 +52,37 @@ def _metadata(w: gguf.GGUFWriter, cfg: Any) -> None:
     if getattr(cfg, "head_dim", None):
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
+    if cfg.model_type == "gpt_oss":  # llama.cpp's GptOssModel.set_gguf_parameters
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
+        rope = cfg.rope_parameters
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
 
 
 def _experts(state: dict[str, torch.Tensor], name: str) -> list[tuple[str, np.ndarray]]:
     """HF 3-D expert tensors -> (merged HF name for the tensor map, [E, rows, cols])."""
     stem = name.removesuffix(".gate_up_proj").removesuffix(".down_proj")
     t = state[name].detach().float().numpy()
+    if name.endswith("_bias"):  # gpt-oss: [E, 2I] gate / up interleaved, [E, H]
+        stem = stem.removesuffix(".gate_up_proj_bias").removesuffix(".down_proj_bias")
+        if name.endswith("gate_up_proj_bias"):
+            return [(f"{stem}.gate_proj", t[:, 0::2]), (f"{stem}.up_proj", t[:, 1::2])]
+        return [(f"{stem}.down_proj", t)]
+    if _is_gpt_oss(state):  # x @ W [E, in, out], gate / up interleaved: llama.cpp's [E, out, in]
+        t = t.transpose(0, 2, 1)
+        if name.endswith("gate_up_proj"):
+            return [(f"{stem}.gate_proj", t[:, 0::2]), (f"{stem}.up_proj", t[:, 1::2])]
+        return [(f"{stem}.down_proj", t)]
     if name.endswith("gate_up_proj"):
         half = t.shape[1] // 2
         return [(f"{stem}.gate_proj", t[:, :half]), (f"{stem}.up_proj", t[:, half:])]
     return [(f"{stem}.down_proj", t)]
+
+
+def _is_gpt_oss(state: dict[str, torch.Tensor]) -> bool:
+    return "model.layers.0.self_attn.sinks" in state
 
 
 def write_moe_gguf(model: torch.nn.Module, path: Path, expert_type: Q = Q.F16) -> Path:
@@ -74,17 +96,22 @@ def write_moe_gguf(model: torch.nn.Module, path: Path, expert_type: Q = Q.F16) -
     tmap = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
     state = model.state_dict()
     for name, tensor in state.items():
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj", "_proj_bias")):
             for stem, data in _experts(state, name):
                 new = tmap.get_name(stem)
                 assert new is not None, stem
-                if expert_type == Q.F16:
+                if name.endswith("_bias"):
+                    w.add_tensor(f"{new}.bias", np.ascontiguousarray(data, dtype=np.float32))
+                elif expert_type == Q.F16:
                     w.add_tensor(f"{new}.weight", data.astype(np.float16))
                 else:
-                    w.add_tensor(f"{new}.weight", quantize(data, expert_type),
+                    w.add_tensor(f"{new}.weight", quantize(np.ascontiguousarray(data), expert_type),
                                  raw_dtype=expert_type)
             continue
         data = tensor.detach().float().numpy()
+        if name.endswith(".sinks"):  # llama.cpp's converter adds the suffix
+            w.add_tensor(f"{tmap.get_name(name)}.weight", data)
+            continue
         if cfg.model_type == "mixtral" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
             data = _permute(data, heads)
@@ -104,13 +131,20 @@ def load_dequantized_experts(model: torch.nn.Module, path: Path) -> None:
     reader = gguf.GGUFReader(str(path))
     for t in reader.tensors:
         parts = t.name.split(".")
-        if len(parts) != 4 or not parts[2].endswith("_exps"):
+        if len(parts) != 4 or not parts[2].endswith("_exps") or parts[3] != "weight":
             continue
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
         data = torch.from_numpy(np.asarray(dequantize(t.data, t.tensor_type),
                                            dtype=np.float32).reshape(shape).copy())
         experts = model.model.layers[int(parts[1])].mlp.experts
         inter = shape[1] if parts[2] != "ffn_down_exps" else shape[2]
+        if hasattr(experts, "down_proj_bias"):  # gpt-oss: [E, in, out], gate / up interleaved
+            if parts[2] == "ffn_down_exps":
+                experts.down_proj.copy_(data.transpose(1, 2))
+            else:
+                first = 0 if parts[2] == "ffn_gate_exps" else 1
+                experts.gate_up_proj[:, :, first::2] = data.transpose(1, 2)
+            continue
         if parts[2] == "ffn_gate_exps":
             experts.gate_up_proj[:, :inter] = data
         elif parts[2] == "ffn_up_exps":

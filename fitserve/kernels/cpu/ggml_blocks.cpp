@@ -2,7 +2,7 @@
 // (uint8 [N, (K / block) * type_size], each row its blocks back to back, as the file stores them).
 //
 // x (fp32 / bf16 [M, K]) is quantized once per call (ggml_blocks_act.h: per 256 columns for the
-// K-quants and IQ4_XS, per 32 for Q5_0 / Q5_1 / IQ4_NL), then the output rows N are split over torch's threads
+// K-quants and IQ4_XS, per 32 for Q5_0 / Q5_1 / IQ4_NL / MXFP4), then the output rows N are split over torch's threads
 // (at::parallel_for) in blocks of 4-32 weight rows. Inside a block, the rows of x go in tiles
 // of kTileRows (then 2, 1): each weight row's blocks are decoded once per tile and used for
 // every row of the tile (ggml_blocks_kquant.h, _kq512.h, _q5.h, _iq4.h), so M > 1 reads and decodes
@@ -125,6 +125,7 @@ const TypeInfo kTypes[] = {
     {"Q5_1", Q5_1::kQK, Q5_1::kBytes, &run_x<Q5_1>},
     {"IQ4_NL", IQ4NL::kQK, IQ4NL::kBytes, &run_x<IQ4NL>},
     {"IQ4_XS", IQ4XS::kQK, IQ4XS::kBytes, &run_x<IQ4XS>},
+    {"MXFP4", MXFP4::kQK, MXFP4::kBytes, &run_x<MXFP4>},
 };
 
 const TypeInfo& type_info(const std::string& name) {

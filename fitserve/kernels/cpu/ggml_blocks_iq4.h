@@ -1,9 +1,12 @@
-// IQ4_NL (32 columns, Q8_0-style activations) and IQ4_XS (256 columns, Q8_K-style) blocks, with
-// the `row<MT>` interface of ggml_blocks_kquant.h. Both map each nibble through ggml's fixed
-// non-linear table kIq4Values (kvalues_iq4nl; the tests check it against gguf-py's).
+// IQ4_NL and MXFP4 (32 columns, Q8_0-style activations) and IQ4_XS (256 columns, Q8_K-style)
+// blocks, with the `row<MT>` interface of ggml_blocks_kquant.h. Each maps a nibble through a
+// fixed 16-entry table: ggml's non-linear kIq4Values (kvalues_iq4nl), or the e2m1 values
+// doubled, kMxfp4Values (kvalues_mxfp4); the tests check both against gguf-py's.
 //
 //   IQ4_NL  18 B: d f16, qs[16]; column j < 16: the low nibble of qs[j], else the high nibble
 //                 of qs[j - 16]; w = d * kIq4Values[nibble]
+//   MXFP4   17 B: e u8, qs[16] as IQ4_NL's; w = 2^(e - 128) * kMxfp4Values[nibble] (the e8m0
+//                 scale halved to match the doubled table: ggml_e8m0_to_fp32_half)
 //   IQ4_XS 136 B: d f16, scales_h u16, scales_l[4], qs[128]; sub-block s (32 columns, qs + 16s
 //                 as IQ4_NL's qs) has the 6-bit ls = low / high nibble of scales_l[s / 2] | bits
 //                 2s..2s+1 of scales_h << 4; w = d * (ls - 32) * kIq4Values[nibble]
@@ -18,16 +21,26 @@ namespace fitserve::ggml {
 
 inline constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                           1,    13,   25,  38,  53,  69,  89,  113};
+inline constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// 2^(e - 128) as float32, from its bits (e < 2: the subnormals 2^-128 and 2^-127)
+inline float e8m0_half_at(const uint8_t* p) {
+  const uint32_t e = p[0];
+  const uint32_t bits = e < 2 ? (uint32_t{0x00200000} << e) : ((e - 1) << 23);
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
 
 #ifdef FS_GGML_AVX2
 // The 32 table values of the 16 bytes at qs, in column order; and their dot with x (32 int8)
 // as 8 int32 lanes.
-inline __m256i iq4_values32(const uint8_t* qs) {
+inline __m256i iq4_values32(const uint8_t* qs, const int8_t* values = kIq4Values) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
   const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v),
                                        _mm256_set1_epi8(0x0F));
   const __m256i table =
-      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Values)));
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values)));
   return _mm256_shuffle_epi8(table, nib);
 }
 inline __m256i iq4_pairs(__m256i w, __m256i x) {  // int16 pairs of w * x
@@ -35,9 +48,15 @@ inline __m256i iq4_pairs(__m256i w, __m256i x) {  // int16 pairs of w * x
 }
 #endif
 
-struct IQ4NL {
-  static constexpr int64_t kQK = 32, kBytes = 18, kActBlock = 32;
+// A 32-column block of one scale and 16 bytes of nibbles mapped through a table: IQ4_NL (f16
+// d) and MXFP4 (e8m0 exponent byte).
+template <bool kMx>
+struct Table4Block {
+  static constexpr int64_t kQK = 32, kBytes = kMx ? 17 : 18, kActBlock = 32;
   static constexpr bool kPerm128 = false;
+  static constexpr int kQs = kMx ? 1 : 2;  // the codes' byte offset
+  static constexpr const int8_t* kValues = kMx ? kMxfp4Values : kIq4Values;
+  static float scale(const uint8_t* b) { return kMx ? e8m0_half_at(b) : f16_at(b); }
 
   template <int MT>
   static void row(const uint8_t* w, int64_t nb, const Act& a, int64_t m0, float* res) {
@@ -46,8 +65,8 @@ struct IQ4NL {
     FS_GGML_UNROLL for (int i = 0; i < MT; ++i) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
     for (int64_t k = 0; k < nb; ++k) {
       const uint8_t* b = w + k * kBytes;
-      const __m256i wv = iq4_values32(b + 2);
-      const float d = f16_at(b);
+      const __m256i wv = iq4_values32(b + kQs, kValues);
+      const float d = scale(b);
       FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
         const __m256i av =
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qrow(m0 + i) + 32 * k));
@@ -61,12 +80,12 @@ struct IQ4NL {
     float acc[MT] = {};
     for (int64_t k = 0; k < nb; ++k) {
       const uint8_t* b = w + k * kBytes;
-      const float d = f16_at(b);
+      const float d = scale(b);
       for (int i = 0; i < MT; ++i) {
         const int8_t* aq = a.qrow(m0 + i) + 32 * k;
         int32_t dot = 0;
         for (int j = 0; j < 16; ++j)
-          dot += kIq4Values[b[2 + j] & 15] * aq[j] + kIq4Values[b[2 + j] >> 4] * aq[j + 16];
+          dot += kValues[b[kQs + j] & 15] * aq[j] + kValues[b[kQs + j] >> 4] * aq[j + 16];
         acc[i] += d * a.drow(m0 + i)[k] * static_cast<float>(dot);
       }
     }
@@ -74,6 +93,9 @@ struct IQ4NL {
 #endif
   }
 };
+
+using IQ4NL = Table4Block<false>;
+using MXFP4 = Table4Block<true>;
 
 struct IQ4XS {
   static constexpr int64_t kQK = 256, kBytes = 136, kActBlock = 256;

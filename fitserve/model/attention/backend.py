@@ -33,6 +33,8 @@ class AttentionBackend:
     name: ClassVar[str]
     # applies attention logit soft-capping (DecodeBatch/PrefillSeq.softcap; Gemma 2)
     supports_softcap: ClassVar[bool] = False
+    # takes ``sinks=`` [Hq] in decode / prefill: a per-head logit in the softmax (gpt-oss)
+    supports_sinks: ClassVar[bool] = False
     # NOTE: None for the CUDA backends: the ledger sizes CPU steps only
     ledger_kind: ClassVar[ScratchKind | None] = None
     # decode reads a QuantizedKVCache's codes in place (``decode_quantized``), so the runner

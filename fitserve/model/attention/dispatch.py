@@ -7,7 +7,8 @@ int8 / fp8 codes in place, ``CpuPagedDecodeKVQ``); without it (no compiler, fail
 ``EagerGather`` up to 4096 keys and ``TorchSDPA`` beyond. Prefill chunks run the same C++ kernel,
 one decode row per query (batch invariance: a token's attention is computed the same way in a
 whole prompt, a chunk, after a prefix hit or as a speculative draft), ``TorchSDPA`` without it.
-A model with attention logit soft-capping (Gemma 2) runs ``EagerGather`` everywhere.
+A model with attention logit soft-capping (Gemma 2) or attention sinks (gpt-oss) runs
+``EagerGather`` everywhere.
 Measured: docs/benchmarks.md, section 'Attention backend rule' (``benchmarks/bench_kernels.py``
 puts the rule's pick next to the measured fastest). Choosing costs a few comparisons per group
 and step, against milliseconds won per call.
@@ -45,6 +46,7 @@ class ShapeClass:
     # sets it for decode-only steps (a step with a prefill chunk reads a dequantized copy)
     kv_quant: bool = False
     softcap: bool = False       # attention logits soft-capped (Gemma 2)
+    sinks: bool = False         # a learned logit per head in the softmax (gpt-oss)
 
 
 def _batch_bucket(batch: int) -> BatchBucket:
@@ -56,18 +58,21 @@ def _length_bucket(max_len: int) -> LengthBucket:
 
 
 def classify(device: str, q_lens: list[int], k_lens: list[int], *, triton: bool = False,
-             cpp: bool = False, kv_quant: bool = False, softcap: bool = False) -> ShapeClass:
+             cpp: bool = False, kv_quant: bool = False, softcap: bool = False,
+             sinks: bool = False) -> ShapeClass:
     """Shape class of a ragged batch (per-sequence query and key counts)."""
     phase: Phase = "decode" if q_lens and all(t == 1 for t in q_lens) else "prefill"
     return ShapeClass(device, phase, _batch_bucket(len(q_lens)),
-                      _length_bucket(max(k_lens, default=0)), triton, cpp, kv_quant, softcap)
+                      _length_bucket(max(k_lens, default=0)), triton, cpp, kv_quant, softcap,
+                      sinks)
 
 
 def choose_attention_backend(shape_class: ShapeClass) -> AttentionBackend:
     """The backend for a shape class (one of :data:`BACKENDS`)."""
-    if shape_class.softcap:
-        # NOTE: correctness first: only EagerGather soft-caps its scores (the C++, SDPA and
-        # Triton kernels do not), so a soft-capped model runs it in both phases, on any device
+    if shape_class.softcap or shape_class.sinks:
+        # NOTE: correctness first: only EagerGather soft-caps its scores and adds attention
+        # sinks (the C++, SDPA and Triton kernels do not), so such a model (Gemma 2, gpt-oss)
+        # runs it in both phases, on any device
         return EAGER_GATHER
     if shape_class.device == "cuda" and shape_class.triton:
         return TRITON_DECODE if shape_class.phase == "decode" else TRITON_PREFILL

@@ -39,15 +39,28 @@ def gather_chunk_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, seq: PrefillSe
     return kh, vh
 
 
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None,
+                       shape: tuple[int, ...]) -> torch.Tensor:
+    """softmax over the last dim of fp32 ``scores``; with ``sinks`` (one logit per query head,
+    viewed as ``shape`` to broadcast over the scores), each row's softmax over [scores, sink]
+    with the sink's column dropped (transformers' gpt-oss eager attention): the rows then sum
+    to less than 1."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.float().view(shape).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+
+
 class EagerGather(AttentionBackend):
     """Gathered K/V, GQA folded into rows, matmul + fp32 softmax + matmul."""
 
     name = "eager_gather"
     ledger_kind = ScratchKind.GATHER_EAGER
     supports_softcap = True
+    supports_sinks = True
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               d: DecodeBatch, scale: float) -> torch.Tensor:
+               d: DecodeBatch, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
         assert d.visible is not None, "EagerGather decode needs the visible mask"
         num, num_heads, head_dim = q.shape
         num_kv = k_cache.shape[0]
@@ -57,11 +70,12 @@ class EagerGather(AttentionBackend):
         qg = (q * scale).reshape(num, num_kv, num_heads // num_kv, head_dim).transpose(0, 1)
         scores = soft_cap(torch.matmul(qg, k.transpose(-1, -2)).float(), d.softcap)  # [Hkv, B, G, L]
         hidden = d.hidden if d.hidden is not None else ~d.visible
-        probs = torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1).to(v.dtype)
+        probs = softmax_with_sinks(scores.masked_fill_(hidden, float("-inf")), sinks,
+                                   (num_kv, 1, num_heads // num_kv, 1)).to(v.dtype)
         return torch.matmul(probs, v).transpose(0, 1).reshape(num, num_heads, head_dim)
 
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                seq: PrefillSeq, scale: float) -> torch.Tensor:
+                seq: PrefillSeq, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
         t = q.shape[0]
         total = seq.cached + t
         num_heads, num_kv = q.shape[1], k_cache.shape[0]
@@ -72,7 +86,8 @@ class EagerGather(AttentionBackend):
         scores = torch.matmul(qg, kh[0].transpose(-1, -2)).float().view(num_kv, group, t, total)
         scores = soft_cap(scores, seq.softcap)
         hidden = seq.hidden if seq.hidden is not None else ~visible_mask(t, seq.cached, seq.window, q.device)
-        probs = torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1).to(vh.dtype)
+        probs = softmax_with_sinks(scores.masked_fill_(hidden, float("-inf")), sinks,
+                                   (num_kv, group, 1, 1)).to(vh.dtype)
         o = torch.matmul(probs.view(num_kv, group * t, total), vh[0])  # [Hkv, G*T, D]
         return o.view(num_kv, group, t, -1).permute(2, 0, 1, 3).reshape(t, num_heads, -1)
 

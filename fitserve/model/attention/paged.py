@@ -67,15 +67,22 @@ def paged_attention(
     v_cache: torch.Tensor,
     batch: AttentionBatch,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [N, Hq, D] -> out [N, Hq, D]; the new tokens' K/V must already be in the cache."""
+    """q [N, Hq, D] -> out [N, Hq, D]; the new tokens' K/V must already be in the cache.
+    ``sinks`` [Hq]: a learned logit per head in each softmax's denominator (gpt-oss), taken
+    only by a backend that ``supports_sinks`` (the dispatch rule picks one)."""
     d = batch.decode
+    extra = {} if sinks is None else {"sinks": sinks}
+    for backend in ([d.backend] if d is not None else []) + [s.backend for s in batch.prefills]:
+        if sinks is not None and not backend.supports_sinks:
+            raise ValueError(f"attention backend {backend.name} does not apply attention sinks")
     if not batch.prefills and d is not None and d.num == q.shape[0]:
-        return d.backend.decode(q, k_cache, v_cache, d, scale)  # all decodes: no copy
+        return d.backend.decode(q, k_cache, v_cache, d, scale, **extra)  # all decodes: no copy
     out = torch.empty_like(q)
     if d is not None and d.num > 0:
-        out[: d.num] = d.backend.decode(q[: d.num], k_cache, v_cache, d, scale)
+        out[: d.num] = d.backend.decode(q[: d.num], k_cache, v_cache, d, scale, **extra)
     for seq in batch.prefills:
         out[seq.start : seq.end] = seq.backend.prefill(q[seq.start : seq.end], k_cache, v_cache,
-                                                       seq, scale)
+                                                       seq, scale, **extra)
     return out

@@ -20,7 +20,7 @@ from fitserve.ledger.errors import PlanError
 from fitserve.loading.errors import ModelLoadError
 from fitserve.loading.hf_config import FITSERVE_QUANT_METHOD, packed_formats, spec_from_hf_folder
 from fitserve.loading.hf_config import spec_from_hf_config as read_hf_config
-from fitserve.loading.hf_quant_config import prequant_formats, read_prequant
+from fitserve.loading.hf_quant_config import MXFP4_METHOD, prequant_formats, read_prequant
 from fitserve.loading.support import hf_support, spec_problems
 from fitserve.tools.planner.entry import ModelEntry
 from fitserve.tools.planner.gguf_source import gguf_entry
@@ -108,6 +108,11 @@ def config_entry(path: Path) -> ModelEntry:
         return ModelEntry(spec, _main_format(spec, formats, _dtype(cfg)), _dtype(cfg),
                           f"{p} ({tag} checkpoint)", stored_formats=formats,
                           engine_refusal=refusal)
+    mxfp4 = _mxfp4_formats(cfg, spec)
+    if mxfp4 is not None:  # gpt-oss's experts, held as the checkpoint's MXFP4 blocks
+        return ModelEntry(spec, _main_format(spec, mxfp4, _dtype(cfg)), _dtype(cfg),
+                          f"{p} (mxfp4 checkpoint)", stored_formats=mxfp4,
+                          engine_refusal=refusal)
     if packed is None:
         return ModelEntry(spec, _dtype(cfg), _dtype(cfg), str(p), engine_refusal=refusal)
     # NOTE: a `fitserve quantize` checkpoint: the engine holds these tensors as stored, so the
@@ -115,6 +120,19 @@ def config_entry(path: Path) -> ModelEntry:
     return ModelEntry(spec, _main_format(spec, packed, _dtype(cfg)), _dtype(cfg),
                       f"{p} (fitserve {cfg['quantization_config'].get('method', '?')} checkpoint)",
                       stored_formats=packed, engine_refusal=refusal)
+
+
+def _mxfp4_formats(cfg: dict[str, Any], spec: ModelSpec) -> dict[str, str] | None:
+    """Each routed expert weight of a gpt-oss ``quant_method: mxfp4`` checkpoint as "MXFP4"
+    (fitserve.loading.mxfp4 holds them so), None for any other folder."""
+    from fitserve.ledger.weight_names import expected_weight_shapes
+
+    quant = cfg.get("quantization_config")
+    if (not isinstance(quant, dict) or quant.get("quant_method") != MXFP4_METHOD
+            or spec.architecture != "gpt_oss"):
+        return None
+    return {n: "MXFP4" for n, shape in expected_weight_shapes(spec).items()
+            if ".mlp.experts." in n and len(shape) == 2}
 
 
 def _checkpoint_formats(cfg: dict[str, Any], path: Path) -> dict[str, str] | None:

@@ -137,9 +137,9 @@ def test_unsupported_architecture_in_config(
 
 
 def test_unsupported_rope_type() -> None:
-    with pytest.raises(ModelLoadError, match="'yarn'"):
+    with pytest.raises(ModelLoadError, match="'dynamic'"):
         spec_from_hf_config(
-            {**BASE, "model_type": "qwen2", "rope_scaling": {"type": "yarn", "factor": 4.0}}
+            {**BASE, "model_type": "qwen2", "rope_scaling": {"type": "dynamic", "factor": 4.0}}
         )
 
 

@@ -9,6 +9,7 @@ ModelLoadError) and the planner's (describes more; PlanError through fitserve.to
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -160,11 +161,14 @@ def test_rope_errors() -> None:
         plan_spec_from_hf_config(cfg, "x")
     with pytest.raises(KeyError, match="factor"):  # and transformers refuses it too
         hf_config(cfg)
+    dynamic = {**BASE, "model_type": "qwen2", "rope_scaling": {"type": "dynamic", "factor": 4.0}}
+    with pytest.raises(ModelLoadError, match="unsupported rope scaling type 'dynamic'"):
+        spec_from_hf_config(dynamic)
+    # YaRN runs (fitserve.model.layers.yarn_inv_freq): transformers' defaults filled in
     yarn = {**BASE, "model_type": "qwen2", "rope_scaling": {"type": "yarn", "factor": 4.0}}
-    with pytest.raises(ModelLoadError, match="unsupported rope scaling type 'yarn'"):
-        spec_from_hf_config(yarn)
-    assert describe(yarn).rope_scaling == RopeScaling("yarn", 4.0, original_max_position_embeddings
-                                                      =32768)
+    want = RopeScaling("yarn", 4.0, original_max_position_embeddings=32768,
+                       attention_factor=0.1 * math.log(4.0) + 1.0)
+    assert spec_from_hf_config(yarn).rope_scaling == describe(yarn).rope_scaling == want
 
 
 def test_qwen3_use_sliding_window_and_max_window_layers() -> None:
@@ -219,8 +223,8 @@ def test_missing_fields_are_clear_errors(key: str) -> None:
 def test_architecture_from_model_type_or_class_name() -> None:
     spec = spec_from_hf_config({**BASE, "architectures": ["Qwen2ForCausalLM"]})
     assert spec.architecture == "qwen2" and spec.attention_bias
-    with pytest.raises(UnsupportedArchitectureError, match="gpt_oss"):
-        spec_from_hf_config({**BASE, "model_type": "gpt_oss"})
+    with pytest.raises(UnsupportedArchitectureError, match="deepseek_v3"):
+        spec_from_hf_config({**BASE, "model_type": "deepseek_v3"})
     assert spec_from_hf_config({**BASE, "architectures": ["Gemma2ForCausalLM"]}).architecture == "gemma2"
     assert spec_from_hf_config({**BASE, "architectures": ["Phi3ForCausalLM"]}).architecture == "phi3"
     with pytest.raises(UnsupportedArchitectureError, match="none: config has no model_type"):
@@ -317,10 +321,14 @@ def test_gguf_names_rope_and_eos(tmp_path: Path) -> None:
     yarn = TinyGGUF(meta={"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
                           "rope.scaling.original_context_length": 4096})
     header = read_gguf_header(write_tiny_gguf(tmp_path / "yarn.gguf", yarn))
-    with pytest.raises(ModelLoadError, match="unsupported rope scaling type 'yarn'"):
+    # YaRN as llama.cpp runs it: its ramp's ends always truncated (ggml_rope_yarn_corr_dims)
+    assert spec_from_gguf_header(header).rope_scaling == RopeScaling(
+        "yarn", 4.0, original_max_position_embeddings=4096,
+        attention_factor=0.1 * math.log(4.0) + 1.0, truncate=True)
+    other = TinyGGUF(meta={"rope.scaling.type": "longrope", "rope.scaling.factor": 4.0})
+    header = read_gguf_header(write_tiny_gguf(tmp_path / "other.gguf", other))
+    with pytest.raises(ModelLoadError, match="unsupported rope scaling type 'longrope'"):
         spec_from_gguf_header(header)
-    assert spec_from_gguf_header(header, require_supported=False).rope_scaling == RopeScaling(
-        "yarn", 4.0, original_max_position_embeddings=4096)
 
 
 def test_gguf_bias_norms_tying_and_unsupported(tmp_path: Path) -> None:
@@ -343,7 +351,7 @@ def test_gguf_bias_norms_tying_and_unsupported(tmp_path: Path) -> None:
     assert big.query_pre_attn_scalar == 16.0 and big.head_dim == 32
     w = read_gguf_header(write_tiny_gguf(tmp_path / "w.gguf", TinyGGUF(sliding_window=8,
         layers=2, meta={"attention.sliding_window_pattern": [True, False]})))
-    with pytest.raises(ModelLoadError, match="mixed layer kinds for Gemma 2/3 only"):
+    with pytest.raises(ModelLoadError, match="mixed layer kinds for Gemma 2/3 and gpt-oss only"):
         spec_from_gguf_header(w)
 
 

@@ -60,8 +60,7 @@ def test_hf_folder_of_a_moe_model_never_fits(tmp_path: Path,
     assert "'phimoe (PhimoeForCausalLM)'" in plan["engine_cannot_run"]
 
 
-@pytest.mark.parametrize("name,part", [("DeepSeek-V3", "architecture 'deepseek_v3'"),
-                                       ("gpt-oss-20b", "mixture-of-experts 'gpt_oss'")])
+@pytest.mark.parametrize("name,part", [("DeepSeek-V3", "architecture 'deepseek_v3'")])
 def test_catalog_name_the_engine_refuses_on_cpu(name: str, part: str,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     # (the old plan: no refusal at all for a catalog name; "fits" by memory alone)
@@ -118,11 +117,12 @@ def test_no_row_twice(concurrency: str, capsys: pytest.CaptureFixture[str]) -> N
                       else ["decode, batch 1", "decode, batch 4"])
 
 
-@pytest.mark.parametrize("name,weights", [("Mixtral-8x7B", "int4"), ("gpt-oss-20b", "int8"),
-                                          ("Llama-3.1-8B", "int4"), ("SmolLM2-135M", None)])
+@pytest.mark.parametrize("name,weights", [("Mixtral-8x7B", "int4"), ("DeepSeek-V3", "int8"),
+                                          ("gpt-oss-20b", "int8"), ("Llama-3.1-8B", "int4"),
+                                          ("SmolLM2-135M", None)])
 def test_weights_per_gpu_over_whole_model_says_why(name: str, weights: str | None,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    # gpt-oss-20b --weights int8 on cpu: the engine cannot run gpt_oss, so its RTN-at-load rule
+    # DeepSeek-V3 --weights int8 on cpu: the engine cannot run it, so its RTN-at-load rule
     # does not apply and the per-GPU line is the whole model in bf16, above the ledger's int8
     # count of the whole model: the old plan printed both numbers with no word on why.
     # Mixtral-8x7B --weights int4 (the engine runs it): whole model (ledger, every matrix
@@ -141,5 +141,5 @@ def test_weights_per_gpu_over_whole_model_says_why(name: str, weights: str | Non
         assert "MORE than" not in per["explain"]
     if name == "Mixtral-8x7B":
         assert (whole["value"], per["value"]) == (29_551_501_312, 29_288_043_520)
-    if name == "gpt-oss-20b":
+    if name == "DeepSeek-V3":
         assert "MORE than the whole model" in per["explain"]
