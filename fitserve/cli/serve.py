@@ -218,7 +218,7 @@ def _run_replicas(args: argparse.Namespace, config: EngineConfig, settings: Any)
     """--replicas N: the same server, N times on Ray Serve behind one ingress (fitserve.fleet)."""
     from fitserve.fleet.launch import run_fleet
     from fitserve.fleet.routing import RoutingPolicy
-    from fitserve.fleet.spec import FleetSpec, ReplicaSpec, share_host_memory
+    from fitserve.fleet.spec import FleetSpec, ReplicaGroup, ReplicaSpec, share_host_memory
 
     if config.tensor_parallel_size > 1 or args.threads is not None:
         print("fitserve serve: --replicas takes neither --tensor-parallel-size nor --threads "
@@ -226,9 +226,10 @@ def _run_replicas(args: argparse.Namespace, config: EngineConfig, settings: Any)
         return 2
     n = args.replicas or 1
     try:
-        spec = FleetSpec(ReplicaSpec(share_host_memory(config, n), settings, num_cpus=args.replica_cpus,
-                                     capacity=args.replica_capacity, chat_template=args.chat_template),
-                         num_replicas=n, policy=RoutingPolicy(args.routing, balance_abs=args.routing_balance))
+        replica = ReplicaSpec(share_host_memory(config, n), settings, num_cpus=args.replica_cpus,
+                              capacity=args.replica_capacity, chat_template=args.chat_template)
+        spec = FleetSpec((ReplicaGroup(replica, num_replicas=n),),
+                         policy=RoutingPolicy(args.routing, balance_abs=args.routing_balance))
     except ValueError as exc:
         print(f"fitserve serve: {exc}", file=sys.stderr)
         return 2

@@ -22,10 +22,11 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from fitserve.fleet.groups import GroupPicker
 from fitserve.fleet.metrics_merge import merge_metrics
 from fitserve.fleet.registry import router_of
 from fitserve.fleet.request import FleetRequest, ResponseHead, routing_text
-from fitserve.fleet.routing import ROUTING_MODES
+from fitserve.fleet.routing import ROUTING_MODES, RoutingPolicy
 from fitserve.server.errors import error_body
 
 log = logging.getLogger("fitserve.fleet")
@@ -36,10 +37,11 @@ _RETRY_STATUS = (429, 503)
 class FleetIngress:
     """The ingress deployment: Serve's HTTP proxy hands each request to ``__call__``."""
 
-    def __init__(self, replicas: DeploymentHandle, deployment: str, api_key: str | None = None,
-                 max_retries: int = 2) -> None:
-        self.replicas = replicas
-        self.deployment = deployment
+    def __init__(self, groups: list[tuple[str, DeploymentHandle, float]], api_key: str | None = None,
+                 policy: RoutingPolicy | None = None, max_retries: int = 2) -> None:
+        """``groups``: (deployment name, its handle, its capacity units) per replica group."""
+        self.handles = {name: handle for name, handle, _ in groups}
+        self.picker = GroupPicker({name: units for name, _, units in groups}, policy or RoutingPolicy())
         self.api_key = api_key
         self.max_retries = max_retries
 
@@ -55,13 +57,13 @@ class FleetIngress:
         """The replicas as the router sees them: stats, in-flight requests, capacity, pid."""
         if (denied := self._denied(request)) is not None:
             return denied
-        return JSONResponse({"deployment": self.deployment, "replicas": await self._replicas()})
+        return JSONResponse({"groups": self.picker.capacities, "replicas": await self._replicas()})
 
     async def metrics(self, request: Request) -> Response:
         """Every replica's /metrics, each sample labelled with its replica."""
         texts: dict[str, str] = {}
         for rid in sorted(await self._replicas()):
-            head, body = await self._collect(self._send(self._request(request, b"", pin=rid)))
+            head, body = await self._collect(self._send(self._request(request, b"", pin=rid), _group_of(rid)))
             if head.status != 200:
                 return Response(body, status_code=head.status, headers=_forwarded(head.headers))
             texts[rid.rsplit("#", 1)[-1]] = body.decode()
@@ -75,8 +77,11 @@ class FleetIngress:
             return JSONResponse(error_body(400, f"X-Fitserve-Routing must be one of {ROUTING_MODES}, "
                                                 f"got {req.routing!r}"), status_code=400)
         failure: str = "no replica answered"
+        order = self.picker.order(req.prompt, req.routing)
         for attempt in range(self.max_retries + 1):
-            gen = self._send(req)
+            group = order[min(attempt, len(order) - 1)]  # a retry goes to the next group, if any
+            gen = self._send(req, group)
+            self.picker.started(group, req.prompt)
             try:
                 head = await gen.__anext__()
                 if head.status in _RETRY_STATUS and attempt < self.max_retries:
@@ -93,6 +98,8 @@ class FleetIngress:
                 failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 log.warning("request %s %s failed on a replica (attempt %d): %s", req.method, req.path,
                             attempt + 1, failure)
+            finally:
+                self.picker.finished(group)  # NOTE: a stream counts while its head is awaited
         return JSONResponse(error_body(503, f"no replica could serve the request ({failure})"),
                             status_code=503, headers={"Retry-After": "1"})
 
@@ -102,8 +109,8 @@ class FleetIngress:
                             prompt=routing_text(body), routing=request.headers.get("x-fitserve-routing"),
                             pin=pin)
 
-    def _send(self, req: FleetRequest) -> DeploymentResponseGenerator:
-        return self.replicas.options(stream=True).forward.remote(req)
+    def _send(self, req: FleetRequest, group: str) -> DeploymentResponseGenerator:
+        return self.handles[group].options(stream=True).forward.remote(req)
 
     @staticmethod
     async def _collect(gen: DeploymentResponseGenerator,
@@ -119,16 +126,21 @@ class FleetIngress:
         return head, b"".join(parts)
 
     async def _replicas(self) -> dict[str, dict[str, Any]]:
-        """The router's live replicas; the first call sends /health to make Serve build it."""
-        router = router_of(self.deployment)
-        if router is None:
-            await self._collect(self._send(FleetRequest("GET", "/health")))
-            router = router_of(self.deployment)
-        for _ in range(50):  # its replica list arrives from the controller shortly after
-            if router is not None and router.curr_replicas:
-                return router.replicas()
-            await asyncio.sleep(0.1)
-        return router.replicas() if router is not None else {}
+        """Every group's live replicas as its router sees them (a router is built by Serve on
+        its handle's first request: /health is sent to a group that has none yet)."""
+        out: dict[str, dict[str, Any]] = {}
+        for group in self.handles:
+            router = router_of(group)
+            if router is None:
+                await self._collect(self._send(FleetRequest("GET", "/health"), group))
+                router = router_of(group)
+            for _ in range(50):  # its replica list arrives from the controller shortly after
+                if router is not None and router.curr_replicas:
+                    break
+                await asyncio.sleep(0.1)
+            if router is not None:
+                out.update({rid: {**stats, "group": group} for rid, stats in router.replicas().items()})
+        return out
 
     def _denied(self, request: Request) -> Response | None:
         if self.api_key is None:
@@ -137,6 +149,11 @@ class FleetIngress:
         if hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
             return None
         return JSONResponse(error_body(401, "invalid or missing API key"), status_code=401)
+
+
+def _group_of(replica: str) -> str:
+    """The deployment of a full replica id ("SERVE_REPLICA::app#deployment#id")."""
+    return replica.split("#")[-2]
 
 
 def _is_stream(head: ResponseHead) -> bool:

@@ -31,11 +31,11 @@ def run_fleet(spec: FleetSpec, host: str, port: int, ray_address: str | None = N
 
     started_head = ray_address is None
     if started_head:
-        needed = spec.num_replicas * spec.replicas.num_cpus
+        needed = sum(g.num_replicas * g.replica.num_cpus for g in spec.groups)
         cores = os.cpu_count() or 1
         if needed > cores:
-            log.warning("%d replicas x %g CPUs oversubscribe this machine's %d cores", spec.num_replicas,
-                        spec.replicas.num_cpus, cores)
+            log.warning("%d replicas need %g CPUs: this machine's %d cores are oversubscribed",
+                        spec.num_replicas, needed, cores)
         # NOTE: loopback only, no dashboard, a small object store: the fleet passes requests and
         # chunks through Ray, never tensors
         ray.init(num_cpus=max(cores, int(needed + 0.999)), include_dashboard=False, _node_ip_address="127.0.0.1",
@@ -49,7 +49,7 @@ def run_fleet(spec: FleetSpec, host: str, port: int, ray_address: str | None = N
     try:
         serve.start(http_options={"host": host, "port": port}, detached=not started_head)
         serve.run(build_fitserve_app(spec), name=spec.name, route_prefix="/", blocking=False)
-        print(f"fitserve: {spec.num_replicas} replicas of {spec.replicas.config.model} ready at "
+        print(f"fitserve: {spec.num_replicas} replicas of {spec.groups[0].replica.config.model} ready at "
               f"http://{host}:{port}", flush=True)
         stop.wait()
     except Exception as exc:  # noqa: BLE001 - a deploy failure is this command's exit status

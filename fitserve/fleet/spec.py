@@ -33,20 +33,43 @@ class ReplicaSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplicaGroup:
+    """Identical replicas (one Serve deployment): how many, and the accelerator each takes."""
+
+    replica: ReplicaSpec
+    num_replicas: int = 2
+    name: str = "replica"
+    accelerator_type: str | None = None  # Ray's name (e.g. "H100"): replicas go to such nodes
+    num_gpus: float = 0.0  # GPUs per replica (its tensor-parallel size)
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1:
+            raise ValueError(f"--replicas must be >= 1, got {self.num_replicas}")
+        if self.replica.num_cpus <= 0:
+            raise ValueError(f"--replica-cpus must be > 0, got {self.replica.num_cpus}")
+
+    @property
+    def capacity_units(self) -> float:
+        return self.num_replicas * self.replica.capacity_units
+
+
+@dataclass(frozen=True, slots=True)
 class FleetSpec:
     """The application: replica groups (one Serve deployment each) behind one ingress."""
 
-    replicas: ReplicaSpec
-    num_replicas: int = 2
+    groups: tuple[ReplicaGroup, ...]
     policy: RoutingPolicy = field(default_factory=RoutingPolicy)
     name: str = "fitserve"
     max_retries: int = 2  # another replica tried after a 429/503 or a replica that died
 
     def __post_init__(self) -> None:
-        if self.num_replicas < 1:
-            raise ValueError(f"--replicas must be >= 1, got {self.num_replicas}")
-        if self.replicas.num_cpus <= 0:
-            raise ValueError(f"--replica-cpus must be > 0, got {self.replicas.num_cpus}")
+        names = [g.name for g in self.groups]
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"a fleet needs one or more replica groups with distinct names, got {names}")
+
+    @property
+    def num_replicas(self) -> int:
+        return sum(g.num_replicas for g in self.groups)
 
 
 def share_host_memory(config: EngineConfig, num_replicas: int) -> EngineConfig:
