@@ -221,18 +221,24 @@ def _run_replicas(args: argparse.Namespace, config: EngineConfig, settings: Any)
     from fitserve.fleet.spec import FleetSpec, ReplicaGroup, ReplicaSpec, share_host_memory
 
     if config.tensor_parallel_size > 1 or args.threads is not None:
-        print("fitserve serve: --replicas takes neither --tensor-parallel-size nor --threads "
-              "(each replica runs --replica-cpus threads)", file=sys.stderr)
+        print("fitserve serve: --replicas takes no --threads (each replica runs --replica-cpus "
+              "threads) and no --tensor-parallel-size from the command line yet (a config from "
+              "plan capacity --emit-ray-config sets it per group)", file=sys.stderr)
         return 2
     n = args.replicas or 1
     try:
         replica = ReplicaSpec(share_host_memory(config, n), settings, num_cpus=args.replica_cpus,
-                              capacity=args.replica_capacity, chat_template=args.chat_template)
+                              capacity=args.replica_capacity, chat_template=args.chat_template,
+                              pull_default=args.model == "smollm2-135m")
         spec = FleetSpec((ReplicaGroup(replica, num_replicas=n),),
                          policy=RoutingPolicy(args.routing, balance_abs=args.routing_balance))
     except ValueError as exc:
         print(f"fitserve serve: {exc}", file=sys.stderr)
         return 2
+    if args.model == "smollm2-135m":
+        from fitserve.loading.pull import pull
+
+        pull(args.model, progress=True)  # here for a local head's replicas; remote nodes pull their own
     return run_fleet(spec, args.host, args.port, args.ray_address)
 
 
@@ -269,12 +275,12 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"fitserve serve: {exc}", file=sys.stderr)
         return 2
+    if args.replicas is not None or args.ray_address is not None:
+        return _run_replicas(args, config, settings)
     if args.model == "smollm2-135m":
         from fitserve.loading.pull import pull
 
         pull(args.model, progress=True)  # a first run fetches the default model
-    if args.replicas is not None or args.ray_address is not None:
-        return _run_replicas(args, config, settings)
     from fitserve.dist.group import launched_externally
 
     if launched_externally(config.tensor_parallel_size) and int(os.environ["RANK"]) != 0:

@@ -125,11 +125,11 @@ def test_openai_client_gets_the_single_servers_answers(fleet: Fleet, client: Any
 
 
 def _shared_prompt_run(fleet: Fleet, routing: str, tag: str) -> float:
-    """24 chats over 4 shared system prompts (new ones per run), 4 at a time: the fleet hit rate."""
+    """16 chats over 4 shared system prompts (new ones per run), 4 at a time: the fleet hit rate."""
     fc = fleet.client(**{"X-Fitserve-Routing": routing})
     systems = [f"[{tag}{i}] You are assistant {i}. " + " ".join(f"Rule {j}: answer topic {j} {i} times." for j in range(14))
                for i in range(4)]
-    jobs = [(systems[k % 4], f"Question {k}: what is {k} plus {k}?") for k in range(24)]
+    jobs = [(systems[k % 4], f"Question {k}: what is {k} plus {k}?") for k in range(16)]
     random.Random(0).shuffle(jobs)  # NOTE: not k % 4 in order: round robin would partition it by chance
     q0, h0 = fleet.prefix_counters()
     with cf.ThreadPoolExecutor(4) as pool:
@@ -142,8 +142,8 @@ def _shared_prompt_run(fleet: Fleet, routing: str, tag: str) -> float:
 
 
 def test_prefix_affinity_beats_round_robin_on_shared_system_prompts(fleet: Fleet) -> None:
-    """Round robin computes each system prompt on both replicas, affinity on one: with 24
-    requests over 4 prompts, affinity misses 4 prompt prefixes fleet-wide and round robin 8."""
+    """Round robin computes each system prompt on both replicas, affinity on one: with 16
+    requests over 4 prompts, affinity misses 4 prompt prefixes fleet-wide and round robin up to 8."""
     round_robin = _shared_prompt_run(fleet, "round-robin", "rr")
     affinity = _shared_prompt_run(fleet, "affinity", "af")
     print(f"fleet prefix-cache hit rate: affinity {affinity:.3f}, round robin {round_robin:.3f}")
