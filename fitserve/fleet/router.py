@@ -60,7 +60,8 @@ class FleetRouter(RequestRouter):
         rid = replica.replica_id.to_full_id_str()
         stats = replica.routing_stats or {}
         return ReplicaLoad(rid, self.in_flight.get(rid, 0), float(stats.get("capacity", 1.0)),
-                           float(stats.get("kv_usage", 0.0)))
+                           float(stats.get("kv_usage", 0.0)),
+                           int(stats.get("running", 0)) + int(stats.get("waiting", 0)))
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:

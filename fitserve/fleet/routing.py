@@ -6,7 +6,7 @@
     PrefixIndex: hash -> replicas that were sent a prompt starting with that chain
     match(replica) = chars of the longest chain prefix sent to it
 
-    load(r) = (in_flight(r) + 1) / capacity(r)          requests per capacity unit, if r takes it
+    load(r) = (max(in_flight(r), running + waiting it reported) + 1) / capacity(r)
     affinity: among replicas whose load is within balance_abs of the least loaded, the one
               holding the longest prefix (if it covers >= match_threshold of the prompt);
               otherwise, and for the fallback ranks, the least loaded first (kv usage breaks ties)
@@ -53,9 +53,12 @@ class ReplicaLoad:
     in_flight: int  # requests this router sent to it that have not completed
     capacity: float = 1.0  # capacity units (its share of the fleet's throughput at the SLO)
     kv_usage: float = 0.0  # 0..1, from the replica's last routing stats
+    reported: int = 0  # running + waiting in the replica's last routing stats (any router's)
 
     def load_if_added(self) -> float:
-        return (self.in_flight + 1) / max(self.capacity, 1e-9)
+        # NOTE: in_flight is exact and immediate for this router's requests; the replica's own
+        # count (up to a stats period old) also covers other routers' (several ingresses)
+        return (max(self.in_flight, self.reported) + 1) / max(self.capacity, 1e-9)
 
 
 class PrefixIndex:

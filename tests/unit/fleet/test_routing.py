@@ -79,6 +79,16 @@ def test_load_is_weighted_by_capacity_units() -> None:
     assert in_flight == {"big": 20, "small": 10}
 
 
+def test_load_counts_what_the_replica_reports_and_kv_usage_breaks_ties() -> None:
+    """A replica busy with another router's requests (its stats say 6 running + waiting) is more
+    loaded than an idle one this router has 1 request on; equal loads go to the emptier KV pool."""
+    policy = RoutingPolicy("least-load")
+    busy, idle = ReplicaLoad("busy", 0, 1.0, 0.0, reported=6), ReplicaLoad("idle", 1, 1.0, 0.0)
+    assert rank_replicas(policy, [busy, idle], {}, 0, 0)[0] == ["idle"]
+    full, empty = ReplicaLoad("full", 1, 1.0, 0.9), ReplicaLoad("empty", 1, 1.0, 0.1)
+    assert rank_replicas(policy, [full, empty], {}, 0, 0)[0] == ["empty"]
+
+
 def test_round_robin_rotates() -> None:
     policy = RoutingPolicy("round-robin")
     ls = loads(("a", 5, 1.0), ("b", 0, 1.0), ("c", 0, 1.0))
