@@ -66,12 +66,20 @@ def prefix_counters(url: str) -> tuple[float, float]:
     return q, h
 
 
+def system_prompt(tag: str, tokens: int) -> str:
+    """A system prompt of about ``tokens`` SmolLM2 tokens (~4 characters each), unique to ``tag``."""
+    text = f"[{tag}] You are a careful assistant."
+    j = 0
+    while len(text) < 4 * tokens:
+        text += f" Rule {j}: answer questions about topic {j} exactly and briefly."
+        j += 1
+    return text
+
+
 def one_run(url: str, routing: str, tag: str, args: argparse.Namespace) -> dict[str, float]:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=600,
                            default_headers={"X-Fitserve-Routing": routing})
-    words = max(1, args.system_tokens // 5)
-    systems = [f"[{tag}-{i}] You are assistant {i}. " + " ".join(f"rule {j} of {i}: be exact." for j in range(words // 5))
-               for i in range(4)]
+    systems = [system_prompt(f"{tag}-{i}", args.system_tokens) for i in range(4)]
     jobs = [(systems[k % 4], f"Question {k}: what is {k} plus {k + 1}?") for k in range(args.requests)]
     random.Random(tag).shuffle(jobs)
     q0, h0 = prefix_counters(url)

@@ -155,8 +155,6 @@ def test_killed_replica_loses_no_unstarted_request_and_hangs_no_stream(fleet: Fl
     (retried on the other replica), every stream completes or ends with an error event, and Ray
     brings a replacement up."""
     fc = fleet.client()
-    before = fleet.replicas()
-    victim = next(iter(before.values()))["pid"]
     msgs = [{"role": "user", "content": "Count from one to fifty in words."}]
 
     def stream(_: int) -> str:
@@ -177,6 +175,8 @@ def test_killed_replica_loses_no_unstarted_request_and_hangs_no_stream(fleet: Fl
         streams = [pool.submit(stream, i) for i in range(4)]
         plains = [pool.submit(plain, i) for i in range(4)]
         time.sleep(1.0)
+        # the streams share a prompt, so affinity puts them on one replica: kill that one
+        victim = max(fleet.replicas().values(), key=lambda r: r["in_flight"])["pid"]
         os.kill(victim, signal.SIGKILL)
         outcomes = [f.result(timeout=120) for f in streams]  # a hang would time out here
         finished = [f.result(timeout=120) for f in plains]
