@@ -153,8 +153,8 @@ def test_prefix_affinity_beats_round_robin_on_shared_system_prompts(fleet: Fleet
 def test_killed_replica_loses_no_unstarted_request_and_hangs_no_stream(fleet: Fleet) -> None:
     """SIGKILL one replica while streams and plain requests run: every plain request is answered
     (retried on the other replica), every stream completes or ends with an error event, and Ray
-    brings a replacement up."""
-    fc = fleet.client()
+    brings a replacement up. Round robin puts requests of both kinds on both replicas."""
+    fc = fleet.client(**{"X-Fitserve-Routing": "round-robin"})
     msgs = [{"role": "user", "content": "Count from one to fifty in words."}]
 
     def stream(_: int) -> str:
@@ -175,7 +175,6 @@ def test_killed_replica_loses_no_unstarted_request_and_hangs_no_stream(fleet: Fl
         streams = [pool.submit(stream, i) for i in range(4)]
         plains = [pool.submit(plain, i) for i in range(4)]
         time.sleep(1.0)
-        # the streams share a prompt, so affinity puts them on one replica: kill that one
         victim = max(fleet.replicas().values(), key=lambda r: r["in_flight"])["pid"]
         os.kill(victim, signal.SIGKILL)
         outcomes = [f.result(timeout=120) for f in streams]  # a hang would time out here
