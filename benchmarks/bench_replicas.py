@@ -47,7 +47,7 @@ def start_fleet(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen[b
     port = _free_port()
     cmd = [sys.executable, "-m", "fitserve.cli", "serve", MODEL, "--replicas", str(args.replicas),
            "--replica-cpus", str(args.replica_cpus), "--port", str(port), "--log-level", "warning",
-           "--max-model-len", "2048"]
+           "--max-model-len", "2048", "--routing-balance", str(args.routing_balance)]
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
@@ -120,6 +120,8 @@ def main() -> None:
     p.add_argument("--system-tokens", type=int, default=400)
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--routing-balance", type=float, default=4.0,
+                   help="affinity's load bound (fitserve serve --routing-balance)")
     args = p.parse_args()
     print(f"host: {os.cpu_count()} CPUs, load average {os.getloadavg()}")
     log = Path(tempfile.mkdtemp(prefix="bench-replicas-")) / "fleet.log"
@@ -136,7 +138,8 @@ def main() -> None:
         proc.wait(120)
     med: dict[str, dict[str, Any]] = {k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in rows.items()}
     print(f"\n{args.replicas} replicas x {args.replica_cpus:g} CPU, {args.requests} requests x 4 shared system prompts "
-          f"(~{args.system_tokens} tokens), {args.new_tokens} new tokens, concurrency {args.concurrency}; "
+          f"(~{args.system_tokens} tokens), {args.new_tokens} new tokens, concurrency {args.concurrency}, "
+          f"--routing-balance {args.routing_balance:g}; "
           f"medians of {args.rounds} rounds; load average after {os.getloadavg()}")
     print(f"{'routing':12s} {'req/s':>8s} {'tok/s':>8s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'hit rate':>9s}")
     for k, m in med.items():

@@ -47,7 +47,7 @@ def run_fleet(spec: FleetSpec, host: str, port: int, ray_address: str | None = N
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     code = 0
     try:
-        serve.start(http_options={"host": host, "port": port}, detached=not started_head)
+        serve.start(http_options={"host": host, "port": port})
         serve.run(build_fitserve_app(spec), name=spec.name, route_prefix="/", blocking=False)
         print(f"fitserve: {spec.num_replicas} replicas of {spec.groups[0].replica.config.model} ready at "
               f"http://{host}:{port}", flush=True)
