@@ -61,8 +61,13 @@ def build_fitserve_app(spec: FleetSpec) -> Application:
 def app_builder(args: dict[str, Any]) -> Application:
     """Ray Serve's application builder for a config file (``import_path:
     fitserve.fleet.builder:app_builder``, what ``fitserve plan capacity --emit-ray-config``
-    writes): ``args`` = {model, groups: [{name, num_replicas, num_cpus, num_gpus,
-    accelerator_type, capacity, tensor_parallel_size}], routing?, api_key?}."""
+    writes); ``args`` as :func:`fleet_spec_from_args` reads them."""
+    return build_fitserve_app(fleet_spec_from_args(args))
+
+
+def fleet_spec_from_args(args: dict[str, Any]) -> FleetSpec:
+    """{model, groups: [{name, num_replicas, num_cpus, num_gpus, accelerator_type, capacity,
+    tensor_parallel_size}], routing?, api_key?, served_model_name?} as a FleetSpec."""
     from fitserve.config import EngineConfig
     from fitserve.server.settings import ServerSettings
 
@@ -74,4 +79,4 @@ def app_builder(args: dict[str, Any]) -> Application:
                      num_replicas=int(g["num_replicas"]), name=str(g["name"]),
                      accelerator_type=g.get("accelerator_type"), num_gpus=float(g.get("num_gpus", 0)))
         for g in args["groups"])
-    return build_fitserve_app(FleetSpec(groups, RoutingPolicy(args.get("routing", "affinity"))))
+    return FleetSpec(groups, RoutingPolicy(args.get("routing", "affinity")))

@@ -34,6 +34,17 @@ def test_fleet_config_has_the_sheets_replicas_and_weights(tmp_path: Path) -> Non
     assert app["import_path"] == "fitserve.fleet.builder:app_builder"
     schema = pytest.importorskip("ray.serve.schema")
     schema.ServeDeploySchema.model_validate(json.loads(out.read_text()))  # Serve's own file schema
+    builder = pytest.importorskip("fitserve.fleet.builder")
+    spec = builder.fleet_spec_from_args(app["args"])
+    for group in spec.groups:  # the deployments app_builder makes of it
+        deployment = builder.build_replica_deployment(spec, group)
+        assert deployment.num_replicas == groups[group.name]["num_replicas"]
+        assert deployment.ray_actor_options == {"num_cpus": 1, "num_gpus": groups[group.name]["num_gpus"],
+                                                "accelerator_type": groups[group.name]["accelerator_type"]}
+        assert group.replica.capacity_units == groups[group.name]["capacity"]
+    from ray.serve import Application
+
+    assert isinstance(builder.app_builder(app["args"]), Application)
 
 
 def test_demand_config_buys_the_replicas_the_sheet_says(tmp_path: Path) -> None:
