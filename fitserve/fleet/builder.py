@@ -44,6 +44,7 @@ def build_replica_deployment(spec: FleetSpec, group: ReplicaGroup) -> Deployment
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
             request_routing_stats_timeout_s=5.0),
         health_check_period_s=2.0, health_check_timeout_s=30.0, graceful_shutdown_timeout_s=30.0,
+        graceful_shutdown_wait_loop_s=0.5,  # how often a draining replica checks for requests left
     )
 
 

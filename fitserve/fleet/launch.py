@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from types import FrameType
 
 from fitserve.fleet.spec import FleetSpec
@@ -66,10 +67,13 @@ def _shutdown(app_name: str, started_head: bool) -> None:
     import ray
     from ray import serve
 
+    t0 = time.monotonic()
     try:
         if started_head:
             serve.shutdown()
         else:
             serve.delete(app_name)  # a joined cluster keeps running; only our application goes
     finally:
+        t1 = time.monotonic()
         ray.shutdown()
+        log.info("shutdown: Serve %.1f s, Ray %.1f s", t1 - t0, time.monotonic() - t1)
