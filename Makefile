@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch first and exactly pinned: an unpinned torch would pull a multi-GB CUDA build
 	$(BIN)/pip install -q $(PIPOPTS) torch==2.13.0
-	$(BIN)/pip install -q $(PIPOPTS) -e ".[test]"
+	# the ray extra too: tests/e2e/test_replicas.py runs replicas on a local Ray Serve
+	$(BIN)/pip install -q $(PIPOPTS) -e ".[test,ray]"
 	touch $(STAMP)
 
 # The C++ kernels this CPU's tier uses, built into FITSERVE_HOME's cache now (a few minutes on

@@ -109,6 +109,9 @@ def add_serve_parser(subparsers: Any) -> None:
     _add_parser_args(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     _add_sampling_default_args(p)
+    from fitserve.fleet.args import add_fleet_args
+
+    add_fleet_args(p)
     p.set_defaults(func=run_serve)
 
 
@@ -211,6 +214,34 @@ def torch_threads() -> int:
     return int(torch.get_num_threads())
 
 
+def _run_replicas(args: argparse.Namespace, config: EngineConfig, settings: Any) -> int:
+    """--replicas N: the same server, N times on Ray Serve behind one ingress (fitserve.fleet)."""
+    from fitserve.fleet.launch import run_fleet
+    from fitserve.fleet.routing import RoutingPolicy
+    from fitserve.fleet.spec import FleetSpec, ReplicaGroup, ReplicaSpec, share_host_memory
+
+    if config.tensor_parallel_size > 1 or args.threads is not None:
+        print("fitserve serve: --replicas takes no --threads (each replica runs --replica-cpus "
+              "threads) and no --tensor-parallel-size from the command line yet (a config from "
+              "plan capacity --emit-ray-config sets it per group)", file=sys.stderr)
+        return 2
+    n = args.replicas or 1
+    try:
+        replica = ReplicaSpec(share_host_memory(config, n), settings, num_cpus=args.replica_cpus,
+                              capacity=args.replica_capacity, chat_template=args.chat_template,
+                              pull_default=args.model == "smollm2-135m")
+        spec = FleetSpec((ReplicaGroup(replica, num_replicas=n),),
+                         policy=RoutingPolicy(args.routing, balance_abs=args.routing_balance))
+    except ValueError as exc:
+        print(f"fitserve serve: {exc}", file=sys.stderr)
+        return 2
+    if args.model == "smollm2-135m":
+        from fitserve.loading.pull import pull
+
+        pull(args.model, progress=True)  # here for a local head's replicas; remote nodes pull their own
+    return run_fleet(spec, args.host, args.port, args.ray_address)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model in the engine thread while uvicorn already answers /health (503)."""
     from fitserve.engine.core import Engine
@@ -244,6 +275,8 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"fitserve serve: {exc}", file=sys.stderr)
         return 2
+    if args.replicas is not None or args.ray_address is not None:
+        return _run_replicas(args, config, settings)
     if args.model == "smollm2-135m":
         from fitserve.loading.pull import pull
 

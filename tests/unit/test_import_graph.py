@@ -61,6 +61,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("fitserve.dist",),
     ("fitserve.engine",),
     ("fitserve.server",),
+    ("fitserve.fleet",),
     ("fitserve.cli",),
     ("fitserve.tools.planner",),
     ("fitserve.tools",),

@@ -83,6 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fleet", default=None,
                    help="GPUs owned, e.g. h100=16,a100-80gb=32: routing shares and whether it "
                         "serves --demand-rps")
+    p.add_argument("--emit-ray-config", default=None, metavar="FILE",
+                   help="write a Ray Serve config for fitserve's replicas (serve deploy FILE): "
+                        "per GPU, --fleet's replicas, else those --demand-rps needs on --unit-gpu")
 
 
 @dataclass(frozen=True)
@@ -386,4 +389,10 @@ def build(args: argparse.Namespace) -> Sheet:
             verdict += (f"; the fleet {'serves' if ok else 'does NOT serve'} it "
                         f"({fleet_rate * util:,.1f} req/s at {util:.0%})")
     data["unit_rps"] = ref.per_gpu
+    if args.emit_ray_config:
+        from fitserve.tools.sheets.ray_config import emit_ray_config
+
+        emit_ray_config(args, caps, ref, fleet, util)
+        verdict += f"; Ray Serve config written to {args.emit_ray_config}"
     return Sheet(title, tuple(sections), warnings, verdict, ok, data)
+
