@@ -102,6 +102,23 @@ def test_int64_table_and_empty_chunk() -> None:
     assert empty.shape == (0, *q.shape[1:])
 
 
+def test_opcheck_and_torch_compile_fullgraph() -> None:
+    """The registered fake (shape/dtype) agrees with the kernel, and torch.compile traces
+    around the op in one graph."""
+    q, k_cache, v_cache, order, cached, window, _ = make_case(CASES[1], torch.float32,
+                                                              torch.float32)
+    args = (q, k_cache, v_cache, order, cached, 0.125, 0, 256, True)
+    torch.library.opcheck(torch.ops.fitserve.paged_prefill_attention.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+    torch._dynamo.reset()
+
+    def f(q: torch.Tensor) -> torch.Tensor:
+        return paged_prefill_attention(q * 1.0, k_cache, v_cache, order, cached, 0.125) + 0.0
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(q), f(q))
+
+
 def test_rejects_inputs_that_would_read_outside_the_cache() -> None:
     q, k_cache, v_cache, order, cached, _, _ = make_case(CASES[1], torch.float32, torch.float32)
     with pytest.raises(RuntimeError, match="exceeds the block table"):
