@@ -668,6 +668,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
+// The flash-style prefill (query tiles x KV blocks), each row bitwise the decode kernel's.
+#include "paged_prefill.h"
+
 // What this build vectorises with (for logs and tests).
 std::string paged_attention_isa() {
 #if FS_BF16DOT
@@ -689,9 +692,14 @@ TORCH_LIBRARY_FRAGMENT(fitserve, m) {
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_lens, float scale, int window, int partition_size=256, bool vectorized=True) "
       "-> Tensor");
+  m.def(
+      "paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+      "int cached, float scale, int window, int partition_size=256, bool vectorized=True) "
+      "-> Tensor");
   m.def("paged_attention_isa() -> str", &paged_attention_isa);
 }
 
 TORCH_LIBRARY_IMPL(fitserve, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_prefill_attention", &paged_prefill_attention);
 }

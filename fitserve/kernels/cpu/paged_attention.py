@@ -47,8 +47,18 @@ def _fake(
     return q.new_empty(q.shape)
 
 
+def _fake_prefill(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    cached: int, scale: float, window: int, partition_size: int = DEFAULT_PARTITION,
+    vectorized: bool = True,
+) -> torch.Tensor:
+    """Shape/dtype of the prefill op's output: a fresh [T, Hq, D] like q."""
+    return q.new_empty(q.shape)
+
+
 def _register_fake() -> None:
     torch.library.register_fake("fitserve::paged_decode_attention", _fake)
+    torch.library.register_fake("fitserve::paged_prefill_attention", _fake_prefill)
 
 
 def kernel_isa() -> str:
@@ -87,6 +97,36 @@ def paged_decode_attention(
         raise RuntimeError("the paged_attention C++ extension is not available")
     out: torch.Tensor = torch.ops.fitserve.paged_decode_attention(
         q, k_cache, v_cache, block_tables, seq_lens, float(scale),
+        0 if window is None else int(window), int(partition_size), bool(vectorized),
+    )
+    return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cached: int,
+    scale: float,
+    window: int | None = None,
+    *,
+    partition_size: int = DEFAULT_PARTITION,
+    vectorized: bool = True,
+) -> torch.Tensor:
+    """Causal attention of one sequence's chunk of T queries over the paged cache.
+
+    Query i sits at position ``cached + i`` and sees keys j <= cached + i (and, with a
+    ``window``, cached + i - j < window); the chunk's own keys must be in the cache already.
+    q [T, Hq, D]; the caches as for :func:`paged_decode_attention`; block_table [max_blocks]
+    (int32, or int64 converted). Query tiles against K/V tiles read once per tile (flash-style),
+    and every row equals, bit for bit, ``paged_decode_attention`` of that token with the same
+    ``partition_size`` (the batch-invariant prefill). Returns [T, Hq, D] in q's dtype.
+    """
+    if not _state.get("ok") and not paged_attention_available():
+        raise RuntimeError("the paged_attention C++ extension is not available")
+    out: torch.Tensor = torch.ops.fitserve.paged_prefill_attention(
+        q, k_cache, v_cache, block_table, int(cached), float(scale),
         0 if window is None else int(window), int(partition_size), bool(vectorized),
     )
     return out

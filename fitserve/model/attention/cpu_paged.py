@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from fitserve.kernels.cpu.paged_attention import paged_decode_attention
+from fitserve.kernels.cpu.paged_attention import paged_decode_attention, paged_prefill_attention
 from fitserve.kernels.cpu.paged_attention_kvq import paged_decode_attention_kvq
 from fitserve.ledger.scratch import ScratchKind
 from fitserve.model.attention.backend import (
@@ -20,7 +20,7 @@ from fitserve.quant.kv_cache import QuantizedKVCache
 
 class CpuPagedDecode(AttentionBackend):
     """The C++ kernel masks by itself from int32 block tables and lengths: decode, and prefill
-    chunks as one decode row per query (the batch-invariant prefill)."""
+    chunks in query tiles whose rows equal the decode kernel's (the batch-invariant prefill)."""
 
     name = "cpu_paged_decode"
     ledger_kind = ScratchKind.FUSED_DECODE
@@ -33,20 +33,18 @@ class CpuPagedDecode(AttentionBackend):
 
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 seq: PrefillSeq, scale: float) -> torch.Tensor:
-        """Each query of the chunk as a decode row over its own visible keys (the chunk's keys
-        are in the cache already): query i sees keys [0, cached + i].
+        """The chunk's queries in flash-style tiles (paged_prefill.h), each row bitwise the
+        decode kernel's row over its own visible keys (the chunk's keys are in the cache
+        already): query i sees keys [0, cached + i].
 
         NOTE: batch invariance: a token's attention is then computed by the one kernel, in one
         order, whether it came in a whole prompt, a chunk, after a prefix-cache hit, as a
         speculative draft being verified, or as a decode step (fixed key partitions, see
         paged_attention.py); torch's SDPA tiles a prompt by its length.
         """
-        t = q.shape[0]
-        table = seq.block_ids.to(torch.int32).unsqueeze(0).expand(t, -1).contiguous()
-        lens = torch.arange(seq.cached + 1, seq.cached + t + 1, dtype=torch.int32,
-                            device=q.device)
-        return paged_decode_attention(q.contiguous(), k_cache, v_cache, table, lens, scale,
-                                      seq.window)
+        return paged_prefill_attention(q.contiguous(), k_cache, v_cache,
+                                       seq.block_ids.to(torch.int32), seq.cached, scale,
+                                       seq.window)
 
     def build_decode(self, tables: list[list[int]], seq_lens: list[int], *, block_size: int,
                      window: int | None, device: torch.device) -> DecodeBatch:

@@ -4,9 +4,10 @@ The rule: on CUDA with Triton importable, ``TritonPagedDecode`` for decode and
 ``TritonPrefill`` for chunks. On the CPU, decode runs the fused C++ kernel (``CpuPagedDecode``)
 whenever it loaded (over a quantized KV cache, when the step is decode only, its twin reading the
 int8 / fp8 codes in place, ``CpuPagedDecodeKVQ``); without it (no compiler, failed build, FITSERVE_DISABLE_CPP=1)
-``EagerGather`` up to 4096 keys and ``TorchSDPA`` beyond. Prefill chunks run the same C++ kernel,
-one decode row per query (batch invariance: a token's attention is computed the same way in a
-whole prompt, a chunk, after a prefix hit or as a speculative draft), ``TorchSDPA`` without it.
+``EagerGather`` up to 4096 keys and ``TorchSDPA`` beyond. Prefill chunks run the same C++ kernel's
+flash-style prefill op (query tiles against K/V tiles), every row bitwise the decode kernel's
+(batch invariance: a token's attention is computed the same way in a whole prompt, a chunk,
+after a prefix hit or as a speculative draft), ``TorchSDPA`` without it.
 A model with attention logit soft-capping (Gemma 2) or attention sinks (gpt-oss) runs
 ``EagerGather`` everywhere.
 Measured: docs/benchmarks.md, section 'Attention backend rule' (``benchmarks/bench_kernels.py``
@@ -85,7 +86,7 @@ def choose_attention_backend(shape_class: ShapeClass) -> AttentionBackend:
         # older threshold stays (fitserve.ledger.scratch.GATHER_EAGER_MAX_KEYS mirrors it)
         return TORCH_SDPA if shape_class.length_bucket == ">4096" else EAGER_GATHER
     if shape_class.device == "cpu" and shape_class.cpp and not shape_class.kv_quant:
-        # NOTE: batch invariance: a prefill chunk runs the decode kernel, one row per query, so
+        # NOTE: batch invariance: a prefill chunk's rows get the decode kernel's bits, so
         # a token's attention does not depend on how its prompt was chunked, cached or batched
         return CPU_PAGED_DECODE
     return TORCH_SDPA

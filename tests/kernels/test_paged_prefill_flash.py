@@ -1,0 +1,147 @@
+"""The flash-style prefill op (paged_prefill.h, ``paged_prefill_attention``): against float64
+causal attention over the same scattered cache blocks (ragged chunk lengths, a cached prefix,
+block and partition boundaries, GQA 1:1 / 4:1 / 8:1, sliding windows, a head_dim with a tail),
+and every row bitwise equal to the decode kernel's row for that token (batch invariance). The
+plain C++ tile (vectorized=False) and the AVX2 build (a tier subprocess) pass the same checks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from fitserve.kernels.cpu.paged_attention import (
+    kernel_isa,
+    paged_attention_available,
+    paged_decode_attention,
+    paged_prefill_attention,
+)
+from tests.conftest import run_tests_at_tier
+
+if not paged_attention_available():
+    pytest.skip("the paged attention C++ extension is unavailable", allow_module_level=True)
+
+# (cached, rows, Hq, Hkv, D, block_size, window, partition)
+CASES = [
+    (0, 37, 4, 4, 64, 16, None, 256),     # GQA 1:1, a ragged tile (37 = 32 + 5 rows)
+    (40, 9, 8, 2, 64, 16, None, 256),     # 4:1 after a cached prefix, inside one block row
+    (0, 130, 8, 1, 64, 16, None, 64),     # 8:1, rows across three partitions (merged)
+    (21, 75, 6, 2, 80, 32, 16, 32),       # window smaller than a partition, head_dim tail
+    (100, 48, 8, 2, 128, 16, 70, 64),     # window starting inside partitions, D = 128
+    (63, 66, 9, 3, 64, 16, None, 64),     # prefix ending one key before a partition boundary
+]
+DTYPES = {  # name -> (cache dtype, q dtype, float64 tolerance)
+    "bfloat16": (torch.bfloat16, torch.bfloat16, 2e-2),
+    "float32": (torch.float32, torch.float32, 1e-5),
+    "bf16-cache-f32-q": (torch.bfloat16, torch.float32, 1e-5),
+    "float16": (torch.float16, torch.float16, 5e-3),
+}
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: int, scale: float,
+              window: int | None) -> torch.Tensor:
+    """float64: row i (position cached + i) sees keys j <= cached + i and, with a window,
+    cached + i - j < window; k, v [Hkv, L, D] in position order."""
+    t, hq, d = q.shape
+    g = hq // k.shape[0]
+    pos = torch.arange(cached, cached + t).unsqueeze(1)
+    keys = torch.arange(k.shape[1]).unsqueeze(0)
+    visible = keys <= pos
+    if window is not None:
+        visible &= pos - keys < window
+    kk = k.double().repeat_interleave(g, dim=0)  # [Hq, L, D]
+    vv = v.double().repeat_interleave(g, dim=0)
+    s = torch.einsum("thd,hld->htl", q.double(), kk) * scale
+    p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.einsum("htl,hld->thd", p, vv)
+
+
+def make_case(case: tuple, cache_dtype: torch.dtype, q_dtype: torch.dtype) -> tuple:
+    cached, t, hq, hkv, d, bs, window, part = case
+    gen = torch.Generator().manual_seed(cached * 131 + t)
+    total = cached + t
+    nblocks = -(-total // bs)
+    order = torch.randperm(nblocks + 3, generator=gen)[:nblocks].to(torch.int32)
+    k_cache = torch.randn(hkv, nblocks + 3, bs, d, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(hkv, nblocks + 3, bs, d, generator=gen).to(cache_dtype)
+    q = torch.randn(t, hq, d, generator=gen).to(q_dtype)
+    return q, k_cache, v_cache, order, cached, window, part
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_matches_float64_and_decode_rows(case: tuple, dtype: str) -> None:
+    cache_dtype, q_dtype, tol = DTYPES[dtype]
+    q, k_cache, v_cache, order, cached, window, part = make_case(case, cache_dtype, q_dtype)
+    t, d = q.shape[0], q.shape[2]
+    scale = d ** -0.5
+    k = k_cache[:, order.long()].reshape(k_cache.shape[0], -1, d)[:, : cached + t]
+    v = v_cache[:, order.long()].reshape(v_cache.shape[0], -1, d)[:, : cached + t]
+    want = reference(q, k, v, cached, scale, window)
+    table = order.unsqueeze(0).expand(t, -1).contiguous()
+    lens = torch.arange(cached + 1, cached + t + 1, dtype=torch.int32)
+    for vectorized in (True, False):  # the SIMD tiles of this build, and the plain C++ tile
+        got = paged_prefill_attention(q, k_cache, v_cache, order, cached, scale, window,
+                                      partition_size=part, vectorized=vectorized)
+        assert got.dtype == q.dtype and got.shape == q.shape
+        assert torch.allclose(got.double(), want, atol=tol, rtol=tol), (vectorized,
+                                                                        (got.double() - want).abs().max())
+        rows = paged_decode_attention(q, k_cache, v_cache, table, lens, scale, window,
+                                      partition_size=part, vectorized=vectorized)
+        assert torch.equal(got, rows), "a row differs from the decode kernel's bits"
+
+
+def test_int64_table_and_empty_chunk() -> None:
+    q, k_cache, v_cache, order, cached, window, part = make_case(CASES[1], torch.float32,
+                                                                 torch.float32)
+    a = paged_prefill_attention(q, k_cache, v_cache, order, cached, 0.125, window)
+    b = paged_prefill_attention(q, k_cache, v_cache, order.long(), cached, 0.125, window)
+    assert torch.equal(a, b)
+    empty = paged_prefill_attention(q[:0], k_cache, v_cache, order, cached, 0.125, window)
+    assert empty.shape == (0, *q.shape[1:])
+
+
+def test_opcheck_and_torch_compile_fullgraph() -> None:
+    """The registered fake (shape/dtype) agrees with the kernel, and torch.compile traces
+    around the op in one graph."""
+    q, k_cache, v_cache, order, cached, window, _ = make_case(CASES[1], torch.float32,
+                                                              torch.float32)
+    args = (q, k_cache, v_cache, order, cached, 0.125, 0, 256, True)
+    torch.library.opcheck(torch.ops.fitserve.paged_prefill_attention.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+    torch._dynamo.reset()
+
+    def f(q: torch.Tensor) -> torch.Tensor:
+        return paged_prefill_attention(q * 1.0, k_cache, v_cache, order, cached, 0.125) + 0.0
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(q), f(q))
+
+
+def test_rejects_inputs_that_would_read_outside_the_cache() -> None:
+    q, k_cache, v_cache, order, cached, _, _ = make_case(CASES[1], torch.float32, torch.float32)
+    with pytest.raises(RuntimeError, match="exceeds the block table"):
+        paged_prefill_attention(q, k_cache, v_cache, order[:-1], cached, 0.125)
+    bad = order.clone()
+    bad[0] = k_cache.shape[1]
+    with pytest.raises(RuntimeError, match="is not a block of the cache"):
+        paged_prefill_attention(q, k_cache, v_cache, bad, cached, 0.125)
+    with pytest.raises(RuntimeError, match="one sequence"):
+        paged_prefill_attention(q, k_cache, v_cache, order.unsqueeze(0), cached, 0.125)
+    with pytest.raises(RuntimeError, match="num_heads must be a multiple"):
+        paged_prefill_attention(q[:, :7], k_cache, v_cache, order, cached, 0.125)
+
+
+def test_tier_is_the_one_asked_for() -> None:
+    if os.environ.get("FITSERVE_CPU_TIER") != "avx2":
+        pytest.skip("FITSERVE_CPU_TIER is not avx2 (the tier subprocess test sets it)")
+    assert kernel_isa() == "avx2"
+
+
+@pytest.mark.slow
+def test_avx2_build_passes_the_reference() -> None:
+    """The AVX2 tiles, built with FITSERVE_CPU_TIER=avx2 on an AVX-512 CPU, pass the same
+    float64 and decode-row checks (the build is the one test_paged_attention_cpp.py's AVX2
+    subprocess uses: same source and flags)."""
+    run_tests_at_tier(__file__, "avx2", "tier_is or (matches_float64 and float32)")
