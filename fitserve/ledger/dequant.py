@@ -25,7 +25,8 @@ from fitserve.ledger.weights import WeightBytes
 # Measured 2026-12-05 on AMD EPYC Zen 5 (family 26 model 2; AVX-512 VNNI + BF16, tier
 # avx512_vnni), 1 thread, K = 512, N 128 -> 512 (the slope), load average 16-19 (CPU time of
 # the thread, so other processes' time is not counted; their cache pressure is: repeated runs
-# differ by up to ~15%): `benchmarks/bench_dequant_cost.py` at commit 08c0158 (IQ4_NL: baae164);
+# differ by up to ~15%): `benchmarks/bench_dequant_cost.py` at commit 08c0158 (IQ4_NL: baae164; IQ4_XS at M = 1: the
+# commit after it, A/B);
 # docs/benchmarks.md, 'Kernel cost per weight'.
 # format -> (ns per weight at M = 1, at M = 8)
 DEQUANT_NS_PER_WEIGHT: dict[str, tuple[float, float]] = {
@@ -39,7 +40,7 @@ DEQUANT_NS_PER_WEIGHT: dict[str, tuple[float, float]] = {
     "Q5_0": (0.0327, 0.1420),
     "Q5_1": (0.0314, 0.1497),
     "IQ4_NL": (0.0348, 0.1640),  # after the two-block VNNI step (0.0404, 0.1721 before)
-    "IQ4_XS": (0.0318, 0.1415),
+    "IQ4_XS": (0.0293, 0.1415),  # after the SIMD scales (M = 1 was 0.0318-0.0350)
     "fp8-ch": (0.0197, 0.1051),
 }
 
