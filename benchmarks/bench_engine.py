@@ -130,7 +130,16 @@ def fitserve_worker(spec: dict[str, Any]) -> dict[str, Any]:
             "W1": {"ttft_ms": statistics.median(r[0] for r in r1),
                    "tok_s": statistics.median(r[1] for r in r1), "runs": [r[1] for r in r1]},
             **({"W2": {"tok_s": statistics.median(r2), "runs": r2}} if r2 else {}),
-            "weight_bytes_read": weight_bytes - rope, "peak_rss_mib": peak_rss_mib()}
+            "weight_bytes_read": weight_bytes - rope, "peak_rss_mib": peak_rss_mib(),
+            **ledger_kv_runtime(engine)}
+
+
+def ledger_kv_runtime(engine: Any) -> dict[str, int]:
+    """The ledger's KV pool and runtime-baseline bytes for this engine (what peak RSS is
+    compared with, beside the file's size)."""
+    plan = engine.pool.memory_plan
+    runtime = sum(ln.bytes for ln in plan.lines if ln.name == "runtime baseline") if plan else 0
+    return {"ledger_kv_bytes": engine.pool.allocated_bytes, "ledger_runtime_bytes": runtime}
 
 
 def transformers_worker(spec: dict[str, Any]) -> dict[str, Any]:

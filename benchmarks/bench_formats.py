@@ -183,15 +183,19 @@ def report(rows: list[tuple[str, Path, float, Any, Any, Any]], args: argparse.Na
     print(f"\nCPU: {be.cpu_description()}\nshape {args.shape}, threads={args.threads}, medians "
           f"of {args.runs} runs; limit = weight bytes held / copy bandwidth measured just before "
           f"fitserve's worker")
-    print(f"{'type':<8}{'file MiB':>9}{'held MiB':>9}{'RSS MiB':>8}{'W1 fitserve':>12}"
+    print("RSS bound = file + the ledger's KV pool and runtime-baseline lines (target: peak RSS "
+          "within 10% of it)")
+    print(f"{'type':<8}{'file MiB':>9}{'held MiB':>9}{'RSS MiB':>8}{'bound':>7}{'W1 fitserve':>12}"
           f"{'llama.cpp':>10}{'ratio':>7}{'of limit':>9}"
           + (f"{'W2 fitserve':>12}{'llama.cpp':>10}{'ratio':>7}" if args.w2 else "")
           + (f"{'W1 transformers':>16}" if "transformers" in args.peers else ""))
     for qtype, path, bw, fs, peer, tf in rows:
         held = fs["weight_bytes_read"] if fs else float("nan")
         w1, p1 = _rate(fs, "W1"), _rate(peer, "W1")
+        bound = (path.stat().st_size + fs["ledger_kv_bytes"] + fs["ledger_runtime_bytes"]) / 2**20 \
+            if fs and "ledger_kv_bytes" in fs else float("nan")
         line = (f"{qtype:<8}{path.stat().st_size / 2**20:9.0f}{held / 2**20:9.0f}"
-                f"{fs['peak_rss_mib'] if fs else float('nan'):8.0f}{w1:12.1f}{p1:10.1f}"
+                f"{fs['peak_rss_mib'] if fs else float('nan'):8.0f}{bound:7.0f}{w1:12.1f}{p1:10.1f}"
                 f"{w1 / p1:7.2f}{w1 * held / bw:9.0%}")
         if args.w2:
             w2, p2 = _rate(fs, "W2"), _rate(peer, "W2")

@@ -36,6 +36,9 @@ class Hardware:
     source: str
     measured: bool = False
     measured_at: float | None = None  # unix time of a measured device's figures
+    # a CPU: the cores its figures were measured with (the step-time model's dequant term,
+    # fitserve.ledger.dequant, runs over them); 0 for an accelerator (no such term)
+    cores: int = 0
 
     def peak_flops(self, weights_fmt: str) -> float:
         """Matmul peak for a weight format: fp8 GEMMs where the device has them, else bf16.
@@ -148,7 +151,7 @@ def cpu_hardware(*, refresh: bool = False) -> Hardware:
         source=(f"{figures.describe()}: {figures.threads} parallel numpy copies of 256 MiB "
                 f"(read+write), median of the undisturbed runs of 7; a 1024^3 float32 matmul "
                 f"(f32 FLOP/s stands in for bf16); memory = physical RAM"),
-        measured=True, measured_at=figures.measured_at)
+        measured=True, measured_at=figures.measured_at, cores=figures.threads)
 
 
 def _read_cached(path: Path) -> cpu_measure.CpuFigures | None:

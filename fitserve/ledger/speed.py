@@ -2,7 +2,8 @@
 
     t_memory  = (weight bytes read + KV bytes read) / memory bandwidth
     t_compute = FLOPs / peak FLOP/s
-    step      = max(t_memory, t_compute) + t_allreduce      (collectives not overlapped)
+    t_dequant = a CPU's weight-kernel time (fitserve.ledger.dequant; decode steps only)
+    step      = max(t_memory, t_compute, t_dequant) + t_allreduce      (collectives not overlapped)
 
 Per rank under tensor parallelism. MoE: a step reads the experts its batch touches, expected
 E x (1 - (1 - k/E)^B) of E per layer. Attention reads only the window on sliding layers.
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fitserve.config import ModelSpec
+from fitserve.ledger.dequant import dequant_seconds
 from fitserve.ledger.flops import flops_per_token, prefill_flops
 from fitserve.ledger.hardware import Hardware
 from fitserve.ledger.kv import request_kv
@@ -37,13 +39,18 @@ class StepTime:
     t_memory: float
     t_compute: float
     t_comm: float
+    # a CPU's weight kernels (decode + dots, fitserve.ledger.dequant): they overlap the weight
+    # stream, so the step takes the larger of the three floors
+    t_dequant: float = 0.0
 
     @property
     def seconds(self) -> float:
-        return max(self.t_memory, self.t_compute) + self.t_comm
+        return max(self.t_memory, self.t_compute, self.t_dequant) + self.t_comm
 
     @property
     def bound(self) -> str:
+        if self.t_dequant > max(self.t_memory, self.t_compute):
+            return "dequant"
         return "compute" if self.t_compute >= self.t_memory else "memory"
 
     @property
@@ -53,9 +60,10 @@ class StepTime:
 
     def describe(self) -> str:
         """One line: the roofline with its numbers filled in."""
+        dq = f", weight kernels {self.t_dequant * 1e3:.3f} ms" if self.t_dequant else ""
         return (f"max(({self.weight_bytes:,.0f} + {self.kv_bytes:,.0f}) B / bandwidth = "
                 f"{self.t_memory * 1e3:.3f} ms, {self.flops:.4g} FLOPs / peak = "
-                f"{self.t_compute * 1e3:.3f} ms) + comm {self.t_comm * 1e3:.3f} ms = "
+                f"{self.t_compute * 1e3:.3f} ms{dq}) + comm {self.t_comm * 1e3:.3f} ms = "
                 f"{self.seconds * 1e3:.3f} ms ({self.bound}-bound)")
 
 
@@ -80,8 +88,10 @@ def decode_step(spec: ModelSpec, hw: Hardware, wb: WeightBytes, *, batch: int, c
     kv = batch * request_kv(spec, context, kv_dtype, tp=tp).bytes_reclaimed
     flops = batch * flops_per_token(spec, context).total / tp
     comm = tp_allreduce(spec, hw, tp=tp, tokens=batch, act_dtype_bytes=act_dtype_bytes)
+    dq = dequant_seconds(wb, rows=batch, cores=hw.cores,
+                         read_fraction=w / wb.total if wb.total else 1.0)
     return StepTime(batch, context, w, kv, flops, (w + kv) / hw.mem_bytes_per_s,
-                    flops / hw.peak_flops(weights_fmt), comm.seconds_per_step)
+                    flops / hw.peak_flops(weights_fmt), comm.seconds_per_step, dq)
 
 
 def decode_step_roofline(spec: ModelSpec, hw: Hardware, *, batch: int, context: int,

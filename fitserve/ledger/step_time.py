@@ -277,7 +277,9 @@ def roofline_step_model(spec: ModelSpec, hw: Hardware | str, *, weight_fmt: str 
     CPU) from its roofline, term by term:
 
         a = weight bytes read per step per rank / bandwidth   (weights streamed once per step)
+            or a CPU's weight-kernel time at one row if larger (fitserve.ledger.dequant)
         b = FLOPs per token / peak                       (the matmuls, no attention context)
+            or a CPU's weight-kernel time per extra row if larger
         c = 0                                            (no per-sequence cost on a roofline)
         d = KV bytes per token per rank / bandwidth      (each cached token read once)
 
@@ -291,6 +293,7 @@ def roofline_step_model(spec: ModelSpec, hw: Hardware | str, *, weight_fmt: str 
     is exact where one term dominates (small-batch decode: a; long prefill: b) and at most 2x
     off where they balance. Collectives under TP are left out (see plan.parallel).
     """
+    from fitserve.ledger.dequant import dequant_seconds
     from fitserve.ledger.flops import flops_per_token
     from fitserve.ledger.kv import request_kv
     from fitserve.ledger.moe import moe_step_weight_read
@@ -302,8 +305,17 @@ def roofline_step_model(spec: ModelSpec, hw: Hardware | str, *, weight_fmt: str 
         raise PlanError(f"a step carries at least 1 token, got step_tokens={step_tokens}")
     wb = roofline_weight_bytes(spec, weight_fmt, tp=tp)
     bw = hw.mem_bytes_per_s
-    a = moe_step_weight_read(spec, wb, step_tokens) / bw
-    b = flops_per_token(spec, 0).total / tp / hw.peak_flops(weight_fmt)
+    read = moe_step_weight_read(spec, wb, step_tokens)
+
+    def kernels(rows: int) -> float:  # a CPU's weight kernels (0 elsewhere): plan.dequant
+        return dequant_seconds(wb, rows=rows, cores=hw.cores,
+                               read_fraction=read / wb.total if wb.total else 1.0)
+
+    # NOTE: the kernels overlap the weight stream (a = the larger), and their cost per extra
+    # row of x includes the FMAs the FLOP floor counts (b = the larger)
+    a = max(read / bw, kernels(1))
+    b = max(flops_per_token(spec, 0).total / tp / hw.peak_flops(weight_fmt),
+            kernels(2) - kernels(1))
     d = request_kv(spec, 1, kv_dtype, tp=tp).bytes_reclaimed / bw
     moe = (f", experts read by {step_tokens:,}-token steps" if spec.num_experts else "")
     return StepTimeModel(a, b, 0.0, d, source=f"roofline of {hw.name} ({weight_fmt} weights, "

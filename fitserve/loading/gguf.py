@@ -42,6 +42,7 @@ from fitserve.loading.gguf_spec import (  # noqa: F401 (the spec part lives ther
     hf_tensor_name,
     llama3_factors,
     open_gguf,
+    release_file_pages,
     spec_from_gguf_header,
 )
 from fitserve.loading.gguf_vocab import GGUFVocab, VocabError, backend_from_vocab
@@ -152,6 +153,8 @@ def read_gguf_weights(
                 dequantized.setdefault(type_name, []).append(fmt)
         if len(shape) >= 2:
             elements[type_name] += int(np.prod(shape))
+        release_file_pages(reader, t.data)  # copied out up to here: the file's pages may go
+    release_file_pages(reader, reader.data)  # the last tensor's fault-around pages past its end
     for type_name, fmts in dequantized.items():
         log.info("%s: %d %s tensor(s) dequantized at load, held as %s", path.name, len(fmts),
                  type_name, ", ".join(sorted(set(fmts))))

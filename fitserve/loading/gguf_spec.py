@@ -14,6 +14,7 @@ describes any model and takes the largest of per-layer values (an upper bound fo
 from __future__ import annotations
 
 import math
+import mmap
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -143,6 +144,31 @@ class _PlainArrayReader(GGUFReader):
     @data.setter
     def data(self, value: np.ndarray) -> None:
         self._plain = value.view(np.ndarray)
+        self._mapping: mmap.mmap | None = getattr(value, "_mmap", None)
+
+    def release_pages(self, arr: np.ndarray) -> None:
+        """Drop the file's pages from the start of the mapping to the end of ``arr`` (a view of
+        this reader's data: what a loader reading tensor by tensor has copied out) from the
+        process's resident set.
+
+        NOTE: the mapping is read-only and file-backed, so MADV_DONTNEED loses nothing (a later
+        read faults the page in again from the page cache); without it every page a load read
+        stays resident next to its copy until the reader is dropped (a 1 GB file peaked at
+        2.3 GB). From the start, not just ``arr``'s pages: a page fault maps the cached pages
+        around it too (the kernel's fault-around, 64 KiB), so earlier tensors' edges come back."""
+        if self._mapping is None or arr.size == 0 or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        end = arr.__array_interface__["data"][0] - self._plain.__array_interface__["data"][0]
+        end += arr.size * arr.itemsize
+        if 0 < end <= self._plain.nbytes:  # else not a view of this mapping: nothing to drop
+            self._mapping.madvise(mmap.MADV_DONTNEED, 0, end)
+
+
+def release_file_pages(reader: GGUFReader, arr: np.ndarray) -> None:
+    """Drop ``reader``'s mapped file pages up to the end of ``arr`` from the resident set (see
+    ``_PlainArrayReader.release_pages``); no-op for other readers."""
+    if isinstance(reader, _PlainArrayReader):
+        reader.release_pages(arr)
 
 
 def open_gguf(path: Path) -> GGUFReader:

@@ -63,7 +63,49 @@ struct Table4Block {
 #ifdef FS_GGML_AVX2
     __m256 acc[2][MT];  // even / odd blocks: two FMA chains (as Q5)
     FS_GGML_UNROLL for (int i = 0; i < MT; ++i) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < nb; ++k) {
+    int64_t k = 0;
+#ifdef FS_GGML_VNNI
+    // NOTE: two blocks per 512-bit step, one vpdpbusd: the table is read +128 (unsigned), so
+    // the dot is dot(v, q) + 128 * sum(q); the accumulator starts at -128 * sum(q) of each
+    // block (Act's 32-column sums) in one lane of its half, so the int32 result is exact.
+    // Per pair: 8 vector ops for 64 weights instead of the sign trick's 2 x 7 for 32.
+    __m512 acc2[2][MT];
+    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) acc2[0][i] = acc2[1][i] = _mm512_setzero_ps();
+    alignas(16) uint8_t tab_u[16];
+    for (int j = 0; j < 16; ++j) tab_u[j] = static_cast<uint8_t>(kIq4Values[j] + 128);
+    const __m512i table_u =
+        _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(tab_u)));
+    for (; k + 2 <= nb; k += 2) {
+      const uint8_t* b = w + k * kBytes;
+      const __m256i q01 =
+          _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kBytes + 2)),
+                           _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)));
+      // 128-bit lanes [q0, q1, q0 >> 4, q1 >> 4] -> [q0, q0 >> 4, q1, q1 >> 4]: columns in order
+      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(q01),
+                                              _mm256_srli_epi16(q01, 4), 1);
+      const __m512i nib = _mm512_and_si512(_mm512_shuffle_i64x2(both, both, 0xD8),
+                                           _mm512_set1_epi8(0x0F));
+      const __m512i wu = _mm512_shuffle_epi8(table_u, nib);
+      const float d0 = f16_at(b), d1 = f16_at(b + kBytes);
+      FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
+        const int16_t* s32 = a.s32row(m0 + i) + k;
+        const __m512i bias = _mm512_mask_set1_epi32(
+            _mm512_maskz_set1_epi32(0x0001, -128 * s32[0]), 0x0100, -128 * s32[1]);
+        const __m512i av = _mm512_loadu_si512(a.qrow(m0 + i) + 32 * k);
+        const __m512i dot = _mm512_dpbusd_epi32(bias, wu, av);
+        const float* da = a.drow(m0 + i) + k;
+        const __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(d0 * da[0]),
+                                             _mm256_set1_ps(d1 * da[1]), 1);
+        acc2[(k >> 1) & 1][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc,
+                                                acc2[(k >> 1) & 1][i]);
+      }
+    }
+    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
+      const __m512 t = _mm512_add_ps(acc2[0][i], acc2[1][i]);
+      acc[0][i] = _mm256_add_ps(_mm512_castps512_ps256(t), _mm512_extractf32x8_ps(t, 1));
+    }
+#endif
+    for (; k < nb; ++k) {
       const uint8_t* b = w + k * kBytes;
       const __m256i wv = iq4_values32(b + kQs, kValues);
       const float d = scale(b);
@@ -114,12 +156,22 @@ struct IQ4XS {
 #ifdef FS_GGML_AVX2
     __m256 acc[MT];
     FS_GGML_UNROLL for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
-    alignas(16) int16_t ls[8];
+    // NOTE: the 8 scales in SIMD (what scales() does, ~40 scalar ops per super-block before):
+    // word s = nibble s % 2 of scales_l[s / 2] | bits 2s..2s+1 of scales_h << 4, minus 32; the
+    // high bits by a multiply that puts bits 2s..2s+1 at the top of word s
+    const __m128i hmul = _mm_setr_epi16(1 << 14, 1 << 12, 1 << 10, 1 << 8, 1 << 6, 1 << 4,
+                                        1 << 2, 1);
     for (int64_t sb = 0; sb < nsb; ++sb) {
       const uint8_t* b = w + sb * kBytes;
-      scales(b, ls);
-      const __m256i sc16 =
-          _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(ls)));
+      const __m128i l4 = _mm_cvtsi32_si128(static_cast<int>(load_u32(b + 4)));
+      const __m128i l8 = _mm_cvtepu8_epi16(_mm_unpacklo_epi8(l4, l4));  // b0 b0 b1 b1 ...
+      const __m128i nib = _mm_blend_epi16(_mm_and_si128(l8, _mm_set1_epi16(15)),
+                                          _mm_srli_epi16(l8, 4), 0xAA);
+      const __m128i hi = _mm_slli_epi16(
+          _mm_srli_epi16(_mm_mullo_epi16(_mm_set1_epi16(static_cast<int16_t>(load_u16(b + 2))),
+                                         hmul), 14), 4);
+      const __m256i sc16 = _mm256_broadcastsi128_si256(
+          _mm_sub_epi16(_mm_or_si128(nib, hi), _mm_set1_epi16(32)));
       __m256i ia[2][MT];  // even / odd sub-blocks: two vpdpwssd / madd chains
       FS_GGML_UNROLL for (int i = 0; i < MT; ++i) ia[0][i] = ia[1][i] = _mm256_setzero_si256();
       FS_GGML_UNROLL for (int s = 0; s < 8; ++s) {
