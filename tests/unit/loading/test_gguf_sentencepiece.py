@@ -215,3 +215,28 @@ def test_unsupported_tokenizer_models_are_refused_by_name(tmp_path: Path, llama_
     path = write_vocab_gguf(tmp_path / "t5.gguf", vocab)
     with pytest.raises(ModelLoadError, match=r"t5\.gguf: the engine cannot run this model \(tokenizer model 't5'.*supported: gpt2, llama"):
         load_tokenizer(path)
+
+
+def test_vocabulary_metadata_is_dropped_once_the_tokenizer_is_built(
+    files: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """read_gguf forgets the tokenizer.ggml.* arrays before it reads weights (a 256k vocabulary
+    is ~180 MiB of parsed metadata); the model's tokenizer still equals transformers'."""
+    import fitserve.loading.gguf as gguf_loading
+    from fitserve.loading import load_model
+
+    left: dict[str, list[str]] = {}
+    drop = gguf_loading.drop_vocabulary_metadata
+
+    def spy(reader: Any, fields: dict[str, Any]) -> None:
+        drop(reader, fields)
+        left["reader"] = [k for k in reader.fields if k.startswith("tokenizer.ggml.")]
+        left["fields"] = [k for k in fields if k.startswith("tokenizer.ggml.")]
+
+    monkeypatch.setattr(gguf_loading, "drop_vocabulary_metadata", spy)
+    loaded = load_model(files["llama"])
+    assert left == {"reader": [], "fields": []}
+    ref = hf_tokenizer(files["llama"])
+    for text in TEXTS:
+        assert loaded.tokenizer.encode(text) == ref.encode(text), text
+    assert loaded.tokenizer.vocab_size == len(ref)
