@@ -252,6 +252,8 @@ def main() -> None:
     ap.add_argument("--no-w2", action="store_true", help="W1 only")
     ap.add_argument("--w2-types", default="all",
                     help="run W2 only for these GGUF types / HF dtypes (e.g. Q8_0,bf16)")
+    ap.add_argument("--w2-requests", type=int, default=32,
+                    help="W2's batch (fewer on a loaded host: W2 is then N x (128 + 128))")
     ap.add_argument("--llamacpp-python", default=str(Path.home() / "peers/llamacpp/bin/python"))
     args = ap.parse_args()
 
@@ -259,7 +261,10 @@ def main() -> None:
 
     if not Path(args.llamacpp_python).exists():
         sys.exit(f"needs llama.cpp's quantizer: no {args.llamacpp_python} (see ../shared/PEERS.md)")
-    base = be.workload_spec(args.threads, args.runs, 32)
+    import os
+
+    load_start = os.getloadavg()
+    base = be.workload_spec(args.threads, args.runs, args.w2_requests)
     if args.no_w2:
         del base["w2_batch"]  # every worker then runs W1 only
     folder = fitserve_home() / "bench"
@@ -267,7 +272,9 @@ def main() -> None:
     results = {name: jobs_of(name, args, base, folder)
                for name in filter(None, args.models.split(","))}
     print(f"\nCPU: {be.cpu_description()}\nthreads={args.threads}, medians of {args.runs} runs "
-          f"after a warm-up; W1: 32-token prompt + 128 new; W2: 32 x (128 + 128), EOS ignored")
+          f"after a warm-up; W1: 32-token prompt + 128 new; W2: {args.w2_requests} x (128 + 128), "
+          f"EOS ignored\nload average (1, 5, 15 min) at the start {load_start}, at the end "
+          f"{os.getloadavg()}")
     for name, rows in results.items():
         report(name, rows)
 
