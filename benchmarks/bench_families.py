@@ -272,7 +272,8 @@ def main() -> None:
     results = {name: jobs_of(name, args, base, folder)
                for name in filter(None, args.models.split(","))}
     print(f"\nCPU: {be.cpu_description()}\nthreads={args.threads}, medians of {args.runs} runs "
-          f"after a warm-up; W1: 32-token prompt + 128 new; W2: {args.w2_requests} x (128 + 128), "
+          f"after a warm-up; W1: 32-token prompt + 128 new; "
+          f"{'no W2' if args.no_w2 else f'W2: {args.w2_requests} x (128 + 128)'}, "
           f"EOS ignored\nload average (1, 5, 15 min) at the start {load_start}, at the end "
           f"{os.getloadavg()}")
     for name, rows in results.items():
