@@ -13,6 +13,14 @@ The models (random weights, seeded; never committed, cached under FITSERVE_HOME/
   fused qkv / gate_up, LongRoPE (Phi-3.5-mini's way: original context 4096 of 131072, so W1 / W2
   run on the short factors).
 
+phi3's GGUF carries a SentencePiece vocabulary written the way llama.cpp's converter writes Phi-3's
+(``tokenizer.ggml.model = "llama"``; llama.cpp's phi3 loader refuses the tests' tiny byte-level
+one): a 32000-piece BPE model with byte fallback trained with ``sentencepiece`` on a generated
+corpus, Phi-3's 11 added tokens, [PAD] up to 32064 (tests/gguf_vocab_files.phi3_vocab); its
+prompts are the benchmark text in that vocabulary, and fitserve's tokenizer of the file is
+checked against transformers' and llama.cpp's before the run. gemma3 keeps the tiny vocabulary
+(its ids are the default model's, modulo the vocabulary).
+
 Each is saved as an HF folder (bf16), written from it as an F16 GGUF the way llama.cpp's converter
 writes these families (tests/numerics/hf_to_gguf.py: gguf-py's writer and tensor map), then
 quantized by llama.cpp's own quantizer (bench_formats.quantize). The workers are bench_engine.py's
@@ -60,15 +68,53 @@ def hf_config(name: str) -> Any:
     return tf.Phi3Config(**PHI3_300M)
 
 
+def generated_corpus(lines: int = 20000, seed: int = 0) -> list[str]:
+    """Text of made-up words (Zipf-weighted), enough for a 32000-piece BPE vocabulary, plus the
+    tests' corpus (code, whitespace runs, emoji, CJK, accents)."""
+    import itertools
+    import random
+
+    from tests.gguf_vocab_files import TRAINING
+
+    rng = random.Random(seed)
+    onsets = ["", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v",
+              "w", "st", "tr", "ch", "sh", "th", "pl", "gr"]
+    vowels, codas = ["a", "e", "i", "o", "u", "ai", "ea", "ou"], ["", "", "n", "r", "s", "t", "ng"]
+    words = ["".join(rng.choice(onsets) + rng.choice(vowels) + rng.choice(codas)
+                     for _ in range(rng.choice([1, 1, 2, 2, 3, 4]))) for _ in range(60000)]
+    cum = list(itertools.accumulate(1.0 / (i + 1) for i in range(len(words))))
+    text = [" ".join(rng.choices(words, cum_weights=cum, k=rng.randint(5, 25))) + "."
+            for _ in range(lines)]
+    return list(TRAINING) + text
+
+
+def phi3_vocabulary(vocab_size: int) -> Any:
+    """Phi-3's vocabulary (tests/gguf_vocab_files.Vocab) over a trained 32000-piece model."""
+    from tests.gguf_vocab_files import phi3_vocab, train_sentencepiece
+
+    sp = train_sentencepiece(gemma=False, sentences=generated_corpus(), vocab_size=32000)
+    return phi3_vocab(sp, vocab_size)
+
+
+def _tokenizer_model(path: Path) -> str:
+    import gguf
+
+    field = gguf.GGUFReader(str(path)).fields["tokenizer.ggml.model"]
+    return str(field.contents())
+
+
 def write_models(name: str, folder: Path, default_gguf: Path) -> tuple[Path, Path, int]:
-    """The HF folder (bf16, the default model's tokenizer) and the F16 GGUF of ``name``, and its
-    parameter count."""
+    """The HF folder (bf16; the default model's tokenizer, phi3's own) and the F16 GGUF of
+    ``name``, and its parameter count."""
     import torch
     import transformers as tf
 
     from tests.numerics.hf_to_gguf import write_gguf_like_llama_cpp
 
     hf_dir, f16 = folder / f"families-{name}-hf", folder / f"families-{name}-f16.gguf"
+    if name == "phi3" and f16.is_file() and _tokenizer_model(f16) != "llama":
+        for old in folder.glob(f"families-{name}-*.gguf"):  # an earlier run's tiny vocabulary
+            old.unlink()
     if not (hf_dir / "config.json").is_file():
         print(f"{name}: random weights -> {hf_dir}", file=sys.stderr)
         torch.manual_seed(0)
@@ -80,8 +126,45 @@ def write_models(name: str, folder: Path, default_gguf: Path) -> tuple[Path, Pat
     params = sum(p.numel() for p in model.parameters())
     if not f16.is_file():
         print(f"{name}: F16 GGUF -> {f16}", file=sys.stderr)
-        write_gguf_like_llama_cpp(model, f16.with_suffix(".part"), f16=True).rename(f16)
+        vocab = phi3_vocabulary(model.config.vocab_size) if name == "phi3" else None
+        write_gguf_like_llama_cpp(model, f16.with_suffix(".part"), f16=True, vocab=vocab
+                                  ).rename(f16)
+        if name == "phi3":  # the folder gets the file's tokenizer too
+            tf.AutoTokenizer.from_pretrained(str(folder), gguf_file=f16.name
+                                             ).save_pretrained(str(hf_dir))
     return hf_dir, f16, params
+
+
+LLAMACPP_TOKENIZE = """
+import json, sys, llama_cpp
+m = llama_cpp.Llama(model_path=sys.argv[1], vocab_only=True, verbose=False)
+print(json.dumps([m.tokenize(t.encode(), add_bos=False, special=True)
+                  for t in json.loads(sys.stdin.read())]))
+"""
+
+
+def check_tokenizer(f16: Path, llamacpp_python: str) -> str:
+    """fitserve's tokenizer of ``f16`` against transformers' (must be equal) and llama.cpp's,
+    on the tests' corpus and Phi-3's chat markers."""
+    import json
+    import subprocess
+
+    from fitserve.loading import load_tokenizer
+    from tests.gguf_vocab_files import CORPUS, hf_tokenizer
+
+    texts = [t for t in CORPUS if t and not t.startswith(" ")]  # where llama.cpp agrees too
+    texts += ["<|user|>\nWhat is 2+2?<|end|>\n<|assistant|>"]
+    ours, ref = load_tokenizer(f16), hf_tokenizer(f16)
+    mine = [ours.encode(t, add_special_tokens=False) for t in texts]
+    bad = [t for t, ids in zip(texts, mine, strict=True)
+           if ids != ref.encode(t, add_special_tokens=False)]
+    if bad:
+        raise SystemExit(f"{f16.name}: fitserve's tokenizer differs from transformers' on {bad}")
+    out = subprocess.run([llamacpp_python, "-c", LLAMACPP_TOKENIZE, str(f16)], check=True,
+                         input=json.dumps(texts), capture_output=True, text=True).stdout
+    same = sum(a == b for a, b in zip(mine, json.loads(out), strict=True))
+    return (f"{f16.name}: fitserve's ids == transformers' on {len(texts)} texts; "
+            f"== llama.cpp's on {same} of {len(texts)}")
 
 
 def jobs_of(name: str, args: argparse.Namespace, base: dict[str, Any],
@@ -92,6 +175,14 @@ def jobs_of(name: str, args: argparse.Namespace, base: dict[str, Any],
     ids = {"w1_prompt": [t % vocab for t in base["w1_prompt"]]}
     if "w2_batch" in base:
         ids["w2_batch"] = [[t % vocab for t in p] for p in base["w2_batch"]]
+    if name == "phi3":  # the benchmark text in the file's own vocabulary
+        from fitserve.loading import load_tokenizer
+
+        print(check_tokenizer(f16, args.llamacpp_python), file=sys.stderr)
+        text = load_tokenizer(f16).encode(be.TEXT, add_special_tokens=False)
+        ids["w1_prompt"] = text[:32]
+        if "w2_batch" in base:
+            ids["w2_batch"] = [text[i * 7 : i * 7 + 128] for i in range(len(base["w2_batch"]))]
     w2_types = args.w2_types.split(",")
 
     def w1_only(label: str) -> dict[str, Any]:  # W2 only for the types of --w2-types
@@ -161,6 +252,8 @@ def main() -> None:
     ap.add_argument("--no-w2", action="store_true", help="W1 only")
     ap.add_argument("--w2-types", default="all",
                     help="run W2 only for these GGUF types / HF dtypes (e.g. Q8_0,bf16)")
+    ap.add_argument("--w2-requests", type=int, default=32,
+                    help="W2's batch (fewer on a loaded host: W2 is then N x (128 + 128))")
     ap.add_argument("--llamacpp-python", default=str(Path.home() / "peers/llamacpp/bin/python"))
     args = ap.parse_args()
 
@@ -168,7 +261,10 @@ def main() -> None:
 
     if not Path(args.llamacpp_python).exists():
         sys.exit(f"needs llama.cpp's quantizer: no {args.llamacpp_python} (see ../shared/PEERS.md)")
-    base = be.workload_spec(args.threads, args.runs, 32)
+    import os
+
+    load_start = os.getloadavg()
+    base = be.workload_spec(args.threads, args.runs, args.w2_requests)
     if args.no_w2:
         del base["w2_batch"]  # every worker then runs W1 only
     folder = fitserve_home() / "bench"
@@ -176,7 +272,10 @@ def main() -> None:
     results = {name: jobs_of(name, args, base, folder)
                for name in filter(None, args.models.split(","))}
     print(f"\nCPU: {be.cpu_description()}\nthreads={args.threads}, medians of {args.runs} runs "
-          f"after a warm-up; W1: 32-token prompt + 128 new; W2: 32 x (128 + 128), EOS ignored")
+          f"after a warm-up; W1: 32-token prompt + 128 new; "
+          f"{'no W2' if args.no_w2 else f'W2: {args.w2_requests} x (128 + 128)'}, "
+          f"EOS ignored\nload average (1, 5, 15 min) at the start {load_start}, at the end "
+          f"{os.getloadavg()}")
     for name, rows in results.items():
         report(name, rows)
 

@@ -66,31 +66,34 @@ class Vocab:
     flags: dict[str, bool] = field(default_factory=dict)  # add_bos/add_eos/add_space_prefix
 
 
+def add_vocab(w: gguf.GGUFWriter, vocab: Vocab) -> None:
+    """Write ``vocab`` under ``tokenizer.ggml.*`` as llama.cpp's converter does."""
+    w.add_tokenizer_model(vocab.model)
+    if vocab.pre is not None:
+        w.add_tokenizer_pre(vocab.pre)
+    w.add_token_list(vocab.tokens)
+    if vocab.scores is not None:
+        w.add_token_scores(vocab.scores)
+    w.add_token_types(vocab.token_types)
+    if vocab.merges is not None:
+        w.add_token_merges(vocab.merges)
+    for key, token_id in vocab.ids.items():
+        w.add_uint32(f"tokenizer.ggml.{key}_token_id", token_id)
+    for key, value in vocab.flags.items():
+        w.add_bool(f"tokenizer.ggml.{key}", value)
+
+
 def write_vocab_gguf(path: Path, vocab: Vocab, arch: str = "llama") -> Path:
     """A one-layer random-weight model of ``arch`` with ``vocab`` in its metadata."""
-
-    def edit(w: gguf.GGUFWriter) -> None:
-        w.add_tokenizer_model(vocab.model)
-        if vocab.pre is not None:
-            w.add_tokenizer_pre(vocab.pre)
-        w.add_token_list(vocab.tokens)
-        if vocab.scores is not None:
-            w.add_token_scores(vocab.scores)
-        w.add_token_types(vocab.token_types)
-        if vocab.merges is not None:
-            w.add_token_merges(vocab.merges)
-        for key, token_id in vocab.ids.items():
-            w.add_uint32(f"tokenizer.ggml.{key}_token_id", token_id)
-        for key, value in vocab.flags.items():
-            w.add_bool(f"tokenizer.ggml.{key}", value)
-
     config = TinyGGUF(arch=arch, layers=1, hidden=64, vocab=len(vocab.tokens), tokenizer=False,
-                      edit=edit)
+                      edit=lambda w: add_vocab(w, vocab))
     return write_tiny_gguf(path, config)
 
 
-def train_sentencepiece(*, gemma: bool, dummy_prefix: bool = True, **options: Any) -> Any:
-    """A SentencePiece BPE model with byte fallback, Llama-2-like or Gemma-like."""
+def train_sentencepiece(*, gemma: bool, dummy_prefix: bool = True,
+                        sentences: Sequence[str] = TRAINING, **options: Any) -> Any:
+    """A SentencePiece BPE model with byte fallback, Llama-2-like or Gemma-like, trained on
+    ``sentences``."""
     import sentencepiece as spm
 
     kw: dict[str, Any] = dict(
@@ -107,7 +110,7 @@ def train_sentencepiece(*, gemma: bool, dummy_prefix: bool = True, **options: An
         kw.update(unk_id=0, bos_id=1, eos_id=2, pad_id=-1, control_symbols=["[INST]", "[/INST]"])
     kw.update(options)
     buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(TRAINING), model_writer=buf, **kw)
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(sentences), model_writer=buf, **kw)
     return spm.SentencePieceProcessor(model_proto=buf.getvalue())
 
 
@@ -140,6 +143,36 @@ def sentencepiece_vocab(sp: Any, *, special: Sequence[str] = (), user: Sequence[
         scores.append(-1000.0)
         types.append(int(gguf.TokenType.USER_DEFINED))
     return Vocab("llama", tokens, types, scores=scores)
+
+
+# Phi-3's added tokens (its tokenizer_config's added_tokens_decoder, ids 32000.. after Llama-2's
+# 32000 pieces), all special.
+PHI3_ADDED = ("<|endoftext|>", "<|assistant|>", "<|placeholder1|>", "<|placeholder2|>",
+              "<|placeholder3|>", "<|placeholder4|>", "<|system|>", "<|end|>",
+              "<|placeholder5|>", "<|placeholder6|>", "<|user|>")
+
+
+def phi3_vocab(sp: Any, vocab_size: int) -> Vocab:
+    """Phi-3's vocabulary as llama.cpp's converter writes it (Phi3MiniModel.set_vocab): the
+    SentencePiece pieces, Phi-3's added tokens as CONTROL right after them, "[PAD{id}]" UNUSED
+    tokens up to the model's ``vocab_size`` (32064 for 32011 real ones); bos <s>, eos and pad
+    <|endoftext|>, unk <unk>, no automatic BOS / EOS."""
+    vocab = sentencepiece_vocab(sp, added=PHI3_ADDED)
+    first = sp.vocab_size()
+    for i in range(first, first + len(PHI3_ADDED)):
+        vocab.token_types[i] = int(gguf.TokenType.CONTROL)
+        assert vocab.scores is not None
+        vocab.scores[i] = 0.0
+    if len(vocab.tokens) > vocab_size:
+        raise ValueError(f"{len(vocab.tokens)} tokens do not fit a vocabulary of {vocab_size}")
+    for i in range(len(vocab.tokens), vocab_size):
+        vocab.tokens.append(f"[PAD{i}]")
+        vocab.token_types.append(int(gguf.TokenType.UNUSED))
+        assert vocab.scores is not None
+        vocab.scores.append(-10000.0)
+    vocab.ids = {"bos": sp.bos_id(), "eos": first, "unknown": sp.unk_id(), "padding": first}
+    vocab.flags = {"add_bos_token": False, "add_eos_token": False}
+    return vocab
 
 
 def train_byte_level_bpe(specials: Sequence[str], user: Sequence[str] = ()) -> Vocab:

@@ -267,8 +267,22 @@ def read_gguf(
     gguf_support(header).require()  # every missing part at once, before any tensor is read
     spec = spec_from_gguf_header(header, require_supported=True)
     tokenizer = tokenizer_from_gguf(fields, spec, path)
+    generation = from_gguf_metadata(fields, str(path))
+    drop_vocabulary_metadata(reader, fields)
     held, fmt, stored = read_gguf_weights(reader, spec, path, dtype, weights)
-    return spec, held, tokenizer, fmt, from_gguf_metadata(fields, str(path)), stored
+    return spec, held, tokenizer, fmt, generation, stored
+
+
+def drop_vocabulary_metadata(reader: GGUFReader, fields: dict[str, Any]) -> None:
+    """Forget the ``tokenizer.ggml.*`` arrays once the tokenizer is built.
+
+    NOTE: a 256k vocabulary (Gemma) is ~180 MiB of Python objects, parsed twice (the reader's
+    per-string views and the lists of ``fields``); dropped before any weight is read, it is no
+    part of the load's peak RSS beside the weights and the file's mapped pages
+    (docs/benchmarks.md, 'Gemma 3 and Phi-3 shapes')."""
+    for key in [k for k in reader.fields if k.startswith("tokenizer.ggml.")]:
+        del reader.fields[key]
+        fields.pop(key, None)
 
 
 def read_gguf_tokenizer(path: Path) -> Tokenizer:

@@ -1,7 +1,8 @@
 """Test helper: a transformers model written as GGUF the way llama.cpp's convert_hf_to_gguf.py
 writes Gemma 2 / Gemma 3 / Phi-3 (gguf-py's GGUFWriter, names from gguf-py's tensor map, the
 converter's metadata keys and tensor edits), with the tiny byte-level vocabulary of
-tests/tiny_gguf.py so the engine can load the file alone.
+tests/tiny_gguf.py (or a given one, tests/gguf_vocab_files.py) so the engine can load the file
+alone.
 
 The converter's edits reproduced here: Gemma's norm weights stored as w + 1 (every tensor whose
 name ends in "norm.weight", q/k norms included), Gemma's lm_head skipped (tied), Phi-3's
@@ -19,6 +20,7 @@ import gguf
 import numpy as np
 import torch
 
+from tests.gguf_vocab_files import Vocab, add_vocab
 from tests.tiny_gguf import add_tiny_vocab
 
 _ARCH = {"gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3_text": gguf.MODEL_ARCH.GEMMA3,
@@ -63,10 +65,12 @@ def _metadata(w: gguf.GGUFWriter, cfg: Any, model_type: str) -> None:
             math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0)
 
 
-def write_gguf_like_llama_cpp(model: torch.nn.Module, path: Path, f16: bool = False) -> Path:
+def write_gguf_like_llama_cpp(model: torch.nn.Module, path: Path, f16: bool = False,
+                              vocab: Vocab | None = None) -> Path:
     """Write ``model`` (Gemma2ForCausalLM, Gemma3ForCausalLM or Phi3ForCausalLM) to ``path``;
     every tensor as F32, or with ``f16`` its 2-D tensors as F16 (the converter's --outtype f16,
-    the source llama.cpp's quantizer reads in benchmarks/bench_families.py)."""
+    the source llama.cpp's quantizer reads in benchmarks/bench_families.py); ``vocab`` the
+    tokenizer metadata (default: the tiny byte-level vocabulary)."""
     cfg = model.config
     model_type = cfg.model_type
     arch = _ARCH[model_type]
@@ -75,7 +79,10 @@ def write_gguf_like_llama_cpp(model: torch.nn.Module, path: Path, f16: bool = Fa
     if f16:
         w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     _metadata(w, cfg, model_type)
-    add_tiny_vocab(w, cfg.vocab_size)
+    if vocab is None:
+        add_tiny_vocab(w, cfg.vocab_size)
+    else:
+        add_vocab(w, vocab)
     tmap = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
     for name, tensor in model.state_dict().items():
         if model_type != "phi3" and name == "lm_head.weight":

@@ -15,7 +15,9 @@ import pytest
 from fitserve.loading import IncrementalDetokenizer, ModelLoadError, Tokenizer, load_tokenizer
 from tests.gguf_vocab_files import (
     CORPUS,
+    PHI3_ADDED,
     hf_tokenizer,
+    phi3_vocab,
     sentencepiece_vocab,
     train_sentencepiece,
     write_vocab_gguf,
@@ -70,13 +72,16 @@ def files(tmp_path_factory: pytest.TempPathFactory, llama_sp: Any, gemma_sp: Any
         "no_prefix": write_vocab_gguf(d / "no_prefix.gguf", no_prefix, "llama"),
         "llama": write_vocab_gguf(d / "llama2.gguf", llama, "llama"),
         "phi3": write_vocab_gguf(d / "phi3.gguf", llama, "phi3"),
+        # as the converter writes Phi-3 (benchmarks/bench_families.py's phi3 file): 53 [PAD]s
+        "phi3_added": write_vocab_gguf(d / "phi3_added.gguf",
+                                       phi3_vocab(llama_sp, llama_sp.vocab_size() + 64), "phi3"),
         "gemma": write_vocab_gguf(d / "gemma.gguf", gemma, "gemma3"),
         "eos": write_vocab_gguf(d / "eos.gguf", eos_too, "llama"),
         "no_flags": write_vocab_gguf(d / "no_flags.gguf", no_flags, "llama"),
     }
 
 
-@pytest.mark.parametrize("style", ["llama", "phi3", "gemma", "eos", "no_flags"])
+@pytest.mark.parametrize("style", ["llama", "phi3", "phi3_added", "gemma", "eos", "no_flags"])
 def test_ids_and_text_equal_transformers(files: dict[str, Path], style: str) -> None:
     ours, ref = load_tokenizer(files[style]), hf_tokenizer(files[style])
     for text in TEXTS:
@@ -86,6 +91,19 @@ def test_ids_and_text_equal_transformers(files: dict[str, Path], style: str) -> 
             for skip in (True, False):
                 assert ours.decode(ids, skip) == ref.decode(ids, skip_special_tokens=skip)
     assert ours.vocab_size == len(ref)
+
+
+def test_phi3_chat_markers_are_whole_control_tokens(files: dict[str, Path]) -> None:
+    """Phi-3's added tokens inline are one id each, equal to transformers', skipped on decode."""
+    ours, ref = load_tokenizer(files["phi3_added"]), hf_tokenizer(files["phi3_added"])
+    text = "<|system|>Be brief.<|end|>\n<|user|>\nWhat is 2+2?<|end|>\n<|assistant|>4<|endoftext|>"
+    ids = ours.encode(text, add_special_tokens=False)
+    assert ids == ref.encode(text, add_special_tokens=False)
+    marks = [ours.token_to_id(t) for t in PHI3_ADDED]
+    assert marks == list(range(marks[0], marks[0] + len(PHI3_ADDED)))
+    assert sum(i in marks for i in ids) == 6 and ours.decode(ids) == ref.decode(
+        ids, skip_special_tokens=True)
+    assert ours.vocab_size == len(ref) == marks[0] + 64
 
 
 def test_gemma_files_keep_added_tokens_whole(files: dict[str, Path]) -> None:
@@ -197,3 +215,28 @@ def test_unsupported_tokenizer_models_are_refused_by_name(tmp_path: Path, llama_
     path = write_vocab_gguf(tmp_path / "t5.gguf", vocab)
     with pytest.raises(ModelLoadError, match=r"t5\.gguf: the engine cannot run this model \(tokenizer model 't5'.*supported: gpt2, llama"):
         load_tokenizer(path)
+
+
+def test_vocabulary_metadata_is_dropped_once_the_tokenizer_is_built(
+    files: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """read_gguf forgets the tokenizer.ggml.* arrays before it reads weights (a 256k vocabulary
+    is ~180 MiB of parsed metadata); the model's tokenizer still equals transformers'."""
+    import fitserve.loading.gguf as gguf_loading
+    from fitserve.loading import load_model
+
+    left: dict[str, list[str]] = {}
+    drop = gguf_loading.drop_vocabulary_metadata
+
+    def spy(reader: Any, fields: dict[str, Any]) -> None:
+        drop(reader, fields)
+        left["reader"] = [k for k in reader.fields if k.startswith("tokenizer.ggml.")]
+        left["fields"] = [k for k in fields if k.startswith("tokenizer.ggml.")]
+
+    monkeypatch.setattr(gguf_loading, "drop_vocabulary_metadata", spy)
+    loaded = load_model(files["llama"])
+    assert left == {"reader": [], "fields": []}
+    ref = hf_tokenizer(files["llama"])
+    for text in TEXTS:
+        assert loaded.tokenizer.encode(text) == ref.encode(text), text
+    assert loaded.tokenizer.vocab_size == len(ref)
