@@ -16,17 +16,16 @@ from importlib import metadata
 from fitserve.envs import fitserve_home
 from fitserve.ledger.hardware import machine_key
 
-RUNTIME_CACHE_VERSION = 1
+RUNTIME_CACHE_VERSION = 2
 
 # NOTE: the child mirrors the engine process before its model is loaded: ``import fitserve.engine.core``
-# (torch, tokenizers, gguf, numpy), then a tensor op on the meta device (the engine builds its
-# model on "meta", which pulls in torch._dynamo and triton's shared library: ~80 MiB of RSS),
-# then a small bf16 matmul and attention call (oneDNN / thread-pool start-up). The tensors are
-# a few KiB, so VmRSS is the runtime itself.
+# (torch, tokenizers, gguf, numpy), then a small bf16 matmul and attention call (oneDNN /
+# thread-pool start-up). The tensors are a few KiB, so VmRSS is the runtime itself. No tensor op
+# on the meta device: the engine builds its model there without one (loader._no_init_ops), and
+# the first op that decomposes through torch._refs imports torch._dynamo (~140 MiB of RSS, ~1 s),
+# which version 1 of this probe counted and the engine no longer loads.
 _PROBE = """
 import torch, fitserve.engine.core
-with torch.device("meta"):
-    torch.arange(0, 8, 2).float() / 8
 x = torch.ones(64, 64, dtype=torch.bfloat16)
 (x @ x).float().sum()
 q = torch.ones(1, 2, 16, 8)
@@ -74,7 +73,7 @@ def runtime_baseline_bytes(*, refresh: bool = False) -> int | None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"key": key, "rss_bytes": rss,
                                     "how": "VmRSS of a child that imported fitserve.engine.core and "
-                                           "warmed torch (meta op, bf16 matmul, attention)"},
+                                           "warmed torch (bf16 matmul, attention)"},
                                    indent=1))
     except OSError:
         pass

@@ -157,6 +157,60 @@ def paged_decode_bytes(spec: ModelSpec, batch: int, kv_len: int, act_bytes: int)
     return out + batch * spec.num_kv_heads * parts * group * (dpad + 2) * 4
 
 
+# NOTE: the fused kernel runs a prefill chunk as one decode row per query, and a row of L keys
+# spanning several partitions keeps fp32 partials per (row, KV head, partition) in a plain
+# ``new float[]`` (invisible to torch's profiler): for 2,048 queries after 2,048 cached tokens
+# that was 58 MiB per layer, mmapped and page-faulted afresh by every layer. The backend
+# (CpuPagedDecode.prefill) runs the rows in slices whose partials stay under this cap.
+PAGED_PREFILL_PARTIALS_BYTES = 8 << 20
+
+
+def paged_partials_bytes_per_row(num_heads: int, num_kv_heads: int, head_dim: int,
+                                 kv_len: int) -> int:
+    """fp32 partials of one decode row of ``kv_len`` keys (0 within one partition): Hkv x
+    ceil(L / 256) items of G x (dpad + 2) floats (paged_attention.cpp ``part_stride``)."""
+    parts = -(-kv_len // PAGED_PARTITION)
+    if parts <= 1:
+        return 0
+    group = num_heads // max(1, num_kv_heads)
+    dpad = -(-head_dim // PAGED_LANES) * PAGED_LANES
+    return num_kv_heads * parts * group * (dpad + 2) * 4
+
+
+def paged_prefill_rows(num_heads: int, num_kv_heads: int, head_dim: int, kv_len: int) -> int:
+    """Query rows per fused-kernel call for a prefill chunk whose longest row reads ``kv_len``
+    keys: as many as keep the call's partials within PAGED_PREFILL_PARTIALS_BYTES."""
+    per_row = paged_partials_bytes_per_row(num_heads, num_kv_heads, head_dim, kv_len)
+    return max(1, PAGED_PREFILL_PARTIALS_BYTES // per_row) if per_row else 1 << 30
+
+
+def paged_prefill_bytes(spec: ModelSpec, q_len: int, kv_len: int, *, block_size: int,
+                        act_bytes: int) -> tuple[int, int]:
+    """(torch, C++) bytes of one prefill chunk through the fused kernel (``CpuPagedDecode.prefill``),
+    T = ``q_len`` queries whose last reads L = ``kv_len`` keys, rows in slices of
+    R = ``paged_prefill_rows(L)`` (the heaviest slice is the last R rows, L - R + 1 .. L keys)::
+
+        torch   T x Hq x D x act          the chunk's output
+                + 2 x R x Hq x D x act    the slice's contiguous q and the kernel's output
+                + R x ceil(L / block) x 4 + R x 4   its int32 block table rows and lengths
+        C++     Hkv x sum_i ceil(L_i / 256) items x (G x (dpad + 2) x 4 + 8)   partials and
+                each item's row index (every item gets partials once any row spans two
+                partitions), + (4 R + 1) x 8 (the per-row vectors of paged_attention.cpp)
+    """
+    heads = (spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    rows = min(q_len, paged_prefill_rows(*heads, kv_len))
+    out = spec.num_heads * spec.head_dim * act_bytes
+    blocks = -(-kv_len // block_size)
+    torch_bytes = q_len * out + rows * (2 * out + blocks * 4 + 4)
+    lens = range(kv_len - rows + 1, kv_len + 1)
+    items = spec.num_kv_heads * sum(-(-n // PAGED_PARTITION) for n in lens)
+    split = paged_partials_bytes_per_row(*heads, kv_len) > 0
+    group = spec.num_heads // max(1, spec.num_kv_heads)
+    dpad = -(-spec.head_dim // PAGED_LANES) * PAGED_LANES
+    cpp = items * ((group * (dpad + 2) * 4 if split else 0) + 8) + (4 * rows + 1) * 8
+    return torch_bytes, cpp
+
+
 def gather_decode_bytes(spec: ModelSpec, batch: int, kv_len: int, kind: ScratchKind, *,
                         block_size: int, act_bytes: int, kv_bytes: int, threads: int) -> int:
     """Decode without the fused kernel (the gather backends' ``decode``), ``kind`` GATHER_EAGER
@@ -202,6 +256,7 @@ class AttentionScratch:
     step_tensor_bytes: int  # the runner's bool masks (+ visible/hidden of gather decode), tables
     fused_decode: bool
     threads: int
+    paged_prefill: bool = False  # prefill chunks through the fused kernel (else SDPA)
 
     @property
     def kernel_bytes(self) -> int:
@@ -215,11 +270,14 @@ class AttentionScratch:
 
 def cpu_attention_scratch(spec: ModelSpec, *, max_num_batched_tokens: int, max_model_len: int,
                           max_num_seqs: int, block_size: int, act_bytes: int, kv_bytes: int,
-                          threads: int, fused_decode: bool = True) -> AttentionScratch:
+                          threads: int, fused_decode: bool = True,
+                          paged_prefill: bool | None = None) -> AttentionScratch:
     """The worst attention scratch of a step (see the module docstring for each term).
 
     Prefill: T = min(budget, max_model_len) queries against max_model_len keys, masked (a
-    chunk after cached tokens; a plain causal first chunk needs less). Decode: min(max_num_seqs,
+    chunk after cached tokens; a plain causal first chunk needs less): the fused kernel's rows
+    (``paged_prefill_bytes``) where it runs (``paged_prefill``, None: with the fused decode
+    kernel), else gathered K/V + SDPA. Decode: min(max_num_seqs,
     budget) sequences of max_model_len keys (the gather path: its worst of GATHER_EAGER at up
     to GATHER_EAGER_MAX_KEYS keys and GATHER_SDPA beyond). Step tensors: prefill chunks' T_i x L_i bool masks sum to at
     most budget x max_model_len bytes; the gather decode path adds 2 x B x Lw bools; every
@@ -228,8 +286,15 @@ def cpu_attention_scratch(spec: ModelSpec, *, max_num_batched_tokens: int, max_m
     t = max(1, min(max_num_batched_tokens, max_model_len))
     keys = max(1, max_model_len)
     batch = max(1, min(max_num_seqs, max_num_batched_tokens))
-    prefill = prefill_chunk_bytes(spec, t, keys, block_size=block_size, act_bytes=act_bytes,
-                                  kv_bytes=kv_bytes, threads=threads, masked=True)
+    paged = fused_decode if paged_prefill is None else paged_prefill
+    if paged:
+        # the C++ kernel runs prefill chunks too, one decode row per query (not over a
+        # quantized cache: those chunks read a dequantized copy through SDPA)
+        prefill = sum(paged_prefill_bytes(spec, t, keys, block_size=block_size,
+                                          act_bytes=act_bytes))
+    else:
+        prefill = prefill_chunk_bytes(spec, t, keys, block_size=block_size, act_bytes=act_bytes,
+                                      kv_bytes=kv_bytes, threads=threads, masked=True)
     blocks = -(-keys // block_size)
     masks = max_num_batched_tokens * keys + max_num_seqs * blocks * 8
     if fused_decode:
@@ -243,7 +308,7 @@ def cpu_attention_scratch(spec: ModelSpec, *, max_num_batched_tokens: int, max_m
             decode = max(decode, gather_decode_bytes(spec, batch, keys, ScratchKind.GATHER_SDPA,
                                                      **kw))
         masks += 2 * batch * blocks * block_size
-    return AttentionScratch(t, keys, prefill, batch, decode, masks, fused_decode, threads)
+    return AttentionScratch(t, keys, prefill, batch, decode, masks, fused_decode, threads, paged)
 
 
 def rope_table_bytes(spec: ModelSpec, max_model_len: int) -> int:

@@ -107,6 +107,13 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = spec.head_dim
         self.interleaved = spec.rope_interleaved
         self.long_row_offset: int | None = None
+        if torch.empty(()).is_meta:
+            # NOTE: the loader builds the model on the meta device and then installs real tables
+            # (install_rotary); computing them here on meta would decompose arange through
+            # torch._refs, which imports torch._dynamo: ~1 s of every start-up for nothing.
+            self.register_buffer("cos", torch.empty(0), persistent=False)
+            self.register_buffer("sin", torch.empty(0), persistent=False)
+            return
         pos = torch.arange(max_positions, dtype=torch.float32)
         rs = spec.rope_scaling
         if rs is not None and rs.kind == "longrope":

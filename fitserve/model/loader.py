@@ -7,7 +7,8 @@ dense rest into the model.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -158,6 +159,28 @@ def _install_held(model: CausalLM | GemmaCausalLM, state: dict[str, FusedWeight]
                                               dtype))
 
 
+_INIT_OPS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_",
+             "xavier_uniform_", "xavier_normal_", "constant_", "ones_", "zeros_")
+
+
+@contextlib.contextmanager
+def _no_init_ops() -> Iterator[None]:
+    """torch.nn.init's fills as no-ops while the decoder is built on the meta device.
+
+    NOTE: every weight is then replaced by the file's; an init op on a meta tensor still runs
+    its Python decomposition (torch._refs), whose first use imports torch._dynamo: ~1 s of
+    every start-up (transformers' ``no_init_weights`` skips them the same way).
+    """
+    saved = {name: getattr(nn.init, name) for name in _INIT_OPS}
+    try:
+        for name in _INIT_OPS:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
 def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -> None:
     """Allocate every parameter/buffer still on the meta device (float ones in ``dtype``); a
     tensor shared by two modules (tied weights) stays one tensor."""
@@ -206,7 +229,7 @@ def build_model(
     take the tensors as they are, only q/k/v and gate/up are stacked (one copy of their rows).
     """
     check_supported(spec)
-    with torch.device("meta"):
+    with torch.device("meta"), _no_init_ops():
         model = model_class(spec)(spec, max_positions)
     state = fuse_hf_weights(spec, weights)
     expected = {k for k in model.state_dict() if not k.endswith(("rotary.cos", "rotary.sin"))}

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fitserve.kernels.cpu.paged_attention import paged_attention_available
+from fitserve.ledger import scratch
 from fitserve.model.attention.backend import PrefillSeq
 from fitserve.model.attention.cpu_paged import CPU_PAGED_DECODE
 
@@ -57,3 +58,26 @@ def test_prefill_rows_match_float64_and_decode(dtype: torch.dtype, cached: int, 
     d = CPU_PAGED_DECODE.build_decode([order.tolist()], [total], block_size=BS, window=window,
                                       device=q.device)
     assert torch.equal(CPU_PAGED_DECODE.decode(q[-1:], k_cache, v_cache, d, scale), got[-1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prefill_in_row_slices_is_identical(dtype: torch.dtype,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk whose rows run in several kernel calls (the partials cap, scratch.
+    PAGED_PREFILL_PARTIALS_BYTES) gives the same bits as one call, ragged last slice too."""
+    gen = torch.Generator().manual_seed(7)
+    cached, t = 300, 40
+    nblocks = -(-(cached + t) // BS)
+    order = torch.randperm(nblocks + 3, generator=gen)[:nblocks]
+    k_cache = torch.randn(HKV, nblocks + 3, BS, D, generator=gen).to(dtype)
+    v_cache = torch.randn(HKV, nblocks + 3, BS, D, generator=gen).to(dtype)
+    q = torch.randn(t, HQ, D, generator=gen).to(dtype)
+    seq = PrefillSeq(start=0, end=t, cached=cached, block_ids=order.long(),
+                     backend=CPU_PAGED_DECODE, window=None)
+    assert scratch.paged_prefill_rows(HQ, HKV, D, cached + t) >= t  # one call by default
+    whole = CPU_PAGED_DECODE.prefill(q, k_cache, v_cache, seq, D ** -0.5)
+    # 340 keys: 2 partitions x 2 KV heads x G 3 x (64 + 2) x 4 B = 3,168 B a row
+    monkeypatch.setattr(scratch, "PAGED_PREFILL_PARTIALS_BYTES", 7 * 3_168)
+    assert scratch.paged_prefill_rows(HQ, HKV, D, cached + t) == 7  # 6 calls, the last of 5
+    sliced = CPU_PAGED_DECODE.prefill(q, k_cache, v_cache, seq, D ** -0.5)
+    assert torch.equal(sliced, whole)

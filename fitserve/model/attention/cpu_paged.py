@@ -8,7 +8,7 @@ import torch
 
 from fitserve.kernels.cpu.paged_attention import paged_decode_attention, paged_prefill_attention
 from fitserve.kernels.cpu.paged_attention_kvq import paged_decode_attention_kvq
-from fitserve.ledger.scratch import ScratchKind
+from fitserve.ledger.scratch import ScratchKind, paged_prefill_rows
 from fitserve.model.attention.backend import (
     AttentionBackend,
     DecodeBatch,
@@ -42,9 +42,20 @@ class CpuPagedDecode(AttentionBackend):
         speculative draft being verified, or as a decode step (fixed key partitions, see
         paged_attention.py); torch's SDPA tiles a prompt by its length.
         """
-        return paged_prefill_attention(q.contiguous(), k_cache, v_cache,
-                                       seq.block_ids.to(torch.int32), seq.cached, scale,
-                                       seq.window)
+        t, ids = q.shape[0], seq.block_ids.to(torch.int32)
+        # NOTE: rows in slices: the kernel's fp32 partials grow with rows x partitions (58 MiB a
+        # layer for 2,048 queries after 2,048 cached tokens, invisible to torch's allocator);
+        # a row's result does not depend on the slice it runs in (fitserve.ledger.scratch)
+        rows = paged_prefill_rows(q.shape[1], k_cache.shape[0], q.shape[2], seq.cached + t)
+        if rows >= t:
+            return paged_prefill_attention(q.contiguous(), k_cache, v_cache, ids, seq.cached,
+                                           scale, seq.window)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        for lo in range(0, t, rows):
+            hi = min(t, lo + rows)
+            out[lo:hi] = paged_prefill_attention(q[lo:hi].contiguous(), k_cache, v_cache, ids,
+                                                 seq.cached + lo, scale, seq.window)
+        return out
 
     def build_decode(self, tables: list[list[int]], seq_lens: list[int], *, block_size: int,
                      window: int | None, device: torch.device) -> DecodeBatch:

@@ -19,6 +19,9 @@ from fitserve.ledger.scratch import (
     flash_q_split,
     gather_decode_bytes,
     paged_decode_bytes,
+    paged_partials_bytes_per_row,
+    paged_prefill_bytes,
+    paged_prefill_rows,
     prefill_chunk_bytes,
     rope_table_bytes,
     sampler_bytes,
@@ -56,8 +59,11 @@ def test_prefill_chunk_smollm2_bf16_default_budget(monkeypatch: pytest.MonkeyPat
     chunk = prefill_chunk_bytes(SMOL, 2048, 8192, block_size=16, act_bytes=2, kv_bytes=2,
                                 threads=2, masked=True)
     assert chunk == 6_291_456 + sdpa == 50_409_472
+    # prefill chunks through SDPA (a quantized KV cache: see test_paged_prefill_chunk for the
+    # fused kernel's rows)
     s = cpu_attention_scratch(SMOL, max_num_batched_tokens=2048, max_model_len=8192,
-                              max_num_seqs=64, block_size=16, act_bytes=2, kv_bytes=2, threads=2)
+                              max_num_seqs=64, block_size=16, act_bytes=2, kv_bytes=2, threads=2,
+                              paged_prefill=False)
     assert (s.prefill_queries, s.keys, s.prefill_bytes) == (2048, 8192, 50_409_472)
     # the runner's bool masks, 2048 x 8192, and 64 block tables of 512 int64 ids
     assert s.step_tensor_bytes == 16_777_216 + 262_144
@@ -75,12 +81,37 @@ def test_prefill_chunk_fp32_ragged_blocks() -> None:
     #   fp32 tiles   (64 x 512 + 128 + 64 x 64) x 4 = 147,968 (512 queries: tiles of 64)
     #   float mask   512 x 1000 x 4         = 2,048,000   (no bf16 terms in fp32)
     s = cpu_attention_scratch(SMOL, max_num_batched_tokens=512, max_model_len=1000,
-                              max_num_seqs=16, block_size=16, act_bytes=4, kv_bytes=4, threads=1)
+                              max_num_seqs=16, block_size=16, act_bytes=4, kv_bytes=4, threads=1,
+                              paged_prefill=False)
     assert s.prefill_bytes == 1_548_288 + 1_179_648 + 18_432 + 147_968 + 2_048_000 == 4_942_336
     assert s.step_tensor_bytes == 512 * 1000 + 16 * 63 * 8  # masks + 16 tables of 63 blocks
     # decode: 16 x 9 x 64 x 4 = 36,864 + 16 x 3 x 4 partitions x 3 x 66 x 4 = 152,064
     assert s.decode_bytes == paged_decode_bytes(SMOL, 16, 1000, 4) == 36_864 + 152_064
     assert s.total_bytes == 512_000 + 8_064 + 4_942_336
+
+
+def test_paged_prefill_chunk() -> None:
+    # the fused kernel, one decode row per query: a row of 1000 keys spans 4 partitions of
+    # 256, 3 KV heads x 4 x G 3 x (64 + 2) x 4 B = 9,504 B of fp32 partials; 8 MiB // 9,504
+    # = 882 rows a call, more than the chunk's 512
+    assert paged_partials_bytes_per_row(9, 3, 64, 1000) == 9_504
+    assert paged_prefill_rows(9, 3, 64, 1000) == 882
+    assert paged_partials_bytes_per_row(9, 3, 64, 256) == 0  # one partition: none
+    # 512 queries after 488 cached (489..1000 keys), fp32, block 16 (63 blocks):
+    #   torch  output 512 x 9 x 64 x 4 = 1,179,648 + 512 x (q copy and kernel output
+    #          2 x 2304 + table 63 x 4 + length 4) = 2,490,368 -> 3,670,016
+    #   C++    ceil(n / 256) over 489..1000: 24 rows of 2, 256 of 3, 232 of 4 = 1,744; x 3
+    #          heads = 5,232 items x (3 x 66 x 4 + 8) = 4,185,600, + (4 x 512 + 1) x 8 = 16,392
+    torch_b, cpp = paged_prefill_bytes(SMOL, 512, 1000, block_size=16, act_bytes=4)
+    assert (torch_b, cpp) == (1_179_648 + 2_490_368, 4_185_600 + 16_392)
+    s = cpu_attention_scratch(SMOL, max_num_batched_tokens=512, max_model_len=1000,
+                              max_num_seqs=16, block_size=16, act_bytes=4, kv_bytes=4, threads=1)
+    assert s.paged_prefill and s.prefill_bytes == torch_b + cpp
+    # 8192 keys: 32 partitions, 76,032 B a row, 110 rows a call; the last 110 rows have 32
+    # partitions each: 3 x 3,520 items x 800 + 441 x 8 (bf16, 512 blocks of 16)
+    assert paged_prefill_rows(9, 3, 64, 8192) == 110
+    assert paged_prefill_bytes(SMOL, 2048, 8192, block_size=16, act_bytes=2) == (
+        2048 * 1152 + 110 * (2 * 1152 + 512 * 4 + 4), 10_560 * 800 + 441 * 8)
 
 
 def test_budget_above_context_and_short_decode() -> None:

@@ -37,13 +37,12 @@ def _cpu(**kw: Any) -> Any:
     return cpu_engine_memory_plan(SMOL, **args)
 
 
-def test_cpu_plan_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
-    # a CPU with AMX bf16, where torch's SDPA repacks K/V (fitserve.ledger.scratch.cpu_sdpa_bytes)
-    monkeypatch.setattr("fitserve.ledger.scratch.cpu_has_amx_bf16", lambda: True)
+def test_cpu_plan_by_hand() -> None:
     p = _cpu(runtime_bytes=400 * MIB, load_transient_bytes=390 * MIB)
     assert [m.name for m in p.lines] == ["runtime baseline", "weights", "rope tables",
                                          "loading transient", "activation peak",
-                                         "attention scratch", "logits", "sampler", "KV pool"]
+                                         "attention scratch", "logits", "sampler",
+                                         "allocator retention", "KV pool"]
     # 1 GiB // (16 tokens x 23,040 B) = 2,912 blocks; allocated 2,912 x 368,640 B
     assert p.kv_pool_bytes == DEFAULT_CPU_KV_BYTES == GIB
     assert (p.num_kv_blocks, p.block_bytes) == (2912, 368_640)
@@ -54,30 +53,52 @@ def test_cpu_plan_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
     # activations: 2048 tokens x (2 B x mlp 3 x 576 + 3 x 1536 = 6336, + 24 B of indices)
     act, logits = 2048 * 2 * 6336 + 2048 * 24, 64 * 49152 * 4
     assert (by["activation peak"], by["logits"]) == (26_001_408, logits) and act == 26_001_408
-    # masks 2048 x 8192 bools + 64 block tables x 512 x 8 B + the prefill chunk
-    # (tests/unit/ledger/test_attention_scratch.py)
-    assert by["attention scratch"] == 16_777_216 + 262_144 + 50_409_472
+    # the prefill chunk through the fused kernel (scratch.paged_prefill_bytes): a row of 8192
+    # keys has 32 partitions x 3 KV heads x 3 x (64 + 2) x 4 B = 76,032 B of partials, so
+    # 8 MiB // 76,032 = 110 rows a call; torch: the output 2048 x 9 x 64 x 2 + 110 x (q copy
+    # and kernel output 2 x 1152 + table 512 x 4 + length 4) = 2,838,456; C++: the last 110
+    # rows (8083..8192 keys) have 32 partitions each: 3 x 3520 items x (792 + 8) + 441 x 8
+    # = 8,451,528; the fused decode of 64 x 8192 keys (73,728 + 64 x 76,032) is smaller
+    assert by["attention scratch"] == 16_777_216 + 262_144 + 2_838_456 + 8_451_528
     # the sampler's copy of the logits (64 rows) + two buffers of a 21-row chunk + 3 rows'
     # nuclei sorted in full, 6 rows each (fitserve.ledger.sampler_memory)
     assert by["sampler"] == (64 + 2 * 21 + 6 * 3) * 49152 * 4 == 24_379_392
-    # step peak: masks and tables + max(attention 2048 x (2 x 3264 + 24) + 50,409,472 =
-    # 63,827,968, mlp 26,001,408, sampling 2048 x 576 x 2 + logits + sampler = 39,321,600)
-    assert (p.step_bytes, p.step_phase) == (17_039_360 + 63_827_968, "attention")
+    # phases: attention 2048 x (2 x 3264 + 24) + 11,289,984 = 24,708,480, mlp 26,001,408,
+    # sampling 2048 x 576 x 2 + logits + sampler = 39,321,600 (sets the live peak); the heap
+    # keeps the other two: 50,709,888
+    assert by["allocator retention"] == 24_708_480 + 26_001_408
+    assert (p.step_bytes, p.step_phase) == (17_039_360 + 39_321_600 + 50_709_888, "sampling")
     assert p.peak_bytes == (400 * MIB + W_BF16 + 2_097_152 + 1_073_479_680
-                            + 17_039_360 + 63_827_968)
+                            + 17_039_360 + 39_321_600 + 50_709_888)
     assert p.peak_with_kv(p.kv_allocated_bytes) == p.peak_bytes
     assert "sets the peak" not in p.line("loading transient").note
 
 
-def test_cpu_plan_attention_sets_the_step_peak_at_long_context() -> None:
-    # 4 sequences, a 2048-token budget and 32k context: the prefill chunk's scratch dominates
+def test_cpu_plan_sdpa_prefill_without_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    # no C++ kernel: prefill chunks gather K/V and run SDPA; on a CPU with AMX bf16 torch's
+    # SDPA repacks K/V (fitserve.ledger.scratch.cpu_sdpa_bytes)
+    monkeypatch.setattr("fitserve.ledger.scratch.cpu_has_amx_bf16", lambda: True)
+    p = _cpu(fused_decode=False, max_num_seqs=1)
+    # masks 2048 x 8192 bools + the gather decode's 2 x 8192 + a block table of 512 x 8 B +
+    # the chunk (tests/unit/ledger/test_attention_scratch.py)
+    assert p.line("attention scratch").bytes == 16_777_216 + 16_384 + 4096 + 50_409_472
+
+
+def test_cpu_plan_at_long_context() -> None:
+    # 4 sequences, a 2048-token budget and 32k context: the runner's bool masks grow with the
+    # context, the fused kernel's chunk scratch does not (its rows run in slices)
     p = _cpu(max_num_seqs=4, max_model_len=32768, runtime_bytes=0, load_transient_bytes=0)
-    assert p.step_phase == "attention"
-    scratch = p.line("attention scratch").bytes
     tables = 2048 * 32768 + 4 * 2048 * 8  # masks and 4 block tables of 2048 blocks
-    # attention activations + masks and tables + the chunk's kernel scratch
-    assert p.step_bytes == 2048 * (2 * 3264 + 24) + scratch
-    assert scratch - tables > 2048 * 32768 * 2  # more than the float mask alone
+    # a row of 32768 keys: 128 partitions x 3 x 3 x 66 x 4 = 304,128 B, 27 rows a call;
+    # torch 2048 x 1152 + 27 x (2 x 1152 + 2048 x 4 + 4); C++ 3 x 27 x 128 items x 800 + 109 x 8
+    chunk = 2_359_296 + 27 * 10_500 + 10_368 * 800 + 872
+    assert p.line("attention scratch").bytes == tables + chunk
+    # live: attention 2048 x 6552 + chunk = 24,356,564 < mlp 26,001,408 > sampling
+    # 2048 x 576 x 2 + logits 4 x 49,152 x 4 + sampler 3,538,944 = 6,684,672; the heap keeps
+    # the attention and sampling phases' pages too
+    assert p.step_phase == "mlp"
+    assert p.line("allocator retention").bytes == 24_356_564 + 6_684_672
+    assert p.step_bytes == tables + 26_001_408 + 24_356_564 + 6_684_672
 
 
 def test_cpu_plan_loading_sets_the_peak_with_a_small_pool() -> None:
@@ -147,21 +168,21 @@ def test_cpu_plan_json(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFi
     assert lines["runtime baseline"] == 300 * MIB
     # the default context 8192 is the max_model_len: 2 x 8192 x 32 x 4 B
     assert lines["rope tables"] == 2_097_152
-    # fp32, T = 2048 queries x L = 8192 keys, 2 threads: masks 2048 x 8192 + 16 block tables
-    # x 256 blocks of 32 x 8 B + K/V copies 2 x 3 x 8192 x 64 x 4 + SDPA: output 9 x 2048 x 64 x 4 +
-    # logsumexp 9 x 2048 x 4 + tiles 2 x (256 x 512 + 2 x 256 + 256 x 64) x 4 + float mask
-    # 2048 x 8192 x 4 (no repacking in fp32)
-    assert lines["attention scratch"] == (16_777_216 + 32_768 + 12_582_912 + 4_718_592 + 73_728
-                                          + 1_183_744 + 67_108_864) == 102_477_824
+    # fp32, T = 2048 queries x L = 8192 keys through the fused kernel (110 rows a call, as in
+    # test_cpu_plan_by_hand): masks 2048 x 8192 + 16 block tables x 256 blocks of 32 x 8 B +
+    # torch 2048 x 9 x 64 x 4 + 110 x (2 x 2304 + 256 x 4 + 4) + C++ partials 8,451,528
+    assert lines["attention scratch"] == (16_777_216 + 32_768 + 4_718_592 + 619_960
+                                          + 8_451_528) == 30_600_064
     # 16 sequences: logits 16 x 49,152 x 4 = 3 MiB; sampler: its copy of them, two buffers of
     # one 16-row chunk and 2 rows' full nucleus sorts, 6 rows each (sampler_memory)
     assert (lines["logits"], lines["sampler"]) == (3 * MIB, (16 + 2 * 16 + 12) * 49_152 * 4)
-    # step: tables + max(attention 2048 x (4 x 3264 + 24) + 85,667,840 = 112,455,680,
-    # mlp 2048 x (4 x 6336 + 24) = 51,953,664, sampling 2048 x 576 x 4 + 3 MiB + 60 rows = 19,660,800)
-    act_attn = 2048 * (4 * 3264 + 24)
+    # phases: attention 2048 x (4 x 3264 + 24) + 13,790,080 = 40,577,920, mlp 2048 x (4 x 6336
+    # + 24) = 51,953,664 (the live peak), sampling 2048 x 576 x 4 + 3 MiB + 60 rows = 19,660,800
+    assert lines["allocator retention"] == 40_577_920 + 19_660_800
+    step = 16_777_216 + 32_768 + 51_953_664 + 40_577_920 + 19_660_800
+    assert e["step_bytes"] == step
     assert e["peak_bytes"] == 300 * MIB + e["weight_bytes"] + lines["rope tables"] + max(
-        lines["loading transient"],
-        e["kv_allocated_bytes"] + act_attn + lines["attention scratch"])
+        lines["loading transient"], e["kv_allocated_bytes"] + step)
 
 
 def test_cpu_plan_warns_when_not_what_the_engine_does(
