@@ -258,7 +258,8 @@ class DecodeLoop:
         rope_write_kv_ = torch.ops.fitserve_fused.rope_write_kv_.default
         silu_and_mul = torch.ops.fitserve_fused.silu_and_mul.default
         attention = torch.ops.fitserve.paged_decode_attention.default
-        attention_kvq = torch.ops.fitserve.paged_decode_attention_kvq.default
+        attention_kvq = (torch.ops.fitserve.paged_decode_attention_kvq.default
+                         if isinstance(kv_caches[0], QuantizedKVCache) else None)
         residual: torch.Tensor | None = None
         for (w_in, eps_in, qkv_proj, o_proj, w_post, eps_post, gate_up, down), kv in zip(
                 self._bound(n), kv_caches, strict=True):
@@ -271,6 +272,7 @@ class DecodeLoop:
             v = qkv[:, qk_cols:].view(n, hkv, hd)
             if isinstance(kv, QuantizedKVCache):  # the module path's calls (llama.Attention)
                 kv.rope_write_(qk, v, positions, cos, sin, slots, hq, interleaved)
+                assert attention_kvq is not None
                 out = attention_kvq(qk[:, :hq], kv.k_codes, kv.v_codes, kv.k_scales, kv.v_scales,
                                     tables, lens, scale, window, CODEC_IDS[kv.codec.name],
                                     kv.key_layout == "channel-key", DEFAULT_PARTITION, True)
