@@ -14,8 +14,9 @@
 //   per-token K:    s_j = (scale * f * q) . raw(k_j)  *  ks_j
 //   per-channel K:  s_j = (scale * f * q (.) ks_blk) . raw(k_j)   (q' made once per block run)
 //   V (per token):  acc += (p_j * vs_j * f) * raw(v_j);   l sums the unscaled p_j
-// with f the codec's factor (kv_codes.h). Each tile's code rows are widened in registers into
-// L1-resident fp32 rows (kTile x D floats) once for the G query heads of the KV head.
+// with f the codec's factor (kv_codes.h). On AVX-512 each tile's code rows are widened in
+// registers once for the G query heads of the KV head and used there (kvq_group_avx512.h);
+// elsewhere they are widened into L1-resident fp32 rows (kTile x D floats) first.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -31,6 +32,7 @@
 
 #include "paged_attention_simd.h"
 #include "kv_codes.h"
+#include "kvq_group_avx512.h"
 #include "kvq_tile_ops.h"
 
 namespace {
@@ -48,8 +50,9 @@ struct QGeometry {
 
 // Per-thread scratch, sized for the largest (group, dpad) seen; every item overwrites it.
 struct QScratch {
-  std::vector<float> q, qb, k, v, s, p, acc, m, l, ks, vs;
+  std::vector<float> q, qb, k, v, s, p, acc, m, l, ks, vs, part;
   std::vector<const float*> krow, vrow;
+  std::vector<const uint8_t*> kcode, vcode;  // the tile's code rows (the group path)
   std::vector<int64_t> seg_first, seg_page;
   int64_t g_cap = 0, d_cap = 0;
   void reserve(int64_t g, int64_t dpad) {
@@ -58,7 +61,8 @@ struct QScratch {
     d_cap = std::max(dpad, d_cap);
     q.assign(g_cap * d_cap, 0.f);
     acc.assign(g_cap * d_cap, 0.f);
-    qb.assign(d_cap, 0.f);
+    qb.assign(g_cap * d_cap, 0.f);
+    part.assign(g_cap * kLanes * kLanes, 0.f);
     k.assign(kTile * d_cap, 0.f);
     v.assign(kTile * d_cap, 0.f);
     s.assign(g_cap * kTile, 0.f);
@@ -71,6 +75,8 @@ struct QScratch {
     seg_page.assign(kTile + 1, 0);
     krow.resize(kTile);
     vrow.resize(kTile);
+    kcode.resize(kTile);
+    vcode.resize(kTile);
   }
 };
 
@@ -86,10 +92,20 @@ inline QScratch& thread_scratch(int64_t g, int64_t dpad) {
 
 template <typename T> inline float to_f(T x) { return static_cast<float>(x); }
 
+// NOTE: the scales too (a line per block, 4 for per-channel keys at D = 64): left to demand
+// loads, their misses cost a third of a long-context call once the caches outgrow the LLC.
 inline void prefetch_codes(const QGeometry& g, const uint8_t* kh, const uint8_t* vh,
-                           const int32_t* table, int64_t t_from, int64_t t_to) {
+                           const float* ksh, const float* vsh, const int32_t* table,
+                           int64_t t_from, int64_t t_to) {
   for (int64_t t = t_from; t < t_to; ++t) {
     const int64_t page = table[t / g.block_size], off = t % g.block_size;
+    if (t == t_from || off == 0) {
+      const float* vs = vsh + page * g.vs_blk;
+      const float* ks = ksh + page * g.ks_blk;
+      for (int64_t i = 0; i < g.block_size * g.vs_tok; i += 16) __builtin_prefetch(vs + i, 0, 3);
+      const int64_t k_span = (g.channel_keys ? g.head_dim : g.block_size) * g.ks_in;
+      for (int64_t i = 0; i < k_span; i += 16) __builtin_prefetch(ks + i, 0, 3);
+    }
     const uint8_t* kr = kh + page * g.kc_blk + off * g.kc_tok;
     const uint8_t* vr = vh + page * g.vc_blk + off * g.vc_tok;
     for (int64_t byte = 0; byte < g.head_dim; byte += 64) {
@@ -124,11 +140,76 @@ inline int64_t load_tile(const QGeometry& g, const TileOps& ops, const uint8_t* 
   return nseg;
 }
 
+// Code row pointers and scales of keys [t0, t0 + n) and the runs of keys sharing a block.
+inline int64_t gather_tile(const QGeometry& g, const uint8_t* kh, const uint8_t* vh,
+                           const float* ksh, const float* vsh, const int32_t* table, int64_t t0,
+                           int64_t n, QScratch& w) {
+  int64_t blk = t0 / g.block_size, off = t0 % g.block_size, nseg = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t page = table[blk];
+    if (i == 0 || off == 0) {
+      w.seg_first[nseg] = i;
+      w.seg_page[nseg++] = page;
+    }
+    w.kcode[i] = kh + page * g.kc_blk + off * g.kc_tok;
+    w.vcode[i] = vh + page * g.vc_blk + off * g.vc_tok;
+    w.vs[i] = vsh[page * g.vs_blk + off * g.vs_tok] * g.v_factor;
+    if (!g.channel_keys) w.ks[i] = ksh[page * g.ks_blk + off * g.ks_in];
+    if (++off == g.block_size) {
+      off = 0;
+      ++blk;
+    }
+  }
+  w.seg_first[nseg] = n;
+  return nseg;
+}
+
+// One tile of the group path (ops.group_scores / group_pv): scores of every head from the K
+// codes (q folded with each block's channel scales, or scores times per-token scales), the
+// online softmax per head, p times V's scales, then P @ V from the V codes.
+inline void group_tile(const QGeometry& g, const TileOps& ops, const float* ksh, int64_t n,
+                       int64_t nseg, QScratch& w) {
+  const int64_t d = g.head_dim, dp = g.dpad, G = g.group;
+  float* s = w.s.data();
+  if (g.channel_keys) {
+    for (int64_t sg = 0; sg < nseg; ++sg) {
+      const float* kscale = ksh + w.seg_page[sg] * g.ks_blk;
+      for (int64_t h = 0; h < G; ++h) {
+        for (int64_t c = 0; c < d; ++c) w.qb[h * dp + c] = w.q[h * dp + c] * kscale[c * g.ks_in];
+        std::fill(w.qb.data() + h * dp + d, w.qb.data() + (h + 1) * dp, 0.f);
+      }
+      const int64_t i0 = w.seg_first[sg];
+      ops.group_scores(w.qb.data(), G, dp, w.kcode.data() + i0, w.seg_first[sg + 1] - i0, d,
+                       s + i0, w.part.data());
+    }
+  } else {
+    ops.group_scores(w.q.data(), G, dp, w.kcode.data(), n, d, s, w.part.data());
+    for (int64_t h = 0; h < G; ++h)
+      for (int64_t i = 0; i < n; ++i) s[h * kTile + i] *= w.ks[i];
+  }
+  for (int64_t h = 0; h < G; ++h) {
+    float* sh = s + h * kTile;
+    ops.softmax(sh, n, &w.m[h], &w.l[h], w.acc.data() + h * dp, dp);
+    for (int64_t i = 0; i < n; ++i) sh[i] *= w.vs[i];
+  }
+  ops.group_pv(w.acc.data(), G, dp, s, w.vcode.data(), n, d);
+}
+
+// The first tile of the item a thread runs next: the current item's last tile prefetches it
+// (as paged_attention.cpp does; at W1 an item is 4 tiles, and its first was a demand miss).
+struct NextTile {
+  const uint8_t *kh = nullptr, *vh = nullptr;
+  const float *ksh = nullptr, *vsh = nullptr;
+  const int32_t* table = nullptr;
+  int64_t t_from = 0, t_to = 0;
+};
+
 // One work item: keys [t_begin, t_end) of sequence b for KV head kvh; leaves (acc, m, l) in w.
 template <typename QT>
 void attend(const QGeometry& g, const TileOps& ops, const QT* q, const uint8_t* kc,
             const uint8_t* vc, const float* ksc, const float* vsc, const int32_t* table,
-            int64_t b, int64_t kvh, int64_t t_begin, int64_t t_end, QScratch& w) {
+            int64_t b, int64_t kvh, int64_t t_begin, int64_t t_end, QScratch& w,
+            bool first_prefetched, const NextTile& next) {
   const int64_t d = g.head_dim, dp = g.dpad;
   for (int64_t h = 0; h < g.group; ++h) {
     const QT* qr = q + b * g.q_stride_b + (kvh * g.group + h) * g.q_stride_h;
@@ -143,10 +224,18 @@ void attend(const QGeometry& g, const TileOps& ops, const QT* q, const uint8_t* 
   const uint8_t* vh = vc + kvh * g.vc_h;
   const float* ksh = ksc + kvh * g.ks_h;
   const float* vsh = vsc + kvh * g.vs_h;
-  prefetch_codes(g, kh, vh, table, t_begin, std::min(t_begin + kTile, t_end));
+  if (!first_prefetched)
+    prefetch_codes(g, kh, vh, ksh, vsh, table, t_begin, std::min(t_begin + kTile, t_end));
   for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) {
     const int64_t n = std::min(kTile, t_end - t0);
-    prefetch_codes(g, kh, vh, table, t0 + n, std::min(t0 + n + kTile, t_end));
+    if (t0 + n < t_end)
+      prefetch_codes(g, kh, vh, ksh, vsh, table, t0 + n, std::min(t0 + n + kTile, t_end));
+    else
+      prefetch_codes(g, next.kh, next.vh, next.ksh, next.vsh, next.table, next.t_from, next.t_to);
+    if (ops.group_scores != nullptr) {
+      group_tile(g, ops, ksh, n, gather_tile(g, kh, vh, ksh, vsh, table, t0, n, w), w);
+      continue;
+    }
     const int64_t nseg = load_tile(g, ops, kh, vh, ksh, vsh, table, t0, n, w);
     for (int64_t h = 0; h < g.group; ++h) {
       float* s = w.s.data() + h * kTile;
@@ -210,12 +299,24 @@ void run(const QGeometry& g, const TileOps& ops, const at::Tensor& q, const at::
   const int64_t d = g.head_dim;
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     QScratch& w = thread_scratch(g.group, g.dpad);
+    auto locate = [&](int64_t it, int64_t* b, int64_t* kvh, int64_t* t0, int64_t* t1) {
+      *b = item_seq[it];
+      const int64_t local = it - item_start[*b];
+      *kvh = local / num_parts[*b];
+      partition_range(g, lens[*b], first_part[*b] + local % num_parts[*b], t0, t1);
+    };
     for (int64_t it = begin; it < end; ++it) {
-      const int64_t b = item_seq[it], local = it - item_start[b];
-      const int64_t kvh = local / num_parts[b], p = first_part[b] + local % num_parts[b];
-      int64_t t0 = 0, t1 = 0;
-      partition_range(g, lens[b], p, &t0, &t1);
-      attend<QT>(g, ops, qp, kp, vp, ksp, vsp, tp + b * g.max_blocks, b, kvh, t0, t1, w);
+      int64_t b = 0, kvh = 0, t0 = 0, t1 = 0;
+      locate(it, &b, &kvh, &t0, &t1);
+      NextTile next;
+      if (it + 1 < end) {
+        int64_t nb = 0, nh = 0, n0 = 0, n1 = 0;
+        locate(it + 1, &nb, &nh, &n0, &n1);
+        next = {kp + nh * g.kc_h, vp + nh * g.vc_h, ksp + nh * g.ks_h, vsp + nh * g.vs_h,
+                tp + nb * g.max_blocks, n0, std::min(n0 + kTile, n1)};
+      }
+      attend<QT>(g, ops, qp, kp, vp, ksp, vsp, tp + b * g.max_blocks, b, kvh, t0, t1, w,
+                 it > begin, next);
       if (num_parts[b] == 1) {
         for (int64_t h = 0; h < g.group; ++h) {
           QT* o = op + b * g.out_stride_b + (kvh * g.group + h) * d;
