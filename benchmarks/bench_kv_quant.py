@@ -80,7 +80,10 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         run()
         out[str(ctx)] = [run() for _ in range(spec["runs"])]
     backend = runner._decode_batch([[0]], [1], None, runner.use_kvq).backend.name
-    return {"config": spec["config"], "tok_s": out, "decode_backend": backend,
+    loop = runner.decode_loop  # which decode path the steps took: the C++ step, the flat loop
+    path = ("modules" if loop is None or loop.calls == 0 else
+            f"decode loop, C++ step {loop.native_calls}/{loop.calls}")
+    return {"config": spec["config"], "tok_s": out, "decode_backend": f"{backend} ({path})",
             "kv_format": runner.kv_format}
 
 
