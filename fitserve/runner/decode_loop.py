@@ -271,7 +271,8 @@ class DecodeLoop:
             qk = qkv[:, :qk_cols].view(n, hq + hkv, hd)
             v = qkv[:, qk_cols:].view(n, hkv, hd)
             if isinstance(kv, QuantizedKVCache):  # the module path's calls (llama.Attention)
-                kv.rope_write_(qk, v, positions, cos, sin, slots, hq, interleaved)
+                if not kv.rope_write_(qk, v, positions, cos, sin, slots, hq, interleaved):
+                    raise RuntimeError("the fused quantized-cache writer did not apply")
                 assert attention_kvq is not None
                 out = attention_kvq(qk[:, :hq], kv.k_codes, kv.v_codes, kv.k_scales, kv.v_scales,
                                     tables, lens, scale, window, CODEC_IDS[kv.codec.name],
