@@ -71,6 +71,7 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = GatedMLP(hidden, shared_intermediate)
             self.shared_expert_gate = DenseLinear(hidden, 1, bias=False)
         self._grouped: GroupedExperts | None = None  # built at the first call (moe_experts.py)
+        self.allow_grouped = True  # False: the per-expert loop whatever is held (benchmarks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
@@ -83,9 +84,10 @@ class SparseMoeBlock(nn.Module):
     def combine(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t, in fp32 [N, H]:
         each active expert runs once over its tokens, idle experts are not touched."""
-        self._grouped = grouped = grouped_experts(self.experts, self._grouped)
-        if grouped.applies(x, self.experts[0]):
-            return grouped(x, weights, ids)  # every active expert in one C++ call
+        if self.allow_grouped:
+            self._grouped = grouped = grouped_experts(self.experts, self._grouped)
+            if grouped.applies(x, self.experts[0]):
+                return grouped(x, weights, ids)  # every active expert in one C++ call
         n, hidden = x.shape
         order, counts = group_by_expert(ids, self.num_experts)
         tokens = order // self.top_k
