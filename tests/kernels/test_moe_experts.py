@@ -125,7 +125,7 @@ def check(tg: str, td: str, n: int, k: int, dtype: torch.dtype, seed: int) -> No
         torch.testing.assert_close(y, composed, rtol=1e-4, atol=1e-5 * scale, msg=label)
 
 
-@pytest.mark.parametrize("n, k", [(1, 2), (1, 4), (6, 2), (19, 3)])
+@pytest.mark.parametrize("n, k", [(1, 4), (6, 2), (19, 3)])
 def test_q4k_q6k_matches_float64(n: int, k: int) -> None:
     """Q4_K gate/up with Q6_K down (a Q4_K_M file's experts): batch 1, a few tokens, and more
     than a row tile (8) on one expert."""
