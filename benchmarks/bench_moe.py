@@ -4,6 +4,7 @@ W1 against the active-bytes bandwidth limit (issue 39's benchmark).
     .venv/bin/python benchmarks/bench_moe.py                       # default shape, Q4_K_M and Q8_0
     .venv/bin/python benchmarks/bench_moe.py --shape small --runs 1   # a quick check (~300 MB)
     .venv/bin/python benchmarks/bench_moe.py --types Q4_K_M --no-w2 --runs 5
+    .venv/bin/python benchmarks/bench_moe.py --types Q4_K_M --rounds 2   # engines alternated
 
 Shapes (random weights, std 1/sqrt(fan_in); architecture ``qwen3moe``: q/k norms, top-8 softmax
 routing renormalised, no shared expert; untied lm_head; the default model's tokenizer metadata,
@@ -19,7 +20,8 @@ The F16 file is streamed tensor by tensor (gguf-py's writer), then quantized by 
 quantizer (bench_formats.quantize, in the llama.cpp peer's venv); all cached under
 FITSERVE_HOME/bench. Each engine runs as bench_engine.py's worker in its own process (same token
 ids, threads, greedy, EOS ignored, one warm-up, medians of --runs), fitserve then llama.cpp per
-type. fitserve's worker also reports what its engine holds (experts' module class and format,
+type, --rounds times alternated (each figure the median of the rounds' medians; the load
+average is printed as it goes). fitserve's worker also reports what its engine holds (experts' module class and format,
 held bytes by part) and the bytes one token reads at batch 1, counted by the ledger over the
 engine's tensors in the file's own per-tensor formats (fitserve.ledger.weights.engine_held_tensors:
 every non-expert tensor but the embedding lookup, plus k/E of each layer's experts); the limit
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -207,6 +210,8 @@ def main() -> None:
     ap.add_argument("--types", default="Q4_K_M,Q8_0",
                     help="llama.cpp ftype names (LLAMA_FTYPE_MOSTLY_<name>)")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="alternate fitserve and llama.cpp this many times per type")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-w2", action="store_true", help="W1 only")
     ap.add_argument("--no-peer", action="store_true", help="fitserve only (no llama.cpp)")
@@ -233,28 +238,60 @@ def main() -> None:
     src = write_moe_f16(Path(base["gguf"]), folder / f"moe-{args.shape}-f16.gguf", args.shape)
     me = [sys.executable, str(Path(__file__).resolve()), "--worker"]
     rows = []
+    print(f"load average at start: {_loadavg()}", file=sys.stderr)
     for qtype in filter(None, args.types.split(",")):
         path = src if qtype == "F16" else bf.quantize(args.llamacpp_python, src, qtype,
                                                       args.threads)
         spec = {**base, "gguf": str(path), "config": "as-stored"}
-        print(f"{qtype}: fitserve ...", file=sys.stderr)
-        bw = measure_copy_bandwidth()
-        fs = be.run_worker(me, spec)
-        peer = None
-        if not args.no_peer:
-            print(f"{qtype}: llama.cpp ...", file=sys.stderr)
-            peer = be.run_worker([args.llamacpp_python, str(HERE / "peers/llamacpp_worker.py")],
-                                 spec)
-            if peer is None:
-                print(f"{qtype}: llama.cpp could not run {path.name} (arch {ARCH}; see above)",
+        rounds = []
+        # NOTE: --rounds alternates the two engines (fitserve, llama.cpp, fitserve, ...) so a
+        # change of the host's load mid-run hits both; each figure is the median over rounds
+        for r in range(args.rounds):
+            print(f"{qtype} round {r + 1}/{args.rounds}: fitserve ... (load {_loadavg()})",
+                  file=sys.stderr)
+            bw = measure_copy_bandwidth()
+            fs = be.run_worker(me, spec)
+            peer = None
+            if not args.no_peer:
+                print(f"{qtype} round {r + 1}: llama.cpp ... (load {_loadavg()})",
                       file=sys.stderr)
-        rows.append((qtype, path, bw, fs, peer))
+                peer = be.run_worker([args.llamacpp_python,
+                                      str(HERE / "peers/llamacpp_worker.py")], spec)
+                if peer is None:
+                    print(f"{qtype}: llama.cpp could not run {path.name} (arch {ARCH}; see "
+                          "above)", file=sys.stderr)
+            rounds.append((bw, fs, peer))
+        rows.append((qtype, path, *_merge(rounds)))
     report(rows, args)
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"cpu": be.cpu_description(), "shape": SHAPES[args.shape], "threads": args.threads,
              "rows": [{"type": q, "file": str(p), "copy_bytes_per_s": bw, "fitserve": fs,
                        "llama.cpp": peer} for q, p, bw, fs, peer in rows]}, indent=2))
+
+
+def _loadavg() -> str:
+    return " ".join(f"{v:.1f}" for v in os.getloadavg())
+
+
+def _merge(rounds: list[tuple[float, Any, Any]]) -> tuple[float, Any, Any]:
+    """(bandwidth, fitserve, llama.cpp) over the rounds: each rate the median of the rounds'
+    medians (every run kept under "runs"), the rest from the first round that has a result."""
+    bw = float(np.median([b for b, _, _ in rounds]))
+    merged = []
+    for i in (1, 2):
+        res = [r[i] for r in rounds if r[i] is not None]
+        if not res:
+            merged.append(None)
+            continue
+        out = dict(res[0])
+        for w in ("W1", "W2"):
+            if all(w in r for r in res):
+                out[w] = {**res[0][w], "tok_s": float(np.median([r[w]["tok_s"] for r in res])),
+                          "runs": [x for r in res for x in r[w]["runs"]],
+                          "round_medians": [r[w]["tok_s"] for r in res]}
+        merged.append(out)
+    return bw, merged[0], merged[1]
 
 
 def _ratio(a: float, b: float) -> str:
@@ -266,7 +303,8 @@ def report(rows: list[tuple[str, Path, float, Any, Any]], args: argparse.Namespa
     print(f"\nCPU: {be.cpu_description()}\nshape {args.shape}: {s}; threads={args.threads}, "
           f"medians of {args.runs} runs; limit = active bytes per token (batch 1) / copy "
           f"bandwidth measured just before fitserve's worker\ntargets: W1 >= 1.15x llama.cpp "
-          f"and >= 70% of the limit, W2 >= 1.5x llama.cpp")
+          f"and >= 70% of the limit, W2 >= 1.5x llama.cpp; {args.rounds} round(s) alternating "
+          f"the engines; load average now {_loadavg()} (2 cores)")
     print(f"{'type':<8}{'file MiB':>9}{'active MiB':>11}{'limit':>8}{'W1 fitserve':>12}"
           f"{'llama.cpp':>10}{'ratio':>7}{'of limit':>9}{'W2 fitserve':>12}{'llama.cpp':>10}"
           f"{'ratio':>7}")
@@ -290,6 +328,12 @@ def report(rows: list[tuple[str, Path, float, Any, Any]], args: argparse.Namespa
                   f"tensor types ({fs['top_k']} of {fs['experts']} experts, "
                   f"{'/'.join(fs['expert_formats'])}); the ledger's {qtype} mix model "
                   f"{ledger_mix_active(path, qtype) / 2**20:.1f} MiB")
+        for w in ("W1", "W2"):
+            a, b = (fs or {}).get(w, {}), (peer or {}).get(w, {})
+            if len(a.get("round_medians", [])) > 1 and b.get("round_medians"):
+                print(f"{'':8}{w} per round fitserve / llama.cpp: " + ", ".join(
+                    f"{x:.1f}/{y:.1f}" for x, y in zip(a["round_medians"], b["round_medians"],
+                                                        strict=False)))
         if peer is None and not args.no_peer:
             print(f"{'':8}llama.cpp: no result (could it load arch {ARCH}? see stderr)")
 

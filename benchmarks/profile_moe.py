@@ -1,6 +1,7 @@
 """Where one batch-1 decode step of an MoE GGUF goes (bench_moe.py's files, as stored).
 
     .venv/bin/python benchmarks/profile_moe.py ~/.cache/fitserve/bench/moe-small-q4_k_m.gguf
+    .venv/bin/python benchmarks/profile_moe.py FILE --per-expert   # the per-expert loop instead
 
 Prints the median W1 decode step, torch.profiler's top ATen ops by self CPU time over 5 steps
 (profile_engine.op_table), and the step split by module: every SparseMoeBlock (router, grouping,
@@ -37,7 +38,7 @@ def module_split(engine: Engine, steps: int = 10) -> str:
         if isinstance(mod, SparseMoeBlock):
             return "MoE blocks (all)"
         if ".experts." in name and name.rsplit(".", 1)[-1] in ("gate_up_proj", "down_proj"):
-            return "  expert linears"
+            return "  expert linears"  # the per-expert loop only (the grouped call is one op)
         if name.endswith("mlp.gate"):
             return "  router linear"
         if name.endswith("self_attn"):
@@ -77,10 +78,16 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("gguf")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--per-expert", action="store_true",
+                    help="the per-expert loop instead of the grouped C++ call (the old path)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     engine = Engine(EngineConfig(model=args.gguf, dtype="bfloat16", weights="as-stored",
                                  device="cpu", max_model_len=1024))
+    if args.per_expert:
+        for mod in engine.runner.model.modules():
+            if isinstance(mod, SparseMoeBlock):
+                mod.allow_grouped = False
     engine.add_request(list(range(100, 132)), GREEDY)
     step_ms(engine, 5)
     print(f"W1 decode step ({args.threads} threads): {step_ms(engine):.2f} ms median")

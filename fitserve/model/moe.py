@@ -12,7 +12,8 @@ Per step of N tokens (transformers' *SparseMoeBlock, op for op where it matters)
 
 Each expert is a GatedMLP over its own held weights (dense, packed int4/int8, fp8 or ggml
 blocks: fitserve.model.linear and ggml_linear run them as stored), so a step reads only the
-weights of the experts its tokens picked: k experts at batch 1.
+weights of the experts its tokens picked: k experts at batch 1. Experts held as ggml blocks
+run all at once instead, in one C++ call per layer (fitserve.model.moe_experts).
 
 Extension points for another expert MLP (gpt-oss: a clamped SwiGLU with biases and MXFP4
 weights): ``SparseMoeBlock(make_expert=...)`` builds each expert (any module mapping
@@ -30,6 +31,7 @@ from torch import nn
 from fitserve.config import ModelSpec
 from fitserve.model.layers import GatedMLP
 from fitserve.model.linear import DenseLinear
+from fitserve.model.moe_experts import GroupedExperts, grouped_experts
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,6 +70,8 @@ class SparseMoeBlock(nn.Module):
         if shared_intermediate:
             self.shared_expert = GatedMLP(hidden, shared_intermediate)
             self.shared_expert_gate = DenseLinear(hidden, 1, bias=False)
+        self._grouped: GroupedExperts | None = None  # built at the first call (moe_experts.py)
+        self.allow_grouped = True  # False: the per-expert loop whatever is held (benchmarks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
@@ -80,6 +84,10 @@ class SparseMoeBlock(nn.Module):
     def combine(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t, in fp32 [N, H]:
         each active expert runs once over its tokens, idle experts are not touched."""
+        if self.allow_grouped:
+            self._grouped = grouped = grouped_experts(self.experts, self._grouped)
+            if grouped.applies(x, self.experts[0]):
+                return grouped(x, weights, ids)  # every active expert in one C++ call
         n, hidden = x.shape
         order, counts = group_by_expert(ids, self.num_experts)
         tokens = order // self.top_k

@@ -18,39 +18,10 @@
 #include "ggml_blocks_iq4.h"
 #include "ggml_blocks_kquant.h"
 #include "ggml_blocks_q5.h"
+#include "ggml_blocks_run.h"
 
 namespace fitserve::ggml {
 namespace {
-
-// NOTE: rows of x per tile: 8 where AVX-512VL gives 32 vector registers (two accumulators per
-// row stay in registers), 4 with AVX2's 16
-#ifdef FS_GGML_AVX512
-constexpr int kTileRows = 8;
-#else
-constexpr int kTileRows = 4;
-#endif
-
-// Weight rows per parallel block: a multiple of 4, 4..32, >= 4 blocks per thread.
-int64_t block_rows(int64_t N) {
-  const int64_t want = N / (4 * std::max<int64_t>(1, at::get_num_threads()));
-  return std::clamp<int64_t>((want / 4) * 4, 4, 32);
-}
-
-template <class T, int MT>
-void rows_tile(const uint8_t* W, int64_t row_bytes, int64_t nblk, const Act& a, int64_t m0,
-               int64_t n0, int64_t n1, int64_t N, float* out) {
-  float res[MT];
-  for (int64_t n = n0; n < n1; ++n) {
-    // NOTE: the row after next is prefetched: rows are short (1-2 KB) and a decode step streams
-    // every weight from DRAM once, next to x's and the output's streams
-    if (n + 2 < n1) {
-      const uint8_t* nx = W + (n + 2) * row_bytes;
-      for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(nx + o, 0, 0);
-    }
-    T::template row<MT>(W + n * row_bytes, nblk, a, m0, res);
-    for (int i = 0; i < MT; ++i) out[(m0 + i) * N + n] = res[i];
-  }
-}
 
 template <class T>
 void run_type(const Act& a, int64_t M, const uint8_t* W, int64_t N, float* out) {
@@ -58,46 +29,9 @@ void run_type(const Act& a, int64_t M, const uint8_t* W, int64_t N, float* out) 
   at::parallel_for(0, (N + nb - 1) / nb, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t n0 = blk * nb, n1 = std::min(N, n0 + nb);
-      int64_t m = 0;
-      for (; m + kTileRows <= M; m += kTileRows)
-        rows_tile<T, kTileRows>(W, row_bytes, nblk, a, m, n0, n1, N, out);
-      if constexpr (kTileRows > 4) {
-        if (m + 4 <= M) {
-          rows_tile<T, 4>(W, row_bytes, nblk, a, m, n0, n1, N, out);
-          m += 4;
-        }
-      }
-      if (m + 2 <= M) {
-        rows_tile<T, 2>(W, row_bytes, nblk, a, m, n0, n1, N, out);
-        m += 2;
-      }
-      if (m < M) rows_tile<T, 1>(W, row_bytes, nblk, a, m, n0, n1, N, out);
+      rows_range<T>(W, row_bytes, nblk, a, 0, M, n0, n1, N, out);
     }
   });
-}
-
-// Scratch of the quantized activations, reused across calls (a decode step makes hundreds).
-struct ActBuf {
-  std::vector<int8_t> q;
-  std::vector<float> d, ds;
-  std::vector<int16_t> s16, s32;
-};
-
-template <class X>
-Act quantize(const X* x, int64_t M, int64_t K, int64_t block, bool perm128, ActBuf& buf) {
-  const int64_t nd = K / block;
-  if (static_cast<int64_t>(buf.q.size()) < M * K) buf.q.resize(M * K);
-  if (static_cast<int64_t>(buf.d.size()) < M * nd) buf.d.resize(M * nd);
-  if (static_cast<int64_t>(buf.ds.size()) < M * K / 32) buf.ds.resize(M * K / 32);
-  if (static_cast<int64_t>(buf.s16.size()) < M * K / 16) buf.s16.resize(M * K / 16);
-  if (static_cast<int64_t>(buf.s32.size()) < M * K / 32) buf.s32.resize(M * K / 32);
-  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      quantize_row(x + m * K, K, block, perm128, buf.q.data() + m * K, buf.d.data() + m * nd,
-                   buf.s16.data() + m * K / 16, buf.s32.data() + m * K / 32,
-                   buf.ds.data() + m * K / 32);
-  });
-  return {buf.q.data(), buf.d.data(), buf.s16.data(), buf.s32.data(), buf.ds.data(), K, nd};
 }
 
 template <class T>

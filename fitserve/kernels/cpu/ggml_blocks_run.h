@@ -1,0 +1,96 @@
+// The row-tile driver and the activation scratch of the ggml block kernels, shared by
+// ggml_blocks.cpp (one weight matrix per call) and moe_experts.cpp (every active expert of a
+// layer in one call): rows_tile runs weight rows [n0, n1) of one matrix against MT rows of the
+// quantized activations, each weight row decoded once per tile (the per-type row<MT> of
+// ggml_blocks_kquant.h, _q5.h, _iq4.h).
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "ggml_blocks_act.h"
+
+namespace fitserve::ggml {
+
+// NOTE: rows of x per tile: 8 where AVX-512VL gives 32 vector registers (two accumulators per
+// row stay in registers), 4 with AVX2's 16
+#ifdef FS_GGML_AVX512
+constexpr int kTileRows = 8;
+#else
+constexpr int kTileRows = 4;
+#endif
+
+// Weight rows per parallel block: a multiple of 4, 4..32, >= 4 blocks per thread.
+inline int64_t block_rows(int64_t N) {
+  const int64_t want = N / (4 * std::max<int64_t>(1, at::get_num_threads()));
+  return std::clamp<int64_t>((want / 4) * 4, 4, 32);
+}
+
+template <class T, int MT>
+void rows_tile(const uint8_t* W, int64_t row_bytes, int64_t nblk, const Act& a, int64_t m0,
+               int64_t n0, int64_t n1, int64_t N, float* out) {
+  float res[MT];
+  for (int64_t n = n0; n < n1; ++n) {
+    // NOTE: the row after next is prefetched: rows are short (1-2 KB) and a decode step streams
+    // every weight from DRAM once, next to x's and the output's streams
+    if (n + 2 < n1) {
+      const uint8_t* nx = W + (n + 2) * row_bytes;
+      for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(nx + o, 0, 0);
+    }
+    T::template row<MT>(W + n * row_bytes, nblk, a, m0, res);
+    for (int i = 0; i < MT; ++i) out[(m0 + i) * N + n] = res[i];
+  }
+}
+
+// Weight rows [n0, n1) against activation rows [m0, m1): tiles of kTileRows rows of x, then
+// 4, 2, 1; out[m * N + n].
+template <class T>
+void rows_range(const uint8_t* W, int64_t row_bytes, int64_t nblk, const Act& a, int64_t m0,
+                int64_t m1, int64_t n0, int64_t n1, int64_t N, float* out) {
+  int64_t m = m0;
+  for (; m + kTileRows <= m1; m += kTileRows)
+    rows_tile<T, kTileRows>(W, row_bytes, nblk, a, m, n0, n1, N, out);
+  if constexpr (kTileRows > 4) {
+    if (m + 4 <= m1) {
+      rows_tile<T, 4>(W, row_bytes, nblk, a, m, n0, n1, N, out);
+      m += 4;
+    }
+  }
+  if (m + 2 <= m1) {
+    rows_tile<T, 2>(W, row_bytes, nblk, a, m, n0, n1, N, out);
+    m += 2;
+  }
+  if (m < m1) rows_tile<T, 1>(W, row_bytes, nblk, a, m, n0, n1, N, out);
+}
+
+// Scratch of the quantized activations, reused across calls (a decode step makes hundreds).
+struct ActBuf {
+  std::vector<int8_t> q;
+  std::vector<float> d, ds;
+  std::vector<int16_t> s16, s32;
+};
+
+// x's rows quantized into buf: row m of the result is x's row m, or x's row rows[m] when a
+// row index is given (the MoE kernel's tokens in expert order).
+template <class X>
+inline Act quantize(const X* x, int64_t M, int64_t K, int64_t block, bool perm128, ActBuf& buf,
+                    const int64_t* rows = nullptr) {
+  const int64_t nd = K / block;
+  if (static_cast<int64_t>(buf.q.size()) < M * K) buf.q.resize(M * K);
+  if (static_cast<int64_t>(buf.d.size()) < M * nd) buf.d.resize(M * nd);
+  if (static_cast<int64_t>(buf.ds.size()) < M * K / 32) buf.ds.resize(M * K / 32);
+  if (static_cast<int64_t>(buf.s16.size()) < M * K / 16) buf.s16.resize(M * K / 16);
+  if (static_cast<int64_t>(buf.s32.size()) < M * K / 32) buf.s32.resize(M * K / 32);
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      quantize_row(x + (rows ? rows[m] : m) * K, K, block, perm128, buf.q.data() + m * K,
+                   buf.d.data() + m * nd, buf.s16.data() + m * K / 16,
+                   buf.s32.data() + m * K / 32, buf.ds.data() + m * K / 32);
+  });
+  return {buf.q.data(), buf.d.data(), buf.s16.data(), buf.s32.data(), buf.ds.data(), K, nd};
+}
+
+}  // namespace fitserve::ggml
