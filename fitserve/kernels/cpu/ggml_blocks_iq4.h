@@ -68,25 +68,26 @@ struct Table4Block {
     // NOTE: two blocks per 512-bit step, one vpdpbusd: the table is read +128 (unsigned), so
     // the dot is dot(v, q) + 128 * sum(q); the accumulator starts at -128 * sum(q) of each
     // block (Act's 32-column sums) in one lane of its half, so the int32 result is exact.
-    // Per pair: 8 vector ops for 64 weights instead of the sign trick's 2 x 7 for 32.
+    // Per pair: 8 vector ops for 64 weights instead of the sign trick's 2 x 7 for 32. Either
+    // table (IQ4_NL's, MXFP4's doubled e2m1) fits in [-128, 127], so + 128 is a byte.
     __m512 acc2[2][MT];
     FS_GGML_UNROLL for (int i = 0; i < MT; ++i) acc2[0][i] = acc2[1][i] = _mm512_setzero_ps();
     alignas(16) uint8_t tab_u[16];
-    for (int j = 0; j < 16; ++j) tab_u[j] = static_cast<uint8_t>(kIq4Values[j] + 128);
+    for (int j = 0; j < 16; ++j) tab_u[j] = static_cast<uint8_t>(kValues[j] + 128);
     const __m512i table_u =
         _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(tab_u)));
     for (; k + 2 <= nb; k += 2) {
       const uint8_t* b = w + k * kBytes;
       const __m256i q01 =
-          _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kBytes + 2)),
-                           _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)));
+          _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kBytes + kQs)),
+                           _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kQs)));
       // 128-bit lanes [q0, q1, q0 >> 4, q1 >> 4] -> [q0, q0 >> 4, q1, q1 >> 4]: columns in order
       const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(q01),
                                               _mm256_srli_epi16(q01, 4), 1);
       const __m512i nib = _mm512_and_si512(_mm512_shuffle_i64x2(both, both, 0xD8),
                                            _mm512_set1_epi8(0x0F));
       const __m512i wu = _mm512_shuffle_epi8(table_u, nib);
-      const float d0 = f16_at(b), d1 = f16_at(b + kBytes);
+      const float d0 = scale(b), d1 = scale(b + kBytes);
       FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
         const int16_t* s32 = a.s32row(m0 + i) + k;
         const __m512i bias = _mm512_mask_set1_epi32(
