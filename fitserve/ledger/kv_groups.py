@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from fitserve.config import ModelSpec
 from fitserve.ledger.errors import PlanError
 from fitserve.ledger.kv import (
+    kv_block_scale_bytes,
     kv_layer_bytes_per_token,
     layer_kinds,
     window_blocks_held,
@@ -75,8 +76,11 @@ def kv_group_layers(spec: ModelSpec) -> list[tuple[str, int | None, tuple[int, .
 
 def group_block_bytes(spec: ModelSpec, layers: tuple[int, ...], block_size: int, kv_dtype: str,
                       tp: int = 1) -> int:
-    """Bytes of one block of a group: ``block_size`` tokens of its layers."""
-    return len(layers) * block_size * kv_layer_bytes_per_token(spec, kv_dtype, tp=tp)
+    """Bytes of one block of a group: ``block_size`` tokens of its layers, plus its layers' share
+    of the per-block key scales of a per-channel-key format (int8's default: one f32 per KV
+    head and channel per layer and block, whatever the block's fill)."""
+    scales = kv_block_scale_bytes(spec, kv_dtype, tp=tp) // spec.num_layers * len(layers)
+    return len(layers) * block_size * kv_layer_bytes_per_token(spec, kv_dtype, tp=tp) + scales
 
 
 def plan_kv_groups(spec: ModelSpec, budget_bytes: int, block_size: int, kv_dtype: str, *,

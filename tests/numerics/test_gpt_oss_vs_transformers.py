@@ -242,3 +242,14 @@ def test_tensor_parallel_refused_by_name(gpt_oss: Family) -> None:
     """--tp 2 on gpt-oss says what is missing before any process starts."""
     with pytest.raises(ValueError, match="tensor parallelism for gpt-oss is not supported"):
         make(gpt_oss.loaded, tensor_parallel_size=2)
+
+
+def test_int8_kv_cache_on_sliding_and_full_groups(gpt_oss: Family) -> None:
+    """int8 KV with its default per-channel key scales over the sliding and full layer groups:
+    the engine builds (the builder refuses a cache that holds other bytes than the ledger's
+    groups, which once left out the groups' per-block key scales) and decodes close to
+    transformers (int8 KV moves logprobs by far less than the sinks do)."""
+    engine = make(gpt_oss.loaded, block_size=16, kv_cache_dtype="int8")
+    assert engine.runner.kv_cache_bytes > 0
+    (out,) = run(engine, gpt_oss.prompts[2:], together=False)
+    assert out.token_ids[:4] == gpt_oss.want[2][0][:4]

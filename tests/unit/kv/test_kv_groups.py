@@ -11,6 +11,7 @@ from fitserve.config import ModelSpec
 from fitserve.kv.group import NULL_BLOCK, KVGroup
 from fitserve.kv.manager import KVCacheManager
 from fitserve.kv.prefix_hash import extend_block_hashes
+from fitserve.ledger.kv import kv_block_bytes
 from fitserve.ledger.kv_groups import plan_kv_groups, request_group_blocks
 
 
@@ -44,6 +45,17 @@ def gemma3_like(layers: int = 26, window: int = 512) -> ModelSpec:
     return ModelSpec("gemma3_text", vocab_size=1000, hidden_size=64, intermediate_size=128,
                      num_layers=layers, num_heads=4, num_kv_heads=1, head_dim=256,
                      sliding_window=window, layer_types=types)
+
+
+def test_group_blocks_carry_their_layers_channel_key_scales() -> None:
+    """int8 with per-channel key scales: a block of a group holds its tokens' codes and V scales
+    plus one f32 per KV head and channel of each of its layers (the engine allocates them per
+    layer and block; the groups' bytes add up to the one-pool block's)."""
+    spec = gemma3_like()
+    full, sw = plan_kv_groups(spec, 1 << 30, 16, "int8-kc", max_num_seqs=4, max_num_batched_tokens=2048)
+    per_layer = 16 * 1 * (2 * 256 * 1 + 4) + 1 * 256 * 4  # 16 tokens x (K, V codes + V scale) + K scales
+    assert full.block_bytes == 4 * per_layer and sw.block_bytes == 22 * per_layer
+    assert full.block_bytes + sw.block_bytes == kv_block_bytes(spec, 16, "int8-kc")
 
 
 def test_32k_request_on_gemma3_shape_holds_the_ledger_blocks() -> None:
