@@ -40,6 +40,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+# NOTE: the workers are this script run again: the checkout's own fitserve, not whatever the
+# venv's editable install points at (a worktree's run measured main's code before)
+sys.path.insert(0, str(HERE.parent))
 TEXT = (
     "The history of computing is a story of abstraction layered on abstraction. Early machines "
     "were programmed by rewiring panels; later, stored programs let a single machine perform many "
@@ -231,7 +234,9 @@ def run_worker(cmd: list[str], spec: dict[str, Any], env: dict[str, str] | None 
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     proc = subprocess.run([*cmd, f.name], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")])),
+                              **(env or {})})
     os.unlink(f.name)
     if proc.returncode != 0:
         print(f"  worker {' '.join(cmd[-3:])} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
