@@ -54,6 +54,34 @@ struct Geometry {
   float scale;
 };
 
+// The geometry both ops (decode, and the prefill op of paged_prefill.h) compute the same way:
+// q [rows, Hq, D], caches [Hkv, blocks, block_size, D] with any strides.
+inline Geometry make_geometry(const at::Tensor& q, const at::Tensor& k_cache,
+                              const at::Tensor& v_cache, int64_t num_heads, int64_t num_kv,
+                              int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                              int64_t partition, int64_t window, double scale) {
+  Geometry g{};
+  g.num_kv = num_kv;
+  g.group = num_heads / num_kv;
+  g.head_dim = head_dim;
+  g.dpad = (head_dim + kLanes - 1) / kLanes * kLanes;
+  g.block_size = block_size;
+  g.max_blocks = max_blocks;
+  g.partition = partition;
+  g.window = window;
+  g.q_stride_b = q.stride(0);
+  g.q_stride_h = q.stride(1);
+  g.out_stride_b = num_heads * head_dim;
+  g.k_stride_h = k_cache.stride(0);
+  g.k_stride_blk = k_cache.stride(1);
+  g.k_stride_tok = k_cache.stride(2);
+  g.v_stride_h = v_cache.stride(0);
+  g.v_stride_blk = v_cache.stride(1);
+  g.v_stride_tok = v_cache.stride(2);
+  g.scale = static_cast<float>(scale);
+  return g;
+}
+
 // Per-thread scratch: the group's scaled queries, fp32 K/V tile rows, scores, accumulators.
 // Sized for the largest (group, dpad) seen so far; every item overwrites what it reads.
 struct Scratch {
@@ -632,25 +660,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     }
   }
   at::Tensor out = at::empty({num_seqs, num_heads, head_dim}, q.options());
-  Geometry g{};
-  g.num_kv = num_kv;
-  g.group = num_heads / num_kv;
-  g.head_dim = head_dim;
-  g.dpad = (head_dim + kLanes - 1) / kLanes * kLanes;
-  g.block_size = block_size;
-  g.max_blocks = max_blocks;
-  g.partition = partition_size;
-  g.window = window;
-  g.q_stride_b = q.stride(0);
-  g.q_stride_h = q.stride(1);
-  g.out_stride_b = num_heads * head_dim;
-  g.k_stride_h = k_cache.stride(0);
-  g.k_stride_blk = k_cache.stride(1);
-  g.k_stride_tok = k_cache.stride(2);
-  g.v_stride_h = v_cache.stride(0);
-  g.v_stride_blk = v_cache.stride(1);
-  g.v_stride_tok = v_cache.stride(2);
-  g.scale = static_cast<float>(scale);
+  const Geometry g = make_geometry(q, k_cache, v_cache, num_heads, num_kv, head_dim, block_size,
+                                   max_blocks, partition_size, window, scale);
   if (num_seqs == 0) return out;
   const bool q_f32 = q.scalar_type() == at::kFloat;
   switch (k_cache.scalar_type()) {

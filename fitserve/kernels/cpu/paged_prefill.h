@@ -311,25 +311,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
                 " is not a block of the cache");
   at::Tensor out = at::empty({num_rows, num_heads, head_dim}, q.options());
   if (num_rows == 0) return out;
-  Geometry g{};
-  g.num_kv = num_kv;
-  g.group = num_heads / num_kv;
-  g.head_dim = head_dim;
-  g.dpad = (head_dim + kLanes - 1) / kLanes * kLanes;
-  g.block_size = block_size;
-  g.max_blocks = max_blocks;
-  g.partition = partition_size;
-  g.window = window;
-  g.q_stride_b = q.stride(0);
-  g.q_stride_h = q.stride(1);
-  g.out_stride_b = num_heads * head_dim;
-  g.k_stride_h = k_cache.stride(0);
-  g.k_stride_blk = k_cache.stride(1);
-  g.k_stride_tok = k_cache.stride(2);
-  g.v_stride_h = v_cache.stride(0);
-  g.v_stride_blk = v_cache.stride(1);
-  g.v_stride_tok = v_cache.stride(2);
-  g.scale = static_cast<float>(scale);
+  const Geometry g = make_geometry(q, k_cache, v_cache, num_heads, num_kv, head_dim, block_size,
+                                   max_blocks, partition_size, window, scale);
   const bool q_f32 = q.scalar_type() == at::kFloat;
   switch (k_cache.scalar_type()) {
     case at::kFloat: run_prefill<float, float>(g, cached, q, k_cache, v_cache, tp, out, vectorized); break;
