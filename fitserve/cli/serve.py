@@ -226,13 +226,19 @@ def _run_replicas(args: argparse.Namespace, config: EngineConfig, settings: Any)
               "plan capacity --emit-ray-config sets it per group)", file=sys.stderr)
         return 2
     n = args.replicas or 1
+    policy = RoutingPolicy(args.routing, balance_abs=args.routing_balance)
     try:
+        if args.fleet_config is not None:  # replica groups from a file (plan capacity --emit-ray-config's)
+            from fitserve.fleet.fleet_config import fleet_spec_from_args, load_fleet_args
+
+            spec = fleet_spec_from_args(load_fleet_args(args.fleet_config), config, settings, policy,
+                                        args.chat_template)
+            return run_fleet(spec, args.host, args.port, args.ray_address)
         replica = ReplicaSpec(share_host_memory(config, n), settings, num_cpus=args.replica_cpus,
                               capacity=args.replica_capacity, chat_template=args.chat_template,
                               pull_default=args.model == "smollm2-135m")
-        spec = FleetSpec((ReplicaGroup(replica, num_replicas=n),),
-                         policy=RoutingPolicy(args.routing, balance_abs=args.routing_balance))
-    except ValueError as exc:
+        spec = FleetSpec((ReplicaGroup(replica, num_replicas=n),), policy=policy)
+    except (ValueError, OSError) as exc:
         print(f"fitserve serve: {exc}", file=sys.stderr)
         return 2
     if args.model == "smollm2-135m":
@@ -275,7 +281,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"fitserve serve: {exc}", file=sys.stderr)
         return 2
-    if args.replicas is not None or args.ray_address is not None:
+    if args.replicas is not None or args.ray_address is not None or args.fleet_config is not None:
         return _run_replicas(args, config, settings)
     if args.model == "smollm2-135m":
         from fitserve.loading.pull import pull

@@ -16,6 +16,11 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ray-address", default=None, metavar="ADDR",
                    help="join this Ray cluster (e.g. 10.0.0.1:6379 or ray://host:10001) instead of "
                         "starting a local head; fitserve must be installed on its nodes")
+    g.add_argument("--fleet-config", default=None, metavar="FILE",
+                   help="replica groups from a file (JSON or YAML): the Ray Serve config that "
+                        "fitserve plan capacity --emit-ray-config writes, or its args alone "
+                        "({groups: [{name, num_replicas, num_cpus, capacity, model?, engine?}], "
+                        "canary?}); the command line's engine flags are each group's defaults")
     g.add_argument("--replica-cpus", type=float, default=1.0, metavar="CPUS",
                    help="CPUs Ray reserves for each replica; the engine runs that many torch threads")
     g.add_argument("--replica-capacity", type=float, default=None, metavar="UNITS",

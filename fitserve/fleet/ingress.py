@@ -5,7 +5,10 @@ on another; one that dies before any byte of the answer reached the client gets 
 (a non-streamed answer is read whole before it is sent, so that holds until its last byte). A
 stream whose replica dies after it started ends with an OpenAI-style ``error`` event, never hangs.
 ``/metrics`` is every replica's, each sample labelled ``replica``; ``/fleet`` lists the replicas
-as the router sees them.
+as the router sees them. Admin routes (the API key's, as every route): ``POST /fleet/rollout``
+asks ``fitserve serve --replicas`` for a rolling update (:mod:`fitserve.fleet.launch` redeploys;
+Serve drains each replaced replica), ``POST /fleet/canary`` starts, advances or stops a canary
+group's staged share (:mod:`fitserve.fleet.canary`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from fitserve.fleet.canary import canary_from_body
 from fitserve.fleet.groups import GroupPicker
 from fitserve.fleet.metrics_merge import merge_metrics
 from fitserve.fleet.registry import router_of
@@ -38,12 +42,17 @@ class FleetIngress:
     """The ingress deployment: Serve's HTTP proxy hands each request to ``__call__``."""
 
     def __init__(self, groups: list[tuple[str, DeploymentHandle, float]], api_key: str | None = None,
-                 policy: RoutingPolicy | None = None, max_retries: int = 2) -> None:
+                 policy: RoutingPolicy | None = None, max_retries: int = 2, generation: int = 0,
+                 canary: dict[str, Any] | None = None) -> None:
         """``groups``: (deployment name, its handle, its capacity units) per replica group."""
         self.handles = {name: handle for name, handle, _ in groups}
         self.picker = GroupPicker({name: units for name, _, units in groups}, policy or RoutingPolicy())
         self.api_key = api_key
         self.max_retries = max_retries
+        self.generation = generation  # the replicas' rollout generation last asked for
+        self._rollout = asyncio.Event()
+        if canary is not None:
+            self.picker.start_canary(canary_from_body(canary))
 
     async def __call__(self, request: Request) -> Response:
         """/fleet, /metrics, and every other path forwarded to a replica."""
@@ -51,13 +60,63 @@ class FleetIngress:
             return await self.fleet(request)
         if request.method == "GET" and request.url.path == "/metrics":
             return await self.metrics(request)
+        if request.url.path in ("/fleet/rollout", "/fleet/canary"):
+            return await self.admin(request)
         return await self.proxy(request)
+
+    async def admin(self, request: Request) -> Response:
+        """POST /fleet/rollout: a rolling update of every replica (202; the launcher redeploys).
+        POST /fleet/canary: {group, stages | plan, n_per_arm?} starts a canary's staged share,
+        {"action": "advance"} moves to its next stage, {"action": "stop"} sends it nothing."""
+        if (denied := self._denied(request)) is not None:
+            return denied
+        if request.method != "POST":
+            return JSONResponse(error_body(405, f"{request.url.path} takes POST"), status_code=405)
+        if request.url.path == "/fleet/rollout":
+            return JSONResponse({"generation": self.rollout(), "status": "rolling"}, status_code=202)
+        try:
+            body = json.loads(await request.body() or b"{}")
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
+            action = body.get("action", "start")
+            if action == "start":
+                self.picker.start_canary(canary_from_body(body))
+            elif self.picker.canary is None:
+                raise ValueError("no canary is running")
+            elif action == "advance":
+                self.picker.canary.advance()
+            elif action == "stop":
+                self.picker.canary = None
+            else:
+                raise ValueError(f"'action' must be start, advance or stop, got {action!r}")
+        except ValueError as exc:  # json's errors included
+            return JSONResponse(error_body(400, str(exc)), status_code=400)
+        canary = self.picker.canary
+        return JSONResponse({"canary": None if canary is None else canary.describe()})
+
+    def rollout(self) -> int:
+        """Ask for a rolling update (POST /fleet/rollout, the launcher's SIGHUP): its generation."""
+        self.generation += 1
+        self._rollout.set()
+        return self.generation
+
+    async def take_rollout(self, wait_s: float = 1.0) -> int | None:
+        """The launcher's long poll: the generation to roll out to, or None within ``wait_s``."""
+        try:
+            await asyncio.wait_for(self._rollout.wait(), wait_s)
+        except TimeoutError:
+            return None
+        self._rollout.clear()
+        return self.generation
 
     async def fleet(self, request: Request) -> Response:
         """The replicas as the router sees them: stats, in-flight requests, capacity, pid."""
         if (denied := self._denied(request)) is not None:
             return denied
-        return JSONResponse({"groups": self.picker.capacities, "replicas": await self._replicas()})
+        p = self.picker
+        return JSONResponse({"groups": p.capacities, "group_in_flight": p.in_flight, "peak_load": p.peak_load,
+                             "canary": None if p.canary is None else p.canary.describe(),
+                             "generation": self.generation, "replicas": await self._replicas()})
 
     async def metrics(self, request: Request) -> Response:
         """Every replica's /metrics, each sample labelled with its replica."""

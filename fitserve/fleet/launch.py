@@ -1,5 +1,12 @@
 """``fitserve serve --replicas N``: start (or join) Ray, run the fleet's Serve application on
---port, and take it down on SIGTERM/SIGINT (the Ray head too when this process started it)."""
+--port, roll its replicas over on ``POST /fleet/rollout`` or SIGHUP, and take it down on
+SIGTERM/SIGINT (the Ray head too when this process started it).
+
+A rollout redeploys the application with the replicas' next generation (their deployment
+version): Serve's rolling update then replaces them a few at a time (max(1, 20%)), each
+replaced replica taking no new request and finishing its running ones (streams too) before it
+exits (builder.DRAIN_TIMEOUT_S at most), while the others answer.
+"""
 
 from __future__ import annotations
 
@@ -25,10 +32,10 @@ def run_fleet(spec: FleetSpec, host: str, port: int, ray_address: str | None = N
         return 2
     from fitserve.fleet.builder import build_fitserve_app
 
-    stop = threading.Event()
+    stop, hup = threading.Event(), threading.Event()
 
-    def on_signal(_sig: int, _frame: FrameType | None) -> None:
-        stop.set()
+    def on_signal(sig: int, _frame: FrameType | None) -> None:
+        (hup if sig == signal.SIGHUP else stop).set()
 
     started_head = ray_address is None
     if started_head:
@@ -45,14 +52,14 @@ def run_fleet(spec: FleetSpec, host: str, port: int, ray_address: str | None = N
         ray.init(address=ray_address, log_to_driver=False)
     # NOTE: after ray.init, which installs its own SIGTERM handler (it would end this process
     # at once, leaving Ray's agents behind)
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     code = 0
     try:
         serve.start(http_options={"host": host, "port": port})
-        serve.run(build_fitserve_app(spec), name=spec.name, route_prefix="/", blocking=False)
+        serve.run(build_fitserve_app(spec, generation=0), name=spec.name, route_prefix="/", blocking=False)
         print(f"fitserve: {spec.num_replicas} replicas of {spec.groups[0].replica.config.model} ready at "
               f"http://{host}:{port}", flush=True)
-        stop.wait()
+        _serve_rollouts(spec, stop, hup)
     except Exception as exc:  # noqa: BLE001 - a deploy failure is this command's exit status
         print(f"fitserve serve --replicas: the application failed: {exc}", flush=True)
         code = 1
@@ -61,6 +68,36 @@ def run_fleet(spec: FleetSpec, host: str, port: int, ray_address: str | None = N
         for s, handler in old.items():
             signal.signal(s, handler)
     return code
+
+
+def _serve_rollouts(spec: FleetSpec, stop: threading.Event, hup: threading.Event) -> None:
+    """Until ``stop``: redeploy with each generation the ingress is asked for (long poll)."""
+    from ray import serve
+
+    from fitserve.fleet.builder import build_fitserve_app
+
+    ingress = serve.get_app_handle(spec.name)
+    while not stop.is_set():
+        try:
+            if hup.is_set():
+                hup.clear()
+                ingress.rollout.remote().result(timeout_s=30)
+            generation = ingress.take_rollout.remote(1.0).result(timeout_s=30)
+        except Exception as exc:  # noqa: BLE001 - the ingress restarting: ask again
+            log.warning("rollout poll failed: %s", exc)
+            stop.wait(1.0)
+            continue
+        if generation is None:
+            continue
+        t0 = time.monotonic()
+        print(f"fitserve: rolling update to generation {generation}", flush=True)
+        try:
+            serve.run(build_fitserve_app(spec, generation=generation), name=spec.name, route_prefix="/",
+                      blocking=False)
+        except Exception as exc:  # noqa: BLE001 - the old replicas keep serving
+            print(f"fitserve: the rolling update to generation {generation} failed: {exc}", flush=True)
+            continue
+        print(f"fitserve: generation {generation} serving ({time.monotonic() - t0:.1f} s)", flush=True)
 
 
 def _shutdown(app_name: str, started_head: bool) -> None:

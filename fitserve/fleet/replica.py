@@ -93,7 +93,7 @@ class FitserveReplica:
         """What the router weighs this replica by (Serve polls it; see FleetRouter)."""
         g = self.loop.gauges
         stats: dict[str, Any] = {"capacity": self.spec.capacity_units, "pid": os.getpid(),
-                                 "threads": self.spec.threads}
+                                 "threads": self.spec.threads, "generation": self.spec.generation}
         if g is not None:
             kv = g.kv
             stats.update(running=g.num_running, waiting=g.num_waiting,
@@ -107,6 +107,11 @@ class FitserveReplica:
             raise RuntimeError(f"engine not running: {self.loop.error}")
 
     def __del__(self) -> None:
+        """Serve calls this once the replica is drained (a rolling update, a scale-down, the
+        fleet's shutdown): Serve sent it nothing new and waited for its running requests."""
+        app = getattr(self, "app", None)
+        if app is not None:
+            app.state.fitserve.draining = True  # a straggler gets 503 (the ingress retries it)
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.stop()

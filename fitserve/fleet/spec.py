@@ -22,6 +22,7 @@ class ReplicaSpec:
     chat_template: str | None = None
     warm_up: bool = True
     pull_default: bool = False  # fetch the default model first (on a node that lacks it)
+    generation: int = 0  # the rollout it belongs to (POST /fleet/rollout adds one)
 
     @property
     def threads(self) -> int:
@@ -61,6 +62,7 @@ class FleetSpec:
     policy: RoutingPolicy = field(default_factory=RoutingPolicy)
     name: str = "fitserve"
     max_retries: int = 2  # another replica tried after a 429/503 or a replica that died
+    canary: dict[str, object] | None = None  # POST /fleet/canary's body, started with the fleet
 
     def __post_init__(self) -> None:
         names = [g.name for g in self.groups]

@@ -268,6 +268,7 @@ def build(args: argparse.Namespace) -> Sheet:
         raise PlanError("--max-rollout-hours needs --traffic-rps to time the stages")
     title = (f"fitserve plan canary: {args.metric} {p1:.4g} -> {p2:.4g}, stages "
              f"{' -> '.join(f'{s:g}%' for s in stages)}")
+    # NOTE: stages and n_per_arm are what POST /fleet/canary takes as its "plan" (fitserve.fleet)
     data: dict[str, object] = {"n_per_arm": ss.n, "n_exact": ss.n_exact, "p1": p1, "p2": p2,
-                               "rollout_s": total}
+                               "rollout_s": total, "stages": stages}
     return Sheet(title, tuple(sections), (), verdict, ok, data)
