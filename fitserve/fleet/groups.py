@@ -25,6 +25,10 @@ class GroupPicker:
         self._turn = itertools.count()
 
     def start_canary(self, split: CanarySplit) -> None:
+        """Send ``split``'s share to its group (a deployment name, or the fleet file's group name)."""
+        named = [g for g in self.capacities if g.endswith(f"-{split.group}")]
+        if split.group not in self.capacities and len(named) == 1:
+            split.group = named[0]
         if split.group not in self.capacities:
             raise ValueError(f"no replica group {split.group!r} for the canary; groups: {sorted(self.capacities)}")
         if len(self.capacities) < 2:

@@ -122,3 +122,9 @@ def test_admin_route_starts_advances_and_stops_a_canary() -> None:
     assert post("/fleet/rollout", {})[1] == {"generation": 1, "status": "rolling"}
     assert asyncio.run(ingress.take_rollout(0.1)) == 1
     assert asyncio.run(ingress.take_rollout(0.05)) is None
+
+
+def test_a_canary_named_by_its_fleet_file_group_finds_its_deployment() -> None:
+    picker = GroupPicker({"fitserve-big": 2.0, "fitserve-small": 1.0}, RoutingPolicy())
+    picker.start_canary(CanarySplit("small", [Fraction(1, 2)]))
+    assert picker.canary is not None and picker.canary.group == "fitserve-small"
