@@ -28,14 +28,6 @@ from fitserve.fleet.routing import PrefixIndex, ReplicaLoad, RoutingPolicy, rank
 class FleetRouter(RequestRouter):
     """Prefix-cache affinity with a load bound, capacity-weighted load, retries' exclusions."""
 
-    # NOTE: Serve probes a replica's queue length before sending it a request (when its cached
-    # length is older than 10 s) and, past this deadline, tries the next rank instead: with
-    # Serve's 0.1 s a busy host (or replica) turned affinity's first choice into the fallback
-    # (the e2e hit rate fell to round robin's under load 14). A second is still short beside a
-    # prompt's prefill; the backoff's cap rises with it.
-    queue_len_response_deadline_s = 1.0
-    max_queue_len_response_deadline_s = 2.0
-
     def initialize_state(self, policy: dict[str, Any] | None = None, **_: Any) -> None:
         self.policy = RoutingPolicy(**(policy or {}))
         self.index = PrefixIndex(self.policy.chunk_chars)
