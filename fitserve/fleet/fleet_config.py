@@ -21,9 +21,15 @@ def load_fleet_args(path: str | Path) -> dict[str, Any]:
     if str(path).endswith((".yaml", ".yml")):
         import yaml  # NOTE: Ray Serve's own dependency
 
-        data = yaml.safe_load(text)
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path}: not YAML: {exc}") from None
     else:
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"{path}: not JSON: {exc}") from None
     if isinstance(data, dict) and isinstance(data.get("applications"), list) and data["applications"]:
         data = data["applications"][0].get("args")
     if not isinstance(data, dict) or not isinstance(data.get("groups"), list):

@@ -4,6 +4,7 @@ and the flags reach the fleet's spec (threads per replica, capacity, routing, me
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -40,3 +41,14 @@ def test_replica_spec_threads_capacity_and_memory_share() -> None:
     config = EngineConfig(host_memory_utilization=0.6)
     assert share_host_memory(config, 3).cache.host_memory_utilization == pytest.approx(0.2)
     assert share_host_memory(EngineConfig(), 3) == EngineConfig()  # the fixed default pool: per replica
+
+
+def test_a_bad_fleet_config_is_refused_before_ray_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = f"{tmp_path}/nope.json"
+    assert main(["serve", "--fleet-config", missing]) == 2
+    assert "nope.json" in capsys.readouterr().err
+    bad = f"{tmp_path}/bad.json"
+    with open(bad, "w") as f:
+        f.write('{"groups": [{"name": "g", "num_replicas": 1, "engine": {"max_num_seqs": 0}}]}')
+    assert main(["serve", "--fleet-config", bad]) == 2
+    assert "max_num_seqs" in capsys.readouterr().err
