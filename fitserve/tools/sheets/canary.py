@@ -268,7 +268,11 @@ def build(args: argparse.Namespace) -> Sheet:
         raise PlanError("--max-rollout-hours needs --traffic-rps to time the stages")
     title = (f"fitserve plan canary: {args.metric} {p1:.4g} -> {p2:.4g}, stages "
              f"{' -> '.join(f'{s:g}%' for s in stages)}")
-    # NOTE: stages and n_per_arm are what POST /fleet/canary takes as its "plan" (fitserve.fleet)
+    # NOTE: stages, n_per_arm and stage_s (each stage's time at --traffic-rps; None for 100%)
+    # are what POST /fleet/canary takes as its "plan" (fitserve.fleet.canary)
+    rps = args.traffic_rps
+    stage_s = None if rps is None else [None if p >= 100 else ss.n / (min(p, 100 - p) / 100 * rps)
+                                        for p in stages]
     data: dict[str, object] = {"n_per_arm": ss.n, "n_exact": ss.n_exact, "p1": p1, "p2": p2,
-                               "rollout_s": total, "stages": stages}
+                               "rollout_s": total, "stages": stages, "stage_s": stage_s}
     return Sheet(title, tuple(sections), (), verdict, ok, data)

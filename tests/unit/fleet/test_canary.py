@@ -128,3 +128,37 @@ def test_a_canary_named_by_its_fleet_file_group_finds_its_deployment() -> None:
     picker = GroupPicker({"fitserve-big": 2.0, "fitserve-small": 1.0}, RoutingPolicy())
     picker.start_canary(CanarySplit("small", [Fraction(1, 2)]))
     assert picker.canary is not None and picker.canary.group == "fitserve-small"
+
+
+def test_advance_by_time_follows_the_plans_stage_times() -> None:
+    """plan canary --traffic-rps 10: each stage's time n / (min(f, 1 - f) R); with advance_by
+    "time" a stage ends at the first request past it (a fake clock), whatever the counts."""
+    sheet = build_sheet("canary", ["--baseline-rate", "0.02", "--regression-rate", "0.04", "--stages", "10,50,100",
+                                   "--traffic-rps", "10"])
+    n = sheet.data["n_per_arm"]
+    assert sheet.data["stage_s"] == [pytest.approx(n / (0.1 * 10)), pytest.approx(n / (0.5 * 10)), None]
+    now = [0.0]
+    plan = json.loads(json.dumps(dataclasses.asdict(sheet), default=str))
+    split = canary_from_body({"group": "c", "plan": plan, "advance_by": "time"}, clock=lambda: now[0])
+    split.take()
+    now[0] = sheet.data["stage_s"][0] - 1e-6
+    split.take()
+    assert split.stage == 0
+    now[0] = sheet.data["stage_s"][0]
+    split.take()
+    assert split.stage == 1 and split.history[0]["canary"] + split.history[0]["baseline"] == 2
+    now[0] += sheet.data["stage_s"][1]
+    split.take()
+    now[0] += 1e9
+    assert split.take() and split.stage == 2  # 100% holds
+
+
+def test_advance_by_needs_what_it_advances_on() -> None:
+    with pytest.raises(ValueError, match="needs stage_seconds"):
+        canary_from_body({"group": "c", "stages": [5, 100], "advance_by": "time"})
+    with pytest.raises(ValueError, match="needs n_per_arm"):
+        canary_from_body({"group": "c", "stages": [5, 100], "advance_by": "requests"})
+    with pytest.raises(ValueError, match="advance_by must be one of"):
+        canary_from_body({"group": "c", "stages": [5, 100], "advance_by": "sometimes"})
+    split = canary_from_body({"group": "c", "stages": [50, 100], "n_per_arm": 1, "advance_by": "command"})
+    assert [split.take() for _ in range(4)] == [False, True, False, True] and split.stage == 0
