@@ -11,6 +11,7 @@ batched with chunked prefill (chunk 7, block 4).
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -204,25 +205,23 @@ def write_mxfp4_folder(ref: Any, src: Path, dst: Path) -> dict[str, torch.Tensor
     return mx
 
 
-def test_hf_mxfp4_checkpoint(gpt_oss: Family, tmp_path: Path,
-                             capsys: pytest.CaptureFixture[str]) -> None:
-    """An HF folder with MXFP4 experts (quant_method mxfp4): held as MXFP4 blocks (the bytes
-    `fitserve plan FOLDER --gpu cpu` counts), the engine equals transformers whose experts are
-    its own dequantization of the same blocks and scales
-    (integrations.mxfp4.convert_moe_packed_tensors, on the CPU)."""
+@dataclass
+class Mxfp4Folder:
+    """The tiny gpt-oss as an MXFP4 checkpoint, and transformers' tokens on it (its experts
+    its own dequantization of the same blocks and scales)."""
+
+    path: Path
+    loaded: Any
+    fam: Family
+
+
+@pytest.fixture(scope="module")
+def mxfp4(gpt_oss: Family, tmp_path_factory: Any) -> Mxfp4Folder:
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from fitserve.loading.support import hf_support
-    from fitserve.model.ggml_linear import GgmlLinear
-
-    from .test_plan_engine_agree import held_by_model
-    from .test_plan_engine_packed import plan_weights
-
-    mx = write_mxfp4_folder(gpt_oss.ref, gpt_oss.loaded.path, tmp_path)
-    assert hf_support(tmp_path / "config.json").runnable
-    loaded = load_model(tmp_path, dtype=torch.float32, weights="as-stored")
-    assert loaded.stored_formats["model.layers.1.mlp.experts.3.up_proj.weight"] == "MXFP4"
-    ref = build_gpt_oss(tmp_path / "ref", None)
+    folder = tmp_path_factory.mktemp("tiny-gpt-oss-mxfp4")
+    mx = write_mxfp4_folder(gpt_oss.ref, gpt_oss.loaded.path, folder)
+    ref = build_gpt_oss(folder / "ref", None)
     with torch.no_grad():
         for i, layer in enumerate(ref.model.layers):
             for proj in ("gate_up_proj", "down_proj"):
@@ -231,17 +230,57 @@ def test_hf_mxfp4_checkpoint(gpt_oss: Family, tmp_path: Path,
                     mx[f"{stem}_blocks"], mx[f"{stem}_scales"], dtype=torch.float32))
     prompts = gpt_oss.prompts[1:]
     want = [hf_greedy(ref, p, NUM_TOKENS) for p in prompts]
+    loaded = load_model(folder, dtype=torch.float32, weights="as-stored")
+    return Mxfp4Folder(folder, loaded, Family(gpt_oss.arch, ref, loaded, prompts, want, gpt_oss.tol))
+
+
+def test_hf_mxfp4_checkpoint(mxfp4: Mxfp4Folder, capsys: pytest.CaptureFixture[str]) -> None:
+    """An HF folder with MXFP4 experts (quant_method mxfp4): held as MXFP4 blocks (the bytes
+    `fitserve plan FOLDER --gpu cpu` counts), the engine equals transformers whose experts are
+    its own dequantization of the same blocks and scales
+    (integrations.mxfp4.convert_moe_packed_tensors, on the CPU)."""
+    from fitserve.loading.support import hf_support
+    from fitserve.model.ggml_linear import GgmlLinear
+
+    from .test_plan_engine_agree import held_by_model
+    from .test_plan_engine_packed import plan_weights
+
+    assert hf_support(mxfp4.path / "config.json").runnable
+    loaded = mxfp4.loaded
+    assert loaded.stored_formats["model.layers.1.mlp.experts.3.up_proj.weight"] == "MXFP4"
     engine = make(loaded, long_prefill_token_threshold=7)
     assert isinstance(engine.runner.model.layers[1].mlp.experts[3].gate_up_proj, GgmlLinear)
-    assert plan_weights(capsys, tmp_path, "as-stored")["weight_bytes"] == held_by_model(engine)[0]
-    fam = Family(gpt_oss.arch, ref, loaded, prompts, want, gpt_oss.tol)
-    check(fam, run(engine, prompts, together=True), "hf MXFP4")
+    assert plan_weights(capsys, mxfp4.path, "as-stored")["weight_bytes"] == held_by_model(engine)[0]
+    check(mxfp4.fam, run(engine, mxfp4.fam.prompts, together=True), "hf MXFP4")
 
 
-def test_tensor_parallel_refused_by_name(gpt_oss: Family) -> None:
-    """--tp 2 on gpt-oss says what is missing before any process starts."""
-    with pytest.raises(ValueError, match="tensor parallelism for gpt-oss is not supported"):
-        make(gpt_oss.loaded, tensor_parallel_size=2)
+@pytest.mark.slow
+def test_tensor_parallel_2_mxfp4(mxfp4: Mxfp4Folder) -> None:
+    """--tp 2 (two gloo processes) on the MXFP4 checkpoint: each rank holds 3 of the 6 query
+    heads and their sinks, every expert's gate/up rows and down columns [32 r, 32 r + 32) as
+    whole MXFP4 blocks, the router whole, o_proj's and the experts' down biases on rank 0 only;
+    sliding and full KV groups on both ranks (the step message carries every group's table).
+    Greedy tokens and top-5 logprobs are transformers', and the all-reduces are the ledger's
+    (2 per layer + 1 per step)."""
+    from fitserve.model.ggml_linear import GgmlLinear
+
+    engine = make(mxfp4.loaded, long_prefill_token_threshold=7, tensor_parallel_size=2,
+                  weights="as-stored")
+    try:
+        layer = engine.runner.model.model.layers[1]
+        assert layer.self_attn.sinks.shape == (3,) and engine.runner.sinks
+        down = layer.mlp.inner.experts[4].down_proj
+        assert isinstance(down, GgmlLinear) and down.ggml_type == "MXFP4"
+        assert (down.out_features, down.in_features) == (96, 32)
+        assert not layer.self_attn.o_proj.inner.bias.eq(0).all()  # rank 0 adds the bias
+        check(mxfp4.fam, run(engine, mxfp4.fam.prompts, together=True), "tp 2 MXFP4")
+        measured = engine.tp_group.comm.counts  # type: ignore[union-attr]
+        for kind, led in engine.runner.ledger.items():  # type: ignore[attr-defined]
+            assert (measured[kind].calls, measured[kind].bytes) == (led.calls, led.bytes), kind
+        steps = measured["embedding all_reduce"].calls
+        assert measured["layer all_reduce"].calls == 2 * 3 * steps > 0
+    finally:
+        engine.shutdown()
 
 
 def test_int8_kv_cache_on_sliding_and_full_groups(gpt_oss: Family) -> None:
