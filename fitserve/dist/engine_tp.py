@@ -29,11 +29,8 @@ def check_tp_config(cfg: EngineConfig, loaded: LoadedModel, device: torch.device
     if spec.rope_scaling is not None and spec.rope_scaling.kind == "longrope":
         raise ValueError("tensor parallelism with LongRoPE (Phi-3 long context) is not supported: "
                          "the worker ranks do not see prompt lengths, which pick the rotary rows")
-    if spec.architecture == "gpt_oss" and tp > 1:
-        # NOTE: its sinks, router / expert biases and o_proj bias have no rank split here yet
-        raise ValueError("tensor parallelism for gpt-oss is not supported yet (attention sinks "
-                         "and the expert / o_proj biases are not split over ranks); run --tp 1")
-    check_tp_layout(spec, tp, group_sizes=row_parallel_groups(loaded.weights))
+    check_tp_layout(spec, tp, group_sizes=row_parallel_groups(loaded.weights),
+                    expert_group_sizes=row_parallel_groups(loaded.weights, routed_experts=True))
 
 
 def start_tensor_parallel(cfg: EngineConfig, loaded: LoadedModel, *, dtype: torch.dtype,

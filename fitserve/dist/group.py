@@ -31,8 +31,9 @@ import torch.distributed as dist
 from fitserve import envs
 from fitserve.config import EngineConfig
 from fitserve.dist.comm import Collectives
-from fitserve.dist.step_message import SHUTDOWN, STEP, encode_step, header
+from fitserve.dist.step_message import SHUTDOWN, STEP, encode_startup, encode_step, header
 from fitserve.dist.watchdog import Watchdog, watchdog_seconds
+from fitserve.kv.group import KVGroup
 from fitserve.types import SchedulerOutput
 
 log = logging.getLogger("fitserve.dist")
@@ -114,11 +115,14 @@ class TPGroup:
                 return f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with status {code}"
         return ""
 
-    def send_startup(self, num_blocks: int) -> None:
+    def send_startup(self, num_blocks: int, groups: list[KVGroup]) -> None:
+        """The KV pool rank 0 sized (and a hybrid model's KV groups): its length, then it."""
         # NOTE: unwatched (idle): the workers may still be loading the model; one that fails
         # to load exits, which breaks this broadcast at once
-        self.comm.broadcast(torch.tensor([num_blocks], dtype=torch.int64), "startup",
+        payload = encode_startup(num_blocks, groups)
+        self.comm.broadcast(torch.tensor([payload.numel()], dtype=torch.int64), "startup",
                             control=True, idle=True)
+        self.comm.broadcast(payload, "startup", control=True)
 
     def send_step(self, out: SchedulerOutput) -> None:
         payload = encode_step(out)

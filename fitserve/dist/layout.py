@@ -47,9 +47,11 @@ class RankSlice:
     shared_intermediate: tuple[int, int] = (0, 0)
 
 
-def check_tp_layout(spec: ModelSpec, tp: int, *, group_sizes: tuple[int, ...] = ()) -> None:
+def check_tp_layout(spec: ModelSpec, tp: int, *, group_sizes: tuple[int, ...] = (),
+                    expert_group_sizes: tuple[int, ...] = ()) -> None:
     """TPLayoutError naming the size that does not divide; ``group_sizes`` are the quantization
-    groups of row-parallel weights held packed (their input columns split at group bounds)."""
+    groups of row-parallel weights held packed (their input columns split at group bounds),
+    ``expert_group_sizes`` those of the routed experts' down_proj (gpt-oss's MXFP4: 32)."""
     if tp < 1:
         raise TPLayoutError(f"tensor_parallel_size must be >= 1, got {tp}")
     if tp == 1:
@@ -72,13 +74,17 @@ def check_tp_layout(spec: ModelSpec, tp: int, *, group_sizes: tuple[int, ...] = 
         if k % tp:
             raise TPLayoutError(f"{name}: {what}={k} is not divisible by "
                                 f"tensor_parallel_size={tp}")
-    for g in group_sizes:
-        for what, k in (("num_heads x head_dim", spec.q_size), *widths):
+    dense = [(what, k) for what, k in widths if what != "expert intermediate size"]
+    expert = [(what, k) for what, k in widths if what == "expert intermediate size"]
+    checks = [(g, (("num_heads x head_dim", spec.q_size), *dense)) for g in group_sizes]
+    checks += [(g, tuple(expert)) for g in expert_group_sizes]
+    for g, sizes in checks:
+        for what, k in sizes:
             if (k // tp) % g:
                 raise TPLayoutError(f"{name}: {what}={k} / tensor_parallel_size={tp} = {k // tp} "
                                     f"columns per rank is not a whole number of the packed "
-                                    f"weights' groups of {g}; use --weights bf16 or another "
-                                    "--tp")
+                                    f"weights' groups of {g}; use --weights bf16 or "
+                                    "another --tp")
     if spec.vocab_size < tp:
         raise TPLayoutError(f"{name}: vocab_size={spec.vocab_size} < tensor_parallel_size={tp}")
 

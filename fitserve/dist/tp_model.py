@@ -77,6 +77,11 @@ class TPCausalLM(nn.Module):
         self.shard_sizes = [rank_slice(full, s.tp, r).vocab for r in range(s.tp)]
 
     @property
+    def layers(self) -> nn.ModuleList:
+        """The rank model's layers (the runner looks there for attention sinks)."""
+        return self.model.layers
+
+    @property
     def rotary(self) -> nn.Module:
         """The rank model's rotary tables (the runner reads LongRoPE's row offset there)."""
         return self.model.rotary

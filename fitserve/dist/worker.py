@@ -22,7 +22,7 @@ from fitserve import envs
 from fitserve.config import EngineConfig
 from fitserve.dist.comm import Collectives
 from fitserve.dist.layout import rank_spec
-from fitserve.dist.step_message import HEADER_LEN, SHUTDOWN, decode_step
+from fitserve.dist.step_message import HEADER_LEN, SHUTDOWN, decode_startup, decode_step
 from fitserve.dist.tp_model import TPCausalLM, build_tp_model
 from fitserve.runner.model_runner import ModelRunner, decode_rows_first, logits_rows
 
@@ -63,12 +63,14 @@ def build_worker(cfg: EngineConfig, rank: int, world: int, comm: Collectives
                            dtype=dtype, device=device, max_positions=max_len)
     loaded.weights = {}
     release_freed_host_memory()
-    start = comm.broadcast(torch.zeros(1, dtype=torch.int64), "startup", control=True,
-                           idle=True)
+    length = comm.broadcast(torch.zeros(1, dtype=torch.int64), "startup", control=True,
+                            idle=True)
+    num_blocks, groups = decode_startup(comm.broadcast(
+        torch.zeros(int(length[0]), dtype=torch.int64), "startup", control=True))
     runner = ModelRunner(model, rank_spec(loaded.spec, world, rank),  # type: ignore[arg-type]
-                         num_blocks=int(start[0]), block_size=cfg.cache.block_size, kv_dtype=dtype,
+                         num_blocks=num_blocks, block_size=cfg.cache.block_size, kv_dtype=dtype,
                          device=device, compile_decode=False, kv_cache_dtype=cfg.cache.kv_cache_dtype,
-                         kv_cache_scales=cfg.cache.kv_cache_scales)
+                         kv_cache_scales=cfg.cache.kv_cache_scales, kv_groups=groups)
     return model, runner
 
 
@@ -83,7 +85,10 @@ def serve_steps(comm: Collectives, model: TPCausalLM, runner: ModelRunner) -> No
                                  control=True)
         plan = decode_step(payload)
         with torch.inference_mode():
-            if plan.block_copies:
+            for g, pairs in enumerate(plan.group_block_copies):
+                if pairs:
+                    runner.copy_blocks(pairs, group=g)
+            if plan.block_copies and not plan.group_block_copies:
                 runner.copy_blocks(plan.block_copies)
             chunks = decode_rows_first(plan.chunks)
             hidden = runner.forward_chunks(chunks)

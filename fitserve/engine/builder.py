@@ -153,10 +153,10 @@ def _size_and_wire(cfg: EngineConfig, model: CausalLM, spec: ModelSpec, shard_sp
     sched = cfg.scheduler
     check_pool_fits(pool, max_model_len, min(sched.max_num_batched_tokens,
                                              sched.long_prefill_token_threshold or max_model_len))
-    if tp_group is not None:
-        tp_group.send_startup(pool.num_blocks)
     cache = cfg.cache
-    kv, groups = _kv_manager(pool, cfg, spec, tp=tp_group is not None)
+    kv, groups = _kv_manager(pool, cfg, spec)
+    if tp_group is not None:
+        tp_group.send_startup(pool.num_blocks, groups if len(groups) > 1 else [])
     # the scheduler's max_model_len is the one resolved from the config and the model (as vLLM)
     scheduler = Scheduler(replace(cfg.scheduler, max_model_len=max_model_len), kv)
     runner = (ModelRunner if tp_group is None else TPModelRunner)(
@@ -182,7 +182,7 @@ def _size_and_wire(cfg: EngineConfig, model: CausalLM, spec: ModelSpec, shard_sp
     return pool, kv, scheduler, runner
 
 
-def _kv_manager(pool: KVPoolSize, cfg: EngineConfig, spec: ModelSpec, *, tp: bool
+def _kv_manager(pool: KVPoolSize, cfg: EngineConfig, spec: ModelSpec
                 ) -> tuple[KVCacheManager, list[KVGroup]]:
     """The KV manager over the ledger's pools: one per layer group for a model with
     sliding-window layers (their blocks are freed behind the window), else the one pool."""
@@ -198,10 +198,6 @@ def _kv_manager(pool: KVPoolSize, cfg: EngineConfig, spec: ModelSpec, *, tp: boo
     plan_groups = pool.memory_plan.kv_groups if pool.memory_plan is not None else ()
     if not plan_groups:
         return KVCacheManager(pool.num_blocks, cache.block_size, enable_caching=caching), []
-    if len(plan_groups) > 1 and tp:
-        raise ValueError("a model mixing sliding-window and full-attention layers runs without "
-                         "tensor parallelism for now (the TP step message carries one block table "
-                         "per chunk); drop --tp")
     if len(plan_groups) > 1 and cfg.speculative is not None and cfg.speculative.method == "draft_model":
         raise ValueError("a model mixing sliding-window and full-attention layers cannot use a "
                          "draft model yet (its lookahead slots come from one block table); use "

@@ -5,12 +5,16 @@ width 64, top-2, 3 layers sliding / full / sliding with a window of 5 under the 
 prompt), nonzero attention sinks, YaRN active (factor 4 over an original context of 16,
 truncate False as gpt-oss ships), biases everywhere transformers has them. Greedy tokens equal
 transformers' for 32 tokens and every top-5 logprob is within the derived tolerance: alone,
-batched with chunked prefill (chunk 7, block 4).
+batched with chunked prefill (chunk 7, block 4), preempted, with n-gram speculation, from
+GGUF and HF MXFP4 experts, and at --tp 2 on the MXFP4 checkpoint; in bf16 the pooled top-5
+logprob error stays within transformers' own bf16 spread.
 """
 
 from __future__ import annotations
 
+import copy
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +23,7 @@ import torch
 
 from fitserve.loading import load_model
 from fitserve.model.attention.gather import EagerGather
+from fitserve.sampling import SamplingParams
 
 from .conftest import hf_greedy
 from .test_moe_vs_transformers import NUM_TOKENS, Family, check, make
@@ -128,6 +133,64 @@ def test_sinks_matter(gpt_oss: Family) -> None:
     assert worst > 10 * gpt_oss.tol
 
 
+def test_preempted(gpt_oss: Family) -> None:
+    """A pool too small for two sequences at once (20 blocks of 4; they end at 38 and 55
+    tokens): one is preempted and recomputed, every token and logprob transformers'."""
+    engine = make(gpt_oss.loaded, num_kv_blocks=20, max_model_len=64)
+    fam = Family(gpt_oss.arch, gpt_oss.ref, gpt_oss.loaded, gpt_oss.prompts[1:],
+                 gpt_oss.want[1:], gpt_oss.tol)
+    check(fam, run(engine, fam.prompts, together=True), "preempted")
+    assert engine.scheduler.total_preemptions > 0, "vacuous: nothing was preempted"
+
+
+def test_ngram_speculative_decoding(gpt_oss: Family) -> None:
+    """n-gram drafts verified over the sliding and full layers: greedy tokens unchanged
+    (transformers'), and drafts were proposed and some accepted (logprobs off: a request
+    asking for them does not speculate)."""
+    plain = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    engine = make(gpt_oss.loaded, speculative_config={"method": "ngram",
+                                                      "num_speculative_tokens": 3})
+    ids = [engine.add_request(p, plain) for p in gpt_oss.prompts[1:]]
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    assert [done[i] for i in ids] == [tokens for tokens, _ in gpt_oss.want[1:]]
+    st = engine.spec_stats
+    assert st is not None and st.num_drafts > 0 and st.num_accepted_tokens > 0
+
+
+@torch.no_grad()
+def test_bf16_within_transformers_bf16_spread(gpt_oss: Family) -> None:
+    """bf16 weights and activations: along the engine's own greedy path, its top-5 logprobs
+    differ from transformers' fp32 by no more than transformers' bf16 does (mean and median
+    over every entry, x1.5), and its tokens are fp32's argmax as often (within 2 of 96).
+    NOTE: pooled statistics, not a per-entry bound: bf16 flips a near-tied expert choice
+    now and then (transformers' own bf16 moves single entries by up to ~2.6 nats here); a
+    wrong rule moves the mean by ~1 nat (the sinks dropped: 10-20x the bound)."""
+    loaded = load_model(gpt_oss.loaded.path, dtype=torch.bfloat16)
+    outs = run(make(loaded, dtype="bfloat16"), gpt_oss.prompts, together=True)
+    ref16 = copy.deepcopy(gpt_oss.ref).to(torch.bfloat16)
+    ours, theirs, agree = [], [], [0, 0]
+    for prompt, out in zip(gpt_oss.prompts, outs, strict=True):
+        seq = torch.tensor([prompt + out.token_ids])
+        lp32, lp16 = (m(seq).logits[0, len(prompt) - 1 : -1].double().log_softmax(-1)
+                      for m in (gpt_oss.ref, ref16))
+        for step, top in enumerate(out.logprobs):
+            for tok, lp in top.top:
+                ours.append(abs(lp - float(lp32[step, tok])))
+                theirs.append(abs(float(lp16[step, tok] - lp32[step, tok])))
+        best = lp32.argmax(-1).tolist()
+        agree[0] += sum(a == b for a, b in zip(best, out.token_ids, strict=True))
+        agree[1] += sum(a == b for a, b in zip(best, lp16.argmax(-1).tolist(), strict=True))
+    a, b = torch.tensor(ours), torch.tensor(theirs)
+    print(f"bf16 |ours - fp32| mean {a.mean():.4f} median {a.median():.4f}; transformers bf16 "
+          f"mean {b.mean():.4f} median {b.median():.4f}; argmax agreement {agree}")
+    assert a.mean() <= 1.5 * b.mean() and a.median() <= 1.5 * b.median()
+    assert agree[0] >= agree[1] - 2
+
+
 def reference_with_llama_cpp_yarn(ref: Any) -> None:
     """transformers' model, its YaRN ramp truncated as llama.cpp's ggml_rope_yarn_corr_dims
     always does (a GGUF file runs as llama.cpp runs it)."""
@@ -204,25 +267,23 @@ def write_mxfp4_folder(ref: Any, src: Path, dst: Path) -> dict[str, torch.Tensor
     return mx
 
 
-def test_hf_mxfp4_checkpoint(gpt_oss: Family, tmp_path: Path,
-                             capsys: pytest.CaptureFixture[str]) -> None:
-    """An HF folder with MXFP4 experts (quant_method mxfp4): held as MXFP4 blocks (the bytes
-    `fitserve plan FOLDER --gpu cpu` counts), the engine equals transformers whose experts are
-    its own dequantization of the same blocks and scales
-    (integrations.mxfp4.convert_moe_packed_tensors, on the CPU)."""
+@dataclass
+class Mxfp4Folder:
+    """The tiny gpt-oss as an MXFP4 checkpoint, and transformers' tokens on it (its experts
+    its own dequantization of the same blocks and scales)."""
+
+    path: Path
+    loaded: Any
+    fam: Family
+
+
+@pytest.fixture(scope="module")
+def mxfp4(gpt_oss: Family, tmp_path_factory: Any) -> Mxfp4Folder:
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from fitserve.loading.support import hf_support
-    from fitserve.model.ggml_linear import GgmlLinear
-
-    from .test_plan_engine_agree import held_by_model
-    from .test_plan_engine_packed import plan_weights
-
-    mx = write_mxfp4_folder(gpt_oss.ref, gpt_oss.loaded.path, tmp_path)
-    assert hf_support(tmp_path / "config.json").runnable
-    loaded = load_model(tmp_path, dtype=torch.float32, weights="as-stored")
-    assert loaded.stored_formats["model.layers.1.mlp.experts.3.up_proj.weight"] == "MXFP4"
-    ref = build_gpt_oss(tmp_path / "ref", None)
+    folder = tmp_path_factory.mktemp("tiny-gpt-oss-mxfp4")
+    mx = write_mxfp4_folder(gpt_oss.ref, gpt_oss.loaded.path, folder)
+    ref = build_gpt_oss(folder / "ref", None)
     with torch.no_grad():
         for i, layer in enumerate(ref.model.layers):
             for proj in ("gate_up_proj", "down_proj"):
@@ -231,17 +292,57 @@ def test_hf_mxfp4_checkpoint(gpt_oss: Family, tmp_path: Path,
                     mx[f"{stem}_blocks"], mx[f"{stem}_scales"], dtype=torch.float32))
     prompts = gpt_oss.prompts[1:]
     want = [hf_greedy(ref, p, NUM_TOKENS) for p in prompts]
+    loaded = load_model(folder, dtype=torch.float32, weights="as-stored")
+    return Mxfp4Folder(folder, loaded, Family(gpt_oss.arch, ref, loaded, prompts, want, gpt_oss.tol))
+
+
+def test_hf_mxfp4_checkpoint(mxfp4: Mxfp4Folder, capsys: pytest.CaptureFixture[str]) -> None:
+    """An HF folder with MXFP4 experts (quant_method mxfp4): held as MXFP4 blocks (the bytes
+    `fitserve plan FOLDER --gpu cpu` counts), the engine equals transformers whose experts are
+    its own dequantization of the same blocks and scales
+    (integrations.mxfp4.convert_moe_packed_tensors, on the CPU)."""
+    from fitserve.loading.support import hf_support
+    from fitserve.model.ggml_linear import GgmlLinear
+
+    from .test_plan_engine_agree import held_by_model
+    from .test_plan_engine_packed import plan_weights
+
+    assert hf_support(mxfp4.path / "config.json").runnable
+    loaded = mxfp4.loaded
+    assert loaded.stored_formats["model.layers.1.mlp.experts.3.up_proj.weight"] == "MXFP4"
     engine = make(loaded, long_prefill_token_threshold=7)
     assert isinstance(engine.runner.model.layers[1].mlp.experts[3].gate_up_proj, GgmlLinear)
-    assert plan_weights(capsys, tmp_path, "as-stored")["weight_bytes"] == held_by_model(engine)[0]
-    fam = Family(gpt_oss.arch, ref, loaded, prompts, want, gpt_oss.tol)
-    check(fam, run(engine, prompts, together=True), "hf MXFP4")
+    assert plan_weights(capsys, mxfp4.path, "as-stored")["weight_bytes"] == held_by_model(engine)[0]
+    check(mxfp4.fam, run(engine, mxfp4.fam.prompts, together=True), "hf MXFP4")
 
 
-def test_tensor_parallel_refused_by_name(gpt_oss: Family) -> None:
-    """--tp 2 on gpt-oss says what is missing before any process starts."""
-    with pytest.raises(ValueError, match="tensor parallelism for gpt-oss is not supported"):
-        make(gpt_oss.loaded, tensor_parallel_size=2)
+@pytest.mark.slow
+def test_tensor_parallel_2_mxfp4(mxfp4: Mxfp4Folder) -> None:
+    """--tp 2 (two gloo processes) on the MXFP4 checkpoint: each rank holds 3 of the 6 query
+    heads and their sinks, every expert's gate/up rows and down columns [32 r, 32 r + 32) as
+    whole MXFP4 blocks, the router whole, o_proj's and the experts' down biases on rank 0 only;
+    sliding and full KV groups on both ranks (the step message carries every group's table).
+    Greedy tokens and top-5 logprobs are transformers', and the all-reduces are the ledger's
+    (2 per layer + 1 per step)."""
+    from fitserve.model.ggml_linear import GgmlLinear
+
+    engine = make(mxfp4.loaded, long_prefill_token_threshold=7, tensor_parallel_size=2,
+                  weights="as-stored")
+    try:
+        layer = engine.runner.model.model.layers[1]
+        assert layer.self_attn.sinks.shape == (3,) and engine.runner.sinks
+        down = layer.mlp.inner.experts[4].down_proj
+        assert isinstance(down, GgmlLinear) and down.ggml_type == "MXFP4"
+        assert (down.out_features, down.in_features) == (96, 32)
+        assert not layer.self_attn.o_proj.inner.bias.eq(0).all()  # rank 0 adds the bias
+        check(mxfp4.fam, run(engine, mxfp4.fam.prompts, together=True), "tp 2 MXFP4")
+        measured = engine.tp_group.comm.counts  # type: ignore[union-attr]
+        for kind, led in engine.runner.ledger.items():  # type: ignore[attr-defined]
+            assert (measured[kind].calls, measured[kind].bytes) == (led.calls, led.bytes), kind
+        steps = measured["embedding all_reduce"].calls
+        assert measured["layer all_reduce"].calls == 2 * 3 * steps > 0
+    finally:
+        engine.shutdown()
 
 
 def test_int8_kv_cache_on_sliding_and_full_groups(gpt_oss: Family) -> None:

@@ -248,3 +248,17 @@ def test_gqa_8_to_1(tmp_path: Path, hf_tokenizer: Any) -> None:
                  [hf_greedy(ref, p, NUM_TOKENS) for p in prompts], derived_tolerance(ref, prompts[0]))
     check(fam, run(make(loaded, long_prefill_token_threshold=7), prompts, together=True),
           "batched, chunk 7")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"], indirect=True)
+def test_tensor_parallel_2_sliding_and_full(family: Family) -> None:
+    """--tp 2 (two gloo processes) on a model whose KV layer groups differ (sliding, full):
+    the step message carries each group's table, its 1 KV head replicated on both ranks;
+    batched and chunked, transformers' greedy tokens and logprobs."""
+    engine = make(family.loaded, long_prefill_token_threshold=7, tensor_parallel_size=2)
+    try:
+        assert set(engine.runner.group_windows) == {None, family.loaded.spec.sliding_window}
+        check(family, run(engine, family.prompts, together=True), "tp 2")
+    finally:
+        engine.shutdown()

@@ -94,6 +94,14 @@ def _workload_rates(loads: list[int], step_of: dict[int, float]) -> tuple[float,
     return sum(n / step_of[n] for n in busy), min(1.0 / step_of[n] for n in busy)
 
 
+def _link_seconds(hw: Hardware, nbytes: float) -> float:
+    """One message of ``nbytes`` over the device link; inf on hardware with no link figure
+    (the CPU: as ring_allreduce_seconds prices its all-reduces)."""
+    if hw.link_bytes_per_s <= 0:
+        return float("inf")
+    return hw.link_latency_s + nbytes / hw.link_bytes_per_s
+
+
 def _tp_pp_dp_step(spec: ModelSpec, hw: Hardware, q: LayoutQuery, tp: int, pp: int,
                    seqs: int) -> tuple[float, float]:
     """(decode step seconds, bubble) of one TP x PP replica running ``seqs`` sequences."""
@@ -106,7 +114,7 @@ def _tp_pp_dp_step(spec: ModelSpec, hw: Hardware, q: LayoutQuery, tp: int, pp: i
     flops = mb * flops_per_token(spec, q.context).total / (tp * pp)
     h_bytes = spec.hidden_size * q.act_dtype_bytes
     comm_t = 2 * spec.num_layers / pp * ring_allreduce_seconds(mb * h_bytes, tp, hw)
-    send_t = (hw.link_latency_s + mb * h_bytes / hw.link_bytes_per_s) if pp > 1 else 0.0
+    send_t = _link_seconds(hw, mb * h_bytes) if pp > 1 else 0.0
     stage = _roofline(hw, q, w_read + kv_read, flops) + comm_t + send_t
     step = m * stage if m == pp else pp * stage  # fewer micro-batches than stages: idle stages
     return step, (pp - 1) / (m + pp - 1)
@@ -157,7 +165,7 @@ def _attention_dp(spec: ModelSpec, hw: Hardware, q: LayoutQuery) -> Layout:
     moe_layers = spec.num_layers - spec.first_k_dense
     h_bytes = spec.hidden_size * q.act_dtype_bytes
     a2a = 2 * spec.num_experts_per_token * h_bytes * (n - 1) / n  # dispatch + combine
-    comm_t = moe_layers * (2 * hw.link_latency_s + seqs * a2a / hw.link_bytes_per_s)
+    comm_t = moe_layers * (hw.link_latency_s + _link_seconds(hw, seqs * a2a))
     step = _roofline(hw, q, w_read + kv_read, flops) + comm_t
     usable = int(hw.memory_bytes * q.memory_utilization)
     return Layout(f"attention-DP{n} + EP{n}", 1, 1, n, True, w_gpu, kv_gpu, reserve, 0,

@@ -116,3 +116,23 @@ def test_plan_on_cpu_for_every_moe_model(name: str, monkeypatch: pytest.MonkeyPa
     else:  # the engine's dtype throughout
         dtype = plan["engine"]["dtype"]
         assert weights == model_weight_bytes(e.spec, dtype, base_dtype=dtype).total
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-20b", "gpt-oss-120b"])
+def test_plan_on_cpu_with_tp_prices_the_engines_scheme(name: str, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """`plan gpt-oss-* --gpu cpu --tp 2` (it divided by the CPU's absent link bandwidth when
+    pricing the pipeline layouts): the TP layout and the engine's Megatron expert split are
+    priced, its all-reduces 2 per layer, the per-rank weights the tp=2 ledger's."""
+    monkeypatch.setattr(runtime, "runtime_baseline_bytes", lambda **_: 300 << 20)
+    plan = _plan(capsys, [name, "--gpu", "cpu", "--gpus", "2", "--tp", "2",
+                          "--gpu-memory", "4TiB", "--context", "4k"])
+    sec = next(s for s in plan["sections"] if s["title"].startswith("Mixture of experts"))
+    lines = {ln["name"]: ln for ln in sec["lines"]}
+    s = catalog_entry(name).spec
+    assert f"{2 * s.num_layers} collectives/step" in lines["TP 2, megatron-style"]["shown"]
+    assert "engine: megatron-style" in lines["TP 2, megatron-style"]["shown"]
+    assert lines["weights per GPU (tp=2)"]["value"] == model_weight_bytes(
+        s, "gpt-oss-mxfp4", tp=2).total
+    layouts = next(x for x in plan["sections"] if x["title"].startswith("Layouts"))
+    assert "TP2" in {ln["name"] for ln in layouts["lines"]}
