@@ -190,3 +190,28 @@ def test_decode_plans_follow_the_caches_and_are_released(tiny_hf_model_dir: Call
     gc.collect()
     with pytest.raises(RuntimeError, match="no decode plan"):
         torch.ops.fitserve_step.decode_layers(x, x, x, x, x, x, x, live[0], 0)
+
+
+def test_decode_plan_rejects_malformed_linear_lists() -> None:
+    """decode_plan's flat linear lists (decode_step.cpp's layout) are checked, with errors that
+    say what is wrong: a part cut short, tensors left over, the wrong number of linears."""
+    from fitserve.kernels.cpu.decode_step import decode_step_available
+    from fitserve.runner.decode_loop import native_linear
+
+    if not decode_step_available():
+        pytest.skip("decode_step.cpp is not built here")
+    lin = torch.nn.Linear(8, 8)
+    tensors, meta = native_linear(lin, 1, torch.float32) or ([], [])
+    w, cache = torch.ones(8), torch.zeros(2, 16, 1, 8)
+    plan = torch.ops.fitserve_step.decode_plan
+
+    def make(ts: list[torch.Tensor], ms: list[int]) -> int:
+        return int(plan([w, w], [1e-5, 1e-5], ts, ms, [cache], [cache], 1, 1, 8, 1.0, 16, False))
+
+    with pytest.raises(RuntimeError, match="meta ends inside a linear"):
+        make(tensors * 4, (meta * 4)[:-1])
+    with pytest.raises(RuntimeError, match="tensors left unused"):
+        make(tensors * 5, meta * 4)
+    with pytest.raises(RuntimeError, match="4 linears per layer, got 3"):
+        make(tensors * 3, meta * 3)
+    torch.ops.fitserve_step.drop_decode_plan(make(tensors * 4, meta * 4))  # well formed
