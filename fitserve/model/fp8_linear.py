@@ -129,8 +129,12 @@ class Fp8Linear(nn.Module):
 
     def kernel_applies(self, x2: torch.Tensor) -> bool:
         """Whether ``x2 [M, K]`` runs the C++ op (see the module docstring)."""
-        return (not self.act_fp8 and x2.device.type == "cpu" and x2.shape[0] <= FP8_GEMV_MAX_ROWS
-                and x2.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        return self.kernel_runs(x2.shape[0], x2.dtype, x2.device)
+
+    def kernel_runs(self, rows: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether x of ``rows`` rows, ``dtype``, on ``device`` runs the C++ op."""
+        return (not self.act_fp8 and device.type == "cpu" and rows <= FP8_GEMV_MAX_ROWS
+                and dtype in (torch.float32, torch.bfloat16, torch.float16)
                 and fp8_gemv_available())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -12,9 +12,10 @@ so its hidden states are bit-identical to ``CausalLM.forward`` (tests/numerics/
 test_decode_loop.py). It applies to decode-only steps on the fused C++ kernels with a dense KV
 cache (``applies``); anything else (prefill chunks, a quantized cache, per-head q/k norms, the
 torch fallbacks) runs the module path. A linear it does not know exactly (a tensor-parallel
-wrapper, a ConcatLinear, fp8, a biased packed one) is called as its module: never skipped.
+wrapper, a linear on a torch fallback path) is called as its module: never skipped.
 
-When every linear of the step's shape class is a C++ packed kernel or a dense nn.Linear, the
+When every linear of the step's shape class is a C++ kernel (packed int4/int8, ggml blocks, fp8,
+each with its bias as the module adds it) or a dense nn.Linear, or a ConcatLinear of those, the
 per-layer loop itself runs in C++ (``torch.ops.fitserve_step.decode_layers``,
 fitserve/kernels/cpu/decode_step.cpp): the same ops, in the same order, without the ~270
 interpreter round trips of a batch-1 step. Its per-model arguments (weights, norms, caches)
@@ -24,6 +25,7 @@ are a plan made once per shape class (``decode_plan``, an integer handle). ``nat
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable
 
@@ -37,8 +39,10 @@ from fitserve.kernels.cpu.fused import fused_ops_available
 from fitserve.kernels.cpu.paged_attention import DEFAULT_PARTITION, paged_attention_available
 from fitserve.model.attention.cpu_paged import CpuPagedDecode
 from fitserve.model.attention.paged import AttentionBatch
+from fitserve.model.fp8_linear import Fp8Linear
+from fitserve.model.ggml_linear import GgmlLinear
 from fitserve.model.layers import GatedMLP, RMSNorm
-from fitserve.model.linear import DenseLinear, PackedLinear, shape_class
+from fitserve.model.linear import ConcatLinear, DenseLinear, PackedLinear, shape_class
 from fitserve.model.llama import CausalLM, LayerKV
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
@@ -46,15 +50,42 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 BoundLayer = tuple[torch.Tensor, float, Linear, Linear, torch.Tensor, float, Linear, Linear]
 # decode_plan's per-model lists of a shape class: norms, eps, linear tensors, linear meta
 NativeArgs = tuple[list[torch.Tensor], list[float], list[torch.Tensor], list[int]]
-_DENSE, _INT4, _INT8, _BF16_GEMV = 0, 1, 2, 3  # decode_step.cpp's LinearKind
+# one linear in decode_plan's flat lists (decode_step.cpp's layout): its tensors, its meta ints
+NativeLinear = tuple[list[torch.Tensor], list[int]]
+_DENSE, _INT4, _INT8, _BF16_GEMV, _GGML, _FP8 = range(6)  # decode_step.cpp's LinearKind
 _PACKED_KINDS = {4: _INT4, 8: _INT8}  # by the packed codes' bits
+# the most rows of x in a shape class (fp8's op runs up to FP8_GEMV_MAX_ROWS rows)
+_CLASS_ROWS = {"m1": 1, "m<=16": 16, "m<=256": 256, "prefill": sys.maxsize}
+
+
+def _fp8_kernel_runs(mod: Fp8Linear, rows: int, dtype: torch.dtype) -> bool:
+    """Whether every row count of ``rows``' shape class runs Fp8Linear's C++ op."""
+    return mod.kernel_runs(_CLASS_ROWS[shape_class(rows)], dtype, mod.weight_fp8.device)
+
+
+def _plus_bias(run: Linear, bias: torch.Tensor | None) -> Linear:
+    """``run`` followed by the module's ``y + bias`` (PackedLinear, GgmlLinear)."""
+    return run if bias is None else (lambda x: run(x) + bias)
 
 
 def linear_call(mod: nn.Module, rows: int, dtype: torch.dtype) -> Linear:
-    """``mod`` as a call on x [rows, K]: the chosen kernel bound to its weight where the module
-    is exactly a bias-free PackedLinear or an nn.Linear, else the module itself."""
-    if type(mod) is PackedLinear and mod.bias is None:
-        return mod.bound_run(rows, dtype)
+    """``mod`` as a call on x [rows, K]: the kernel its forward picks for ``rows``' shape class
+    and ``dtype``, bound to its tensors, where the module is one this loop knows exactly (a
+    ConcatLinear: its parts' calls, concatenated); else the module itself."""
+    if type(mod) is ConcatLinear:
+        calls = [linear_call(part, rows, dtype) for part in mod.parts]
+        return lambda x: torch.cat([call(x) for call in calls], dim=-1)
+    if type(mod) is PackedLinear:
+        return _plus_bias(mod.bound_run(rows, dtype), mod.bias)
+    if type(mod) is GgmlLinear and mod.uses_kernel(dtype):
+        ggml = torch.ops.fitserve.ggml_matmul.default
+        blocks, qtype, n, k = mod.blocks.contiguous(), mod.ggml_type, mod.out_features, mod.in_features
+        return _plus_bias(lambda x: ggml(x.contiguous(), blocks, qtype, n, k).to(x.dtype), mod.bias)
+    if type(mod) is Fp8Linear and _fp8_kernel_runs(mod, rows, dtype):
+        fp8 = torch.ops.fitserve_fp8.fp8_linear.default
+        codes, scales, fb = mod.weight_fp8, mod.weight_scale, mod.bias
+        fmt, gran, block = mod.fmt, mod.granularity, mod.block
+        return lambda x: fp8(x, codes, scales, fmt, gran, block, fb)
     if type(mod) in (nn.Linear, DenseLinear):
         w, b = mod.weight, mod.bias
         if type(mod) is DenseLinear and mod.gemv_applies(rows, dtype):
@@ -64,26 +95,59 @@ def linear_call(mod: nn.Module, rows: int, dtype: torch.dtype) -> Linear:
     return mod
 
 
-def native_linear(mod: nn.Module, rows: int, dtype: torch.dtype
-                  ) -> tuple[list[torch.Tensor], list[int]] | None:
-    """``mod`` as decode_step.cpp's 3 tensors + (kind, group, act_quant, has_third), when the
-    C++ loop makes exactly the call ``linear_call`` would; None when it cannot."""
+def _text(s: str) -> list[int]:
+    """A string in decode_step.cpp's meta: its length, then one int per byte."""
+    data = s.encode()
+    return [len(data), *data]
+
+
+def _part(kind: int, w: torch.Tensor, scales: torch.Tensor | None = None,
+          mins: torch.Tensor | None = None, bias: torch.Tensor | None = None, i0: int = 0,
+          i1: int = 0, s0: str = "", s1: str = "") -> NativeLinear:
+    """One part of a linear in decode_step.cpp's layout (absent tensors as empty ones)."""
     none = torch.empty(0)
-    if type(mod) is PackedLinear and mod.bias is None:
+    tensors = [w, none if scales is None else scales, none if mins is None else mins,
+               none if bias is None else bias]
+    return tensors, [kind, i0, i1, int(mins is not None), int(bias is not None),
+                     *_text(s0), *_text(s1)]
+
+
+def native_part(mod: nn.Module, rows: int, dtype: torch.dtype) -> NativeLinear | None:
+    """``mod`` (not a ConcatLinear) as one part of decode_step.cpp's layout, when the C++ loop
+    makes exactly the calls ``linear_call`` makes; None when it cannot (a torch fallback)."""
+    if type(mod) is PackedLinear:
         kernel = mod.kernel(rows, dtype).name
         if kernel not in ("cpp", "cpp-aq") or mod.k_padded != mod.in_features:
             return None  # bind() wraps these in Python (another kernel, or x needs padding)
         # act_quant: 1 int8 activations, 0 weight-only, 2 weight-only in one order for every M
         # (an explicit --activation-quant none: PackedLinear binds batch_invariant the same way)
         aq = 1 if kernel == "cpp-aq" else (2 if mod.act_quant is not None else 0)
-        has_mins = mod.mins is not None  # asymmetric int4 only
-        return ([mod.qweight, mod.scales, mod.mins if has_mins else none],
-                [_PACKED_KINDS[mod.codes.bits], mod.group_size, aq, int(has_mins)])
+        return _part(_PACKED_KINDS[mod.codes.bits], mod.qweight, mod.scales, mod.mins, mod.bias,
+                     mod.group_size, aq)
+    if type(mod) is GgmlLinear and mod.uses_kernel(dtype):
+        return _part(_GGML, mod.blocks.contiguous(), bias=mod.bias, s0=mod.ggml_type)
+    if type(mod) is Fp8Linear and _fp8_kernel_runs(mod, rows, dtype):
+        return _part(_FP8, mod.weight_fp8, mod.weight_scale, bias=mod.bias, i0=mod.block,
+                     s0=mod.fmt, s1=mod.granularity)
     if type(mod) in (nn.Linear, DenseLinear):
-        has_bias = mod.bias is not None
         kind = _BF16_GEMV if type(mod) is DenseLinear and mod.gemv_applies(rows, dtype) else _DENSE
-        return [mod.weight, none, mod.bias if has_bias else none], [kind, 0, 0, int(has_bias)]
+        return _part(kind, mod.weight, bias=mod.bias)
     return None
+
+
+def native_linear(mod: nn.Module, rows: int, dtype: torch.dtype) -> NativeLinear | None:
+    """``mod`` in decode_step.cpp's layout: meta [parts, part...] and each part's 4 tensors (a
+    ConcatLinear: one part per module, outputs concatenated); None when a part cannot run there."""
+    parts = list(mod.parts) if type(mod) is ConcatLinear else [mod]
+    tensors: list[torch.Tensor] = []
+    meta = [len(parts)]
+    for part in parts:
+        spec = native_part(part, rows, dtype)
+        if spec is None:
+            return None
+        tensors += spec[0]
+        meta += spec[1]
+    return tensors, meta
 
 
 def _norm_ok(norm: nn.Module, dtype: torch.dtype) -> bool:

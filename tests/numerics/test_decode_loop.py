@@ -1,9 +1,10 @@
 """The flat decode loop (fitserve.runner.decode_loop) against the module path it replaces: the same
 decode step through ``CausalLM.forward`` and through ``DecodeLoop`` must give bit-identical
 hidden states (same ops, same order), on ragged batches of every shape class, for the default
-model as stored (Q4_1 + Q8_0, bf16 activations) and for tiny models whose linears it does not
-bind (qkv bias: called as modules) or whose attention has a sliding window; and an engine with
-the loop must generate the same greedy tokens as one with FITSERVE_DECODE_LOOP=0."""
+model as stored (Q4_1 + Q8_0, bf16 activations), for tiny models with a qkv bias (packed and
+fp8), fp8 weights, a sliding window, and a Q4_K_M-like GGUF mix whose qkv is a ConcatLinear of
+two ggml types; and an engine with the loop must generate the same greedy tokens as one with
+FITSERVE_DECODE_LOOP=0."""
 
 from __future__ import annotations
 
@@ -13,13 +14,18 @@ from typing import Any
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 
 from fitserve.config import EngineConfig
 from fitserve.engine.core import Engine
 from fitserve.kernels.cpu.paged_attention import paged_attention_available
+from fitserve.model.fp8_linear import Fp8Linear
+from fitserve.model.ggml_linear import GgmlLinear
+from fitserve.model.linear import ConcatLinear
 from fitserve.runner.model_runner import decode_rows_first
 from fitserve.sampling import SamplingParams
 from fitserve.types import ScheduledChunk
+from tests.tiny_gguf import TinyGGUF, write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not paged_attention_available(),
                                 reason="the decode loop runs on the C++ kernels")
@@ -83,7 +89,8 @@ def test_default_model_as_stored_bit_identical(smollm2_gguf: Path, num_threads: 
 
 @pytest.mark.parametrize(("arch", "weights", "dtype"), [
     ("mistral", "float32", "float32"),  # sliding window 16 < the longer prompts
-    ("qwen2", "int4", "bfloat16"),  # qkv bias: a biased PackedLinear runs as its module
+    ("qwen2", "int4", "bfloat16"),  # qkv bias: the packed op, then the module's `y + bias`
+    ("qwen2", "fp8", "bfloat16"),  # fp8 weights, the qkv bias inside the fp8 op
     ("llama", "int8", "float32"),
     ("llama", "bf16", "bfloat16"),  # dense bf16: DenseLinear (the bf16 GEMV at batch 1 on AVX2)
 ])
@@ -93,11 +100,37 @@ def test_tiny_models_bit_identical(tiny_hf_model_dir: Callable[..., Any], arch: 
     engine = Engine(EngineConfig(model=str(folder), dtype=dtype, device="cpu", weights=weights,
                                  max_model_len=128, num_kv_blocks=1 + 20 * BLOCKS_PER_SEQ,
                                  block_size=BLOCK))
-    used = set().union(*(assert_step_identical(engine, n) for n in (1, 5, 20)))
-    if arch == "qwen2":
-        assert used == {False}  # a biased packed qkv: decode_layers does not bind it
-    else:
-        assert_native_used(used)  # dense nn.Linear / exact cpp kernels
+    if weights == "fp8":
+        assert any(isinstance(m, Fp8Linear) for m in engine.runner.model.modules())
+    for n in (1, 5, 20):
+        used = assert_step_identical(engine, n)
+        if n == 1:  # every kind at batch 1 (fp8 past 64 rows dequantizes: the module there)
+            assert_native_used(used)
+
+
+def test_ggml_mix_with_concat_qkv_and_bias_bit_identical(tmp_path: Path) -> None:
+    """A Q4_K_M-like file (attn_v Q6_K beside Q4_K q/k: a ConcatLinear qkv of two ggml types;
+    Q5_K up beside Q4_K gate; IQ4_XS o_proj, Q5_0 down) with Qwen2's qkv bias, bf16: every
+    linear a ggml kernel inside decode_layers at batch 1."""
+    case = TinyGGUF(arch="qwen2", qkv_bias=True, hidden=256, ff=512, heads=4, kv_heads=2,
+                    vocab=320, std=0.15, qtype=Q.Q4_K, embd_qtype=Q.Q6_K, tied=True,
+                    types={"attn_v": Q.Q6_K, "attn_output": Q.IQ4_XS, "ffn_up": Q.Q5_K,
+                           "ffn_down": Q.Q5_0})
+    path = write_tiny_gguf(tmp_path / "m.gguf", case)
+    engine = Engine(EngineConfig(model=str(path), dtype="bfloat16", device="cpu",
+                                 max_model_len=128, num_kv_blocks=1 + 20 * BLOCKS_PER_SEQ,
+                                 block_size=BLOCK))
+    layer = engine.runner.model.layers[0]
+    qkv = layer.self_attn.qkv_proj
+    assert isinstance(qkv, ConcatLinear)
+    assert [p.ggml_type for p in qkv.parts if isinstance(p, GgmlLinear)][-1] == "Q6_K"
+    assert all(p.bias is not None for p in qkv.parts)
+    assert isinstance(layer.mlp.gate_up_proj, ConcatLinear)
+    assert {m.ggml_type for m in engine.runner.model.modules() if isinstance(m, GgmlLinear)} \
+        >= {"Q4_K", "Q6_K", "Q5_K", "IQ4_XS", "Q5_0"}
+    for n in (1, 3, 20):
+        used = assert_step_identical(engine, n)
+        assert_native_used(used)  # the ggml kernels run for every row count of bf16 x
 
 
 def test_engine_greedy_tokens_identical_without_loop(tiny_hf_model_dir: Callable[..., Any],
@@ -157,3 +190,28 @@ def test_decode_plans_follow_the_caches_and_are_released(tiny_hf_model_dir: Call
     gc.collect()
     with pytest.raises(RuntimeError, match="no decode plan"):
         torch.ops.fitserve_step.decode_layers(x, x, x, x, x, x, x, live[0], 0)
+
+
+def test_decode_plan_rejects_malformed_linear_lists() -> None:
+    """decode_plan's flat linear lists (decode_step.cpp's layout) are checked, with errors that
+    say what is wrong: a part cut short, tensors left over, the wrong number of linears."""
+    from fitserve.kernels.cpu.decode_step import decode_step_available
+    from fitserve.runner.decode_loop import native_linear
+
+    if not decode_step_available():
+        pytest.skip("decode_step.cpp is not built here")
+    lin = torch.nn.Linear(8, 8)
+    tensors, meta = native_linear(lin, 1, torch.float32) or ([], [])
+    w, cache = torch.ones(8), torch.zeros(2, 16, 1, 8)
+    plan = torch.ops.fitserve_step.decode_plan
+
+    def make(ts: list[torch.Tensor], ms: list[int]) -> int:
+        return int(plan([w, w], [1e-5, 1e-5], ts, ms, [cache], [cache], 1, 1, 8, 1.0, 16, False))
+
+    with pytest.raises(RuntimeError, match="meta ends inside a linear"):
+        make(tensors * 4, (meta * 4)[:-1])
+    with pytest.raises(RuntimeError, match="tensors left unused"):
+        make(tensors * 5, meta * 4)
+    with pytest.raises(RuntimeError, match="4 linears per layer, got 3"):
+        make(tensors * 3, meta * 3)
+    torch.ops.fitserve_step.drop_decode_plan(make(tensors * 4, meta * 4))  # well formed

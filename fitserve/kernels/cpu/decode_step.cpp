@@ -5,10 +5,11 @@
 //   per layer: [add_]rms_norm -> qkv -> rope_write_kv_ -> paged_decode_attention -> o_proj
 //              -> add_rms_norm_ -> gate_up -> silu_and_mul -> down
 //
-// calling the same registered ops (fused_ops.cpp, paged_attention.cpp, qlinear.cpp, at::linear)
-// with the same arguments, so its hidden states are bit-identical to the Python loop's. What it
-// removes is the Python between them: at batch 1 a SmolLM2 step is ~270 op calls of a few
-// microseconds of work each, and ~4 us of interpreter + binding per call was a quarter of it.
+// calling the same registered ops (fused_ops.cpp, paged_attention.cpp, qlinear.cpp,
+// ggml_blocks.cpp, fp8_gemv.cpp, dense_gemv.cpp, at::linear) with the same arguments, so its
+// hidden states are bit-identical to the Python loop's. What it removes is the Python between
+// them: at batch 1 a SmolLM2 step is ~270 op calls of a few microseconds of work each, and
+// ~4 us of interpreter + binding per call was a quarter of it.
 //
 // What does not change from step to step (norm weights, linears, KV caches, head shapes) is a
 // plan, made once by decode_plan and named by an integer handle. NOTE: passing it as lists
@@ -16,25 +17,45 @@
 // and a TorchScript custom class ~40 us; an int costs nothing. So decode_layers writes caches
 // that are not among its arguments: it is an eager-only op (DecodeLoop), never traced.
 //
-// Linears come as 3 tensors + 4 ints each (kLinearMeta): kind (dense / int4 / int8 / dense bf16
-// GEMV), group size, act_quant, and whether the third tensor is present (dense: bias; int4:
-// mins).
+// Each linear is a list of parts whose outputs are concatenated along columns (one part: the
+// linear itself; several: a ConcatLinear, e.g. a Q4_K_M qkv whose attn_v is Q6_K). In the flat
+// lists decode_plan takes, a linear is meta [parts, part...], each part 5 ints (kind, two
+// kind-specific ints, has_mins, has_bias) then 2 strings (ggml: type, "" | fp8: fmt,
+// granularity | others: "", ""; each its length, then one int per byte), and kPartTensors
+// tensors (weight, scales, mins, bias; absent ones empty). decode_plan parses them once into
+// LinearPart lists (parse_linears).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <tuple>
 #include <unordered_map>
 #include <vector>
 
 namespace {
 
-enum LinearKind : int64_t { kDense = 0, kInt4 = 1, kInt8 = 2, kBf16Gemv = 3 };
-constexpr int64_t kLinearMeta = 4;      // kind, group, act_quant (2: weight-only, batch invariant), has_third
-constexpr int64_t kLinearTensors = 3;   // dense: weight, bias | int4: q, scales, mins | int8: q, scales, -
+// NOTE: kinds 0-3 keep their numbers; each part's kind says where its bias goes: inside the op
+// (dense, bf16 GEMV, fp8: as nn.Linear / DenseLinear / Fp8Linear call it) or added to its output
+// afterwards (int4, int8, ggml: PackedLinear / GgmlLinear's `y + bias`).
+enum LinearKind : int64_t {
+  kDense = 0, kInt4 = 1, kInt8 = 2, kBf16Gemv = 3,
+  kGgml = 4,  // fitserve::ggml_matmul (ggml_blocks.cpp), y cast to x's dtype; strings: type
+  kFp8 = 5,   // fitserve_fp8::fp8_linear (fp8_gemv.cpp); ints: block; strings: fmt, granularity
+};
+constexpr size_t kPartTensors = 4;  // weight (q / blocks / codes), scales, mins, bias
 constexpr int64_t kLinearsPerLayer = 4;  // qkv, o_proj, gate_up, down
+
+struct LinearPart {
+  int64_t kind = kDense, i0 = 0, i1 = 0;  // int4/int8: group, act_quant | fp8: block, -
+  at::Tensor w, s;
+  std::optional<at::Tensor> mins, bias;
+  std::string s0, s1;
+};
+using Linear = std::vector<LinearPart>;  // outputs concatenated along columns
 
 // The other extensions' ops, looked up on first use (they register when their module loads).
 template <class Sig>
@@ -82,41 +103,110 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   return h.call(q, k_cache, v_cache, tables, lens, scale, window, partition, true);
 }
 
-at::Tensor linear(const at::Tensor& x, at::TensorList t, at::IntArrayRef meta, int64_t i) {
-  const at::Tensor* ts = t.data() + i * kLinearTensors;
-  const int64_t* m = meta.data() + i * kLinearMeta;
-  const bool third = m[3] != 0;
-  switch (m[0]) {
+// One part on x [M, K], calling the op its module calls, with the same arguments.
+at::Tensor run_part(const at::Tensor& x, const LinearPart& p) {
+  at::Tensor y;
+  switch (p.kind) {
     case kDense:
-      return third ? at::linear(x, ts[0], ts[2]) : at::linear(x, ts[0]);
+      return p.bias ? at::linear(x, p.w, *p.bias) : at::linear(x, p.w);
+    case kBf16Gemv: {  // dense bf16, one row (dense_gemv.cpp)
+      static const auto h =
+          op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>(
+              "fitserve_dense::bf16_gemv");
+      return h.call(x, p.w, p.bias);
+    }
+    case kFp8: {
+      static const auto h =
+          op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                        const std::string&, const std::string&, int64_t,
+                        const std::optional<at::Tensor>&)>("fitserve_fp8::fp8_linear");
+      return h.call(x, p.w, p.s, p.s0, p.s1, p.i0, p.bias);
+    }
     case kInt4: {
       static const auto h =
           op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                         const std::optional<at::Tensor>&, int64_t, bool, bool)>(
               "fitserve::int4_linear");
-      const std::optional<at::Tensor> mins = third ? std::optional<at::Tensor>(ts[2]) : std::nullopt;
-      return h.call(x.contiguous(), ts[0], ts[1], mins, m[1], m[2] == 1, m[2] == 2);
+      y = h.call(x.contiguous(), p.w, p.s, p.mins, p.i0, p.i1 == 1, p.i1 == 2);
+      break;
     }
     case kInt8: {
       static const auto h =
           op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool,
                         bool)>("fitserve::int8_linear");
-      return h.call(x.contiguous(), ts[0], ts[1], m[1], m[2] == 1, m[2] == 2);
+      y = h.call(x.contiguous(), p.w, p.s, p.i0, p.i1 == 1, p.i1 == 2);
+      break;
     }
-    case kBf16Gemv: {  // dense bf16, one row (dense_gemv.cpp)
+    case kGgml: {  // float32 out, cast to x's dtype (GgmlLinear.forward)
       static const auto h =
-          op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>(
-              "fitserve_dense::bf16_gemv");
-      return h.call(x, ts[0], third ? std::optional<at::Tensor>(ts[2]) : std::nullopt);
+          op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::string&, int64_t,
+                        int64_t)>("fitserve::ggml_matmul");
+      y = h.call(x.contiguous(), p.w, p.s0, p.w.size(0), x.size(1)).to(x.scalar_type());
+      break;
     }
+    default:
+      TORCH_CHECK(false, "decode_layers: unknown linear kind ", p.kind);
   }
-  TORCH_CHECK(false, "decode_layers: unknown linear kind ", m[0]);
+  return p.bias ? at::add(y, *p.bias) : y;
+}
+
+// Linear i of the plan on x: its one part, or its parts' outputs concatenated (ConcatLinear).
+at::Tensor linear(const at::Tensor& x, const std::vector<Linear>& linears, int64_t i) {
+  const Linear& parts = linears[static_cast<size_t>(i)];
+  if (parts.size() == 1) return run_part(x, parts[0]);
+  std::vector<at::Tensor> outs;
+  outs.reserve(parts.size());
+  for (const LinearPart& p : parts) outs.push_back(run_part(x, p));
+  return at::cat(outs, -1);
+}
+
+// The flat lists (see the top of the file) as linears; checks that they are consumed exactly.
+std::vector<Linear> parse_linears(at::TensorList t, at::IntArrayRef meta) {
+  std::vector<Linear> out;
+  size_t mi = 0, ti = 0;
+  const auto next = [&]() {
+    TORCH_CHECK(mi < meta.size(), "decode_plan: linear meta ends inside a linear");
+    return meta[mi++];
+  };
+  const auto text = [&]() {
+    const int64_t len = next();
+    TORCH_CHECK(len >= 0 && mi + static_cast<size_t>(len) <= meta.size(),
+                "decode_plan: bad string length ", len, " in the linear meta");
+    std::string str;
+    for (int64_t c = 0; c < len; ++c) str.push_back(static_cast<char>(meta[mi++]));
+    return str;
+  };
+  while (mi < meta.size()) {
+    const int64_t parts = next();
+    TORCH_CHECK(parts >= 1, "decode_plan: a linear of ", parts, " parts");
+    Linear lin;
+    for (int64_t j = 0; j < parts; ++j) {
+      LinearPart p;
+      p.kind = next();
+      TORCH_CHECK(p.kind >= kDense && p.kind <= kFp8, "decode_plan: unknown linear kind ", p.kind);
+      p.i0 = next();
+      p.i1 = next();
+      const bool has_mins = next() != 0, has_bias = next() != 0;
+      p.s0 = text();
+      p.s1 = text();
+      TORCH_CHECK(ti + kPartTensors <= t.size(), "decode_plan: linear tensors end inside a part");
+      p.w = t[ti];
+      p.s = t[ti + 1];
+      if (has_mins) p.mins = t[ti + 2];
+      if (has_bias) p.bias = t[ti + 3];
+      ti += kPartTensors;
+      lin.push_back(std::move(p));
+    }
+    out.push_back(std::move(lin));
+  }
+  TORCH_CHECK(ti == t.size(), "decode_plan: ", t.size() - ti, " linear tensors left unused");
+  return out;
 }
 
 struct Plan {
-  std::vector<at::Tensor> norms, linears, k_caches, v_caches;
+  std::vector<at::Tensor> norms, k_caches, v_caches;
+  std::vector<Linear> linears;
   std::vector<double> eps;
-  std::vector<int64_t> meta;
   int64_t hq, hkv, hd, partition;
   double scale;
   bool interleaved;
@@ -136,13 +226,13 @@ int64_t decode_plan(at::TensorList norms, at::ArrayRef<double> eps, at::TensorLi
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers &&
                   static_cast<int64_t>(eps.size()) == 2 * layers,
               "decode_plan: two norms (input, post-attention) per layer");
-  TORCH_CHECK(static_cast<int64_t>(linears.size()) == kLinearsPerLayer * kLinearTensors * layers &&
-                  static_cast<int64_t>(meta.size()) == kLinearsPerLayer * kLinearMeta * layers,
-              "decode_plan: ", kLinearsPerLayer, " linears of ", kLinearTensors,
-              " tensors and ", kLinearMeta, " ints per layer");
-  auto plan = std::make_shared<Plan>(Plan{
-      norms.vec(), linears.vec(), k_caches.vec(), v_caches.vec(), eps.vec(), meta.vec(), hq,
-      hkv, hd, partition, scale, interleaved});
+  std::vector<Linear> parsed = parse_linears(linears, meta);
+  TORCH_CHECK(static_cast<int64_t>(parsed.size()) == kLinearsPerLayer * layers, "decode_plan: ",
+              kLinearsPerLayer, " linears per layer, got ", parsed.size(), " for ", layers,
+              " layers");
+  auto plan = std::make_shared<Plan>(Plan{norms.vec(), k_caches.vec(), v_caches.vec(),
+                                          std::move(parsed), eps.vec(), hq, hkv, hd, partition,
+                                          scale, interleaved});
   std::lock_guard<std::mutex> lock(plans_mutex);
   plans.emplace(next_plan, std::move(plan));
   return next_plan++;
@@ -165,8 +255,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     plan = it->second;
   }
   const Plan& p = *plan;
-  const at::TensorList norms = p.norms, linears = p.linears;
-  const at::IntArrayRef meta = p.meta;
+  const at::TensorList norms = p.norms;
+  const std::vector<Linear>& linears = p.linears;
   const int64_t layers = static_cast<int64_t>(p.k_caches.size());
   const int64_t hq = p.hq, hkv = p.hkv, hd = p.hd;
   const int64_t n = x0.size(0), qk_cols = (hq + hkv) * hd, q_size = hq * hd;
@@ -176,16 +266,16 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
                           : add_rms_norm_(residual, x, norms[2 * l], p.eps[2 * l]);
     if (l == 0) residual = x;
     const int64_t li = l * kLinearsPerLayer;
-    const at::Tensor qkv = linear(h, linears, meta, li);
+    const at::Tensor qkv = linear(h, linears, li);
     at::Tensor qk = qkv.narrow(1, 0, qk_cols).view({n, hq + hkv, hd});
     const at::Tensor v = qkv.narrow(1, qk_cols, qkv.size(1) - qk_cols).view({n, hkv, hd});
     at::Tensor kc = p.k_caches[l], vc = p.v_caches[l];
     rope_write_kv_(qk, v, positions, cos, sin, kc, vc, slots, hq, p.interleaved);
     const at::Tensor out = attention(qk.narrow(1, 0, hq), kc, vc, block_tables, seq_lens, p.scale,
                                      window, p.partition);
-    h = add_rms_norm_(residual, linear(out.reshape({n, q_size}), linears, meta, li + 1),
+    h = add_rms_norm_(residual, linear(out.reshape({n, q_size}), linears, li + 1),
                       norms[2 * l + 1], p.eps[2 * l + 1]);
-    x = linear(silu_and_mul(linear(h, linears, meta, li + 2)), linears, meta, li + 3);
+    x = linear(silu_and_mul(linear(h, linears, li + 2)), linears, li + 3);
   }
   return {residual, x};
 }
