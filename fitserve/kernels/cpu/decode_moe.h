@@ -37,9 +37,15 @@ struct LayerExtras {
   std::vector<at::Tensor> q_norms, k_norms;  // one each per layer (qk_norm != kQkNone)
   std::vector<double> q_eps, k_eps;
   std::vector<MoeLayer> moe;  // one per layer (empty: every layer dense)
-  std::vector<at::Tensor> linears;  // router + shared-expert linears, linear()'s layout
+  // router + shared-expert linears in decode_plan's linear layout (NOTE: read only through
+  // extra_linear and stored in make_layer_extras, so a new layout changes those two places)
+  std::vector<at::Tensor> linears;
   std::vector<int64_t> meta;
 };
+
+at::Tensor extra_linear(const LayerExtras& e, const at::Tensor& x, int64_t i) {
+  return linear(x, e.linears, e.meta, i);
+}
 
 // fitserve.kernels.cpu.fused.rms_norm_reference on x [..., D]
 at::Tensor rms_norm_reference(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -77,17 +83,15 @@ at::Tensor moe_experts_ggml(const at::Tensor& x, const at::Tensor& ids, const at
 
 // SparseMoeBlock.forward on h [N, H] with its experts grouped (moe.route, GroupedExperts.__call__)
 at::Tensor moe_block(const LayerExtras& e, const MoeLayer& m, const at::Tensor& h) {
-  const at::TensorList lins = e.linears;
-  const at::IntArrayRef meta = e.meta;
-  const at::Tensor probs = at::softmax(linear(h, lins, meta, m.router).to(at::kFloat), -1);
+  const at::Tensor probs = at::softmax(extra_linear(e, h, m.router).to(at::kFloat), -1);
   auto [weights, ids] = at::topk(probs, m.top_k, -1);
   if (m.renormalize) weights = weights / weights.sum(at::IntArrayRef{-1}, true);
   at::Tensor out = moe_experts_ggml(h.contiguous(), ids, weights, m.gate_up, m.gate_up_type,
                                     m.down, m.down_type);
   if (m.shared >= 0) {  // Qwen2-MoE: sigmoid(shared_expert_gate(h)) * shared_expert(h)
-    const at::Tensor gate = at::sigmoid(linear(h, lins, meta, m.shared + 2));
-    const at::Tensor shared =
-        linear(silu_and_mul(linear(h, lins, meta, m.shared)), lins, meta, m.shared + 1);
+    const at::Tensor gate = at::sigmoid(extra_linear(e, h, m.shared + 2));
+    const at::Tensor up = silu_and_mul(extra_linear(e, h, m.shared));
+    const at::Tensor shared = extra_linear(e, up, m.shared + 1);
     out += (gate * shared).to(at::kFloat);
   }
   return out.to(h.scalar_type());
