@@ -2,19 +2,29 @@
 
     .venv/bin/python benchmarks/profile_moe.py ~/.cache/fitserve/bench/moe-small-q4_k_m.gguf
     .venv/bin/python benchmarks/profile_moe.py FILE --per-expert   # the per-expert loop instead
+    .venv/bin/python benchmarks/profile_moe.py FILE --threads 1 --paths   # decode paths A/B
 
 Prints the median W1 decode step, torch.profiler's top ATen ops by self CPU time over 5 steps
 (profile_engine.op_table), and the step split by module: every SparseMoeBlock (router, grouping,
 experts, combine), the experts' own linears within them, attention and the lm_head, timed with
 forward hooks over 10 more steps (the hooks' own cost is in the totals).
+
+``--paths``: one batch-1 decode step's forward (same inputs, same caches) through the module path
+(``CausalLM.forward``), the flat Python loop and the native ``decode_layers`` (runner/
+decode_loop.py), alternated step by step, medians of wall time and of this thread's CPU time
+(``time.thread_time``: with ``--threads 1`` the whole step's work, the other processes of a
+loaded host left out).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,6 +36,8 @@ from profile_engine import GREEDY, op_table, step_ms  # noqa: E402
 from fitserve.config import EngineConfig  # noqa: E402
 from fitserve.engine.core import Engine  # noqa: E402
 from fitserve.model.moe import SparseMoeBlock  # noqa: E402
+from fitserve.runner.model_runner import decode_rows_first  # noqa: E402
+from fitserve.types import ScheduledChunk  # noqa: E402
 
 
 def module_split(engine: Engine, steps: int = 10) -> str:
@@ -73,6 +85,42 @@ def module_split(engine: Engine, steps: int = 10) -> str:
     return "\n".join(lines)
 
 
+@torch.inference_mode()
+def path_ab(engine: Engine, rounds: int = 40) -> str:
+    """Median ms (wall, thread CPU) of one batch-1 decode forward per path, paths alternated."""
+    runner, loop = engine.runner, engine.runner.decode_loop
+    if loop is None:
+        return "    the decode loop does not apply to this model (DecodeLoop.supports)"
+    prompt, table = list(range(100, 132)), list(range(1, 5))
+    runner.forward_chunks([ScheduledChunk("ab", prompt, 0, table, sample=False)])
+    ids, pos, batch = runner._prepare(decode_rows_first(
+        [ScheduledChunk("ab", [7], len(prompt), table, sample=False)]))
+    assert loop.applies(batch, runner.kv_caches, len(ids))
+
+    def via_loop(native: bool) -> Callable[[], object]:
+        def run() -> object:
+            loop.native = native
+            return loop(ids, pos, batch, runner.kv_caches)
+        return run
+
+    paths = {"module path": lambda: runner.model(ids, pos, batch, runner.kv_caches),
+             "Python loop": via_loop(False), "decode_layers": via_loop(True)}
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in paths}
+    for r in range(rounds + 3):
+        for name, fn in paths.items():
+            t, c = time.perf_counter(), time.thread_time()
+            fn()
+            if r >= 3:  # warm-up rounds (plans, bound kernels)
+                times[name].append((time.perf_counter() - t, time.thread_time() - c))
+    native = loop.native_calls > 0
+    lines = [f"    {'path':<16}{'wall ms':>9}{'cpu ms':>9}"]
+    for name, ts in times.items():
+        wall, cpu = (statistics.median(x[i] for x in ts) * 1e3 for i in (0, 1))
+        lines.append(f"    {name:<16}{wall:9.2f}{cpu:9.2f}"
+                     + ("" if native or name != "decode_layers" else "  (plan not made: Python)"))
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -80,6 +128,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--per-expert", action="store_true",
                     help="the per-expert loop instead of the grouped C++ call (the old path)")
+    ap.add_argument("--paths", action="store_true",
+                    help="only the A/B of the module path, Python loop and decode_layers")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     engine = Engine(EngineConfig(model=args.gguf, dtype="bfloat16", weights="as-stored",
@@ -88,6 +138,11 @@ def main() -> None:
         for mod in engine.runner.model.modules():
             if isinstance(mod, SparseMoeBlock):
                 mod.allow_grouped = False
+    if args.paths:
+        print(f"one batch-1 decode forward, {args.threads} thread(s), load "
+              f"{' '.join(f'{v:.1f}' for v in os.getloadavg())}:")
+        print(path_ab(engine))
+        return
     engine.add_request(list(range(100, 132)), GREEDY)
     step_ms(engine, 5)
     print(f"W1 decode step ({args.threads} threads): {step_ms(engine):.2f} ms median")

@@ -39,6 +39,18 @@ class Attention(nn.Module):
         # a learned logit per query head in each softmax's denominator (gpt-oss), else None
         self.sinks: nn.Parameter | None = None
 
+    def norm_qk(self, qkv: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
+        """qk [N, Hq+Hkv, D] (a view of qkv [N, (Hq+2Hkv) D]) after the q/k norms, if any: a new
+        tensor then (the decode loop calls this too, so both paths make the same ops)."""
+        if self.q_norm is None or self.k_norm is None:
+            return qk
+        if self.norm_whole:  # 2-D rows: fused.rms_norm (decode_moe.h's qk_norm_whole)
+            q_end = self.q_size
+            return torch.cat((self.q_norm(qkv[:, :q_end]),
+                              self.k_norm(qkv[:, q_end : q_end + self.kv_size])), 1).view(qk.shape)
+        # 3-D heads: rms_norm_reference (decode_moe.h's qk_norm_heads)
+        return torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), 1)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -51,13 +63,7 @@ class Attention(nn.Module):
         heads = self.num_heads + self.num_kv
         qk = qkv[:, : self.q_size + self.kv_size].view(n, heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None and self.norm_whole:
-            q_end = self.q_size
-            qk = torch.cat((self.q_norm(qkv[:, :q_end]),
-                            self.k_norm(qkv[:, q_end : q_end + self.kv_size])), 1).view(
-                                n, heads, self.head_dim)
-        elif self.q_norm is not None and self.k_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), 1)
+        qk = self.norm_qk(qkv, qk)
         if isinstance(kv_cache, QuantizedKVCache):
             qk = self.rotary(qk, rope.tables())
             kv_cache.write(qk[:, self.num_heads :], v, batch.slot_mapping)

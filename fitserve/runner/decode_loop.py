@@ -9,17 +9,22 @@ per-layer tensor and chosen kernel looked up once per shape class (1 / <= 16 / <
              -> o_proj -> add_rms_norm_ -> gate_up -> silu_and_mul -> down -> final norm
 
 so its hidden states are bit-identical to ``CausalLM.forward`` (tests/numerics/
-test_decode_loop.py). It applies to decode-only steps on the fused C++ kernels with a dense KV
-cache (``applies``); anything else (prefill chunks, a quantized cache, per-head q/k norms, the
-torch fallbacks) runs the module path. A linear it does not know exactly (a tensor-parallel
-wrapper, a linear on a torch fallback path) is called as its module: never skipped.
+test_decode_loop.py, test_decode_loop_moe.py). q/k norms (Qwen3's per head, OLMoE's over the
+projection) run ``Attention.norm_qk`` after qkv, and a sparse MoE layer (Qwen3-MoE, Mixtral,
+OLMoE, Qwen2-MoE) runs its ``SparseMoeBlock`` in place of gate_up -> down. It applies to
+decode-only steps on the fused C++ kernels with a dense KV cache (``applies``); anything else
+(prefill chunks, a quantized cache, the torch fallbacks, gpt-oss) runs the module path. A linear it does not know exactly (a tensor-parallel
+wrapper, a ConcatLinear, fp8, a biased packed one) is called as its module: never skipped.
 
 When every linear of the step's shape class is a C++ kernel (packed int4/int8, ggml blocks, fp8,
 each with its bias as the module adds it) or a dense nn.Linear, or a ConcatLinear of those, the
 per-layer loop itself runs in C++ (``torch.ops.fitserve_step.decode_layers``,
 fitserve/kernels/cpu/decode_step.cpp): the same ops, in the same order, without the ~270
 interpreter round trips of a batch-1 step. Its per-model arguments (weights, norms, caches)
-are a plan made once per shape class (``decode_plan``, an integer handle). ``native = False``
+are a plan made once per shape class (``decode_plan``, an integer handle), plus q/k norms and
+MoE blocks (``decode_plan_layers``, decode_moe.h). A MoE layer runs natively only with its
+experts on the grouped ggml kernel (bf16, GGUF K-/legacy-quant experts: GroupedExperts);
+other experts (dense, packed, fp8) keep the Python loop, which calls the block as its module. ``native = False``
 (or FITSERVE_DECODE_NATIVE=0) keeps the Python loop.
 """
 
@@ -43,13 +48,26 @@ from fitserve.model.fp8_linear import Fp8Linear
 from fitserve.model.ggml_linear import GgmlLinear
 from fitserve.model.layers import GatedMLP, RMSNorm
 from fitserve.model.linear import ConcatLinear, DenseLinear, PackedLinear, shape_class
-from fitserve.model.llama import CausalLM, LayerKV
+from fitserve.model.llama import Attention, CausalLM, DecoderLayer, LayerKV
+from fitserve.model.moe import SparseMoeBlock
+from fitserve.model.moe_experts import grouped_experts
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
-# input norm weight, eps, qkv, o_proj, post-attention norm weight, eps, gate_up, down
-BoundLayer = tuple[torch.Tensor, float, Linear, Linear, torch.Tensor, float, Linear, Linear]
+QkNorm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # Attention.norm_qk(qkv, qk)
+# input norm weight, eps, qkv, o_proj, post-attention norm weight, eps, gate_up, down, q/k norm
+# (None: none), MoE block (None: the dense gate_up -> down; else gate_up / down are None)
+BoundLayer = tuple[torch.Tensor, float, Linear, Linear, torch.Tensor, float, Linear | None,
+                   Linear | None, QkNorm | None, Linear | None]
 # decode_plan's per-model lists of a shape class: norms, eps, linear tensors, linear meta
 NativeArgs = tuple[list[torch.Tensor], list[float], list[torch.Tensor], list[int]]
+# decode_plan_layers' arguments (decode_moe.h): qk_norm mode, q/k norms, eps, MoE ints per layer,
+# expert stacks, their ggml types, router / shared-expert linear tensors and meta
+LayerArgs = tuple[int, list[torch.Tensor], list[float], list[int], list[torch.Tensor], list[str],
+                  list[torch.Tensor], list[int]]
+_QK_NONE, _QK_HEADS, _QK_WHOLE = 0, 1, 2  # decode_moe.h's QkNorm
+# NOTE: a MoE layer has no dense gate_up / down: decode_plan's linear list (4 per layer) gets
+# this module's spec in their slots, never called (decode_layers runs the MoE block there)
+_PLACEHOLDER = nn.Linear(1, 1, bias=False)
 # one linear in decode_plan's flat lists (decode_step.cpp's layout): its tensors, its meta ints
 NativeLinear = tuple[list[torch.Tensor], list[int]]
 _DENSE, _INT4, _INT8, _BF16_GEMV, _GGML, _FP8 = range(6)  # decode_step.cpp's LinearKind
@@ -182,13 +200,16 @@ class DecodeLoop:
 
     @staticmethod
     def supports(model: nn.Module, dtype: torch.dtype) -> bool:
-        """The model is the plain CPU decoder this loop replays (no TP wrapper, no q/k norms,
-        dense MLPs: an expert block's routing is not one prebound op list)."""
+        """The model is the plain CPU decoder this loop replays: no TP wrapper, Llama-family
+        layers (not gpt-oss's), each MLP dense or a plain SparseMoeBlock (called as its module
+        by the Python loop; natively where its experts are grouped, ``_moe_args``)."""
         if type(model) is not CausalLM or not (fused_ops_available() and paged_attention_available()):
             return False
         if not model.layers or not _norm_ok(model.norm, dtype):
             return False
-        return all(layer.self_attn.q_norm is None and isinstance(layer.mlp, GatedMLP)
+        return all(type(layer) is DecoderLayer and type(layer.self_attn) is Attention
+                   and layer.self_attn.sinks is None
+                   and (isinstance(layer.mlp, GatedMLP) or type(layer.mlp) is SparseMoeBlock)
                    and _norm_ok(layer.input_layernorm, dtype)
                    and _norm_ok(layer.post_attention_layernorm, dtype) for layer in model.layers)
 
@@ -205,13 +226,16 @@ class DecodeLoop:
             layers = self._layers[key] = []
             for layer in self.model.layers:
                 att, mlp = layer.self_attn, layer.mlp
+                dense = isinstance(mlp, GatedMLP)
                 layers.append((
                     layer.input_layernorm.weight, layer.input_layernorm.eps,
                     linear_call(att.qkv_proj, rows, self.dtype),
                     linear_call(att.o_proj, rows, self.dtype),
                     layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
-                    linear_call(mlp.gate_up_proj, rows, self.dtype),
-                    linear_call(mlp.down_proj, rows, self.dtype),
+                    linear_call(mlp.gate_up_proj, rows, self.dtype) if dense else None,
+                    linear_call(mlp.down_proj, rows, self.dtype) if dense else None,
+                    att.norm_qk if att.q_norm is not None else None,
+                    None if dense else mlp,
                 ))
         return layers
 
@@ -226,13 +250,77 @@ class DecodeLoop:
                 norms.append(norm.weight)
                 eps.append(float(norm.eps))
             att, mlp = layer.self_attn, layer.mlp
-            for mod in (att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            mlps = ((mlp.gate_up_proj, mlp.down_proj) if isinstance(mlp, GatedMLP)
+                    else (_PLACEHOLDER, _PLACEHOLDER))
+            for mod in (att.qkv_proj, att.o_proj, *mlps):
                 spec = native_linear(mod, rows, self.dtype)
                 if spec is None:
                     return None
                 tensors += spec[0]
                 meta += spec[1]
         return norms, eps, tensors, meta
+
+    def _layer_args(self, rows: int) -> LayerArgs | None:
+        """decode_plan_layers' arguments for ``rows`` (q/k norms, MoE blocks); None where
+        decode_layers cannot run them (the plan then gets them only when some are set)."""
+        layers = self.model.layers
+        first = layers[0].self_attn
+        mode = (_QK_NONE if first.q_norm is None
+                else _QK_WHOLE if first.norm_whole else _QK_HEADS)
+        qk_norms: list[torch.Tensor] = []
+        qk_eps: list[float] = []
+        for layer in layers:
+            att = layer.self_attn
+            if (att.q_norm is None) != (mode == _QK_NONE) or att.norm_whole != first.norm_whole:
+                return None
+            for norm in (att.q_norm, att.k_norm) if mode != _QK_NONE else ():
+                # the whole-projection norm runs fused.rms_norm's C++ op only at x's dtype
+                if type(norm) is not RMSNorm or (mode == _QK_WHOLE and not _norm_ok(norm, self.dtype)):
+                    return None
+                qk_norms.append(norm.weight)
+                qk_eps.append(float(norm.eps))
+        moe = self._moe_args(rows)
+        return None if moe is None else (mode, qk_norms, qk_eps, *moe)
+
+    def _moe_args(self, rows: int) -> tuple[list[int], list[torch.Tensor], list[str],
+                                             list[torch.Tensor], list[int]] | None:
+        """decode_plan_layers' MoE part: per layer (is_moe, top_k, renormalize, has_shared),
+        each MoE layer's expert stacks + types and router (+ shared expert: gate_up, down, gate)
+        linears; all empty for a dense model; None where a block's experts are not grouped."""
+        ints: list[int] = []
+        stacks: list[torch.Tensor] = []
+        types: list[str] = []
+        tensors: list[torch.Tensor] = []
+        meta: list[int] = []
+        probe = torch.empty(0, dtype=self.dtype)
+        for layer in self.model.layers:
+            mlp = layer.mlp
+            if isinstance(mlp, GatedMLP):
+                ints += [0, 0, 0, 0]
+                continue
+            if not mlp.allow_grouped:
+                return None
+            mlp._grouped = grouped = grouped_experts(mlp.experts, mlp._grouped)
+            if not grouped.applies(probe, mlp.experts[0]):
+                return None  # experts not on the grouped kernel: the module's per-expert loop
+            linears = [mlp.gate]
+            shared = mlp.shared_expert
+            if shared is not None:
+                if type(shared) is not GatedMLP or mlp.shared_expert_gate is None:
+                    return None
+                linears += [shared.gate_up_proj, shared.down_proj, mlp.shared_expert_gate]
+            for mod in linears:
+                spec = native_linear(mod, rows, self.dtype)
+                if spec is None:
+                    return None
+                tensors += spec[0]
+                meta += spec[1]
+            ints += [1, mlp.top_k, int(mlp.renormalize), int(shared is not None)]
+            stacks += [grouped.gate_up, grouped.down]
+            types += [grouped.gate_up_type, grouped.down_type]
+        if not stacks:
+            ints = []
+        return ints, stacks, types, tensors, meta
 
     def _plan(self, rows: int, kv_caches: list[LayerKV]) -> int | None:
         """The decode_plan handle of ``rows``' shape class over ``kv_caches`` (made on first use;
@@ -244,8 +332,9 @@ class DecodeLoop:
         key = shape_class(rows)
         if key not in self._plans:
             args = self._native_args(rows)
+            layer_args = self._layer_args(rows)
             handle = None
-            if args is not None:
+            if args is not None and layer_args is not None:
                 first = self.model.layers[0].self_attn
                 rotary = self.model.rotary
                 handle = torch.ops.fitserve_step.decode_plan(
@@ -253,6 +342,8 @@ class DecodeLoop:
                     first.num_heads, first.num_kv, first.head_dim, first.scale, DEFAULT_PARTITION,
                     rotary.interleaved)
                 self._handles.append(handle)
+                if layer_args[0] != _QK_NONE or layer_args[3]:
+                    torch.ops.fitserve_step.decode_plan_layers(handle, *layer_args)
             self._plans[key] = handle
         return self._plans[key]
 
@@ -285,7 +376,7 @@ class DecodeLoop:
         silu_and_mul = torch.ops.fitserve_fused.silu_and_mul.default
         attention = torch.ops.fitserve.paged_decode_attention.default
         residual: torch.Tensor | None = None
-        for (w_in, eps_in, qkv_proj, o_proj, w_post, eps_post, gate_up, down), kv in zip(
+        for (w_in, eps_in, qkv_proj, o_proj, w_post, eps_post, gate_up, down, norm_qk, moe), kv in zip(
                 self._bound(n), kv_caches, strict=True):
             k_cache, v_cache = kv  # type: ignore[misc]
             if residual is None:
@@ -295,11 +386,17 @@ class DecodeLoop:
             qkv = qkv_proj(h)
             qk = qkv[:, :qk_cols].view(n, hq + hkv, hd)
             v = qkv[:, qk_cols:].view(n, hkv, hd)
+            if norm_qk is not None:
+                qk = norm_qk(qkv, qk)
             rope_write_kv_(qk, v, positions, cos, sin, k_cache, v_cache, slots, hq, interleaved)
             out = attention(qk[:, :hq], k_cache, v_cache, tables, lens, scale, window,
                             DEFAULT_PARTITION, True)
             h = add_rms_norm_(residual, o_proj(out.reshape(n, q_size)), w_post, eps_post)
-            x = down(silu_and_mul(gate_up(h)))
+            if moe is not None:
+                x = moe(h)
+            else:
+                assert gate_up is not None and down is not None
+                x = down(silu_and_mul(gate_up(h)))
         self.calls += 1
         assert residual is not None
         return m.norm.add_forward(residual, x)

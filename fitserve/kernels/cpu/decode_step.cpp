@@ -17,6 +17,12 @@
 // and a TorchScript custom class ~40 us; an int costs nothing. So decode_layers writes caches
 // that are not among its arguments: it is an eager-only op (DecodeLoop), never traced.
 //
+// Linears come as 3 tensors + 4 ints each (kLinearMeta): kind (dense / int4 / int8 / dense bf16
+// GEMV), group size, act_quant, and whether the third tensor is present (dense: bias; int4:
+// mins).
+//
+// Layers with q/k norms (Qwen3, OLMoE) or a sparse MoE block on grouped ggml experts (Qwen3-MoE,
+// Mixtral, OLMoE, Qwen2-MoE) take their extras from decode_plan_layers (decode_moe.h).
 // Each linear is a list of parts whose outputs are concatenated along columns (one part: the
 // linear itself; several: a ConcatLinear, e.g. a Q4_K_M qkv whose attn_v is Q6_K). In the flat
 // lists decode_plan takes, a linear is meta [parts, part...], each part 5 ints (kind, two
@@ -203,6 +209,12 @@ std::vector<Linear> parse_linears(at::TensorList t, at::IntArrayRef meta) {
   return out;
 }
 
+}  // namespace
+
+#include "decode_moe.h"
+
+namespace {
+
 struct Plan {
   std::vector<at::Tensor> norms, k_caches, v_caches;
   std::vector<Linear> linears;
@@ -210,6 +222,7 @@ struct Plan {
   int64_t hq, hkv, hd, partition;
   double scale;
   bool interleaved;
+  std::shared_ptr<const LayerExtras> extras;  // q/k norms, MoE blocks (decode_plan_layers)
 };
 
 std::mutex plans_mutex;
@@ -238,6 +251,21 @@ int64_t decode_plan(at::TensorList norms, at::ArrayRef<double> eps, at::TensorLi
   return next_plan++;
 }
 
+// Adds q/k norms and MoE blocks (decode_moe.h's make_layer_extras) to plan `handle`.
+void decode_plan_layers(int64_t handle, int64_t qk_norm, at::TensorList qk_norms,
+                        at::ArrayRef<double> qk_eps, at::IntArrayRef moe, at::TensorList experts,
+                        at::ArrayRef<std::string> expert_types, at::TensorList linears,
+                        at::IntArrayRef meta) {
+  std::lock_guard<std::mutex> lock(plans_mutex);
+  const auto it = plans.find(handle);
+  TORCH_CHECK(it != plans.end(), "decode_plan_layers: no decode plan ", handle);
+  auto plan = std::make_shared<Plan>(*it->second);
+  plan->extras = std::make_shared<const LayerExtras>(make_layer_extras(
+      static_cast<int64_t>(plan->k_caches.size()), qk_norm, qk_norms, qk_eps, moe, experts,
+      expert_types, linears, meta));
+  it->second = std::move(plan);
+}
+
 void drop_decode_plan(int64_t handle) {
   std::lock_guard<std::mutex> lock(plans_mutex);
   plans.erase(handle);
@@ -260,6 +288,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   const int64_t layers = static_cast<int64_t>(p.k_caches.size());
   const int64_t hq = p.hq, hkv = p.hkv, hd = p.hd;
   const int64_t n = x0.size(0), qk_cols = (hq + hkv) * hd, q_size = hq * hd;
+  const LayerExtras* ex = p.extras.get();
   at::Tensor residual, x = x0;
   for (int64_t l = 0; l < layers; ++l) {
     at::Tensor h = l == 0 ? rms_norm(x, norms[0], p.eps[0])
@@ -268,6 +297,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     const int64_t li = l * kLinearsPerLayer;
     const at::Tensor qkv = linear(h, linears, li);
     at::Tensor qk = qkv.narrow(1, 0, qk_cols).view({n, hq + hkv, hd});
+    if (ex != nullptr) qk = norm_qk(*ex, l, qkv, qk, hq, q_size, hkv * hd);
     const at::Tensor v = qkv.narrow(1, qk_cols, qkv.size(1) - qk_cols).view({n, hkv, hd});
     at::Tensor kc = p.k_caches[l], vc = p.v_caches[l];
     rope_write_kv_(qk, v, positions, cos, sin, kc, vc, slots, hq, p.interleaved);
@@ -275,7 +305,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
                                      window, p.partition);
     h = add_rms_norm_(residual, linear(out.reshape({n, q_size}), linears, li + 1),
                       norms[2 * l + 1], p.eps[2 * l + 1]);
-    x = linear(silu_and_mul(linear(h, linears, li + 2)), linears, li + 3);
+    if (ex != nullptr && !ex->moe.empty() && ex->moe[l].is_moe)
+      x = moe_block(*ex, ex->moe[l], h);
+    else
+      x = linear(silu_and_mul(linear(h, linears, li + 2)), linears, li + 3);
   }
   return {residual, x};
 }
@@ -289,6 +322,9 @@ TORCH_LIBRARY(fitserve_step, m) {
         "int head_dim, float scale, int partition_size, bool interleaved) -> int",
         &decode_plan);
   m.def("drop_decode_plan(int plan) -> ()", &drop_decode_plan);
+  m.def("decode_plan_layers(int plan, int qk_norm, Tensor[] qk_norms, float[] qk_eps, int[] moe, "
+        "Tensor[] experts, str[] expert_types, Tensor[] linears, int[] meta) -> ()",
+        &decode_plan_layers);
   m.def("decode_layers(Tensor x, Tensor positions, Tensor cos, Tensor sin, Tensor slots, "
         "Tensor block_tables, Tensor seq_lens, int plan, int window) -> (Tensor, Tensor)");
 }
