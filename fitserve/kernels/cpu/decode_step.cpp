@@ -17,12 +17,9 @@
 // and a TorchScript custom class ~40 us; an int costs nothing. So decode_layers writes caches
 // that are not among its arguments: it is an eager-only op (DecodeLoop), never traced.
 //
-// Linears come as 3 tensors + 4 ints each (kLinearMeta): kind (dense / int4 / int8 / dense bf16
-// GEMV), group size, act_quant, and whether the third tensor is present (dense: bias; int4:
-// mins).
-//
 // Layers with q/k norms (Qwen3, OLMoE) or a sparse MoE block on grouped ggml experts (Qwen3-MoE,
 // Mixtral, OLMoE, Qwen2-MoE) take their extras from decode_plan_layers (decode_moe.h).
+//
 // Each linear is a list of parts whose outputs are concatenated along columns (one part: the
 // linear itself; several: a ConcatLinear, e.g. a Q4_K_M qkv whose attn_v is Q6_K). In the flat
 // lists decode_plan takes, a linear is meta [parts, part...], each part 5 ints (kind, two
