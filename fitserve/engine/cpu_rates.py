@@ -35,6 +35,7 @@ and leaves out the thread pool's fork/join per op (a few us each).
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import sys
@@ -92,17 +93,21 @@ def _path_calls(m: int, k: int, n: int) -> dict[str, Callable[[], object]]:
     def copies(nbytes: int) -> int:
         return max(2, CYCLE_BYTES // nbytes)
 
-    w32 = [torch.randn(n, k, generator=g) * 0.02 for _ in range(copies(n * k * 4))]
-    wb = [torch.randn(n, k, generator=g).bfloat16() for _ in range(copies(n * k * 2))]
+    # NOTE: copies of one random matrix (the kernels' speed does not depend on the values;
+    # drawing 96 MiB of random numbers per path took longer than timing them)
+    w1 = torch.randn(n, k, generator=g) * 0.02
+    w32 = [w1.clone() for _ in range(copies(n * k * 4))]
+    wb = [w1.bfloat16() for _ in range(copies(n * k * 2))]
     calls: dict[str, Callable[[], object]] = {
-        "bf16": _cycle([lambda w=w: F.linear(xb, w) for w in wb]),
-        "f32": _cycle([lambda w=w: F.linear(x32, w) for w in w32])}
+        "bf16": _cycle([functools.partial(F.linear, xb, w) for w in wb]),
+        "f32": _cycle([functools.partial(F.linear, x32, w) for w in w32])}
     if qlinear_ops_available():
         s = (torch.rand(n, k // 32, generator=g) * 0.01).half()
         mins = (torch.rand(n, k // 32, generator=g) * -0.08).half()
-        qs = [torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
-              for _ in range(copies(n * k // 2))]
-        calls["int8act"] = _cycle([lambda q=q: int4_linear(xb, q, s, mins, 32, True) for q in qs])
+        q1 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+        qs = [q1.clone() for _ in range(copies(n * k // 2))]
+        calls["int8act"] = _cycle([functools.partial(int4_linear, xb, q, s, mins, 32, True)
+                                   for q in qs])
     return calls
 
 
@@ -139,10 +144,9 @@ def measure_attention_rate(threads: int, repeats: int = 15, batch: int = 32,
     tables = torch.arange(batch * nblk, dtype=torch.int32).reshape(batch, nblk)
     lens = torch.full((batch,), keys, dtype=torch.int32)
     layers = max(2, CYCLE_BYTES // (2 * hkv * batch * keys * d * 2))  # a model's KV: past the LLC
-    caches = [(torch.randn(hkv, batch * nblk, block, d, generator=g).bfloat16(),
-               torch.randn(hkv, batch * nblk, block, d, generator=g).bfloat16())
-              for _ in range(layers)]
-    call = _cycle([lambda k=k, v=v: paged_decode_attention(q, k, v, tables, lens, d ** -0.5)
+    kv1 = torch.randn(hkv, batch * nblk, block, d, generator=g).bfloat16()
+    caches = [(kv1.clone(), kv1.clone()) for _ in range(layers)]
+    call = _cycle([functools.partial(paged_decode_attention, q, k, v, tables, lens, d ** -0.5)
                    for k, v in caches])
     sec = _time_call(call, repeats=repeats, inner=4)
     return threads * 4 * batch * hq * keys * d / sec
