@@ -18,7 +18,7 @@ from fitserve.envs import fitserve_home
 from fitserve.ledger import cpu_measure
 from fitserve.ledger.errors import PlanError
 
-CPU_CACHE_VERSION = 3  # 3: the engine rates beside the copy bandwidth
+CPU_CACHE_VERSION = 4  # 4: the engine rates (one thread's CPU time x threads) beside the bandwidth
 
 
 @dataclass(frozen=True)
