@@ -150,7 +150,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=2048, help="--stream: weight rows")
     ap.add_argument("--rotate-mb", type=int, default=256, help="--stream: bytes of copies")
     ap.add_argument("--runs", type=int, default=3, help="--stream: passes (min taken)")
-    ap.add_argument("--formats", default="", help="--stream: these formats only (a,b,...)")
+    ap.add_argument("--formats", default="", help="these formats only (a,b,...)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     args.k = args.k or (2048 if args.stream else 512)
@@ -167,6 +167,8 @@ def main() -> None:
     print(f"{'format':<22}" + "".join(f"{f'ns/w M={m}':>11}{f'us/call M={m}':>14}" for m in ms))
     table: dict[str, float] = {}
     for name, make in makers().items():
+        if args.formats and name.split(" ")[0] not in args.formats.split(","):
+            continue
         small, big = make(n1, k, rng), make(n2, k, rng)
         row = f"{name:<22}"
         for m in ms:

@@ -15,13 +15,23 @@
 // carrying w's sign: |pair| <= 2 * 127 * 127 < 2^15).
 #pragma once
 
+#include <array>
+
 #include "ggml_blocks_act.h"
+#include "ggml_blocks_lanes.h"
 
 namespace fitserve::ggml {
 
 inline constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                           1,    13,   25,  38,  53,  69,  89,  113};
 inline constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// A 16-entry table + 128, as unsigned bytes (every table value is in [-128, 127])
+constexpr std::array<uint8_t, 16> biased_table(const int8_t* values) {
+  std::array<uint8_t, 16> t{};
+  for (int j = 0; j < 16; ++j) t[j] = static_cast<uint8_t>(values[j] + 128);
+  return t;
+}
 
 // 2^(e - 128) as float32, from its bits (e < 2: the subnormals 2^-128 and 2^-127)
 inline float e8m0_half_at(const uint8_t* p) {
@@ -58,8 +68,26 @@ struct Table4Block {
   static constexpr const int8_t* kValues = kMx ? kMxfp4Values : kIq4Values;
   static float scale(const uint8_t* b) { return kMx ? e8m0_half_at(b) : f16_at(b); }
 
+#ifdef FS_GGML_VNNI
+  // IQ4_NL: ggml_blocks_lanes.h (16 blocks per step), the table read + 128 (unsigned)
+  static constexpr int kShift = 7;  // dot(v + 128, a) - 128 sum(a)
+  static constexpr bool kHasMin = false;
+  [[gnu::always_inline]] static inline __m512i pair(const uint8_t* b, bool two) {
+    static constexpr std::array<uint8_t, 16> kTabU = biased_table(kValues);
+    const __m512i table_u =
+        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kTabU.data())));
+    return _mm512_shuffle_epi8(table_u, nibbles_pair(b + kQs, b + kBytes + kQs, two));
+  }
+#endif
+
   template <int MT>
   static void row(const uint8_t* w, int64_t nb, const Act& a, int64_t m0, float* res) {
+#ifdef FS_GGML_VNNI
+    if constexpr (!kMx) {
+      lanes_row<Table4Block, MT>(w, nb, a, m0, res);
+      return;
+    }
+#endif
 #ifdef FS_GGML_AVX2
     __m256 acc[2][MT];  // even / odd blocks: two FMA chains (as Q5)
     FS_GGML_UNROLL for (int i = 0; i < MT; ++i) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
