@@ -40,6 +40,21 @@ namespace fitserve::ggml {
   return _mm512_permutexvar_epi32(to_block, s);
 }
 
+// v[j] (j < 4) as block_sums16's -> lane s of a ymm the dot of sub-block s (s < 8).
+[[gnu::always_inline]] inline __m256i block_sums8(const __m512i* v) {
+  const __m512i a0 = _mm512_add_epi32(_mm512_unpacklo_epi32(v[0], v[1]),
+                                      _mm512_unpackhi_epi32(v[0], v[1]));
+  const __m512i a1 = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2], v[3]),
+                                      _mm512_unpackhi_epi32(v[2], v[3]));
+  const __m512i b = _mm512_add_epi32(_mm512_unpacklo_epi64(a0, a1),
+                                     _mm512_unpackhi_epi64(a0, a1));
+  // 128-bit lanes [L0 + L1, L2 + L3]: sub-blocks 0, 2, 4, 6 then 1, 3, 5, 7
+  const __m512i s = _mm512_add_epi32(_mm512_shuffle_i64x2(b, b, 0x08),
+                                     _mm512_shuffle_i64x2(b, b, 0x0D));
+  return _mm256_permutevar8x32_epi32(_mm512_castsi512_si256(s),
+                                     _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 // B: kBytes, kShift (the integer offset: dot - (sum(a) << kShift); < 0: none), kHasMin (a second
 // f16 at byte 2: w = d * q + m), and pair(b, two) -> the 64 unsigned weight bytes of blocks b
 // and b + kBytes (the second zero unless `two`).
