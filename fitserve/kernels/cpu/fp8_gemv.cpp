@@ -99,7 +99,7 @@ inline void run_row(const Problem& p, int64_t m0, int64_t n) {
 // Every code of W's row n requested from memory ahead of its use (one hint per 64 B line).
 inline void prefetch_row(const Problem& p, int64_t n) {
   const uint8_t* r = p.w + n * p.K;
-  for (int64_t o = 0; o < p.K; o += 64) __builtin_prefetch(r + o, 0, 0);
+  for (int64_t o = 0; o < p.K; o += 64) __builtin_prefetch(r + o, 0, 3);
 }
 
 template <int MB, bool E5M2>
@@ -112,6 +112,8 @@ void run_rows(const Problem& p, int64_t m0, int64_t n0, int64_t n1) {
 // prefetch of the whole row): two streams in flight instead of one. Single thread, 2048 x 2048
 // codes rotated through 256 MiB, Zen 5: 17 GB/s with no hint, 30 with the next-but-one row
 // prefetched, 37 with two halves (a plain read: 41); benchmarks/bench_dequant_cost.py --stream.
+constexpr int64_t kStreamedRowMax = 4096;  // bytes of a row for run_rows_streamed
+
 template <int MB, bool E5M2>
 void run_rows_streamed(const Problem& p, int64_t n0, int64_t n1) {
   const int64_t kAhead = std::clamp<int64_t>(4096 / std::max<int64_t>(1, p.K), 2, 16);
@@ -237,7 +239,9 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Te
   // a tile of W rows (~16 KB) is converted once per group of <= 8 x rows while it sits in L1
   const int64_t tile = std::max<int64_t>(1, (16 << 10) / std::max<int64_t>(1, K));
   at::parallel_for(0, N, tile, [&](int64_t n0, int64_t n1) {
-    if (M <= kMaxRows) {  // one group of x rows: W streamed once (run_rows_streamed)
+    // one group of x rows and rows of <= 4 KB: W streamed once (run_rows_streamed). NOTE:
+    // 8 KB rows (K = 8192) streamed worse so (14 vs 16 GB/s: a 128-line burst per row)
+    if (M <= kMaxRows && K <= kStreamedRowMax) {
       if (e5m2) run_streamed<true>(p, M, n0, n1);
       else run_streamed<false>(p, M, n0, n1);
       return;

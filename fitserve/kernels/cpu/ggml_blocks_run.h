@@ -48,14 +48,17 @@ void rows_tile(const uint8_t* W, int64_t row_bytes, int64_t nblk, const Act& a, 
 // Every byte of weight row n requested from memory ahead of its use (one hint per 64 B line).
 inline void prefetch_row(const uint8_t* W, int64_t row_bytes, int64_t n) {
   const uint8_t* r = W + n * row_bytes;
-  for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(r + o, 0, 0);
+  for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(r + o, 0, 3);
 }
 
 // One row of x (a decode step) against weight rows [n0, n1), a thread's whole share.
 // NOTE: as fp8_gemv.cpp's few-row path: the rows go as two interleaved halves, each row
 // requested `ahead` rows (>= 4 KB) before its turn, two streams in flight instead of one (a
 // decode step streams every weight from DRAM once). Each output runs row<1>, as rows_range's
-// tile of one: the same bits.
+// tile of one: the same bits. Rows over kStreamedRowMax bytes take rows_range (a whole-row
+// burst of 8 KB streamed worse than the hardware's own prefetch in fp8_gemv's measurements).
+constexpr int64_t kStreamedRowMax = 4096;
+
 template <class T>
 void rows_streamed(const uint8_t* W, int64_t row_bytes, int64_t nblk, const Act& a, int64_t n0,
                    int64_t n1, float* out) {
