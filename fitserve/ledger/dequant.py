@@ -26,7 +26,8 @@ from fitserve.ledger.weights import WeightBytes
 # avx512_vnni), 1 thread, K = 512, N 128 -> 512 (the slope), load average 16-19 (CPU time of
 # the thread, so other processes' time is not counted; their cache pressure is: repeated runs
 # differ by up to ~15%): `benchmarks/bench_dequant_cost.py` at commit 08c0158 (IQ4_NL: baae164; IQ4_XS at M = 1: the
-# commit after it, A/B);
+# commit after it, A/B); Q5_0, Q5_1, IQ4_NL, IQ4_XS: their VNNI rows (commits 09d26f2,
+# 50b8608), the median of 3 runs alternated with the commit before them, load average 12-13;
 # docs/benchmarks.md, 'Kernel cost per weight'.
 # format -> (ns per weight at M = 1, at M = 8)
 DEQUANT_NS_PER_WEIGHT: dict[str, tuple[float, float]] = {
@@ -37,10 +38,10 @@ DEQUANT_NS_PER_WEIGHT: dict[str, tuple[float, float]] = {
     "Q4_K": (0.0228, 0.0712),
     "Q5_K": (0.0254, 0.0786),
     "Q6_K": (0.0181, 0.0653),
-    "Q5_0": (0.0327, 0.1420),
-    "Q5_1": (0.0314, 0.1497),
-    "IQ4_NL": (0.0348, 0.1640),  # after the two-block VNNI step (0.0404, 0.1721 before)
-    "IQ4_XS": (0.0293, 0.1415),  # after the SIMD scales (M = 1 was 0.0318-0.0350)
+    "Q5_0": (0.0303, 0.0906),  # 16 blocks per step (0.0324, 0.1506 before, same runs)
+    "Q5_1": (0.0311, 0.0853),  # (0.0340, 0.1573 before)
+    "IQ4_NL": (0.0267, 0.0747),  # (0.0372, 0.1693 with the two-block step before)
+    "IQ4_XS": (0.0265, 0.0918),  # VPDPBUSD per sub-block pair (0.0287, 0.1047 before)
     "fp8-ch": (0.0197, 0.1051),
 }
 

@@ -15,13 +15,23 @@
 // carrying w's sign: |pair| <= 2 * 127 * 127 < 2^15).
 #pragma once
 
+#include <array>
+
 #include "ggml_blocks_act.h"
+#include "ggml_blocks_lanes.h"
 
 namespace fitserve::ggml {
 
 inline constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                           1,    13,   25,  38,  53,  69,  89,  113};
 inline constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// A 16-entry table + 128, as unsigned bytes (every table value is in [-128, 127])
+constexpr std::array<uint8_t, 16> biased_table(const int8_t* values) {
+  std::array<uint8_t, 16> t{};
+  for (int j = 0; j < 16; ++j) t[j] = static_cast<uint8_t>(values[j] + 128);
+  return t;
+}
 
 // 2^(e - 128) as float32, from its bits (e < 2: the subnormals 2^-128 and 2^-127)
 inline float e8m0_half_at(const uint8_t* p) {
@@ -58,8 +68,26 @@ struct Table4Block {
   static constexpr const int8_t* kValues = kMx ? kMxfp4Values : kIq4Values;
   static float scale(const uint8_t* b) { return kMx ? e8m0_half_at(b) : f16_at(b); }
 
+#ifdef FS_GGML_VNNI
+  // IQ4_NL: ggml_blocks_lanes.h (16 blocks per step), the table read + 128 (unsigned)
+  static constexpr int kShift = 7;  // dot(v + 128, a) - 128 sum(a)
+  static constexpr bool kHasMin = false;
+  [[gnu::always_inline]] static inline __m512i pair(const uint8_t* b, bool two) {
+    static constexpr std::array<uint8_t, 16> kTabU = biased_table(kValues);
+    const __m512i table_u =
+        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kTabU.data())));
+    return _mm512_shuffle_epi8(table_u, nibbles_pair(b + kQs, b + kBytes + kQs, two));
+  }
+#endif
+
   template <int MT>
   static void row(const uint8_t* w, int64_t nb, const Act& a, int64_t m0, float* res) {
+#ifdef FS_GGML_VNNI
+    if constexpr (!kMx) {
+      lanes_row<Table4Block, MT>(w, nb, a, m0, res);
+      return;
+    }
+#endif
 #ifdef FS_GGML_AVX2
     __m256 acc[2][MT];  // even / odd blocks: two FMA chains (as Q5)
     FS_GGML_UNROLL for (int i = 0; i < MT; ++i) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
@@ -152,27 +180,67 @@ struct IQ4XS {
                                     (((h >> (2 * s)) & 3) << 4)) - 32);
   }
 
+#ifdef FS_GGML_AVX2
+  // NOTE: the 8 scales ls - 32 as int16 words in SIMD (what scales() does, ~40 scalar ops per
+  // super-block before): word s = nibble s % 2 of scales_l[s / 2] | bits 2s..2s+1 of scales_h
+  // << 4, minus 32; the high bits by a multiply that puts bits 2s..2s+1 at the top of word s
+  static __m128i scales8(const uint8_t* b) {
+    const __m128i hmul = _mm_setr_epi16(1 << 14, 1 << 12, 1 << 10, 1 << 8, 1 << 6, 1 << 4,
+                                        1 << 2, 1);
+    const __m128i l4 = _mm_cvtsi32_si128(static_cast<int>(load_u32(b + 4)));
+    const __m128i l8 = _mm_cvtepu8_epi16(_mm_unpacklo_epi8(l4, l4));  // b0 b0 b1 b1 ...
+    const __m128i nib = _mm_blend_epi16(_mm_and_si128(l8, _mm_set1_epi16(15)),
+                                        _mm_srli_epi16(l8, 4), 0xAA);
+    const __m128i hi = _mm_slli_epi16(
+        _mm_srli_epi16(_mm_mullo_epi16(_mm_set1_epi16(static_cast<int16_t>(load_u16(b + 2))),
+                                       hmul), 14), 4);
+    return _mm_sub_epi16(_mm_or_si128(nib, hi), _mm_set1_epi16(32));
+  }
+#endif
+
+#ifdef FS_GGML_VNNI
+  // NOTE: as ggml_blocks_lanes.h: the table read + 128, one VPDPBUSD per pair of sub-blocks and
+  // row, the partials reduced to 8 sub-block dots (lane = sub-block), - 128 sum(a) and the
+  // scales ls applied as int32 (|ls * dot| < 2^24), one cvt + FMA per super-block and row;
+  // the sign trick's sign + maddubs + madd per sub-block and row before
+  template <int MT>
+  static void row(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float* res) {
+    static constexpr std::array<uint8_t, 16> kTabU = biased_table(kIq4Values);
+    const __m512i table_u =
+        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kTabU.data())));
+    __m256 acc[MT];
+    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      const uint8_t* b = w + sb * kBytes;
+      const __m256i ls = _mm256_cvtepi16_epi32(scales8(b));
+      __m512i wv[4];
+      FS_GGML_UNROLL for (int j = 0; j < 4; ++j)
+        wv[j] = _mm512_shuffle_epi8(table_u, nibbles_pair(b + 8 + 32 * j, b + 24 + 32 * j, true));
+      const float d = f16_at(b);
+      FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
+        const int8_t* aq = a.qrow(m0 + i) + sb * 256;
+        __m512i v[4];
+        FS_GGML_UNROLL for (int j = 0; j < 4; ++j)
+          v[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[j], _mm512_loadu_si512(aq + 64 * j));
+        const __m256i s32 = _mm256_cvtepi16_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.s32row(m0 + i) + sb * 8)));
+        const __m256i dot = _mm256_mullo_epi32(
+            _mm256_sub_epi32(block_sums8(v), _mm256_slli_epi32(s32, 7)), ls);
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                 _mm256_set1_ps(d * a.drow(m0 + i)[sb]), acc[i]);
+      }
+    }
+    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) res[i] = hsum(acc[i]);
+  }
+#else
   template <int MT>
   static void row(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float* res) {
 #ifdef FS_GGML_AVX2
     __m256 acc[MT];
     FS_GGML_UNROLL for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
-    // NOTE: the 8 scales in SIMD (what scales() does, ~40 scalar ops per super-block before):
-    // word s = nibble s % 2 of scales_l[s / 2] | bits 2s..2s+1 of scales_h << 4, minus 32; the
-    // high bits by a multiply that puts bits 2s..2s+1 at the top of word s
-    const __m128i hmul = _mm_setr_epi16(1 << 14, 1 << 12, 1 << 10, 1 << 8, 1 << 6, 1 << 4,
-                                        1 << 2, 1);
     for (int64_t sb = 0; sb < nsb; ++sb) {
       const uint8_t* b = w + sb * kBytes;
-      const __m128i l4 = _mm_cvtsi32_si128(static_cast<int>(load_u32(b + 4)));
-      const __m128i l8 = _mm_cvtepu8_epi16(_mm_unpacklo_epi8(l4, l4));  // b0 b0 b1 b1 ...
-      const __m128i nib = _mm_blend_epi16(_mm_and_si128(l8, _mm_set1_epi16(15)),
-                                          _mm_srli_epi16(l8, 4), 0xAA);
-      const __m128i hi = _mm_slli_epi16(
-          _mm_srli_epi16(_mm_mullo_epi16(_mm_set1_epi16(static_cast<int16_t>(load_u16(b + 2))),
-                                         hmul), 14), 4);
-      const __m256i sc16 = _mm256_broadcastsi128_si256(
-          _mm_sub_epi16(_mm_or_si128(nib, hi), _mm_set1_epi16(32)));
+      const __m256i sc16 = _mm256_broadcastsi128_si256(scales8(b));
       __m256i ia[2][MT];  // even / odd sub-blocks: two vpdpwssd / madd chains
       FS_GGML_UNROLL for (int i = 0; i < MT; ++i) ia[0][i] = ia[1][i] = _mm256_setzero_si256();
       FS_GGML_UNROLL for (int s = 0; s < 8; ++s) {
@@ -214,6 +282,7 @@ struct IQ4XS {
     for (int i = 0; i < MT; ++i) res[i] = acc[i];
 #endif
   }
+#endif
 };
 
 }  // namespace fitserve::ggml

@@ -45,6 +45,42 @@ void rows_tile(const uint8_t* W, int64_t row_bytes, int64_t nblk, const Act& a, 
   }
 }
 
+// Every byte of weight row n requested from memory ahead of its use (one hint per 64 B line).
+inline void prefetch_row(const uint8_t* W, int64_t row_bytes, int64_t n) {
+  const uint8_t* r = W + n * row_bytes;
+  for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(r + o, 0, 3);
+}
+
+// One row of x (a decode step) against weight rows [n0, n1), a thread's whole share.
+// NOTE: as fp8_gemv.cpp's few-row path: the rows go as two interleaved halves, each row
+// requested `ahead` rows (>= 4 KB) before its turn, two streams in flight instead of one (a
+// decode step streams every weight from DRAM once). Each output runs row<1>, as rows_range's
+// tile of one: the same bits. Rows over kStreamedRowMax bytes take rows_range (a whole-row
+// burst of 8 KB streamed worse than the hardware's own prefetch in fp8_gemv's measurements).
+constexpr int64_t kStreamedRowMax = 4096;
+
+template <class T>
+void rows_streamed(const uint8_t* W, int64_t row_bytes, int64_t nblk, const Act& a, int64_t n0,
+                   int64_t n1, float* out) {
+  const int64_t ahead = std::clamp<int64_t>(4096 / std::max<int64_t>(1, row_bytes), 2, 16);
+  const int64_t half = (n1 - n0 + 1) / 2, mid = n0 + half;
+  for (int64_t i = 0; i < ahead && i < half; ++i) {
+    prefetch_row(W, row_bytes, n0 + i);
+    if (mid + i < n1) prefetch_row(W, row_bytes, mid + i);
+  }
+  float res[1];
+  for (int64_t i = 0; i < half; ++i) {
+    if (i + ahead < half) prefetch_row(W, row_bytes, n0 + i + ahead);
+    if (mid + i + ahead < n1) prefetch_row(W, row_bytes, mid + i + ahead);
+    T::template row<1>(W + (n0 + i) * row_bytes, nblk, a, 0, res);
+    out[n0 + i] = res[0];
+    if (mid + i < n1) {
+      T::template row<1>(W + (mid + i) * row_bytes, nblk, a, 0, res);
+      out[mid + i] = res[0];
+    }
+  }
+}
+
 // Weight rows [n0, n1) against activation rows [m0, m1): tiles of kTileRows rows of x, then
 // 4, 2, 1; out[m * N + n].
 template <class T>

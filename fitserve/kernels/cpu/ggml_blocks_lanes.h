@@ -1,0 +1,127 @@
+// The AVX512-VNNI rows of the 32-column block types whose weights are a byte each after
+// decoding (Q5_0, Q5_1, IQ4_NL): 16 blocks (512 columns) per step, one fp32 lane per block.
+//
+//   per pair of blocks: 64 unsigned weight bytes (B::pair: Q5's q in 0..31, IQ4_NL's table
+//   value + 128), one VPDPBUSD per row of x -> 8 int32 partials per block
+//   per 16 blocks and row: the 8 vectors of partials reduced to one (lane = block: 21 ops,
+//   block_sums16), the offset folded in as an integer (Q5_0: - 16 * sum(a), IQ4_NL:
+//   - 128 * sum(a), from Act's 32-column sums: exact), then ONE cvt + mul + FMA for 16 blocks
+//   with the weight scales gathered once per step (shared by the tile's rows); Q5_1's mins are
+//   one more FMA against Act's d * sum(a).
+//
+// Before, each block and row paid a cvt, a scalar d * da, a broadcast and an FMA (and Q5's
+// scalar offset FMA): the M > 1 tiles cost 2-4x Q4_K's per weight. Each row of x runs the same
+// instructions whatever the tile's height, so row r of any M is bit for bit the row alone.
+#pragma once
+
+#include "ggml_blocks_act.h"
+
+#ifdef FS_GGML_VNNI
+namespace fitserve::ggml {
+
+// v[j]: lanes 0-7 the partial dots of block 2j, 8-15 of block 2j + 1 -> lane b the dot of
+// block b (b < 16). unpack lo/hi epi32 then epi64 sum within 128-bit lanes, one 128-bit lane
+// shuffle across the two halves, and a permute back to block order.
+[[gnu::always_inline]] inline __m512i block_sums16(const __m512i* v) {
+  __m512i a[4];
+  FS_GGML_UNROLL for (int p = 0; p < 4; ++p)
+    a[p] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * p], v[2 * p + 1]),
+                            _mm512_unpackhi_epi32(v[2 * p], v[2 * p + 1]));
+  const __m512i b0 = _mm512_add_epi32(_mm512_unpacklo_epi64(a[0], a[1]),
+                                      _mm512_unpackhi_epi64(a[0], a[1]));
+  const __m512i b1 = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2], a[3]),
+                                      _mm512_unpackhi_epi64(a[2], a[3]));
+  // 128-bit lane L of b0 holds [v0.L, v1.L, v2.L, v3.L] (each the sum of v_j's 4 lanes in L);
+  // L = 0, 1 are block 2j's, 2, 3 block 2j + 1's: element 4L' + i is block
+  // 8 (L' / 2) + L' % 2 + 2i after the sums below
+  const __m512i s = _mm512_add_epi32(_mm512_shuffle_i64x2(b0, b1, 0x88),
+                                     _mm512_shuffle_i64x2(b0, b1, 0xDD));
+  const __m512i to_block = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+  return _mm512_permutexvar_epi32(to_block, s);
+}
+
+// v[j] (j < 4) as block_sums16's -> lane s of a ymm the dot of sub-block s (s < 8).
+[[gnu::always_inline]] inline __m256i block_sums8(const __m512i* v) {
+  const __m512i a0 = _mm512_add_epi32(_mm512_unpacklo_epi32(v[0], v[1]),
+                                      _mm512_unpackhi_epi32(v[0], v[1]));
+  const __m512i a1 = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2], v[3]),
+                                      _mm512_unpackhi_epi32(v[2], v[3]));
+  const __m512i b = _mm512_add_epi32(_mm512_unpacklo_epi64(a0, a1),
+                                     _mm512_unpackhi_epi64(a0, a1));
+  // 128-bit lanes [L0 + L1, L2 + L3]: sub-blocks 0, 2, 4, 6 then 1, 3, 5, 7
+  const __m512i s = _mm512_add_epi32(_mm512_shuffle_i64x2(b, b, 0x08),
+                                     _mm512_shuffle_i64x2(b, b, 0x0D));
+  return _mm256_permutevar8x32_epi32(_mm512_castsi512_si256(s),
+                                     _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// B: kBytes, kShift (the integer offset: dot - (sum(a) << kShift); < 0: none), kHasMin (a second
+// f16 at byte 2: w = d * q + m), and pair(b, two) -> the 64 unsigned weight bytes of blocks b
+// and b + kBytes (the second zero unless `two`).
+template <class B, int MT, bool kFull>
+[[gnu::always_inline]] inline void lanes_step(const uint8_t* b, int64_t k, int r, const Act& a,
+                                              int64_t m0, __m512* acc) {
+  const __mmask16 live = kFull ? __mmask16(0xFFFF) : __mmask16((1u << r) - 1);
+  __m512i wv[8];
+  FS_GGML_UNROLL for (int j = 0; j < 8; ++j)
+    wv[j] = kFull || 2 * j < r ? B::pair(b + 2 * j * B::kBytes, kFull || 2 * j + 1 < r)
+                               : _mm512_setzero_si512();
+  const __m512i offs = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int>(B::kBytes)));
+  const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, offs, b, 1);
+  const __m512 dv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+  FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
+    const int8_t* aq = a.qrow(m0 + i) + 32 * k;
+    __m512i v[8];
+    FS_GGML_UNROLL for (int j = 0; j < 8; ++j) {
+      if (kFull || 2 * j + 1 < r)
+        v[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[j], _mm512_loadu_si512(aq + 64 * j));
+      else if (2 * j < r)  // one block left: its 32 bytes only (never past the row)
+        v[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[j],
+                                   _mm512_maskz_loadu_epi8(0xFFFFFFFFull, aq + 64 * j));
+      else
+        v[j] = _mm512_setzero_si512();
+    }
+    __m512i dot = block_sums16(v);
+    if constexpr (B::kShift >= 0) {
+      const __m512i s = _mm512_cvtepi16_epi32(_mm256_maskz_loadu_epi16(live, a.s32row(m0 + i) + k));
+      dot = _mm512_sub_epi32(dot, _mm512_slli_epi32(s, B::kShift));
+    }
+    const __m512 da = _mm512_maskz_loadu_ps(live, a.drow(m0 + i) + k);
+    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dv, da), acc[i]);
+    if constexpr (B::kHasMin) {
+      const __m512 mv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
+      acc[i] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(live, a.dsrow(m0 + i) + k), acc[i]);
+    }
+  }
+}
+
+// One weight row (nb blocks) against rows m0 .. m0 + MT - 1 of x.
+template <class B, int MT>
+void lanes_row(const uint8_t* w, int64_t nb, const Act& a, int64_t m0, float* res) {
+  __m512 acc[MT];
+  FS_GGML_UNROLL for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= nb; k += 16) lanes_step<B, MT, true>(w + k * B::kBytes, k, 16, a, m0, acc);
+  if (k < nb)
+    lanes_step<B, MT, false>(w + k * B::kBytes, k, static_cast<int>(nb - k), a, m0, acc);
+  FS_GGML_UNROLL for (int i = 0; i < MT; ++i) res[i] = _mm512_reduce_add_ps(acc[i]);
+}
+
+// The 32 nibbles of 16 code bytes at each of p0, p1 in column order (low nibbles 0-15, high
+// 16-31), as one zmm: block p0 in bytes 0-31, p1 in 32-63.
+[[gnu::always_inline]] inline __m512i nibbles_pair(const uint8_t* p0, const uint8_t* p1,
+                                                   bool two) {
+  const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p0));
+  const __m128i q1 = two ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1))
+                         : _mm_setzero_si128();
+  const __m256i q01 = _mm256_set_m128i(q1, q0);
+  // 128-bit lanes [q0, q1, q0 >> 4, q1 >> 4] -> [q0, q0 >> 4, q1, q1 >> 4]
+  const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(q01),
+                                          _mm256_srli_epi16(q01, 4), 1);
+  return _mm512_and_si512(_mm512_shuffle_i64x2(both, both, 0xD8), _mm512_set1_epi8(0x0F));
+}
+
+}  // namespace fitserve::ggml
+#endif
