@@ -105,3 +105,22 @@ def test_tier_is_the_one_asked_for() -> None:
 def test_lower_tiers_prepacked(tier: str) -> None:
     """The AVX2, AVX-512 (no VNNI) and scalar panels, built with FITSERVE_CPU_TIER."""
     run_tests_at_tier(__file__, tier, "tier_is or (prepacked_matches and not bf16) or lapses")
+
+
+def test_packed_linear_prepack_is_used_and_counted() -> None:
+    from fitserve.model.linear import PackedLinear, panels_apply
+    from fitserve.quant.packed import pack
+
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randint(0, 16, (40, 64), generator=gen)
+    sc = torch.rand(40, 2, generator=gen) * 0.01 + 0.001
+    lin = PackedLinear(pack("int4", q, sc, -8 * sc, 32, 64))
+    x = torch.randn(9, 64, generator=gen).to(torch.bfloat16)
+    before = lin(x)
+    assert lin.prepack() and lin.panels is not None
+    assert lin.panels.numel() == lin.packed.nbytes
+    assert is_prepacked(lin.qweight, lin.scales, lin.mins, 32)
+    assert torch.equal(lin(x), before)
+    assert "panels" not in lin.state_dict()  # derived, never saved
+    assert panels_apply("layers.0.self_attn.qkv_proj") and not panels_apply("lm_head")
+    assert not panels_apply("layers.1.mlp.experts.3.down_proj")
