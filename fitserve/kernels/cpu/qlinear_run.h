@@ -37,7 +37,7 @@ namespace fitserve::qlinear {
 // order that depends on M (batch_invariant keeps the tiles).
 constexpr int64_t kPanelMinRows = 2;
 constexpr int64_t kMmMinRows = 16;
-constexpr int64_t kPanelMaxRows = 512;     // rows of x per pass over the int panels (in L2)
+constexpr int64_t kPanelMaxRows = 256;  // rows of x per pass over the int panels (in L2)
 constexpr int64_t kMmPanelBytes = 1 << 21;  // fp32 weight panel of the at::mm path
 
 template <class T>
@@ -218,10 +218,12 @@ void panels_int(const T* x, int64_t M, int64_t kp, const QWeight& w, bool int4,
   });
   const NatAct xa{aq, da, isum, sg, kp, nblk};
   const int64_t npanels = (w.N + S::kLanes - 1) / S::kLanes, half = w.group / 2;
-  for (int64_t mb = 0; mb < M; mb += kPanelMaxRows) {
-    const int64_t me = std::min(M, mb + kPanelMaxRows);
-    at::parallel_for(0, npanels, 1, [&](int64_t p0, int64_t p1) {
-      static thread_local Panel panel;  // per worker thread
+  // NOTE: one parallel region: each thread takes its panels through every chunk of rows (the
+  // chunk's activations stay in L2 across its panels), instead of a region per chunk
+  at::parallel_for(0, npanels, 1, [&](int64_t p0, int64_t p1) {
+    static thread_local Panel panel;  // per worker thread
+    for (int64_t mb = 0; mb < M; mb += kPanelMaxRows) {
+      const int64_t me = std::min(M, mb + kPanelMaxRows);
       for (int64_t pi = p0; pi < p1; ++pi) {
         const int64_t n0 = pi * S::kLanes;
         const PanelView view = prepacked && n0 + S::kLanes <= w.N
@@ -236,8 +238,8 @@ void panels_int(const T* x, int64_t M, int64_t kp, const QWeight& w, bool int4,
         else
           panel_rows(Int4Panel<16, false, O>{w, xa, out}, view, n0, mb, me);
       }
-    });
-  }
+    }
+  });
 }
 
 // ---- fp32 path, many rows: exact dequantization + at::mm ---------------------------------
