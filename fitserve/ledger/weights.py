@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from fitserve.config import MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelSpec
 from fitserve.ledger.errors import PlanError
 from fitserve.ledger.formats import (
-    PERM_SUFFIX,
     engine_tensor_format,
     tensor_role,
     weight_bytes,
@@ -214,13 +213,18 @@ class EngineTensor:
 
 def panel_bytes(t: EngineTensor) -> int:
     """Bytes of the M > 1 layout the engine makes once at load beside a projection held in a
-    packed format (``fitserve.model.linear.PackedLinear.prepack``): as many again as its codes,
-    scales and mins. None for the embedding / lm_head and the experts (``panels_apply``)."""
-    f = weight_format(t.fmt)
-    if (f.packed is None or len(t.shape) != 2 or tensor_role(t.name, 2) != "matrix"
+    packed format (``fitserve.model.linear.PackedLinear.prepack``, qlinear_prepack.h): per row,
+    its codes and fp32 scales (int4: + fp32 offsets). None for the embedding / lm_head and the
+    experts (``panels_apply``)."""
+    packed = weight_format(t.fmt).packed
+    if (packed is None or len(t.shape) != 2 or tensor_role(t.name, 2) != "matrix"
             or ".experts." in t.name):
         return 0
-    return weight_bytes(math.prod(t.shape), f.name.removesuffix(PERM_SUFFIX), rows=t.shape[0])
+    rows, cols = t.shape
+    group = packed.group_size or -(-cols // 32) * 32  # 0: per output channel
+    groups = -(-cols // group)
+    bits = 4 if packed.kind == "int4" else 8
+    return rows * (groups * group * bits // 8 + groups * 4 * (2 if bits == 4 else 1))
 
 
 def held_bytes(tensors_held: Iterable[EngineTensor], *, panels: bool = True) -> int:

@@ -315,8 +315,8 @@ class PackedLinear(nn.Module):
 
     The kernel is chosen per call from the measured table (cached per M class and dtype).
     ``prepack()`` (the loader calls it for the projections) adds buffer ``panels``: the same
-    weight laid out once for the M > 1 panel kernels (fitserve.kernels.cpu.qlinear.prepack),
-    as many bytes again as qweight + scales + mins, which the ledger counts
+    weight laid out once for the M > 1 panel kernels (fitserve.kernels.cpu.qlinear.prepack):
+    the codes again + fp32 scales (int4: + fp32 offsets), which the ledger counts
     (``fitserve.ledger.weights.panel_bytes``).
     """
 

@@ -152,9 +152,9 @@ at::Tensor qlinear_prepack(const at::Tensor& qweight, const at::Tensor& scales,
   const QWeight w{static_cast<const uint8_t*>(qweight.const_data_ptr()),
                   scales.data_ptr<at::Half>(), asym ? mins->data_ptr<at::Half>() : nullptr,
                   qweight.size(0), qweight.size(1), kp / group_size, group_size};
-  // N rows' bytes (qweight + scales + mins): the full panels, then the unused tail
-  const int64_t row_total = w.row_bytes + w.ngroups * 2 * (asym ? 2 : 1);
-  at::Tensor blob = at::zeros({w.N * row_total}, qweight.options().dtype(at::kByte));
+  // N rows of panel_row_bytes: the full panels, then the unused tail
+  at::Tensor blob =
+      at::zeros({w.N * panel_row_bytes(w, int4)}, qweight.options().dtype(at::kByte));
   prepack_panels(w, int4, blob.data_ptr<uint8_t>());
   PrepackRegistry::get().add(qweight, scales, asym ? &*mins : nullptr, group_size, int4, blob);
   return blob;

@@ -117,8 +117,8 @@ def prepack(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | No
             group_size: int) -> torch.Tensor:
     """Lay the weight out once for the M > 1 panel kernels (qlinear_prepack.h) and register it:
     later ``int4_linear`` / ``int8_linear`` calls with these same tensors read the panels
-    instead of packing them per call (same bits). Returns the panels, uint8 with exactly the
-    bytes of qweight + scales (+ mins): the caller holds them (the registry keeps only weak
+    instead of packing them per call (same bits). Returns the panels, uint8, N rows of the codes
+    + 4 bytes (int8) or 8 (int4) per group: the caller holds them (the registry keeps only weak
     references), and the registration lapses when any of the tensors is freed, replaced or
     written in place."""
     _require()

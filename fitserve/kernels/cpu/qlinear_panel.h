@@ -42,21 +42,27 @@ struct NatAct {
 // One panel of kLanes weight rows as the tiles read it (lanes = output rows):
 //
 //   wq[d * kLanes + l] = dword d of weight row n0 + l   (VNNI int8: every byte ^ 0x80)
-//   sc[g * kLanes + l] = scale of group g of row n0 + l (float16, as stored)
-//   mn[g * kLanes + l] = its min (asymmetric int4), or nullptr: the offset is -8 * scale
+//   dv[g * kLanes + l] = fp32 scale of group g of row n0 + l
+//   cv[g * kLanes + l] = its fp32 int4 offset (the min, or -8 * scale); int8: none
 //
 // It either points into a weight's prepacked panels (qlinear_prepack.h, made once at load) or
 // into a thread-local Panel packed on this call (weights that were not prepacked, and the last
-// N % kLanes rows).
+// N % kLanes rows). NOTE: the scales are widened to fp32 here, not read as f16 in the tiles: the
+// conversion per group and tile measured 5-15% of the M >= 512 calls.
 struct PanelView {
   const uint32_t* wq;
-  const at::Half* sc;
-  const at::Half* mn;
+  const float* dv;
+  const float* cv;
 };
 
-// Transposes kLanes rows (rows past N: zero) of w into the PanelView layout at wq / sc / mn.
+// Bytes of one weight row in a panel: its codes, and 4 (int8) or 8 (int4) per group.
+inline int64_t panel_row_bytes(const QWeight& w, bool int4) {
+  return w.row_bytes + w.ngroups * 4 * (int4 ? 2 : 1);
+}
+
+// Transposes kLanes rows (rows past N: zero) of w into the PanelView layout at wq / dv / cv.
 inline void pack_panel(const QWeight& w, bool int4, int64_t n0, const uint8_t* zeros,
-                       uint32_t* wq, at::Half* sc, at::Half* mn) {
+                       uint32_t* wq, float* dv, float* cv) {
   constexpr int L = S::kLanes;
   const int64_t nd = w.row_bytes / 4;
   const uint8_t* rows[L];
@@ -69,39 +75,33 @@ inline void pack_panel(const QWeight& w, bool int4, int64_t n0, const uint8_t* z
   // NOTE: VNNI int8 panels hold w + 128 (unsigned) so activations can be the broadcast operand
   if (!int4 && S::kW8Biased)
     for (int64_t i = 0; i < nd * L; ++i) wq[i] ^= 0x80808080u;
-  for (int64_t g = 0; g < w.ngroups; ++g)
-    for (int l = 0; l < L; ++l) {
-      const bool in = n0 + l < w.N;
-      sc[g * L + l] = in ? w.scales[(n0 + l) * w.ngroups + g] : at::Half(0.f);
-      if (mn) mn[g * L + l] = in ? w.mins[(n0 + l) * w.ngroups + g] : at::Half(0.f);
+  for (int l = 0; l < L; ++l) {
+    const bool in = n0 + l < w.N;
+    for (int64_t g = 0; g < w.ngroups; ++g) {
+      const float d_g = in ? S::h2f(w.scales[(n0 + l) * w.ngroups + g]) : 0.f;
+      dv[g * L + l] = d_g;
+      if (int4) cv[g * L + l] = !in ? 0.f : w.mins ? S::h2f(w.mins[(n0 + l) * w.ngroups + g])
+                                                   : d_g * -8.f;  // exact (a power of 2)
     }
+  }
 }
 
 // A panel packed on this call (per worker thread).
 struct Panel {
   std::vector<uint32_t> wq;
-  std::vector<at::Half> sc, mn;
+  std::vector<float> dv, cv;
   std::vector<uint8_t> zeros;  // stands in for the rows past N
 
   PanelView pack(const QWeight& w, bool int4, int64_t n0) {
     constexpr int L = S::kLanes;
     wq.resize(w.row_bytes / 4 * L);
-    sc.resize(w.ngroups * L);
-    if (w.mins) mn.resize(w.ngroups * L);
+    dv.resize(w.ngroups * L);
+    if (int4) cv.resize(w.ngroups * L);
     if (static_cast<int64_t>(zeros.size()) < w.row_bytes) zeros.assign(w.row_bytes, 0);
-    at::Half* mp = w.mins ? mn.data() : nullptr;
-    pack_panel(w, int4, n0, zeros.data(), wq.data(), sc.data(), mp);
-    return {wq.data(), sc.data(), mp};
+    pack_panel(w, int4, n0, zeros.data(), wq.data(), dv.data(), int4 ? cv.data() : nullptr);
+    return {wq.data(), dv.data(), int4 ? cv.data() : nullptr};
   }
 };
-
-// The fp32 scale (and int4 offset: min, or -8 * scale) of group g, one lane per output row.
-inline S::F panel_scale(const PanelView& p, int64_t g) {
-  return S::load_half(p.sc + g * S::kLanes, S::kLanes);
-}
-inline S::F panel_offset(const PanelView& p, int64_t g, S::F dv) {
-  return p.mn ? S::load_half(p.mn + g * S::kLanes, S::kLanes) : S::mul(dv, S::set1(-8.f));
-}
 
 // out[m][n0 + l] for the lanes l < N - n0 (out is fp32 [M, ldo]).
 inline void store_lanes(S::F v, float* out_row, int64_t n_valid) {
@@ -142,7 +142,7 @@ void int4_panel_tile(const QWeight& w, const PanelView& p, const NatAct& x, int6
     acc[m] = S::fzero();
   }
   for (int64_t g = 0; g < w.ngroups; ++g) {
-    const S::F dv = panel_scale(p, g);
+    const S::F dv = S::loadf(p.dv + g * L);
     for (int64_t s = 0; s < half; s += kSeg) {  // bytes g*half + s ..: no divisions in the loop
       const int64_t b0 = g * half + s, lo = g * w.group + s, hi = lo + half;
       S::I il[MT], ih[MT];
@@ -157,7 +157,7 @@ void int4_panel_tile(const QWeight& w, const PanelView& p, const NatAct& x, int6
         }
       }
       if constexpr (kOneBlock) {  // G = 32: the canonical order of qlinear_rows.h
-        const S::F cv = panel_offset(p, g, dv);
+        const S::F cv = S::loadf(p.cv + g * L);
         _Pragma("GCC unroll 16") for (int m = 0; m < MT; ++m) {
           const S::F t = S::mulr(S::cvt(il[m]), S::mulr(dv, S::set1(da[m][g])));
           const S::F off = S::mulr(cv, S::set1(x.sg[(m0 + m) * w.ngroups + g]));
@@ -172,7 +172,7 @@ void int4_panel_tile(const QWeight& w, const PanelView& p, const NatAct& x, int6
     }
   }
   for (int64_t g = 0; g < w.ngroups && !kOneBlock; ++g) {
-    const S::F cv = panel_offset(p, g, panel_scale(p, g));
+    const S::F cv = S::loadf(p.cv + g * L);
     _Pragma("GCC unroll 16") for (int m = 0; m < MT; ++m)
       acc[m] = S::fmadd(cv, S::set1(x.sg[(m0 + m) * w.ngroups + g]), acc[m]);
   }
@@ -206,7 +206,7 @@ void int8_panel_tile(const QWeight& w, const PanelView& p, const NatAct& x, int6
     }
     // NOTE: G = 32 (Q8_0) and per channel need no division per block
     const int64_t g = per_group == 1 ? blk : w.ngroups == 1 ? 0 : blk / per_group;
-    const S::F dv = panel_scale(p, g);
+    const S::F dv = S::loadf(p.dv + g * L);
     if (per_group == 1) {  // G = 32: the canonical order of qlinear_rows.h
       _Pragma("GCC unroll 16") for (int m = 0; m < MT; ++m)
         acc[m] = S::add(acc[m], S::mulr(S::cvt(ia[m]), S::mulr(dv, S::set1(da[m][blk]))));

@@ -3,12 +3,11 @@
 // transposing kLanes rows per panel on every call.
 //
 //   blob = panel 0 | panel 1 | ... | panel P-1 | unused tail      P = N / kLanes (full panels)
-//   panel = wq [row_bytes / 4][kLanes] u32 | sc [G][kLanes] f16 | mn [G][kLanes] f16 (asym)
+//   panel = wq [row_bytes / 4][kLanes] u32 | dv [G][kLanes] f32 | cv [G][kLanes] f32 (int4)
 //
-// A panel holds exactly the bytes of its kLanes rows (codes, scales, mins), so the blob is
-// sized as qweight + scales (+ mins): the ledger counts a prepacked weight twice
-// (fitserve/ledger/weights.py). The last N % kLanes rows are packed per call from qweight, as
-// before. The layout depends on the ISA tier (kLanes; VNNI int8 codes stored ^ 0x80), so a
+// The blob is sized N * panel_row_bytes (codes + 4 (int8) or 8 (int4) bytes per group and row),
+// what the ledger counts beside the packed weight (fitserve/ledger/weights.py panel_bytes). The
+// last N % kLanes rows are packed per call from qweight, as before. The layout depends on the ISA tier (kLanes; VNNI int8 codes stored ^ 0x80), so a
 // blob is only ever made and read by the same loaded extension.
 //
 // Registry: the ops keep their signatures (the decode step calls them with qweight), so a
@@ -28,26 +27,21 @@
 
 namespace fitserve::qlinear {
 
-// Bytes of one prepacked panel: kLanes rows of codes, scales and mins.
-inline int64_t panel_bytes(const QWeight& w) {
-  return S::kLanes * (w.row_bytes + w.ngroups * 2 * (w.mins ? 2 : 1));
-}
-
 // The view of full panel `pi` (rows pi * kLanes ..) inside a blob.
-inline PanelView prepacked_panel(const uint8_t* blob, const QWeight& w, int64_t pi) {
-  const uint8_t* p = blob + pi * panel_bytes(w);
-  const auto* sc = reinterpret_cast<const at::Half*>(p + S::kLanes * w.row_bytes);
-  return {reinterpret_cast<const uint32_t*>(p), sc, w.mins ? sc + w.ngroups * S::kLanes : nullptr};
+inline PanelView prepacked_panel(const uint8_t* blob, const QWeight& w, bool int4, int64_t pi) {
+  const uint8_t* p = blob + pi * S::kLanes * panel_row_bytes(w, int4);
+  const auto* dv = reinterpret_cast<const float*>(p + S::kLanes * w.row_bytes);
+  return {reinterpret_cast<const uint32_t*>(p), dv, int4 ? dv + w.ngroups * S::kLanes : nullptr};
 }
 
-// Fills blob (N rows' bytes: qweight + scales + mins) with the full panels of w.
+// Fills blob (N * panel_row_bytes bytes) with the full panels of w.
 inline void prepack_panels(const QWeight& w, bool int4, uint8_t* blob) {
   const int64_t full = w.N / S::kLanes;
   at::parallel_for(0, full, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t pi = p0; pi < p1; ++pi) {
-      const PanelView v = prepacked_panel(blob, w, pi);
+      const PanelView v = prepacked_panel(blob, w, int4, pi);
       pack_panel(w, int4, pi * S::kLanes, nullptr, const_cast<uint32_t*>(v.wq),
-                 const_cast<at::Half*>(v.sc), const_cast<at::Half*>(v.mn));
+                 const_cast<float*>(v.dv), const_cast<float*>(v.cv));
     }
   });
 }

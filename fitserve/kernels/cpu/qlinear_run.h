@@ -227,7 +227,7 @@ void panels_int(const T* x, int64_t M, int64_t kp, const QWeight& w, bool int4,
       for (int64_t pi = p0; pi < p1; ++pi) {
         const int64_t n0 = pi * S::kLanes;
         const PanelView view = prepacked && n0 + S::kLanes <= w.N
-                                   ? prepacked_panel(prepacked, w, pi)
+                                   ? prepacked_panel(prepacked, w, int4, pi)
                                    : panel.pack(w, int4, n0);
         if (!int4)
           panel_rows(Int8Panel<O>{w, xa, out}, view, n0, mb, me);
