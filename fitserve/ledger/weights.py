@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from fitserve import envs
 from fitserve.config import MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelSpec
 from fitserve.ledger.errors import PlanError
 from fitserve.ledger.formats import (
@@ -288,9 +289,12 @@ def engine_held_tensors(spec: ModelSpec, dtype: str, *, stored: Mapping[str, str
 
 
 def engine_weight_bytes(spec: ModelSpec, dtype: str, *, stored: Mapping[str, str] | None = None,
-                        rule: FormatRule | None = None, panels: bool = True) -> int:
-    """Bytes of the weights the engine holds for ``spec`` (see ``engine_held_tensors``); the
-    planner assumes the C++ kernels (``panels``: the prepacked layout, see ``panel_bytes``)."""
+                        rule: FormatRule | None = None, panels: bool | None = None) -> int:
+    """Bytes of the weights the engine holds for ``spec`` (see ``engine_held_tensors``), with
+    the prepacked layout (``panel_bytes``) where ``panels``; None: as FITSERVE_PREPACK_PANELS
+    says (the planner assumes the C++ kernels are built, as the default install does)."""
+    if panels is None:
+        panels = envs.FITSERVE_PREPACK_PANELS()
     return held_bytes(engine_held_tensors(spec, dtype, stored=stored, rule=rule), panels=panels)
 
 

@@ -439,7 +439,12 @@ def holds_panels(model: nn.Module) -> bool:
 
 
 def prepack_linears(model: nn.Module) -> int:
-    """``prepack()`` every PackedLinear of ``model`` that ``panels_apply``; how many were."""
+    """``prepack()`` every PackedLinear of ``model`` that ``panels_apply``; how many were
+    (none with FITSERVE_PREPACK_PANELS=0)."""
+    from fitserve import envs
+
+    if not envs.FITSERVE_PREPACK_PANELS():
+        return 0
     return sum(mod.prepack() for name, mod in model.named_modules()
                if type(mod) is PackedLinear and panels_apply(name))
 

@@ -125,3 +125,24 @@ def test_packed_linear_prepack_is_used_and_counted() -> None:
     assert "panels" not in lin.state_dict()  # derived, never saved
     assert panels_apply("layers.0.self_attn.qkv_proj") and not panels_apply("lm_head")
     assert not panels_apply("layers.1.mlp.experts.3.down_proj")
+
+
+def test_prepack_off_keeps_one_copy_and_the_ledger_agrees(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch import nn
+
+    from fitserve.ledger.weights import EngineTensor, held_bytes, panel_bytes
+    from fitserve.model.linear import PackedLinear, holds_panels, prepack_linears
+    from fitserve.quant.packed import pack
+
+    q = torch.randint(0, 16, (16, 64))
+    model = nn.ModuleDict({"proj": PackedLinear(pack("int4", q, torch.full((16, 2), 0.01),
+                                                     None, 32, 64))})
+    monkeypatch.setenv("FITSERVE_PREPACK_PANELS", "0")
+    assert prepack_linears(model) == 0 and not holds_panels(model)
+    monkeypatch.delenv("FITSERVE_PREPACK_PANELS")
+    assert prepack_linears(model) == 1 and holds_panels(model)
+    t = EngineTensor("model.layers.0.self_attn.q_proj.weight", (16, 64), "int4-g32-sym")
+    panels = model["proj"].panels
+    assert panels is not None and panel_bytes(t) == panels.numel()
+    assert held_bytes([t], panels=False) + panel_bytes(t) == held_bytes([t])
+    assert panel_bytes(EngineTensor("lm_head.weight", (16, 64), "int4-g32-sym")) == 0
