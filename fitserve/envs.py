@@ -55,6 +55,10 @@ FITSERVE_DECODE_LOOP: EnvVar[bool] = EnvVar(
 FITSERVE_DECODE_NATIVE: EnvVar[bool] = EnvVar(
     "FITSERVE_DECODE_NATIVE", True, _flag_unless_zero,
     "0: the fused decode loop runs its layer loop in Python instead of the C++ op")
+FITSERVE_PREPACK_PANELS: EnvVar[bool] = EnvVar(
+    "FITSERVE_PREPACK_PANELS", True, _flag_unless_zero,
+    "0: packed projections keep one copy (the M > 1 panels are packed per call) instead of a "
+    "second one laid out at load for them (codes + fp32 scales, counted by the ledger)")
 FITSERVE_ALLOW_LONG_MAX_MODEL_LEN: EnvVar[bool] = EnvVar(
     "FITSERVE_ALLOW_LONG_MAX_MODEL_LEN", False, _flag_if_true,
     "1: a max_model_len past the model's trained context is a warning, not an error "

@@ -30,7 +30,7 @@ from fitserve.ledger.sampler_memory import prompt_logprob_chunk_rows
 from fitserve.ledger.weights import engine_format_rule, engine_weight_bytes
 from fitserve.loading import LoadedModel, load_model
 from fitserve.loading.tokenizer import Tokenizer
-from fitserve.model.linear import cpp_ops_available, set_activation_quant
+from fitserve.model.linear import cpp_ops_available, holds_panels, set_activation_quant
 from fitserve.model.llama import CausalLM
 from fitserve.model.loader import build_model, check_supported, held_weight_bytes
 from fitserve.quant.convert import loaded_weights_choice
@@ -143,7 +143,8 @@ def _size_and_wire(cfg: EngineConfig, model: CausalLM, spec: ModelSpec, shard_sp
     dname = dtype_name(dtype)
     held = held_weight_bytes(model)  # parameters and packed buffers, each tensor once
     weight_bytes = engine_weight_bytes(shard_spec, dname, stored=loaded.stored_formats,
-                                       rule=engine_format_rule(weights_choice, dname))
+                                       rule=engine_format_rule(weights_choice, dname),
+                                       panels=holds_panels(model))
     if held != weight_bytes:
         raise RuntimeError(f"the model holds {held:,} B of weights, the ledger says "
                            f"{weight_bytes:,} B (fitserve.ledger.weights.engine_weight_bytes)")

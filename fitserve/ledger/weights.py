@@ -12,9 +12,15 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from fitserve import envs
 from fitserve.config import MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelSpec
 from fitserve.ledger.errors import PlanError
-from fitserve.ledger.formats import engine_tensor_format, tensor_role, weight_bytes, weight_format
+from fitserve.ledger.formats import (
+    engine_tensor_format,
+    tensor_role,
+    weight_bytes,
+    weight_format,
+)
 from fitserve.ledger.params import Tensor, rank_elements, tensors
 from fitserve.ledger.weight_names import expected_weight_shapes
 
@@ -206,12 +212,30 @@ class EngineTensor:
     fmt: str  # a weight format of plan.formats ("bf16", "f32", "Q4_0" ...)
 
 
-def held_bytes(tensors_held: Iterable[EngineTensor]) -> int:
-    """Bytes of ``tensors_held``, each in its own format (``formats.weight_bytes``)."""
+def panel_bytes(t: EngineTensor) -> int:
+    """Bytes of the M > 1 layout the engine makes once at load beside a projection held in a
+    packed format (``fitserve.model.linear.PackedLinear.prepack``, qlinear_prepack.h): per row,
+    its codes and fp32 scales (int4: + fp32 offsets). None for the embedding / lm_head and the
+    experts (``panels_apply``)."""
+    packed = weight_format(t.fmt).packed
+    if (packed is None or len(t.shape) != 2 or tensor_role(t.name, 2) != "matrix"
+            or ".experts." in t.name):
+        return 0
+    rows, cols = t.shape
+    group = packed.group_size or -(-cols // 32) * 32  # 0: per output channel
+    groups = -(-cols // group)
+    bits = 4 if packed.kind == "int4" else 8
+    return rows * (groups * group * bits // 8 + groups * 4 * (2 if bits == 4 else 1))
+
+
+def held_bytes(tensors_held: Iterable[EngineTensor], *, panels: bool = True) -> int:
+    """Bytes of ``tensors_held``, each in its own format (``formats.weight_bytes``), with the
+    prepacked panels (``panel_bytes``) unless ``panels`` is False (the C++ kernels absent)."""
     total = 0
     for t in tensors_held:
         rows = t.shape[0] if len(t.shape) >= 2 else 0
         total += weight_bytes(math.prod(t.shape), t.fmt, rows=rows)
+        total += panel_bytes(t) if panels else 0
     return total
 
 
@@ -265,9 +289,13 @@ def engine_held_tensors(spec: ModelSpec, dtype: str, *, stored: Mapping[str, str
 
 
 def engine_weight_bytes(spec: ModelSpec, dtype: str, *, stored: Mapping[str, str] | None = None,
-                        rule: FormatRule | None = None) -> int:
-    """Bytes of the weights the engine holds for ``spec`` (see ``engine_held_tensors``)."""
-    return held_bytes(engine_held_tensors(spec, dtype, stored=stored, rule=rule))
+                        rule: FormatRule | None = None, panels: bool | None = None) -> int:
+    """Bytes of the weights the engine holds for ``spec`` (see ``engine_held_tensors``), with
+    the prepacked layout (``panel_bytes``) where ``panels``; None: as FITSERVE_PREPACK_PANELS
+    says (the planner assumes the C++ kernels are built, as the default install does)."""
+    if panels is None:
+        panels = envs.FITSERVE_PREPACK_PANELS()
+    return held_bytes(engine_held_tensors(spec, dtype, stored=stored, rule=rule), panels=panels)
 
 
 def engine_plan_weight_bytes(spec: ModelSpec, dtype: str, *,

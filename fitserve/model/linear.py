@@ -314,11 +314,16 @@ class PackedLinear(nn.Module):
     """``y = x @ W.T (+ bias)`` with W held packed (buffers ``qweight``, ``scales``, ``mins``).
 
     The kernel is chosen per call from the measured table (cached per M class and dtype).
+    ``prepack()`` (the loader calls it for the projections) adds buffer ``panels``: the same
+    weight laid out once for the M > 1 panel kernels (fitserve.kernels.cpu.qlinear.prepack):
+    the codes again + fp32 scales (int4: + fp32 offsets), which the ledger counts
+    (``fitserve.ledger.weights.panel_bytes``).
     """
 
     qweight: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None
+    panels: torch.Tensor | None
 
     def __init__(self, pw: PackedWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -327,6 +332,8 @@ class PackedLinear(nn.Module):
         self.register_buffer("qweight", pw.qweight)
         self.register_buffer("scales", pw.scales)
         self.register_buffer("mins", pw.mins)
+        # derived from the three above, so not in the state dict
+        self.register_buffer("panels", None, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self._cache: dict[str, torch.Tensor] = {}
         self._chosen: dict[tuple[str, torch.dtype], Candidate] = {}
@@ -360,7 +367,22 @@ class PackedLinear(nn.Module):
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> PackedLinear:
         self._runs.clear()  # .to(device) swaps the buffers the bound calls hold
         self._cache.clear()
-        return super()._apply(fn, recurse)  # type: ignore[no-untyped-call, no-any-return]
+        had_panels = self.panels is not None
+        out: PackedLinear = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        if had_panels:  # made again for the tensors now held (or dropped off the CPU)
+            self.panels = None
+            self.prepack()
+        return out
+
+    def prepack(self) -> bool:
+        """Lay the weight out once for the M > 1 panel kernels (buffer ``panels``); False
+        where they do not run (no C++ ops, not on the CPU)."""
+        if self.qweight.device.type != "cpu" or not cpp_ops_available():
+            return False
+        from fitserve.kernels.cpu import qlinear
+
+        self.panels = qlinear.prepack(self.qweight, self.scales, self.mins, self.group_size)
+        return True
 
     @property
     def codes(self) -> PackedCodes:
@@ -402,6 +424,29 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"format={self.packed.format}, bias={self.bias is not None}")
+
+
+def panels_apply(name: str) -> bool:
+    """Whether the PackedLinear at module path ``name`` is prepacked: the projections, not the
+    lm_head (one row per sequence at a time) nor the experts (the grouped expert kernels read
+    their own layout). The ledger applies the same rule to tensor names."""
+    return name.split(".")[-1] != "lm_head" and ".experts." not in f".{name}."
+
+
+def holds_panels(model: nn.Module) -> bool:
+    """Whether any PackedLinear of ``model`` holds prepacked panels (the ledger's ``panels``)."""
+    return any(type(m) is PackedLinear and m.panels is not None for m in model.modules())
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """``prepack()`` every PackedLinear of ``model`` that ``panels_apply``; how many were
+    (none with FITSERVE_PREPACK_PANELS=0)."""
+    from fitserve import envs
+
+    if not envs.FITSERVE_PREPACK_PANELS():
+        return 0
+    return sum(mod.prepack() for name, mod in model.named_modules()
+               if type(mod) is PackedLinear and panels_apply(name))
 
 
 class PackedEmbedding(nn.Module):

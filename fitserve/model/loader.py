@@ -20,7 +20,13 @@ from fitserve.model.fp8_linear import Fp8Linear
 from fitserve.model.gemma import GemmaCausalLM
 from fitserve.model.ggml_linear import GgmlEmbedding, GgmlLinear
 from fitserve.model.gpt_oss import GptOssCausalLM
-from fitserve.model.linear import ConcatLinear, DenseLinear, PackedEmbedding, PackedLinear
+from fitserve.model.linear import (
+    ConcatLinear,
+    DenseLinear,
+    PackedEmbedding,
+    PackedLinear,
+    prepack_linears,
+)
 from fitserve.model.llama import CausalLM
 from fitserve.model.permuted_linear import InputPermutedLinear
 from fitserve.quant.fp8 import Fp8Weight
@@ -200,11 +206,12 @@ def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device | st
 
 def held_weight_bytes(model: nn.Module) -> int:
     """Bytes of the weights a model holds: parameters and persistent buffers (packed tensors
-    are buffers), each tensor once (tied ones are shared); not the rotary tables."""
+    are buffers) and the packed linears' prepacked ``panels``, each tensor once (tied ones are
+    shared); not the rotary tables."""
     seen: set[int] = set()
     total = 0
     for module in model.modules():
-        skip = module._non_persistent_buffers_set
+        skip = module._non_persistent_buffers_set - {"panels"}
         named = [*module._parameters.items(),
                  *((n, b) for n, b in module._buffers.items() if n not in skip)]
         for _, t in named:
@@ -247,4 +254,5 @@ def build_model(
     if spec.tie_word_embeddings and isinstance(model.embed_tokens, nn.Embedding):
         model.lm_head.weight = model.embed_tokens.weight
     model.install_rotary(max_positions, device)
+    prepack_linears(model)  # the M > 1 layout, once (the ledger counts it: panel_bytes)
     return model.eval().requires_grad_(False)

@@ -5,7 +5,9 @@
 //                    (vpdpbusd on AVX512-VNNI, maddubs on AVX2 / AVX-512), fp32 combine
 //   act_quant=False  W dequantized to fp32 (exact) and FMA'd with fp32 x
 //
-// Which kernel runs for which M: qlinear_run.h. act_quant=True gives row m the same bits
+// Which kernel runs for which M: qlinear_run.h. The M > 1 panels read the layout made once at
+// load by qlinear_prepack where the weight has it (qlinear_prepack.h); the op signatures are
+// unchanged (the weight is found by its qweight tensor). act_quant=True gives row m the same bits
 // whatever M (qlinear_rows.h states the order); act_quant=False does with batch_invariant=True
 // (register tiles for every M instead of at::mm from kMmMinRows rows on). The result is accumulated in fp32 and rounded
 // once (to nearest even) into x's dtype.
@@ -50,18 +52,23 @@ void round_into(const float* src, const at::Tensor& out) {
 }
 
 at::Tensor run(const at::Tensor& x, const QWeight& w, bool int4, bool act_quant,
-               bool batch_invariant) {
+               bool batch_invariant, const uint8_t* prepacked) {
   const int64_t M = x.size(0), kp = x.size(1);
   at::Tensor out = at::empty({M, w.N}, x.options());
   if (M == 0 || w.N == 0) return out;
   if (kp == 0) return out.zero_();
   const bool bf16 = x.scalar_type() == at::kBFloat16;
+  if (act_quant && (M >= kPanelMinRows || !canonical_rows_apply(w))) {  // panels: direct store
+    if (bf16)
+      panels_int(x.data_ptr<c10::BFloat16>(), M, kp, w, int4, prepacked,
+                 out.data_ptr<c10::BFloat16>());
+    else
+      panels_int(x.data_ptr<float>(), M, kp, w, int4, prepacked, out.data_ptr<float>());
+    return out;
+  }
   float* op = bf16 ? scratch(tl_f32_out, M * w.N) : out.data_ptr<float>();
   if (act_quant) {
-    const bool panels = M >= kPanelMinRows || !canonical_rows_apply(w);
-    if (bf16 && panels) panels_int(x.data_ptr<c10::BFloat16>(), M, kp, w, int4, op);
-    else if (bf16) rows_int(x.data_ptr<c10::BFloat16>(), M, kp, w, int4, op);
-    else if (panels) panels_int(x.data_ptr<float>(), M, kp, w, int4, op);
+    if (bf16) rows_int(x.data_ptr<c10::BFloat16>(), M, kp, w, int4, op);
     else rows_int(x.data_ptr<float>(), M, kp, w, int4, op);
   } else if (M >= kMmMinRows && !batch_invariant) {  // at::mm's order depends on M
     const at::Tensor xf = x.to(at::kFloat).contiguous();
@@ -84,6 +91,14 @@ at::Tensor run(const at::Tensor& x, const QWeight& w, bool int4, bool act_quant,
   return out;
 }
 
+// The weight's prepacked panels where a panel call will read them (held for the call).
+at::Tensor prepacked_for(const at::Tensor& x, bool act_quant, const at::Tensor& qweight,
+                         const at::Tensor& scales, const at::Tensor* mins, int64_t group,
+                         bool int4) {
+  if (!act_quant || x.size(0) < kPanelMinRows) return {};  // the rows / fp32 paths
+  return PrepackRegistry::get().find(qweight, scales, mins, group, int4);
+}
+
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const std::optional<at::Tensor>& mins, int64_t group_size,
                        bool act_quant, bool batch_invariant) {
@@ -99,7 +114,10 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   const QWeight w{qweight.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
                   asym ? mins->data_ptr<at::Half>() : nullptr, qweight.size(0), kp / 2,
                   kp / group_size, group_size};
-  return run(x, w, true, act_quant, batch_invariant);
+  const at::Tensor blob = prepacked_for(x, act_quant, qweight, scales, asym ? &*mins : nullptr,
+                                        group_size, true);
+  return run(x, w, true, act_quant, batch_invariant,
+             blob.defined() ? blob.data_ptr<uint8_t>() : nullptr);
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
@@ -111,9 +129,46 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   const QWeight w{reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>()),
                   scales.data_ptr<at::Half>(), nullptr, qweight.size(0), kp, kp / group_size,
                   group_size};
-  return run(x, w, false, act_quant, batch_invariant);
+  const at::Tensor blob = prepacked_for(x, act_quant, qweight, scales, nullptr, group_size, false);
+  return run(x, w, false, act_quant, batch_invariant,
+             blob.defined() ? blob.data_ptr<uint8_t>() : nullptr);
 }
 
+// Makes qweight's panels once (qlinear_prepack.h) and registers them, so every later call of
+// int4_linear / int8_linear with these tensors reads them; returns the blob, which the caller
+// must hold (the registry keeps only weak references). bits: 4 or 8.
+at::Tensor qlinear_prepack(const at::Tensor& qweight, const at::Tensor& scales,
+                           const std::optional<at::Tensor>& mins, int64_t group_size,
+                           int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "qlinear_prepack: bits must be 4 or 8, got ", bits);
+  const bool int4 = bits == 4, asym = mins.has_value() && mins->defined();
+  const int64_t kp = qweight.size(1) * (int4 ? 2 : 1);
+  check_common(at::empty({0, kp}, at::kFloat), qweight, scales, group_size, kp);
+  TORCH_CHECK(qweight.scalar_type() == (int4 ? at::kByte : at::kChar),
+              "qlinear_prepack: qweight must be ", int4 ? "uint8" : "int8");
+  TORCH_CHECK(!asym || (int4 && mins->scalar_type() == at::kHalf && mins->is_contiguous() &&
+                        mins->sizes() == scales.sizes()),
+              "qlinear_prepack: mins must be contiguous float16 shaped like scales (int4 only)");
+  const QWeight w{static_cast<const uint8_t*>(qweight.const_data_ptr()),
+                  scales.data_ptr<at::Half>(), asym ? mins->data_ptr<at::Half>() : nullptr,
+                  qweight.size(0), qweight.size(1), kp / group_size, group_size};
+  // N rows of panel_row_bytes: the full panels, then the unused tail
+  at::Tensor blob =
+      at::zeros({w.N * panel_row_bytes(w, int4)}, qweight.options().dtype(at::kByte));
+  prepack_panels(w, int4, blob.data_ptr<uint8_t>());
+  PrepackRegistry::get().add(qweight, scales, asym ? &*mins : nullptr, group_size, int4, blob);
+  return blob;
+}
+
+// Whether a panel call with these tensors would read prepacked panels (tests).
+bool qlinear_is_prepacked(const at::Tensor& qweight, const at::Tensor& scales,
+                          const std::optional<at::Tensor>& mins, int64_t group_size,
+                          int64_t bits) {
+  const bool asym = mins.has_value() && mins->defined();
+  return PrepackRegistry::get()
+      .find(qweight, scales, asym ? &*mins : nullptr, group_size, bits == 4)
+      .defined();
+}
 
 std::string qlinear_tier() { return build_tier_name(); }
 
@@ -127,6 +182,10 @@ TORCH_LIBRARY_FRAGMENT(fitserve, m) {
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales, int group_size, "
         "bool act_quant, bool batch_invariant=False) -> Tensor");
   m.def("qlinear_tier() -> str", &fitserve::qlinear::qlinear_tier);
+  m.def("qlinear_prepack(Tensor qweight, Tensor scales, Tensor? mins, int group_size, int bits) "
+        "-> Tensor", &fitserve::qlinear::qlinear_prepack);
+  m.def("qlinear_is_prepacked(Tensor qweight, Tensor scales, Tensor? mins, int group_size, "
+        "int bits) -> bool", &fitserve::qlinear::qlinear_is_prepacked);
 }
 
 // CPU kernels only (no CompositeImplicitAutograd), so torch.compile sees opaque ops with the

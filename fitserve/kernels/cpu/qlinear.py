@@ -23,6 +23,9 @@
   depend on the other rows: batch invariance). The extra error is
   bounded by ``sum over blocks of (da / 2) * sum |w|`` over the block's columns.
 
+``prepack`` lays a weight out once (at load) for the M > 1 panel kernels; the ops find it by
+its tensors, so their signatures (and the decode step's calls) are unchanged.
+
 The functions raise RuntimeError when the extension is unavailable (no compiler, failed build,
 ``FITSERVE_DISABLE_CPP=1``): check :func:`qlinear_ops_available` and fall back.
 """
@@ -36,7 +39,8 @@ import torch.nn.functional as F
 
 from fitserve.kernels.cpu.build import load_extension
 
-__all__ = ["int4_linear", "int8_linear", "qlinear_ops_available", "qlinear_tier"]
+__all__ = ["int4_linear", "int8_linear", "is_prepacked", "prepack", "qlinear_ops_available",
+           "qlinear_tier"]
 
 
 @functools.cache
@@ -107,3 +111,26 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, gr
     y: torch.Tensor = torch.ops.fitserve.int8_linear(x2, qweight, scales, group_size, act_quant,
                                                      batch_invariant)
     return y.reshape(*x.shape[:-1], qweight.shape[0])
+
+
+def prepack(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+            group_size: int) -> torch.Tensor:
+    """Lay the weight out once for the M > 1 panel kernels (qlinear_prepack.h) and register it:
+    later ``int4_linear`` / ``int8_linear`` calls with these same tensors read the panels
+    instead of packing them per call (same bits). Returns the panels, uint8, N rows of the codes
+    + 4 bytes (int8) or 8 (int4) per group: the caller holds them (the registry keeps only weak
+    references), and the registration lapses when any of the tensors is freed, replaced or
+    written in place."""
+    _require()
+    bits = 4 if qweight.dtype == torch.uint8 else 8
+    blob: torch.Tensor = torch.ops.fitserve.qlinear_prepack(qweight, scales, mins, group_size,
+                                                            bits)
+    return blob
+
+
+def is_prepacked(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                 group_size: int) -> bool:
+    """Whether calls with these tensors read prepacked panels (their registration is live)."""
+    _require()
+    bits = 4 if qweight.dtype == torch.uint8 else 8
+    return bool(torch.ops.fitserve.qlinear_is_prepacked(qweight, scales, mins, group_size, bits))

@@ -3,17 +3,19 @@
 // For G = 32 that sequence is the canonical order of qlinear_rows.h (the few-row kernel); for
 // other groups the panels run every M (qlinear_run.h).
 //
-// kLanes weight rows are transposed once per call into a thread-local panel, dword by dword:
+// kLanes weight rows are transposed, dword by dword (PanelView):
 //
-//   panel.wq[d][l] = bytes 4d .. 4d+3 of weight row n0 + l        (d over the row's dwords)
+//   wq[d][l] = bytes 4d .. 4d+3 of weight row n0 + l        (d over the row's dwords)
+//
+// once at load into the weight's prepacked panels (qlinear_prepack.h), or, for a weight that was
+// not prepacked, once per call into a thread-local panel.
 //
 // so one vector holds the same 4 bytes of kLanes rows. Against x in natural column order, the
 // activation operand is 4 int8 values broadcast to every lane, each int32 lane accumulates a
 // whole 32-column block of ONE output (no horizontal sums), and one fp32 multiply per block
 // scales kLanes outputs: per block and row of x that is 8 (int8) or 8 (int4: low + high
 // nibbles of 4 dwords) dot instructions + 3 fp32 ops for kLanes * 32 multiply-adds, against
-// 5 ops per 64 weights in the row-major tiles. Packing costs one pass over the panel per call,
-// so this path is taken for M >= kPanelMinRows.
+// 5 ops per 64 weights in the row-major tiles. This path is taken for M >= kPanelMinRows.
 //
 //   int4: dword d of a row sits in group g = 4d / (G/2); its low nibbles are the 4 consecutive
 //         columns lo = g*G + 4d % (G/2), its high nibbles hi = lo + G/2 (qlinear_tiles.h).
@@ -37,54 +39,67 @@ struct NatAct {
   int64_t kp, nblk;
 };
 
-// One panel of kLanes weight rows, transposed; rows past N are zero (never stored).
+// One panel of kLanes weight rows as the tiles read it (lanes = output rows):
+//
+//   wq[d * kLanes + l] = dword d of weight row n0 + l   (VNNI int8: every byte ^ 0x80)
+//   dv[g * kLanes + l] = fp32 scale of group g of row n0 + l
+//   cv[g * kLanes + l] = its fp32 int4 offset (the min, or -8 * scale); int8: none
+//
+// It either points into a weight's prepacked panels (qlinear_prepack.h, made once at load) or
+// into a thread-local Panel packed on this call (weights that were not prepacked, and the last
+// N % kLanes rows). NOTE: the scales are widened to fp32 here, not read as f16 in the tiles: the
+// conversion per group and tile measured 5-15% of the M >= 512 calls.
+struct PanelView {
+  const uint32_t* wq;
+  const float* dv;
+  const float* cv;
+};
+
+// Bytes of one weight row in a panel: its codes, and 4 (int8) or 8 (int4) per group.
+inline int64_t panel_row_bytes(const QWeight& w, bool int4) {
+  return w.row_bytes + w.ngroups * 4 * (int4 ? 2 : 1);
+}
+
+// Transposes kLanes rows (rows past N: zero) of w into the PanelView layout at wq / dv / cv.
+inline void pack_panel(const QWeight& w, bool int4, int64_t n0, const uint8_t* zeros,
+                       uint32_t* wq, float* dv, float* cv) {
+  constexpr int L = S::kLanes;
+  const int64_t nd = w.row_bytes / 4;
+  const uint8_t* rows[L];
+  for (int l = 0; l < L; ++l)
+    rows[l] = n0 + l < w.N ? w.q + (n0 + l) * w.row_bytes : zeros;
+  int64_t d = 0;
+  for (; d + L <= nd; d += L) S::transpose_dwords(rows, 4 * d, wq + d * L);
+  for (; d < nd; ++d)
+    for (int l = 0; l < L; ++l) std::memcpy(&wq[d * L + l], rows[l] + 4 * d, 4);
+  // NOTE: VNNI int8 panels hold w + 128 (unsigned) so activations can be the broadcast operand
+  if (!int4 && S::kW8Biased)
+    for (int64_t i = 0; i < nd * L; ++i) wq[i] ^= 0x80808080u;
+  for (int l = 0; l < L; ++l) {
+    const bool in = n0 + l < w.N;
+    for (int64_t g = 0; g < w.ngroups; ++g) {
+      const float d_g = in ? S::h2f(w.scales[(n0 + l) * w.ngroups + g]) : 0.f;
+      dv[g * L + l] = d_g;
+      if (int4) cv[g * L + l] = !in ? 0.f : w.mins ? S::h2f(w.mins[(n0 + l) * w.ngroups + g])
+                                                   : d_g * -8.f;  // exact (a power of 2)
+    }
+  }
+}
+
+// A panel packed on this call (per worker thread).
 struct Panel {
-  std::vector<uint32_t> wq;  // [row_bytes / 4][kLanes]
-  std::vector<float> dv;     // [ngroups (padded to kLanes)][kLanes] scales
-  std::vector<float> cv;     // [same][kLanes] int4 offsets (min, or -8 * scale)
-
+  std::vector<uint32_t> wq;
+  std::vector<float> dv, cv;
   std::vector<uint8_t> zeros;  // stands in for the rows past N
-  std::vector<float> rows_f;   // scales (and offsets) row by row, before the transpose
 
-  void pack(const QWeight& w, bool int4, int64_t n0) {
+  PanelView pack(const QWeight& w, bool int4, int64_t n0) {
     constexpr int L = S::kLanes;
-    const int64_t nd = w.row_bytes / 4;
-    wq.resize(nd * L);
+    wq.resize(w.row_bytes / 4 * L);
+    dv.resize(w.ngroups * L);
+    if (int4) cv.resize(w.ngroups * L);
     if (static_cast<int64_t>(zeros.size()) < w.row_bytes) zeros.assign(w.row_bytes, 0);
-    const uint8_t* rows[L];
-    for (int l = 0; l < L; ++l)
-      rows[l] = n0 + l < w.N ? w.q + (n0 + l) * w.row_bytes : zeros.data();
-    int64_t d = 0;
-    for (; d + L <= nd; d += L) S::transpose_dwords(rows, 4 * d, wq.data() + d * L);
-    for (; d < nd; ++d)
-      for (int l = 0; l < L; ++l) std::memcpy(&wq[d * L + l], rows[l] + 4 * d, 4);
-    // NOTE: VNNI int8 panels hold w + 128 (unsigned) so activations can be the broadcast operand
-    if (!int4 && S::kW8Biased)
-      for (auto& v : wq) v ^= 0x80808080u;
-    // scales: each row's fp16 values to fp32 in a [L][gpad] buffer, then the same transpose
-    const int64_t gpad = (w.ngroups + L - 1) / L * L;
-    dv.resize(gpad * L);
-    if (int4) cv.resize(gpad * L);
-    rows_f.assign(gpad * L * (int4 ? 2 : 1), 0.f);
-    for (int l = 0; l < L && n0 + l < w.N; ++l) {
-      const at::Half* sc = w.scales + (n0 + l) * w.ngroups;
-      const at::Half* mn = w.mins ? w.mins + (n0 + l) * w.ngroups : nullptr;
-      float* rd = rows_f.data() + l * gpad;
-      float* rc = rd + L * gpad;
-      for (int64_t g = 0; g < w.ngroups; g += L) {
-        const int n = static_cast<int>(std::min<int64_t>(L, w.ngroups - g));
-        const S::F d = S::load_half(sc + g, n);
-        S::storef(rd + g, d, n);
-        if (int4) S::storef(rc + g, mn ? S::load_half(mn + g, n) : S::mul(d, S::set1(-8.f)), n);
-      }
-    }
-    for (int half = 0; half < (int4 ? 2 : 1); ++half) {
-      const uint8_t* rp[L];
-      for (int l = 0; l < L; ++l)
-        rp[l] = reinterpret_cast<const uint8_t*>(rows_f.data() + (half * L + l) * gpad);
-      auto* dst = reinterpret_cast<uint32_t*>(half ? cv.data() : dv.data());
-      for (int64_t g = 0; g < gpad; g += L) S::transpose_dwords(rp, 4 * g, dst + g * L);
-    }
+    pack_panel(w, int4, n0, zeros.data(), wq.data(), dv.data(), int4 ? cv.data() : nullptr);
+    return {wq.data(), dv.data(), int4 ? cv.data() : nullptr};
   }
 };
 
@@ -93,11 +108,29 @@ inline void store_lanes(S::F v, float* out_row, int64_t n_valid) {
   S::storef(out_row, v, static_cast<int>(std::min<int64_t>(n_valid, S::kLanes)));
 }
 
+// The same, rounded to bfloat16 as c10::BFloat16(float) does (nearest even, NaN -> 0x7FC0):
+// a bf16 call writes its result here directly, with no fp32 [M, N] buffer and rounding pass.
+inline void store_lanes(S::F v, c10::BFloat16* out_row, int64_t n_valid) {
+  const int n = static_cast<int>(std::min<int64_t>(n_valid, S::kLanes));
+#if defined(FITSERVE_TIER_AVX512_VNNI) || defined(FITSERVE_TIER_AVX512)
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_mask_storeu_epi16(out_row, S::hmask(n), _mm512_cvtepi32_epi16(r));
+#else
+  float t[S::kLanes];
+  S::storef(t, v);
+  for (int l = 0; l < n; ++l) out_row[l] = c10::BFloat16(t[l]);
+#endif
+}
+
 // int4 panel x MT rows of x. kSeg: bytes per int32 flush (16: G == 32, lo / hi in one block;
 // 32: G % 64 == 0; 16 with two blocks otherwise). kOneBlock: lo and hi share the block.
-template <int MT, int kSeg, bool kOneBlock>
-void int4_panel_tile(const QWeight& w, const Panel& p, const NatAct& x, int64_t n0, int64_t m0,
-                     float* out, int64_t ldo) {
+template <int MT, int kSeg, bool kOneBlock, class O>
+void int4_panel_tile(const QWeight& w, const PanelView& p, const NatAct& x, int64_t n0, int64_t m0,
+                     O* out, int64_t ldo) {
   constexpr int L = S::kLanes;
   const int64_t half = w.group / 2;
   const int8_t* a[MT];
@@ -109,13 +142,13 @@ void int4_panel_tile(const QWeight& w, const Panel& p, const NatAct& x, int64_t 
     acc[m] = S::fzero();
   }
   for (int64_t g = 0; g < w.ngroups; ++g) {
-    const S::F dv = S::loadf(p.dv.data() + g * L);
+    const S::F dv = S::loadf(p.dv + g * L);
     for (int64_t s = 0; s < half; s += kSeg) {  // bytes g*half + s ..: no divisions in the loop
       const int64_t b0 = g * half + s, lo = g * w.group + s, hi = lo + half;
       S::I il[MT], ih[MT];
       _Pragma("GCC unroll 16") for (int m = 0; m < MT; ++m) il[m] = ih[m] = S::izero();
       _Pragma("GCC unroll 8") for (int d = 0; d < kSeg / 4; ++d) {
-        const S::B wv = S::loadb(p.wq.data() + (b0 / 4 + d) * L);
+        const S::B wv = S::loadb(p.wq + (b0 / 4 + d) * L);
         const S::B ql = S::nib_lo(wv), qh = S::nib_hi(wv);
         _Pragma("GCC unroll 16") for (int m = 0; m < MT; ++m) {
           il[m] = S::dot_u4(il[m], ql, S::bcast4(a[m] + lo + 4 * d));
@@ -124,7 +157,7 @@ void int4_panel_tile(const QWeight& w, const Panel& p, const NatAct& x, int64_t 
         }
       }
       if constexpr (kOneBlock) {  // G = 32: the canonical order of qlinear_rows.h
-        const S::F cv = S::loadf(p.cv.data() + g * L);
+        const S::F cv = S::loadf(p.cv + g * L);
         _Pragma("GCC unroll 16") for (int m = 0; m < MT; ++m) {
           const S::F t = S::mulr(S::cvt(il[m]), S::mulr(dv, S::set1(da[m][g])));
           const S::F off = S::mulr(cv, S::set1(x.sg[(m0 + m) * w.ngroups + g]));
@@ -139,7 +172,7 @@ void int4_panel_tile(const QWeight& w, const Panel& p, const NatAct& x, int64_t 
     }
   }
   for (int64_t g = 0; g < w.ngroups && !kOneBlock; ++g) {
-    const S::F cv = S::loadf(p.cv.data() + g * L);
+    const S::F cv = S::loadf(p.cv + g * L);
     _Pragma("GCC unroll 16") for (int m = 0; m < MT; ++m)
       acc[m] = S::fmadd(cv, S::set1(x.sg[(m0 + m) * w.ngroups + g]), acc[m]);
   }
@@ -147,9 +180,9 @@ void int4_panel_tile(const QWeight& w, const Panel& p, const NatAct& x, int64_t 
 }
 
 // int8 panel x MT rows of x, one 32-column block (8 dwords) per int32 flush.
-template <int MT>
-void int8_panel_tile(const QWeight& w, const Panel& p, const NatAct& x, int64_t n0, int64_t m0,
-                     float* out, int64_t ldo) {
+template <int MT, class O>
+void int8_panel_tile(const QWeight& w, const PanelView& p, const NatAct& x, int64_t n0, int64_t m0,
+                     O* out, int64_t ldo) {
   constexpr int L = S::kLanes;
   const int8_t* a[MT];
   const float* da[MT];
@@ -167,13 +200,13 @@ void int8_panel_tile(const QWeight& w, const Panel& p, const NatAct& x, int64_t 
     _Pragma("GCC unroll 16") for (int m = 0; m < MT; ++m)
       ia[m] = S::kW8Biased ? S::iset1(-128 * is[m][blk]) : S::izero();
     _Pragma("GCC unroll 8") for (int d = 0; d < 8; ++d) {
-      const S::B wv = S::loadb(p.wq.data() + (blk * 8 + d) * L);
+      const S::B wv = S::loadb(p.wq + (blk * 8 + d) * L);
       _Pragma("GCC unroll 16") for (int m = 0; m < MT; ++m)
         ia[m] = S::dot_w8p(ia[m], wv, S::bcast4(a[m] + blk * kActBlock + 4 * d));
     }
     // NOTE: G = 32 (Q8_0) and per channel need no division per block
     const int64_t g = per_group == 1 ? blk : w.ngroups == 1 ? 0 : blk / per_group;
-    const S::F dv = S::loadf(p.dv.data() + g * L);
+    const S::F dv = S::loadf(p.dv + g * L);
     if (per_group == 1) {  // G = 32: the canonical order of qlinear_rows.h
       _Pragma("GCC unroll 16") for (int m = 0; m < MT; ++m)
         acc[m] = S::add(acc[m], S::mulr(S::cvt(ia[m]), S::mulr(dv, S::set1(da[m][blk]))));

@@ -5,7 +5,9 @@
 //   rows_f32             M < kMmMinRows (fp32; every M with batch_invariant): row-major register
 //                        tiles (qlinear_tiles.h) of NT weight rows x MT rows of x
 //   panels_int           M >= kPanelMinRows, or every M for other groups / the scalar tier:
-//                        "lane = output row" panels (qlinear_panel.h), the same float order
+//                        "lane = output row" panels (qlinear_panel.h), the same float order,
+//                        read from the weight's prepacked panels where it has them
+//                        (qlinear_prepack.h, made once at load), else packed per call
 //   f32_via_mm           M >= kMmMinRows: W dequantized exactly, panel by panel, + at::mm
 //
 // Scratch memory (quantized x, fp32 out before bf16 rounding, panels) lives in thread_local
@@ -21,6 +23,7 @@
 #include "qlinear_act.h"
 #include "qlinear_gemv.h"
 #include "qlinear_panel.h"
+#include "qlinear_prepack.h"
 #include "qlinear_rows.h"
 #include "qlinear_tiles.h"
 
@@ -34,7 +37,7 @@ namespace fitserve::qlinear {
 // order that depends on M (batch_invariant keeps the tiles).
 constexpr int64_t kPanelMinRows = 2;
 constexpr int64_t kMmMinRows = 16;
-constexpr int64_t kPanelMaxRows = 512;     // rows of x per pass over the int panels (in L2)
+constexpr int64_t kPanelMaxRows = 256;  // rows of x per pass over the int panels (in L2)
 constexpr int64_t kMmPanelBytes = 1 << 21;  // fp32 weight panel of the at::mm path
 
 template <class T>
@@ -159,7 +162,7 @@ inline void rows_f32(const float* x, int64_t M, int64_t kp, const QWeight& w, bo
 
 // One panel against rows [m_begin, m_end) of x: tiles of kPanelMT rows, then 4, 2, 1.
 template <class K>
-void panel_rows(const K& k, const Panel& p, int64_t n0, int64_t m_begin, int64_t m_end) {
+void panel_rows(const K& k, const PanelView& p, int64_t n0, int64_t m_begin, int64_t m_end) {
   constexpr int MT = S::kPanelMT;
   int64_t m = m_begin;
   for (; m + MT <= m_end; m += MT) k.template tile<MT>(p, n0, m);
@@ -176,25 +179,29 @@ void panel_rows(const K& k, const Panel& p, int64_t n0, int64_t m_begin, int64_t
   if (m < m_end) k.template tile<1>(p, n0, m);
 }
 
-template <int kSeg, bool kOneBlock>
+template <int kSeg, bool kOneBlock, class O>
 struct Int4Panel {
-  const QWeight& w; const NatAct& x; float* out;
+  const QWeight& w; const NatAct& x; O* out;
   template <int MT>
-  void tile(const Panel& p, int64_t n0, int64_t m0) const {
-    int4_panel_tile<MT, kSeg, kOneBlock>(w, p, x, n0, m0, out, w.N);
+  void tile(const PanelView& p, int64_t n0, int64_t m0) const {
+    int4_panel_tile<MT, kSeg, kOneBlock, O>(w, p, x, n0, m0, out, w.N);
   }
 };
 
+template <class O>
 struct Int8Panel {
-  const QWeight& w; const NatAct& x; float* out;
+  const QWeight& w; const NatAct& x; O* out;
   template <int MT>
-  void tile(const Panel& p, int64_t n0, int64_t m0) const {
-    int8_panel_tile<MT>(w, p, x, n0, m0, out, w.N);
+  void tile(const PanelView& p, int64_t n0, int64_t m0) const {
+    int8_panel_tile<MT, O>(w, p, x, n0, m0, out, w.N);
   }
 };
 
-template <class T>
-void panels_int(const T* x, int64_t M, int64_t kp, const QWeight& w, bool int4, float* out) {
+// prepacked: the weight's panels made at load (qlinear_prepack.h), or nullptr: pack per call.
+// out: fp32 or bf16 [M, N] (each output rounded once, in the tile's store).
+template <class T, class O>
+void panels_int(const T* x, int64_t M, int64_t kp, const QWeight& w, bool int4,
+                const uint8_t* prepacked, O* out) {
   static thread_local std::vector<int8_t> aq_buf;
   static thread_local std::vector<float> da_buf, sg_buf;
   static thread_local std::vector<int32_t> isum_buf;
@@ -211,24 +218,28 @@ void panels_int(const T* x, int64_t M, int64_t kp, const QWeight& w, bool int4, 
   });
   const NatAct xa{aq, da, isum, sg, kp, nblk};
   const int64_t npanels = (w.N + S::kLanes - 1) / S::kLanes, half = w.group / 2;
-  for (int64_t mb = 0; mb < M; mb += kPanelMaxRows) {
-    const int64_t me = std::min(M, mb + kPanelMaxRows);
-    at::parallel_for(0, npanels, 1, [&](int64_t p0, int64_t p1) {
-      static thread_local Panel panel;  // per worker thread
+  // NOTE: one parallel region: each thread takes its panels through every chunk of rows (the
+  // chunk's activations stay in L2 across its panels), instead of a region per chunk
+  at::parallel_for(0, npanels, 1, [&](int64_t p0, int64_t p1) {
+    static thread_local Panel panel;  // per worker thread
+    for (int64_t mb = 0; mb < M; mb += kPanelMaxRows) {
+      const int64_t me = std::min(M, mb + kPanelMaxRows);
       for (int64_t pi = p0; pi < p1; ++pi) {
         const int64_t n0 = pi * S::kLanes;
-        panel.pack(w, int4, n0);
+        const PanelView view = prepacked && n0 + S::kLanes <= w.N
+                                   ? prepacked_panel(prepacked, w, int4, pi)
+                                   : panel.pack(w, int4, n0);
         if (!int4)
-          panel_rows(Int8Panel{w, xa, out}, panel, n0, mb, me);
+          panel_rows(Int8Panel<O>{w, xa, out}, view, n0, mb, me);
         else if (w.group == kActBlock)
-          panel_rows(Int4Panel<16, true>{w, xa, out}, panel, n0, mb, me);
+          panel_rows(Int4Panel<16, true, O>{w, xa, out}, view, n0, mb, me);
         else if (half % 32 == 0)
-          panel_rows(Int4Panel<32, false>{w, xa, out}, panel, n0, mb, me);
+          panel_rows(Int4Panel<32, false, O>{w, xa, out}, view, n0, mb, me);
         else
-          panel_rows(Int4Panel<16, false>{w, xa, out}, panel, n0, mb, me);
+          panel_rows(Int4Panel<16, false, O>{w, xa, out}, view, n0, mb, me);
       }
-    });
-  }
+    }
+  });
 }
 
 // ---- fp32 path, many rows: exact dequantization + at::mm ---------------------------------

@@ -24,6 +24,7 @@ from fitserve.ledger.weights import (
     engine_held_tensors,
     engine_plan_weight_bytes,
     engine_runs,
+    engine_weight_bytes,
     model_weight_bytes,
     stored_format_rule,
     tensor_mix_bytes,
@@ -90,11 +91,26 @@ def whole_model_weights(r: Resolved) -> WeightBytes:
     return model_weight_bytes(s, r.weights, tp=1, base_dtype=r.base_dtype)
 
 
+def prepacked_panel_bytes(r: Resolved) -> int:
+    """Of the engine's weights on cpu, the prepacked M > 1 panels (``ledger.weights.panel_bytes``;
+    0 with FITSERVE_PREPACK_PANELS=0 or where the engine does not run the model)."""
+    if not (r.on_cpu and r.engine_weights is not None and engine_runs(r.entry.spec)):
+        return 0
+    rule = engine_format_rule(r.engine_weights, r.act_dtype)
+    kw = {"stored": r.entry.stored_formats, "rule": rule}
+    return (engine_weight_bytes(r.entry.spec, r.act_dtype, **kw)  # type: ignore[arg-type]
+            - engine_weight_bytes(r.entry.spec, r.act_dtype, panels=False, **kw))  # type: ignore[arg-type]
+
+
 def _more_than_whole(r: Resolved, per_gpu: int, whole: int) -> str:
     """Why one GPU holds more than the whole model ("" when it does not)."""
     if per_gpu <= whole:
         return ""
     why = (f"; MORE than the whole model ({per_gpu:,} > {whole:,} B): ")
+    panels = prepacked_panel_bytes(r)
+    if panels and per_gpu - panels <= whole:
+        return why + (f"{panels:,} B of it are the packed projections laid out again for the "
+                      f"M > 1 kernels (FITSERVE_PREPACK_PANELS=0: one copy)")
     if r.on_cpu and not engine_runs(r.entry.spec):
         return why + (f"fitserve's engine cannot run {r.entry.spec.architecture}, so its "
                       f"--weights rule does not apply: this line is the whole model in "
