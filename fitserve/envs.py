@@ -55,10 +55,13 @@ FITSERVE_DECODE_LOOP: EnvVar[bool] = EnvVar(
 FITSERVE_DECODE_NATIVE: EnvVar[bool] = EnvVar(
     "FITSERVE_DECODE_NATIVE", True, _flag_unless_zero,
     "0: the fused decode loop runs its layer loop in Python instead of the C++ op")
+# NOTE: off by default: on Zen 5 the second copy (1.8x the packed weights' bytes) measured
+# TTFT 1.01x and W2 0.97x against packing per call (docs/benchmarks.md); the per-call packing
+# cost was measured at ~20% of a W2 step on an AMX Xeon, where it is worth trying.
 FITSERVE_PREPACK_PANELS: EnvVar[bool] = EnvVar(
-    "FITSERVE_PREPACK_PANELS", True, _flag_unless_zero,
-    "0: packed projections keep one copy (the M > 1 panels are packed per call) instead of a "
-    "second one laid out at load for them (codes + fp32 scales, counted by the ledger)")
+    "FITSERVE_PREPACK_PANELS", False, _flag_if_true,
+    "1: packed projections also hold a second copy laid out at load for the M > 1 panel kernels "
+    "(codes + fp32 scales, counted by the ledger) instead of packing panels per call")
 FITSERVE_ALLOW_LONG_MAX_MODEL_LEN: EnvVar[bool] = EnvVar(
     "FITSERVE_ALLOW_LONG_MAX_MODEL_LEN", False, _flag_if_true,
     "1: a max_model_len past the model's trained context is a warning, not an error "

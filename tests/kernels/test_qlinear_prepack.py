@@ -137,12 +137,12 @@ def test_prepack_off_keeps_one_copy_and_the_ledger_agrees(monkeypatch: pytest.Mo
     q = torch.randint(0, 16, (16, 64))
     model = nn.ModuleDict({"proj": PackedLinear(pack("int4", q, torch.full((16, 2), 0.01),
                                                      None, 32, 64))})
-    monkeypatch.setenv("FITSERVE_PREPACK_PANELS", "0")
+    monkeypatch.delenv("FITSERVE_PREPACK_PANELS", raising=False)  # the default: one copy
     assert prepack_linears(model) == 0 and not holds_panels(model)
-    monkeypatch.delenv("FITSERVE_PREPACK_PANELS")
+    monkeypatch.setenv("FITSERVE_PREPACK_PANELS", "1")
     assert prepack_linears(model) == 1 and holds_panels(model)
     t = EngineTensor("model.layers.0.self_attn.q_proj.weight", (16, 64), "int4-g32-sym")
     panels = model["proj"].panels
     assert panels is not None and panel_bytes(t) == panels.numel()
-    assert held_bytes([t], panels=False) + panel_bytes(t) == held_bytes([t])
+    assert held_bytes([t], panels=False) + panel_bytes(t) == held_bytes([t], panels=True)
     assert panel_bytes(EngineTensor("lm_head.weight", (16, 64), "int4-g32-sym")) == 0

@@ -127,9 +127,8 @@ def test_weights_per_gpu_over_whole_model_says_why(name: str, weights: str | Non
     # count of the whole model: the old plan printed both numbers with no word on why.
     # Mixtral-8x7B --weights int4 (the engine runs it): whole model (ledger, every matrix
     # int4-g32-asym) 29,551,501,312 B; per GPU the engine's own RTN-at-load rule over the
-    # tensors it holds (int4-g32-asym, int8-ch packed, the rest bf16) 29,288,043,520 B, + the
-    # attention projections laid out again for the M > 1 kernels (1,007,419,392 B): above the
-    # whole model, and the "MORE than" line says why.
+    # tensors it holds (int4-g32-asym, int8-ch packed, the rest bf16) 29,288,043,520 B: below
+    # the whole model, so no "MORE than" line.
     args = [name, "--gpu", "cpu", "--context", "1k", "--kv-cache-memory", "64M"]
     _, plan = run_json(capsys, args + (["--weights", weights] if weights else []))
     w = {x["name"]: x for x in next(s for s in plan["sections"]
@@ -137,12 +136,10 @@ def test_weights_per_gpu_over_whole_model_says_why(name: str, weights: str | Non
     per, whole = w["weights per GPU"], w["weights, whole model"]
     if per["value"] > whole["value"]:
         assert "MORE than the whole model" in per["explain"]
-        # NOTE: or the packed projections' prepacked M > 1 layout (ledger.weights.panel_bytes)
-        assert ("cannot run" in per["explain"] and plan["engine_cannot_run"]
-                or "laid out again for the M > 1 kernels" in per["explain"])
+        assert "cannot run" in per["explain"] and plan["engine_cannot_run"]
     else:
         assert "MORE than" not in per["explain"]
     if name == "Mixtral-8x7B":
-        assert (whole["value"], per["value"]) == (29_551_501_312, 29_288_043_520 + 1_007_419_392)
+        assert (whole["value"], per["value"]) == (29_551_501_312, 29_288_043_520)
     if name == "DeepSeek-V3":
         assert "MORE than the whole model" in per["explain"]
