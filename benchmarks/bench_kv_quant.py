@@ -55,6 +55,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     from fitserve.sampling import SamplingParams
 
     torch.set_num_threads(spec["threads"])
+    # NOTE: --clock cpu times the process's CPU seconds: on a loaded shared host that is what a
+    # step costs, not when the scheduler let it run (use --threads 1: idle workers spin)
+    clock = time.process_time if spec.get("clock") == "cpu" else time.perf_counter
     kv_dtype, scales, in_place = CONFIGS[spec["config"]]
     contexts: list[int] = spec["contexts"]
     new = spec["new"]
@@ -74,13 +77,16 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         def run(prompt: list[int] = prompt) -> float:
             times = []
             for o in engine.stream(prompt, params):
-                times += [time.perf_counter()] * len(o.delta_token_ids)
+                times += [clock()] * len(o.delta_token_ids)
             return (new - 1) / (times[-1] - times[0])
 
         run()
         out[str(ctx)] = [run() for _ in range(spec["runs"])]
     backend = runner._decode_batch([[0]], [1], None, runner.use_kvq).backend.name
-    return {"config": spec["config"], "tok_s": out, "decode_backend": backend,
+    loop = runner.decode_loop  # which decode path the steps took: the C++ step, the flat loop
+    path = ("modules" if loop is None or loop.calls == 0 else
+            f"decode loop, C++ step {loop.native_calls}/{loop.calls}")
+    return {"config": spec["config"], "tok_s": out, "decode_backend": f"{backend} ({path})",
             "kv_format": runner.kv_format}
 
 
@@ -159,6 +165,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall: seconds elapsed; cpu: the worker's CPU seconds (loaded hosts)")
     ap.add_argument("--kernel", action="store_true", help="time the attention op alone")
     ap.add_argument("--batch", type=int, default=1, help="sequences per call (--kernel)")
     ap.add_argument("--layers", type=int, default=30, help="caches cycled through (--kernel)")
@@ -181,7 +189,7 @@ def main() -> None:
         return
     configs = args.configs.split(",")
     base = {"gguf": str(pull("smollm2-135m", progress=False)), "contexts": contexts,
-            "new": args.new, "runs": args.runs, "threads": args.threads}
+            "new": args.new, "runs": args.runs, "threads": args.threads, "clock": args.clock}
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
     runs: dict[str, dict[str, list[float]]] = {c: {str(x): [] for x in contexts} for c in configs}
     info: dict[str, str] = {}
@@ -196,7 +204,8 @@ def main() -> None:
                 runs[cfg][ctx] += vals
     print(f"CPU: {cpu_model_name()}; {os.cpu_count()} CPUs; ISA: {detect_isa().describe()}; "
           f"threads {args.threads}")
-    print(f"W1 decode tok/s, medians of {args.rounds} x {args.runs} runs, {args.new} new tokens")
+    print(f"W1 decode tok/s ({args.clock} clock), medians of {args.rounds} x {args.runs} runs, "
+          f"{args.new} new tokens; load average {os.getloadavg()}")
     for cfg in configs:
         print(f"  {cfg:13s} {info[cfg]}")
     print(f"{'context':>8} " + " ".join(f"{c:>13s}" for c in configs))

@@ -59,8 +59,12 @@ class Attention(nn.Module):
         elif self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), 1)
         if isinstance(kv_cache, QuantizedKVCache):
-            qk = self.rotary(qk, rope.tables())
-            kv_cache.write(qk[:, self.num_heads :], v, batch.slot_mapping)
+            # one C++ call (same bits as the torch rotation and write), else torch
+            if not kv_cache.rope_write_(qk, v, rope.positions, self.rotary.cos, self.rotary.sin,
+                                        batch.slot_mapping, self.num_heads,
+                                        self.rotary.interleaved):
+                qk = self.rotary(qk, rope.tables())
+                kv_cache.write(qk[:, self.num_heads :], v, batch.slot_mapping)
             d = batch.decode
             if d is not None and d.backend.reads_quantized_kv:  # codes read in place
                 assert d.num == n and not batch.prefills, "a decode-only step"

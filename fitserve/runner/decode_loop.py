@@ -9,9 +9,11 @@ per-layer tensor and chosen kernel looked up once per shape class (1 / <= 16 / <
              -> o_proj -> add_rms_norm_ -> gate_up -> silu_and_mul -> down -> final norm
 
 so its hidden states are bit-identical to ``CausalLM.forward`` (tests/numerics/
-test_decode_loop.py). It applies to decode-only steps on the fused C++ kernels with a dense KV
-cache (``applies``); anything else (prefill chunks, a quantized cache, per-head q/k norms, the
-torch fallbacks) runs the module path. A linear it does not know exactly (a tensor-parallel
+test_decode_loop.py). It applies to decode-only steps on the fused C++ kernels (``applies``), with
+a dense KV cache or a quantized one read in place (int8 / fp8 codes: rope_write_ then
+paged_decode_attention_kvq instead of rope_write_kv_ then paged_decode_attention, the module
+path's calls); anything else (prefill chunks, per-head q/k norms, the torch fallbacks) runs the
+module path. A linear it does not know exactly (a tensor-parallel
 wrapper, a ConcatLinear, fp8, a biased packed one) is called as its module: never skipped.
 
 When every linear of the step's shape class is a C++ packed kernel or a dense nn.Linear, the
@@ -35,11 +37,17 @@ from fitserve import envs
 from fitserve.kernels.cpu.decode_step import decode_step_available
 from fitserve.kernels.cpu.fused import fused_ops_available
 from fitserve.kernels.cpu.paged_attention import DEFAULT_PARTITION, paged_attention_available
+from fitserve.kernels.cpu.paged_attention_kvq import (
+    CODEC_IDS,
+    kvq_write_available,
+    paged_attention_kvq_available,
+)
 from fitserve.model.attention.cpu_paged import CpuPagedDecode
 from fitserve.model.attention.paged import AttentionBatch
 from fitserve.model.layers import GatedMLP, RMSNorm
 from fitserve.model.linear import DenseLinear, PackedLinear, shape_class
 from fitserve.model.llama import CausalLM, LayerKV
+from fitserve.quant.kv_cache import QuantizedKVCache
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 # input norm weight, eps, qkv, o_proj, post-attention norm weight, eps, gate_up, down
@@ -86,6 +94,30 @@ def native_linear(mod: nn.Module, rows: int, dtype: torch.dtype
     return None
 
 
+def quantized_loop_available() -> bool:
+    """The quantized cache's fused writer and decode kernel are both built."""
+    return kvq_write_available() and paged_attention_kvq_available()
+
+
+def _plan_caches(kv_caches: list[LayerKV]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """decode_plan's K and V caches: the dense tensors, or a quantized cache's codes."""
+    if isinstance(kv_caches[0], QuantizedKVCache):
+        return ([kv.k_codes for kv in kv_caches],  # type: ignore[union-attr]
+                [kv.v_codes for kv in kv_caches])  # type: ignore[union-attr]
+    return [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches]  # type: ignore[index]
+
+
+def _plan_codec(kv_caches: list[LayerKV]) -> dict[str, object]:
+    """decode_plan's quantized-cache arguments (scales, codec id, key layout; none for dense)."""
+    first = kv_caches[0]
+    if not isinstance(first, QuantizedKVCache):
+        return {"k_scales": [], "v_scales": [], "kv_codec": -1, "channel_keys": False}
+    return {"k_scales": [kv.k_scales for kv in kv_caches],  # type: ignore[union-attr]
+            "v_scales": [kv.v_scales for kv in kv_caches],  # type: ignore[union-attr]
+            "kv_codec": CODEC_IDS[first.codec.name],
+            "channel_keys": first.key_layout == "channel-key"}
+
+
 def _norm_ok(norm: nn.Module, dtype: torch.dtype) -> bool:
     return type(norm) is RMSNorm and norm.weight.dtype == dtype
 
@@ -130,9 +162,15 @@ class DecodeLoop:
 
     def applies(self, batch: AttentionBatch, kv_caches: list[LayerKV], num_tokens: int) -> bool:
         d = batch.decode
-        return (not batch.prefills and d is not None and d.num == num_tokens
-                and isinstance(d.backend, CpuPagedDecode) and d.seq_lens is not None
-                and isinstance(kv_caches[0], tuple))
+        if (batch.prefills or d is None or d.num != num_tokens
+                or not isinstance(d.backend, CpuPagedDecode) or d.seq_lens is None):
+            return False
+        if isinstance(kv_caches[0], tuple):
+            return not d.backend.reads_quantized_kv
+        # a quantized cache: the step reads it in place and the fused writer is built
+        return (d.backend.reads_quantized_kv and quantized_loop_available()
+                and all(isinstance(kv, QuantizedKVCache) and kv.k_codes.is_contiguous()
+                        and kv.codec.name in CODEC_IDS for kv in kv_caches))
 
     def _bound(self, rows: int) -> list[BoundLayer]:
         key = shape_class(rows)
@@ -185,9 +223,9 @@ class DecodeLoop:
                 first = self.model.layers[0].self_attn
                 rotary = self.model.rotary
                 handle = torch.ops.fitserve_step.decode_plan(
-                    *args, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches],  # type: ignore[index]
-                    first.num_heads, first.num_kv, first.head_dim, first.scale, DEFAULT_PARTITION,
-                    rotary.interleaved)
+                    *args, *_plan_caches(kv_caches), first.num_heads, first.num_kv,
+                    first.head_dim, first.scale, DEFAULT_PARTITION, rotary.interleaved,
+                    **_plan_codec(kv_caches))
                 self._handles.append(handle)
             self._plans[key] = handle
         return self._plans[key]
@@ -220,10 +258,11 @@ class DecodeLoop:
         rope_write_kv_ = torch.ops.fitserve_fused.rope_write_kv_.default
         silu_and_mul = torch.ops.fitserve_fused.silu_and_mul.default
         attention = torch.ops.fitserve.paged_decode_attention.default
+        attention_kvq = (torch.ops.fitserve.paged_decode_attention_kvq.default
+                         if isinstance(kv_caches[0], QuantizedKVCache) else None)
         residual: torch.Tensor | None = None
         for (w_in, eps_in, qkv_proj, o_proj, w_post, eps_post, gate_up, down), kv in zip(
                 self._bound(n), kv_caches, strict=True):
-            k_cache, v_cache = kv  # type: ignore[misc]
             if residual is None:
                 residual, h = x, rms_norm(x, w_in, eps_in)
             else:
@@ -231,9 +270,19 @@ class DecodeLoop:
             qkv = qkv_proj(h)
             qk = qkv[:, :qk_cols].view(n, hq + hkv, hd)
             v = qkv[:, qk_cols:].view(n, hkv, hd)
-            rope_write_kv_(qk, v, positions, cos, sin, k_cache, v_cache, slots, hq, interleaved)
-            out = attention(qk[:, :hq], k_cache, v_cache, tables, lens, scale, window,
-                            DEFAULT_PARTITION, True)
+            if isinstance(kv, QuantizedKVCache):  # the module path's calls (llama.Attention)
+                if not kv.rope_write_(qk, v, positions, cos, sin, slots, hq, interleaved):
+                    raise RuntimeError("the fused quantized-cache writer did not apply")
+                assert attention_kvq is not None
+                out = attention_kvq(qk[:, :hq], kv.k_codes, kv.v_codes, kv.k_scales, kv.v_scales,
+                                    tables, lens, scale, window, CODEC_IDS[kv.codec.name],
+                                    kv.key_layout == "channel-key", DEFAULT_PARTITION, True)
+            else:
+                k_cache, v_cache = kv
+                rope_write_kv_(qk, v, positions, cos, sin, k_cache, v_cache, slots, hq,
+                               interleaved)
+                out = attention(qk[:, :hq], k_cache, v_cache, tables, lens, scale, window,
+                                DEFAULT_PARTITION, True)
             h = add_rms_norm_(residual, o_proj(out.reshape(n, q_size)), w_post, eps_post)
             x = down(silu_and_mul(gate_up(h)))
         self.calls += 1
