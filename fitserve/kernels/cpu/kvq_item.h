@@ -64,26 +64,43 @@ inline QScratch& thread_scratch(int64_t g, int64_t dpad) {
 
 template <typename T> inline float to_f(T x) { return static_cast<float>(x); }
 
-// Software prefetch of keys [t_from, t_to): code rows and their blocks' scale lines (blocks
-// sit at random places of the pool; the hardware prefetcher loses the stream at each).
+// Software prefetch of keys [t_from, t_to)'s code rows (blocks sit at random places of the
+// pool; the hardware prefetcher loses the stream at each).
 inline void prefetch_codes(const QGeometry& g, const uint8_t* kh, const uint8_t* vh,
-                           const float* ksh, const float* vsh, const int32_t* table,
-                           int64_t t_from, int64_t t_to) {
+                           const int32_t* table, int64_t t_from, int64_t t_to) {
+  if (t_to <= t_from) return;
+  int64_t blk = t_from / g.block_size, off = t_from % g.block_size;
+  const uint8_t* kr = kh + table[blk] * g.kc_blk + off * g.kc_tok;
+  const uint8_t* vr = vh + table[blk] * g.vc_blk + off * g.vc_tok;
   for (int64_t t = t_from; t < t_to; ++t) {
-    const int64_t page = table[t / g.block_size], off = t % g.block_size;
-    if (t == t_from || off == 0) {
-      const float* vs = vsh + page * g.vs_blk;
-      const float* ks = ksh + page * g.ks_blk;
-      for (int64_t i = 0; i < g.block_size * g.vs_tok; i += 16) __builtin_prefetch(vs + i, 0, 3);
-      const int64_t k_span = (g.channel_keys ? g.head_dim : g.block_size) * g.ks_in;
-      for (int64_t i = 0; i < k_span; i += 16) __builtin_prefetch(ks + i, 0, 3);
-    }
-    const uint8_t* kr = kh + page * g.kc_blk + off * g.kc_tok;
-    const uint8_t* vr = vh + page * g.vc_blk + off * g.vc_tok;
     for (int64_t byte = 0; byte < g.head_dim; byte += 64) {
       __builtin_prefetch(kr + byte, 0, 3);
       __builtin_prefetch(vr + byte, 0, 3);
     }
+    if (++off == g.block_size && t + 1 < t_to) {
+      off = 0;
+      ++blk;
+      kr = kh + table[blk] * g.kc_blk;
+      vr = vh + table[blk] * g.vc_blk;
+    } else {
+      kr += g.kc_tok;
+      vr += g.vc_tok;
+    }
+  }
+}
+
+// The scale lines of every block keys [t_from, t_to) touch: an item's blocks lie at random
+// places of the pool and each brings its own K/V scale lines, which no hardware prefetcher
+// predicts; issued once when the item starts, they arrive while its first tiles run.
+inline void prefetch_scales(const QGeometry& g, const float* ksh, const float* vsh,
+                            const int32_t* table, int64_t t_from, int64_t t_to) {
+  if (t_to <= t_from) return;
+  const int64_t k_span = (g.channel_keys ? g.head_dim : g.block_size) * g.ks_in;
+  const int64_t v_span = g.block_size * g.vs_tok;
+  for (int64_t blk = t_from / g.block_size; blk <= (t_to - 1) / g.block_size; ++blk) {
+    const int64_t page = table[blk];
+    for (int64_t i = 0; i < v_span; i += 16) __builtin_prefetch(vsh + page * g.vs_blk + i, 0, 3);
+    for (int64_t i = 0; i < k_span; i += 16) __builtin_prefetch(ksh + page * g.ks_blk + i, 0, 3);
   }
 }
 
@@ -196,14 +213,17 @@ void attend(const QGeometry& g, const TileOps& ops, const QT* q, const uint8_t* 
   const uint8_t* vh = vc + kvh * g.vc_h;
   const float* ksh = ksc + kvh * g.ks_h;
   const float* vsh = vsc + kvh * g.vs_h;
+  prefetch_scales(g, ksh, vsh, table, t_begin, t_end);
   if (!first_prefetched)
-    prefetch_codes(g, kh, vh, ksh, vsh, table, t_begin, std::min(t_begin + kTile, t_end));
+    prefetch_codes(g, kh, vh, table, t_begin, std::min(t_begin + kTile, t_end));
   for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) {
     const int64_t n = std::min(kTile, t_end - t0);
     if (t0 + n < t_end)
-      prefetch_codes(g, kh, vh, ksh, vsh, table, t0 + n, std::min(t0 + n + kTile, t_end));
-    else
-      prefetch_codes(g, next.kh, next.vh, next.ksh, next.vsh, next.table, next.t_from, next.t_to);
+      prefetch_codes(g, kh, vh, table, t0 + n, std::min(t0 + n + kTile, t_end));
+    else {
+      prefetch_codes(g, next.kh, next.vh, next.table, next.t_from, next.t_to);
+      prefetch_scales(g, next.ksh, next.vsh, next.table, next.t_from, next.t_to);
+    }
     if (ops.group_scores != nullptr) {
       group_tile(g, ops, ksh, n, gather_tile(g, kh, vh, ksh, vsh, table, t0, n, w), w);
       continue;

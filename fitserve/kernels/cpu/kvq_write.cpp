@@ -133,11 +133,16 @@ void write_channel_keys(const Codes& cd, const Cache& c, const T* k, int64_t k_s
         grew |= scale[j] > old[j];
       }
     if (grew && !fresh) {  // re-encode the block's codes at the grown scales
+      // NOTE: only the (head, channel) columns whose scale grew: at an unchanged scale s,
+      // encode(decode(c) * s / s) == c for every code (|c| <= qmax, one rounding of 2^-24
+      // relative), so skipping them gives the same bytes as re-encoding the whole block (torch)
       for (int64_t h = 0; h < h_n; ++h)
-        for (int64_t tok = 0; tok < bs; ++tok) {
-          uint8_t* row = c.kc + ((h * c.nb + blk) * bs + tok) * d;
-          for (int64_t i = 0; i < d; ++i)
-            row[i] = cd.encode(rounded(cd.decode(row[i]) * old[h * d + i]) / safe(scale[h * d + i]));
+        for (int64_t i = 0; i < d; ++i) {
+          const int64_t j = h * d + i;
+          if (!(scale[j] > old[j])) continue;
+          uint8_t* col = c.kc + (h * c.nb + blk) * bs * d + i;
+          for (int64_t tok = 0; tok < bs; ++tok)
+            col[tok * d] = cd.encode(rounded(cd.decode(col[tok * d]) * old[j]) / safe(scale[j]));
         }
     }
     for (int64_t h = 0; h < h_n; ++h)
