@@ -18,7 +18,8 @@ rounds and each config's ratio to bf16 at each context.
 attention of the default model's shape (3 KV heads x 3 query heads each x 64 dims, 16-token
 blocks in shuffled order) at each context, the dense bf16 kernel against the quantized one per
 codec and scale layout, each of --layers layers on its own cache (so they exceed the last-level
-cache as the model's do), median of --runs passes; ratios to bf16.
+cache as the model's do), configs alternating, median of --runs passes; ratios to bf16.
+--clock cpu times the thread's CPU seconds, --ordered keeps blocks in pool order.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     from fitserve.sampling import SamplingParams
 
     torch.set_num_threads(spec["threads"])
+    # NOTE: --clock cpu times the process's CPU seconds: on a loaded shared host that is what a
+    # step costs, not when the scheduler let it run (use --threads 1: idle workers spin)
+    clock = time.process_time if spec.get("clock") == "cpu" else time.perf_counter
     kv_dtype, scales, in_place = CONFIGS[spec["config"]]
     contexts: list[int] = spec["contexts"]
     new = spec["new"]
@@ -74,31 +78,29 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         def run(prompt: list[int] = prompt) -> float:
             times = []
             for o in engine.stream(prompt, params):
-                times += [time.perf_counter()] * len(o.delta_token_ids)
+                times += [clock()] * len(o.delta_token_ids)
             return (new - 1) / (times[-1] - times[0])
 
         run()
         out[str(ctx)] = [run() for _ in range(spec["runs"])]
     backend = runner._decode_batch([[0]], [1], None, runner.use_kvq).backend.name
-    return {"config": spec["config"], "tok_s": out, "decode_backend": backend,
+    loop = runner.decode_loop  # which decode path the steps took: the C++ step, the flat loop
+    path = ("modules" if loop is None or loop.calls == 0 else
+            f"decode loop, C++ step {loop.native_calls}/{loop.calls}")
+    return {"config": spec["config"], "tok_s": out, "decode_backend": f"{backend} ({path})",
             "kv_format": runner.kv_format}
 
 
-def _us_per_layer(calls: list[Callable[[], object]], runs: int) -> float:
-    """Median over ``runs`` of the time of 10 passes over every layer's call, per call (us)."""
-    for call in calls:
-        call()
-    ts = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        for _ in range(10):
-            for call in calls:
-                call()
-        ts.append((time.perf_counter() - t0) / (10 * len(calls)) * 1e6)
-    return statistics.median(ts)
+def _us_per_layer(calls: list[Callable[[], object]], clock: Callable[[], float]) -> float:
+    """The time of 10 passes over every layer's call, per call (us)."""
+    t0 = clock()
+    for _ in range(10):
+        for call in calls:
+            call()
+    return (clock() - t0) / (10 * len(calls)) * 1e6
 
 
-def _layer_calls(ctx: int, batch: int, layers: int, codec: str, layout: str
+def _layer_calls(ctx: int, batch: int, layers: int, codec: str, layout: str, ordered: bool
                  ) -> list[Callable[[], object]]:
     """One decode attention call per layer over its own cache (the default model's shape:
     3 KV heads x 3 query heads each x 64 dims, 16-token blocks in shuffled order), so the
@@ -112,7 +114,8 @@ def _layer_calls(ctx: int, batch: int, layers: int, codec: str, layout: str
     hkv, g, d, bs = 3, 3, 64, 16
     nb = batch * -(-ctx // bs)
     gen = torch.Generator().manual_seed(0)
-    tables = torch.randperm(nb, generator=gen).to(torch.int32).view(batch, -1)
+    order = torch.arange(nb) if ordered else torch.randperm(nb, generator=gen)
+    tables = order.to(torch.int32).view(batch, -1)
     lens = torch.full((batch,), ctx, dtype=torch.int32)
     q = torch.randn(batch, hkv * g, d, generator=gen).bfloat16()
     calls: list[Callable[[], object]] = []
@@ -132,15 +135,29 @@ def _layer_calls(ctx: int, batch: int, layers: int, codec: str, layout: str
     return calls
 
 
-def kernel_bench(contexts: list[int], runs: int, batch: int, layers: int) -> None:
-    """The attention op alone, per layer: dense bf16 us, then bf16 time / quantized time."""
+def kernel_bench(contexts: list[int], runs: int, batch: int, layers: int, clock: str,
+                 ordered: bool) -> None:
+    """The attention op alone, per layer: dense bf16 us, then bf16 time / quantized time. The
+    configs alternate pass by pass (``runs`` rounds, medians), so a loaded host's slow periods
+    fall on all alike."""
+    timer = time.thread_time if clock == "cpu" else time.perf_counter
     codecs = ("int8", "fp8_e4m3", "fp8_e5m2")
     print(f"{'context':>8} {'layout':>12} {'bf16 us':>10} " + " ".join(f"{c:>9s}" for c in codecs))
     for ctx in contexts:
-        dense = _us_per_layer(_layer_calls(ctx, batch, layers, "", ""), runs)
+        sets = {("", ""): _layer_calls(ctx, batch, layers, "", "", ordered)}
         for layout in ("token", "channel-key"):
-            ratios = [dense / _us_per_layer(_layer_calls(ctx, batch, layers, c, layout), runs)
-                      for c in codecs]
+            for c in codecs:
+                sets[(c, layout)] = _layer_calls(ctx, batch, layers, c, layout, ordered)
+        for calls in sets.values():  # warm-up
+            _us_per_layer(calls, timer)
+        times: dict[tuple[str, str], list[float]] = {k: [] for k in sets}
+        for _ in range(runs):
+            for key, calls in sets.items():
+                times[key].append(_us_per_layer(calls, timer))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        dense = med[("", "")]
+        for layout in ("token", "channel-key"):
+            ratios = [dense / med[(c, layout)] for c in codecs]
             print(f"{ctx:>8} {layout:>12} {dense:10.1f} " + " ".join(f"{r:8.2f}x" for r in ratios))
 
 
@@ -159,9 +176,13 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall: seconds elapsed; cpu: the worker's CPU seconds (loaded hosts)")
     ap.add_argument("--kernel", action="store_true", help="time the attention op alone")
     ap.add_argument("--batch", type=int, default=1, help="sequences per call (--kernel)")
     ap.add_argument("--layers", type=int, default=30, help="caches cycled through (--kernel)")
+    ap.add_argument("--ordered", action="store_true",
+                    help="blocks in pool order, as one request's fresh pool gives (--kernel)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("spec", nargs="?", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -175,13 +196,15 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     if args.kernel:
         print(f"CPU: {cpu_model_name()}; {os.cpu_count()} CPUs; ISA: {detect_isa().describe()}; "
-              f"threads {args.threads}; batch {args.batch}; kernel time ratio bf16 / quantized")
+              f"threads {args.threads}; batch {args.batch}; {args.clock} clock; blocks "
+              f"{'in order' if args.ordered else 'shuffled'}; load average {os.getloadavg()}; "
+              "kernel time ratio bf16 / quantized")
         torch_threads(args.threads)
-        kernel_bench(contexts, args.runs, args.batch, args.layers)
+        kernel_bench(contexts, args.runs, args.batch, args.layers, args.clock, args.ordered)
         return
     configs = args.configs.split(",")
     base = {"gguf": str(pull("smollm2-135m", progress=False)), "contexts": contexts,
-            "new": args.new, "runs": args.runs, "threads": args.threads}
+            "new": args.new, "runs": args.runs, "threads": args.threads, "clock": args.clock}
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
     runs: dict[str, dict[str, list[float]]] = {c: {str(x): [] for x in contexts} for c in configs}
     info: dict[str, str] = {}
@@ -196,7 +219,8 @@ def main() -> None:
                 runs[cfg][ctx] += vals
     print(f"CPU: {cpu_model_name()}; {os.cpu_count()} CPUs; ISA: {detect_isa().describe()}; "
           f"threads {args.threads}")
-    print(f"W1 decode tok/s, medians of {args.rounds} x {args.runs} runs, {args.new} new tokens")
+    print(f"W1 decode tok/s ({args.clock} clock), medians of {args.rounds} x {args.runs} runs, "
+          f"{args.new} new tokens; load average {os.getloadavg()}")
     for cfg in configs:
         print(f"  {cfg:13s} {info[cfg]}")
     print(f"{'context':>8} " + " ".join(f"{c:>13s}" for c in configs))

@@ -65,8 +65,12 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv, self.head_dim)
         qk = self.norm_qk(qkv, qk)
         if isinstance(kv_cache, QuantizedKVCache):
-            qk = self.rotary(qk, rope.tables())
-            kv_cache.write(qk[:, self.num_heads :], v, batch.slot_mapping)
+            # one C++ call (same bits as the torch rotation and write), else torch
+            if not kv_cache.rope_write_(qk, v, rope.positions, self.rotary.cos, self.rotary.sin,
+                                        batch.slot_mapping, self.num_heads,
+                                        self.rotary.interleaved):
+                qk = self.rotary(qk, rope.tables())
+                kv_cache.write(qk[:, self.num_heads :], v, batch.slot_mapping)
             d = batch.decode
             if d is not None and d.backend.reads_quantized_kv:  # codes read in place
                 assert d.num == n and not batch.prefills, "a decode-only step"

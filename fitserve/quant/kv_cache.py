@@ -20,6 +20,9 @@ and an earlier token's error is at most the final scale/2 plus its rounding at t
 starts a block afresh (a newly allocated block: freed blocks keep stale scales). Copy-on-write
 copies codes and scales together.
 
+``rope_write_`` does a step's rotation and write in one C++ call per layer (kvq_write.cpp), bit
+for bit what RotaryEmbedding and ``write`` do in torch; the decode loops call it.
+
 Readers dequantize only the blocks a step touches into a compact dense cache (``dequantize``),
 which the runner's remapped block tables index, so every attention kernel runs unchanged.
 """
@@ -30,6 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from fitserve.kernels.cpu.paged_attention_kvq import CODEC_IDS, kvq_write_available
 
 KEY_LAYOUTS = ("token", "channel-key")
 
@@ -119,6 +124,23 @@ class QuantizedKVCache:
             self._write_per_token(k, slots, self.k_codes, self.k_scales)
         else:
             self._write_channel_keys(k, slots)
+
+    def rope_write_(self, qk: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, num_q_heads: int,
+                    interleaved: bool) -> bool:
+        """Rotate qk [N, Hq + Hkv, D] in place by the fp32 tables' rows ``positions`` (in qk's
+        dtype, as RotaryEmbedding does) and ``write`` its keys and v, in one C++ call. False
+        (nothing done) where the op is not built or does not apply: the caller rotates and
+        writes in torch."""
+        if not (qk.device.type == "cpu" and self.k_codes.is_contiguous()
+                and qk.stride(-1) == 1 and v.stride(-1) == 1 and cos.shape[-1] * 2 == qk.shape[-1]
+                and self.codec.name in CODEC_IDS and kvq_write_available()):
+            return False
+        torch.ops.fitserve.rope_write_kvq_(
+            qk, v, positions, cos, sin, self.k_codes, self.v_codes, self.k_scales, self.v_scales,
+            slots, num_q_heads, interleaved, CODEC_IDS[self.codec.name],
+            self.key_layout == "channel-key")
+        return True
 
     def _write_per_token(self, x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor,
                          scales: torch.Tensor) -> None:

@@ -12,8 +12,10 @@ so its hidden states are bit-identical to ``CausalLM.forward`` (tests/numerics/
 test_decode_loop.py, test_decode_loop_moe.py). q/k norms (Qwen3's per head, OLMoE's over the
 projection) run ``Attention.norm_qk`` after qkv, and a sparse MoE layer (Qwen3-MoE, Mixtral,
 OLMoE, Qwen2-MoE) runs its ``SparseMoeBlock`` in place of gate_up -> down. It applies to
-decode-only steps on the fused C++ kernels with a dense KV cache (``applies``); anything else
-(prefill chunks, a quantized cache, the torch fallbacks, gpt-oss) runs the module path. A linear it does not know exactly (a tensor-parallel
+decode-only steps on the fused C++ kernels (``applies``), with a dense KV cache or a quantized
+one read in place (int8 / fp8 codes: rope_write_ then paged_decode_attention_kvq instead of
+rope_write_kv_ then paged_decode_attention, the module path's calls); anything else (prefill
+chunks, the torch fallbacks, gpt-oss) runs the module path. A linear it does not know exactly (a tensor-parallel
 wrapper, a ConcatLinear, fp8, a biased packed one) is called as its module: never skipped.
 
 When every linear of the step's shape class is a C++ kernel (packed int4/int8, ggml blocks, fp8,
@@ -42,6 +44,11 @@ from fitserve import envs
 from fitserve.kernels.cpu.decode_step import decode_step_available
 from fitserve.kernels.cpu.fused import fused_ops_available
 from fitserve.kernels.cpu.paged_attention import DEFAULT_PARTITION, paged_attention_available
+from fitserve.kernels.cpu.paged_attention_kvq import (
+    CODEC_IDS,
+    kvq_write_available,
+    paged_attention_kvq_available,
+)
 from fitserve.model.attention.cpu_paged import CpuPagedDecode
 from fitserve.model.attention.paged import AttentionBatch
 from fitserve.model.fp8_linear import Fp8Linear
@@ -51,6 +58,7 @@ from fitserve.model.linear import ConcatLinear, DenseLinear, PackedLinear, shape
 from fitserve.model.llama import Attention, CausalLM, DecoderLayer, LayerKV
 from fitserve.model.moe import SparseMoeBlock
 from fitserve.model.moe_experts import grouped_experts
+from fitserve.quant.kv_cache import QuantizedKVCache
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 QkNorm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # Attention.norm_qk(qkv, qk)
@@ -168,6 +176,30 @@ def native_linear(mod: nn.Module, rows: int, dtype: torch.dtype) -> NativeLinear
     return tensors, meta
 
 
+def quantized_loop_available() -> bool:
+    """The quantized cache's fused writer and decode kernel are both built."""
+    return kvq_write_available() and paged_attention_kvq_available()
+
+
+def _plan_caches(kv_caches: list[LayerKV]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """decode_plan's K and V caches: the dense tensors, or a quantized cache's codes."""
+    if isinstance(kv_caches[0], QuantizedKVCache):
+        return ([kv.k_codes for kv in kv_caches],  # type: ignore[union-attr]
+                [kv.v_codes for kv in kv_caches])  # type: ignore[union-attr]
+    return [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches]  # type: ignore[index]
+
+
+def _plan_codec(kv_caches: list[LayerKV]) -> dict[str, object]:
+    """decode_plan's quantized-cache arguments (scales, codec id, key layout; none for dense)."""
+    first = kv_caches[0]
+    if not isinstance(first, QuantizedKVCache):
+        return {"k_scales": [], "v_scales": [], "kv_codec": -1, "channel_keys": False}
+    return {"k_scales": [kv.k_scales for kv in kv_caches],  # type: ignore[union-attr]
+            "v_scales": [kv.v_scales for kv in kv_caches],  # type: ignore[union-attr]
+            "kv_codec": CODEC_IDS[first.codec.name],
+            "channel_keys": first.key_layout == "channel-key"}
+
+
 def _norm_ok(norm: nn.Module, dtype: torch.dtype) -> bool:
     return type(norm) is RMSNorm and norm.weight.dtype == dtype
 
@@ -215,9 +247,15 @@ class DecodeLoop:
 
     def applies(self, batch: AttentionBatch, kv_caches: list[LayerKV], num_tokens: int) -> bool:
         d = batch.decode
-        return (not batch.prefills and d is not None and d.num == num_tokens
-                and isinstance(d.backend, CpuPagedDecode) and d.seq_lens is not None
-                and isinstance(kv_caches[0], tuple))
+        if (batch.prefills or d is None or d.num != num_tokens
+                or not isinstance(d.backend, CpuPagedDecode) or d.seq_lens is None):
+            return False
+        if isinstance(kv_caches[0], tuple):
+            return not d.backend.reads_quantized_kv
+        # a quantized cache: the step reads it in place and the fused writer is built
+        return (d.backend.reads_quantized_kv and quantized_loop_available()
+                and all(isinstance(kv, QuantizedKVCache) and kv.k_codes.is_contiguous()
+                        and kv.codec.name in CODEC_IDS for kv in kv_caches))
 
     def _bound(self, rows: int) -> list[BoundLayer]:
         key = shape_class(rows)
@@ -338,9 +376,9 @@ class DecodeLoop:
                 first = self.model.layers[0].self_attn
                 rotary = self.model.rotary
                 handle = torch.ops.fitserve_step.decode_plan(
-                    *args, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches],  # type: ignore[index]
-                    first.num_heads, first.num_kv, first.head_dim, first.scale, DEFAULT_PARTITION,
-                    rotary.interleaved)
+                    *args, *_plan_caches(kv_caches), first.num_heads, first.num_kv,
+                    first.head_dim, first.scale, DEFAULT_PARTITION, rotary.interleaved,
+                    **_plan_codec(kv_caches))
                 self._handles.append(handle)
                 if layer_args[0] != _QK_NONE or layer_args[3]:
                     torch.ops.fitserve_step.decode_plan_layers(handle, *layer_args)
@@ -375,10 +413,11 @@ class DecodeLoop:
         rope_write_kv_ = torch.ops.fitserve_fused.rope_write_kv_.default
         silu_and_mul = torch.ops.fitserve_fused.silu_and_mul.default
         attention = torch.ops.fitserve.paged_decode_attention.default
+        attention_kvq = (torch.ops.fitserve.paged_decode_attention_kvq.default
+                         if isinstance(kv_caches[0], QuantizedKVCache) else None)
         residual: torch.Tensor | None = None
         for (w_in, eps_in, qkv_proj, o_proj, w_post, eps_post, gate_up, down, norm_qk, moe), kv in zip(
                 self._bound(n), kv_caches, strict=True):
-            k_cache, v_cache = kv  # type: ignore[misc]
             if residual is None:
                 residual, h = x, rms_norm(x, w_in, eps_in)
             else:
@@ -388,9 +427,19 @@ class DecodeLoop:
             v = qkv[:, qk_cols:].view(n, hkv, hd)
             if norm_qk is not None:
                 qk = norm_qk(qkv, qk)
-            rope_write_kv_(qk, v, positions, cos, sin, k_cache, v_cache, slots, hq, interleaved)
-            out = attention(qk[:, :hq], k_cache, v_cache, tables, lens, scale, window,
-                            DEFAULT_PARTITION, True)
+            if isinstance(kv, QuantizedKVCache):  # the module path's calls (llama.Attention)
+                if not kv.rope_write_(qk, v, positions, cos, sin, slots, hq, interleaved):
+                    raise RuntimeError("the fused quantized-cache writer did not apply")
+                assert attention_kvq is not None
+                out = attention_kvq(qk[:, :hq], kv.k_codes, kv.v_codes, kv.k_scales, kv.v_scales,
+                                    tables, lens, scale, window, CODEC_IDS[kv.codec.name],
+                                    kv.key_layout == "channel-key", DEFAULT_PARTITION, True)
+            else:
+                k_cache, v_cache = kv
+                rope_write_kv_(qk, v, positions, cos, sin, k_cache, v_cache, slots, hq,
+                               interleaved)
+                out = attention(qk[:, :hq], k_cache, v_cache, tables, lens, scale, window,
+                                DEFAULT_PARTITION, True)
             h = add_rms_norm_(residual, o_proj(out.reshape(n, q_size)), w_post, eps_post)
             if moe is not None:
                 x = moe(h)

@@ -113,8 +113,8 @@ class ModelRunner:
         # eager decode-only steps as one flat loop of prebound ops (fitserve.runner.decode_loop);
         # FITSERVE_DECODE_LOOP=0 runs them through the modules instead (same bits, slower)
         self.decode_loop: DecodeLoop | None = None
-        if (one_batch and self.use_cpp and not self.quantized_kv and envs.FITSERVE_DECODE_LOOP()
-                and DecodeLoop.supports(model, kv_dtype)):
+        if (one_batch and self.use_cpp and (self.use_kvq or not self.quantized_kv)
+                and envs.FITSERVE_DECODE_LOOP() and DecodeLoop.supports(model, kv_dtype)):
             self.decode_loop = DecodeLoop(model, kv_dtype)
 
     def _backend(self, q_lens: list[int], k_lens: list[int], kv_quant: bool = False

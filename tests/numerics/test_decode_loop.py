@@ -133,6 +133,21 @@ def test_ggml_mix_with_concat_qkv_and_bias_bit_identical(tmp_path: Path) -> None
         assert_native_used(used)  # the ggml kernels run for every row count of bf16 x
 
 
+@pytest.mark.parametrize(("kv_dtype", "scales"), [("int8", "channel-key"), ("fp8_e4m3", "token")])
+def test_quantized_cache_bit_identical(tiny_hf_model_dir: Callable[..., Any], kv_dtype: str,
+                                       scales: str) -> None:
+    """A quantized KV cache read in place: the loops call the fused rotation + code writer and
+    the quantized kernel where the module path calls them through llama.Attention."""
+    folder: Path = tiny_hf_model_dir("llama")
+    engine = Engine(EngineConfig(model=str(folder), dtype="bfloat16", device="cpu",
+                                 weights="int4", max_model_len=128, block_size=BLOCK,
+                                 num_kv_blocks=1 + 20 * BLOCKS_PER_SEQ,
+                                 kv_cache_dtype=kv_dtype,  # type: ignore[arg-type]
+                                 kv_cache_scales=scales))  # type: ignore[arg-type]
+    assert engine.runner.use_kvq
+    assert_native_used(set().union(*(assert_step_identical(engine, n) for n in (1, 5))))
+
+
 def test_engine_greedy_tokens_identical_without_loop(tiny_hf_model_dir: Callable[..., Any],
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     folder: Path = tiny_hf_model_dir("llama")

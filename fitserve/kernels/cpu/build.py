@@ -39,7 +39,7 @@ EXTENSIONS: dict[str, str] = {
     "qlinear": "qlinear.cpp", "ggml_blocks": "ggml_blocks.cpp", "fused_ops": "fused_ops.cpp",
     "paged_attention": "paged_attention.cpp", "paged_attention_kvq": "paged_attention_kvq.cpp",
     "decode_step": "decode_step.cpp", "dense_gemv": "dense_gemv.cpp", "fp8_gemv": "fp8_gemv.cpp",
-    "moe_experts": "moe_experts.cpp",
+    "moe_experts": "moe_experts.cpp", "kvq_write": "kvq_write.cpp",
 }
 """Every extension's name and source (the names ``load_extension`` is called with)."""
 

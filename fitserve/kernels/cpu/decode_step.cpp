@@ -27,6 +27,10 @@
 // granularity | others: "", ""; each its length, then one int per byte), and kPartTensors
 // tensors (weight, scales, mins, bias; absent ones empty). decode_plan parses them once into
 // LinearPart lists (parse_linears).
+//
+// A quantized KV cache (fitserve/quant/kv_cache.py) comes as its codes in k_caches / v_caches,
+// its scales in k_scales / v_scales and kv_codec >= 0 (kv_codes.h's ids): each layer then calls
+// rope_write_kvq_ (kvq_write.cpp) and paged_decode_attention_kvq, as the Python loop does.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -104,6 +108,32 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
                     const at::Tensor&, double, int64_t, int64_t, bool)>(
           "fitserve::paged_decode_attention");
   return h.call(q, k_cache, v_cache, tables, lens, scale, window, partition, true);
+}
+
+// The quantized-cache twins of rope_write_kv_ and attention (kvq_write.cpp,
+// paged_attention_kvq.cpp).
+void rope_write_kvq_(at::Tensor& qk, const at::Tensor& v, const at::Tensor& positions,
+                     const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kc, at::Tensor& vc,
+                     at::Tensor& ks, at::Tensor& vs, const at::Tensor& slots, int64_t num_q_heads,
+                     bool interleaved, int64_t codec, bool channel_keys) {
+  static const auto h =
+      op<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+              const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&,
+              const at::Tensor&, int64_t, bool, int64_t, bool)>("fitserve::rope_write_kvq_");
+  h.call(qk, v, positions, cos, sin, kc, vc, ks, vs, slots, num_q_heads, interleaved, codec,
+         channel_keys);
+}
+
+at::Tensor attention_kvq(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                         const at::Tensor& ks, const at::Tensor& vs, const at::Tensor& tables,
+                         const at::Tensor& lens, double scale, int64_t window, int64_t codec,
+                         bool channel_keys, int64_t partition) {
+  static const auto h =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                    const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
+                    int64_t, bool, int64_t, bool)>("fitserve::paged_decode_attention_kvq");
+  return h.call(q, kc, vc, ks, vs, tables, lens, scale, window, codec, channel_keys, partition,
+                true);
 }
 
 // One part on x [M, K], calling the op its module calls, with the same arguments.
@@ -220,6 +250,9 @@ struct Plan {
   double scale;
   bool interleaved;
   std::shared_ptr<const LayerExtras> extras;  // q/k norms, MoE blocks (decode_plan_layers)
+  std::vector<at::Tensor> k_scales, v_scales;  // a quantized cache's (kv_codec >= 0)
+  int64_t kv_codec = -1;
+  bool channel_keys = false;
 };
 
 std::mutex plans_mutex;
@@ -229,7 +262,8 @@ int64_t next_plan = 1;
 int64_t decode_plan(at::TensorList norms, at::ArrayRef<double> eps, at::TensorList linears,
                     at::IntArrayRef meta, at::TensorList k_caches, at::TensorList v_caches,
                     int64_t hq, int64_t hkv, int64_t hd, double scale, int64_t partition,
-                    bool interleaved) {
+                    bool interleaved, at::TensorList k_scales, at::TensorList v_scales,
+                    int64_t kv_codec, bool channel_keys) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers,
               "decode_plan: one K and one V cache per layer");
@@ -240,9 +274,16 @@ int64_t decode_plan(at::TensorList norms, at::ArrayRef<double> eps, at::TensorLi
   TORCH_CHECK(static_cast<int64_t>(parsed.size()) == kLinearsPerLayer * layers, "decode_plan: ",
               kLinearsPerLayer, " linears per layer, got ", parsed.size(), " for ", layers,
               " layers");
+  TORCH_CHECK(kv_codec < 0 || (static_cast<int64_t>(k_scales.size()) == layers &&
+                               static_cast<int64_t>(v_scales.size()) == layers),
+              "decode_plan: a quantized cache needs one K and one V scale tensor per layer");
   auto plan = std::make_shared<Plan>(Plan{norms.vec(), k_caches.vec(), v_caches.vec(),
                                           std::move(parsed), eps.vec(), hq, hkv, hd, partition,
                                           scale, interleaved});
+  plan->k_scales = k_scales.vec();
+  plan->v_scales = v_scales.vec();
+  plan->kv_codec = kv_codec;
+  plan->channel_keys = channel_keys;
   std::lock_guard<std::mutex> lock(plans_mutex);
   plans.emplace(next_plan, std::move(plan));
   return next_plan++;
@@ -297,9 +338,18 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     if (ex != nullptr) qk = norm_qk(*ex, l, qkv, qk, hq, q_size, hkv * hd);
     const at::Tensor v = qkv.narrow(1, qk_cols, qkv.size(1) - qk_cols).view({n, hkv, hd});
     at::Tensor kc = p.k_caches[l], vc = p.v_caches[l];
-    rope_write_kv_(qk, v, positions, cos, sin, kc, vc, slots, hq, p.interleaved);
-    const at::Tensor out = attention(qk.narrow(1, 0, hq), kc, vc, block_tables, seq_lens, p.scale,
-                                     window, p.partition);
+    at::Tensor out;
+    if (p.kv_codec >= 0) {
+      at::Tensor ks = p.k_scales[l], vs = p.v_scales[l];
+      rope_write_kvq_(qk, v, positions, cos, sin, kc, vc, ks, vs, slots, hq, p.interleaved,
+                      p.kv_codec, p.channel_keys);
+      out = attention_kvq(qk.narrow(1, 0, hq), kc, vc, ks, vs, block_tables, seq_lens, p.scale,
+                          window, p.kv_codec, p.channel_keys, p.partition);
+    } else {
+      rope_write_kv_(qk, v, positions, cos, sin, kc, vc, slots, hq, p.interleaved);
+      out = attention(qk.narrow(1, 0, hq), kc, vc, block_tables, seq_lens, p.scale, window,
+                      p.partition);
+    }
     h = add_rms_norm_(residual, linear(out.reshape({n, q_size}), linears, li + 1),
                       norms[2 * l + 1], p.eps[2 * l + 1]);
     if (ex != nullptr && !ex->moe.empty() && ex->moe[l].is_moe)
@@ -316,7 +366,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
 TORCH_LIBRARY(fitserve_step, m) {
   m.def("decode_plan(Tensor[] norms, float[] eps, Tensor[] linears, int[] meta, "
         "Tensor[] k_caches, Tensor[] v_caches, int num_q_heads, int num_kv_heads, "
-        "int head_dim, float scale, int partition_size, bool interleaved) -> int",
+        "int head_dim, float scale, int partition_size, bool interleaved, Tensor[] k_scales, "
+        "Tensor[] v_scales, int kv_codec, bool channel_keys) -> int",
         &decode_plan);
   m.def("drop_decode_plan(int plan) -> ()", &drop_decode_plan);
   m.def("decode_plan_layers(int plan, int qk_norm, Tensor[] qk_norms, float[] qk_eps, int[] moe, "

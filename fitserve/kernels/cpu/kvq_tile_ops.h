@@ -2,6 +2,8 @@
 // head_dim, picked once per call: widen code rows, q . K rows, online softmax, P @ V. The
 // AVX-512 and AVX2 ones are paged_attention_simd.h's fp32 pieces; the scalar ones are the plain
 // loops the tests also run (vectorized=False). Include after paged_attention_simd.h, kv_codes.h.
+// On AVX-512 the group steps (kvq_group_avx512.h) replace widen + scores + P @ V: every head of
+// the group from the code rows themselves (group_scores / group_pv; null on the other tiers).
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -14,6 +16,10 @@ struct TileOps {
   void (*scores)(const float* q, const float* const* rows, int64_t n, int64_t d, float* s);
   void (*softmax)(float* s, int64_t n, float* m, float* l, float* acc, int64_t dpad);
   void (*pv)(float* acc, const float* p, const float* const* rows, int64_t n, int64_t d);
+  void (*group_scores)(const float* q, int64_t g, int64_t dpad, const uint8_t* const* rows,
+                       int64_t n, int64_t d, float* s, float* part) = nullptr;
+  void (*group_pv)(float* acc, int64_t g, int64_t dpad, const float* p,
+                   const uint8_t* const* rows, int64_t n, int64_t d) = nullptr;
 };
 
 void scores_scalar(const float* q, const float* const* rows, int64_t n, int64_t d, float* s) {
@@ -65,7 +71,8 @@ void pv_512(float* acc, const float* p, const float* const* rows, int64_t n, int
 
 template <int C, int NCH>
 TileOps ops_512() {
-  return {&codes_to_float_avx512<C>, &scores_512<NCH>, &softmax_step_avx512, &pv_512<NCH>};
+  return {&codes_to_float_avx512<C>, &scores_512<NCH>, &softmax_step_avx512, &pv_512<NCH>,
+          &group_scores<C, NCH>, &group_pv<C, NCH>};
 }
 
 // NCH = ceil(head_dim / 16) registers per row; false for a head_dim without a tile.

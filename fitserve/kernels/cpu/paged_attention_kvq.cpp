@@ -14,8 +14,9 @@
 //   per-token K:    s_j = (scale * f * q) . raw(k_j)  *  ks_j
 //   per-channel K:  s_j = (scale * f * q (.) ks_blk) . raw(k_j)   (q' made once per block run)
 //   V (per token):  acc += (p_j * vs_j * f) * raw(v_j);   l sums the unscaled p_j
-// with f the codec's factor (kv_codes.h). Each tile's code rows are widened in registers into
-// L1-resident fp32 rows (kTile x D floats) once for the G query heads of the KV head.
+// with f the codec's factor (kv_codes.h). On AVX-512 each tile's code rows are widened in
+// registers once for the G query heads of the KV head and used there (kvq_group_avx512.h);
+// elsewhere they are widened into L1-resident fp32 rows (kTile x D floats) first.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -31,144 +32,11 @@
 
 #include "paged_attention_simd.h"
 #include "kv_codes.h"
+#include "kvq_group_avx512.h"
 #include "kvq_tile_ops.h"
+#include "kvq_item.h"
 
 namespace {
-
-struct QGeometry {
-  int64_t num_kv, group, head_dim, dpad, block_size, max_blocks, partition, window;
-  int64_t q_stride_b, q_stride_h, out_stride_b;
-  int64_t kc_h, kc_blk, kc_tok, vc_h, vc_blk, vc_tok;  // code strides (elements = bytes)
-  int64_t ks_h, ks_blk, ks_in;  // K scales: [h, block, token or channel]
-  int64_t vs_h, vs_blk, vs_tok;
-  float q_scale;   // softmax scale x the codec factor, folded into q
-  float v_factor;  // the codec factor, folded into p
-  bool channel_keys;
-};
-
-// Per-thread scratch, sized for the largest (group, dpad) seen; every item overwrites it.
-struct QScratch {
-  std::vector<float> q, qb, k, v, s, p, acc, m, l, ks, vs;
-  std::vector<const float*> krow, vrow;
-  std::vector<int64_t> seg_first, seg_page;
-  int64_t g_cap = 0, d_cap = 0;
-  void reserve(int64_t g, int64_t dpad) {
-    if (g <= g_cap && dpad <= d_cap) return;
-    g_cap = std::max(g, g_cap);
-    d_cap = std::max(dpad, d_cap);
-    q.assign(g_cap * d_cap, 0.f);
-    acc.assign(g_cap * d_cap, 0.f);
-    qb.assign(d_cap, 0.f);
-    k.assign(kTile * d_cap, 0.f);
-    v.assign(kTile * d_cap, 0.f);
-    s.assign(g_cap * kTile, 0.f);
-    p.assign(kTile, 0.f);
-    m.assign(g_cap, 0.f);
-    l.assign(g_cap, 0.f);
-    ks.assign(kTile, 0.f);
-    vs.assign(kTile, 0.f);
-    seg_first.assign(kTile + 1, 0);
-    seg_page.assign(kTile + 1, 0);
-    krow.resize(kTile);
-    vrow.resize(kTile);
-  }
-};
-
-inline QScratch& thread_scratch(int64_t g, int64_t dpad) {
-  thread_local QScratch w;
-  w.reserve(g, dpad);
-  for (int64_t i = 0; i < kTile; ++i) {  // rows of the tile buffers at this dpad
-    w.krow[i] = w.k.data() + i * dpad;
-    w.vrow[i] = w.v.data() + i * dpad;
-  }
-  return w;
-}
-
-template <typename T> inline float to_f(T x) { return static_cast<float>(x); }
-
-inline void prefetch_codes(const QGeometry& g, const uint8_t* kh, const uint8_t* vh,
-                           const int32_t* table, int64_t t_from, int64_t t_to) {
-  for (int64_t t = t_from; t < t_to; ++t) {
-    const int64_t page = table[t / g.block_size], off = t % g.block_size;
-    const uint8_t* kr = kh + page * g.kc_blk + off * g.kc_tok;
-    const uint8_t* vr = vh + page * g.vc_blk + off * g.vc_tok;
-    for (int64_t byte = 0; byte < g.head_dim; byte += 64) {
-      __builtin_prefetch(kr + byte, 0, 3);
-      __builtin_prefetch(vr + byte, 0, 3);
-    }
-  }
-}
-
-// Keys [t0, t0 + n) of the item into the tile buffers: widened rows, V's folded scales, K's
-// per-token scales, and (per-channel K) the runs of keys that share a block.
-inline int64_t load_tile(const QGeometry& g, const TileOps& ops, const uint8_t* kh,
-                         const uint8_t* vh, const float* ksh, const float* vsh,
-                         const int32_t* table, int64_t t0, int64_t n, QScratch& w) {
-  int64_t blk = t0 / g.block_size, off = t0 % g.block_size, nseg = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t page = table[blk];
-    if (i == 0 || off == 0) {
-      w.seg_first[nseg] = i;
-      w.seg_page[nseg++] = page;
-    }
-    ops.to_float(kh + page * g.kc_blk + off * g.kc_tok, w.k.data() + i * g.dpad, g.head_dim, g.dpad);
-    ops.to_float(vh + page * g.vc_blk + off * g.vc_tok, w.v.data() + i * g.dpad, g.head_dim, g.dpad);
-    w.vs[i] = vsh[page * g.vs_blk + off * g.vs_tok] * g.v_factor;
-    if (!g.channel_keys) w.ks[i] = ksh[page * g.ks_blk + off * g.ks_in];
-    if (++off == g.block_size) {
-      off = 0;
-      ++blk;
-    }
-  }
-  w.seg_first[nseg] = n;
-  return nseg;
-}
-
-// One work item: keys [t_begin, t_end) of sequence b for KV head kvh; leaves (acc, m, l) in w.
-template <typename QT>
-void attend(const QGeometry& g, const TileOps& ops, const QT* q, const uint8_t* kc,
-            const uint8_t* vc, const float* ksc, const float* vsc, const int32_t* table,
-            int64_t b, int64_t kvh, int64_t t_begin, int64_t t_end, QScratch& w) {
-  const int64_t d = g.head_dim, dp = g.dpad;
-  for (int64_t h = 0; h < g.group; ++h) {
-    const QT* qr = q + b * g.q_stride_b + (kvh * g.group + h) * g.q_stride_h;
-    float* qf = w.q.data() + h * dp;
-    for (int64_t c = 0; c < d; ++c) qf[c] = to_f(qr[c]) * g.q_scale;
-    std::fill(qf + d, qf + dp, 0.f);
-    std::fill(w.acc.data() + h * dp, w.acc.data() + (h + 1) * dp, 0.f);
-    w.m[h] = kNegInf;
-    w.l[h] = 0.f;
-  }
-  const uint8_t* kh = kc + kvh * g.kc_h;
-  const uint8_t* vh = vc + kvh * g.vc_h;
-  const float* ksh = ksc + kvh * g.ks_h;
-  const float* vsh = vsc + kvh * g.vs_h;
-  prefetch_codes(g, kh, vh, table, t_begin, std::min(t_begin + kTile, t_end));
-  for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) {
-    const int64_t n = std::min(kTile, t_end - t0);
-    prefetch_codes(g, kh, vh, table, t0 + n, std::min(t0 + n + kTile, t_end));
-    const int64_t nseg = load_tile(g, ops, kh, vh, ksh, vsh, table, t0, n, w);
-    for (int64_t h = 0; h < g.group; ++h) {
-      float* s = w.s.data() + h * kTile;
-      float* acc = w.acc.data() + h * dp;
-      const float* qf = w.q.data() + h * dp;
-      if (g.channel_keys) {
-        for (int64_t sg = 0; sg < nseg; ++sg) {  // q' = q (.) the block's channel scales
-          const float* kscale = ksh + w.seg_page[sg] * g.ks_blk;
-          for (int64_t c = 0; c < d; ++c) w.qb[c] = qf[c] * kscale[c * g.ks_in];
-          const int64_t i0 = w.seg_first[sg];
-          ops.scores(w.qb.data(), w.krow.data() + i0, w.seg_first[sg + 1] - i0, d, s + i0);
-        }
-      } else {
-        ops.scores(qf, w.krow.data(), n, d, s);
-        for (int64_t i = 0; i < n; ++i) s[i] *= w.ks[i];
-      }
-      ops.softmax(s, n, &w.m[h], &w.l[h], acc, dp);
-      for (int64_t i = 0; i < n; ++i) w.p[i] = s[i] * w.vs[i];
-      ops.pv(acc, w.p.data(), w.vrow.data(), n, d);
-    }
-  }
-}
 
 inline void partition_range(const QGeometry& g, int64_t L, int64_t p, int64_t* first,
                             int64_t* last) {
@@ -210,12 +78,24 @@ void run(const QGeometry& g, const TileOps& ops, const at::Tensor& q, const at::
   const int64_t d = g.head_dim;
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     QScratch& w = thread_scratch(g.group, g.dpad);
+    auto locate = [&](int64_t it, int64_t* b, int64_t* kvh, int64_t* t0, int64_t* t1) {
+      *b = item_seq[it];
+      const int64_t local = it - item_start[*b];
+      *kvh = local / num_parts[*b];
+      partition_range(g, lens[*b], first_part[*b] + local % num_parts[*b], t0, t1);
+    };
     for (int64_t it = begin; it < end; ++it) {
-      const int64_t b = item_seq[it], local = it - item_start[b];
-      const int64_t kvh = local / num_parts[b], p = first_part[b] + local % num_parts[b];
-      int64_t t0 = 0, t1 = 0;
-      partition_range(g, lens[b], p, &t0, &t1);
-      attend<QT>(g, ops, qp, kp, vp, ksp, vsp, tp + b * g.max_blocks, b, kvh, t0, t1, w);
+      int64_t b = 0, kvh = 0, t0 = 0, t1 = 0;
+      locate(it, &b, &kvh, &t0, &t1);
+      NextTile next;
+      if (it + 1 < end) {
+        int64_t nb = 0, nh = 0, n0 = 0, n1 = 0;
+        locate(it + 1, &nb, &nh, &n0, &n1);
+        next = {kp + nh * g.kc_h, vp + nh * g.vc_h, ksp + nh * g.ks_h, vsp + nh * g.vs_h,
+                tp + nb * g.max_blocks, n0, std::min(n0 + kTile, n1)};
+      }
+      attend<QT>(g, ops, qp, kp, vp, ksp, vsp, tp + b * g.max_blocks, b, kvh, t0, t1, w,
+                 it > begin, next);
       if (num_parts[b] == 1) {
         for (int64_t h = 0; h < g.group; ++h) {
           QT* o = op + b * g.out_stride_b + (kvh * g.group + h) * d;

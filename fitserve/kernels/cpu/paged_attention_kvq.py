@@ -23,6 +23,7 @@ CODEC_IDS = {"int8": 0, "fp8_e4m3": 1, "fp8_e5m2": 2}
 
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
+_write_state: list[bool] = []
 
 
 def paged_attention_kvq_available() -> bool:
@@ -34,6 +35,15 @@ def paged_attention_kvq_available() -> bool:
                 torch.library.register_fake("fitserve::paged_decode_attention_kvq", _fake)
             _state["ok"] = ok
         return _state["ok"]
+
+
+def kvq_write_available() -> bool:
+    """True when ``torch.ops.fitserve.rope_write_kvq_`` (kvq_write.cpp) is loaded: the fused
+    rotation + quantized cache write, bit-equal to RotaryEmbedding then QuantizedKVCache.write."""
+    with _lock:
+        if not _write_state:
+            _write_state.append(load_extension("kvq_write", "kvq_write.cpp") is not None)
+        return _write_state[0]
 
 
 def _fake(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:

@@ -1,0 +1,126 @@
+"""The fused rotation + quantized cache write (kvq_write.cpp, ``QuantizedKVCache.rope_write_``)
+against the torch path it replaces: RotaryEmbedding's rotation written out here (the cos/sin
+rows in the activation dtype, rotate_half / interleaved pairs) followed by the torch quantizer
+``QuantizedKVCache.write``. Rotated q/k, codes and scales must be bit-equal, for every codec,
+key scale layout, activation dtype and pairing, over a prefill chunk spanning blocks, then
+single-token steps that start blocks, fill them and (per-channel keys) grow their scales so the
+block's earlier codes are re-encoded. Stale codes and scales of "freed" blocks are left in both
+caches, so a block start that failed to reset them would show.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from fitserve.kernels.cpu.build import cpp_disabled
+from fitserve.kernels.cpu.paged_attention_kvq import kernel_kvq_isa, kvq_write_available
+from fitserve.quant.kv_cache import CODECS, KEY_LAYOUTS, QuantizedKVCache
+from tests.conftest import run_tests_at_tier
+
+pytestmark = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "c++")) is None or cpp_disabled(),
+    reason="no C++ compiler or FITSERVE_DISABLE_CPP=1")
+
+HQ, HKV, D, BS, NB = 4, 2, 16, 4, 12
+
+
+def rotate_like_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+                      interleaved: bool) -> torch.Tensor:
+    """fitserve.model.layers.RotaryEmbedding's forward on its tables(positions, x.dtype)."""
+    c, s = cos[pos].to(x.dtype).unsqueeze(1), sin[pos].to(x.dtype).unsqueeze(1)
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+    c, s = torch.cat((c, c), -1), torch.cat((-s, s), -1)
+    return x * c + x.roll(x.shape[-1] // 2, dims=-1) * s
+
+
+def _caches(codec: str, layout: str, gen: torch.Generator) -> tuple[QuantizedKVCache, ...]:
+    pair = tuple(QuantizedKVCache(codec, layout, num_kv_heads=HKV, num_blocks=NB, block_size=BS,
+                                  head_dim=D) for _ in range(2))
+    stale = QuantizedKVCache(codec, layout, num_kv_heads=HKV, num_blocks=NB, block_size=BS,
+                             head_dim=D)
+    stale.write(torch.randn(NB * BS, HKV, D, generator=gen) * 50,
+                torch.randn(NB * BS, HKV, D, generator=gen), torch.arange(NB * BS))
+    for kv in pair:  # what freed blocks hold: another sequence's codes and scales
+        for name in ("k_codes", "v_codes", "k_scales", "v_scales"):
+            getattr(kv, name).copy_(getattr(stale, name))
+    return pair
+
+
+# (positions, slots): a 7-token prefill over blocks 0 and 2, a token finishing block 2, then
+# single tokens starting block 5 and filling it (keys grow 1x..11x), and one starting block 6
+STEPS = [(list(range(7)), [0, 1, 2, 3, 8, 9, 10]), ([7], [11]), ([8], [20]), ([9], [21]),
+         ([10], [22]), ([11], [23]), ([12], [24])]
+
+
+@pytest.mark.parametrize("layout", KEY_LAYOUTS)
+@pytest.mark.parametrize("codec", list(CODECS))
+def test_bit_equal_to_torch_rotation_and_quantizer(codec: str, layout: str) -> None:
+    for dtype, interleaved in [(torch.bfloat16, False), (torch.bfloat16, True),
+                               (torch.float32, False), (torch.float16, True)]:
+        _check_steps(codec, layout, dtype, interleaved)
+
+
+def _check_steps(codec: str, layout: str, dtype: torch.dtype, interleaved: bool) -> None:
+    assert kvq_write_available()
+    gen = torch.Generator().manual_seed(len(codec) * 7 + len(layout))
+    fused, ref = _caches(codec, layout, gen)
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    ang = torch.arange(64).float()[:, None] * inv
+    cos, sin = ang.cos(), ang.sin()
+    grew = False
+    for pos, slots in STEPS:
+        n = len(pos)
+        gain = 1 + 10 * torch.rand(n, 1, generator=gen)
+        qkv = (torch.randn(n, (HQ + 2 * HKV) * D, generator=gen) * gain).to(dtype)
+        qk = qkv[:, : (HQ + HKV) * D].view(n, HQ + HKV, D)  # strided, as the model passes it
+        v = qkv[:, (HQ + HKV) * D :].view(n, HKV, D)
+        p, s = torch.tensor(pos), torch.tensor(slots)
+        want = rotate_like_torch(qk.clone(), cos, sin, p, interleaved)
+        scales_before = ref.k_scales.clone()
+        ref.write(want[:, HQ:], v, s)
+        assert fused.rope_write_(qk, v, p, cos, sin, s, HQ, interleaved)
+        assert torch.equal(qk, want), "rotation"
+        for name in ("k_codes", "v_codes", "k_scales", "v_scales"):
+            assert torch.equal(getattr(fused, name), getattr(ref, name)), (name, pos, dtype)
+        grew |= layout == "channel-key" and pos[0] in (9, 10, 11) and bool(
+            (ref.k_scales[:, 5] > scales_before[:, 5]).any())
+    assert grew or layout == "token", "vacuous: no block's key scales grew"
+
+
+def test_rejects_bad_inputs_with_a_clear_error() -> None:
+    kv = QuantizedKVCache("int8", "token", num_kv_heads=HKV, num_blocks=NB, block_size=BS,
+                          head_dim=D)
+    cos = sin = torch.zeros(8, D // 2)
+    qk, v = torch.zeros(1, HQ + HKV, D), torch.zeros(1, HKV, D)
+    op = torch.ops.fitserve.rope_write_kvq_
+    args = (kv.k_codes, kv.v_codes, kv.k_scales, kv.v_scales)
+    with pytest.raises(RuntimeError, match="slot 999 out of range"):
+        op(qk, v, torch.tensor([0]), cos, sin, *args, torch.tensor([999]), HQ, False, 0, False)
+    with pytest.raises(RuntimeError, match="position 8 out of range"):
+        op(qk, v, torch.tensor([8]), cos, sin, *args, torch.tensor([0]), HQ, False, 0, False)
+    with pytest.raises(RuntimeError, match="uint8"):
+        op(qk, v, torch.tensor([0]), cos, sin, *args, torch.tensor([0]), HQ, False, 1, False)
+    with pytest.raises(RuntimeError, match="head counts"):
+        op(qk, v, torch.tensor([0]), cos, sin, *args, torch.tensor([0]), HQ + 1, False, 0, False)
+    with pytest.raises(RuntimeError, match="k_scales must be"):
+        op(qk, v, torch.tensor([0]), cos, sin, *args, torch.tensor([0]), HQ, False, 0, True)
+
+
+@pytest.mark.parametrize("tier", ["avx2", "scalar"])
+def test_tier_is_the_one_asked_for(tier: str) -> None:
+    if os.environ.get("FITSERVE_CPU_TIER") != tier:
+        pytest.skip(f"FITSERVE_CPU_TIER is not {tier} (the tier subprocess test sets it)")
+    assert kernel_kvq_isa() == tier
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tier", ["avx2", "scalar"])
+def test_lower_tier_build_is_bit_equal(tier: str) -> None:
+    """Built for a lower tier (other -m flags: no FMA to contract into), still bit-equal."""
+    run_tests_at_tier(__file__, tier, f"bit_equal_to_torch or tier_is_the_one_asked_for and {tier}")
