@@ -221,7 +221,8 @@ def test_decode_plan_rejects_malformed_linear_lists() -> None:
     plan = torch.ops.fitserve_step.decode_plan
 
     def make(ts: list[torch.Tensor], ms: list[int]) -> int:
-        return int(plan([w, w], [1e-5, 1e-5], ts, ms, [cache], [cache], 1, 1, 8, 1.0, 16, False))
+        return int(plan([w, w], [1e-5, 1e-5], ts, ms, [cache], [cache], 1, 1, 8, 1.0, 16, False,
+                        [], [], -1, False))
 
     with pytest.raises(RuntimeError, match="meta ends inside a linear"):
         make(tensors * 4, (meta * 4)[:-1])
