@@ -180,13 +180,20 @@ def fit_step_model(samples: Sequence[StepSample], source: str = "") -> StepTimeM
     # all alike (or decode-only steps, where new_tokens == seqs) would "fit" a model whose
     # split between the terms is arbitrary and whose predictions off those shapes are wrong.
     rank = _rank([x for x, _ in data])
+    # NOTE: an engine that never holds more than one sequence (max_num_seqs 1) times every step
+    # at seqs == 1: c cannot be told from a there, and no step it will ever run needs the split,
+    # so c is held at 0 (folded into a) and the other three terms must be determined.
+    one_seq_count = len({x[2] for x, _ in data}) == 1
+    columns = (0, 1, 3) if one_seq_count else (0, 1, 2, 3)
+    if one_seq_count:
+        rank = _rank([[x[i] for i in columns] for x, _ in data]) + 1
     if rank < 4:
         raise PlanError(f"the timed steps do not determine a step-time model: their shapes span "
                         f"{rank} of the 4 terms (1, new_tokens, seqs, kv_tokens_read); time "
                         f"steps that vary each of them independently")
     best: tuple[float, list[float]] | None = None
-    for k in range(1, 5):
-        for free in itertools.combinations(range(4), k):
+    for k in range(1, len(columns) + 1):
+        for free in itertools.combinations(columns, k):
             # normal equations of the weighted problem (weights 1/t^2) over the free columns
             ata = [[sum(x[i] * x[j] / (t * t) for x, t in data) for j in free] for i in free]
             atb = [sum(x[i] / t for x, t in data) for i in free]

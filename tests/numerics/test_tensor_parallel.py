@@ -120,16 +120,6 @@ def test_tiny_models_match_tp1(tiny_hf_model_dir, arch: str, tp: int,  # type: i
         eng.shutdown()
 
 
-def test_mixed_layer_kinds_refuse_tp_before_any_process(tiny_hf_model_dir) -> None:  # type: ignore[no-untyped-def]
-    """Gemma 2 (the conftest's: a sliding and a full layer, two KV layer groups) under TP: the
-    step message carries one block table per chunk, so the engine refuses by name."""
-    folder = tiny_hf_model_dir("gemma2")
-    with pytest.raises(ValueError, match="mixing sliding-window and full-attention layers runs "
-                       "without tensor parallelism"):
-        _engine(folder, 2)
-    assert not _children(os.getpid())
-
-
 def test_layout_that_does_not_divide_fails_before_any_process(tiny_hf_model_dir) -> None:  # type: ignore[no-untyped-def]
     folder = tiny_hf_model_dir("llama")  # 4 query heads
     with pytest.raises(ValueError, match="num_heads=4 is not divisible by tensor_parallel_size=3"):

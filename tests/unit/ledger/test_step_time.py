@@ -119,6 +119,18 @@ def test_fit_needs_four_timed_steps() -> None:
         fit_step_model(samples + zeroed)
 
 
+def test_fit_with_one_sequence_per_step_holds_c_at_zero() -> None:
+    """max_num_seqs 1: every step has seqs == 1, so c folds into a (exact at seqs == 1)."""
+    shapes = [StepShape(n, 1, kv) for n in (1, 16, 64, 256) for kv in (n, 512 + n, 2048 + n)]
+    fitted = fit_step_model(timed(TRUE, shapes))
+    assert fitted.c == 0
+    assert (fitted.a, fitted.b, fitted.d) == pytest.approx((TRUE.a + TRUE.c, TRUE.b, TRUE.d),
+                                                           rel=1e-8)
+    # still refused when the other terms are not determined either
+    with pytest.raises(PlanError, match="span 3 of the 4 terms"):
+        fit_step_model(timed(TRUE, [StepShape(1, 1, kv) for kv in (64, 512, 2048, 4096)]))
+
+
 @pytest.mark.parametrize("shapes", [
     [StepShape(1, 1, 100)] * 6,  # all alike
     [StepShape(b, b, b * 100) for b in range(1, 9)],  # decodes at one context: b, c, d collinear
