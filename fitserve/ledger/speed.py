@@ -3,7 +3,16 @@
     t_memory  = (weight bytes read + KV bytes read) / memory bandwidth
     t_compute = FLOPs / peak FLOP/s
     t_dequant = a CPU's weight-kernel time (fitserve.ledger.dequant; decode steps only)
-    step      = max(t_memory, t_compute, t_dequant) + t_allreduce      (collectives not overlapped)
+    t_overhead = a CPU's fixed cost per step + per layer x layers (Hardware.step_overhead;
+                 measured on a tiny model, 0 on a GPU's roofline)
+    t_attention = a CPU's decode attention FLOPs / its measured rate (Hardware.attention_flops,
+                 KV reads included; then t_memory is the weights alone), 0 on a GPU's roofline
+    step      = max(t_memory, t_compute, t_dequant) + t_attention + t_allreduce + t_overhead
+
+On a measured CPU the peak FLOP/s is the rate the engine's own op for the weight format reaches
+at the step's row count (Hardware.peak_flops), not a spec-sheet peak, and a decode step's
+attention FLOPs run at its paged decode attention's measured rate (Hardware.attention_flops). Collectives and the
+overhead are not overlapped: the CPU runs the Python and the kernels one after another.
 
 Per rank under tensor parallelism. MoE: a step reads the experts its batch touches, expected
 E x (1 - (1 - k/E)^B) of E per layer. Attention reads only the window on sliding layers.
@@ -17,6 +26,7 @@ from dataclasses import dataclass
 
 from fitserve.config import ModelSpec
 from fitserve.ledger.dequant import dequant_seconds
+from fitserve.ledger.errors import PlanError
 from fitserve.ledger.flops import flops_per_token, prefill_flops
 from fitserve.ledger.hardware import Hardware
 from fitserve.ledger.kv import request_kv
@@ -42,13 +52,19 @@ class StepTime:
     # a CPU's weight kernels (decode + dots, fitserve.ledger.dequant): they overlap the weight
     # stream, so the step takes the larger of the three floors
     t_dequant: float = 0.0
+    t_overhead: float = 0.0  # a CPU's fixed cost of the step (Hardware.step_overhead)
+    # a CPU's decode attention at its measured rate (its KV reads included): a phase of its own
+    t_attention: float = 0.0
 
     @property
     def seconds(self) -> float:
-        return max(self.t_memory, self.t_compute, self.t_dequant) + self.t_comm
+        return (max(self.t_memory, self.t_compute, self.t_dequant) + self.t_attention
+                + self.t_comm + self.t_overhead)
 
     @property
     def bound(self) -> str:
+        if self.t_overhead > max(self.t_memory, self.t_compute, self.t_dequant):
+            return "overhead"
         if self.t_dequant > max(self.t_memory, self.t_compute):
             return "dequant"
         return "compute" if self.t_compute >= self.t_memory else "memory"
@@ -61,9 +77,11 @@ class StepTime:
     def describe(self) -> str:
         """One line: the roofline with its numbers filled in."""
         dq = f", weight kernels {self.t_dequant * 1e3:.3f} ms" if self.t_dequant else ""
+        oh = (f" + attention {self.t_attention * 1e3:.3f} ms" if self.t_attention else "") + (
+            f" + overhead {self.t_overhead * 1e3:.3f} ms" if self.t_overhead else "")
         return (f"max(({self.weight_bytes:,.0f} + {self.kv_bytes:,.0f}) B / bandwidth = "
                 f"{self.t_memory * 1e3:.3f} ms, {self.flops:.4g} FLOPs / peak = "
-                f"{self.t_compute * 1e3:.3f} ms{dq}) + comm {self.t_comm * 1e3:.3f} ms = "
+                f"{self.t_compute * 1e3:.3f} ms{dq}) + comm {self.t_comm * 1e3:.3f} ms{oh} = "
                 f"{self.seconds * 1e3:.3f} ms ({self.bound}-bound)")
 
 
@@ -86,12 +104,20 @@ def decode_step(spec: ModelSpec, hw: Hardware, wb: WeightBytes, *, batch: int, c
     tp = wb.tp
     w = weight_bytes_read(spec, wb, batch)
     kv = batch * request_kv(spec, context, kv_dtype, tp=tp).bytes_reclaimed
-    flops = batch * flops_per_token(spec, context).total / tp
+    tf = flops_per_token(spec, context)
+    flops = batch * tf.total / tp
+    # NOTE: where the CPU's decode attention was measured (its rate includes its KV reads,
+    # caches past the LLC), attention is its own phase after the linears: its FLOPs at that
+    # rate are added, and the memory floor is the weights alone
+    attn = batch * tf.attention / tp if hw.attention_flops else 0.0
+    t_attention = attn / hw.attention_flops if attn else 0.0
+    t_memory = (w + (0.0 if attn else kv)) / hw.mem_bytes_per_s
+    t_compute = (flops - attn) / hw.peak_flops(weights_fmt, batch)
     comm = tp_allreduce(spec, hw, tp=tp, tokens=batch, act_dtype_bytes=act_dtype_bytes)
     dq = dequant_seconds(wb, rows=batch, cores=hw.cores,
                          read_fraction=w / wb.total if wb.total else 1.0)
-    return StepTime(batch, context, w, kv, flops, (w + kv) / hw.mem_bytes_per_s,
-                    flops / hw.peak_flops(weights_fmt), comm.seconds_per_step, dq)
+    return StepTime(batch, context, w, kv, flops, t_memory, t_compute, comm.seconds_per_step,
+                    dq, hw.step_overhead(spec.num_layers), t_attention)
 
 
 def decode_step_roofline(spec: ModelSpec, hw: Hardware, *, batch: int, context: int,
@@ -122,7 +148,8 @@ def prefill_time(spec: ModelSpec, hw: Hardware, wb: WeightBytes, *, prompt_len: 
     flops = prefill_flops(spec, prompt_len).total / tp
     comm = tp_allreduce(spec, hw, tp=tp, tokens=prompt_len, act_dtype_bytes=act_dtype_bytes)
     return StepTime(1, prompt_len, w, kv, flops, (w + kv) / hw.mem_bytes_per_s,
-                    flops / hw.peak_flops(weights_fmt), comm.seconds_per_step)
+                    flops / hw.peak_flops(weights_fmt, prompt_len), comm.seconds_per_step,
+                    t_overhead=hw.step_overhead(spec.num_layers))
 
 
 def compute_bound_batch(spec: ModelSpec, hw: Hardware, wb: WeightBytes, *, context: int,
@@ -179,3 +206,68 @@ def quant_crossover(spec: ModelSpec, hw: Hardware, quant: WeightBytes, ref: Weig
             break
         b *= 2
     return Crossover(quant.mix, ref.mix, tuple(speedups), stop)
+
+
+@dataclass(frozen=True)
+class WorkloadSpeed:
+    """``batch_size`` requests of ``input_len`` prompt tokens, each generating ``output_len``
+    (vllm bench throughput's --input-len / --output-len / --num-prompts, all at once): the
+    prompts prefilled first in steps of the token budget, the last of which samples every
+    request's first token, then ``output_len - 1`` decode steps of the whole batch."""
+
+    input_len: int
+    output_len: int
+    batch_size: int
+    prefill_steps: tuple[StepTime, ...]
+    decode_steps: tuple[StepTime, ...]
+
+    @property
+    def prefill_s(self) -> float:
+        return sum(s.seconds for s in self.prefill_steps)
+
+    @property
+    def decode_s(self) -> float:
+        return sum(s.seconds for s in self.decode_steps)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Decode tokens per second per request, first token excluded (W1's tok/s at batch 1)."""
+        return (self.output_len - 1) / self.decode_s if self.decode_steps else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens of the whole batch over the whole run, prefill included (W2's)."""
+        return self.batch_size * self.output_len / (self.prefill_s + self.decode_s)
+
+
+def workload_speed(spec: ModelSpec, hw: Hardware, wb: WeightBytes, *, input_len: int,
+                   output_len: int, batch_size: int, kv_dtype: str, weights_fmt: str,
+                   max_num_batched_tokens: int = 2048, act_dtype_bytes: int = 2
+                   ) -> WorkloadSpeed:
+    """The step-time model run over a whole workload (see WorkloadSpeed): prefill chunks of
+    at most ``max_num_batched_tokens`` (each a share of ``batch_size`` x prefill_flops and of
+    the KV written, the weights read once per chunk), then one decode step per output token
+    after the first, the i-th at context ``input_len + i``. PlanError for counts < 1."""
+    for flag, n in (("--input-len", input_len), ("--output-len", output_len),
+                    ("--batch-size", batch_size),
+                    ("--max-num-batched-tokens", max_num_batched_tokens)):
+        if n < 1:
+            raise PlanError(f"{flag} must be >= 1, got {n}")
+    tp, total = wb.tp, batch_size * input_len
+    flops = batch_size * prefill_flops(spec, input_len).total / tp
+    kv = batch_size * request_kv(spec, input_len, kv_dtype, tp=tp).bytes_reclaimed
+    chunks = [max_num_batched_tokens] * (total // max_num_batched_tokens)
+    chunks += [total % max_num_batched_tokens] if total % max_num_batched_tokens else []
+    prefill = []
+    for n in chunks:
+        w, share = weight_bytes_read(spec, wb, n), n / total
+        comm = tp_allreduce(spec, hw, tp=tp, tokens=n, act_dtype_bytes=act_dtype_bytes)
+        prefill.append(StepTime(1, n, w, kv * share, flops * share,
+                                (w + kv * share) / hw.mem_bytes_per_s,
+                                flops * share / hw.peak_flops(weights_fmt, n),
+                                comm.seconds_per_step, t_overhead=hw.step_overhead(spec.num_layers)))
+    decode = tuple(decode_step(spec, hw, wb, batch=batch_size, context=input_len + i,
+                               kv_dtype=kv_dtype, weights_fmt=weights_fmt,
+                               act_dtype_bytes=act_dtype_bytes)
+                   for i in range(1, output_len))
+    return WorkloadSpeed(input_len, output_len, batch_size, tuple(prefill), decode)

@@ -278,6 +278,7 @@ def roofline_step_model(spec: ModelSpec, hw: Hardware | str, *, weight_fmt: str 
 
         a = weight bytes read per step per rank / bandwidth   (weights streamed once per step)
             or a CPU's weight-kernel time at one row if larger (fitserve.ledger.dequant)
+            + a CPU's fixed cost per step and per layer (Hardware.step_overhead, measured)
         b = FLOPs per token / peak                       (the matmuls, no attention context)
             or a CPU's weight-kernel time per extra row if larger
         c = 0                                            (no per-sequence cost on a roofline)
@@ -313,7 +314,8 @@ def roofline_step_model(spec: ModelSpec, hw: Hardware | str, *, weight_fmt: str 
 
     # NOTE: the kernels overlap the weight stream (a = the larger), and their cost per extra
     # row of x includes the FMAs the FLOP floor counts (b = the larger)
-    a = max(read / bw, kernels(1))
+    # a CPU's fixed cost per step and per layer (Hardware.step_overhead) adds to a
+    a = max(read / bw, kernels(1)) + hw.step_overhead(spec.num_layers)
     b = max(flops_per_token(spec, 0).total / tp / hw.peak_flops(weight_fmt),
             kernels(2) - kernels(1))
     d = request_kv(spec, 1, kv_dtype, tp=tp).bytes_reclaimed / bw

@@ -98,6 +98,14 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tpot-ms", type=float, default=None,
                    help="a TPOT target: the step-time model's prompt tokens per step beside "
                         "--concurrency decodes, and (with --new-tokens) the request rate it sustains")
+    p.add_argument("--input-len", type=int, default=128,
+                   help="workload section: prompt tokens per request (vllm bench throughput's "
+                        "--input-len; default 128, bench_engine.py's W2)")
+    p.add_argument("--output-len", type=int, default=128,
+                   help="workload section: tokens each request generates (default 128)")
+    p.add_argument("--batch-size", type=int, default=32,
+                   help="workload section: requests at once for the batched line (default 32, "
+                        "bench_engine.py's W2); the other line is one request alone")
     p.add_argument("--explain", action="store_true", help="show the arithmetic of each line")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -121,7 +129,8 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         share=args.share, new_tokens=0 if args.new_tokens is None else parse_tokens(args.new_tokens),
         prompt_tokens=None if args.prompt_tokens is None else parse_tokens(args.prompt_tokens),
         speculative=None if args.speculative is None else parse_speculative(args.speculative),
-        slo_tpot_ms=args.slo_tpot_ms)
+        slo_tpot_ms=args.slo_tpot_ms, input_len=args.input_len, output_len=args.output_len,
+        batch_size=args.batch_size)
 
 
 def parse_speculative(text: str) -> tuple[int, float, float]:

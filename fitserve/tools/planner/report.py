@@ -94,6 +94,11 @@ class PlanRequest:
     # SLO scheduling: a TPOT target (ms) prices the step-time model's chunk cap and knee;
     # None = no section
     slo_tpot_ms: float | None = None
+    # the workload section (vllm bench throughput's --input-len / --output-len and a batch of
+    # --batch-size requests); defaults: benchmarks/bench_engine.py's W2 shape
+    input_len: int = 128
+    output_len: int = 128
+    batch_size: int = 32
 
 
 @dataclass(frozen=True)
@@ -189,7 +194,8 @@ def check_inputs(req: PlanRequest) -> None:
     counts = {"--concurrency": req.concurrency, "--block-size": req.block_size,
               "--gpus": req.gpus, "--max-num-batched-tokens": req.max_num_batched_tokens,
               "--max-num-seqs": 1 if req.max_num_seqs is None else req.max_num_seqs,
-              "--context": req.context}
+              "--context": req.context, "--input-len": req.input_len,
+              "--output-len": req.output_len, "--batch-size": req.batch_size}
     for flag, n in counts.items():
         if n < 1:
             raise PlanError(f"{flag} must be >= 1, got {n}")

@@ -31,6 +31,7 @@ from fitserve.tools.planner.sections import (
 )
 from fitserve.tools.planner.sections_moe import moe_section
 from fitserve.tools.planner.sections_slo import step_time_section
+from fitserve.tools.planner.sections_workload import workload_section
 
 
 @dataclass(frozen=True)
@@ -181,15 +182,16 @@ def speed_section(r: Resolved, batch: int) -> Section:
                           f"{st.bound}-bound",
                           f"max(({st.weight_bytes:,.0f} + {st.kv_bytes:,.0f}) B / "
                           f"{hw.mem_bytes_per_s:.3g} B/s, {st.flops:.4g} / "
-                          f"{hw.peak_flops(r.weights):.3g} FLOP/s) + comm {fmt_seconds(st.t_comm)}"))
+                          f"{hw.peak_flops(r.weights, st.batch):.3g} FLOP/s) + comm "
+                          f"{fmt_seconds(st.t_comm)} + overhead {fmt_seconds(st.t_overhead)}"))
     lines += [
         Line("compute-bound from batch", "compute_bound_batch", cb,
              "never (KV reads dominate)" if cb is None else f"{cb:,}"),
         Line(f"prefill {q.context} tokens (TTFT floor)", "prefill_time", pf.seconds,
              fmt_seconds(pf.seconds),
              f"max({pf.weight_bytes + pf.kv_bytes:,.0f} B / {hw.mem_bytes_per_s:.3g}, "
-             f"{pf.flops:.4g} FLOPs / {hw.peak_flops(r.weights):.3g}) + comm "
-             f"{fmt_seconds(pf.t_comm)}"),
+             f"{pf.flops:.4g} FLOPs / {hw.peak_flops(r.weights, q.context):.3g}) + comm "
+             f"{fmt_seconds(pf.t_comm)} + overhead {fmt_seconds(pf.t_overhead)}"),
     ]
     if q.tp > 1:
         lines.append(Line("TP all-reduces per step", "tp_allreduce", ar.calls_per_step,
@@ -293,7 +295,8 @@ def build_plan(req: PlanRequest) -> Plan:
     cannot = (f"engine: cannot run ({'; '.join(r.entry.engine_refusal)})"
               if r.on_cpu and r.entry.engine_refusal else "")
     sections = [model_section(r), weights_section(r), kv_section(r), memory_section(r, mp, fc),
-                fit_section(r, mp, fc, alts, cannot), speed_section(r, batch)]
+                fit_section(r, mp, fc, alts, cannot), speed_section(r, batch),
+                workload_section(r)]
     moe = moe_section(r, batch)
     if moe is not None:
         sections.append(moe)

@@ -51,7 +51,7 @@ def test_cpu_hardware_remeasures_when_the_probe_disagrees(
     monkeypatch.setattr(cpu_measure, "default_threads", lambda: 2)
     runs: list[float] = []
 
-    def measure(threads: int | None = None) -> CpuFigures:
+    def measure(threads: int | None = None, *, engine: object = None) -> CpuFigures:
         runs.append(1.0)
         return figures(bw=[9.5e9, 24.8e9][len(runs) - 1], at=time.time() - len(runs))
 
@@ -71,5 +71,60 @@ def test_a_damaged_cache_is_measured_again(tmp_path: Path, monkeypatch: pytest.M
                                            ) -> None:
     monkeypatch.setenv("FITSERVE_HOME", str(tmp_path))
     (tmp_path / "hardware-cpu.json").write_text('{"key": "old v1 format"}')
-    monkeypatch.setattr(cpu_measure, "measure_figures", lambda threads=None: figures(bw=7e9))
+    monkeypatch.setattr(cpu_measure, "measure_figures",
+                        lambda threads=None, engine=None: figures(bw=7e9))
     assert cpu_hardware().mem_bytes_per_s == 7e9
+
+
+ENGINE_JSON = ('{"matmul_rows": [32, 512], "matmul_flops": {"bf16": [4e11, 8e11], '
+               '"int8act": [6e11, 9e11]}, "attention_flops": 9e10, "step_overhead_s": 0.0001, '
+               '"layer_overhead_s": 1.5e-05, "threads": 2}')
+
+
+def test_engine_rates_parse_and_reject() -> None:
+    e = cpu_measure.EngineRates.from_json(ENGINE_JSON)
+    assert e.matmul_rows == (32, 512) and e.matmul_flops["int8act"] == [6e11, 9e11]
+    assert (e.attention_flops, e.step_overhead_s, e.layer_overhead_s) == (9e10, 1e-4, 1.5e-5)
+    for bad, why in [(ENGINE_JSON.replace('"attention_flops": 9e10, ', ""), "attention_flops"),
+                     (ENGINE_JSON.replace("[4e11, 8e11]", "[4e11]"), "mismatched"),
+                     (ENGINE_JSON.replace("0.0001", "-0.0001"), "negative"),
+                     ("not json", "not the engine-rates JSON")]:
+        with pytest.raises(ValueError, match=why):
+            cpu_measure.EngineRates.from_json(bad)
+
+
+def test_a_failed_engine_probe_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_measure, "ENGINE_RATES_MODULE", "fitserve.no_such_module")
+    with pytest.raises(RuntimeError, match="fitserve.no_such_module failed .exit 1.: .*No module"):
+        cpu_measure.measure_engine_rates(1)
+
+
+def test_engine_rates_kept_when_only_the_bandwidth_moved(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A probe that disagrees re-measures the copy bandwidth; the engine's rates (compute,
+    seconds to measure) are kept while the CPU, thread count and age still match."""
+    monkeypatch.setenv("FITSERVE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_measure, "cpu_model", lambda: "CPU X")
+    monkeypatch.setattr(cpu_measure, "default_threads", lambda: 2)
+    monkeypatch.setattr(cpu_measure, "_timed_copies", lambda nbytes, repeats, t: [0.05] * 3)
+    monkeypatch.setattr(cpu_measure, "measure_matmul_flops", lambda: 5e10)
+    probes: list[int] = []
+
+    def probe(threads: int) -> cpu_measure.EngineRates:
+        probes.append(threads)
+        return cpu_measure.EngineRates.from_json(ENGINE_JSON)
+
+    monkeypatch.setattr(cpu_measure, "measure_engine_rates", probe)
+    monkeypatch.setattr(cpu_measure, "probe_copy_bandwidth", lambda t=None: 1e9)  # disagrees
+    first = cpu_hardware()
+    second = cpu_hardware()
+    assert probes == [2]  # measured once, kept on the second full measure
+    assert first.mem_bytes_per_s == second.mem_bytes_per_s == 2 * (256 << 20) / 0.05
+    assert second.matmul_rates == (("bf16", (4e11, 8e11)), ("int8act", (6e11, 9e11)))
+    assert (second.attention_flops, second.step_overhead_s, second.layer_overhead_s) == (
+        9e10, 1e-4, 1.5e-5)
+    assert "int8act 600/900" in second.source and "overhead 0.100 ms + 15.0 us per layer" in second.source
+    # another thread count: the engine is measured again
+    monkeypatch.setattr(cpu_measure, "default_threads", lambda: 1)
+    cpu_hardware()
+    assert probes == [2, 1]

@@ -1,0 +1,239 @@
+"""What the engine's own kernels reach on this CPU, for the planner's step-time model.
+
+The planner and the ledger import no torch, so they take these figures as numbers: the ledger
+runs ``python -m fitserve.engine.cpu_rates`` once per CPU (fitserve.ledger.hardware caches the
+JSON it prints beside the copy bandwidth). Measured, each the median of the undisturbed runs
+(within 1.25 x the best, as the copy bandwidth):
+
+    matmul FLOP/s per path   x [M, K] @ W.T, W [N, K] = [2048, 1024], at M = 32 rows (a batched
+                             decode step) and M = 512 (a prefill chunk), each call on another
+                             copy of W (96 MiB of them: the weights stream from DRAM as a
+                             model's do), on the engine's ops:
+                             "int8act" = int4_linear with activations quantized per row to int8
+                             (W4A8: the default as-stored Q4_0/Q4_1 path; int8 weights run the
+                             same VNNI dot products), "bf16" = F.linear in bf16 (oneDNN),
+                             "f32" = F.linear in float32
+    attention FLOP/s         the engine's paged decode attention, bf16 cache, 32 sequences of
+                             256 keys, 8 query / 2 KV heads of 64 (4 FLOPs per query head, key
+                             and dimension: q.k and p.v), each call on another layer's cache (96
+                             MiB of them, as a model's KV streams); the time includes its KV
+                             reads, so the ledger adds it to the step rather than overlapping it
+    step overhead            a decode step of the engine on a tiny random-weight Llama
+                             (hidden 64) with 2 and with 8 layers: the per-layer cost is the
+                             slope, the per-step cost (scheduler, sampler, lm_head call, Python)
+                             the intercept; the tiny matmuls cost next to nothing, so what is
+                             left is what every step of a real model pays besides its bytes and
+                             FLOPs
+
+NOTE: timed as one thread's CPU time (``time.thread_time``, torch at 1 thread), the matmul rates
+then multiplied by the engine's thread count: on the shared 2-core host this was written on,
+wall-clock figures of the 2-thread ops under load 15-20 came out 5-50x low and moved 10x between
+runs (a descheduled thread stalls every OpenMP barrier), while one thread's CPU time does not
+count the other processes. It assumes the GEMMs scale over the cores (compute-bound ones do)
+and leaves out the thread pool's fork/join per op (a few us each).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+GOOD_RUN_SLACK = 1.25
+RATE_K, RATE_N = 1024, 2048
+RATE_ROWS = (32, 512)  # a batched decode step, a prefill chunk
+CYCLE_BYTES = 96 << 20  # operands cycled through per op: past the last-level caches seen here
+TINY_LAYERS = (2, 8)
+
+
+def _good_median(seconds: list[float]) -> float:
+    best = min(seconds)
+    return statistics.median(s for s in seconds if s <= best * GOOD_RUN_SLACK)
+
+
+def _time_call(fn: Callable[[], object], *, repeats: int, inner: int) -> float:
+    """CPU seconds of this thread per call: the median of the undisturbed of ``repeats``
+    timings of ``inner`` calls."""
+    fn()
+    out = []
+    for _ in range(repeats):
+        t0 = time.thread_time()
+        for _ in range(inner):
+            fn()
+        out.append((time.thread_time() - t0) / inner)
+    return _good_median(out)
+
+
+def _cycle(calls: list[Callable[[], object]]) -> Callable[[], object]:
+    """One call after another, round and round: each call finds its operands out of cache."""
+    state = [0]
+
+    def call() -> object:
+        state[0] = (state[0] + 1) % len(calls)
+        return calls[state[0]]()
+    return call
+
+
+def _path_calls(m: int, k: int, n: int) -> dict[str, Callable[[], object]]:
+    """Each path's op on x [m, k] and weights of n rows, cycling over copies of the weight
+    that together pass CYCLE_BYTES (a model's weights stream from DRAM; one matrix called
+    again and again would sit in the cache)."""
+    from fitserve.kernels.cpu.qlinear import int4_linear, qlinear_ops_available
+
+    g = torch.Generator().manual_seed(0)
+    x32 = torch.randn(m, k, generator=g)
+    xb = x32.bfloat16()
+
+    def copies(nbytes: int) -> int:
+        return max(2, CYCLE_BYTES // nbytes)
+
+    # NOTE: copies of one random matrix (the kernels' speed does not depend on the values;
+    # drawing 96 MiB of random numbers per path took longer than timing them)
+    w1 = torch.randn(n, k, generator=g) * 0.02
+    w32 = [w1.clone() for _ in range(copies(n * k * 4))]
+    wb = [w1.bfloat16() for _ in range(copies(n * k * 2))]
+    calls: dict[str, Callable[[], object]] = {
+        "bf16": _cycle([functools.partial(F.linear, xb, w) for w in wb]),
+        "f32": _cycle([functools.partial(F.linear, x32, w) for w in w32])}
+    if qlinear_ops_available():
+        s = (torch.rand(n, k // 32, generator=g) * 0.01).half()
+        mins = (torch.rand(n, k // 32, generator=g) * -0.08).half()
+        q1 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+        qs = [q1.clone() for _ in range(copies(n * k // 2))]
+        calls["int8act"] = _cycle([functools.partial(int4_linear, xb, q, s, mins, 32, True)
+                                   for q in qs])
+    return calls
+
+
+def measure_matmul_rates(threads: int, repeats: int = 15) -> dict[str, list[float]]:
+    """path -> [FLOP/s at each of RATE_ROWS rows] of the engine's ops on ``threads`` cores: one
+    thread's rate x threads (see the module doc).
+
+    NOTE: many short timings (~1-10 ms each) rather than a few long ones: on a shared host the
+    undisturbed ones are then the many, and the median of those is the figure."""
+    rates: dict[str, list[float]] = {}
+    for m in RATE_ROWS:
+        for path, fn in _path_calls(m, RATE_K, RATE_N).items():
+            inner = max(1, 128 // m)
+            sec = _time_call(fn, repeats=repeats, inner=inner)
+            rates.setdefault(path, []).append(threads * 2 * m * RATE_K * RATE_N / sec)
+    return rates
+
+
+def measure_attention_rate(threads: int, repeats: int = 15, batch: int = 32,
+                           keys: int = 256) -> float:
+    """FLOP/s of the engine's paged decode attention (see the module doc) on ``threads`` cores:
+    one thread's rate x threads."""
+    from fitserve.kernels.cpu.paged_attention import (
+        paged_attention_available,
+        paged_decode_attention,
+    )
+
+    if not paged_attention_available():
+        raise RuntimeError("the paged_attention C++ extension is not available")
+    hq, hkv, d, block = 8, 2, 64, 16
+    nblk = keys // block
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, hq, d, generator=g).bfloat16()
+    tables = torch.arange(batch * nblk, dtype=torch.int32).reshape(batch, nblk)
+    lens = torch.full((batch,), keys, dtype=torch.int32)
+    layers = max(2, CYCLE_BYTES // (2 * hkv * batch * keys * d * 2))  # a model's KV: past the LLC
+    kv1 = torch.randn(hkv, batch * nblk, block, d, generator=g).bfloat16()
+    caches = [(kv1.clone(), kv1.clone()) for _ in range(layers)]
+    call = _cycle([functools.partial(paged_decode_attention, q, k, v, tables, lens, d ** -0.5)
+                   for k, v in caches])
+    sec = _time_call(call, repeats=repeats, inner=4)
+    return threads * 4 * batch * hq * keys * d / sec
+
+
+def _tiny_engine(layers: int) -> object:
+    """An engine over a random-weight Llama of ``layers`` layers (hidden 64, bf16), in memory."""
+    import tokenizers
+
+    from fitserve.config import EngineConfig, ModelSpec
+    from fitserve.engine.core import Engine
+    from fitserve.loading import LoadedModel
+    from fitserve.loading.tokenizer import Tokenizer
+
+    vocab, hidden, inter, heads, kv_heads, head_dim = 256, 64, 128, 4, 2, 16
+    spec = ModelSpec(architecture="llama", vocab_size=vocab, hidden_size=hidden,
+                     intermediate_size=inter, num_layers=layers, num_heads=heads,
+                     num_kv_heads=kv_heads, head_dim=head_dim, max_position_embeddings=512,
+                     tie_word_embeddings=True)
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.05
+
+    weights = {"model.embed_tokens.weight": w(vocab, hidden), "model.norm.weight": torch.ones(hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        weights |= {p + "input_layernorm.weight": torch.ones(hidden),
+                    p + "post_attention_layernorm.weight": torch.ones(hidden),
+                    p + "self_attn.q_proj.weight": w(heads * head_dim, hidden),
+                    p + "self_attn.k_proj.weight": w(kv_heads * head_dim, hidden),
+                    p + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden),
+                    p + "self_attn.o_proj.weight": w(hidden, heads * head_dim),
+                    p + "mlp.gate_proj.weight": w(inter, hidden),
+                    p + "mlp.up_proj.weight": w(inter, hidden),
+                    p + "mlp.down_proj.weight": w(hidden, inter)}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+        {f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    from pathlib import Path
+
+    loaded = LoadedModel(spec, weights, Tokenizer(backend), Path("tiny-random-llama"),
+                         "safetensors", "f32")
+    return Engine(EngineConfig(model="tiny-random-llama", dtype="bfloat16", device="cpu",
+                               max_model_len=512, kv_cache_memory_bytes=16 << 20),
+                  loaded=loaded)
+
+
+def _decode_step_seconds(engine: object, steps: int = 32) -> float:
+    """CPU seconds of this thread per decode step of one request over ``steps`` tokens (the
+    first token, which the prefill samples, left out)."""
+    from fitserve.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    times = [time.thread_time() for _o in engine.stream(list(range(1, 17)), params)]  # type: ignore[attr-defined]
+    return (times[-1] - times[0]) / (len(times) - 1)
+
+
+def measure_step_overhead(repeats: int = 7) -> tuple[float, float]:
+    """(seconds per step, seconds per layer) of the engine's decode step besides its bytes and
+    FLOPs: a tiny model's step time at two layer counts, intercept and slope. The two engines
+    run in turn (a shared host's slow period falls on both alike), each the median of its
+    undisturbed runs."""
+    lo, hi = TINY_LAYERS
+    engines = {n: _tiny_engine(n) for n in TINY_LAYERS}
+    runs: dict[int, list[float]] = {n: [] for n in TINY_LAYERS}
+    for i in range(repeats + 1):
+        for n, engine in engines.items():
+            t = _decode_step_seconds(engine)
+            if i:  # the first run of each warms up
+                runs[n].append(t)
+    t_lo, t_hi = _good_median(runs[lo]), _good_median(runs[hi])
+    per_layer = max(0.0, (t_hi - t_lo) / (hi - lo))
+    return max(0.0, t_lo - lo * per_layer), per_layer
+
+
+def measure(threads: int) -> dict[str, object]:
+    """Every figure this module measures for an engine on ``threads`` cores, as the JSON the
+    ledger caches (measured on one thread, see the module doc)."""
+    torch.set_num_threads(1)
+    per_step, per_layer = measure_step_overhead()
+    return {"matmul_rows": list(RATE_ROWS), "matmul_flops": measure_matmul_rates(threads),
+            "attention_flops": measure_attention_rate(threads),
+            "step_overhead_s": per_step, "layer_overhead_s": per_layer, "threads": threads}
+
+
+if __name__ == "__main__":
+    import logging
+
+    logging.disable(logging.WARNING)
+    print(json.dumps(measure(int(sys.argv[1]) if len(sys.argv) > 1 else torch.get_num_threads())))

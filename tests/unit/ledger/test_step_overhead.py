@@ -1,0 +1,116 @@
+"""The measured CPU's terms in the step-time model, checked by hand: the engine's matmul rate per
+path and row count, its decode attention rate, and the fixed cost per step and per layer
+(fitserve.ledger.hardware, fitserve.ledger.speed, fitserve.ledger.step_time)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from fitserve.ledger.errors import PlanError
+from fitserve.ledger.flops import flops_per_token, prefill_flops
+from fitserve.ledger.hardware import Hardware, cpu_matmul_path
+from fitserve.ledger.kv import request_kv
+from fitserve.ledger.speed import decode_step, workload_speed
+from fitserve.ledger.step_time import roofline_step_model
+from fitserve.ledger.weights import model_weight_bytes
+from fitserve.tools.planner.model_source import catalog_entry
+
+SMOL = catalog_entry("SmolLM2-135M").spec  # 30 layers
+BASE = Hardware("cpu", 1 << 34, 20e9, 100e9, None, None, "none", 0.0, 0.0, "test", cores=0)
+# cores=0: no weight-kernel (dequant) term, so the terms below are the whole step
+CPU = dataclasses.replace(
+    BASE, matmul_rows=(32, 512),
+    matmul_rates=(("bf16", (200e9, 400e9)), ("f32", (50e9, 80e9)), ("int8act", (300e9, 600e9))),
+    attention_flops=40e9, step_overhead_s=1e-4, layer_overhead_s=2e-5)
+
+
+@pytest.mark.parametrize(("fmt", "path"), [
+    ("int4-g32-asym", "int8act"), ("int8-g32", "int8act"), ("Q4_K", "int8act"),
+    ("gguf-file:Q4_1", "int8act"), ("IQ4_NL", "int8act"), ("bf16", "bf16"), ("f16", "bf16"),
+    ("fp8-ch", "bf16"), ("f32", "f32"), ("float32", "f32")])
+def test_each_format_runs_on_its_path(fmt: str, path: str) -> None:
+    assert cpu_matmul_path(fmt) == path
+
+
+def test_rate_by_rows_log_linear_between_the_measured_counts() -> None:
+    assert CPU.peak_flops("int4-g32-asym", 1) == 300e9  # flat below 32 rows
+    assert CPU.peak_flops("int4-g32-asym", 32) == 300e9
+    assert CPU.peak_flops("int4-g32-asym", 2048) == 600e9  # flat past 512
+    assert CPU.peak_flops("int4-g32-asym") == 600e9  # no row count: the largest measured
+    # 128 rows: log2(128/32) / log2(512/32) = 2/4 of the way
+    assert CPU.peak_flops("int4-g32-asym", 128) == pytest.approx(450e9, rel=1e-12)
+    assert CPU.peak_flops("f32", 128) == pytest.approx(65e9, rel=1e-12)
+    # without measured engine rates: the catalog rule (bf16 peak)
+    assert BASE.peak_flops("int4-g32-asym", 128) == 100e9
+    assert CPU.step_overhead(30) == pytest.approx(1e-4 + 30 * 2e-5, rel=1e-12)
+
+
+def test_decode_step_adds_attention_and_overhead_to_the_larger_floor() -> None:
+    wb = model_weight_bytes(SMOL, "int4-g32-asym")
+    batch, ctx = 32, 200
+    st = decode_step(SMOL, CPU, wb, batch=batch, context=ctx, kv_dtype="bf16",
+                     weights_fmt="int4-g32-asym")
+    tf = flops_per_token(SMOL, ctx)
+    overhead = 1e-4 + SMOL.num_layers * 2e-5
+    want_memory = wb.total / 20e9  # the KV is read inside the attention phase
+    want_compute = batch * tf.matmul / 300e9  # 32 rows: the int8act rate at 32
+    want_attention = batch * tf.attention / 40e9
+    assert st.t_memory == pytest.approx(want_memory, rel=1e-12)
+    assert st.t_compute == pytest.approx(want_compute, rel=1e-12)
+    assert st.t_attention == pytest.approx(want_attention, rel=1e-12)
+    assert st.t_overhead == pytest.approx(overhead, rel=1e-12)
+    assert st.seconds == pytest.approx(
+        max(want_memory, want_compute) + want_attention + overhead, rel=1e-12)
+    # a GPU's roofline (no measured terms): KV in the memory floor, no attention phase
+    g = decode_step(SMOL, BASE, wb, batch=batch, context=ctx, kv_dtype="bf16",
+                    weights_fmt="int4-g32-asym")
+    kv = batch * request_kv(SMOL, ctx, "bf16").bytes_reclaimed
+    assert g.t_memory == pytest.approx((wb.total + kv) / 20e9, rel=1e-12)
+    assert g.t_attention == 0.0 and g.t_overhead == 0.0
+    assert g.t_compute == pytest.approx(batch * tf.total / 100e9, rel=1e-12)
+
+
+def test_overhead_makes_a_tiny_step_overhead_bound() -> None:
+    slow = dataclasses.replace(CPU, step_overhead_s=1.0)
+    st = decode_step(SMOL, slow, model_weight_bytes(SMOL, "bf16"), batch=1, context=1,
+                     kv_dtype="bf16", weights_fmt="bf16")
+    assert st.bound == "overhead" and "overhead 1000.600 ms" in st.describe()
+
+
+def test_roofline_step_model_carries_the_overhead_in_a() -> None:
+    with_oh = roofline_step_model(SMOL, CPU, weight_fmt="bf16", kv_dtype="bf16")
+    without = roofline_step_model(SMOL, dataclasses.replace(CPU, step_overhead_s=0.0,
+                                                            layer_overhead_s=0.0),
+                                  weight_fmt="bf16", kv_dtype="bf16")
+    assert with_oh.a - without.a == pytest.approx(1e-4 + 30 * 2e-5, rel=1e-9)
+    assert (with_oh.b, with_oh.d) == (without.b, without.d)
+
+
+def test_workload_is_its_steps_added_up() -> None:
+    wb = model_weight_bytes(SMOL, "bf16")
+    p, o, b = 100, 5, 30  # 3,000 prompt tokens: chunks of 2,048 and 952
+    w = workload_speed(SMOL, CPU, wb, input_len=p, output_len=o, batch_size=b,
+                       kv_dtype="bf16", weights_fmt="bf16", max_num_batched_tokens=2048)
+    assert [s.context for s in w.prefill_steps] == [2048, 952]
+    total_flops = b * prefill_flops(SMOL, p).total
+    overhead = 1e-4 + 30 * 2e-5
+    want_prefill = 0.0
+    for n in (2048, 952):
+        share = n / 3000
+        kv = b * request_kv(SMOL, p, "bf16").bytes_reclaimed * share
+        rate = 200e9 + (400e9 - 200e9) * min(1.0, math.log(n / 32) / math.log(16))
+        want_prefill += max((wb.total + kv) / 20e9, total_flops * share / rate) + overhead
+    assert w.prefill_s == pytest.approx(want_prefill, rel=1e-12)
+    # one decode step per token after the first, at contexts p + 1 .. p + o - 1
+    steps = [decode_step(SMOL, CPU, wb, batch=b, context=p + i, kv_dtype="bf16",
+                         weights_fmt="bf16").seconds for i in range(1, o)]
+    assert len(w.decode_steps) == o - 1
+    assert w.decode_s == pytest.approx(sum(steps), rel=1e-12)
+    assert w.tokens_per_s == pytest.approx(b * o / (want_prefill + sum(steps)), rel=1e-12)
+    assert w.decode_tokens_per_s == pytest.approx((o - 1) / sum(steps), rel=1e-12)
+    with pytest.raises(PlanError, match="--output-len must be >= 1"):
+        workload_speed(SMOL, CPU, wb, input_len=1, output_len=0, batch_size=1,
+                       kv_dtype="bf16", weights_fmt="bf16")

@@ -1,0 +1,84 @@
+"""`fitserve plan ... --gpu cpu` prints the bandwidth, engine FLOP/s and step overhead it used,
+and its workload lines are the ledger's workload_speed on those figures."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from fitserve.ledger import cpu_measure, runtime
+from fitserve.ledger.hardware import CPU_CACHE_VERSION, cpu_hardware
+from fitserve.ledger.speed import workload_speed
+from fitserve.ledger.weights import model_weight_bytes
+from fitserve.tools.planner.cli import _add_arguments, main, render, request_from_args
+from fitserve.tools.planner.model_source import catalog_entry
+from fitserve.tools.planner.sections_run import build_plan
+
+FIGURES = {"mem_bytes_per_s": 12.5e9, "flops": 3e10, "threads": 2, "runs_kept": 7,
+           "matmul_rows": [32, 512], "attention_flops": 4.5e10,
+           "matmul_flops": {"bf16": [2.0e11, 3.0e11], "f32": [5e10, 6e10],
+                            "int8act": [4.0e11, 5.0e11]},
+           "step_overhead_s": 1.25e-4, "layer_overhead_s": 2.5e-5, "engine_note": ""}
+
+
+@pytest.fixture()
+def seeded_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """This CPU's cache holding known figures, and a quick probe that agrees with them."""
+    monkeypatch.setenv("FITSERVE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_measure, "default_threads", lambda: 2)
+    (tmp_path / "hardware-cpu.json").write_text(json.dumps(
+        {"version": CPU_CACHE_VERSION, **FIGURES, "cpu_model": cpu_measure.cpu_model(),
+         "measured_at": time.time()}))
+    monkeypatch.setattr(cpu_measure, "probe_copy_bandwidth", lambda t=None: 12.5e9)
+
+    def no_measure(threads: int | None = None, **kw: object) -> None:
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(cpu_measure, "measure_figures", no_measure)
+    # NOTE: this empty home would measure the engine's RSS baseline in a child (seconds);
+    # the memory lines are not what is checked here
+    monkeypatch.setattr(runtime, "measure_runtime_baseline", lambda timeout_s=0.0: 400 << 20)
+
+
+def test_plan_prints_the_figures_it_used_and_its_workload_is_the_ledgers(
+        seeded_cpu: None, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "1000")  # rich: no wrapping of the lines checked
+    args = ["SmolLM2-135M", "--gpu", "cpu", "--weights", "bf16", "--context", "1024",
+            "--input-len", "64", "--output-len", "16", "--batch-size", "8"]
+    parser = argparse.ArgumentParser()
+    _add_arguments(parser)
+    plan = build_plan(request_from_args(parser.parse_args(args)))
+    render(plan, explain=False)
+    out = capsys.readouterr().out
+    # the figures every speed line divides by, and when they were measured
+    assert "12.5 GB/s copy" in out
+    assert "engine matmul GFLOP/s at M = 32/512 rows: bf16 200/300, f32 50/60, int8act 400/500" in out
+    assert "decode attention 45 GFLOP/s" in out
+    assert "step overhead 0.125 ms + 25.0 us per layer" in out
+    assert "measured " + time.strftime("%Y-%m-%d", time.gmtime()) in out
+    # the workload section: its fixed cost per step, 125 us + 30 layers x 25 us = 875 us
+    assert "125.00 us per step + 25.00 us x 30 layers = 875.00 us" in out
+    sec = next(s for s in plan.sections if s.title.startswith("Workload on cpu"))
+    one, many = sec.lines
+    spec, hw = catalog_entry("SmolLM2-135M").spec, cpu_hardware()
+    wb = model_weight_bytes(spec, "bf16", base_dtype="bf16")
+    w1 = workload_speed(spec, hw, wb, batch_size=1, input_len=64, output_len=16,
+                        kv_dtype="bf16", weights_fmt="bf16")
+    w2 = workload_speed(spec, hw, wb, batch_size=8, input_len=64, output_len=16,
+                        kv_dtype="bf16", weights_fmt="bf16")
+    assert one.name == "single stream (64 in, 16 out)"
+    assert one.value == pytest.approx(w1.decode_tokens_per_s, rel=1e-12)
+    assert many.name == "batch of 8 (64 in, 16 out)"
+    assert many.value == pytest.approx(w2.tokens_per_s, rel=1e-12)
+    assert f"{w2.tokens_per_s:,.1f} tok/s generated" in out
+
+
+def test_bad_workload_flags_name_the_flag(seeded_cpu: None, capsys: pytest.CaptureFixture[str]
+                                          ) -> None:
+    assert main(["SmolLM2-135M", "--gpu", "cpu", "--batch-size", "0"]) == 2
+    assert "--batch-size must be >= 1, got 0" in capsys.readouterr().err
