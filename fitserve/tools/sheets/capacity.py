@@ -265,10 +265,12 @@ def _gpu_section(g: GpuCapacity, w: Workload) -> Section:
 def _units_section(caps: list[GpuCapacity], ref: GpuCapacity, fleet: dict[str, float] | None,
                    kinds: list[ReplicaKind]) -> tuple[Section, float | None]:
     unit = ref.per_gpu
-    lines = [Line("capacity unit", f"rate per {ref.name} GPU", unit, f"{unit:,.3f} req/s",
-                  f"{ref.rate:,.4f} req/s / {ref.tp} GPU(s) at the SLO")]
-    for g in caps:
-        lines.append(Line(f"{g.name}: units per GPU", "(rate / tp) / unit", g.per_gpu / unit,
+    lines = [Line("capacity unit", f"rate per {ref.name} {'replica' if ref.threads else 'GPU'}",
+                  unit, f"{unit:,.3f} req/s", f"{ref.rate:,.4f} req/s / {ref.tp} GPU(s) at the SLO"
+                  if not ref.threads else f"{ref.rate:,.4f} req/s at the SLO")]
+    for g in caps:  # NOTE: a CPU replica is one process (tp 1): per GPU reads per replica
+        lines.append(Line(f"{g.name}: units per {'replica' if g.threads else 'GPU'}",
+                          "(rate / tp) / unit", g.per_gpu / unit,
                           f"{g.per_gpu / unit:,.3f}", f"{g.per_gpu:,.4f} / {unit:,.4f}"))
     for g in caps:
         lines.append(Line(f"{g.name}: routing weight per replica", "rate / unit",
