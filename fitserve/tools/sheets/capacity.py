@@ -18,7 +18,8 @@ Three limits on lambda, the smallest is the replica's capacity at the SLO:
 
 A capacity unit is the rate one reference GPU (--unit-gpu) sustains: lambda_ref / tp_ref
 requests/s. A GPU's worth is its rate per GPU in units; routing weights are proportional to a
-replica's units.
+replica's units. ``cpu:N`` is a replica of N threads of this CPU (its measured figures, its
+share of them: capacity_kinds), and several --weights compare each device in each format.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from fitserve.config import ModelSpec
 from fitserve.ledger.errors import PlanError
 from fitserve.ledger.formats import dtype_bytes, resolve_kv_dtype
-from fitserve.ledger.hardware import Hardware, get_hardware
+from fitserve.ledger.hardware import Hardware
 from fitserve.ledger.kv import check_tp
 from fitserve.ledger.memory import DEFAULT_GPU_WORKSPACE_BYTES, engine_memory_plan
 from fitserve.ledger.moe import expected_experts_touched
@@ -50,6 +51,12 @@ from fitserve.tools.sheets._rates import (
     positive,
     ttft_at,
 )
+from fitserve.tools.sheets.capacity_kinds import (
+    ReplicaKind,
+    find_kind,
+    kind_hardware,
+    replica_kinds,
+)
 from fitserve.tools.sheets.capacity_steps import step_model
 from fitserve.tools.sheets.sheet import Sheet
 
@@ -61,11 +68,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="catalog name, a config.json (or its folder), or a .gguf file")
     p.add_argument("--slo-tpot-ms", type=float, required=True, help="time per output token")
     p.add_argument("--slo-ttft-ms", type=float, required=True, help="time to first token")
-    p.add_argument("--gpus", default="h100", help="GPUs to compare, comma-separated")
-    p.add_argument("--unit-gpu", default=None, help="the unit's GPU (default: the first)")
+    p.add_argument("--gpus", default="h100",
+                   help="replicas to compare, comma-separated: catalog GPUs, and cpu:N for a "
+                        "replica of N threads of this CPU (cpu: all its cores)")
+    p.add_argument("--unit-gpu", default=None,
+                   help="the unit's replica kind, e.g. h100 or cpu:1 (default: the first)")
     p.add_argument("--prompt-tokens", default="1k", help="prompt tokens per request (1k = 1024)")
     p.add_argument("--new-tokens", default="256", help="new tokens per request")
-    p.add_argument("--weights", default=None, help="weight format (default: the checkpoint's)")
+    p.add_argument("--weights", default=None,
+                   help="weight format, or several comma-separated (each --gpus entry in each: "
+                        "named DEVICE/FORMAT, e.g. cpu:1/int4); default: the checkpoint's")
     p.add_argument("--kv", default=None, help="KV format (default: the model dtype)")
     p.add_argument("--tp", default="auto",
                    help="tensor parallel size of a replica, or auto: the smallest of 1, 2, 4, 8 "
@@ -92,7 +104,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 class GpuCapacity:
     """One replica of one GPU at the SLO (rates in requests/s of the replica)."""
 
-    name: str
+    name: str  # the replica kind (capacity_kinds): "h100", "cpu:2", "cpu:1/int4"
     hw: Hardware
     tp: int
     weight_bytes: int  # per GPU
@@ -112,6 +124,8 @@ class GpuCapacity:
     step_tokens: int = 0
     experts_touched: float = 0.0
     num_experts: int = 0
+    weights: str = ""
+    threads: int = 0  # a CPU replica's threads (0: a GPU)
 
     @property
     def per_gpu(self) -> float:
@@ -141,6 +155,8 @@ def _memory(spec: ModelSpec, hw: Hardware, args: argparse.Namespace, weights: st
 def _tp_and_memory(spec: ModelSpec, hw: Hardware, args: argparse.Namespace, weights: str,
                    kv: str, act_bytes: int, w: Workload) -> tuple[int, int, int]:
     ctx = w.prompt + w.new
+    if hw.name.startswith("cpu"):  # NOTE: a CPU replica is one process on its threads
+        return (1, *_memory(spec, hw, args, weights, kv, act_bytes, 1, ctx))
     if args.tp != "auto":
         try:
             tp = int(args.tp)
@@ -160,11 +176,10 @@ def _tp_and_memory(spec: ModelSpec, hw: Hardware, args: argparse.Namespace, weig
     return last
 
 
-def gpu_capacity(name: str, spec: ModelSpec, args: argparse.Namespace, weights: str, kv: str,
+def gpu_capacity(kind: ReplicaKind, spec: ModelSpec, args: argparse.Namespace, kv: str,
                  act_bytes: int, w: Workload) -> GpuCapacity:
-    hw = get_hardware(name)
-    if hw.name == "cpu":
-        raise PlanError("--gpus: capacity units compare catalog GPUs; cpu is not one")
+    """One replica of ``kind`` at the SLO."""
+    hw, weights = kind_hardware(kind), kind.weights
     tp, wbytes, kv_seqs = _tp_and_memory(spec, hw, args, weights, kv, act_bytes, w)
     m, r = step_model(spec, hw, weights, kv, tp, w, kv_seqs)
     limits = r.limits()
@@ -178,13 +193,13 @@ def gpu_capacity(name: str, spec: ModelSpec, args: argparse.Namespace, weights: 
         note = "even an idle replica misses the TTFT target"
     elif limits[binding] <= 0:
         note = f"{binding} leaves no request rate"
-    rule = ("given" if args.tp != "auto" else
+    rule = ("a CPU replica: one process" if kind.threads else "given" if args.tp != "auto" else
             "auto: the smallest of 1, 2, 4, 8 that holds the weights and one sequence")
     n = r.step_tokens(w)
     e, k = spec.num_experts, spec.num_experts_per_token
-    return GpuCapacity(hw.name, hw, tp, wbytes, kv_seqs, m, r.h, r.k, r.tpot, r.kv, r.b_ttft,
+    return GpuCapacity(kind.name, hw, tp, wbytes, kv_seqs, m, r.h, r.k, r.tpot, r.kv, r.b_ttft,
                        r.ttft, max(0.0, limits[binding]), binding, note, rule, n,
-                       expected_experts_touched(e, k, n) if e else 0.0, e)
+                       expected_experts_touched(e, k, n) if e else 0.0, e, weights, kind.threads)
 
 
 def _gpu_section(g: GpuCapacity, w: Workload) -> Section:
@@ -247,13 +262,15 @@ def _gpu_section(g: GpuCapacity, w: Workload) -> Section:
     return Section(f"{g.name} x {g.tp}: one replica at the SLO", tuple(lines))
 
 
-def _units_section(caps: list[GpuCapacity], ref: GpuCapacity,
-                   fleet: dict[str, float] | None) -> tuple[Section, float | None]:
+def _units_section(caps: list[GpuCapacity], ref: GpuCapacity, fleet: dict[str, float] | None,
+                   kinds: list[ReplicaKind]) -> tuple[Section, float | None]:
     unit = ref.per_gpu
-    lines = [Line("capacity unit", f"rate per {ref.name} GPU", unit, f"{unit:,.3f} req/s",
-                  f"{ref.rate:,.4f} req/s / {ref.tp} GPU(s) at the SLO")]
-    for g in caps:
-        lines.append(Line(f"{g.name}: units per GPU", "(rate / tp) / unit", g.per_gpu / unit,
+    lines = [Line("capacity unit", f"rate per {ref.name} {'replica' if ref.threads else 'GPU'}",
+                  unit, f"{unit:,.3f} req/s", f"{ref.rate:,.4f} req/s / {ref.tp} GPU(s) at the SLO"
+                  if not ref.threads else f"{ref.rate:,.4f} req/s at the SLO")]
+    for g in caps:  # NOTE: a CPU replica is one process (tp 1): per GPU reads per replica
+        lines.append(Line(f"{g.name}: units per {'replica' if g.threads else 'GPU'}",
+                          "(rate / tp) / unit", g.per_gpu / unit,
                           f"{g.per_gpu / unit:,.3f}", f"{g.per_gpu:,.4f} / {unit:,.4f}"))
     for g in caps:
         lines.append(Line(f"{g.name}: routing weight per replica", "rate / unit",
@@ -263,10 +280,10 @@ def _units_section(caps: list[GpuCapacity], ref: GpuCapacity,
         by = {g.name: g for g in caps}
         reps: dict[str, int] = {}
         for name, n in fleet.items():
-            owned = by.get(get_hardware(name).name)
-            if owned is None or n < 0 or n != int(n):
-                raise PlanError(f"--fleet {name}={n:g}: name a GPU of --gpus with a whole "
-                                f"count >= 0")
+            bad = f"--fleet {name}={n:g}: name a GPU of --gpus with a whole count >= 0"
+            owned = by[find_kind("--fleet", name, kinds, bad).name]
+            if n < 0 or n != int(n):
+                raise PlanError(bad)
             reps[owned.name] = int(n) // owned.tp
         total = sum(reps[x] * by[x].rate for x in reps)
         for x, r in reps.items():
@@ -283,7 +300,7 @@ def _units_section(caps: list[GpuCapacity], ref: GpuCapacity,
 
 
 def _purchase_section(caps: list[GpuCapacity], unit: float, demand: float, util: float,
-                      prices: dict[str, float] | None) -> Section:
+                      prices: dict[str, float] | None, kinds: list[ReplicaKind]) -> Section:
     need = demand / util
     usable = [g for g in caps if g.rate > 0]
     lines = [Line("capacity to buy", "D / utilization", need,
@@ -292,11 +309,9 @@ def _purchase_section(caps: list[GpuCapacity], unit: float, demand: float, util:
     cost: dict[str, float] = {}
     if prices is not None:
         for name, price in prices.items():
-            hw = get_hardware(name)
-            if hw.name not in {g.name for g in caps}:
-                raise PlanError(f"--price {name}: not one of --gpus")
-            cost[hw.name] = positive(f"--price {name}", price) * next(
-                g.tp for g in caps if g.name == hw.name)
+            kind = find_kind("--price", name, kinds, f"--price {name}: not one of --gpus").name
+            cost[kind] = positive(f"--price {name}", price) * next(
+                g.tp for g in caps if g.name == kind)
     for g in usable:
         reps = math.ceil(need / g.rate - 1e-9)
         dollars = f", ${reps * cost[g.name]:,.2f}/h" if g.name in cost else ""
@@ -339,13 +354,6 @@ def _workload(args: argparse.Namespace) -> Workload:
                     tpot_ms / 1e3, ttft_ms / 1e3, steps)
 
 
-def _gpu_list(text: str) -> list[str]:
-    names = list(dict.fromkeys(get_hardware(x).name for x in text.split(",") if x.strip()))
-    if not names:
-        raise PlanError("--gpus is empty: name at least one catalog GPU")
-    return names
-
-
 def build(args: argparse.Namespace) -> Sheet:
     w = _workload(args)
     if not 0 < args.memory_utilization <= 1:
@@ -355,26 +363,31 @@ def build(args: argparse.Namespace) -> Sheet:
         open_fraction("--utilization", util)
     entry = resolve_model(args.model)
     spec = entry.spec
-    weights = args.weights or entry.native_weights.removeprefix("gguf-file:")
+    weights = [x.strip() for x in (args.weights or entry.native_weights.removeprefix(
+        "gguf-file:")).split(",") if x.strip()]
+    if not weights:
+        raise PlanError("--weights is empty: name a weight format")
     act = entry.dtype if entry.dtype in ("bf16", "f16") else "bf16"
     kv = resolve_kv_dtype(args.kv or "auto", act)
-    names = _gpu_list(args.gpus)
-    ref_name = get_hardware(args.unit_gpu).name if args.unit_gpu else names[0]
-    if ref_name not in names:
-        raise PlanError(f"--unit-gpu {args.unit_gpu} is not one of --gpus ({', '.join(names)})")
-    caps = [gpu_capacity(n, spec, args, weights, kv, dtype_bytes(act), w) for n in names]
+    kinds = replica_kinds(args.gpus, weights)
+    ref_name = find_kind("--unit-gpu", args.unit_gpu, kinds).name if args.unit_gpu else kinds[0].name
+    caps = [gpu_capacity(k, spec, args, kv, dtype_bytes(act), w) for k in kinds]
     ref = next(g for g in caps if g.name == ref_name)
     sections = [_gpu_section(g, w) for g in caps]
     warnings = tuple(f"{g.name}: cannot meet the SLO ({g.note})" for g in caps if g.rate <= 0)
-    title = (f"fitserve plan capacity: {spec.name} ({weights}, KV {kv}), {w.prompt:,} prompt + "
+    title = (f"fitserve plan capacity: {spec.name} ({', '.join(weights)}, KV {kv}), {w.prompt:,} prompt + "
              f"{w.new:,} new tokens, TPOT {w.tpot * 1e3:g} ms, TTFT {w.ttft * 1e3:g} ms")
-    data: dict[str, object] = {g.name: {"tp": g.tp, "rate": g.rate, "per_gpu": g.per_gpu,
-                                        "binding": g.binding} for g in caps}
+    rows: dict[str, dict[str, object]] = {
+        g.name: {"tp": g.tp, "rate": g.rate, "per_gpu": g.per_gpu, "binding": g.binding,
+                 "weights": g.weights, "threads": g.threads} for g in caps}
+    data: dict[str, object] = dict(rows)
     if ref.rate <= 0:
         return Sheet(title, tuple(sections), warnings, f"no capacity unit: the unit GPU "
                      f"{ref.name} cannot meet the SLO ({ref.note})", False, data)
     fleet = assignments("--fleet", args.fleet) if args.fleet else None
-    usec, fleet_rate = _units_section(caps, ref, fleet)
+    usec, fleet_rate = _units_section(caps, ref, fleet, kinds)
+    for g in caps:  # NOTE: a replica's routing weight (rate / unit), what --emit-ray-config writes
+        rows[g.name]["units"] = g.rate / ref.per_gpu
     sections.append(usec)
     worth = ", ".join(f"{g.name} {g.per_gpu / ref.per_gpu:.2f}" for g in caps)
     verdict = f"1 unit = {ref.per_gpu:,.2f} req/s on one {ref.name}; units per GPU: {worth}"
@@ -382,7 +395,7 @@ def build(args: argparse.Namespace) -> Sheet:
     if args.demand_rps is not None:
         demand = positive("--demand-rps", args.demand_rps)
         prices = assignments("--price", args.price) if args.price else None
-        sections.append(_purchase_section(caps, ref.per_gpu, demand, util, prices))
+        sections.append(_purchase_section(caps, ref.per_gpu, demand, util, prices, kinds))
         verdict += f"; {demand:g} req/s needs {demand / util / ref.per_gpu:,.1f} units"
         if fleet_rate is not None:
             ok = fleet_rate * util >= demand
@@ -392,7 +405,7 @@ def build(args: argparse.Namespace) -> Sheet:
     if args.emit_ray_config:
         from fitserve.tools.sheets.ray_config import emit_ray_config
 
-        emit_ray_config(args, caps, ref, fleet, util)
+        emit_ray_config(args, caps, ref, fleet, util, kinds)
         verdict += f"; Ray Serve config written to {args.emit_ray_config}"
     return Sheet(title, tuple(sections), warnings, verdict, ok, data)
 
