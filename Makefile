@@ -51,7 +51,7 @@ browser:
 # RSS counts the shared libraries' file pages it maps, and with a second worker loading models
 # beside it this host's page cache (and its proactive reclaim) moves that by tens of MiB.
 test: pull lint browser
-	$(BIN)/pytest -q -n 2 --dist worksteal -m "not peak_rss"
+	$(BIN)/pytest -q -n 2 --dist worksteal -m "not peak_rss" --durations=30
 	$(BIN)/pytest -q -m peak_rss
 
 test-fast: setup
