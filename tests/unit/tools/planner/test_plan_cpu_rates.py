@@ -4,41 +4,25 @@ and its workload lines are the ledger's workload_speed on those figures."""
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import pytest
 
-from fitserve.ledger import cpu_measure, runtime
-from fitserve.ledger.hardware import CPU_CACHE_VERSION, cpu_hardware
+from fitserve.ledger import runtime
+from fitserve.ledger.hardware import cpu_hardware
 from fitserve.ledger.speed import workload_speed
 from fitserve.ledger.weights import model_weight_bytes
 from fitserve.tools.planner.cli import _add_arguments, main, render, request_from_args
 from fitserve.tools.planner.model_source import catalog_entry
 from fitserve.tools.planner.sections_run import build_plan
-
-FIGURES = {"mem_bytes_per_s": 12.5e9, "flops": 3e10, "threads": 2, "runs_kept": 7,
-           "matmul_rows": [32, 512], "attention_flops": 4.5e10,
-           "matmul_flops": {"bf16": [2.0e11, 3.0e11], "f32": [5e10, 6e10],
-                            "int8act": [4.0e11, 5.0e11]},
-           "step_overhead_s": 1.25e-4, "layer_overhead_s": 2.5e-5, "engine_note": ""}
+from tests.unit.tools.seeded_cpu import seed_cpu
 
 
 @pytest.fixture()
 def seeded_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """This CPU's cache holding known figures, and a quick probe that agrees with them."""
-    monkeypatch.setenv("FITSERVE_HOME", str(tmp_path))
-    monkeypatch.setattr(cpu_measure, "default_threads", lambda: 2)
-    (tmp_path / "hardware-cpu.json").write_text(json.dumps(
-        {"version": CPU_CACHE_VERSION, **FIGURES, "cpu_model": cpu_measure.cpu_model(),
-         "measured_at": time.time()}))
-    monkeypatch.setattr(cpu_measure, "probe_copy_bandwidth", lambda t=None: 12.5e9)
-
-    def no_measure(threads: int | None = None, **kw: object) -> None:
-        raise AssertionError("measured again")
-
-    monkeypatch.setattr(cpu_measure, "measure_figures", no_measure)
+    seed_cpu(tmp_path, monkeypatch)
     # NOTE: this empty home would measure the engine's RSS baseline in a child (seconds);
     # the memory lines are not what is checked here
     monkeypatch.setattr(runtime, "measure_runtime_baseline", lambda timeout_s=0.0: 400 << 20)

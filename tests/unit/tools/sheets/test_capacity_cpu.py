@@ -14,23 +14,17 @@ from __future__ import annotations
 import json
 import math
 import re
-import time
 from pathlib import Path
 
 import pytest
 
-from fitserve.ledger import cpu_measure
 from fitserve.ledger.errors import PlanError
-from fitserve.ledger.hardware import CPU_CACHE_VERSION, Hardware, cpu_hardware
+from fitserve.ledger.hardware import Hardware, cpu_hardware
 from fitserve.ledger.step_time import roofline_step_model
 from fitserve.tools.planner.model_source import catalog_entry
 from fitserve.tools.sheets.sheet import build_sheet
+from tests.unit.tools.seeded_cpu import seed_cpu
 
-FIGURES = {"mem_bytes_per_s": 12.5e9, "flops": 3e10, "threads": 2, "runs_kept": 7,
-           "matmul_rows": [32, 512], "attention_flops": 4.5e10,
-           "matmul_flops": {"bf16": [2.0e11, 3.0e11], "f32": [5e10, 6e10],
-                            "int8act": [4.0e11, 5.0e11]},
-           "step_overhead_s": 1.25e-4, "layer_overhead_s": 2.5e-5, "engine_note": ""}
 P, NEW, T = 128, 64, 0.200
 SLO = ["SmolLM2-135M", "--slo-tpot-ms", "200", "--slo-ttft-ms", "10000", "--prompt-tokens", "128",
        "--new-tokens", "64", "--max-num-seqs", "8"]
@@ -39,17 +33,7 @@ SLO = ["SmolLM2-135M", "--slo-tpot-ms", "200", "--slo-ttft-ms", "10000", "--prom
 @pytest.fixture()
 def seeded_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """This CPU's cache holding FIGURES (2 threads), and a quick probe that agrees with them."""
-    monkeypatch.setenv("FITSERVE_HOME", str(tmp_path))
-    monkeypatch.setattr(cpu_measure, "default_threads", lambda: 2)
-    (tmp_path / "hardware-cpu.json").write_text(json.dumps(
-        {"version": CPU_CACHE_VERSION, **FIGURES, "cpu_model": cpu_measure.cpu_model(),
-         "measured_at": time.time()}))
-    monkeypatch.setattr(cpu_measure, "probe_copy_bandwidth", lambda t=None: 12.5e9)
-
-    def no_measure(threads: int | None = None, **kw: object) -> None:
-        raise AssertionError("measured again")
-
-    monkeypatch.setattr(cpu_measure, "measure_figures", no_measure)
+    seed_cpu(tmp_path, monkeypatch)
 
 
 def one_thread(memory_bytes: int) -> Hardware:
