@@ -24,6 +24,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from fitserve.config import ModelSpec
+from fitserve.ledger.tp_split import tp_split_problem
 
 
 class TPLayoutError(ValueError):
@@ -51,42 +52,13 @@ def check_tp_layout(spec: ModelSpec, tp: int, *, group_sizes: tuple[int, ...] = 
                     expert_group_sizes: tuple[int, ...] = ()) -> None:
     """TPLayoutError naming the size that does not divide; ``group_sizes`` are the quantization
     groups of row-parallel weights held packed (their input columns split at group bounds),
-    ``expert_group_sizes`` those of the routed experts' down_proj (gpt-oss's MXFP4: 32)."""
-    if tp < 1:
-        raise TPLayoutError(f"tensor_parallel_size must be >= 1, got {tp}")
-    if tp == 1:
-        return
-    name = spec.name or spec.architecture
-    if spec.num_heads % tp:
-        raise TPLayoutError(f"{name}: num_heads={spec.num_heads} is not divisible by "
-                            f"tensor_parallel_size={tp}")
-    kv = spec.num_kv_heads
-    if (kv % tp) if tp <= kv else (tp % kv):
-        raise TPLayoutError(f"{name}: num_kv_heads={kv} and tensor_parallel_size={tp}: one must "
-                            "divide the other (KV heads are split, or replicated when tp exceeds "
-                            "them)")
-    widths = [("intermediate_size", spec.intermediate_size)]
-    if spec.num_experts:  # each expert split the Megatron way, as a dense MLP
-        widths.append(("expert intermediate size", spec.expert_intermediate_size))
-    if spec.shared_expert_intermediate_size:
-        widths.append(("shared_expert_intermediate_size", spec.shared_expert_intermediate_size))
-    for what, k in widths:
-        if k % tp:
-            raise TPLayoutError(f"{name}: {what}={k} is not divisible by "
-                                f"tensor_parallel_size={tp}")
-    dense = [(what, k) for what, k in widths if what != "expert intermediate size"]
-    expert = [(what, k) for what, k in widths if what == "expert intermediate size"]
-    checks = [(g, (("num_heads x head_dim", spec.q_size), *dense)) for g in group_sizes]
-    checks += [(g, tuple(expert)) for g in expert_group_sizes]
-    for g, sizes in checks:
-        for what, k in sizes:
-            if (k // tp) % g:
-                raise TPLayoutError(f"{name}: {what}={k} / tensor_parallel_size={tp} = {k // tp} "
-                                    f"columns per rank is not a whole number of the packed "
-                                    f"weights' groups of {g}; use --weights bf16 or "
-                                    "another --tp")
-    if spec.vocab_size < tp:
-        raise TPLayoutError(f"{name}: vocab_size={spec.vocab_size} < tensor_parallel_size={tp}")
+    ``expert_group_sizes`` those of the routed experts' down_proj (gpt-oss's MXFP4: 32).
+    NOTE: the rule is the ledger's (``tp_split_problem``), so the planner's layouts are the
+    ones the engine accepts."""
+    problem = tp_split_problem(spec, tp, group_sizes=group_sizes,
+                               expert_group_sizes=expert_group_sizes)
+    if problem is not None:
+        raise TPLayoutError(problem)
 
 
 def _split(n: int, tp: int, rank: int) -> tuple[int, int]:

@@ -36,13 +36,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 from fitserve.ledger.errors import PlanError
-from fitserve.ledger.kv import check_tp
 from fitserve.ledger.memory import (
     EngineMemoryPlan,
     cpu_engine_memory_plan,
     engine_load_transient_bytes,
     engine_memory_plan,
 )
+from fitserve.ledger.tp_split import check_tp_split
 from fitserve.ledger.units import fmt_bytes
 from fitserve.ledger.weights import model_weight_bytes
 from fitserve.tools.planner.fit_more import format_pair, larger_gpu, smaller_tp
@@ -307,7 +307,7 @@ def _tp_sizes(r: Resolved) -> list[int]:
     out = []
     for tp in range(r.req.tp, r.entry.spec.num_heads + 1):
         try:
-            check_tp(r.entry.spec, tp)
+            check_tp_split(r.entry.spec, tp, r.weights, r.base_dtype)
             out.append(tp)
         except PlanError:
             continue

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from fitserve.ledger.errors import PlanError
 from fitserve.ledger.hardware import get_hardware, gpu_names
-from fitserve.ledger.kv import check_tp
+from fitserve.ledger.tp_split import check_tp_split
 from fitserve.ledger.units import fmt_bytes
 from fitserve.ledger.weights import model_weight_bytes
 from fitserve.tools.planner.report import PlanRequest, Resolved
@@ -35,7 +35,7 @@ def smaller_tp(r: Resolved, fits: Fits) -> list[tuple[str, int | str, str, str]]
         if q.gpus % tp:
             continue
         try:
-            check_tp(r.entry.spec, tp)
+            check_tp_split(r.entry.spec, tp, r.weights, r.base_dtype)
         except PlanError:
             continue
         if fits(dataclasses.replace(q, tp=tp)):

@@ -27,11 +27,12 @@ from fitserve.config import ModelSpec
 from fitserve.ledger.errors import PlanError
 from fitserve.ledger.flops import flops_per_token
 from fitserve.ledger.hardware import Hardware
-from fitserve.ledger.kv import check_tp, request_kv
+from fitserve.ledger.kv import request_kv
 from fitserve.ledger.memory import activation_peak_bytes
 from fitserve.ledger.parallel import ring_allreduce_seconds
 from fitserve.ledger.params import is_mla
 from fitserve.ledger.speed import experts_touched_fraction
+from fitserve.ledger.tp_split import check_tp_split
 from fitserve.ledger.weights import model_weight_bytes
 
 
@@ -180,7 +181,7 @@ def candidate_layouts(spec: ModelSpec, hw: Hardware, q: LayoutQuery) -> list[Lay
     out: list[Layout] = []
     for tp in _divisors(q.n_gpus):
         try:
-            check_tp(spec, tp)
+            check_tp_split(spec, tp, q.weights_fmt, q.base_dtype)
         except PlanError:
             continue
         for pp in _divisors(q.n_gpus // tp):

@@ -20,6 +20,7 @@ from fitserve.ledger.formats import (
 from fitserve.ledger.hardware import Hardware, cpu_engine_dtype, get_hardware
 from fitserve.ledger.kv import check_tp
 from fitserve.ledger.memory import DEFAULT_GPU_WORKSPACE_BYTES
+from fitserve.ledger.tp_split import check_tp_split
 from fitserve.ledger.units import fmt_bytes
 from fitserve.ledger.weights import (
     MIXES,
@@ -172,6 +173,7 @@ def resolve(req: PlanRequest, *, entry: ModelEntry | None = None,
         weights = req.weights or (act if on_cpu else gguf_main)
     base = act if on_cpu else "bf16"
     model_weight_bytes(spec, weights, tp=req.tp, base_dtype=base)  # validates the format early
+    check_tp_split(spec, req.tp, weights, base)  # the engine's split rule for this format
     kv = resolve_kv_dtype(req.kv or "auto", act)
     if on_cpu:
         warnings += _cpu_engine_warnings(req, act if engine_weights else weights, kv, act)

@@ -32,11 +32,11 @@ from fitserve.config import ModelSpec
 from fitserve.ledger.errors import PlanError
 from fitserve.ledger.formats import dtype_bytes, resolve_kv_dtype
 from fitserve.ledger.hardware import Hardware
-from fitserve.ledger.kv import check_tp
 from fitserve.ledger.memory import DEFAULT_GPU_WORKSPACE_BYTES, engine_memory_plan
 from fitserve.ledger.moe import expected_experts_touched
 from fitserve.ledger.speed import MAX_BATCH
 from fitserve.ledger.step_time import StepTimeModel
+from fitserve.ledger.tp_split import check_tp_split
 from fitserve.ledger.units import fmt_bytes, parse_tokens
 from fitserve.ledger.weights import roofline_weight_bytes
 from fitserve.tools.planner.model_source import resolve_model
@@ -162,12 +162,12 @@ def _tp_and_memory(spec: ModelSpec, hw: Hardware, args: argparse.Namespace, weig
             tp = int(args.tp)
         except ValueError:
             raise PlanError(f"--tp must be a whole number or auto, got {args.tp!r}") from None
-        check_tp(spec, tp)
+        check_tp_split(spec, tp, weights)
         return (tp, *_memory(spec, hw, args, weights, kv, act_bytes, tp, ctx))
     last = (AUTO_TP[-1], 0, 0)
     for tp in AUTO_TP:
         try:
-            check_tp(spec, tp)
+            check_tp_split(spec, tp, weights)
         except PlanError:
             continue
         last = (tp, *_memory(spec, hw, args, weights, kv, act_bytes, tp, ctx))

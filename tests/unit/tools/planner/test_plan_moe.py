@@ -11,11 +11,13 @@ import pytest
 
 from fitserve.cli.main import main as fitserve_main
 from fitserve.ledger import runtime
+from fitserve.ledger.hardware import get_hardware
 from fitserve.ledger.moe import active_bytes, expected_experts_touched
 from fitserve.ledger.step_time import roofline_step_model
 from fitserve.ledger.weights import model_weight_bytes
 from fitserve.loading.support import spec_problems
 from fitserve.tools.planner.cli import main
+from fitserve.tools.planner.layouts import LayoutQuery, candidate_layouts
 from fitserve.tools.planner.model_source import catalog_entry, load_catalog
 from fitserve.tools.sheets._rates import Workload
 from fitserve.tools.sheets.capacity_steps import rates
@@ -24,7 +26,9 @@ from fitserve.tools.sheets.sheet import build_sheet
 SLO = ["--slo-tpot-ms", "50", "--slo-ttft-ms", "500"]
 # per model: flags that make the plan fit (weights: gpt-oss-20b 12.8 GiB, -120b 60.8 GiB,
 # Qwen3-30B-A3B 56.9 GiB, Mixtral 87.0 GiB in bf16, DeepSeek-V3 625 GiB in fp8)
-FITS = {"gpt-oss-20b": ["--gpus", "4", "--tp", "4"], "gpt-oss-120b": [],
+# (gpt-oss-20b at tp 2: its MXFP4 experts split only at whole 32-column blocks, and
+# 2880 / 4 = 720 columns is 22.5 of them: the engine refuses --tp 4, so the planner does too)
+FITS = {"gpt-oss-20b": ["--gpus", "2", "--tp", "2"], "gpt-oss-120b": [],
         "Qwen3-30B-A3B": ["--gpus", "2", "--tp", "2"], "Mixtral-8x7B": ["--gpus", "2", "--tp", "2"],
         "DeepSeek-V3": ["--gpu", "h200", "--gpus", "8", "--tp", "8"]}
 CAPACITY_GPUS = {"DeepSeek-V3": ["--gpus", "h200"]}
@@ -136,3 +140,35 @@ def test_plan_on_cpu_with_tp_prices_the_engines_scheme(name: str, monkeypatch: p
         s, "gpt-oss-mxfp4", tp=2).total
     layouts = next(x for x in plan["sections"] if x["title"].startswith("Layouts"))
     assert "TP2" in {ln["name"] for ln in layouts["lines"]}
+
+
+def test_layout_search_offers_only_what_the_engine_splits(capsys: pytest.CaptureFixture[str]
+                                                          ) -> None:
+    """gpt-oss-20b's MXFP4 experts split at whole 32-column blocks: on 4 GPUs the layouts are
+    those with tp 1 or 2 (2880 / 4 = 720 columns is 22.5 blocks); --tp 4 is refused by name,
+    in `plan` and `plan capacity`."""
+    q = LayoutQuery(4, 4096, 1, "gpt-oss-mxfp4", "bf16")
+    got = candidate_layouts(catalog_entry("gpt-oss-20b").spec, get_hardware("h100"), q)
+    assert {x.name for x in got} == {"DP4", "PP2xDP2", "PP4", "TP2xDP2", "TP2xPP2"}
+    for cmd in (["gpt-oss-20b", "--gpus", "4", "--tp", "4"],
+                ["capacity", "gpt-oss-20b", *SLO, "--tp", "4"]):
+        capsys.readouterr()
+        assert fitserve_main(["plan", *cmd]) == 2
+        assert "720 columns per rank is not a whole number of the packed weights' groups " \
+               "of 32" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", sorted(FITS))
+def test_plan_capacity_on_cpu_for_every_moe_model(name: str, tmp_path: Any,
+                                                  monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """`plan capacity NAME --gpus cpu` answers for every MoE model of the catalog (a capacity,
+    or exit 1 naming why this CPU misses the SLO), never an error."""
+    from tests.unit.tools.seeded_cpu import seed_cpu
+
+    seed_cpu(tmp_path, monkeypatch)
+    code = fitserve_main(["plan", "capacity", name, "--slo-tpot-ms", "5000",
+                          "--slo-ttft-ms", "60000", "--gpus", "cpu"])
+    out = capsys.readouterr()
+    assert code in (0, 1), out.err
+    assert "replica capacity" in out.out
