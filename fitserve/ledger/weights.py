@@ -323,3 +323,33 @@ def engine_main_format(spec: ModelSpec, dtype: str, *, stored: Mapping[str, str]
     """The format holding most of the engine's weights (the speed lines' weight format)."""
     counts = engine_held_formats(spec, dtype, stored=stored, rule=rule)
     return next(iter(counts)) if counts else dtype
+
+
+def engine_read_weight_bytes(spec: ModelSpec, dtype: str, *,
+                             stored: Mapping[str, str] | None = None,
+                             rule: FormatRule | None = None) -> WeightBytes:
+    """The weights a decode step of fitserve's engine reads (tp=1), each tensor at the bytes
+    it is held in (``engine_held_tensors``), for the speed lines: one line per (kind, format),
+    the routed experts' named ``expert_*`` (a step reads the experts it touches,
+    ``moe.moe_step_weight_read``), the rest ``dense_*``.
+
+    NOTE: not ``model_weight_bytes`` of the main format, which keeps the embedding / lm_head
+    in bf16: the default Q4_1 file's tied table is held as int8 (its Q8_0 blocks, 30.1 MB)
+    and read whole by the lm_head every step, not 56.6 MB of bf16 (123.0 vs 96.5 MB in all).
+    An untied embedding is a lookup (one row a token) and is left out; the prepacked M > 1
+    panels are a second layout of the same weights, not read beside them."""
+    lines: dict[tuple[str, str], tuple[int, int]] = {}
+    params = 0
+    untied = not spec.tie_word_embeddings
+    for t in engine_held_tensors(spec, dtype, stored=stored, rule=rule):
+        n = math.prod(t.shape)
+        params += n
+        if untied and t.name.endswith("embed_tokens.weight"):
+            continue
+        kind = "expert" if ".experts." in t.name else "dense"
+        rows = t.shape[0] if len(t.shape) >= 2 else 0
+        count, total = lines.get((kind, t.fmt), (0, 0))
+        lines[(kind, t.fmt)] = (count + 1, total + weight_bytes(n, t.fmt, rows=rows))
+    return WeightBytes("engine", 1, tuple(TensorBytes(f"{kind}_{fmt}", fmt, count, b) for
+                                          (kind, fmt), (count, b) in sorted(lines.items())),
+                       params)

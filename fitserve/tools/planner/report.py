@@ -24,9 +24,12 @@ from fitserve.ledger.tp_split import check_tp_split
 from fitserve.ledger.units import fmt_bytes
 from fitserve.ledger.weights import (
     MIXES,
+    WeightBytes,
     engine_format_rule,
     engine_held_formats,
     engine_main_format,
+    engine_read_weight_bytes,
+    engine_runs,
     model_weight_bytes,
 )
 from fitserve.tools.planner.model_source import ModelEntry, resolve_model
@@ -189,6 +192,18 @@ def resolve(req: PlanRequest, *, entry: ModelEntry | None = None,
             else _weights_note(entry, weights, act, on_cpu))
     return Resolved(req, entry, hw, weights, kv, dtype_bytes(act), seqs, ws, hypothetical,
                     tuple(warnings), act, base, note, engine_weights)
+
+
+def speed_weights(r: Resolved) -> WeightBytes:
+    """The weights the speed lines read per step on one rank: on cpu (tp 1, a model the
+    engine runs under its --weights rule) the tensors as the engine holds them
+    (``engine_read_weight_bytes``: the default Q4_1 file's tied lm_head as int8, not bf16);
+    else the ledger's count of the format or mix."""
+    s = r.entry.spec
+    if r.on_cpu and r.engine_weights is not None and r.req.tp == 1 and engine_runs(s):
+        return engine_read_weight_bytes(s, r.act_dtype, stored=r.entry.stored_formats,
+                                        rule=engine_format_rule(r.engine_weights, r.act_dtype))
+    return model_weight_bytes(s, r.weights, tp=r.req.tp, base_dtype=r.base_dtype)
 
 
 def check_inputs(req: PlanRequest) -> None:

@@ -21,7 +21,14 @@ from fitserve.tools.planner.fit import (
     what_fits,
 )
 from fitserve.tools.planner.layouts import LayoutChoice, LayoutQuery, recommend_layout
-from fitserve.tools.planner.report import Line, PlanRequest, Resolved, Section, resolve
+from fitserve.tools.planner.report import (
+    Line,
+    PlanRequest,
+    Resolved,
+    Section,
+    resolve,
+    speed_weights,
+)
 from fitserve.tools.planner.sections import (
     kv_section,
     model_section,
@@ -159,7 +166,7 @@ def verdict(fc: FitCheck, alternatives: tuple[Alternative, ...], where: str) -> 
 
 def speed_section(r: Resolved, batch: int) -> Section:
     s, hw, q = r.entry.spec, r.hw, r.req
-    wb = model_weight_bytes(s, r.weights, tp=q.tp, base_dtype=r.base_dtype)
+    wb = speed_weights(r)
     tf = flops_per_token(s, q.context)
     cross = attention_crossover_context(s)
     ctx, kvd, wf = q.context, r.kv_dtype, r.weights
@@ -222,7 +229,7 @@ def energy_section(r: Resolved, max_batch: int) -> Section | None:
     s, hw, q = r.entry.spec, r.hw, r.req
     if hw.power_w is None:
         return Section("Energy", (), (f"{hw.name} has no power figure: energy not estimated",))
-    wb = model_weight_bytes(s, r.weights, tp=q.tp, base_dtype=r.base_dtype)
+    wb = speed_weights(r)
     batches = [1]
     while batches[-1] * 2 <= max(1, max_batch):
         batches.append(batches[-1] * 2)

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from fitserve.ledger.speed import StepTime, WorkloadSpeed, workload_speed
 from fitserve.ledger.units import fmt_seconds
-from fitserve.ledger.weights import model_weight_bytes
-from fitserve.tools.planner.report import Line, Resolved, Section
+from fitserve.tools.planner.report import Line, Resolved, Section, speed_weights
 
 
 def step_terms(st: StepTime, bandwidth: float, flops_rate: float) -> str:
@@ -27,7 +26,7 @@ def step_terms(st: StepTime, bandwidth: float, flops_rate: float) -> str:
 def run_workload(r: Resolved, batch: int) -> WorkloadSpeed:
     """The plan's workload (--input-len / --output-len) at ``batch`` requests."""
     q, s = r.req, r.entry.spec
-    wb = model_weight_bytes(s, r.weights, tp=q.tp, base_dtype=r.base_dtype)
+    wb = speed_weights(r)
     return workload_speed(s, r.hw, wb, input_len=q.input_len, output_len=q.output_len,
                           batch_size=batch, kv_dtype=r.kv_dtype, weights_fmt=r.weights,
                           max_num_batched_tokens=q.max_num_batched_tokens,

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from fitserve.config import ModelSpec
 from fitserve.ledger.errors import PlanError
-from fitserve.ledger.kv import check_tp
+from fitserve.ledger.tp_split import check_tp_split
 from fitserve.tools.planner.model_source import catalog_entry, load_catalog, resolve_model
 from fitserve.tools.planner.report import PlanRequest
 from fitserve.tools.planner.sections_run import build_plan
@@ -35,16 +36,23 @@ def smol_gguf() -> Path:
 
 @pytest.mark.parametrize("name", [m["name"] for m in load_catalog()])
 def test_every_catalog_model_plans(name: str) -> None:
-    try:
-        check_tp(catalog_entry(name).spec, 8)
-        tp = 8
-    except PlanError:
-        tp = 1  # SmolLM2 (9 heads), Qwen2.5-7B (28 heads)
+    e = catalog_entry(name)
+    # the largest of 8, 2, 1 the model splits over in its own weights: 1 for SmolLM2 (9 heads)
+    # and Qwen2.5-7B (28 heads), 2 for gpt-oss (MXFP4 experts: 2880 / 8 = 11.25 blocks of 32)
+    tp = next(t for t in (8, 2, 1) if _splits(e.spec, t, e.native_weights))
     plan = build_plan(PlanRequest(model=name, gpu="mi300x", gpus=8, tp=tp, context=4096,
                                   concurrency=8))
     titles = [s.title for s in plan.sections]
     assert titles[0].startswith("Model") and titles[-1].startswith("Layouts")
     assert plan.recommended_layout is not None
+
+
+def _splits(spec: ModelSpec, tp: int, fmt: str) -> bool:
+    try:
+        check_tp_split(spec, tp, fmt)
+    except PlanError:
+        return False
+    return True
 
 
 def test_no_torch_import() -> None:
