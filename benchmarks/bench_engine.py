@@ -34,6 +34,7 @@ the dequantized GGUF) when their venvs exist (--llamacpp-python / --vllm-python,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -411,6 +412,8 @@ def main() -> None:
             done[name] = job()
             if bw is not None and done[name]:
                 done[name]["copy_bytes_per_s"] = bw  # type: ignore[index]
+                # the figures the prediction used, so a --json can be predicted again
+                done[name]["engine_rates"] = dataclasses.asdict(rates)  # type: ignore[index,call-overload]
                 done[name]["predicted"] = planner_prediction(  # type: ignore[index]
                     name.removeprefix("fitserve "), base, bw, rates, args.threads)
         rounds.append(done)

@@ -24,6 +24,15 @@ JSON it prints beside the copy bandwidth). Measured, each the median of the undi
                              the intercept; the tiny matmuls cost next to nothing, so what is
                              left is what every step of a real model pays besides its bytes and
                              FLOPs
+    element-wise per token   the engine's fused element-wise ops of one decoder layer on 32 rows
+                             of a SmolLM2-shaped layer (hidden 576, 9 / 3 heads of 64, MLP 1536):
+                             two add_rms_norm_, rope_write_kv_ into a paged cache, silu_and_mul;
+                             seconds per element of ``ledger.speed.elementwise_elements`` (what
+                             the ledger multiplies by a model's widths, tokens and layers)
+    per sequence             the tiny model's decode step with 8 sequences against 1 (the slope:
+                             scheduler, input building, sampling and output per sequence), plus
+                             the greedy argmax over the vocabulary per logit (the engine's C++
+                             argmax on [32, 49152] fp32 logits)
 
 NOTE: timed as one thread's CPU time (``time.thread_time``, torch at 1 thread), the matmul rates
 then multiplied by the engine's thread count: on the shared 2-core host this was written on,
@@ -222,14 +231,101 @@ def measure_step_overhead(repeats: int = 7) -> tuple[float, float]:
     return max(0.0, t_lo - lo * per_layer), per_layer
 
 
+# the reference layer of the element-wise probe (SmolLM2-135M's widths)
+EW_ROWS, EW_HIDDEN, EW_HEADS, EW_KV_HEADS, EW_HEAD_DIM, EW_INTER = 32, 576, 9, 3, 64, 1536
+
+
+def elementwise_elements(hidden: int, q_size: int, kv_size: int, inter: int) -> int:
+    """Elements one token's element-wise work of one layer touches (``ledger.speed``'s
+    ``elementwise_elements``, repeated here: this module must not import the ledger's
+    step model): 2 norms over hidden, rotary on q and k and the k/v cache writes, SwiGLU's
+    gate | up read and its output written."""
+    return 2 * hidden + q_size + 2 * kv_size + 3 * inter
+
+
+def measure_elementwise(repeats: int = 15) -> float:
+    """Seconds per element (``elementwise_elements``) of one layer's element-wise ops on
+    EW_ROWS tokens, on the engine's fused C++ ops (0.0 where they are not built)."""
+    from fitserve.kernels.cpu.fused import (
+        add_rms_norm_,
+        fused_ops_available,
+        rope_write_kv_,
+        silu_and_mul,
+    )
+
+    if not fused_ops_available():
+        return 0.0
+    m, h, hq, hkv, d, inter = EW_ROWS, EW_HIDDEN, EW_HEADS, EW_KV_HEADS, EW_HEAD_DIM, EW_INTER
+    g = torch.Generator().manual_seed(0)
+    res, x = torch.randn(m, h, generator=g).bfloat16(), torch.randn(m, h, generator=g).bfloat16()
+    w = torch.ones(h, dtype=torch.bfloat16)
+    qk = torch.randn(m, hq + hkv, d, generator=g).bfloat16()
+    v = torch.randn(m, hkv, d, generator=g).bfloat16()
+    ang = torch.rand(4096, d // 2, generator=g)
+    cos, sin = ang.cos(), ang.sin()
+    blocks = 4096 // 16
+    k_cache = torch.zeros(hkv, blocks, 16, d, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    positions = torch.arange(m) * 64
+    slots = torch.arange(m) * 64
+    gate_up = torch.randn(m, 2 * inter, generator=g).bfloat16()
+
+    def layer() -> None:
+        add_rms_norm_(res, x, w, 1e-5)
+        rope_write_kv_(qk, v, positions, cos, sin, k_cache, v_cache, slots, hq, False)
+        add_rms_norm_(res, x, w, 1e-5)
+        silu_and_mul(gate_up)
+
+    sec = _time_call(layer, repeats=repeats, inner=16)
+    return sec / (m * elementwise_elements(h, hq * d, hkv * d, inter))
+
+
+def _batched_step_seconds(engine: object, seqs: int, steps: int = 24) -> float:
+    """CPU seconds of this thread per decode step of ``seqs`` requests at once (the steps
+    where all of them decode: the prefill step left out)."""
+    from fitserve.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    for i in range(seqs):
+        engine.add_request(list(range(1 + i, 17 + i)), params)  # type: ignore[attr-defined]
+    times = []
+    while engine.has_unfinished_requests():  # type: ignore[attr-defined]
+        t0 = time.thread_time()
+        engine.step()  # type: ignore[attr-defined]
+        times.append(time.thread_time() - t0)
+    return statistics.median(times[1:-1])
+
+
+def measure_seq_overhead(repeats: int = 5, many: int = 8) -> tuple[float, float]:
+    """(seconds per sequence of a decode step besides its bytes and FLOPs, seconds per logit
+    of the greedy argmax): the tiny model's step at ``many`` sequences against 1, alternated
+    (the slope), and the engine's argmax on [32, 49152] fp32 logits."""
+    from fitserve.kernels.cpu.fused import argmax
+
+    engine = _tiny_engine(TINY_LAYERS[0])
+    runs: dict[int, list[float]] = {1: [], many: []}
+    for i in range(repeats + 1):
+        for n in runs:
+            t = _batched_step_seconds(engine, n)
+            if i:
+                runs[n].append(t)
+    per_seq = max(0.0, (_good_median(runs[many]) - _good_median(runs[1])) / (many - 1))
+    logits = torch.randn(32, 49152, generator=torch.Generator().manual_seed(0))
+    per_logit = _time_call(lambda: argmax(logits), repeats=15, inner=8) / logits.numel()
+    return per_seq, per_logit
+
+
 def measure(threads: int) -> dict[str, object]:
     """Every figure this module measures for an engine on ``threads`` cores, as the JSON the
     ledger caches (measured on one thread, see the module doc)."""
     torch.set_num_threads(1)
     per_step, per_layer = measure_step_overhead()
+    per_seq, per_logit = measure_seq_overhead()
     return {"matmul_rows": list(RATE_ROWS), "matmul_flops": measure_matmul_rates(threads),
             "attention_flops": measure_attention_rate(threads),
-            "step_overhead_s": per_step, "layer_overhead_s": per_layer, "threads": threads}
+            "step_overhead_s": per_step, "layer_overhead_s": per_layer, "threads": threads,
+            "elementwise_s": measure_elementwise(), "seq_overhead_s": per_seq,
+            "logit_s": per_logit}
 
 
 if __name__ == "__main__":

@@ -55,6 +55,11 @@ class CpuFigures:
     step_overhead_s: float = 0.0  # an engine decode step's fixed cost
     layer_overhead_s: float = 0.0  # and its fixed cost per decoder layer
     engine_note: str = ""  # why the engine rates are missing, if they are
+    # per token: seconds per element of a layer's element-wise work (speed.elementwise_elements);
+    # per sampled sequence: seconds besides its bytes and FLOPs, and per logit of the argmax
+    elementwise_s: float = 0.0
+    seq_overhead_s: float = 0.0
+    logit_s: float = 0.0
 
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.measured_at))
@@ -64,7 +69,8 @@ class CpuFigures:
         engine = (f"; engine matmul GFLOP/s at M = {rows} rows: {rates}; decode attention "
                   f"{self.attention_flops / 1e9:.0f} GFLOP/s; step overhead "
                   f"{self.step_overhead_s * 1e3:.3f} ms + {self.layer_overhead_s * 1e6:.1f} us "
-                  f"per layer" if self.matmul_flops else
+                  f"per layer + {self.seq_overhead_s * 1e6:.1f} us per sequence; element-wise "
+                  f"{self.elementwise_s * 1e12:.0f} ps per element" if self.matmul_flops else
                   f"; engine rates not measured ({self.engine_note or 'unknown'})")
         return (f"{self.mem_bytes_per_s / 1e9:.1f} GB/s copy, {self.flops / 1e9:.0f} GFLOP/s "
                 f"numpy f32 matmul{engine}, {self.threads} threads, measured {when} on "
@@ -173,6 +179,9 @@ class EngineRates:
     attention_flops: float
     step_overhead_s: float
     layer_overhead_s: float
+    elementwise_s: float = 0.0  # per element of a layer's element-wise work, per token
+    seq_overhead_s: float = 0.0  # per sampled sequence of a step
+    logit_s: float = 0.0  # per logit of a sampled sequence (the greedy argmax)
 
     @classmethod
     def from_json(cls, text: str) -> EngineRates:
@@ -182,11 +191,13 @@ class EngineRates:
             rows = tuple(int(m) for m in d["matmul_rows"])
             rates = {str(p): [float(x) for x in v] for p, v in d["matmul_flops"].items()}
             out = cls(rows, rates, float(d["attention_flops"]), float(d["step_overhead_s"]),
-                      float(d["layer_overhead_s"]))
+                      float(d["layer_overhead_s"]), float(d.get("elementwise_s", 0.0)),
+                      float(d.get("seq_overhead_s", 0.0)), float(d.get("logit_s", 0.0)))
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise ValueError(f"not the engine-rates JSON ({exc!r}): {text[:200]}") from None
         if "bf16" not in rates or any(len(v) != len(rows) for v in rates.values()) or min(
                 [out.step_overhead_s, out.layer_overhead_s, out.attention_flops,
+                 out.elementwise_s, out.seq_overhead_s, out.logit_s,
                  *(x for v in rates.values() for x in v)]) < 0:
             raise ValueError(f"engine-rates JSON with mismatched or negative figures: {text[:200]}")
         return out
@@ -229,7 +240,9 @@ def measure_figures(threads: int | None = None, *,
     except RuntimeError as exc:
         return CpuFigures(bw, flops, cpu_model(), t, at, kept, engine_note=str(exc))
     return CpuFigures(bw, flops, cpu_model(), t, at, kept, e.matmul_rows, e.matmul_flops,
-                      e.attention_flops, e.step_overhead_s, e.layer_overhead_s)
+                      e.attention_flops, e.step_overhead_s, e.layer_overhead_s,
+                      elementwise_s=e.elementwise_s, seq_overhead_s=e.seq_overhead_s,
+                      logit_s=e.logit_s)
 
 
 def reusable_engine_rates(cached: CpuFigures | None, *, now: float, model: str,
@@ -241,7 +254,8 @@ def reusable_engine_rates(cached: CpuFigures | None, *, now: float, model: str,
             or cached.threads != threads or now - cached.measured_at > STALE_AFTER_S):
         return None
     return EngineRates(tuple(cached.matmul_rows), dict(cached.matmul_flops),
-                       cached.attention_flops, cached.step_overhead_s, cached.layer_overhead_s)
+                       cached.attention_flops, cached.step_overhead_s, cached.layer_overhead_s,
+                       cached.elementwise_s, cached.seq_overhead_s, cached.logit_s)
 
 
 def cached_is_usable(cached: CpuFigures, *, now: float, model: str, threads: int,

@@ -18,7 +18,9 @@ from fitserve.envs import fitserve_home
 from fitserve.ledger import cpu_measure
 from fitserve.ledger.errors import PlanError
 
-CPU_CACHE_VERSION = 4  # 4: the engine rates (one thread's CPU time x threads) beside the bandwidth
+# 4: the engine rates (one thread's CPU time x threads) beside the bandwidth; 5: + the
+# element-wise cost per token and the cost per sampled sequence
+CPU_CACHE_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,12 @@ class Hardware:
     attention_flops: float = 0.0
     step_overhead_s: float = 0.0
     layer_overhead_s: float = 0.0
+    # a CPU: seconds per element of a token's element-wise work in one layer (norms, rotary,
+    # KV writes, SwiGLU: speed.elementwise_elements), per sampled sequence besides its bytes
+    # and FLOPs, and per logit of its argmax; all over ``cores`` (0 on a GPU's roofline)
+    elementwise_s: float = 0.0
+    seq_overhead_s: float = 0.0
+    logit_s: float = 0.0
 
     def peak_flops(self, weights_fmt: str, rows: int | None = None) -> float:
         """Matmul rate for a weight format: where the engine's rates were measured (a CPU), the
@@ -213,7 +221,8 @@ def cpu_hardware(*, refresh: bool = False) -> Hardware:
         measured=True, measured_at=figures.measured_at, cores=figures.threads,
         matmul_rows=tuple(figures.matmul_rows), matmul_rates=rates,
         attention_flops=figures.attention_flops, step_overhead_s=figures.step_overhead_s,
-        layer_overhead_s=figures.layer_overhead_s)
+        layer_overhead_s=figures.layer_overhead_s, elementwise_s=figures.elementwise_s,
+        seq_overhead_s=figures.seq_overhead_s, logit_s=figures.logit_s)
 
 
 def measured_cpu(*, mem_bytes_per_s: float, engine: cpu_measure.EngineRates,
@@ -234,7 +243,8 @@ def measured_cpu(*, mem_bytes_per_s: float, engine: cpu_measure.EngineRates,
         measured=True, measured_at=time.time(), cores=threads,
         matmul_rows=tuple(engine.matmul_rows), matmul_rates=rates,
         attention_flops=engine.attention_flops, step_overhead_s=engine.step_overhead_s,
-        layer_overhead_s=engine.layer_overhead_s)
+        layer_overhead_s=engine.layer_overhead_s, elementwise_s=engine.elementwise_s,
+        seq_overhead_s=engine.seq_overhead_s, logit_s=engine.logit_s)
 
 
 def _read_cached(path: Path) -> cpu_measure.CpuFigures | None:

@@ -7,7 +7,11 @@
                  measured on a tiny model, 0 on a GPU's roofline)
     t_attention = a CPU's decode attention FLOPs / its measured rate (Hardware.attention_flops,
                  KV reads included; then t_memory is the weights alone), 0 on a GPU's roofline
+    t_tokens  = a CPU's element-wise work, new tokens x layers x elementwise_elements x its
+                 measured cost per element (norms, rotary, KV writes, SwiGLU), + per sampled
+                 sequence its measured cost + vocab x the argmax per logit; 0 on a GPU
     step      = max(t_memory, t_compute, t_dequant) + t_attention + t_allreduce + t_overhead
+                + t_tokens
 
 On a measured CPU the peak FLOP/s is the rate the engine's own op for the weight format reaches
 at the step's row count (Hardware.peak_flops), not a spec-sheet peak, and a decode step's
@@ -33,6 +37,7 @@ from fitserve.ledger.kv import request_kv
 from fitserve.ledger.moe import expected_experts_touched, moe_step_weight_read
 from fitserve.ledger.parallel import tp_allreduce
 from fitserve.ledger.weights import WeightBytes, roofline_weight_bytes
+from fitserve.ledger.workload_schedule import ScheduledStep, workload_schedule
 
 MAX_BATCH = 1 << 16
 
@@ -55,11 +60,13 @@ class StepTime:
     t_overhead: float = 0.0  # a CPU's fixed cost of the step (Hardware.step_overhead)
     # a CPU's decode attention at its measured rate (its KV reads included): a phase of its own
     t_attention: float = 0.0
+    # a CPU's element-wise work per token and its cost per sampled sequence (token_seconds)
+    t_tokens: float = 0.0
 
     @property
     def seconds(self) -> float:
         return (max(self.t_memory, self.t_compute, self.t_dequant) + self.t_attention
-                + self.t_comm + self.t_overhead)
+                + self.t_comm + self.t_overhead + self.t_tokens)
 
     @property
     def bound(self) -> str:
@@ -93,6 +100,29 @@ def experts_touched_fraction(spec: ModelSpec, batch: int) -> float:
     return expected_experts_touched(e, spec.num_experts_per_token, batch) / e
 
 
+def elementwise_elements(spec: ModelSpec, tp: int = 1) -> int:
+    """Elements one token's element-wise work touches in one layer on one of ``tp`` ranks:
+    2 norms over hidden, rotary on q and k with the k/v cache writes, SwiGLU's gate | up read
+    and its output written (an MoE layer: over its k experts' and the shared expert's widths).
+    The same count as fitserve.engine.cpu_rates.elementwise_elements, whose probe it scales."""
+    inter = (spec.expert_intermediate_size * spec.num_experts_per_token
+             + spec.shared_expert_intermediate_size if spec.num_experts else
+             spec.intermediate_size)
+    return 2 * spec.hidden_size + (spec.q_size + 2 * spec.kv_size + 3 * inter) // tp
+
+
+def token_seconds(spec: ModelSpec, hw: Hardware, *, new_tokens: int, sampled: int,
+                  tp: int = 1) -> float:
+    """A CPU's element-wise seconds of a step (``t_tokens``): new_tokens x layers x
+    elementwise_elements x Hardware.elementwise_s + sampled x (seq_overhead_s + vocab x
+    logit_s); 0 where they were not measured (a GPU's roofline).
+
+    NOTE: one thread's measured costs, not divided over the cores as the matmul rates are:
+    these ops are short and the engine runs most of them (and all the Python) on one."""
+    ew = new_tokens * spec.num_layers * elementwise_elements(spec, tp) * hw.elementwise_s
+    return ew + sampled * (hw.seq_overhead_s + spec.vocab_size * hw.logit_s)
+
+
 def weight_bytes_read(spec: ModelSpec, wb: WeightBytes, batch: int) -> float:
     """Weight bytes a step of ``batch`` tokens reads on one rank (``moe_step_weight_read``)."""
     return moe_step_weight_read(spec, wb, batch)
@@ -117,7 +147,8 @@ def decode_step(spec: ModelSpec, hw: Hardware, wb: WeightBytes, *, batch: int, c
     dq = dequant_seconds(wb, rows=batch, cores=hw.cores,
                          read_fraction=w / wb.total if wb.total else 1.0)
     return StepTime(batch, context, w, kv, flops, t_memory, t_compute, comm.seconds_per_step,
-                    dq, hw.step_overhead(spec.num_layers), t_attention)
+                    dq, hw.step_overhead(spec.num_layers), t_attention,
+                    token_seconds(spec, hw, new_tokens=batch, sampled=batch, tp=tp))
 
 
 def decode_step_roofline(spec: ModelSpec, hw: Hardware, *, batch: int, context: int,
@@ -149,7 +180,8 @@ def prefill_time(spec: ModelSpec, hw: Hardware, wb: WeightBytes, *, prompt_len: 
     comm = tp_allreduce(spec, hw, tp=tp, tokens=prompt_len, act_dtype_bytes=act_dtype_bytes)
     return StepTime(1, prompt_len, w, kv, flops, (w + kv) / hw.mem_bytes_per_s,
                     flops / hw.peak_flops(weights_fmt, prompt_len), comm.seconds_per_step,
-                    t_overhead=hw.step_overhead(spec.num_layers))
+                    t_overhead=hw.step_overhead(spec.num_layers),
+                    t_tokens=token_seconds(spec, hw, new_tokens=prompt_len, sampled=1, tp=tp))
 
 
 def compute_bound_batch(spec: ModelSpec, hw: Hardware, wb: WeightBytes, *, context: int,
@@ -240,34 +272,56 @@ class WorkloadSpeed:
         return self.batch_size * self.output_len / (self.prefill_s + self.decode_s)
 
 
+def scheduled_step(spec: ModelSpec, hw: Hardware, wb: WeightBytes, step: ScheduledStep, *,
+                   kv_dtype: str, weights_fmt: str, act_dtype_bytes: int = 2) -> StepTime:
+    """One step of ``workload_schedule`` on one of wb.tp ranks: the weights read once for its
+    new tokens (the matmuls at that many rows), each decode's attention over its context (at
+    the CPU's decode-attention rate where measured, as ``decode_step``), each prompt chunk's
+    FLOPs (prefill_flops of its end less its start) and KV written, the element-wise work of
+    every new token and the cost of every sampled sequence (``token_seconds``)."""
+    tp, n = wb.tp, step.new_tokens
+    w = weight_bytes_read(spec, wb, n)
+    flops = attn = kv = 0.0
+    for c in step.decode_contexts:
+        tf = flops_per_token(spec, c)
+        flops += tf.total / tp
+        attn += tf.attention / tp if hw.attention_flops else 0.0
+        kv += 0.0 if hw.attention_flops else request_kv(spec, c, kv_dtype, tp=tp).bytes_reclaimed
+    for start, count in step.chunks:
+        before = prefill_flops(spec, start).total if start else 0.0
+        flops += (prefill_flops(spec, start + count).total - before) / tp
+        kv += request_kv(spec, count, kv_dtype, tp=tp).bytes_reclaimed
+    comm = tp_allreduce(spec, hw, tp=tp, tokens=n, act_dtype_bytes=act_dtype_bytes)
+    dq = dequant_seconds(wb, rows=n, cores=hw.cores,
+                         read_fraction=w / wb.total if wb.total else 1.0)
+    return StepTime(step.seqs, max((*step.decode_contexts, *(s + c for s, c in step.chunks))),
+                    w, kv, flops, (w + kv) / hw.mem_bytes_per_s,
+                    (flops - attn) / hw.peak_flops(weights_fmt, n), comm.seconds_per_step, dq,
+                    hw.step_overhead(spec.num_layers),
+                    attn / hw.attention_flops if attn else 0.0,
+                    token_seconds(spec, hw, new_tokens=n, sampled=step.sampled, tp=tp))
+
+
 def workload_speed(spec: ModelSpec, hw: Hardware, wb: WeightBytes, *, input_len: int,
                    output_len: int, batch_size: int, kv_dtype: str, weights_fmt: str,
-                   max_num_batched_tokens: int = 2048, act_dtype_bytes: int = 2
-                   ) -> WorkloadSpeed:
-    """The step-time model run over a whole workload (see WorkloadSpeed): prefill chunks of
-    at most ``max_num_batched_tokens`` (each a share of ``batch_size`` x prefill_flops and of
-    the KV written, the weights read once per chunk), then one decode step per output token
-    after the first, the i-th at context ``input_len + i``. PlanError for counts < 1."""
+                   max_num_batched_tokens: int = 2048, act_dtype_bytes: int = 2,
+                   max_num_seqs: int = 64) -> WorkloadSpeed:
+    """The step-time model run over a whole workload (see WorkloadSpeed) as the scheduler
+    runs it (``workload_schedule``: decodes first, then prompt chunks within the token
+    budget, so W2's later prompts share steps with the first ones' decodes): a step with a
+    prompt chunk counts as a prefill step, the rest as decode steps (``scheduled_step``).
+    PlanError for counts < 1."""
     for flag, n in (("--input-len", input_len), ("--output-len", output_len),
                     ("--batch-size", batch_size),
                     ("--max-num-batched-tokens", max_num_batched_tokens)):
         if n < 1:
             raise PlanError(f"{flag} must be >= 1, got {n}")
-    tp, total = wb.tp, batch_size * input_len
-    flops = batch_size * prefill_flops(spec, input_len).total / tp
-    kv = batch_size * request_kv(spec, input_len, kv_dtype, tp=tp).bytes_reclaimed
-    chunks = [max_num_batched_tokens] * (total // max_num_batched_tokens)
-    chunks += [total % max_num_batched_tokens] if total % max_num_batched_tokens else []
-    prefill = []
-    for n in chunks:
-        w, share = weight_bytes_read(spec, wb, n), n / total
-        comm = tp_allreduce(spec, hw, tp=tp, tokens=n, act_dtype_bytes=act_dtype_bytes)
-        prefill.append(StepTime(1, n, w, kv * share, flops * share,
-                                (w + kv * share) / hw.mem_bytes_per_s,
-                                flops * share / hw.peak_flops(weights_fmt, n),
-                                comm.seconds_per_step, t_overhead=hw.step_overhead(spec.num_layers)))
-    decode = tuple(decode_step(spec, hw, wb, batch=batch_size, context=input_len + i,
-                               kv_dtype=kv_dtype, weights_fmt=weights_fmt,
-                               act_dtype_bytes=act_dtype_bytes)
-                   for i in range(1, output_len))
-    return WorkloadSpeed(input_len, output_len, batch_size, tuple(prefill), decode)
+    plan = workload_schedule(batch=batch_size, input_len=input_len, output_len=output_len,
+                             max_num_batched_tokens=max_num_batched_tokens,
+                             max_num_seqs=max_num_seqs)
+    steps = [(st.chunks, scheduled_step(spec, hw, wb, st, kv_dtype=kv_dtype,
+                                        weights_fmt=weights_fmt,
+                                        act_dtype_bytes=act_dtype_bytes)) for st in plan]
+    return WorkloadSpeed(input_len, output_len, batch_size,
+                         tuple(t for chunks, t in steps if chunks),
+                         tuple(t for chunks, t in steps if not chunks))

@@ -288,7 +288,9 @@ def roofline_step_model(spec: ModelSpec, hw: Hardware | str, *, weight_fmt: str 
             + a CPU's fixed cost per step and per layer (Hardware.step_overhead, measured)
         b = FLOPs per token / peak                       (the matmuls, no attention context)
             or a CPU's weight-kernel time per extra row if larger
-        c = 0                                            (no per-sequence cost on a roofline)
+            + a CPU's element-wise work per token (speed.token_seconds: measured per element)
+        c = a CPU's cost per sampled sequence (measured: scheduler, sampler, argmax per logit);
+            0 on a GPU's roofline
         d = KV bytes per token per rank / bandwidth      (each cached token read once)
 
     ``weight_fmt``: a format or a per-tensor mix ("gpt-oss-mxfp4": each tensor in its own
@@ -305,6 +307,7 @@ def roofline_step_model(spec: ModelSpec, hw: Hardware | str, *, weight_fmt: str 
     from fitserve.ledger.flops import flops_per_token
     from fitserve.ledger.kv import request_kv
     from fitserve.ledger.moe import moe_step_weight_read
+    from fitserve.ledger.speed import token_seconds
     from fitserve.ledger.weights import roofline_weight_bytes
 
     if isinstance(hw, str):
@@ -325,9 +328,12 @@ def roofline_step_model(spec: ModelSpec, hw: Hardware | str, *, weight_fmt: str 
     a = max(read / bw, kernels(1)) + hw.step_overhead(spec.num_layers)
     b = max(flops_per_token(spec, 0).total / tp / hw.peak_flops(weight_fmt),
             kernels(2) - kernels(1))
+    # a CPU's element-wise work per token and cost per sampled sequence (speed.token_seconds)
+    b += token_seconds(spec, hw, new_tokens=1, sampled=0, tp=tp)
+    c = token_seconds(spec, hw, new_tokens=0, sampled=1, tp=tp)
     d = request_kv(spec, 1, kv_dtype, tp=tp).bytes_reclaimed / bw
     moe = (f", experts read by {step_tokens:,}-token steps" if spec.num_experts else "")
-    return StepTimeModel(a, b, 0.0, d, source=f"roofline of {hw.name} ({weight_fmt} weights, "
+    return StepTimeModel(a, b, c, d, source=f"roofline of {hw.name} ({weight_fmt} weights, "
                                               f"{kv_dtype} KV, tp={tp}{moe})")
 
 

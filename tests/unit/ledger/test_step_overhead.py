@@ -5,15 +5,14 @@ path and row count, its decode attention rate, and the fixed cost per step and p
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 
 from fitserve.ledger.errors import PlanError
-from fitserve.ledger.flops import flops_per_token, prefill_flops
+from fitserve.ledger.flops import flops_per_token
 from fitserve.ledger.hardware import Hardware, cpu_matmul_path
 from fitserve.ledger.kv import request_kv
-from fitserve.ledger.speed import decode_step, workload_speed
+from fitserve.ledger.speed import decode_step, prefill_time, workload_speed
 from fitserve.ledger.step_time import roofline_step_model
 from fitserve.ledger.weights import model_weight_bytes
 from fitserve.tools.planner.model_source import catalog_entry
@@ -90,26 +89,19 @@ def test_roofline_step_model_carries_the_overhead_in_a() -> None:
 
 
 def test_workload_is_its_steps_added_up() -> None:
+    """One request (W1's shape): its prompt in one step (prefill_time's), then a decode step
+    per token after the first, at contexts p + 1 .. p + o - 1 (decode_step's)."""
     wb = model_weight_bytes(SMOL, "bf16")
-    p, o, b = 100, 5, 30  # 3,000 prompt tokens: chunks of 2,048 and 952
-    w = workload_speed(SMOL, CPU, wb, input_len=p, output_len=o, batch_size=b,
+    p, o = 100, 5
+    w = workload_speed(SMOL, CPU, wb, input_len=p, output_len=o, batch_size=1,
                        kv_dtype="bf16", weights_fmt="bf16", max_num_batched_tokens=2048)
-    assert [s.context for s in w.prefill_steps] == [2048, 952]
-    total_flops = b * prefill_flops(SMOL, p).total
-    overhead = 1e-4 + 30 * 2e-5
-    want_prefill = 0.0
-    for n in (2048, 952):
-        share = n / 3000
-        kv = b * request_kv(SMOL, p, "bf16").bytes_reclaimed * share
-        rate = 200e9 + (400e9 - 200e9) * min(1.0, math.log(n / 32) / math.log(16))
-        want_prefill += max((wb.total + kv) / 20e9, total_flops * share / rate) + overhead
-    assert w.prefill_s == pytest.approx(want_prefill, rel=1e-12)
-    # one decode step per token after the first, at contexts p + 1 .. p + o - 1
-    steps = [decode_step(SMOL, CPU, wb, batch=b, context=p + i, kv_dtype="bf16",
+    pf = prefill_time(SMOL, CPU, wb, prompt_len=p, kv_dtype="bf16", weights_fmt="bf16")
+    assert [s.seconds for s in w.prefill_steps] == [pytest.approx(pf.seconds, rel=1e-12)]
+    steps = [decode_step(SMOL, CPU, wb, batch=1, context=p + i, kv_dtype="bf16",
                          weights_fmt="bf16").seconds for i in range(1, o)]
     assert len(w.decode_steps) == o - 1
     assert w.decode_s == pytest.approx(sum(steps), rel=1e-12)
-    assert w.tokens_per_s == pytest.approx(b * o / (want_prefill + sum(steps)), rel=1e-12)
+    assert w.tokens_per_s == pytest.approx(o / (pf.seconds + sum(steps)), rel=1e-12)
     assert w.decode_tokens_per_s == pytest.approx((o - 1) / sum(steps), rel=1e-12)
     with pytest.raises(PlanError, match="--output-len must be >= 1"):
         workload_speed(SMOL, CPU, wb, input_len=1, output_len=0, batch_size=1,
