@@ -354,3 +354,34 @@ def test_int8_kv_cache_on_sliding_and_full_groups(gpt_oss: Family) -> None:
     assert engine.runner.kv_cache_bytes > 0
     (out,) = run(engine, gpt_oss.prompts[2:], together=False)
     assert out.token_ids[:4] == gpt_oss.want[2][0][:4]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_gguf_mxfp4(gpt_oss: Family, tmp_path: Path) -> None:
+    """--tp 2 (two gloo processes) on gpt-oss written as llama.cpp writes it (3-D MXFP4
+    ``ffn_*_exps``): each rank's experts hold down_proj columns [32 r, 32 r + 32) as whole
+    MXFP4 blocks of the file, and greedy tokens and top-5 logprobs are transformers' on
+    gguf-py's dequantization of the same blocks (as test_gguf_mxfp4_experts at --tp 1)."""
+    from gguf import GGMLQuantizationType as Q
+
+    from fitserve.model.ggml_linear import GgmlLinear
+
+    from .moe_to_gguf import load_dequantized_experts, write_moe_gguf
+
+    path = write_moe_gguf(gpt_oss.ref, tmp_path / "gpt-oss.gguf", Q.MXFP4)
+    loaded = load_model(path, dtype=torch.float32, weights="as-stored")
+    ref = build_gpt_oss(tmp_path / "hf", None)
+    reference_with_llama_cpp_yarn(ref)
+    load_dequantized_experts(ref, path)
+    prompts = gpt_oss.prompts[1:]
+    fam = Family(gpt_oss.arch, ref, loaded, prompts,
+                 [hf_greedy(ref, p, NUM_TOKENS) for p in prompts], gpt_oss.tol)
+    engine = make(loaded, long_prefill_token_threshold=7, tensor_parallel_size=2,
+                  weights="as-stored")
+    try:
+        down = engine.runner.model.model.layers[2].mlp.inner.experts[5].down_proj
+        assert isinstance(down, GgmlLinear) and down.ggml_type == "MXFP4"
+        assert (down.out_features, down.in_features) == (96, 32)
+        check(fam, run(engine, prompts, together=True), "tp 2 GGUF MXFP4")
+    finally:
+        engine.shutdown()
