@@ -81,3 +81,16 @@ def test_a_mixed_step_by_hand() -> None:
                        kv_dtype="bf16", weights_fmt="bf16", max_num_batched_tokens=6)
     assert len(w.prefill_steps) == 3 and len(w.decode_steps) == 2
     assert w.prefill_steps[1].seconds == pytest.approx(want, rel=1e-12)
+
+
+def test_probe_counts_the_elements_the_ledger_scales_by() -> None:
+    """The element-wise probe (fitserve.engine.cpu_rates) divides its time by the same count
+    per token and layer that ledger.speed multiplies a model's tokens and layers by."""
+    from fitserve.engine import cpu_rates as probe
+
+    ref = dataclasses.replace(SMOL, hidden_size=probe.EW_HIDDEN, num_heads=probe.EW_HEADS,
+                              num_kv_heads=probe.EW_KV_HEADS, head_dim=probe.EW_HEAD_DIM,
+                              intermediate_size=probe.EW_INTER)
+    for spec in (ref, catalog_entry("Llama-3.1-8B").spec):
+        assert probe.elementwise_elements(spec.hidden_size, spec.q_size, spec.kv_size,
+                                          spec.intermediate_size) == elementwise_elements(spec)
