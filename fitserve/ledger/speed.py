@@ -288,9 +288,12 @@ def scheduled_step(spec: ModelSpec, hw: Hardware, wb: WeightBytes, step: Schedul
         attn += tf.attention / tp if hw.attention_flops else 0.0
         kv += 0.0 if hw.attention_flops else request_kv(spec, c, kv_dtype, tp=tp).bytes_reclaimed
     for start, count in step.chunks:
-        before = prefill_flops(spec, start).total if start else 0.0
-        flops += (prefill_flops(spec, start + count).total - before) / tp
+        before = prefill_flops(spec, start, logit_positions=0).total if start else 0.0
+        flops += (prefill_flops(spec, start + count, logit_positions=0).total - before) / tp
         kv += request_kv(spec, count, kv_dtype, tp=tp).bytes_reclaimed
+    # the lm_head of each prompt that ends this step (its first token sampled)
+    ended = step.sampled - len(step.decode_contexts)
+    flops += ended * 2 * spec.vocab_size * spec.hidden_size / tp
     comm = tp_allreduce(spec, hw, tp=tp, tokens=n, act_dtype_bytes=act_dtype_bytes)
     dq = dequant_seconds(wb, rows=n, cores=hw.cores,
                          read_fraction=w / wb.total if wb.total else 1.0)

@@ -69,8 +69,9 @@ def test_a_mixed_step_by_hand() -> None:
     step = ScheduledStep((5,), ((2, 2), (0, 3)), 2)
     got = scheduled_step(SMOL, CPU, wb, step, kv_dtype="bf16", weights_fmt="bf16")
     tf = flops_per_token(SMOL, 5)
-    flops = (tf.total + prefill_flops(SMOL, 4).total - prefill_flops(SMOL, 2).total
-             + prefill_flops(SMOL, 3).total)
+    # the chunks' body FLOPs (no lm_head), + the lm_head of r1's prompt, which ends here
+    body = [prefill_flops(SMOL, n, logit_positions=0).total for n in (2, 3, 4)]
+    flops = tf.total + body[2] - body[0] + body[1] + 2 * 49152 * 576
     kv = request_kv(SMOL, 2, "bf16").bytes_reclaimed + request_kv(SMOL, 3, "bf16").bytes_reclaimed
     want = (max((wb.total + kv) / 20e9, (flops - tf.attention) / 200e9)  # 6 rows: flat
             + tf.attention / 40e9 + 1e-4 + 30 * 2e-5
