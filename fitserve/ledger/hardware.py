@@ -239,7 +239,9 @@ def measured_cpu(*, mem_bytes_per_s: float, engine: cpu_measure.EngineRates,
                f"{', '.join(f'{p} ' + '/'.join(f'{x / 1e9:.0f}' for x in v) for p, v in rates)} "
                f"GFLOP/s, decode attention {engine.attention_flops / 1e9:.0f} GFLOP/s, "
                f"overhead {engine.step_overhead_s * 1e3:.3f} ms + "
-               f"{engine.layer_overhead_s * 1e6:.1f} us per layer",
+               f"{engine.layer_overhead_s * 1e6:.1f} us per layer + "
+               f"{engine.seq_overhead_s * 1e6:.1f} us per sequence, element-wise "
+               f"{engine.elementwise_s * 1e12:.0f} ps per element",
         measured=True, measured_at=time.time(), cores=threads,
         matmul_rows=tuple(engine.matmul_rows), matmul_rates=rates,
         attention_flops=engine.attention_flops, step_overhead_s=engine.step_overhead_s,
