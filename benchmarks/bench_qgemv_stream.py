@@ -1,0 +1,161 @@
+"""The batch-1 int4 / int8 GEMV (fitserve::int4_linear / int8_linear, M = 1, act_quant) against
+a plain read of the same bytes: how near the memory's speed each weight row streams.
+
+For each shape and format, copies of one random weight fill --rotate-mb (> L3, so every call
+reads its weights from DRAM the way a decode step does); the copies are views of one slab per
+tensor (codes, scales, mins), read one after another. The plain read is torch's sum over the same
+slabs (viewed as int64: no float special cases), so both read exactly the same bytes. Kernel and
+plain read alternate --runs times in this one process; the best pass of each is kept.
+
+One thread is timed by its CPU clock (time.thread_time: the other jobs of a loaded host do not
+count); with more threads the clock is the wall's (say the load beside the figure).
+
+    python benchmarks/bench_qgemv_stream.py [--threads 1,2] [--formats q4_1,q4_0,q8_0]
+        [--shapes 135m,1.7b] [--rotate-mb 128] [--runs 5]
+
+Columns: GB/s of weight bytes (codes + scales + mins) per second, the kernel's fraction of the
+plain read's rate, and the kernel's rate on one ~1 MB copy of the same shape read again and again
+(in L2: no DRAM stream, so what is left is the kernel's own work; where it is not well above the
+plain read, the kernel cannot stream at the memory's speed however it prefetches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+from fitserve.kernels.cpu.isa import cpu_model_name, detect_isa
+from fitserve.kernels.cpu.qlinear import qlinear_ops_available, qlinear_tier
+
+# (label, N, K): the default model's (SmolLM2-135M) and SmolLM2-1.7B's decode projections
+SHAPES: dict[str, list[tuple[str, int, int]]] = {
+    "135m": [("o", 576, 576), ("k/v", 192, 576), ("gate/up", 1536, 576), ("down", 576, 1536),
+             ("lm_head", 49152, 576)],
+    "1.7b": [("q/o", 2048, 2048), ("k/v", 512, 2048), ("gate/up", 8192, 2048),
+             ("down", 2048, 8192)],
+}
+FORMATS = ("q4_1", "q4_0", "q8_0")
+
+
+class Slabs:
+    """`copies` random weights [N, K] of one format, each a view of one slab per tensor."""
+
+    def __init__(self, fmt: str, n: int, k: int, copies: int) -> None:
+        gen = torch.Generator().manual_seed(n * 7 + k)
+        g = k // 32
+        self.fmt, self.n, self.copies = fmt, n, copies
+        if fmt == "q8_0":
+            self.q = torch.randint(-127, 128, (copies * n, k), generator=gen, dtype=torch.int8)
+        else:
+            self.q = torch.randint(0, 256, (copies * n, k // 2), generator=gen, dtype=torch.uint8)
+        self.s = (torch.rand(copies * n, g, generator=gen) * 1e-2).half()
+        self.m = (torch.rand(copies * n, g, generator=gen) * -0.08).half() if fmt == "q4_1" \
+            else None
+
+    def slabs(self) -> list[torch.Tensor]:
+        return [t for t in (self.q, self.s, self.m) if t is not None]
+
+    def bytes_per_copy(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.slabs()) // self.copies
+
+    def call(self, i: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        rows = slice(i * self.n, (i + 1) * self.n)
+        ops = torch.ops.fitserve  # the op itself: no Python wrapper per call
+        q, s = self.q[rows], self.s[rows]
+        if self.fmt == "q8_0":
+            return lambda x: ops.int8_linear(x, q, s, 32, True, False)
+        m = self.m[rows] if self.m is not None else None
+        return lambda x: ops.int4_linear(x, q, s, m, 32, True, False)
+
+
+def plain_views(slabs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each slab's bytes as int64 (the tail that does not fill 8 bytes is left out)."""
+    out = []
+    for t in slabs:
+        b = t.reshape(-1).view(torch.uint8)
+        out.append(b[: b.numel() // 8 * 8].view(torch.int64))
+    return out
+
+
+def clock(threads: int) -> Callable[[], float]:
+    return time.thread_time if threads == 1 else time.perf_counter
+
+
+def measure(sl: Slabs, k: int, threads: int, runs: int) -> tuple[float, float]:
+    """(kernel GB/s, plain read GB/s) over all copies: best of `runs` alternated passes."""
+    x = torch.randn(1, k).bfloat16()
+    calls = [sl.call(i) for i in range(sl.copies)]
+    views = plain_views(sl.slabs())
+    now = clock(threads)
+    for f in calls[:4]:
+        f(x)
+    kern, read = [], []
+    for _ in range(runs):
+        t0 = now()
+        for f in calls:
+            f(x)
+        kern.append(now() - t0)
+        t0 = now()
+        for v in views:
+            v.sum()
+        read.append(now() - t0)
+    total = sl.copies * sl.bytes_per_copy()
+    return total / min(kern) / 1e9, total / min(read) / 1e9
+
+
+def in_l2(fmt: str, n: int, k: int, threads: int, runs: int) -> float:
+    """Kernel GB/s on one copy of <= ~1 MB (n rows cut to fit), called again and again."""
+    per_row = Slabs(fmt, 1, k, 1).bytes_per_copy()
+    rows = max(16, min(n, (1 << 20) // per_row // 16 * 16))
+    sl = Slabs(fmt, rows, k, 1)
+    f, x, now = sl.call(0), torch.randn(1, k).bfloat16(), clock(threads)
+    for _ in range(20):
+        f(x)
+    calls = max(10, int(2e7 // sl.bytes_per_copy()))
+    best = float("inf")
+    for _ in range(runs):
+        t0 = now()
+        for _ in range(calls):
+            f(x)
+        best = min(best, (now() - t0) / calls)
+    return sl.bytes_per_copy() / best / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--shapes", default="135m,1.7b")
+    ap.add_argument("--rotate-mb", type=int, default=128)
+    ap.add_argument("--runs", type=int, default=5)
+    args = ap.parse_args()
+    if not qlinear_ops_available():
+        raise SystemExit("the qlinear extension did not build here: nothing to measure")
+    print(f"# {cpu_model_name()} | {detect_isa().describe()} | kernels: {qlinear_tier()} | "
+          f"torch {torch.__version__} | load {os.getloadavg()[0]:.1f}")
+    print(f"# weights rotated through {args.rotate_mb} MB; 1 thread: CPU clock, more: wall clock")
+    print("| threads | shape | N x K | format | kernel GB/s | plain read GB/s | fraction | "
+          "kernel in L2 GB/s |")
+    print("|---:|---|---|---|---:|---:|---:|---:|")
+    for threads in (int(t) for t in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        for model in args.shapes.split(","):
+            for label, n, k in SHAPES[model]:
+                for fmt in args.formats.split(","):
+                    if label == "lm_head" and fmt != "q8_0":
+                        continue  # the default model's lm_head is held int8
+                    per_copy = Slabs(fmt, n, k, 1).bytes_per_copy()
+                    copies = max(2, (args.rotate_mb << 20) // per_copy)
+                    kern, read = measure(Slabs(fmt, n, k, copies), k, threads, args.runs)
+                    l2 = in_l2(fmt, n, k, threads, args.runs)
+                    print(f"| {threads} | {model} {label} | {n}x{k} | {fmt} | {kern:.1f} | "
+                          f"{read:.1f} | {kern / read:.2f} | {l2:.1f} |", flush=True)
+    print(f"# load after: {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
