@@ -11,7 +11,9 @@
 // the loop order: key tile outer, rows inner (the tile stays in L1 while every row of the tile
 // uses it), instead of one pass over the keys per row. Rows whose first key in the partition
 // is not the partition's first (a sliding window starting inside it) run their own tiles one
-// row at a time, over keys the item has just brought into cache.
+// row at a time, over keys the item has just brought into cache. With bf16 q and cache on a
+// VDPBF16PS build the rows' tiles run together (paged_prefill_dot.h: several rows x heads per
+// K/V register, the same chains and the same reduction tree per row).
 //
 // Included by paged_attention.cpp inside its anonymous namespace, after paged_decode_attention:
 // it uses Geometry, Scratch, thread_scratch, attend, prefetch_rows, partition_range and the
@@ -99,22 +101,30 @@ void load_tile(const Geometry& g, const T* kh, const T* vh, const int32_t* table
   }
 }
 
+// Writes one row's (acc [G][dpad], m [G], l [G]) for KV head kvh: acc / l into the output
+// row b, or the partition's partial.
+template <typename QT>
+void store_state(const Geometry& g, const float* acc, const float* m, const float* l, QT* out,
+                 int64_t b, int64_t kvh, float* partial) {
+  if (partial == nullptr) {
+    for (int64_t h = 0; h < g.group; ++h) {
+      QT* o = out + b * g.out_stride_b + (kvh * g.group + h) * g.head_dim;
+      const float inv = 1.f / l[h];
+      const float* a = acc + h * g.dpad;
+      for (int64_t c = 0; c < g.head_dim; ++c) o[c] = static_cast<QT>(a[c] * inv);
+    }
+    return;
+  }
+  std::copy_n(acc, g.group * g.dpad, partial);
+  std::copy_n(m, g.group, partial + g.group * g.dpad);
+  std::copy_n(l, g.group, partial + g.group * g.dpad + g.group);
+}
+
 // Writes Scratch's (acc, m, l) for row b, KV head kvh: acc / l into the output, or the partial.
 template <typename QT>
 void store_row(const Geometry& g, const Scratch& w, QT* out, int64_t b, int64_t kvh,
                float* partial) {
-  if (partial == nullptr) {
-    for (int64_t h = 0; h < g.group; ++h) {
-      QT* o = out + b * g.out_stride_b + (kvh * g.group + h) * g.head_dim;
-      const float inv = 1.f / w.l[h];
-      const float* acc = w.acc.data() + h * g.dpad;
-      for (int64_t c = 0; c < g.head_dim; ++c) o[c] = static_cast<QT>(acc[c] * inv);
-    }
-    return;
-  }
-  std::copy_n(w.acc.begin(), g.group * g.dpad, partial);
-  std::copy_n(w.m.begin(), g.group, partial + g.group * g.dpad);
-  std::copy_n(w.l.begin(), g.group, partial + g.group * g.dpad + g.group);
+  store_state(g, w.acc.data(), w.m.data(), w.l.data(), out, b, kvh, partial);
 }
 
 // The rows of a chunk and where each row's partition partials live.
@@ -177,6 +187,85 @@ void prefill_item(const Geometry& g, const PrefillRows& rows, const QT* q, const
     }
   }
 }
+
+#include "paged_prefill_dot.h"
+
+#if FS_AVX512 && FS_BF16DOT
+// prefill_item for bf16 q and cache on the VDPBF16PS build: the rows' tiles run together
+// (dot_tile: several rows x heads per K/V load), each row bitwise what its own tile gives.
+template <int NCH>
+void prefill_item_dot(const Geometry& g, const PrefillRows& rows, const c10::BFloat16* q,
+                      const c10::BFloat16* kc, const c10::BFloat16* vc, const int32_t* table,
+                      c10::BFloat16* out, int64_t r0, int64_t r1, int64_t kvh, int64_t p,
+                      Scratch& w, TileFn tile) {
+  const c10::BFloat16* kh = kc + kvh * g.k_stride_h;
+  const c10::BFloat16* vh = vc + kvh * g.v_stride_h;
+  DotRows& st = thread_dot_rows(g);
+  const int64_t start = p * g.partition, G = g.group;
+  int64_t shared_end = start, num_shared = 0;
+  int64_t ends[kPrefillRows];
+  for (int64_t r = r0; r < r1; ++r) {  // rows whose keys in p start at its first key
+    int64_t t0 = 0, t1 = 0;
+    partition_range(g, rows.cached + r + 1, p, &t0, &t1);
+    ends[r - r0] = t0 == start && t1 > t0 ? t1 : start;
+    if (ends[r - r0] == start) continue;
+    shared_end = std::max(shared_end, t1);
+    ++num_shared;
+    for (int64_t h = 0; h < G; ++h) {  // init_row's state: raw q pairs, acc 0, m -inf, l 0
+      const int64_t rh = (r - r0) * G + h;
+      uint32_t* qd = st.qp.data() + rh * st.qstride;
+      std::fill(qd, qd + st.qstride, 0u);
+      std::memcpy(qd, q + r * g.q_stride_b + (kvh * G + h) * g.q_stride_h,
+                  g.head_dim * sizeof(uint16_t));
+      std::fill(st.acc.data() + rh * g.dpad, st.acc.data() + (rh + 1) * g.dpad, 0.f);
+      st.m[rh] = kNegInf;
+      st.l[rh] = 0.f;
+    }
+  }
+  if (num_shared > 0) prefetch_rows(g, kh, vh, table, start, std::min(start + kTile, shared_end));
+  for (int64_t t0 = start; t0 < shared_end; t0 += kTile) {
+    const int64_t n_max = std::min(kTile, shared_end - t0);
+    prefetch_rows(g, kh, vh, table, t0 + n_max, std::min(t0 + n_max + kTile, shared_end));
+    load_tile<c10::BFloat16, true>(g, kh, vh, table, t0, n_max, w);
+    dot_tile<NCH>(g, st, w, ends, r1 - r0, t0, n_max);
+  }
+  for (int64_t r = r0; r < r1; ++r) {
+    int64_t t0 = 0, t1 = 0;
+    partition_range(g, rows.cached + r + 1, p, &t0, &t1);
+    if (t1 <= t0) continue;
+    const int64_t rh = (r - r0) * G;
+    if (ends[r - r0] > start) {
+      store_state(g, st.acc.data() + rh * g.dpad, st.m.data() + rh, st.l.data() + rh, out, r,
+                  kvh, rows.slot(r, kvh, p));
+    } else {  // a window starting inside p: this row's own tiles, as the decode kernel runs them
+      attend<c10::BFloat16, c10::BFloat16, true>(g, q, kc, vc, table, r, kvh, t0, t1, w, tile,
+                                                 false, NextRows<c10::BFloat16>{});
+      store_row(g, w, out, r, kvh, rows.slot(r, kvh, p));
+    }
+  }
+}
+
+using DotItemFn = void (*)(const Geometry&, const PrefillRows&, const c10::BFloat16*,
+                           const c10::BFloat16*, const c10::BFloat16*, const int32_t*,
+                           c10::BFloat16*, int64_t, int64_t, int64_t, int64_t, Scratch&, TileFn);
+
+// The blocked item for this head_dim (the head_dims pick_tile_for vectorises), or nullptr.
+inline DotItemFn pick_dot_item(int64_t head_dim) {
+  switch ((head_dim + kLanes - 1) / kLanes) {
+    case 1: return &prefill_item_dot<1>;
+    case 2: return &prefill_item_dot<2>;
+    case 3: return &prefill_item_dot<3>;
+    case 4: return &prefill_item_dot<4>;
+    case 5: return &prefill_item_dot<5>;
+    case 6: return &prefill_item_dot<6>;
+    case 7: return &prefill_item_dot<7>;
+    case 8: return &prefill_item_dot<8>;
+    case 12: return &prefill_item_dot<12>;
+    case 16: return &prefill_item_dot<16>;
+    default: return nullptr;
+  }
+}
+#endif
 
 // The decode kernel's exact merge of a row's partitions (in partition order), for KV head kvh.
 template <typename QT>
@@ -253,11 +342,25 @@ void run_prefill(const Geometry& g, int64_t cached, const at::Tensor& q, const a
   const T* kp = kc.data_ptr<T>();
   const T* vp = vc.data_ptr<T>();
   QT* op = out.data_ptr<QT>();
+  [[maybe_unused]] void* dot_item = nullptr;  // the blocked bf16 item (a DotItemFn)
+#if FS_AVX512 && FS_BF16DOT
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<QT, c10::BFloat16>)
+    if (dot)
+      dot_item = reinterpret_cast<void*>(pick_dot_item(g.head_dim));
+#endif
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     Scratch& w = thread_scratch(g.group, g.dpad);
     for (int64_t it = begin; it < end; ++it) {
       const Item& m = items[it];
       const int64_t r1 = std::min(rows.num_rows, m.r0 + kPrefillRows);
+#if FS_AVX512 && FS_BF16DOT
+      if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<QT, c10::BFloat16>)
+        if (dot_item != nullptr) {
+          reinterpret_cast<DotItemFn>(dot_item)(g, rows, qp, kp, vp, table, op, m.r0, r1, m.kvh,
+                                                m.p, w, tile);
+          continue;
+        }
+#endif
       if (dot)
         prefill_item<T, QT, true>(g, rows, qp, kp, vp, table, op, m.r0, r1, m.kvh, m.p, w, tile);
       else
