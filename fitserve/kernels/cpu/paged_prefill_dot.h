@@ -52,50 +52,83 @@ inline DotRows& thread_dot_rows(const Geometry& g) {
   return st;
 }
 
+// 16 x 16 dwords in registers: r[j] (key j's 16 pairs) -> out[i] (pair i of the 16 keys).
+inline void transpose16(const __m512i* r, __m512i* out) {
+  __m512i t[16], u[16];
+  for (int k = 0; k < 8; ++k) {  // per 128-bit lane L: rows 2k, 2k+1 of columns 4L .. 4L+3
+    t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+  }
+  for (int k = 0; k < 4; ++k) {  // u[4k + m], lane L: rows 4k .. 4k+3 of column 4L + m
+    u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+    u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+  }
+  for (int m = 0; m < 4; ++m) {  // 4 x 4 transpose of 128-bit lanes across u[m], u[4+m], ...
+    const __m512i v0 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x44);
+    const __m512i v1 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xEE);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x44);
+    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xEE);
+    out[m] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    out[4 + m] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    out[8 + m] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    out[12 + m] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+}
+
 // kt <- the K rows of the tile (n keys), transposed to keys-in-lanes; keys n .. 16-rounded zero.
 template <int NC2>
 inline void transpose_k_tile(const Geometry& g, const uint16_t* const* rows, int64_t n,
                              uint32_t* kt) {
   const int64_t rest = g.head_dim - (NC2 - 1) * 2 * kLanes;  // 1..32 elements in the last chunk
   const __mmask32 tail32 = rest >= 32 ? 0xFFFFFFFFu : ((1u << rest) - 1u);
-  const int64_t n16 = (n + kLanes - 1) / kLanes * kLanes;
-  alignas(64) uint32_t buf[kLanes * NC2 * kLanes];  // 16 keys x (NC2 * 16) pairs
-  for (int64_t j0 = 0; j0 < n16; j0 += kLanes) {
-    for (int64_t j = 0; j < kLanes; ++j) {
-      for (int c = 0; c < NC2; ++c) {
-        const __m512i v = j0 + j < n
-            ? _mm512_maskz_loadu_epi16(c == NC2 - 1 ? tail32 : 0xFFFFFFFFu,
-                                       rows[j0 + j] + c * 2 * kLanes)
-            : _mm512_setzero_si512();
-        _mm512_store_si512(buf + j * NC2 * kLanes + c * kLanes, v);
-      }
+  for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+    for (int c = 0; c < NC2; ++c) {
+      __m512i r[kLanes], out[kLanes];
+      for (int64_t j = 0; j < kLanes; ++j)
+        r[j] = j0 + j < n ? _mm512_maskz_loadu_epi16(c == NC2 - 1 ? tail32 : 0xFFFFFFFFu,
+                                                     rows[j0 + j] + c * 2 * kLanes)
+                          : _mm512_setzero_si512();
+      transpose16(r, out);
+      for (int i = 0; i < kLanes; ++i)
+        _mm512_storeu_si512(kt + (c * kLanes + i) * kTile + j0, out[i]);
     }
-    // column w of buf (pair w of the 16 keys) -> kt[w][j0 .. j0 + 16), by a dword gather
-    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
-                                                             11, 12, 13, 14, 15),
-                                           _mm512_set1_epi32(NC2 * kLanes));
-    for (int w = 0; w < NC2 * kLanes; ++w)
-      _mm512_storeu_si512(kt + w * kTile + j0, _mm512_i32gather_epi32(idx, buf + w, 4));
   }
 }
 
 // X[r] = the decode kernel's lane i of (row-head r) for the 16 keys of kt's column block.
+// NOTE: K^T is VDPBF16PS's first source and q's broadcast pair the second (a folded {1to16}
+// load): the two bf16 products per lane are exact in fp32, so the swap changes no bit.
 template <int NC2, int R>
-inline void lane_dots(const uint32_t* const* q, const uint32_t* ktg, int i, __m512* x) {
+__attribute__((always_inline)) inline void lane_dots(const uint32_t* const* q, const uint32_t* ktg, int i, __m512* x) {
   __m512bh kv[NC2];
 #pragma GCC unroll 8
   for (int c = 0; c < NC2; ++c)
     kv[c] = (__m512bh)_mm512_loadu_si512(ktg + (c * kLanes + i) * kTile);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    __m512 acc = _mm512_dpbf16_ps(
-        _mm512_setzero_ps(), (__m512bh)_mm512_set1_epi32(q[r][(NC2 - 1) * kLanes + i]),
-        kv[NC2 - 1]);
+    __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), kv[NC2 - 1],
+                                  (__m512bh)_mm512_set1_epi32(q[r][(NC2 - 1) * kLanes + i]));
 #pragma GCC unroll 8
     for (int c = 0; c < NC2 - 1; ++c)
-      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(q[r][c * kLanes + i]), kv[c]);
+      acc = _mm512_dpbf16_ps(acc, kv[c], (__m512bh)_mm512_set1_epi32(q[r][c * kLanes + i]));
     x[r] = acc;
   }
+}
+
+// S_b of the tree for R row-heads: (x[4b] + x[4b+2]) + (x[4b+1] + x[4b+3]).
+template <int NC2, int R>
+__attribute__((always_inline)) inline void tree_leaf(const uint32_t* const* q, const uint32_t* ktg, int b, __m512* sb) {
+  __m512 o[R], t[R];
+  lane_dots<NC2, R>(q, ktg, 4 * b, sb);
+  lane_dots<NC2, R>(q, ktg, 4 * b + 2, t);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) sb[r] = _mm512_add_ps(sb[r], t[r]);
+  lane_dots<NC2, R>(q, ktg, 4 * b + 1, o);
+  lane_dots<NC2, R>(q, ktg, 4 * b + 3, t);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) sb[r] = _mm512_add_ps(sb[r], _mm512_add_ps(o[r], t[r]));
 }
 
 // s[r][0 .. 16 * groups) = scale * (q_r . K rows): R row-heads, reduce16's tree on key lanes.
@@ -105,25 +138,17 @@ inline void scores_rows(const uint32_t* const* q, const uint32_t* kt, int64_t gr
   const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t kg = 0; kg < groups; ++kg) {
     const uint32_t* ktg = kt + kg * kLanes;
-    __m512 half[2][R];
-#pragma GCC unroll 4
-    for (int b = 0; b < 4; ++b) {
-      __m512 e[R], o[R], t[R];
-      lane_dots<NC2, R>(q, ktg, 4 * b, e);
-      lane_dots<NC2, R>(q, ktg, 4 * b + 2, t);
+    __m512 h0[R], h1[R], sb[R];
+    tree_leaf<NC2, R>(q, ktg, 0, h0);
+    tree_leaf<NC2, R>(q, ktg, 1, sb);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) e[r] = _mm512_add_ps(e[r], t[r]);
-      lane_dots<NC2, R>(q, ktg, 4 * b + 1, o);
-      lane_dots<NC2, R>(q, ktg, 4 * b + 3, t);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const __m512 sb = _mm512_add_ps(e[r], _mm512_add_ps(o[r], t[r]));
-        half[b / 2][r] = (b % 2 == 0) ? sb : _mm512_add_ps(half[b / 2][r], sb);
-      }
-    }
+    for (int r = 0; r < R; ++r) h0[r] = _mm512_add_ps(h0[r], sb[r]);
+    tree_leaf<NC2, R>(q, ktg, 2, h1);
+    tree_leaf<NC2, R>(q, ktg, 3, sb);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
-      _mm512_storeu_ps(s[r] + kg * kLanes, _mm512_mul_ps(_mm512_add_ps(half[0][r], half[1][r]), sc));
+      _mm512_storeu_ps(s[r] + kg * kLanes,
+                       _mm512_mul_ps(_mm512_add_ps(h0[r], _mm512_add_ps(h1[r], sb[r])), sc));
   }
 }
 
@@ -179,6 +204,58 @@ inline void pv_rows_n(int64_t cnt, float* const* acc, const float* const* p,
   else if constexpr (R > 1) pv_rows_n<NCH, R - 1, kSets>(cnt, acc, p, rows, n, tail);
 }
 
+// softmax_step_avx512 for R row-heads over the same n scores, the steps interleaved (the
+// reductions' latency overlaps); per row-head the very same operations in the same order.
+template <int R>
+inline void softmax_rows(DotRows& st, const int64_t* rh, int64_t n, int64_t dpad) {
+  __m512 mx[R], sum[R], mv[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) mx[r] = _mm512_set1_ps(kNegInf);
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __mmask16 k = tail_mask(n - i);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+      mx[r] = _mm512_mask_max_ps(mx[r], k, mx[r], _mm512_loadu_ps(st.s.data() + rh[r] * kTile + i));
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    float* m = &st.m[rh[r]];
+    const float m_new = std::max(*m, _mm512_reduce_max_ps(mx[r]));
+    if (m_new > *m) {
+      const float alpha = std::exp(*m - m_new);
+      const __m512 av = _mm512_set1_ps(alpha);
+      float* acc = st.acc.data() + rh[r] * dpad;
+      for (int64_t c = 0; c < dpad; c += kLanes)
+        _mm512_storeu_ps(acc + c, _mm512_mul_ps(av, _mm512_loadu_ps(acc + c)));
+      st.l[rh[r]] *= alpha;
+      *m = m_new;
+    }
+    mv[r] = _mm512_set1_ps(m_new);
+    sum[r] = _mm512_setzero_ps();
+  }
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __mmask16 k = tail_mask(n - i);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      float* s = st.s.data() + rh[r] * kTile + i;
+      const __m512 p = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s), mv[r]));
+      sum[r] = _mm512_mask_add_ps(sum[r], k, sum[r], p);
+      _mm512_mask_storeu_ps(s, k, p);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) st.l[rh[r]] += _mm512_reduce_add_ps(sum[r]);
+}
+
+// softmax_rows over a list of row-heads (all n keys), in blocks of 6.
+inline void softmax_list(DotRows& st, const std::vector<int64_t>& rhs, int64_t n, int64_t dpad) {
+  constexpr int64_t kR = 6;
+  const int64_t total = static_cast<int64_t>(rhs.size());
+  int64_t k = 0;
+  for (; k + kR <= total; k += kR) softmax_rows<kR>(st, rhs.data() + k, n, dpad);
+  for (; k < total; ++k) softmax_rows<1>(st, rhs.data() + k, n, dpad);
+}
+
 // The decode kernel's accumulator sets for head h: its head blocks are 16 / NCH heads wide.
 template <int NCH>
 inline int decode_sets(int64_t group, int64_t h) {
@@ -220,7 +297,7 @@ template <int NCH>
 void dot_tile(const Geometry& g, DotRows& st, const Scratch& w, const int64_t* ends, int64_t nrows,
               int64_t t0, int64_t n_max) {
   constexpr int kNc2 = (NCH + 1) / 2;
-  constexpr int kRS = 6;
+  constexpr int kRS = 4;
   const __mmask16 tail = tail_mask(g.head_dim - (NCH - 1) * kLanes);
   transpose_k_tile<kNc2>(g, w.kraw.data(), n_max, st.kt.data());
   const int64_t G = g.group;
@@ -253,11 +330,6 @@ void dot_tile(const Geometry& g, DotRows& st, const Scratch& w, const int64_t* e
   for (int64_t r = 0; r < nrows; ++r) {
     if (ends[r] <= t0) continue;
     const int64_t n = std::min(kTile, ends[r] - t0);
-    for (int64_t h = 0; h < G; ++h) {
-      const int64_t rh = r * G + h;
-      softmax_step_avx512(st.s.data() + rh * kTile, n, &st.m[rh], &st.l[rh],
-                          st.acc.data() + rh * g.dpad, g.dpad);
-    }
     if (n == n_max) {
       for (int64_t h = 0; h < G; ++h) {
         full.push_back(r * G + h);
@@ -270,9 +342,11 @@ void dot_tile(const Geometry& g, DotRows& st, const Scratch& w, const int64_t* e
         st.own.push_back(r * G + h);
         st.own_sets.push_back(decode_sets<NCH>(G, h));
       }
+      softmax_list(st, st.own, n, g.dpad);
       pv_list<NCH>(st.own, st.own_sets, st, g.dpad, w.vraw.data(), n, tail);
     }
   }
+  softmax_list(st, full, n_max, g.dpad);
   pv_list<NCH>(full, full_sets, st, g.dpad, w.vraw.data(), n_max, tail);
 }
 
