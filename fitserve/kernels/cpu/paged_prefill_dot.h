@@ -297,7 +297,7 @@ template <int NCH>
 void dot_tile(const Geometry& g, DotRows& st, const Scratch& w, const int64_t* ends, int64_t nrows,
               int64_t t0, int64_t n_max) {
   constexpr int kNc2 = (NCH + 1) / 2;
-  constexpr int kRS = 4;
+  constexpr int kRS = 6;
   const __mmask16 tail = tail_mask(g.head_dim - (NCH - 1) * kLanes);
   transpose_k_tile<kNc2>(g, w.kraw.data(), n_max, st.kt.data());
   const int64_t G = g.group;
