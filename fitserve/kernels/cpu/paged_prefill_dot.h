@@ -19,7 +19,8 @@
 // sets, where the decode kernel's head block has <= 8 accumulators). Here each V row is widened
 // once for R rows x heads with the same chain each; the softmax step is the decode kernel's own.
 //
-// Included by paged_prefill.h (anonymous namespace of paged_attention.cpp).
+// Included by paged_prefill.h (anonymous namespace of paged_attention.cpp); the work item that
+// drives dot_tile is in paged_prefill_dot_item.h.
 #pragma once
 
 #if FS_AVX512 && FS_BF16DOT
