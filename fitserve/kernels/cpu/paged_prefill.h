@@ -11,7 +11,9 @@
 // the loop order: key tile outer, rows inner (the tile stays in L1 while every row of the tile
 // uses it), instead of one pass over the keys per row. Rows whose first key in the partition
 // is not the partition's first (a sliding window starting inside it) run their own tiles one
-// row at a time, over keys the item has just brought into cache.
+// row at a time, over keys the item has just brought into cache. With bf16 q and cache on a
+// VDPBF16PS build the rows' tiles run together (paged_prefill_dot.h: several rows x heads per
+// K/V register, the same chains and the same reduction tree per row).
 //
 // Included by paged_attention.cpp inside its anonymous namespace, after paged_decode_attention:
 // it uses Geometry, Scratch, thread_scratch, attend, prefetch_rows, partition_range and the
@@ -99,39 +101,55 @@ void load_tile(const Geometry& g, const T* kh, const T* vh, const int32_t* table
   }
 }
 
+// Writes one row's (acc [G][dpad], m [G], l [G]) for KV head kvh: acc / l into the output
+// row b, or the partition's partial.
+template <typename QT>
+void store_state(const Geometry& g, const float* acc, const float* m, const float* l, QT* out,
+                 int64_t b, int64_t kvh, float* partial) {
+  if (partial == nullptr) {
+    for (int64_t h = 0; h < g.group; ++h) {
+      QT* o = out + b * g.out_stride_b + (kvh * g.group + h) * g.head_dim;
+      const float inv = 1.f / l[h];
+      const float* a = acc + h * g.dpad;
+      for (int64_t c = 0; c < g.head_dim; ++c) o[c] = static_cast<QT>(a[c] * inv);
+    }
+    return;
+  }
+  std::copy_n(acc, g.group * g.dpad, partial);
+  std::copy_n(m, g.group, partial + g.group * g.dpad);
+  std::copy_n(l, g.group, partial + g.group * g.dpad + g.group);
+}
+
 // Writes Scratch's (acc, m, l) for row b, KV head kvh: acc / l into the output, or the partial.
 template <typename QT>
 void store_row(const Geometry& g, const Scratch& w, QT* out, int64_t b, int64_t kvh,
                float* partial) {
-  if (partial == nullptr) {
-    for (int64_t h = 0; h < g.group; ++h) {
-      QT* o = out + b * g.out_stride_b + (kvh * g.group + h) * g.head_dim;
-      const float inv = 1.f / w.l[h];
-      const float* acc = w.acc.data() + h * g.dpad;
-      for (int64_t c = 0; c < g.head_dim; ++c) o[c] = static_cast<QT>(acc[c] * inv);
-    }
-    return;
-  }
-  std::copy_n(w.acc.begin(), g.group * g.dpad, partial);
-  std::copy_n(w.m.begin(), g.group, partial + g.group * g.dpad);
-  std::copy_n(w.l.begin(), g.group, partial + g.group * g.dpad + g.group);
+  store_state(g, w.acc.data(), w.m.data(), w.l.data(), out, b, kvh, partial);
 }
 
-// The rows of a chunk and where each row's partition partials live.
+// The rows of a chunk: each row's first partition and partition count.
 struct PrefillRows {
   int64_t cached = 0, num_rows = 0;
-  std::vector<int64_t> first_part, num_parts, part_start;  // per row
-  int64_t part_stride = 0;
-  float* partial = nullptr;
-  float* slot(int64_t row, int64_t kvh, int64_t p) const {
-    if (num_parts[row] <= 1) return nullptr;
-    return partial + (part_start[row] + kvh * num_parts[row] + p - first_part[row]) * part_stride;
+  std::vector<int64_t> first_part, num_parts;  // per row
+  int64_t part_stride = 0;                     // floats of one partition's partial
+};
+
+// Where the partials of one (query tile, KV head) live while its thread runs all of the
+// tile's partitions: a thread-local buffer, row-major by (row - r0, partition - first_part),
+// merged by the same thread right after (L2-resident, never a chunk-wide buffer in DRAM).
+struct ItemSlots {
+  const PrefillRows* all = nullptr;
+  int64_t cached = 0, r0 = 0, max_np = 0;
+  float* base = nullptr;
+  float* slot(int64_t row, int64_t /*kvh*/, int64_t p) const {
+    if (all->num_parts[row] <= 1) return nullptr;
+    return base + ((row - r0) * max_np + p - all->first_part[row]) * all->part_stride;
   }
 };
 
 // One work item: query rows [r0, r1) x KV head kvh x partition p.
 template <typename T, typename QT, bool kDot>
-void prefill_item(const Geometry& g, const PrefillRows& rows, const QT* q, const T* kc,
+void prefill_item(const Geometry& g, const ItemSlots& rows, const QT* q, const T* kc,
                   const T* vc, const int32_t* table, QT* out, int64_t r0, int64_t r1,
                   int64_t kvh, int64_t p, Scratch& w, TileFn tile) {
   const T* kh = kc + kvh * g.k_stride_h;
@@ -178,13 +196,16 @@ void prefill_item(const Geometry& g, const PrefillRows& rows, const QT* q, const
   }
 }
 
+#include "paged_prefill_dot.h"
+#include "paged_prefill_dot_item.h"
+
 // The decode kernel's exact merge of a row's partitions (in partition order), for KV head kvh.
 template <typename QT>
-void merge_row(const Geometry& g, const PrefillRows& rows, QT* out, int64_t r, int64_t kvh,
+void merge_row(const Geometry& g, const ItemSlots& rows, QT* out, int64_t r, int64_t kvh,
                std::vector<float>& acc) {
-  const int64_t np = rows.num_parts[r];
-  const float* base = rows.slot(r, kvh, rows.first_part[r]);
-  const int64_t stride = rows.part_stride;
+  const int64_t np = rows.all->num_parts[r];
+  const float* base = rows.slot(r, kvh, rows.all->first_part[r]);
+  const int64_t stride = rows.all->part_stride;
   for (int64_t h = 0; h < g.group; ++h) {
     float mx = kNegInf;
     for (int64_t p = 0; p < np; ++p) mx = std::max(mx, base[p * stride + g.group * g.dpad + h]);
@@ -203,7 +224,9 @@ void merge_row(const Geometry& g, const PrefillRows& rows, QT* out, int64_t r, i
   }
 }
 
-// Work items (query tile, KV head, partition) in that order, over every thread; then the merge.
+// Work items (query tile, KV head), the largest first, taken by the threads one at a time
+// (a loaded host's slow thread takes fewer); each runs its tile's partitions in order, then
+// merges the rows that have several.
 template <typename T, typename QT>
 void run_prefill(const Geometry& g, int64_t cached, const at::Tensor& q, const at::Tensor& kc,
                  const at::Tensor& vc, const int32_t* table, at::Tensor& out, bool vectorized) {
@@ -213,28 +236,16 @@ void run_prefill(const Geometry& g, int64_t cached, const at::Tensor& q, const a
   rows.part_stride = g.group * (g.dpad + 2);
   rows.first_part.resize(rows.num_rows);
   rows.num_parts.resize(rows.num_rows);
-  rows.part_start.assign(rows.num_rows + 1, 0);
   for (int64_t r = 0; r < rows.num_rows; ++r) {
     const int64_t L = cached + r + 1;
     const int64_t lo = g.window > 0 ? std::max<int64_t>(0, L - g.window) : 0;
     rows.first_part[r] = lo / g.partition;
     rows.num_parts[r] = (L - 1) / g.partition - rows.first_part[r] + 1;
-    rows.part_start[r + 1] =
-        rows.part_start[r] + (rows.num_parts[r] > 1 ? rows.num_parts[r] * g.num_kv : 0);
   }
-  // NOTE: uninitialised on purpose, as the decode kernel's partials
-  std::unique_ptr<float[]> partial(new float[std::max<int64_t>(1, rows.part_start.back()) *
-                                             rows.part_stride]);
-  rows.partial = partial.get();
-  struct Item { int64_t r0, kvh, p; };
+  struct Item { int64_t r0, kvh; };
   std::vector<Item> items;
-  for (int64_t r0 = 0; r0 < rows.num_rows; r0 += kPrefillRows) {
-    const int64_t r1 = std::min(rows.num_rows, r0 + kPrefillRows);
-    for (int64_t kvh = 0; kvh < g.num_kv; ++kvh)
-      for (int64_t p = rows.first_part[r0];
-           p < rows.first_part[r1 - 1] + rows.num_parts[r1 - 1]; ++p)
-        items.push_back({r0, kvh, p});
-  }
+  for (int64_t r0 = (rows.num_rows - 1) / kPrefillRows * kPrefillRows; r0 >= 0; r0 -= kPrefillRows)
+    for (int64_t kvh = 0; kvh < g.num_kv; ++kvh) items.push_back({r0, kvh});
   TileFn tile = &tile_scalar;
   bool dot = false;
 #if FS_AVX512
@@ -253,24 +264,45 @@ void run_prefill(const Geometry& g, int64_t cached, const at::Tensor& q, const a
   const T* kp = kc.data_ptr<T>();
   const T* vp = vc.data_ptr<T>();
   QT* op = out.data_ptr<QT>();
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+  [[maybe_unused]] void* dot_item = nullptr;  // the blocked bf16 item (a DotItemFn)
+#if FS_AVX512 && FS_BF16DOT
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<QT, c10::BFloat16>)
+    if (dot) dot_item = reinterpret_cast<void*>(pick_dot_item(g.head_dim));
+#endif
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1,
+                   [&](int64_t, int64_t) {
     Scratch& w = thread_scratch(g.group, g.dpad);
-    for (int64_t it = begin; it < end; ++it) {
+    thread_local std::vector<float> partial;
+    std::vector<float> acc(g.dpad);
+    for (int64_t it = next++; it < num_items; it = next++) {
       const Item& m = items[it];
       const int64_t r1 = std::min(rows.num_rows, m.r0 + kPrefillRows);
-      if (dot)
-        prefill_item<T, QT, true>(g, rows, qp, kp, vp, table, op, m.r0, r1, m.kvh, m.p, w, tile);
-      else
-        prefill_item<T, QT, false>(g, rows, qp, kp, vp, table, op, m.r0, r1, m.kvh, m.p, w, tile);
-    }
-  });
-  if (rows.part_start.back() == 0) return;
-  const int64_t num_rh = rows.num_rows * g.num_kv;
-  at::parallel_for(0, num_rh, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(g.dpad);
-    for (int64_t rh = begin; rh < end; ++rh) {
-      const int64_t r = rh / g.num_kv, kvh = rh % g.num_kv;
-      if (rows.num_parts[r] > 1) merge_row(g, rows, op, r, kvh, acc);
+      const int64_t p_begin = rows.first_part[m.r0];
+      const int64_t p_end = rows.first_part[r1 - 1] + rows.num_parts[r1 - 1];
+      ItemSlots slots{&rows, cached, m.r0, 0, nullptr};
+      for (int64_t r = m.r0; r < r1; ++r) slots.max_np = std::max(slots.max_np, rows.num_parts[r]);
+      // NOTE: never zeroed, as the decode kernel's partials: every slot read is written first
+      const size_t need = static_cast<size_t>((r1 - m.r0) * slots.max_np * rows.part_stride);
+      if (partial.size() < need) partial.resize(need);
+      slots.base = partial.data();
+      for (int64_t p = p_begin; p < p_end; ++p) {
+#if FS_AVX512 && FS_BF16DOT
+        if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<QT, c10::BFloat16>)
+          if (dot_item != nullptr) {
+            reinterpret_cast<DotItemFn>(dot_item)(g, slots, qp, kp, vp, table, op, m.r0, r1,
+                                                  m.kvh, p, w, tile);
+            continue;
+          }
+#endif
+        if (dot)
+          prefill_item<T, QT, true>(g, slots, qp, kp, vp, table, op, m.r0, r1, m.kvh, p, w, tile);
+        else
+          prefill_item<T, QT, false>(g, slots, qp, kp, vp, table, op, m.r0, r1, m.kvh, p, w, tile);
+      }
+      for (int64_t r = m.r0; r < r1; ++r)
+        if (rows.num_parts[r] > 1) merge_row(g, slots, op, r, m.kvh, acc);
     }
   });
 }
