@@ -4,7 +4,8 @@
 // uint8 [E, rows, row bytes]).
 //
 //   1. the step's N * k slots (token t, choice j) sorted by expert (a stable counting sort);
-//   2. x's rows quantized in that order for the gate/up type (ggml_blocks_run.h's quantize);
+//   2. x's N rows quantized once for the gate/up type (ggml_blocks_run.h's quantize), copied
+//      into that order (one copy per slot);
 //   3. gate_up: every active expert's (gate row n, up row I + n) pairs as one list of chunks,
 //      split over the threads by cost and streamed with prefetch across expert boundaries
 //      (stream_rows); each pair runs against the expert's slots in tiles of rows of x (each
@@ -238,10 +239,30 @@ void check_stack(const at::Tensor& w, const TypeInfo& t, int64_t E, int64_t rows
               w.scalar_type());
 }
 
+// x's N token rows quantized once (into tok), then copied into the step's sorted slot order
+// (into buf): a token is quantized once however many of the k experts it picked (same codes).
 template <class X>
-Act quantize_x(const at::Tensor& x, const Groups& g, const TypeInfo& t, ActBuf& buf) {
-  return ggml::quantize(x.data_ptr<X>(), static_cast<int64_t>(g.token.size()), x.size(1),
-                        t.act_block, t.perm128, buf, g.token.data());
+Act quantize_x(const at::Tensor& x, const Groups& g, const TypeInfo& t, ActBuf& tok,
+               ActBuf& buf) {
+  const int64_t N = x.size(0), K = x.size(1), M = static_cast<int64_t>(g.token.size());
+  const Act a = ggml::quantize(x.data_ptr<X>(), N, K, t.act_block, t.perm128, tok);
+  const int64_t nd = a.nd;
+  if (static_cast<int64_t>(buf.q.size()) < M * K) buf.q.resize(M * K);
+  if (static_cast<int64_t>(buf.d.size()) < M * nd) buf.d.resize(M * nd);
+  if (static_cast<int64_t>(buf.ds.size()) < M * K / 32) buf.ds.resize(M * K / 32);
+  if (static_cast<int64_t>(buf.s16.size()) < M * K / 16) buf.s16.resize(M * K / 16);
+  if (static_cast<int64_t>(buf.s32.size()) < M * K / 32) buf.s32.resize(M * K / 32);
+  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const int64_t s = g.token[m];
+      std::copy_n(a.qrow(s), K, buf.q.data() + m * K);
+      std::copy_n(a.drow(s), nd, buf.d.data() + m * nd);
+      std::copy_n(a.s16row(s), K / 16, buf.s16.data() + m * (K / 16));
+      std::copy_n(a.s32row(s), K / 32, buf.s32.data() + m * (K / 32));
+      std::copy_n(a.dsrow(s), K / 32, buf.ds.data() + m * (K / 32));
+    }
+  });
+  return {buf.q.data(), buf.d.data(), buf.s16.data(), buf.s32.data(), buf.ds.data(), K, nd};
 }
 
 at::Tensor moe_experts_ggml(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
@@ -274,12 +295,12 @@ at::Tensor moe_experts_ggml(const at::Tensor& x, const at::Tensor& ids, const at
   const Groups g = group_slots(ids.data_ptr<int64_t>(), N * k, k, E);
   const int64_t M = N * k;
   // NOTE: scratch reused across calls (a decode step makes one call per layer)
-  static thread_local ActBuf buf_x, buf_h;
+  static thread_local ActBuf buf_tok, buf_x, buf_h;
   static thread_local std::vector<float> act, y;
   act.resize(M * I);
   y.resize(M * H);
-  const Act ax = x.scalar_type() == at::kBFloat16 ? quantize_x<c10::BFloat16>(x, g, tg, buf_x)
-                                                  : quantize_x<float>(x, g, tg, buf_x);
+  const Act ax = x.scalar_type() == at::kBFloat16 ? quantize_x<c10::BFloat16>(x, g, tg, buf_tok, buf_x)
+                                                  : quantize_x<float>(x, g, tg, buf_tok, buf_x);
   tg.gate_up(ax, g, gate_up.data_ptr<uint8_t>(), I, act.data());
   const Act ah = ggml::quantize(act.data(), M, I, td.act_block, td.perm128, buf_h);
   td.matmul(ah, g, down.data_ptr<uint8_t>(), H, y.data());
@@ -299,7 +320,8 @@ at::Tensor moe_experts_ggml(const at::Tensor& x, const at::Tensor& ids, const at
         for (int64_t c = 0; c < H; ++c) dst[c] += w * src[c];
       }
   });
-  if (buf_x.q.size() > (size_t{1} << 24)) buf_x = ActBuf();  // a large prefill's: freed
+  if (buf_x.q.size() > (size_t{1} << 24)) buf_x = ActBuf();
+  if (buf_tok.q.size() > (size_t{1} << 24)) buf_tok = ActBuf();  // a large prefill's: freed
   if (buf_h.q.size() > (size_t{1} << 24)) buf_h = ActBuf();
   if (y.size() > (size_t{1} << 22)) y = std::vector<float>(), act = std::vector<float>();
   return out;
