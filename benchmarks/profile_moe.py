@@ -9,6 +9,9 @@ Prints the median W1 decode step, torch.profiler's top ATen ops by self CPU time
 experts, combine), the experts' own linears within them, attention and the lm_head, timed with
 forward hooks over 10 more steps (the hooks' own cost is in the totals).
 
+``--cpu-split``: a W1 step's thread CPU time by part (engine step, forward, router, routing,
+expert op, lm_head, the rest by difference; with ``--threads 1`` robust on a loaded host).
+
 ``--paths``: one batch-1 decode step's forward (same inputs, same caches) through the module path
 (``CausalLM.forward``), the flat Python loop and the native ``decode_layers`` (runner/
 decode_loop.py), alternated step by step, medians of wall time and of this thread's CPU time
@@ -35,7 +38,7 @@ from profile_engine import GREEDY, op_table, step_ms  # noqa: E402
 
 from fitserve.config import EngineConfig  # noqa: E402
 from fitserve.engine.core import Engine  # noqa: E402
-from fitserve.model.moe import SparseMoeBlock  # noqa: E402
+from fitserve.model.moe import SparseMoeBlock, route  # noqa: E402
 from fitserve.runner.model_runner import decode_rows_first  # noqa: E402
 from fitserve.types import ScheduledChunk  # noqa: E402
 
@@ -121,6 +124,64 @@ def path_ab(engine: Engine, rounds: int = 40) -> str:
     return "\n".join(lines)
 
 
+def cpu_ms(fn: Callable[[], object], rounds: int = 15) -> float:
+    """Median thread CPU ms of fn() over rounds (after one warm-up)."""
+    fn()
+    times = []
+    for _ in range(rounds):
+        c = time.thread_time()
+        fn()
+        times.append((time.thread_time() - c) * 1e3)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def cpu_split(engine: Engine) -> str:
+    """A W1 step's thread CPU ms by part (run it with --threads 1): the whole engine step, the
+    forward alone (the decode loop as the engine runs it), and the MoE parts and the lm_head
+    called on their own over every layer with one token (router linear, routing: softmax /
+    top-k / renormalise, the grouped expert op), the rest of the forward by difference."""
+    runner, model = engine.runner, engine.runner.model
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    x = torch.randn(1, runner.spec.hidden_size).bfloat16()
+    gen = torch.Generator().manual_seed(0)
+    for b in blocks:
+        b.combine(x, *moe_route(b, x))  # builds the grouped experts
+    routes = [moe_route(b, torch.randn(1, x.shape[1], generator=gen).bfloat16()) for b in blocks]
+    logits = [b.gate(x) for b in blocks]
+    loop, prompt, table = runner.decode_loop, list(range(100, 132)), list(range(1, 5))
+    runner.forward_chunks([ScheduledChunk("split", prompt, 0, table, sample=False)])
+    ids, pos, batch = runner._prepare(decode_rows_first(
+        [ScheduledChunk("split", [7], len(prompt), table, sample=False)]))
+    forward = (lambda: loop(ids, pos, batch, runner.kv_caches)) if loop is not None and \
+        loop.applies(batch, runner.kv_caches, len(ids)) else \
+        (lambda: model(ids, pos, batch, runner.kv_caches))
+    engine.add_request(prompt, GREEDY)
+    parts = {
+        "engine step (W1)": lambda: engine.step(),
+        "forward": forward,
+        "  router linears": lambda: [b.gate(x) for b in blocks],
+        "  routing (softmax/topk)": lambda: [route(lg, b.top_k, b.renormalize)
+                                             for b, lg in zip(blocks, logits, strict=True)],
+        "  expert op": lambda: [b.combine(x, w, i) for b, (w, i) in zip(blocks, routes,
+                                                                        strict=True)],
+    }
+    ms = {k: cpu_ms(fn) for k, fn in parts.items()}
+    ms["  rest (attention, norms, ...)"] = ms["forward"] - sum(
+        v for k, v in ms.items() if k.startswith("  "))
+    # NOTE: the decode loop returns hidden states: the lm_head runs after the forward
+    ms["after the forward"] = ms["engine step (W1)"] - ms["forward"]
+    ms["  of which the lm_head"] = cpu_ms(lambda: model.lm_head(x).float())
+    lines = [f"    {'part':<30}{'cpu ms':>8}{'share':>8}"]
+    for k, v in ms.items():
+        lines.append(f"    {k:<30}{v:8.2f}{v / ms['engine step (W1)']:8.0%}")
+    return "\n".join(lines)
+
+
+def moe_route(block: SparseMoeBlock, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return route(block.gate(x), block.top_k, block.renormalize)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -128,6 +189,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--per-expert", action="store_true",
                     help="the per-expert loop instead of the grouped C++ call (the old path)")
+    ap.add_argument("--cpu-split", action="store_true",
+                    help="only a W1 step's thread CPU time by part (use --threads 1)")
     ap.add_argument("--paths", action="store_true",
                     help="only the A/B of the module path, Python loop and decode_layers")
     args = ap.parse_args()
@@ -138,6 +201,11 @@ def main() -> None:
         for mod in engine.runner.model.modules():
             if isinstance(mod, SparseMoeBlock):
                 mod.allow_grouped = False
+    if args.cpu_split:
+        print(f"W1 step by part, {args.threads} thread(s), load "
+              f"{' '.join(f'{v:.1f}' for v in os.getloadavg())}:")
+        print(cpu_split(engine))
+        return
     if args.paths:
         print(f"one batch-1 decode forward, {args.threads} thread(s), load "
               f"{' '.join(f'{v:.1f}' for v in os.getloadavg())}:")

@@ -4,11 +4,14 @@
 // uint8 [E, rows, row bytes]).
 //
 //   1. the step's N * k slots (token t, choice j) sorted by expert (a stable counting sort);
-//   2. x's rows quantized in that order for the gate/up type (ggml_blocks_run.h's quantize);
-//   3. gate_up: (active expert, block of rows) items, claimed by the threads one at a time,
-//      each runs its rows against the expert's slots (rows_range: tiles of rows of x, each weight
-//      row decoded once per tile) -> h [N * k, 2I] fp32;
-//   4. silu(gate) * up in fp32, quantized for the down type; down the same way -> [N * k, H];
+//   2. x's N rows quantized once for the gate/up type (ggml_blocks_run.h's quantize), copied
+//      into that order (one copy per slot);
+//   3. gate_up: every active expert's (gate row n, up row I + n) pairs as one list of chunks,
+//      split over the threads by cost and streamed with prefetch across expert boundaries
+//      (stream_rows); each pair runs against the expert's slots in tiles of rows of x (each
+//      weight row decoded once per tile) and silu(gate) * up is formed on the tile's results
+//      -> act [N * k, I] fp32;
+//   4. act quantized for the down type; down streamed the same way -> [N * k, H];
 //   5. each token's k rows summed with its routing weights (j = 0 .. k-1) -> out [N, H] fp32.
 // Only the active experts' bytes are read: at batch 1 exactly the k experts' rows. Each output
 // is one item's work in one order, so the thread count does not change the bits.
@@ -16,9 +19,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <atomic>
+#include <algorithm>
 #include <cmath>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "build_tier.h"
@@ -62,34 +66,139 @@ Groups group_slots(const int64_t* ids, int64_t slots, int64_t k, int64_t E) {
   return g;
 }
 
-// fn(e, n0, n1) for every (active expert e, block [n0, n1) of its `rows` weight rows); the
-// threads claim the items one at a time (experts with many tokens cost more than others).
+// The rows of one projection over every active expert as one list of chunks (a few weight rows
+// of one expert each), split over the threads by cost into contiguous spans: at batch 1 a thread
+// streams its share of all k experts' rows back to back, the chunks `ahead` of it requested from
+// memory across expert boundaries (short expert rows: 144..576 B per row).
+//
+//   active experts  e0          e1          e2   ...
+//   chunks          |c|c|c|c|c| |c|c|c|c|c| |c|c|c ...      cost of a chunk ~ 2 + tokens(e)
+//   threads         [---- thread 0 ----][---- thread 1 ----]  (equal cost)
+//
+// fn(e, n0, n1) runs weight rows [n0, n1) of expert e over all of e's tokens; a chunk's bytes are
+// prefetched `ahead` chunks before its turn. pair_offset > 0: each row n also reads row
+// n + pair_offset (gate and up rows together), prefetched as well.
+struct RowList {
+  const Groups& g;
+  int64_t rows;        // rows of the projection per expert (I for gate/up pairs, H for down)
+  int64_t expert_bytes, row_bytes, pair_offset;
+  int64_t nb;          // rows per chunk
+  int64_t per;         // chunks per expert
+};
+
+RowList make_row_list(const Groups& g, int64_t rows, int64_t row_bytes, int64_t pair_offset) {
+  const int64_t span = pair_offset > 0 ? 2 : 1;
+  // NOTE: ~2 KB of weights per chunk (4 Q4_K gate+up pairs of 1024 columns, 8 Q6_K rows of 256)
+  const int64_t nb = std::clamp<int64_t>(2048 / (row_bytes * span), 1, 32);
+  return {g, rows, (rows * span) * row_bytes, row_bytes, pair_offset, nb, (rows + nb - 1) / nb};
+}
+
+inline void prefetch_chunk(const RowList& L, const uint8_t* W, int64_t c) {
+  const int64_t e = L.g.active[c / L.per], n0 = (c % L.per) * L.nb;
+  const int64_t n1 = std::min(L.rows, n0 + L.nb);
+  const uint8_t* base = W + e * L.expert_bytes;
+  for (int64_t n = n0; n < n1; ++n) {
+    ggml::prefetch_row(base, L.row_bytes, n);
+    if (L.pair_offset > 0) ggml::prefetch_row(base, L.row_bytes, n + L.pair_offset);
+  }
+}
+
 template <class F>
-void for_items(const std::vector<int64_t>& active, int64_t rows, F&& fn) {
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t total_rows = static_cast<int64_t>(active.size()) * rows;
-  // NOTE: 4..32 rows per item (a multiple of 4), >= 8 items per thread where the rows allow
-  const int64_t nb = std::clamp<int64_t>(total_rows / (8 * threads) / 4 * 4, 4, 32);
-  const int64_t per = (rows + nb - 1) / nb;
-  const int64_t items = static_cast<int64_t>(active.size()) * per;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min(threads, items), 1, [&](int64_t, int64_t) {
-    for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
-      const int64_t n0 = (i % per) * nb;
-      fn(active[i / per], n0, std::min(rows, n0 + nb));
+void stream_rows(const RowList& L, const uint8_t* W, F&& fn) {
+  const int64_t A = static_cast<int64_t>(L.g.active.size()), chunks = A * L.per;
+  if (chunks == 0) return;
+  // chunk costs: the weight bytes once plus one dot per token (tile work)
+  std::vector<int64_t> cost_end(A);  // cumulative cost at the end of each expert's chunks
+  int64_t total = 0;
+  for (int64_t a = 0; a < A; ++a) {
+    const int64_t e = L.g.active[a];
+    total += L.per * (2 + L.g.start[e + 1] - L.g.start[e]);
+    cost_end[a] = total;
+  }
+  // NOTE: a span start at cost c -> the chunk where cost c falls (whole chunks per thread)
+  auto chunk_at = [&](int64_t cost) -> int64_t {
+    if (cost >= total) return chunks;
+    const int64_t a = std::upper_bound(cost_end.begin(), cost_end.end(), cost) - cost_end.begin();
+    const int64_t before = a == 0 ? 0 : cost_end[a - 1];
+    const int64_t e = L.g.active[a];
+    return a * L.per + (cost - before) / (2 + L.g.start[e + 1] - L.g.start[e]);
+  };
+  const int64_t threads = std::clamp<int64_t>(at::get_num_threads(), 1, chunks);
+  const int64_t chunk_bytes = L.nb * L.row_bytes * (L.pair_offset > 0 ? 2 : 1);
+  // NOTE: >= 4 KB requested ahead of the rows being computed (a DRAM latency's worth at a
+  // core's share of the bandwidth; fp8_gemv.cpp / rows_streamed measured the same depth)
+  const int64_t ahead = std::max<int64_t>(1, (4096 + chunk_bytes - 1) / chunk_bytes);
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t c0 = chunk_at(total * t / threads), c1 = chunk_at(total * (t + 1) / threads);
+      for (int64_t c = c0; c < std::min(c1, c0 + ahead); ++c) prefetch_chunk(L, W, c);
+      for (int64_t c = c0; c < c1; ++c) {
+        if (c + ahead < c1) prefetch_chunk(L, W, c + ahead);
+        const int64_t n0 = (c % L.per) * L.nb;
+        fn(L.g.active[c / L.per], n0, std::min(L.rows, n0 + L.nb));
+      }
     }
   });
 }
 
-// out[m, n] (m a sorted row, n < rows) = the dot of expert e's weight row n with sorted row m
-// of the activations, for every active expert's rows; W = the stacked [E, rows, row bytes].
+// fn(std::integral_constant<int, MT>, m) over the row tiles of [m0, m1): kTileRows, then 4, 2,
+// 1 rows (ggml_blocks_run.h rows_range's tiling, so a row's bits do not depend on the split)
+template <class F>
+inline void for_tiles(int64_t m0, int64_t m1, F&& fn) {
+  int64_t m = m0;
+  for (; m + ggml::kTileRows <= m1; m += ggml::kTileRows)
+    fn(std::integral_constant<int, ggml::kTileRows>{}, m);
+  if constexpr (ggml::kTileRows > 4) {
+    if (m + 4 <= m1) {
+      fn(std::integral_constant<int, 4>{}, m);
+      m += 4;
+    }
+  }
+  if (m + 2 <= m1) {
+    fn(std::integral_constant<int, 2>{}, m);
+    m += 2;
+  }
+  if (m < m1) fn(std::integral_constant<int, 1>{}, m);
+}
+
+// act[m, n] = silu(gate_e row n . x_m) * (up_e row n . x_m) for sorted rows m of each active
+// expert e (gate rows [0, I), up rows [I, 2I) of W = [E, 2I, row bytes]): one pass over x per
+// row pair, the SwiGLU on the tile's registers.
+template <class T>
+void experts_gate_up(const Act& a, const Groups& g, const uint8_t* W, int64_t I, float* act) {
+  const int64_t nblk = a.K / T::kQK, rb = nblk * T::kBytes;
+  const RowList L = make_row_list(g, I, rb, I);
+  stream_rows(L, W, [&](int64_t e, int64_t n0, int64_t n1) {
+    const uint8_t* We = W + e * L.expert_bytes;
+    for_tiles(g.start[e], g.start[e + 1], [&](auto mt, int64_t m) {
+      constexpr int MT = decltype(mt)::value;
+      float gate[MT], up[MT];
+      for (int64_t n = n0; n < n1; ++n) {
+        T::template row<MT>(We + n * rb, nblk, a, m, gate);
+        T::template row<MT>(We + (I + n) * rb, nblk, a, m, up);
+        for (int i = 0; i < MT; ++i)
+          act[(m + i) * I + n] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+      }
+    });
+  });
+}
+
+// out[m, n] = expert e's weight row n . sorted activation row m (W = [E, rows, row bytes])
 template <class T>
 void experts_matmul(const Act& a, const Groups& g, const uint8_t* W, int64_t rows,
                     float* out) {
-  const int64_t nblk = a.K / T::kQK, row_bytes = nblk * T::kBytes;
-  for_items(g.active, rows, [&](int64_t e, int64_t n0, int64_t n1) {
-    ggml::rows_range<T>(W + e * rows * row_bytes, row_bytes, nblk, a, g.start[e],
-                        g.start[e + 1], n0, n1, rows, out);
+  const int64_t nblk = a.K / T::kQK, rb = nblk * T::kBytes;
+  const RowList L = make_row_list(g, rows, rb, 0);
+  stream_rows(L, W, [&](int64_t e, int64_t n0, int64_t n1) {
+    const uint8_t* We = W + e * L.expert_bytes;
+    for_tiles(g.start[e], g.start[e + 1], [&](auto mt, int64_t m) {
+      constexpr int MT = decltype(mt)::value;
+      float res[MT];
+      for (int64_t n = n0; n < n1; ++n) {
+        T::template row<MT>(We + n * rb, nblk, a, m, res);
+        for (int i = 0; i < MT; ++i) out[(m + i) * rows + n] = res[i];
+      }
+    });
   });
 }
 
@@ -97,12 +206,13 @@ struct TypeInfo {
   const char* name;
   int64_t block, bytes, act_block;
   bool perm128;
+  void (*gate_up)(const Act&, const Groups&, const uint8_t*, int64_t, float*);
   void (*matmul)(const Act&, const Groups&, const uint8_t*, int64_t, float*);
 };
 
 template <class T>
 constexpr TypeInfo info(const char* name) {
-  return {name, T::kQK, T::kBytes, T::kActBlock, T::kPerm128, &experts_matmul<T>};
+  return {name, T::kQK, T::kBytes, T::kActBlock, T::kPerm128, &experts_gate_up<T>, &experts_matmul<T>};
 }
 
 const TypeInfo kTypes[] = {
@@ -129,22 +239,30 @@ void check_stack(const at::Tensor& w, const TypeInfo& t, int64_t E, int64_t rows
               w.scalar_type());
 }
 
+// x's N token rows quantized once (into tok), then copied into the step's sorted slot order
+// (into buf): a token is quantized once however many of the k experts it picked (same codes).
 template <class X>
-Act quantize_x(const at::Tensor& x, const Groups& g, const TypeInfo& t, ActBuf& buf) {
-  return ggml::quantize(x.data_ptr<X>(), static_cast<int64_t>(g.token.size()), x.size(1),
-                        t.act_block, t.perm128, buf, g.token.data());
-}
-
-// silu(h[:, :I]) * h[:, I:] in fp32 (h [M, 2I]) -> act [M, I]
-void silu_and_mul(const float* h, int64_t M, int64_t I, float* act) {
-  at::parallel_for(0, M, std::max<int64_t>(1, 8192 / I), [&](int64_t m0, int64_t m1) {
+Act quantize_x(const at::Tensor& x, const Groups& g, const TypeInfo& t, ActBuf& tok,
+               ActBuf& buf) {
+  const int64_t N = x.size(0), K = x.size(1), M = static_cast<int64_t>(g.token.size());
+  const Act a = ggml::quantize(x.data_ptr<X>(), N, K, t.act_block, t.perm128, tok);
+  const int64_t nd = a.nd;
+  if (static_cast<int64_t>(buf.q.size()) < M * K) buf.q.resize(M * K);
+  if (static_cast<int64_t>(buf.d.size()) < M * nd) buf.d.resize(M * nd);
+  if (static_cast<int64_t>(buf.ds.size()) < M * K / 32) buf.ds.resize(M * K / 32);
+  if (static_cast<int64_t>(buf.s16.size()) < M * K / 16) buf.s16.resize(M * K / 16);
+  if (static_cast<int64_t>(buf.s32.size()) < M * K / 32) buf.s32.resize(M * K / 32);
+  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
-      const float* gate = h + m * 2 * I;
-      const float* up = gate + I;
-      float* o = act + m * I;
-      for (int64_t i = 0; i < I; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+      const int64_t s = g.token[m];
+      std::copy_n(a.qrow(s), K, buf.q.data() + m * K);
+      std::copy_n(a.drow(s), nd, buf.d.data() + m * nd);
+      std::copy_n(a.s16row(s), K / 16, buf.s16.data() + m * (K / 16));
+      std::copy_n(a.s32row(s), K / 32, buf.s32.data() + m * (K / 32));
+      std::copy_n(a.dsrow(s), K / 32, buf.ds.data() + m * (K / 32));
     }
   });
+  return {buf.q.data(), buf.d.data(), buf.s16.data(), buf.s32.data(), buf.ds.data(), K, nd};
 }
 
 at::Tensor moe_experts_ggml(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
@@ -176,21 +294,21 @@ at::Tensor moe_experts_ggml(const at::Tensor& x, const at::Tensor& ids, const at
 
   const Groups g = group_slots(ids.data_ptr<int64_t>(), N * k, k, E);
   const int64_t M = N * k;
-  static thread_local ActBuf buf_x, buf_h;
-  const Act ax = x.scalar_type() == at::kBFloat16 ? quantize_x<c10::BFloat16>(x, g, tg, buf_x)
-                                                  : quantize_x<float>(x, g, tg, buf_x);
-  at::Tensor h = at::empty({M, 2 * I}, out.options());
-  tg.matmul(ax, g, gate_up.data_ptr<uint8_t>(), 2 * I, h.data_ptr<float>());
-  at::Tensor act = at::empty({M, I}, out.options());
-  silu_and_mul(h.data_ptr<float>(), M, I, act.data_ptr<float>());
-  const Act ah = ggml::quantize(act.data_ptr<float>(), M, I, td.act_block, td.perm128, buf_h);
-  at::Tensor y = at::empty({M, H}, out.options());
-  td.matmul(ah, g, down.data_ptr<uint8_t>(), H, y.data_ptr<float>());
+  // NOTE: scratch reused across calls (a decode step makes one call per layer)
+  static thread_local ActBuf buf_tok, buf_x, buf_h;
+  static thread_local std::vector<float> act, y;
+  act.resize(M * I);
+  y.resize(M * H);
+  const Act ax = x.scalar_type() == at::kBFloat16 ? quantize_x<c10::BFloat16>(x, g, tg, buf_tok, buf_x)
+                                                  : quantize_x<float>(x, g, tg, buf_tok, buf_x);
+  tg.gate_up(ax, g, gate_up.data_ptr<uint8_t>(), I, act.data());
+  const Act ah = ggml::quantize(act.data(), M, I, td.act_block, td.perm128, buf_h);
+  td.matmul(ah, g, down.data_ptr<uint8_t>(), H, y.data());
 
   // the weighted sum of each token's k rows, in choice order j = 0 .. k-1
   std::vector<int64_t> row_of(M);
   for (int64_t m = 0; m < M; ++m) row_of[g.order[m]] = m;
-  const float* yp = y.data_ptr<float>();
+  const float* yp = y.data();
   const float* wp = weights.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N, std::max<int64_t>(1, 4096 / H), [&](int64_t t0, int64_t t1) {
@@ -202,8 +320,10 @@ at::Tensor moe_experts_ggml(const at::Tensor& x, const at::Tensor& ids, const at
         for (int64_t c = 0; c < H; ++c) dst[c] += w * src[c];
       }
   });
-  if (buf_x.q.size() > (size_t{1} << 24)) buf_x = ActBuf();  // a large prefill's: freed
+  if (buf_x.q.size() > (size_t{1} << 24)) buf_x = ActBuf();
+  if (buf_tok.q.size() > (size_t{1} << 24)) buf_tok = ActBuf();  // a large prefill's: freed
   if (buf_h.q.size() > (size_t{1} << 24)) buf_h = ActBuf();
+  if (y.size() > (size_t{1} << 22)) y = std::vector<float>(), act = std::vector<float>();
   return out;
 }
 
