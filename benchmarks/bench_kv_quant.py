@@ -19,7 +19,10 @@ attention of the default model's shape (3 KV heads x 3 query heads each x 64 dim
 blocks in shuffled order) at each context, the dense bf16 kernel against the quantized one per
 codec and scale layout, each of --layers layers on its own cache (so they exceed the last-level
 cache as the model's do), configs alternating, median of --runs passes; ratios to bf16.
---clock cpu times the thread's CPU seconds, --ordered keeps blocks in pool order.
+--clock cpu times the thread's CPU seconds, --ordered keeps blocks in pool order, --hugepages
+puts every cache in 2 MiB transparent huge pages (madvise; shuffled blocks then cost no TLB miss
+each). Per config it also prints ns per key per KV head and the GB/s of KV (codes + scales) read,
+beside a plain read (torch sum) of the same bytes in as many buffers, at the same thread count.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import mmap
 import os
 import statistics
 import subprocess
@@ -100,12 +104,36 @@ def _us_per_layer(calls: list[Callable[[], object]], clock: Callable[[], float])
     return (clock() - t0) / (10 * len(calls)) * 1e6
 
 
-def _layer_calls(ctx: int, batch: int, layers: int, codec: str, layout: str, ordered: bool
-                 ) -> list[Callable[[], object]]:
+def _huge(t: Any) -> Any:
+    """A copy of tensor ``t`` in anonymous memory advised MADV_HUGEPAGE before its first touch."""
+    import torch
+
+    size = t.numel() * t.element_size()
+    buf = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf.madvise(mmap.MADV_HUGEPAGE)
+    out = torch.frombuffer(buf, dtype=torch.uint8, count=size).view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
+
+
+def _kv_bytes(ctx: int, batch: int, codec: str, layout: str) -> int:
+    """Bytes of K/V (codes + the scales they use) one layer's call reads."""
+    hkv, d, bs = 3, 64, 16
+    keys = batch * ctx * hkv
+    if not codec:
+        return keys * d * 2 * 2
+    k_scales = keys // bs * d * 4 if layout == "channel-key" else keys * 4
+    return keys * d * 2 + k_scales + keys * 4
+
+
+def _layer_calls(ctx: int, batch: int, layers: int, codec: str, layout: str, ordered: bool,
+                 huge: bool = False) -> list[Callable[[], object]]:
     """One decode attention call per layer over its own cache (the default model's shape:
     3 KV heads x 3 query heads each x 64 dims, 16-token blocks in shuffled order), so the
     caches together exceed the last-level cache as the model's do; codec "" = dense bf16."""
     import torch
+
+    place = _huge if huge else (lambda t: t)
 
     from fitserve.kernels.cpu.paged_attention import paged_decode_attention
     from fitserve.kernels.cpu.paged_attention_kvq import paged_decode_attention_kvq
@@ -124,30 +152,42 @@ def _layer_calls(ctx: int, batch: int, layers: int, codec: str, layout: str, ord
         if not codec:
             kd = k.bfloat16().view(nb, bs, hkv, d).permute(2, 0, 1, 3).contiguous()
             vd = v.bfloat16().view(nb, bs, hkv, d).permute(2, 0, 1, 3).contiguous()
-            calls.append(functools.partial(paged_decode_attention, q, kd, vd, tables, lens, 0.125))
+            calls.append(functools.partial(paged_decode_attention, q, place(kd), place(vd), tables,
+                                           lens, 0.125))
             continue
         kv = QuantizedKVCache(codec, layout, num_kv_heads=hkv, num_blocks=nb, block_size=bs,
                               head_dim=d)
         kv.write(k, v, torch.arange(nb * bs))
         calls.append(functools.partial(
-            paged_decode_attention_kvq, q, kv.k_codes, kv.v_codes, kv.k_scales, kv.v_scales,
-            tables, lens, 0.125, codec=codec, channel_keys=layout == "channel-key"))
+            paged_decode_attention_kvq, q, place(kv.k_codes), place(kv.v_codes),
+            place(kv.k_scales), place(kv.v_scales), tables, lens, 0.125, codec=codec,
+            channel_keys=layout == "channel-key"))
     return calls
 
 
+def _plain_reads(nbytes: int, layers: int, huge: bool) -> list[Callable[[], object]]:
+    """A torch sum over ``nbytes`` per layer (fp32, contiguous): the plain read of those bytes."""
+    import torch
+
+    bufs = [torch.randn(nbytes // 4) for _ in range(layers)]
+    return [functools.partial(torch.sum, _huge(b) if huge else b) for b in bufs]
+
+
 def kernel_bench(contexts: list[int], runs: int, batch: int, layers: int, clock: str,
-                 ordered: bool) -> None:
-    """The attention op alone, per layer: dense bf16 us, then bf16 time / quantized time. The
-    configs alternate pass by pass (``runs`` rounds, medians), so a loaded host's slow periods
-    fall on all alike."""
+                 ordered: bool, huge: bool = False) -> None:
+    """The attention op alone, per layer: us, ns per key per KV head and GB/s of KV read for
+    dense bf16 and each quantized config, a plain read of bf16's bytes, then bf16 time /
+    quantized time. The configs alternate pass by pass (``runs`` rounds, medians), so a loaded
+    host's slow periods fall on all alike."""
     timer = time.thread_time if clock == "cpu" else time.perf_counter
     codecs = ("int8", "fp8_e4m3", "fp8_e5m2")
-    print(f"{'context':>8} {'layout':>12} {'bf16 us':>10} " + " ".join(f"{c:>9s}" for c in codecs))
     for ctx in contexts:
-        sets = {("", ""): _layer_calls(ctx, batch, layers, "", "", ordered)}
+        keys = batch * ctx * 3
+        sets = {("", ""): _layer_calls(ctx, batch, layers, "", "", ordered, huge),
+                ("read", ""): _plain_reads(_kv_bytes(ctx, batch, "", ""), layers, huge)}
         for layout in ("token", "channel-key"):
             for c in codecs:
-                sets[(c, layout)] = _layer_calls(ctx, batch, layers, c, layout, ordered)
+                sets[(c, layout)] = _layer_calls(ctx, batch, layers, c, layout, ordered, huge)
         for calls in sets.values():  # warm-up
             _us_per_layer(calls, timer)
         times: dict[tuple[str, str], list[float]] = {k: [] for k in sets}
@@ -156,9 +196,13 @@ def kernel_bench(contexts: list[int], runs: int, batch: int, layers: int, clock:
                 times[key].append(_us_per_layer(calls, timer))
         med = {k: statistics.median(v) for k, v in times.items()}
         dense = med[("", "")]
-        for layout in ("token", "channel-key"):
-            ratios = [dense / med[(c, layout)] for c in codecs]
-            print(f"{ctx:>8} {layout:>12} {dense:10.1f} " + " ".join(f"{r:8.2f}x" for r in ratios))
+        print(f"context {ctx}: {'config':>22} {'us/layer':>9} {'ns/key/kvh':>10} {'GB/s':>6} "
+              f"{'x bf16':>7}")
+        for (c, layout), us in med.items():
+            name = {"": "bf16 (dense)", "read": "plain read (bf16 bytes)"}.get(c, f"{c} {layout}")
+            nbytes = _kv_bytes(ctx, batch, "" if c == "read" else c, layout)
+            print(f"{'':>12} {name:>22} {us:9.1f} {us * 1e3 / keys:10.2f} "
+                  f"{nbytes / us / 1e3:6.2f} {dense / us:6.2f}x")
 
 
 def torch_threads(n: int) -> None:
@@ -183,6 +227,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30, help="caches cycled through (--kernel)")
     ap.add_argument("--ordered", action="store_true",
                     help="blocks in pool order, as one request's fresh pool gives (--kernel)")
+    ap.add_argument("--hugepages", action="store_true",
+                    help="caches in 2 MiB transparent huge pages (--kernel)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("spec", nargs="?", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -197,10 +243,12 @@ def main() -> None:
     if args.kernel:
         print(f"CPU: {cpu_model_name()}; {os.cpu_count()} CPUs; ISA: {detect_isa().describe()}; "
               f"threads {args.threads}; batch {args.batch}; {args.clock} clock; blocks "
-              f"{'in order' if args.ordered else 'shuffled'}; load average {os.getloadavg()}; "
+              f"{'in order' if args.ordered else 'shuffled'}"
+              f"{', huge pages' if args.hugepages else ''}; load average {os.getloadavg()}; "
               "kernel time ratio bf16 / quantized")
         torch_threads(args.threads)
-        kernel_bench(contexts, args.runs, args.batch, args.layers, args.clock, args.ordered)
+        kernel_bench(contexts, args.runs, args.batch, args.layers, args.clock, args.ordered,
+                     args.hugepages)
         return
     configs = args.configs.split(",")
     base = {"gguf": str(pull("smollm2-135m", progress=False)), "contexts": contexts,
