@@ -229,7 +229,8 @@ def build_all(names: list[str] | None = None) -> dict[str, bool]:
     """
     tier = build_tier(detect_isa())
     todo = extensions_for_tier(tier) if names is None else list(names)
-    workers = min(len(todo), len(os.sched_getaffinity(0)))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    workers = min(len(todo), cores or 1)
     if workers < 2:
         return {n: load_extension(n, EXTENSIONS[n]) is not None for n in todo}
     with ThreadPoolExecutor(workers, thread_name_prefix="fitserve-build") as pool:
