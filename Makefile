@@ -7,7 +7,7 @@ WHEELS  := $(wildcard /opt/wheels)
 PIPOPTS := $(if $(WHEELS),--find-links $(WHEELS),)
 PROMPT  ?= Write a haiku about paged attention.
 
-.PHONY: setup pull serve generate test test-fast lint bench soak fuzz browser clean
+.PHONY: setup model pull serve generate test test-kernels test-fast lint bench soak fuzz browser clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,8 +24,11 @@ setup: $(STAMP)
 	$(BIN)/python -m fitserve.kernels.cpu.build || \
 		echo "some C++ kernels did not build: their paths run pure torch (see above)"
 
-pull: setup
+# The default model's file alone (no kernel build): `make test` fetches it while kernels build.
+model: $(STAMP)
 	$(BIN)/fitserve pull smollm2-135m
+
+pull: setup model
 
 serve: pull
 	$(BIN)/fitserve serve
@@ -33,7 +36,7 @@ serve: pull
 generate: pull
 	$(BIN)/fitserve generate --chat "$(PROMPT)"
 
-lint: setup
+lint: $(STAMP)
 	$(BIN)/ruff check fitserve tests benchmarks
 	$(BIN)/mypy fitserve/ledger fitserve/tools/planner fitserve/tools/sheets fitserve/kv fitserve/sched
 
@@ -50,9 +53,20 @@ browser:
 # with 2 threads per worker). The peak-RSS tests run alone after the rest: a process's peak
 # RSS counts the shared libraries' file pages it maps, and with a second worker loading models
 # beside it this host's page cache (and its proactive reclaim) moves that by tens of MiB.
-test: pull lint browser
+#
+# Before pytest, the steps it needs run side by side (make -j, each step's output kept together):
+# this CPU's kernels (setup), the lower tiers' kernels that the tier-subprocess tests load
+# (tests/tier_builds.py), the model's download, lint (mypy keeps one core busy for ~30 s) and the
+# browser check. One after another, the download, mypy and each single-file compile left a core
+# idle, and the lower tiers were compiled inside pytest, where both workers keep both cores busy.
+test: $(STAMP)
+	$(MAKE) --no-print-directory -j5 --output-sync=target setup test-kernels model lint browser
 	$(BIN)/pytest -q -n 2 --dist worksteal -m "not peak_rss" --durations=30
 	$(BIN)/pytest -q -m peak_rss
+
+# The lower-tier C++ kernels of the tier-subprocess tests (a test compiles any that are missing).
+test-kernels: $(STAMP)
+	$(BIN)/python -m tests.tier_builds
 
 test-fast: setup
 	$(BIN)/pytest -q -m "not slow"
