@@ -73,7 +73,9 @@ class TPCausalLM(nn.Module):
                 # the block's output sums them: 2 per layer, as a dense layer
                 layer.mlp = RowParallel(mlp, comm, "layer")
             else:
-                mlp.down_proj = RowParallel(mlp.down_proj, comm, "layer")  # type: ignore[assignment]
+                down = mlp.down_proj
+                assert isinstance(down, nn.Module)
+                mlp.down_proj = RowParallel(down, comm, "layer")
         self.shard_sizes = [rank_slice(full, s.tp, r).vocab for r in range(s.tp)]
 
     @property
