@@ -80,11 +80,15 @@ struct Table4Block {
   }
 #endif
 
+#ifdef FS_GGML_VNNI
+  static constexpr bool kRowPrefetch = !kMx;  // row(..., pf): ggml_blocks_run.h
+#endif
   template <int MT>
-  static void row(const uint8_t* w, int64_t nb, const Act& a, int64_t m0, float* res) {
+  static void row(const uint8_t* w, int64_t nb, const Act& a, int64_t m0, float* res,
+                  [[maybe_unused]] int64_t pf = 0) {
 #ifdef FS_GGML_VNNI
     if constexpr (!kMx) {
-      lanes_row<Table4Block, MT>(w, nb, a, m0, res);
+      lanes_row<Table4Block, MT>(w, nb, a, m0, res, pf);
       return;
     }
 #endif
@@ -196,41 +200,79 @@ struct IQ4XS {
                                        hmul), 14), 4);
     return _mm_sub_epi16(_mm_or_si128(nib, hi), _mm_set1_epi16(32));
   }
+
+  // scales8 of the super-blocks at b and b + kBytes in one ymm (words 0-7, 8-15), each op
+  // once for the two
+  static __m256i scales16(const uint8_t* b) {
+    const __m256i hmul = _mm256_setr_epi16(1 << 14, 1 << 12, 1 << 10, 1 << 8, 1 << 6, 1 << 4,
+                                           1 << 2, 1, 1 << 14, 1 << 12, 1 << 10, 1 << 8, 1 << 6,
+                                           1 << 4, 1 << 2, 1);
+    const __m128i l4 = _mm_insert_epi32(_mm_cvtsi32_si128(static_cast<int>(load_u32(b + 4))),
+                                        static_cast<int>(load_u32(b + kBytes + 4)), 1);
+    const __m256i l8 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(l4, l4));  // b0 b0 b1 b1 ...
+    const __m256i nib = _mm256_blend_epi16(_mm256_and_si256(l8, _mm256_set1_epi16(15)),
+                                           _mm256_srli_epi16(l8, 4), 0xAA);
+    const __m256i h =
+        _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(load_u16(b + kBytes + 2))),
+                         _mm_set1_epi16(static_cast<int16_t>(load_u16(b + 2))));
+    const __m256i hi = _mm256_slli_epi16(_mm256_srli_epi16(_mm256_mullo_epi16(h, hmul), 14), 4);
+    return _mm256_sub_epi16(_mm256_or_si256(nib, hi), _mm256_set1_epi16(32));
+  }
 #endif
 
 #ifdef FS_GGML_VNNI
   // NOTE: as ggml_blocks_lanes.h: the table read + 128, one VPDPBUSD per pair of sub-blocks and
-  // row, the partials reduced to 8 sub-block dots (lane = sub-block), - 128 sum(a) and the
-  // scales ls applied as int32 (|ls * dot| < 2^24), one cvt + FMA per super-block and row;
-  // the sign trick's sign + maddubs + madd per sub-block and row before
+  // row, the partials reduced to sub-block dots (lane = sub-block), - 128 sum(a) and the
+  // scales ls applied as int32 (|ls * dot| < 2^24), one cvt + FMA per step and row; a step is
+  // two super-blocks (16 sub-block lanes: one block_sums16, 22 ops, where two block_sums8 cost
+  // 26 and every other op ran on half a vector), the last of an odd count alone
+  template <int MT, int S>
+  [[gnu::always_inline]] static inline void step(const uint8_t* b, int64_t sb, const Act& a,
+                                                 int64_t m0, const __m512i table_u, __m512* acc) {
+    const __m256i ls16 = S == 2 ? scales16(b)
+                                : _mm256_zextsi128_si256(scales8(b));
+    const __m512i ls = _mm512_cvtepi16_epi32(ls16);
+    __m512i wv[4 * S];
+    FS_GGML_UNROLL for (int j = 0; j < 4 * S; ++j) {
+      const uint8_t* q = b + (j / 4) * kBytes + 8 + 32 * (j % 4);
+      wv[j] = _mm512_shuffle_epi8(table_u, nibbles_pair(q, q + 16, true));
+    }
+    const float d0 = f16_at(b), d1 = S == 2 ? f16_at(b + kBytes) : 0.f;
+    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
+      const int8_t* aq = a.qrow(m0 + i) + sb * 256;
+      __m512i v[8];
+      FS_GGML_UNROLL for (int j = 0; j < 8; ++j)
+        v[j] = j < 4 * S ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[j],
+                                               _mm512_loadu_si512(aq + 64 * j))
+                         : _mm512_setzero_si512();
+      const __m512i s32 = _mm512_cvtepi16_epi32(
+          _mm256_maskz_loadu_epi16(S == 2 ? 0xFFFF : 0x00FF, a.s32row(m0 + i) + sb * 8));
+      const __m512i dot = _mm512_mullo_epi32(
+          _mm512_sub_epi32(S == 2 ? block_sums16(v) : _mm512_zextsi256_si512(block_sums8(v)),
+                           _mm512_slli_epi32(s32, 7)), ls);
+      const float* da = a.drow(m0 + i) + sb;
+      const __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(d0 * da[0]),
+                                           _mm256_set1_ps(S == 2 ? d1 * da[1] : 0.f), 1);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc, acc[i]);
+    }
+  }
+
+  static constexpr bool kRowPrefetch = true;  // row(..., pf): ggml_blocks_run.h
   template <int MT>
-  static void row(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float* res) {
+  static void row(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float* res,
+                  int64_t pf = 0) {
     static constexpr std::array<uint8_t, 16> kTabU = biased_table(kIq4Values);
     const __m512i table_u =
         _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kTabU.data())));
-    __m256 acc[MT];
-    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t sb = 0; sb < nsb; ++sb) {
-      const uint8_t* b = w + sb * kBytes;
-      const __m256i ls = _mm256_cvtepi16_epi32(scales8(b));
-      __m512i wv[4];
-      FS_GGML_UNROLL for (int j = 0; j < 4; ++j)
-        wv[j] = _mm512_shuffle_epi8(table_u, nibbles_pair(b + 8 + 32 * j, b + 24 + 32 * j, true));
-      const float d = f16_at(b);
-      FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
-        const int8_t* aq = a.qrow(m0 + i) + sb * 256;
-        __m512i v[4];
-        FS_GGML_UNROLL for (int j = 0; j < 4; ++j)
-          v[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[j], _mm512_loadu_si512(aq + 64 * j));
-        const __m256i s32 = _mm256_cvtepi16_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.s32row(m0 + i) + sb * 8)));
-        const __m256i dot = _mm256_mullo_epi32(
-            _mm256_sub_epi32(block_sums8(v), _mm256_slli_epi32(s32, 7)), ls);
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
-                                 _mm256_set1_ps(d * a.drow(m0 + i)[sb]), acc[i]);
-      }
+    __m512 acc[MT];
+    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+    int64_t sb = 0;
+    for (; sb + 2 <= nsb; sb += 2) {
+      if (pf > 0) prefetch_span(w + sb * kBytes + pf, 2 * kBytes);
+      step<MT, 2>(w + sb * kBytes, sb, a, m0, table_u, acc);
     }
-    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) res[i] = hsum(acc[i]);
+    if (sb < nsb) step<MT, 1>(w + sb * kBytes, sb, a, m0, table_u, acc);
+    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) res[i] = _mm512_reduce_add_ps(acc[i]);
   }
 #else
   template <int MT>

@@ -35,9 +35,11 @@ struct Q5 {
                         (two ? uint64_t{load_u32(b + kBytes + kQhOff)} << 32 : uint64_t{0});
     return _mm512_mask_add_epi8(u, static_cast<__mmask64>(qh), u, _mm512_set1_epi8(0x10));
   }
+  static constexpr bool kRowPrefetch = true;  // row(..., pf): ggml_blocks_run.h
   template <int MT>
-  static void row(const uint8_t* w, int64_t nb, const Act& a, int64_t m0, float* res) {
-    lanes_row<Q5, MT>(w, nb, a, m0, res);
+  static void row(const uint8_t* w, int64_t nb, const Act& a, int64_t m0, float* res,
+                  int64_t pf = 0) {
+    lanes_row<Q5, MT>(w, nb, a, m0, res, pf);
   }
 #elif !defined(FS_GGML_AVX2)
   template <int MT>
