@@ -1,12 +1,12 @@
 // The AVX512-VNNI rows of the 32-column block types whose weights are a byte each after
-// decoding (Q5_0, Q5_1, IQ4_NL): 16 blocks (512 columns) per step, one fp32 lane per block.
+// decoding (Q5_0, Q5_1, IQ4_NL, MXFP4): 16 blocks (512 columns) per step, one fp32 lane per block.
 //
 //   per pair of blocks: 64 unsigned weight bytes (B::pair: Q5's q in 0..31, IQ4_NL's table
 //   value + 128), one VPDPBUSD per row of x -> 8 int32 partials per block
 //   per 16 blocks and row: the 8 vectors of partials reduced to one (lane = block: 21 ops,
 //   block_sums16), the offset folded in as an integer (Q5_0: - 16 * sum(a), IQ4_NL:
 //   - 128 * sum(a), from Act's 32-column sums: exact), then ONE cvt + mul + FMA for 16 blocks
-//   with the weight scales gathered once per step (shared by the tile's rows); Q5_1's mins are
+//   with the weight scales read once per step (shared by the tile's rows); Q5_1's mins are
 //   one more FMA against Act's d * sum(a).
 //
 // Before, each block and row paid a cvt, a scalar d * da, a broadcast and an FMA (and Q5's
@@ -55,13 +55,14 @@ namespace fitserve::ggml {
                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-// The 4 bytes at b + S * k for k < 16 (each block's leading f16 pair: d, and Q5_1's m) as the 16
-// dwords of a zmm; bytes past nbytes read as zero (never loaded).
+// The 4 bytes at b + S * k for k < 16 (each block's head: Q5's d and Q5_1's m, IQ4_NL's d;
+// for an odd S the dword starts one byte early at odd k: MXFP4's e is then its byte 1) as the
+// 16 dwords of a zmm; bytes past nbytes read as zero (never loaded).
 // NOTE: contiguous loads (the lines the step reads anyway) and word permutes instead of a 16-way
 // gather, which was ~20% of a Q5_0 step's time at M = 1 on Zen 5 (the permutes: 3 + 2 blends)
 template <int S>
 [[gnu::always_inline]] inline __m512i head_dwords16(const uint8_t* b, int64_t nbytes) {
-  static_assert(S % 2 == 0 && S * 15 + 4 <= 3 * 128, "block heads within 3 x 128 bytes");
+  static_assert(S * 15 / 2 + 1 < 3 * 64, "block heads within 3 x 128 bytes");
   __m512i part[3];
   FS_GGML_UNROLL for (int p = 0; p < 3; ++p) {
     __m512i ld[2];
@@ -70,22 +71,27 @@ template <int S>
       ld[h] = n >= 64 ? _mm512_loadu_si512(b + o)
                       : _mm512_maskz_loadu_epi8(n > 0 ? (~0ull >> (64 - n)) : 0, b + o);
     }
-    // word t of the result: word S / 2 * (t / 2) + t % 2 of the 192 words, here of [64p, 64p + 64)
+    // word t of the result: word S * (t / 2) / 2 + t % 2 of the 192, here of [64p, 64p + 64)
     alignas(64) int16_t idx[32];
-    for (int t = 0; t < 32; ++t) idx[t] = static_cast<int16_t>((S / 2 * (t / 2) + t % 2) & 63);
+    for (int t = 0; t < 32; ++t) idx[t] = static_cast<int16_t>((S * (t / 2) / 2 + t % 2) & 63);
     part[p] = _mm512_permutex2var_epi16(ld[0], _mm512_load_si512(idx), ld[1]);
   }
-  // dword k from part[(S / 2 * k) / 64]: the dword's two words never straddle two parts
-  uint32_t in1 = 0, in2 = 0;
-  for (int k = 0; k < 16; ++k) {
-    in1 |= static_cast<uint32_t>(S / 2 * k / 64 == 1) << k;
-    in2 |= static_cast<uint32_t>(S / 2 * k / 64 == 2) << k;
+  uint32_t in1 = 0, in2 = 0;  // the words from part 1, part 2
+  for (int t = 0; t < 32; ++t) {
+    in1 |= static_cast<uint32_t>((S * (t / 2) / 2 + t % 2) / 64 == 1) << t;
+    in2 |= static_cast<uint32_t>((S * (t / 2) / 2 + t % 2) / 64 == 2) << t;
   }
-  return _mm512_mask_mov_epi32(_mm512_mask_mov_epi32(part[0], in1, part[1]), in2, part[2]);
+  return _mm512_mask_mov_epi16(_mm512_mask_mov_epi16(part[0], in1, part[1]), in2, part[2]);
+}
+
+// The f16 in the low word of each dword, as 16 floats (Q5's d, IQ4_NL's d).
+[[gnu::always_inline]] inline __m512 low_f16s(__m512i g) {
+  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
 }
 
 // B: kBytes, kShift (the integer offset: dot - (sum(a) << kShift); < 0: none), kHasMin (a second
-// f16 at byte 2: w = d * q + m), and pair(b, two) -> the 64 unsigned weight bytes of blocks b
+// f16 at byte 2: w = d * q + m), lane_scales(head_dwords16) -> the 16 blocks' scales, and
+// pair(b, two) -> the 64 unsigned weight bytes of blocks b
 // and b + kBytes (the second zero unless `two`).
 template <class B, int MT, bool kFull>
 [[gnu::always_inline]] inline void lanes_step(const uint8_t* b, int64_t k, int r, const Act& a,
@@ -96,7 +102,7 @@ template <class B, int MT, bool kFull>
     wv[j] = kFull || 2 * j < r ? B::pair(b + 2 * j * B::kBytes, kFull || 2 * j + 1 < r)
                                : _mm512_setzero_si512();
   const __m512i g = head_dwords16<B::kBytes>(b, kFull ? 16 * B::kBytes : r * B::kBytes);
-  const __m512 dv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+  const __m512 dv = B::lane_scales(g);
   FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
     const int8_t* aq = a.qrow(m0 + i) + 32 * k;
     __m512i v[8];

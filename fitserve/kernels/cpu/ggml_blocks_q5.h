@@ -29,6 +29,7 @@ struct Q5 {
   // ggml_blocks_lanes.h: 16 blocks per step, one lane per block
   static constexpr int kShift = kMin ? -1 : 4;  // Q5_0: dot(q, a) - 16 sum(a)
   static constexpr bool kHasMin = kMin;
+  [[gnu::always_inline]] static inline __m512 lane_scales(__m512i g) { return low_f16s(g); }
   [[gnu::always_inline]] static inline __m512i pair(const uint8_t* b, bool two) {
     const __m512i u = nibbles_pair(b + kQsOff, b + kBytes + kQsOff, two);
     const uint64_t qh = load_u32(b + kQhOff) |
