@@ -69,9 +69,24 @@ struct Table4Block {
   static float scale(const uint8_t* b) { return kMx ? e8m0_half_at(b) : f16_at(b); }
 
 #ifdef FS_GGML_VNNI
-  // IQ4_NL: ggml_blocks_lanes.h (16 blocks per step), the table read + 128 (unsigned)
+  // ggml_blocks_lanes.h (16 blocks per step), the table read + 128 (unsigned): either table
+  // (IQ4_NL's, MXFP4's doubled e2m1) fits in [-128, 127]
   static constexpr int kShift = 7;  // dot(v + 128, a) - 128 sum(a)
   static constexpr bool kHasMin = false;
+  // IQ4_NL: the f16 d; MXFP4: e (byte k % 2 of dword k, S = 17) -> 2^(e - 128) as e8m0_half_at
+  [[gnu::always_inline]] static inline __m512 lane_scales(__m512i g) {
+    if constexpr (!kMx) {
+      return low_f16s(g);
+    } else {
+      const __m512i e = _mm512_and_si512(
+          _mm512_srlv_epi32(g, _mm512_setr_epi32(0, 8, 0, 8, 0, 8, 0, 8, 0, 8, 0, 8, 0, 8, 0, 8)),
+          _mm512_set1_epi32(0xFF));
+      const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+      const __m512i sub = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+      return _mm512_castsi512_ps(_mm512_mask_mov_epi32(
+          normal, _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2)), sub));
+    }
+  }
   [[gnu::always_inline]] static inline __m512i pair(const uint8_t* b, bool two) {
     static constexpr std::array<uint8_t, 16> kTabU = biased_table(kValues);
     const __m512i table_u =
@@ -80,60 +95,18 @@ struct Table4Block {
   }
 #endif
 
-  template <int MT>
-  static void row(const uint8_t* w, int64_t nb, const Act& a, int64_t m0, float* res) {
 #ifdef FS_GGML_VNNI
-    if constexpr (!kMx) {
-      lanes_row<Table4Block, MT>(w, nb, a, m0, res);
-      return;
-    }
+  static constexpr bool kRowPrefetch = true;  // row(..., pf): ggml_blocks_run.h
 #endif
-#ifdef FS_GGML_AVX2
+  template <int MT>
+  static void row(const uint8_t* w, int64_t nb, const Act& a, int64_t m0, float* res,
+                  [[maybe_unused]] int64_t pf = 0) {
+#ifdef FS_GGML_VNNI
+    lanes_row<Table4Block, MT>(w, nb, a, m0, res, pf);
+#elif defined(FS_GGML_AVX2)
     __m256 acc[2][MT];  // even / odd blocks: two FMA chains (as Q5)
     FS_GGML_UNROLL for (int i = 0; i < MT; ++i) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
     int64_t k = 0;
-#ifdef FS_GGML_VNNI
-    // NOTE: two blocks per 512-bit step, one vpdpbusd: the table is read +128 (unsigned), so
-    // the dot is dot(v, q) + 128 * sum(q); the accumulator starts at -128 * sum(q) of each
-    // block (Act's 32-column sums) in one lane of its half, so the int32 result is exact.
-    // Per pair: 8 vector ops for 64 weights instead of the sign trick's 2 x 7 for 32. Either
-    // table (IQ4_NL's, MXFP4's doubled e2m1) fits in [-128, 127], so + 128 is a byte.
-    __m512 acc2[2][MT];
-    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) acc2[0][i] = acc2[1][i] = _mm512_setzero_ps();
-    alignas(16) uint8_t tab_u[16];
-    for (int j = 0; j < 16; ++j) tab_u[j] = static_cast<uint8_t>(kValues[j] + 128);
-    const __m512i table_u =
-        _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(tab_u)));
-    for (; k + 2 <= nb; k += 2) {
-      const uint8_t* b = w + k * kBytes;
-      const __m256i q01 =
-          _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kBytes + kQs)),
-                           _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kQs)));
-      // 128-bit lanes [q0, q1, q0 >> 4, q1 >> 4] -> [q0, q0 >> 4, q1, q1 >> 4]: columns in order
-      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(q01),
-                                              _mm256_srli_epi16(q01, 4), 1);
-      const __m512i nib = _mm512_and_si512(_mm512_shuffle_i64x2(both, both, 0xD8),
-                                           _mm512_set1_epi8(0x0F));
-      const __m512i wu = _mm512_shuffle_epi8(table_u, nib);
-      const float d0 = scale(b), d1 = scale(b + kBytes);
-      FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
-        const int16_t* s32 = a.s32row(m0 + i) + k;
-        const __m512i bias = _mm512_mask_set1_epi32(
-            _mm512_maskz_set1_epi32(0x0001, -128 * s32[0]), 0x0100, -128 * s32[1]);
-        const __m512i av = _mm512_loadu_si512(a.qrow(m0 + i) + 32 * k);
-        const __m512i dot = _mm512_dpbusd_epi32(bias, wu, av);
-        const float* da = a.drow(m0 + i) + k;
-        const __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(d0 * da[0]),
-                                             _mm256_set1_ps(d1 * da[1]), 1);
-        acc2[(k >> 1) & 1][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc,
-                                                acc2[(k >> 1) & 1][i]);
-      }
-    }
-    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
-      const __m512 t = _mm512_add_ps(acc2[0][i], acc2[1][i]);
-      acc[0][i] = _mm256_add_ps(_mm512_castps512_ps256(t), _mm512_extractf32x8_ps(t, 1));
-    }
-#endif
     for (; k < nb; ++k) {
       const uint8_t* b = w + k * kBytes;
       const __m256i wv = iq4_values32(b + kQs, kValues);
@@ -196,41 +169,79 @@ struct IQ4XS {
                                        hmul), 14), 4);
     return _mm_sub_epi16(_mm_or_si128(nib, hi), _mm_set1_epi16(32));
   }
+
+  // scales8 of the super-blocks at b and b + kBytes in one ymm (words 0-7, 8-15), each op
+  // once for the two
+  static __m256i scales16(const uint8_t* b) {
+    const __m256i hmul = _mm256_setr_epi16(1 << 14, 1 << 12, 1 << 10, 1 << 8, 1 << 6, 1 << 4,
+                                           1 << 2, 1, 1 << 14, 1 << 12, 1 << 10, 1 << 8, 1 << 6,
+                                           1 << 4, 1 << 2, 1);
+    const __m128i l4 = _mm_insert_epi32(_mm_cvtsi32_si128(static_cast<int>(load_u32(b + 4))),
+                                        static_cast<int>(load_u32(b + kBytes + 4)), 1);
+    const __m256i l8 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(l4, l4));  // b0 b0 b1 b1 ...
+    const __m256i nib = _mm256_blend_epi16(_mm256_and_si256(l8, _mm256_set1_epi16(15)),
+                                           _mm256_srli_epi16(l8, 4), 0xAA);
+    const __m256i h =
+        _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(load_u16(b + kBytes + 2))),
+                         _mm_set1_epi16(static_cast<int16_t>(load_u16(b + 2))));
+    const __m256i hi = _mm256_slli_epi16(_mm256_srli_epi16(_mm256_mullo_epi16(h, hmul), 14), 4);
+    return _mm256_sub_epi16(_mm256_or_si256(nib, hi), _mm256_set1_epi16(32));
+  }
 #endif
 
 #ifdef FS_GGML_VNNI
   // NOTE: as ggml_blocks_lanes.h: the table read + 128, one VPDPBUSD per pair of sub-blocks and
-  // row, the partials reduced to 8 sub-block dots (lane = sub-block), - 128 sum(a) and the
-  // scales ls applied as int32 (|ls * dot| < 2^24), one cvt + FMA per super-block and row;
-  // the sign trick's sign + maddubs + madd per sub-block and row before
+  // row, the partials reduced to sub-block dots (lane = sub-block), - 128 sum(a) and the
+  // scales ls applied as int32 (|ls * dot| < 2^24), one cvt + FMA per step and row; a step is
+  // two super-blocks (16 sub-block lanes: one block_sums16, 22 ops, where two block_sums8 cost
+  // 26 and every other op ran on half a vector), the last of an odd count alone
+  template <int MT, int S>
+  [[gnu::always_inline]] static inline void step(const uint8_t* b, int64_t sb, const Act& a,
+                                                 int64_t m0, const __m512i table_u, __m512* acc) {
+    const __m256i ls16 = S == 2 ? scales16(b)
+                                : _mm256_zextsi128_si256(scales8(b));
+    const __m512i ls = _mm512_cvtepi16_epi32(ls16);
+    __m512i wv[4 * S];
+    FS_GGML_UNROLL for (int j = 0; j < 4 * S; ++j) {
+      const uint8_t* q = b + (j / 4) * kBytes + 8 + 32 * (j % 4);
+      wv[j] = _mm512_shuffle_epi8(table_u, nibbles_pair(q, q + 16, true));
+    }
+    const float d0 = f16_at(b), d1 = S == 2 ? f16_at(b + kBytes) : 0.f;
+    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
+      const int8_t* aq = a.qrow(m0 + i) + sb * 256;
+      __m512i v[8];
+      FS_GGML_UNROLL for (int j = 0; j < 8; ++j)
+        v[j] = j < 4 * S ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[j],
+                                               _mm512_loadu_si512(aq + 64 * j))
+                         : _mm512_setzero_si512();
+      const __m512i s32 = _mm512_cvtepi16_epi32(
+          _mm256_maskz_loadu_epi16(S == 2 ? 0xFFFF : 0x00FF, a.s32row(m0 + i) + sb * 8));
+      const __m512i dot = _mm512_mullo_epi32(
+          _mm512_sub_epi32(S == 2 ? block_sums16(v) : _mm512_zextsi256_si512(block_sums8(v)),
+                           _mm512_slli_epi32(s32, 7)), ls);
+      const float* da = a.drow(m0 + i) + sb;
+      const __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(d0 * da[0]),
+                                           _mm256_set1_ps(S == 2 ? d1 * da[1] : 0.f), 1);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc, acc[i]);
+    }
+  }
+
+  static constexpr bool kRowPrefetch = true;  // row(..., pf): ggml_blocks_run.h
   template <int MT>
-  static void row(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float* res) {
+  static void row(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float* res,
+                  int64_t pf = 0) {
     static constexpr std::array<uint8_t, 16> kTabU = biased_table(kIq4Values);
     const __m512i table_u =
         _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kTabU.data())));
-    __m256 acc[MT];
-    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t sb = 0; sb < nsb; ++sb) {
-      const uint8_t* b = w + sb * kBytes;
-      const __m256i ls = _mm256_cvtepi16_epi32(scales8(b));
-      __m512i wv[4];
-      FS_GGML_UNROLL for (int j = 0; j < 4; ++j)
-        wv[j] = _mm512_shuffle_epi8(table_u, nibbles_pair(b + 8 + 32 * j, b + 24 + 32 * j, true));
-      const float d = f16_at(b);
-      FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
-        const int8_t* aq = a.qrow(m0 + i) + sb * 256;
-        __m512i v[4];
-        FS_GGML_UNROLL for (int j = 0; j < 4; ++j)
-          v[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[j], _mm512_loadu_si512(aq + 64 * j));
-        const __m256i s32 = _mm256_cvtepi16_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.s32row(m0 + i) + sb * 8)));
-        const __m256i dot = _mm256_mullo_epi32(
-            _mm256_sub_epi32(block_sums8(v), _mm256_slli_epi32(s32, 7)), ls);
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
-                                 _mm256_set1_ps(d * a.drow(m0 + i)[sb]), acc[i]);
-      }
+    __m512 acc[MT];
+    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+    int64_t sb = 0;
+    for (; sb + 2 <= nsb; sb += 2) {
+      if (pf > 0) prefetch_span(w + sb * kBytes + pf, 2 * kBytes);
+      step<MT, 2>(w + sb * kBytes, sb, a, m0, table_u, acc);
     }
-    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) res[i] = hsum(acc[i]);
+    if (sb < nsb) step<MT, 1>(w + sb * kBytes, sb, a, m0, table_u, acc);
+    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) res[i] = _mm512_reduce_add_ps(acc[i]);
   }
 #else
   template <int MT>

@@ -1,12 +1,12 @@
 // The AVX512-VNNI rows of the 32-column block types whose weights are a byte each after
-// decoding (Q5_0, Q5_1, IQ4_NL): 16 blocks (512 columns) per step, one fp32 lane per block.
+// decoding (Q5_0, Q5_1, IQ4_NL, MXFP4): 16 blocks (512 columns) per step, one fp32 lane per block.
 //
 //   per pair of blocks: 64 unsigned weight bytes (B::pair: Q5's q in 0..31, IQ4_NL's table
 //   value + 128), one VPDPBUSD per row of x -> 8 int32 partials per block
 //   per 16 blocks and row: the 8 vectors of partials reduced to one (lane = block: 21 ops,
 //   block_sums16), the offset folded in as an integer (Q5_0: - 16 * sum(a), IQ4_NL:
 //   - 128 * sum(a), from Act's 32-column sums: exact), then ONE cvt + mul + FMA for 16 blocks
-//   with the weight scales gathered once per step (shared by the tile's rows); Q5_1's mins are
+//   with the weight scales read once per step (shared by the tile's rows); Q5_1's mins are
 //   one more FMA against Act's d * sum(a).
 //
 // Before, each block and row paid a cvt, a scalar d * da, a broadcast and an FMA (and Q5's
@@ -55,8 +55,43 @@ namespace fitserve::ggml {
                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
+// The 4 bytes at b + S * k for k < 16 (each block's head: Q5's d and Q5_1's m, IQ4_NL's d;
+// for an odd S the dword starts one byte early at odd k: MXFP4's e is then its byte 1) as the
+// 16 dwords of a zmm; bytes past nbytes read as zero (never loaded).
+// NOTE: contiguous loads (the lines the step reads anyway) and word permutes instead of a 16-way
+// gather, which was ~20% of a Q5_0 step's time at M = 1 on Zen 5 (the permutes: 3 + 2 blends)
+template <int S>
+[[gnu::always_inline]] inline __m512i head_dwords16(const uint8_t* b, int64_t nbytes) {
+  static_assert(S * 15 / 2 + 1 < 3 * 64, "block heads within 3 x 128 bytes");
+  __m512i part[3];
+  FS_GGML_UNROLL for (int p = 0; p < 3; ++p) {
+    __m512i ld[2];
+    FS_GGML_UNROLL for (int h = 0; h < 2; ++h) {
+      const int64_t o = 128 * p + 64 * h, n = std::clamp<int64_t>(nbytes - o, 0, 64);
+      ld[h] = n >= 64 ? _mm512_loadu_si512(b + o)
+                      : _mm512_maskz_loadu_epi8(n > 0 ? (~0ull >> (64 - n)) : 0, b + o);
+    }
+    // word t of the result: word S * (t / 2) / 2 + t % 2 of the 192, here of [64p, 64p + 64)
+    alignas(64) int16_t idx[32];
+    for (int t = 0; t < 32; ++t) idx[t] = static_cast<int16_t>((S * (t / 2) / 2 + t % 2) & 63);
+    part[p] = _mm512_permutex2var_epi16(ld[0], _mm512_load_si512(idx), ld[1]);
+  }
+  uint32_t in1 = 0, in2 = 0;  // the words from part 1, part 2
+  for (int t = 0; t < 32; ++t) {
+    in1 |= static_cast<uint32_t>((S * (t / 2) / 2 + t % 2) / 64 == 1) << t;
+    in2 |= static_cast<uint32_t>((S * (t / 2) / 2 + t % 2) / 64 == 2) << t;
+  }
+  return _mm512_mask_mov_epi16(_mm512_mask_mov_epi16(part[0], in1, part[1]), in2, part[2]);
+}
+
+// The f16 in the low word of each dword, as 16 floats (Q5's d, IQ4_NL's d).
+[[gnu::always_inline]] inline __m512 low_f16s(__m512i g) {
+  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+}
+
 // B: kBytes, kShift (the integer offset: dot - (sum(a) << kShift); < 0: none), kHasMin (a second
-// f16 at byte 2: w = d * q + m), and pair(b, two) -> the 64 unsigned weight bytes of blocks b
+// f16 at byte 2: w = d * q + m), lane_scales(head_dwords16) -> the 16 blocks' scales, and
+// pair(b, two) -> the 64 unsigned weight bytes of blocks b
 // and b + kBytes (the second zero unless `two`).
 template <class B, int MT, bool kFull>
 [[gnu::always_inline]] inline void lanes_step(const uint8_t* b, int64_t k, int r, const Act& a,
@@ -66,11 +101,8 @@ template <class B, int MT, bool kFull>
   FS_GGML_UNROLL for (int j = 0; j < 8; ++j)
     wv[j] = kFull || 2 * j < r ? B::pair(b + 2 * j * B::kBytes, kFull || 2 * j + 1 < r)
                                : _mm512_setzero_si512();
-  const __m512i offs = _mm512_mullo_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-      _mm512_set1_epi32(static_cast<int>(B::kBytes)));
-  const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, offs, b, 1);
-  const __m512 dv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+  const __m512i g = head_dwords16<B::kBytes>(b, kFull ? 16 * B::kBytes : r * B::kBytes);
+  const __m512 dv = B::lane_scales(g);
   FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
     const int8_t* aq = a.qrow(m0 + i) + 32 * k;
     __m512i v[8];
@@ -97,30 +129,35 @@ template <class B, int MT, bool kFull>
   }
 }
 
-// One weight row (nb blocks) against rows m0 .. m0 + MT - 1 of x.
+// One weight row (nb blocks) against rows m0 .. m0 + MT - 1 of x; with pf > 0 each step also
+// requests the bytes pf ahead of the ones it reads (ggml_blocks_run.h's rows_streamed).
 template <class B, int MT>
-void lanes_row(const uint8_t* w, int64_t nb, const Act& a, int64_t m0, float* res) {
+void lanes_row(const uint8_t* w, int64_t nb, const Act& a, int64_t m0, float* res,
+               int64_t pf = 0) {
   __m512 acc[MT];
   FS_GGML_UNROLL for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
   int64_t k = 0;
-  for (; k + 16 <= nb; k += 16) lanes_step<B, MT, true>(w + k * B::kBytes, k, 16, a, m0, acc);
+  for (; k + 16 <= nb; k += 16) {
+    if (pf > 0) prefetch_span(w + k * B::kBytes + pf, 16 * B::kBytes);
+    lanes_step<B, MT, true>(w + k * B::kBytes, k, 16, a, m0, acc);
+  }
   if (k < nb)
     lanes_step<B, MT, false>(w + k * B::kBytes, k, static_cast<int>(nb - k), a, m0, acc);
   FS_GGML_UNROLL for (int i = 0; i < MT; ++i) res[i] = _mm512_reduce_add_ps(acc[i]);
 }
 
 // The 32 nibbles of 16 code bytes at each of p0, p1 in column order (low nibbles 0-15, high
-// 16-31), as one zmm: block p0 in bytes 0-31, p1 in 32-63.
+// 16-31), as one zmm: block p0 in bytes 0-31, p1 in 32-63 (p1 zero unless `two`).
+// NOTE: 128-bit lanes [p0, p0, p1, p1] by two broadcast loads (load ports), then the high
+// nibbles of lanes 1 and 3 by one masked shift: 3 ALU ops, the insert / shift / lane shuffle /
+// and of [q0, q1, q0 >> 4, q1 >> 4] before cost 5 and a second shuffle port op
 [[gnu::always_inline]] inline __m512i nibbles_pair(const uint8_t* p0, const uint8_t* p1,
                                                    bool two) {
-  const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p0));
-  const __m128i q1 = two ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1))
-                         : _mm_setzero_si128();
-  const __m256i q01 = _mm256_set_m128i(q1, q0);
-  // 128-bit lanes [q0, q1, q0 >> 4, q1 >> 4] -> [q0, q0 >> 4, q1, q1 >> 4]
-  const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(q01),
-                                          _mm256_srli_epi16(q01, 4), 1);
-  return _mm512_and_si512(_mm512_shuffle_i64x2(both, both, 0xD8), _mm512_set1_epi8(0x0F));
+  const __m512i q0 = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0)));
+  const __m512i q = two ? _mm512_mask_broadcast_i32x4(
+                              q0, 0xFF00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)))
+                        : _mm512_maskz_mov_epi32(0x00FF, q0);
+  return _mm512_and_si512(_mm512_mask_srli_epi16(q, 0xFF00FF00u, q, 4), _mm512_set1_epi8(0x0F));
 }
 
 }  // namespace fitserve::ggml

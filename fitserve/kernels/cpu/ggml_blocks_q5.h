@@ -29,15 +29,18 @@ struct Q5 {
   // ggml_blocks_lanes.h: 16 blocks per step, one lane per block
   static constexpr int kShift = kMin ? -1 : 4;  // Q5_0: dot(q, a) - 16 sum(a)
   static constexpr bool kHasMin = kMin;
+  [[gnu::always_inline]] static inline __m512 lane_scales(__m512i g) { return low_f16s(g); }
   [[gnu::always_inline]] static inline __m512i pair(const uint8_t* b, bool two) {
     const __m512i u = nibbles_pair(b + kQsOff, b + kBytes + kQsOff, two);
     const uint64_t qh = load_u32(b + kQhOff) |
                         (two ? uint64_t{load_u32(b + kBytes + kQhOff)} << 32 : uint64_t{0});
     return _mm512_mask_add_epi8(u, static_cast<__mmask64>(qh), u, _mm512_set1_epi8(0x10));
   }
+  static constexpr bool kRowPrefetch = true;  // row(..., pf): ggml_blocks_run.h
   template <int MT>
-  static void row(const uint8_t* w, int64_t nb, const Act& a, int64_t m0, float* res) {
-    lanes_row<Q5, MT>(w, nb, a, m0, res);
+  static void row(const uint8_t* w, int64_t nb, const Act& a, int64_t m0, float* res,
+                  int64_t pf = 0) {
+    lanes_row<Q5, MT>(w, nb, a, m0, res, pf);
   }
 #elif !defined(FS_GGML_AVX2)
   template <int MT>

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "ggml_blocks_act.h"
@@ -51,24 +52,53 @@ inline void prefetch_row(const uint8_t* W, int64_t row_bytes, int64_t n) {
   for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(r + o, 0, 3);
 }
 
+// Whether T's row<1> takes a prefetch distance (row(w, nb, a, m0, res, pf): each step requests
+// the bytes pf ahead of those it reads) -- the VNNI rows of Q5_0 / Q5_1 / IQ4_NL / IQ4_XS.
+template <class T, class = void>
+struct has_row_prefetch : std::false_type {};
+template <class T>
+struct has_row_prefetch<T, std::void_t<decltype(T::kRowPrefetch)>>
+    : std::bool_constant<T::kRowPrefetch> {};
+
 // One row of x (a decode step) against weight rows [n0, n1), a thread's whole share.
 // NOTE: as fp8_gemv.cpp's few-row path: the rows go as two interleaved halves, each row
 // requested `ahead` rows (>= 4 KB) before its turn, two streams in flight instead of one (a
 // decode step streams every weight from DRAM once). Each output runs row<1>, as rows_range's
 // tile of one: the same bits. Rows over kStreamedRowMax bytes take rows_range (a whole-row
-// burst of 8 KB streamed worse than the hardware's own prefetch in fp8_gemv's measurements).
+// burst of 8 KB streamed worse than the hardware's own prefetch in fp8_gemv's measurements),
+// unless T's row prefetches as it goes (has_row_prefetch): then each half is one stream
+// requested kPrefetchBytes ahead of its reads, a few lines per step (no burst), any row length.
 constexpr int64_t kStreamedRowMax = 4096;
+constexpr int64_t kPrefetchBytes = 4096;
+
+template <class T>
+constexpr bool streams_m1(int64_t row_bytes) {
+  return has_row_prefetch<T>::value || row_bytes <= kStreamedRowMax;
+}
 
 template <class T>
 void rows_streamed(const uint8_t* W, int64_t row_bytes, int64_t nblk, const Act& a, int64_t n0,
                    int64_t n1, float* out) {
-  const int64_t ahead = std::clamp<int64_t>(4096 / std::max<int64_t>(1, row_bytes), 2, 16);
   const int64_t half = (n1 - n0 + 1) / 2, mid = n0 + half;
+  float res[1];
+  if constexpr (has_row_prefetch<T>::value) {
+    prefetch_span(W + n0 * row_bytes, std::min(kPrefetchBytes, half * row_bytes));
+    if (mid < n1) prefetch_span(W + mid * row_bytes, std::min(kPrefetchBytes, half * row_bytes));
+    for (int64_t i = 0; i < half; ++i) {
+      T::template row<1>(W + (n0 + i) * row_bytes, nblk, a, 0, res, kPrefetchBytes);
+      out[n0 + i] = res[0];
+      if (mid + i < n1) {
+        T::template row<1>(W + (mid + i) * row_bytes, nblk, a, 0, res, kPrefetchBytes);
+        out[mid + i] = res[0];
+      }
+    }
+    return;
+  }
+  const int64_t ahead = std::clamp<int64_t>(4096 / std::max<int64_t>(1, row_bytes), 2, 16);
   for (int64_t i = 0; i < ahead && i < half; ++i) {
     prefetch_row(W, row_bytes, n0 + i);
     if (mid + i < n1) prefetch_row(W, row_bytes, mid + i);
   }
-  float res[1];
   for (int64_t i = 0; i < half; ++i) {
     if (i + ahead < half) prefetch_row(W, row_bytes, n0 + i + ahead);
     if (mid + i + ahead < n1) prefetch_row(W, row_bytes, mid + i + ahead);
