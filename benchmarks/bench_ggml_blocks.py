@@ -6,11 +6,24 @@ us per call over --runs runs after a warm-up, weights rotated through copies tot
 CPU model, ISA and tier, and for each type GB/s of weight bytes read.
 
     python benchmarks/bench_ggml_blocks.py [--threads 1] [--n 2048] [--k 2048] [--ms 1,4,16]
+
+--vs-read instead sets each K-quant kernel beside a plain read of the same bytes, in one
+process, on the 1.7B model's shapes (N x K: 2048x2048 q/o, 512x2048 k/v at 8 kv heads,
+8192x2048 gate/up, 2048x8192 down) and the lm_heads (49152x576, 49152x2048): per shape, type
+and thread count, copies of the weight fill --rotate-mb (so every call reads them from DRAM,
+the cache evicted), then kernel passes and plain-read passes (torch's sum over the same buffers
+viewed as float32) alternate --runs times. GB/s of weight bytes: one thread by its CPU clock
+(time.thread_time: the host's other load does not count), more threads by the wall clock;
+medians, and the median of the per-pass ratios kernel / read. --ms 1,8 adds the M > 1 rows
+(per call: the weights read once per tile, so GB/s x M is the per-row cost).
+
+    python benchmarks/bench_ggml_blocks.py --vs-read [--threads 1,2] [--types Q6_K,Q4_K,Q5_K]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -50,15 +63,79 @@ def time_us(fn: Callable[[int], object], copies: int, runs: int) -> float:
     return statistics.median(times) * 1e6
 
 
+SHAPES_17B = "2048x2048,512x2048,8192x2048,2048x8192,49152x576,49152x2048"
+
+
+def pass_time(fn: Callable[[], object], cpu_clock: bool) -> float:
+    """Seconds one call of ``fn`` took: this thread's CPU time or the wall clock."""
+    clock = time.thread_time if cpu_clock else time.perf_counter
+    t0 = clock()
+    fn()
+    return clock() - t0
+
+
+def kernel_vs_read(t: str, n: int, k: int, m: int, ws: list[torch.Tensor], runs: int,
+                   cpu_clock: bool) -> tuple[float, float, float, float]:
+    """(kernel GB/s, read GB/s, median ratio of the alternated passes, us per call) of type t
+    over the weight copies ``ws`` at M = m."""
+    nbytes = ws[0].numel()
+    plain = [w.reshape(-1)[: nbytes // 4 * 4].view(torch.float32) for w in ws]
+    x = torch.randn(m, k).bfloat16()
+    kern_t, read_t = [], []
+    for _ in range(runs):
+        kern_t.append(pass_time(lambda: [ggml_matmul(x, w, t, n, k) for w in ws], cpu_clock))
+        read_t.append(pass_time(lambda: [b.sum() for b in plain], cpu_clock))
+    total = len(ws) * nbytes / 1e9
+    ratio = statistics.median(r / c for c, r in zip(kern_t, read_t, strict=True))
+    return (total / statistics.median(kern_t), total / statistics.median(read_t), ratio,
+            statistics.median(kern_t) / len(ws) * 1e6)
+
+
+def vs_read(args: argparse.Namespace) -> None:
+    """Each type's kernel beside a plain read of its bytes (see the module docstring)."""
+    rng = np.random.default_rng(0)
+    ms = [int(v) for v in args.ms.split(",")]
+    print(f"CPU: {cpu_model_name()}; ISA: {detect_isa().describe()}; tier {ggml_blocks_tier()}; "
+          f"weights in copies filling {args.rotate_mb} MiB; load average {os.getloadavg()}")
+    print(f"{'threads':>7} {'N x K':>11} {'type':>5} {'M':>3} {'clock':>5} {'kernel GB/s':>12} "
+          f"{'read GB/s':>10} {'ratio':>6} {'us/call':>9}")
+    for threads in [int(v) for v in args.threads_list.split(",")]:
+        torch.set_num_threads(threads)
+        for shape in args.shapes.split(","):
+            n, k = (int(v) for v in shape.split("x"))
+            for t in args.types.split(","):
+                if k % SIZES[t][0]:  # NOTE: llama.cpp stores such a tensor in another type
+                    print(f"{threads:>7} {shape:>11} {t:>5}   K not a multiple of "
+                          f"{SIZES[t][0]}: a file holds it as Q5_0 / Q5_1 / Q8_0")
+                    continue
+                nbytes = n * (k // SIZES[t][0]) * SIZES[t][1]
+                ws = [random_blocks(t, n, k, rng)
+                      for _ in range(max(2, (args.rotate_mb << 20) // nbytes))]
+                for m in ms:
+                    kern, read, ratio, us = kernel_vs_read(t, n, k, m, ws, args.runs,
+                                                           threads == 1)
+                    print(f"{threads:>7} {shape:>11} {t:>5} {m:>3} "
+                          f"{'cpu' if threads == 1 else 'wall':>5} {kern:12.1f} {read:10.1f} "
+                          f"{ratio:6.2f} {us:9.1f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--vs-read", action="store_true", help="kernels vs a plain read (see top)")
+    ap.add_argument("--shapes", default=SHAPES_17B, help="--vs-read: N x K list")
+    ap.add_argument("--types", default="Q6_K,Q4_K,Q5_K", help="--vs-read: types")
+    ap.add_argument("--threads-list", default="1,2", help="--vs-read: thread counts")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--n", type=int, default=2048)
     ap.add_argument("--k", type=int, default=2048)
-    ap.add_argument("--ms", default="1,4,16")
+    ap.add_argument("--ms", default=None, help="rows of x (1,4,16; --vs-read 1)")
     ap.add_argument("--runs", type=int, default=7)
-    ap.add_argument("--rotate-mb", type=int, default=64)
+    ap.add_argument("--rotate-mb", type=int, default=None, help="weight copies (64; --vs-read 256)")
     args = ap.parse_args()
+    args.rotate_mb = args.rotate_mb or (256 if args.vs_read else 64)
+    args.ms = args.ms or ("1" if args.vs_read else "1,4,16")
+    if args.vs_read:
+        return vs_read(args)
     torch.set_num_threads(args.threads)
     n, k = args.n, args.k
     rng = np.random.default_rng(0)
