@@ -62,7 +62,7 @@ void q45k_row512(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float*
   }
   for (int64_t sb = 0; sb < nsb; ++sb) {
     const uint8_t* b = w + sb * kBytes;
-    if constexpr (MT <= 2) kq_prefetch_ahead<kBytes>(b);  // the GEMV's stream (kKqAhead)
+    if constexpr (MT == 1) kq_prefetch_ahead<kBytes>(b);  // the GEMV's stream (kKqAhead)
     uint64_t scv, mnv;
     scale_min_k4(b + 4, scv, mnv);
     const __m512i sc16 = _mm512_broadcast_i32x4(
@@ -121,7 +121,7 @@ void q6k_row512(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float* 
   }
   for (int64_t sb = 0; sb < nsb; ++sb) {
     const uint8_t* b = w + sb * 210;
-    if constexpr (MT <= 2) kq_prefetch_ahead<210>(b);
+    if constexpr (MT == 1) kq_prefetch_ahead<210>(b);
     const __m256i sc16 =
         _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
     const __m512i sc512 = _mm512_castsi256_si512(sc16);

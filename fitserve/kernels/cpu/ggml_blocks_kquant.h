@@ -21,7 +21,7 @@
 
 namespace fitserve::ggml {
 
-// NOTE: the GEMV's rows (tiles of 1-2 rows of x) request the weight bytes kKqAhead past each
+// NOTE: the GEMV's rows (tiles of one row of x) request the weight bytes kKqAhead past each
 // super-block as they go (a thread's rows are contiguous, so that is the row's stream 2 KB
 // ahead, into the next row): DRAM requests stay in flight at a steady distance. The bursts of
 // whole-row hints before (rows_streamed; rows over 4 KB: the row after next) held K = 8192 rows
@@ -109,7 +109,7 @@ struct Q45K {
     }
     for (int64_t sb = 0; sb < nsb; ++sb) {
       const uint8_t* b = w + sb * kBytes;
-      if constexpr (MT <= 2) kq_prefetch_ahead<kBytes>(b);
+      if constexpr (MT == 1) kq_prefetch_ahead<kBytes>(b);
       uint64_t scv, mnv;
       scale_min_k4(b + 4, scv, mnv);
       const __m256i sc16 = _mm256_broadcastsi128_si256(
@@ -215,7 +215,7 @@ struct Q6K {
     }
     for (int64_t sb = 0; sb < nsb; ++sb) {
       const uint8_t* b = w + sb * kBytes;
-      if constexpr (MT <= 2) kq_prefetch_ahead<kBytes>(b);
+      if constexpr (MT == 1) kq_prefetch_ahead<kBytes>(b);
       // int16 scales [s0..s7 | s8..s15]; the -32 offset: -32 * sum_s sc[s] * (sum of a over s)
       const __m256i sc16 =
           _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
