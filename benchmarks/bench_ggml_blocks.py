@@ -7,14 +7,17 @@ CPU model, ISA and tier, and for each type GB/s of weight bytes read.
 
     python benchmarks/bench_ggml_blocks.py [--threads 1] [--n 2048] [--k 2048] [--ms 1,4,16]
 
---stream: the decode GEMV (M = 1) of the 32-column types on SmolLM2-1.7B's weight shapes
-(--shapes, N x K), weights evicted between calls (copies filling --rotate-mb read in turn),
-beside a plain read (torch sum) of the same buffers, alternated in one process, on 1 and 2
-threads. One thread: bytes per CPU second of the thread (time.thread_time, fair on a loaded
-host); two: bytes per wall second (min over --runs passes). Prints GB/s and the kernel's
-fraction of the plain read.
+--vs-read instead sets each GGUF block kernel (K-quants, Q5, IQ4, MXFP4) beside a plain read of the same bytes, in one
+process, on the 1.7B model's shapes (N x K: 2048x2048 q/o, 512x2048 k/v at 8 kv heads,
+8192x2048 gate/up, 2048x8192 down) and the lm_heads (49152x576, 49152x2048): per shape, type
+and thread count, copies of the weight fill --rotate-mb (so every call reads them from DRAM,
+the cache evicted), then kernel passes and plain-read passes (torch's sum over the same buffers
+viewed as float32) alternate --runs times. GB/s of weight bytes: one thread by its CPU clock
+(time.thread_time: the host's other load does not count), more threads by the wall clock;
+medians, and the median of the per-pass ratios kernel / read. --ms 1,8 adds the M > 1 rows
+(per call: the weights read once per tile, so GB/s x M is the per-row cost).
 
-    python benchmarks/bench_ggml_blocks.py --stream [--types Q5_0,IQ4_XS] [--threads-list 1,2]
+    python benchmarks/bench_ggml_blocks.py --vs-read [--threads-list 1,2] [--types Q6_K,Q5_0]
 """
 
 from __future__ import annotations
@@ -36,8 +39,6 @@ F16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q5_
               "IQ4_NL": (0,), "IQ4_XS": (0,), "MXFP4": ()}
 SIZES = {"Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "Q5_0": (32, 22),
          "Q5_1": (32, 24), "IQ4_NL": (32, 18), "IQ4_XS": (256, 136), "MXFP4": (32, 17)}
-# SmolLM2-1.7B's linear weights, N x K: q/k/v/o, a 4x-narrower k/v, gate/up, down
-SHAPES_17B = "2048x2048,512x2048,8192x2048,2048x8192"
 
 
 def random_blocks(ggml_type: str, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
@@ -64,65 +65,80 @@ def time_us(fn: Callable[[int], object], copies: int, runs: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def _pass_s(fn: Callable[[], object], threads: int) -> float:
-    """Seconds of one pass: the thread's CPU time on one thread, wall time on more."""
-    clock = time.thread_time if threads == 1 else time.perf_counter
+SHAPES_17B = "2048x2048,512x2048,8192x2048,2048x8192,49152x576,49152x2048"
+
+
+def pass_time(fn: Callable[[], object], cpu_clock: bool) -> float:
+    """Seconds one call of ``fn`` took: this thread's CPU time or the wall clock."""
+    clock = time.thread_time if cpu_clock else time.perf_counter
     t0 = clock()
     fn()
     return clock() - t0
 
 
-def _stream_shape(t: str, n: int, k: int, args: argparse.Namespace,
-                  rng: np.random.Generator) -> str:
-    """One type and shape: per thread count, kernel GB/s, plain-read GB/s and their ratio."""
-    row = (k // SIZES[t][0]) * SIZES[t][1]
-    copies = max(2, (args.rotate_mb << 20) // (n * row))
-    ws = [random_blocks(t, n, k, rng) for _ in range(copies)]
-    flat = [w.view(-1)[: w.numel() // 4 * 4].view(torch.float32) for w in ws]
-    x = torch.randn(1, k)
-    line = f"{t:<8}{f'{n}x{k}':>11}{row:>7}"
-    for th in (int(v) for v in args.threads_list.split(",")):
-        torch.set_num_threads(th)
-        kern, read = [], []
-        for _ in range(args.runs):
-            kern.append(_pass_s(lambda: [ggml_matmul(x, w, t, n, k) for w in ws], th))
-            read.append(_pass_s(lambda: [f.sum() for f in flat], th))
-        gk, gr = copies * n * row / min(kern) / 1e9, copies * n * row / min(read) / 1e9
-        line += f"{gk:10.1f}{gr:9.1f}{gk / gr:6.2f}"
-    return line
+def kernel_vs_read(t: str, n: int, k: int, m: int, ws: list[torch.Tensor], runs: int,
+                   cpu_clock: bool) -> tuple[float, float, float, float]:
+    """(kernel GB/s, read GB/s, median ratio of the alternated passes, us per call) of type t
+    over the weight copies ``ws`` at M = m."""
+    nbytes = ws[0].numel()
+    plain = [w.reshape(-1)[: nbytes // 4 * 4].view(torch.float32) for w in ws]
+    x = torch.randn(m, k).bfloat16()
+    kern_t, read_t = [], []
+    for _ in range(runs):
+        kern_t.append(pass_time(lambda: [ggml_matmul(x, w, t, n, k) for w in ws], cpu_clock))
+        read_t.append(pass_time(lambda: [b.sum() for b in plain], cpu_clock))
+    total = len(ws) * nbytes / 1e9
+    ratio = statistics.median(r / c for c, r in zip(kern_t, read_t, strict=True))
+    return (total / statistics.median(kern_t), total / statistics.median(read_t), ratio,
+            statistics.median(kern_t) / len(ws) * 1e6)
 
 
-def stream(args: argparse.Namespace) -> None:
-    """Per type and shape, M = 1 from DRAM: kernel and plain-read GB/s, alternated."""
+def vs_read(args: argparse.Namespace) -> None:
+    """Each type's kernel beside a plain read of its bytes (see the module docstring)."""
     rng = np.random.default_rng(0)
-    threads = [int(v) for v in args.threads_list.split(",")]
+    ms = [int(v) for v in args.ms.split(",")]
     print(f"CPU: {cpu_model_name()}; ISA: {detect_isa().describe()}; tier {ggml_blocks_tier()}; "
-          f"M = 1, copies filling {args.rotate_mb} MiB; load average {os.getloadavg()}")
-    print(f"{'type':<8}{'N x K':>11}{'row B':>7}" + "".join(
-        f"{f'kernel {t}T':>10}{f'read {t}T':>9}{'frac':>6}" for t in threads))
-    for t in args.types.split(","):
+          f"weights in copies filling {args.rotate_mb} MiB; load average {os.getloadavg()}")
+    print(f"{'threads':>7} {'N x K':>11} {'type':>5} {'M':>3} {'clock':>5} {'kernel GB/s':>12} "
+          f"{'read GB/s':>10} {'ratio':>6} {'us/call':>9}")
+    for threads in [int(v) for v in args.threads_list.split(",")]:
+        torch.set_num_threads(threads)
         for shape in args.shapes.split(","):
             n, k = (int(v) for v in shape.split("x"))
-            print(_stream_shape(t, n, k, args, rng), flush=True)
-    print(f"load average after: {os.getloadavg()}")
+            for t in args.types.split(","):
+                if k % SIZES[t][0]:  # NOTE: llama.cpp stores such a tensor in another type
+                    print(f"{threads:>7} {shape:>11} {t:>5}   K not a multiple of "
+                          f"{SIZES[t][0]}: a file holds it as Q5_0 / Q5_1 / Q8_0")
+                    continue
+                nbytes = n * (k // SIZES[t][0]) * SIZES[t][1]
+                ws = [random_blocks(t, n, k, rng)
+                      for _ in range(max(2, (args.rotate_mb << 20) // nbytes))]
+                for m in ms:
+                    kern, read, ratio, us = kernel_vs_read(t, n, k, m, ws, args.runs,
+                                                           threads == 1)
+                    print(f"{threads:>7} {shape:>11} {t:>5} {m:>3} "
+                          f"{'cpu' if threads == 1 else 'wall':>5} {kern:12.1f} {read:10.1f} "
+                          f"{ratio:6.2f} {us:9.1f}", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--stream", action="store_true", help="M = 1 from DRAM vs a plain read")
-    ap.add_argument("--types", default="Q5_0,Q5_1,IQ4_NL,IQ4_XS,MXFP4", help="--stream: types")
-    ap.add_argument("--shapes", default=SHAPES_17B, help="--stream: N x K list")
-    ap.add_argument("--threads-list", default="1,2", help="--stream: thread counts")
+    ap.add_argument("--vs-read", action="store_true", help="kernels vs a plain read (see top)")
+    ap.add_argument("--shapes", default=SHAPES_17B, help="--vs-read: N x K list")
+    ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q5_0,Q5_1,IQ4_NL,IQ4_XS,MXFP4",
+                    help="--vs-read: types")
+    ap.add_argument("--threads-list", default="1,2", help="--vs-read: thread counts")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--n", type=int, default=2048)
     ap.add_argument("--k", type=int, default=2048)
-    ap.add_argument("--ms", default="1,4,16")
-    ap.add_argument("--runs", type=int, default=7, help="passes (--stream: the min is taken)")
-    ap.add_argument("--rotate-mb", type=int, default=64)
+    ap.add_argument("--ms", default=None, help="rows of x (1,4,16; --vs-read 1)")
+    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--rotate-mb", type=int, default=None, help="weight copies (64; --vs-read 256)")
     args = ap.parse_args()
-    if args.stream:
-        args.rotate_mb = max(args.rotate_mb, 256)
-        return stream(args)
+    args.rotate_mb = args.rotate_mb or (256 if args.vs_read else 64)
+    args.ms = args.ms or ("1" if args.vs_read else "1,4,16")
+    if args.vs_read:
+        return vs_read(args)
     torch.set_num_threads(args.threads)
     n, k = args.n, args.k
     rng = np.random.default_rng(0)

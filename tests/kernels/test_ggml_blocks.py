@@ -194,20 +194,20 @@ def test_thread_splits_give_the_same_bits(t: str) -> None:
         assert all(torch.equal(outs[0], o) for o in outs[1:]), (t, m)
 
 
-# NOTE: Q4_K / Q5_K's AVX-512 rows (ggml_blocks_kq512.h) sum a tile's rows in an order that
-# depends on its height, so they are not batch invariant (they were not before the VNNI rows of
-# Q5_0 / Q5_1 / IQ4_NL either); every other type's row runs the same instructions in any tile.
-@pytest.mark.parametrize("t", [t for t in TYPES if t not in ("Q4_K", "Q5_K")])
+@pytest.mark.parametrize("t", TYPES)
 def test_each_row_is_the_row_alone(t: str) -> None:
-    """Batch invariance: row r of a 13-row call (tiles of 8 + 4 + 1 rows on AVX-512, 4 + 4 + 4
-    + 1 on AVX2) has the bits of row r run alone; K = 544 for the 32-column types is 17 blocks
-    (a 16-block step of the VNNI rows and a tail of one)."""
-    n, k, m = 21, 544 if ACT_BLOCK[t] == 32 else 512, 13
+    """Batch invariance: row r of a call with M rows has the bits of row r run alone (the M = 1
+    GEMV, rows streamed), for M = 15 (tiles of 8 + 4 + 2 + 1 rows on AVX-512, 4 + 4 + 4 + 2 + 1
+    on AVX2) and M = 24 (full tiles only); K = 544 for the 32-column types is 17 blocks (a
+    16-block step of the VNNI rows and a tail of one), 1280 for the K-quants (5 super-blocks)."""
+    n, k = 21, 544 if ACT_BLOCK[t] == 32 else 1280
     blocks = torch.from_numpy(random_blocks(t, n, k, 11))
-    x = make_x(m, k, torch.float32, 13)
-    y = ggml_matmul(x, blocks, t, n, k)
-    for r in range(m):
-        assert torch.equal(y[r], ggml_matmul(x[r:r + 1], blocks, t, n, k)[0]), (t, r)
+    x = make_x(24, k, torch.float32, 13)
+    alone = torch.cat([ggml_matmul(x[r:r + 1], blocks, t, n, k) for r in range(24)])
+    for m in (15, 24):
+        y = ggml_matmul(x[:m], blocks, t, n, k)
+        bad = [r for r in range(m) if not torch.equal(y[r], alone[r])]
+        assert not bad, f"{t} M={m}: rows {bad} differ from the row alone"
 
 
 def test_nan_in_x_reaches_its_row_only() -> None:

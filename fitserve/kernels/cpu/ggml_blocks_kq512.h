@@ -43,23 +43,26 @@ inline __m512i rol_halves(__m512i v, int lo, int hi) {
   return _mm512_rolv_epi64(v, cnt);
 }
 
-// NOTE: kSplit (tiles of 1-2 rows, the GEMV): the low / high nibble products and the mins go
-// to separate accumulators, so each super-block's chain of dependent vpdpwssd / FMAs is half as
-// long (at M = 1 the latency of that chain, not the op count, set the speed); larger tiles
-// interleave their rows instead and need the registers.
+// NOTE: kSplit (tiles of 1-2 rows, the GEMV): the low / high nibble products go to separate
+// integer accumulators, so each super-block's chain of dependent vpdpwssd is half as long (at
+// M = 1 the latency of that chain, not the op count, set the speed); larger tiles interleave
+// their rows instead and need the registers. Integer sums are exact in any order, and the fp32
+// part is the same three ops for every tile height (t = isum * d da + mins * ds; acc += t: one
+// add in acc's dependency chain), so row m gives the same bits whatever M (batch invariance).
 template <bool kHigh, int MT>
 void q45k_row512(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float* res) {
   constexpr int64_t kBytes = kHigh ? 176 : 144, kQsOff = kHigh ? 48 : 16;
   constexpr bool kSplit = MT <= 2;
   const __m512i m4 = _mm512_set1_epi8(0x0F), m10 = _mm512_set1_epi8(0x10);
-  __m512 acc[MT], accm[MT];
+  __m512 acc[MT];
   const int8_t* aq[MT];
   FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
-    acc[i] = accm[i] = _mm512_setzero_ps();
+    acc[i] = _mm512_setzero_ps();
     aq[i] = a.qrow(m0 + i);
   }
   for (int64_t sb = 0; sb < nsb; ++sb) {
     const uint8_t* b = w + sb * kBytes;
+    if constexpr (MT == 1) kq_prefetch_ahead<kBytes>(b);  // the GEMV's stream (kKqAhead)
     uint64_t scv, mnv;
     scale_min_k4(b + 4, scv, mnv);
     const __m512i sc16 = _mm512_broadcast_i32x4(
@@ -94,13 +97,12 @@ void q45k_row512(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float*
     FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
       const __m512 s = _mm512_zextps256_ps512(_mm256_loadu_ps(a.dsrow(m0 + i) + sb * 8));
       const __m512i isum = kSplit ? _mm512_add_epi32(ia[i], ib[i]) : ia[i];
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d * a.drow(m0 + i)[sb]),
-                               acc[i]);
-      __m512& dst = kSplit ? accm[i] : acc[i];
-      dst = _mm512_fmadd_ps(mins, s, dst);
+      const __m512 t = _mm512_fmadd_ps(
+          mins, s, _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d * a.drow(m0 + i)[sb])));
+      acc[i] = _mm512_add_ps(acc[i], t);
     }
   }
-  FS_GGML_UNROLL for (int i = 0; i < MT; ++i) res[i] = hsum512(_mm512_add_ps(acc[i], accm[i]));
+  FS_GGML_UNROLL for (int i = 0; i < MT; ++i) res[i] = hsum512(acc[i]);
 }
 
 template <int MT>
@@ -119,6 +121,7 @@ void q6k_row512(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float* 
   }
   for (int64_t sb = 0; sb < nsb; ++sb) {
     const uint8_t* b = w + sb * 210;
+    if constexpr (MT == 1) kq_prefetch_ahead<210>(b);
     const __m256i sc16 =
         _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
     const __m512i sc512 = _mm512_castsi256_si512(sc16);
