@@ -29,6 +29,14 @@ JSON it prints beside the copy bandwidth). Measured, each the median of the undi
                              two add_rms_norm_, rope_write_kv_ into a paged cache, silu_and_mul;
                              seconds per element of ``ledger.speed.elementwise_elements`` (what
                              the ledger multiplies by a model's widths, tokens and layers)
+    weight stream at M = 1   bytes of weight per second the engine's one-row linears reach on
+                             weights cycled past the LLC (a W1 step's linears), at K = 576 and
+                             2048 (N = 2048): "int8act" = int4_linear with int8 activations,
+                             "bf16" = the one-row bf16 linear (fitserve_dense::bf16_gemv where
+                             the engine prefers it, else F.linear). A kernel whose own work per
+                             byte is slower than the memory, or that does not overlap the two,
+                             reads below the copy bandwidth: the planner's W1 floor is then
+                             this rate, not the bandwidth
     per sequence             the tiny model's decode step with 8 sequences against 1 (the slope:
                              scheduler, input building, sampling and output per sequence), plus
                              the greedy argmax over the vocabulary per logit (the engine's C++
@@ -59,6 +67,8 @@ RATE_K, RATE_N = 1024, 2048
 RATE_ROWS = (32, 512)  # a batched decode step, a prefill chunk
 CYCLE_BYTES = 96 << 20  # operands cycled through per op: past the last-level caches seen here
 TINY_LAYERS = (2, 8)
+GEMV_K = (576, 2048)  # a small model's hidden (SmolLM2-135M) and a 1-2B one's
+GEMV_N = 2048
 
 
 def _good_median(seconds: list[float]) -> float:
@@ -132,6 +142,50 @@ def measure_matmul_rates(threads: int, repeats: int = 15) -> dict[str, list[floa
             inner = max(1, 128 // m)
             sec = _time_call(fn, repeats=repeats, inner=inner)
             rates.setdefault(path, []).append(threads * 2 * m * RATE_K * RATE_N / sec)
+    return rates
+
+
+def _gemv_calls(k: int) -> dict[str, Callable[[], object]]:
+    """Each path's one-row linear (as the engine's W1 step calls it) on weights of GEMV_N x k,
+    cycling over copies past CYCLE_BYTES (``gemv_weight_bytes`` per call)."""
+    from fitserve.kernels.cpu.qlinear import int4_linear, qlinear_ops_available
+    from fitserve.model.linear import bf16_gemv_preferred
+
+    n, g = GEMV_N, torch.Generator().manual_seed(0)
+    xb = torch.randn(1, k, generator=g).bfloat16()
+    w1 = (torch.randn(n, k, generator=g) * 0.02).bfloat16()
+    wb = [w1.clone() for _ in range(max(2, CYCLE_BYTES // (n * k * 2)))]
+    if bf16_gemv_preferred():
+        gemv = torch.ops.fitserve_dense.bf16_gemv.default
+        calls: dict[str, Callable[[], object]] = {
+            "bf16": _cycle([functools.partial(gemv, xb, w, None) for w in wb])}
+    else:
+        calls = {"bf16": _cycle([functools.partial(F.linear, xb, w) for w in wb])}
+    if qlinear_ops_available():
+        s = (torch.rand(n, k // 32, generator=g) * 0.01).half()
+        mins = (torch.rand(n, k // 32, generator=g) * -0.08).half()
+        q1 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+        qs = [q1.clone() for _ in range(max(2, CYCLE_BYTES // (n * k // 2)))]
+        calls["int8act"] = _cycle([functools.partial(int4_linear, xb, q, s, mins, 32, True)
+                                   for q in qs])
+    return calls
+
+
+def gemv_weight_bytes(path: str, k: int) -> int:
+    """Bytes of weight one call of ``path``'s one-row linear reads (codes + fp16 scales and
+    mins per group of 32 for int4)."""
+    n = GEMV_N
+    return n * k * 2 if path == "bf16" else n * k // 2 + 2 * 2 * n * (k // 32)
+
+
+def measure_gemv_rates(threads: int, repeats: int = 15) -> dict[str, list[float]]:
+    """path -> [weight bytes/s at each of GEMV_K] of the engine's one-row linears on
+    ``threads`` cores: one thread's rate x threads (see the module doc)."""
+    rates: dict[str, list[float]] = {}
+    for k in GEMV_K:
+        for path, fn in _gemv_calls(k).items():
+            sec = _time_call(fn, repeats=repeats, inner=16)
+            rates.setdefault(path, []).append(threads * gemv_weight_bytes(path, k) / sec)
     return rates
 
 
@@ -325,7 +379,8 @@ def measure(threads: int) -> dict[str, object]:
             "attention_flops": measure_attention_rate(threads),
             "step_overhead_s": per_step, "layer_overhead_s": per_layer, "threads": threads,
             "elementwise_s": measure_elementwise(), "seq_overhead_s": per_seq,
-            "logit_s": per_logit}
+            "logit_s": per_logit, "gemv_k": list(GEMV_K),
+            "gemv_bytes_per_s": measure_gemv_rates(threads)}
 
 
 if __name__ == "__main__":

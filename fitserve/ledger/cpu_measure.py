@@ -60,6 +60,9 @@ class CpuFigures:
     elementwise_s: float = 0.0
     seq_overhead_s: float = 0.0
     logit_s: float = 0.0
+    # the one-row linears' weight bytes/s per path at each K of gemv_k (EngineRates)
+    gemv_k: tuple[int, ...] = ()
+    gemv_bytes_per_s: dict[str, list[float]] = field(default_factory=dict)
 
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.measured_at))
@@ -70,11 +73,22 @@ class CpuFigures:
                   f"{self.attention_flops / 1e9:.0f} GFLOP/s; step overhead "
                   f"{self.step_overhead_s * 1e3:.3f} ms + {self.layer_overhead_s * 1e6:.1f} us "
                   f"per layer + {self.seq_overhead_s * 1e6:.1f} us per sequence; element-wise "
-                  f"{self.elementwise_s * 1e12:.0f} ps per element" if self.matmul_flops else
+                  f"{self.elementwise_s * 1e12:.0f} ps per element{describe_gemv(self)}"
+                  if self.matmul_flops else
                   f"; engine rates not measured ({self.engine_note or 'unknown'})")
         return (f"{self.mem_bytes_per_s / 1e9:.1f} GB/s copy, {self.flops / 1e9:.0f} GFLOP/s "
                 f"numpy f32 matmul{engine}, {self.threads} threads, measured {when} on "
                 f"{self.cpu_model}")
+
+
+def describe_gemv(r: CpuFigures | EngineRates) -> str:
+    """'; one-row linears ... GB/s at K = ...' (empty where not measured)."""
+    if not r.gemv_bytes_per_s:
+        return ""
+    ks = "/".join(str(k) for k in r.gemv_k)
+    rates = ", ".join(f"{p} {'/'.join(f'{x / 1e9:.1f}' for x in v)}"
+                      for p, v in sorted(r.gemv_bytes_per_s.items()))
+    return f"; one-row linears' weight GB/s at K = {ks}: {rates}"
 
 
 def cpu_model() -> str:
@@ -182,6 +196,9 @@ class EngineRates:
     elementwise_s: float = 0.0  # per element of a layer's element-wise work, per token
     seq_overhead_s: float = 0.0  # per sampled sequence of a step
     logit_s: float = 0.0  # per logit of a sampled sequence (the greedy argmax)
+    # weight bytes/s of the one-row linears per path at each of gemv_k (K); empty: not measured
+    gemv_k: tuple[int, ...] = ()
+    gemv_bytes_per_s: dict[str, list[float]] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, text: str) -> EngineRates:
@@ -192,13 +209,18 @@ class EngineRates:
             rates = {str(p): [float(x) for x in v] for p, v in d["matmul_flops"].items()}
             out = cls(rows, rates, float(d["attention_flops"]), float(d["step_overhead_s"]),
                       float(d["layer_overhead_s"]), float(d.get("elementwise_s", 0.0)),
-                      float(d.get("seq_overhead_s", 0.0)), float(d.get("logit_s", 0.0)))
+                      float(d.get("seq_overhead_s", 0.0)), float(d.get("logit_s", 0.0)),
+                      tuple(int(k) for k in d.get("gemv_k", ())),
+                      {str(p): [float(x) for x in v]
+                       for p, v in d.get("gemv_bytes_per_s", {}).items()})
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise ValueError(f"not the engine-rates JSON ({exc!r}): {text[:200]}") from None
         if "bf16" not in rates or any(len(v) != len(rows) for v in rates.values()) or min(
                 [out.step_overhead_s, out.layer_overhead_s, out.attention_flops,
                  out.elementwise_s, out.seq_overhead_s, out.logit_s,
-                 *(x for v in rates.values() for x in v)]) < 0:
+                 *(x for v in rates.values() for x in v)]) < 0 or any(
+                len(v) != len(out.gemv_k) or min(v, default=1.0) <= 0
+                for v in out.gemv_bytes_per_s.values()):
             raise ValueError(f"engine-rates JSON with mismatched or negative figures: {text[:200]}")
         return out
 
@@ -242,7 +264,7 @@ def measure_figures(threads: int | None = None, *,
     return CpuFigures(bw, flops, cpu_model(), t, at, kept, e.matmul_rows, e.matmul_flops,
                       e.attention_flops, e.step_overhead_s, e.layer_overhead_s,
                       elementwise_s=e.elementwise_s, seq_overhead_s=e.seq_overhead_s,
-                      logit_s=e.logit_s)
+                      logit_s=e.logit_s, gemv_k=e.gemv_k, gemv_bytes_per_s=e.gemv_bytes_per_s)
 
 
 def reusable_engine_rates(cached: CpuFigures | None, *, now: float, model: str,
@@ -255,7 +277,8 @@ def reusable_engine_rates(cached: CpuFigures | None, *, now: float, model: str,
         return None
     return EngineRates(tuple(cached.matmul_rows), dict(cached.matmul_flops),
                        cached.attention_flops, cached.step_overhead_s, cached.layer_overhead_s,
-                       cached.elementwise_s, cached.seq_overhead_s, cached.logit_s)
+                       cached.elementwise_s, cached.seq_overhead_s, cached.logit_s,
+                       tuple(cached.gemv_k), dict(cached.gemv_bytes_per_s))
 
 
 def cached_is_usable(cached: CpuFigures, *, now: float, model: str, threads: int,

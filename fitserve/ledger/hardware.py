@@ -19,8 +19,9 @@ from fitserve.ledger import cpu_measure
 from fitserve.ledger.errors import PlanError
 
 # 4: the engine rates (one thread's CPU time x threads) beside the bandwidth; 5: + the
-# element-wise cost per token and the cost per sampled sequence
-CPU_CACHE_VERSION = 5
+# element-wise cost per token and the cost per sampled sequence; 6: + the one-row linears'
+# weight stream rate
+CPU_CACHE_VERSION = 6
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,19 @@ class Hardware:
     elementwise_s: float = 0.0
     seq_overhead_s: float = 0.0
     logit_s: float = 0.0
+    # a CPU: weight bytes/s the engine's one-row linears reach per path ("int8act", "bf16") at
+    # each K of ``gemv_k`` (fitserve.engine.cpu_rates); empty: not measured
+    gemv_k: tuple[int, ...] = ()
+    gemv_rates: tuple[tuple[str, tuple[float, ...]], ...] = ()
+
+    def weight_stream_rate(self, weights_fmt: str, k: int) -> float:
+        """Weight bytes/s the one-row linears of ``weights_fmt``'s path reach with rows of
+        ``k`` (log-linear between the measured K, flat past them; 0: not measured, no floor).
+        f32 weights run at the bf16 path's rate per byte (the same memory-bound GEMV)."""
+        rates = dict(self.gemv_rates)
+        path = cpu_matmul_path(weights_fmt)
+        got = rates.get(path) or rates.get("bf16")
+        return _at_rows(self.gemv_k, got, k) if got and self.gemv_k else 0.0
 
     def peak_flops(self, weights_fmt: str, rows: int | None = None) -> float:
         """Matmul rate for a weight format: where the engine's rates were measured (a CPU), the
@@ -222,7 +236,9 @@ def cpu_hardware(*, refresh: bool = False) -> Hardware:
         matmul_rows=tuple(figures.matmul_rows), matmul_rates=rates,
         attention_flops=figures.attention_flops, step_overhead_s=figures.step_overhead_s,
         layer_overhead_s=figures.layer_overhead_s, elementwise_s=figures.elementwise_s,
-        seq_overhead_s=figures.seq_overhead_s, logit_s=figures.logit_s)
+        seq_overhead_s=figures.seq_overhead_s, logit_s=figures.logit_s,
+        gemv_k=tuple(figures.gemv_k),
+        gemv_rates=tuple((p, tuple(v)) for p, v in sorted(figures.gemv_bytes_per_s.items())))
 
 
 def measured_cpu(*, mem_bytes_per_s: float, engine: cpu_measure.EngineRates,
@@ -241,12 +257,15 @@ def measured_cpu(*, mem_bytes_per_s: float, engine: cpu_measure.EngineRates,
                f"overhead {engine.step_overhead_s * 1e3:.3f} ms + "
                f"{engine.layer_overhead_s * 1e6:.1f} us per layer + "
                f"{engine.seq_overhead_s * 1e6:.1f} us per sequence, element-wise "
-               f"{engine.elementwise_s * 1e12:.0f} ps per element",
+               f"{engine.elementwise_s * 1e12:.0f} ps per element"
+               f"{cpu_measure.describe_gemv(engine)}",
         measured=True, measured_at=time.time(), cores=threads,
         matmul_rows=tuple(engine.matmul_rows), matmul_rates=rates,
         attention_flops=engine.attention_flops, step_overhead_s=engine.step_overhead_s,
         layer_overhead_s=engine.layer_overhead_s, elementwise_s=engine.elementwise_s,
-        seq_overhead_s=engine.seq_overhead_s, logit_s=engine.logit_s)
+        seq_overhead_s=engine.seq_overhead_s, logit_s=engine.logit_s,
+        gemv_k=tuple(engine.gemv_k),
+        gemv_rates=tuple((p, tuple(v)) for p, v in sorted(engine.gemv_bytes_per_s.items())))
 
 
 def _read_cached(path: Path) -> cpu_measure.CpuFigures | None:
@@ -255,6 +274,7 @@ def _read_cached(path: Path) -> cpu_measure.CpuFigures | None:
         if data.pop("version", None) != CPU_CACHE_VERSION:
             return None
         data["matmul_rows"] = tuple(data.get("matmul_rows", ()))
+        data["gemv_k"] = tuple(data.get("gemv_k", ()))
         return cpu_measure.CpuFigures(**data)
     except (OSError, ValueError, TypeError):
         return None  # missing, old-format or damaged: measured again

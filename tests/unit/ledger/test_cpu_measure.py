@@ -93,6 +93,19 @@ def test_engine_rates_parse_and_reject() -> None:
             cpu_measure.EngineRates.from_json(bad)
 
 
+def test_engine_rates_carry_the_one_row_linears_weight_rates() -> None:
+    gemv = ENGINE_JSON.replace('"threads": 2}', '"threads": 2, "gemv_k": [576, 2048], '
+                               '"gemv_bytes_per_s": {"int8act": [3.6e10, 3.9e10]}}')
+    e = cpu_measure.EngineRates.from_json(gemv)
+    assert e.gemv_k == (576, 2048) and e.gemv_bytes_per_s == {"int8act": [3.6e10, 3.9e10]}
+    assert cpu_measure.describe_gemv(e) == "; one-row linears' weight GB/s at K = 576/2048: int8act 36.0/39.0"
+    old = cpu_measure.EngineRates.from_json(ENGINE_JSON)  # a probe without them: no floor
+    assert old.gemv_k == () and old.gemv_bytes_per_s == {} and cpu_measure.describe_gemv(old) == ""
+    for bad in (gemv.replace("[3.6e10, 3.9e10]", "[3.6e10]"), gemv.replace("3.6e10", "0")):
+        with pytest.raises(ValueError, match="mismatched or negative"):
+            cpu_measure.EngineRates.from_json(bad)
+
+
 def test_a_failed_engine_probe_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_measure, "ENGINE_RATES_MODULE", "fitserve.no_such_module")
     with pytest.raises(RuntimeError, match="fitserve.no_such_module failed .exit 1.: .*No module"):

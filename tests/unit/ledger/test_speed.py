@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 
 from fitserve.ledger.flops import attention_crossover_context, flops_per_token, prefill_flops
@@ -45,6 +48,27 @@ def test_decode_roofline_batch_1_is_memory_bound() -> None:
     assert s.t_memory == pytest.approx((wb.total + 131_072 * 1024) / 3.35e12)
     assert s.bound == "memory"
     assert s.seconds == s.t_memory  # tp=1: no collectives
+
+
+def test_a_cpus_one_row_linears_floor_the_weight_kernels() -> None:
+    # a CPU whose int4 one-row linears stream 36 GB/s at K = 576 and 39 at K = 2048 against a
+    # 80 GB/s copy: W1 of an int4 model is bound by the kernels' rate, not the bandwidth
+    base = dataclasses.replace(H100, name="cpu", mem_bytes_per_s=80e9, bf16_flops=1e12, cores=2)
+    hw = dataclasses.replace(base, gemv_k=(576, 2048), gemv_rates=(("int8act", (36e9, 39e9)),))
+    assert hw.weight_stream_rate("int4-g32-asym", 576) == 36e9
+    assert hw.weight_stream_rate("Q4_K_M", 4096) == 39e9  # flat past the measured K
+    assert hw.weight_stream_rate("int4-g32", 1024) == pytest.approx(
+        36e9 + 3e9 * math.log(1024 / 576) / math.log(2048 / 576))
+    assert hw.weight_stream_rate("bf16", 576) == 0.0 and base.weight_stream_rate("int4", 576) == 0.0
+    wb = model_weight_bytes(L8, "int4-g32-asym")
+    s = decode_step(L8, hw, wb, batch=1, context=1024, kv_dtype="bf16",
+                    weights_fmt="int4-g32-asym")
+    plain = decode_step(L8, base, wb, batch=1, context=1024, kv_dtype="bf16",
+                        weights_fmt="int4-g32-asym")
+    assert s.t_dequant == pytest.approx(s.weight_bytes / 39e9)  # L8's hidden is 4096
+    assert s.t_dequant > max(plain.t_dequant, s.t_memory) and s.bound == "dequant"
+    assert s.seconds - plain.seconds == pytest.approx(
+        s.t_dequant - max(plain.t_memory, plain.t_compute, plain.t_dequant))
 
 
 def test_compute_bound_batch_is_the_turning_point() -> None:
