@@ -17,6 +17,7 @@ from typing import Any
 from fitserve.envs import fitserve_home
 from fitserve.ledger import cpu_measure
 from fitserve.ledger.errors import PlanError
+from fitserve.ledger.formats import GGUF_PACKED
 
 # 4: the engine rates (one thread's CPU time x threads) beside the bandwidth; 5: + the
 # element-wise cost per token and the cost per sampled sequence; 6: + the one-row linears'
@@ -65,13 +66,12 @@ class Hardware:
     gemv_k: tuple[int, ...] = ()
     gemv_rates: tuple[tuple[str, tuple[float, ...]], ...] = ()
 
-    def weight_stream_rate(self, weights_fmt: str, k: int) -> float:
-        """Weight bytes/s the one-row linears of ``weights_fmt``'s path reach with rows of
-        ``k`` (log-linear between the measured K, flat past them; 0: not measured, no floor).
-        f32 weights run at the bf16 path's rate per byte (the same memory-bound GEMV)."""
-        rates = dict(self.gemv_rates)
-        path = cpu_matmul_path(weights_fmt)
-        got = rates.get(path) or rates.get("bf16")
+    def weight_stream_rate(self, fmt: str, k: int) -> float:
+        """Weight bytes/s this CPU's one-row linears reach on weights held as ``fmt`` with rows
+        of ``k`` (log-linear between the measured K, flat past them); 0 where that kernel was
+        not measured (``gemv_path``: the ggml block kernels, fp8, f32), so no floor."""
+        path = gemv_path(fmt)
+        got = dict(self.gemv_rates).get(path) if path else None
         return _at_rows(self.gemv_k, got, k) if got and self.gemv_k else 0.0
 
     def peak_flops(self, weights_fmt: str, rows: int | None = None) -> float:
@@ -101,6 +101,17 @@ class Hardware:
 # the VNNI kernels by default (--activation-quant auto); float32 weights run F.linear in f32;
 # everything else (bf16, fp8 dequantized per call, mixes) runs at the bf16 rate.
 _INT8ACT_PREFIXES = ("int4", "int8", "q4", "q5", "q6", "q8", "iq4")
+
+
+def gemv_path(fmt: str) -> str | None:
+    """The measured one-row kernel (``Hardware.gemv_rates``) a held weight format runs on:
+    "int8act" for the packed int4 / int8 group formats (GGUF Q4_0 / Q4_1 / Q8_0 held packed:
+    the int8 rows measured within ~10% of the int4 ones per byte, bench_qgemv_stream.py),
+    "bf16" for bf16; None for the rest (their kernels were not timed at M = 1)."""
+    f = GGUF_PACKED.get(fmt, fmt).lower()
+    if f.startswith(("int4", "int8")):
+        return "int8act"
+    return "bf16" if f in ("bf16", "bfloat16") else None
 
 
 def cpu_matmul_path(weights_fmt: str) -> str:

@@ -129,21 +129,24 @@ def weight_bytes_read(spec: ModelSpec, wb: WeightBytes, batch: int) -> float:
 
 
 def weight_kernel_seconds(spec: ModelSpec, hw: Hardware, wb: WeightBytes, w: float, *,
-                          rows: int, weights_fmt: str) -> float:
-    """A CPU's floor for the step's weight kernels (``StepTime.t_dequant``) reading ``w``
-    bytes for ``rows`` rows of x: the per-weight kernel cost (fitserve.ledger.dequant), and
-    where this CPU's one-row linears were measured, ``w`` at their weight stream rate
-    (Hardware.weight_stream_rate at K = hidden size), the larger.
+                          rows: int) -> float:
+    """A CPU's floor for the step's weight kernels (``StepTime.t_dequant``) reading ``w`` of
+    wb's bytes for ``rows`` rows of x: the per-weight kernel cost (fitserve.ledger.dequant), and
+    where this CPU's one-row linears were measured, each weight line's bytes at its kernel's
+    stream rate (Hardware.weight_stream_rate at K = hidden size), the larger.
 
     NOTE: the one-row rate is a floor at every batch (a step reads its weights at least once,
     no faster than a one-row GEMV streams them); it is what bounds W1 where a kernel's own work
     per byte, or its overlap with the memory, keeps it below the copy bandwidth (measured on
-    the Zen 5 this was written on: SmolLM2-135M's int4 rows at ~36 GB/s against an 80 GB/s
-    copy). Larger batches keep the per-weight cost's growth with rows."""
-    dq = dequant_seconds(wb, rows=rows, cores=hw.cores,
-                         read_fraction=w / wb.total if wb.total else 1.0)
-    rate = hw.weight_stream_rate(weights_fmt, spec.hidden_size)
-    return max(dq, w / rate) if rate else dq
+    the Zen 5 this was written on: SmolLM2-135M's int4 rows at ~30-36 GB/s against an 80 GB/s
+    copy). Lines whose kernel was not timed add nothing to it."""
+    read_fraction = w / wb.total if wb.total else 1.0
+    dq = dequant_seconds(wb, rows=rows, cores=hw.cores, read_fraction=read_fraction)
+    floor = 0.0
+    for line in wb.lines:
+        rate = hw.weight_stream_rate(line.fmt, spec.hidden_size)
+        floor += line.bytes / rate if rate else 0.0
+    return max(dq, floor * read_fraction)
 
 
 def decode_step(spec: ModelSpec, hw: Hardware, wb: WeightBytes, *, batch: int, context: int,
@@ -162,7 +165,7 @@ def decode_step(spec: ModelSpec, hw: Hardware, wb: WeightBytes, *, batch: int, c
     t_memory = (w + (0.0 if attn else kv)) / hw.mem_bytes_per_s
     t_compute = (flops - attn) / hw.peak_flops(weights_fmt, batch)
     comm = tp_allreduce(spec, hw, tp=tp, tokens=batch, act_dtype_bytes=act_dtype_bytes)
-    dq = weight_kernel_seconds(spec, hw, wb, w, rows=batch, weights_fmt=weights_fmt)
+    dq = weight_kernel_seconds(spec, hw, wb, w, rows=batch)
     return StepTime(batch, context, w, kv, flops, t_memory, t_compute, comm.seconds_per_step,
                     dq, hw.step_overhead(spec.num_layers), t_attention,
                     token_seconds(spec, hw, new_tokens=batch, sampled=batch, tp=tp))
@@ -312,7 +315,7 @@ def scheduled_step(spec: ModelSpec, hw: Hardware, wb: WeightBytes, step: Schedul
     ended = step.sampled - len(step.decode_contexts)
     flops += ended * 2 * spec.vocab_size * spec.hidden_size / tp
     comm = tp_allreduce(spec, hw, tp=tp, tokens=n, act_dtype_bytes=act_dtype_bytes)
-    dq = weight_kernel_seconds(spec, hw, wb, w, rows=n, weights_fmt=weights_fmt)
+    dq = weight_kernel_seconds(spec, hw, wb, w, rows=n)
     return StepTime(step.seqs, max((*step.decode_contexts, *(s + c for s, c in step.chunks))),
                     w, kv, flops, (w + kv) / hw.mem_bytes_per_s,
                     (flops - attn) / hw.peak_flops(weights_fmt, n), comm.seconds_per_step, dq,
