@@ -203,7 +203,8 @@ def report(rows: list[tuple[str, Path, float, Any, Any, Any]], args: argparse.Na
         if "transformers" in args.peers:
             line += f"{_rate(tf, 'W1'):16.1f}"
         print(line)
-        print(f"{'':8}tensors: {held_types(path)}; bandwidth {bw / 1e9:.1f} GB/s")
+        print(f"{'':8}tensors: {held_types(path)}; bandwidth {bw / 1e9:.1f} GB/s; engine "
+              f"start {fs['startup_s'] if fs else float('nan'):.1f} s (load, build, ledger)")
     ratios = [_rate(fs, "W1") / _rate(p, "W1") for _, _, _, fs, p, _ in rows if fs and p]
     if ratios:
         print(f"median W1 ratio fitserve / llama.cpp over the types: {statistics.median(ratios):.2f}")

@@ -105,8 +105,15 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) 
         tp_group, model, shard_spec = start_tensor_parallel(
             cfg, loaded, dtype=dtype, device=device, max_positions=max_model_len)
     else:
-        model = build_model(spec, loaded.weights, dtype=dtype, device=device,
-                            max_positions=max_model_len)
+        # NOTE: a model this builder loaded hands its weights over (the engine keeps none of
+        # them, see below), so each fused part is freed as it goes and the load peaks at the
+        # ledger's weights; a given LoadedModel keeps its dict (the caller may build again)
+        weights = loaded.weights
+        if not given:
+            loaded.weights = {}
+        model = build_model(spec, weights, dtype=dtype, device=device,
+                            max_positions=max_model_len, consume=not given)
+        del weights
         log.info("built the model (%s, %d layers) at %.1f s", spec.architecture, spec.num_layers,
                  time.perf_counter() - t_start)
     log.info(set_activation_quant(model, cfg.activation_quant, dtype))

@@ -119,5 +119,7 @@ def load_draft_model(path: str, target: ModelSpec, *, dtype: torch.dtype, device
         raise ValueError(f"the draft model {path!r} has a vocabulary of {loaded.spec.vocab_size} "
                          f"tokens, the target {target.vocab_size}: they must share a tokenizer")
     check_supported(loaded.spec)
-    model = build_model(loaded.spec, loaded.weights, dtype=dtype, device=device, max_positions=max_model_len)
+    # consume: nothing else holds these weights, so each fused part is freed as it goes
+    model = build_model(loaded.spec, loaded.weights, dtype=dtype, device=device,
+                        max_positions=max_model_len, consume=True)
     return model, loaded.spec
