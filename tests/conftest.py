@@ -157,6 +157,17 @@ def one_thread() -> Iterator[None]:
         yield
 
 
+def asked_tier(expected: str | None = None) -> str:
+    """The tier a ``run_tests_at_tier`` subprocess was started with (FITSERVE_CPU_TIER), for the
+    ``tier_is`` check each kernel test file ends its tier run with; skips outside such a
+    subprocess, or in one for another tier than ``expected``."""
+    want = os.environ.get("FITSERVE_CPU_TIER")
+    if not want or (expected is not None and want != expected):
+        pytest.skip(f"FITSERVE_CPU_TIER is not {expected or 'set'} (the tier subprocess tests "
+                    "set it)")
+    return want
+
+
 def run_tests_at_tier(test_file: str, tier: str, select: str) -> None:
     """Run ``select`` (a ``-k`` expression) of ``test_file`` in a pytest subprocess whose C++
     kernels are built for ``tier`` (FITSERVE_CPU_TIER): the paths a CPU's own tier never takes

@@ -8,14 +8,12 @@ values (+ the bf16 bias).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from fitserve.kernels.cpu.dense_gemv import bf16_gemv_available
 from fitserve.model.linear import DenseLinear
-from tests.conftest import run_tests_at_tier, torch_threads
+from tests.conftest import asked_tier, run_tests_at_tier, torch_threads
 
 if not bf16_gemv_available():
     pytest.skip("dense_gemv.cpp could not be built here", allow_module_level=True)
@@ -96,12 +94,9 @@ def test_thread_splits_give_the_same_bits() -> None:
 
 
 def test_tier_is_the_one_asked_for() -> None:
-    want = os.environ.get("FITSERVE_CPU_TIER")
-    if not want:
-        pytest.skip("FITSERVE_CPU_TIER is not set (the tier subprocess test sets it)")
     from fitserve.kernels.cpu.isa import build_tier, detect_isa
 
-    assert build_tier(detect_isa()) == want
+    assert asked_tier() == build_tier(detect_isa())
 
 
 @pytest.mark.slow

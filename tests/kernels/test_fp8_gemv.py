@@ -17,7 +17,6 @@ to NaN like torch's cast, so their output channel is NaN; e5m2's infinities stay
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ import torch
 
 from fitserve.kernels.cpu.fp8_gemv import fp8_gemv_available, fp8_linear
 from fitserve.quant.fp8 import FORMATS, scale_shape
-from tests.conftest import run_tests_at_tier, torch_threads
+from tests.conftest import asked_tier, run_tests_at_tier, torch_threads
 
 if not fp8_gemv_available():
     pytest.skip("fp8_gemv.cpp could not be built here", allow_module_level=True)
@@ -190,12 +189,9 @@ def test_lookup_path_where_the_cpu_has_it() -> None:
 
 
 def test_tier_is_the_one_asked_for() -> None:
-    want = os.environ.get("FITSERVE_CPU_TIER")
-    if not want:
-        pytest.skip("FITSERVE_CPU_TIER is not set (the tier subprocess test sets it)")
     from fitserve.kernels.cpu.isa import build_tier, detect_isa
 
-    assert build_tier(detect_isa()) == want
+    assert asked_tier() == build_tier(detect_isa())
 
 
 @pytest.mark.slow

@@ -22,8 +22,6 @@ rounding of the kernel's sums is left.
 
 from __future__ import annotations
 
-import os
-
 import gguf
 import numpy as np
 import pytest
@@ -37,7 +35,7 @@ from fitserve.kernels.cpu.ggml_blocks import (
     ggml_kernel_available,
     ggml_matmul,
 )
-from tests.conftest import run_tests_at_tier, torch_threads
+from tests.conftest import asked_tier, run_tests_at_tier, torch_threads
 
 if not ggml_kernel_available("Q4_K"):
     pytest.skip("the ggml_blocks C++ extension could not be built here (no compiler, a failed "
@@ -247,10 +245,7 @@ def test_torch_compile_fullgraph_treats_the_op_as_opaque() -> None:
 
 
 def test_tier_is_the_one_asked_for() -> None:
-    want = os.environ.get("FITSERVE_CPU_TIER")
-    if not want:
-        pytest.skip("FITSERVE_CPU_TIER is not set (the tier subprocess tests set it)")
-    assert ggml_blocks_tier() == want
+    assert asked_tier() == ggml_blocks_tier()
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ import torch
 from fitserve.kernels.cpu.build import cpp_disabled
 from fitserve.kernels.cpu.paged_attention_kvq import kernel_kvq_isa, kvq_write_available
 from fitserve.quant.kv_cache import CODECS, KEY_LAYOUTS, QuantizedKVCache
-from tests.conftest import run_tests_at_tier
+from tests.conftest import asked_tier, run_tests_at_tier
 
 pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CXX", "c++")) is None or cpp_disabled(),
@@ -114,9 +114,7 @@ def test_rejects_bad_inputs_with_a_clear_error() -> None:
 
 @pytest.mark.parametrize("tier", ["avx2", "scalar"])
 def test_tier_is_the_one_asked_for(tier: str) -> None:
-    if os.environ.get("FITSERVE_CPU_TIER") != tier:
-        pytest.skip(f"FITSERVE_CPU_TIER is not {tier} (the tier subprocess test sets it)")
-    assert kernel_kvq_isa() == tier
+    assert asked_tier(tier) == kernel_kvq_isa()
 
 
 @pytest.mark.slow

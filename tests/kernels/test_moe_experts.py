@@ -19,8 +19,6 @@ must agree to fp32 rounding.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -33,7 +31,7 @@ from fitserve.kernels.cpu.moe_experts import (
     moe_experts_tier,
     moe_kernel_available,
 )
-from tests.conftest import run_tests_at_tier, torch_threads
+from tests.conftest import asked_tier, run_tests_at_tier, torch_threads
 from tests.kernels.test_ggml_blocks import (
     ACT_BLOCK,
     EPS32,
@@ -185,10 +183,7 @@ def test_bad_arguments_raise() -> None:
 
 
 def test_tier_is_the_one_asked_for() -> None:
-    want = os.environ.get("FITSERVE_CPU_TIER")
-    if not want:
-        pytest.skip("FITSERVE_CPU_TIER is not set (the tier subprocess tests set it)")
-    assert moe_experts_tier() == want
+    assert asked_tier() == moe_experts_tier()
 
 
 @pytest.mark.slow

@@ -35,7 +35,7 @@ from fitserve.kernels.cpu.paged_attention import (
 from fitserve.model.attention.cpu_paged import CPU_PAGED_DECODE
 from fitserve.model.attention.gather import EAGER_GATHER, TORCH_SDPA
 from fitserve.model.attention.paged import AttentionBatch, paged_attention, write_kv
-from tests.conftest import run_tests_at_tier, torch_threads
+from tests.conftest import asked_tier, run_tests_at_tier, torch_threads
 
 
 def _expect_available() -> bool:
@@ -304,9 +304,7 @@ def test_scale_is_applied_once() -> None:
 
 @pytestmark_cpp
 def test_tier_is_the_one_asked_for() -> None:
-    if os.environ.get("FITSERVE_CPU_TIER") != "avx2":
-        pytest.skip("FITSERVE_CPU_TIER is not avx2 (the tier subprocess test sets it)")
-    assert kernel_isa() == "avx2"
+    assert asked_tier("avx2") == kernel_isa()
 
 
 @pytestmark_cpp

@@ -29,7 +29,7 @@ from fitserve.kernels.cpu.paged_attention_kvq import (
     paged_decode_attention_kvq,
 )
 from fitserve.quant.kv_cache import CODECS, KEY_LAYOUTS, QuantizedKVCache
-from tests.conftest import run_tests_at_tier
+from tests.conftest import asked_tier, run_tests_at_tier
 
 pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CXX", "c++")) is None or cpp_disabled(),
@@ -193,9 +193,7 @@ def test_rejects_bad_inputs_with_a_clear_error() -> None:
 
 @pytest.mark.parametrize("tier", ["avx2", "scalar"])
 def test_tier_is_the_one_asked_for(tier: str) -> None:
-    if os.environ.get("FITSERVE_CPU_TIER") != tier:
-        pytest.skip(f"FITSERVE_CPU_TIER is not {tier} (the tier subprocess test sets it)")
-    assert kernel_kvq_isa() == tier
+    assert asked_tier(tier) == kernel_kvq_isa()
 
 
 @pytest.mark.slow

@@ -6,8 +6,6 @@ plain C++ tile (vectorized=False) and the AVX2 build (a tier subprocess) pass th
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -17,7 +15,7 @@ from fitserve.kernels.cpu.paged_attention import (
     paged_decode_attention,
     paged_prefill_attention,
 )
-from tests.conftest import run_tests_at_tier
+from tests.conftest import asked_tier, run_tests_at_tier
 
 if not paged_attention_available():
     pytest.skip("the paged attention C++ extension is unavailable", allow_module_level=True)
@@ -134,9 +132,7 @@ def test_rejects_inputs_that_would_read_outside_the_cache() -> None:
 
 
 def test_tier_is_the_one_asked_for() -> None:
-    if os.environ.get("FITSERVE_CPU_TIER") != "avx2":
-        pytest.skip("FITSERVE_CPU_TIER is not avx2 (the tier subprocess test sets it)")
-    assert kernel_isa() == "avx2"
+    assert asked_tier("avx2") == kernel_isa()
 
 
 @pytest.mark.slow

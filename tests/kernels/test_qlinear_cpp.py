@@ -16,8 +16,6 @@ dequantized in float64: ``w = scale * q + min`` (int4 asym), ``scale * (q - 8)``
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -27,7 +25,7 @@ from fitserve.kernels.cpu.qlinear import (
     qlinear_ops_available,
     qlinear_tier,
 )
-from tests.conftest import run_tests_at_tier, torch_threads
+from tests.conftest import asked_tier, run_tests_at_tier, torch_threads
 
 if not qlinear_ops_available():
     pytest.skip("the qlinear C++ extension could not be built here (no compiler, a failed build "
@@ -305,10 +303,7 @@ def test_torch_compile_fullgraph_treats_ops_as_opaque() -> None:
 
 
 def test_tier_is_the_one_asked_for() -> None:
-    want = os.environ.get("FITSERVE_CPU_TIER")
-    if not want:
-        pytest.skip("FITSERVE_CPU_TIER is not set (the tier subprocess tests set it)")
-    assert qlinear_tier() == want
+    assert asked_tier() == qlinear_tier()
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fitserve.kernels.cpu.qlinear import int4_linear, int8_linear, qlinear_ops_available
-from tests.conftest import run_tests_at_tier
+from tests.conftest import asked_tier, run_tests_at_tier
 
 if not qlinear_ops_available():
     pytest.skip("the qlinear C++ extension could not be built here", allow_module_level=True)
@@ -97,14 +97,9 @@ def test_group32_order_is_the_stated_one(kind: str) -> None:
 
 
 def test_tier_is_the_one_asked_for() -> None:
-    import os
-
     from fitserve.kernels.cpu.qlinear import qlinear_tier
 
-    want = os.environ.get("FITSERVE_CPU_TIER")
-    if not want:
-        pytest.skip("FITSERVE_CPU_TIER is not set (the tier subprocess tests set it)")
-    assert qlinear_tier() == want
+    assert asked_tier() == qlinear_tier()
 
 
 @pytest.mark.slow

@@ -5,8 +5,6 @@ ISA tier; the registration lapses when a tensor is freed or written in place."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -18,7 +16,7 @@ from fitserve.kernels.cpu.qlinear import (
     qlinear_ops_available,
     qlinear_tier,
 )
-from tests.conftest import run_tests_at_tier
+from tests.conftest import asked_tier, run_tests_at_tier
 
 if not qlinear_ops_available():
     pytest.skip("the qlinear C++ extension could not be built here", allow_module_level=True)
@@ -95,10 +93,7 @@ def test_bad_arguments_raise() -> None:
 
 
 def test_tier_is_the_one_asked_for() -> None:
-    want = os.environ.get("FITSERVE_CPU_TIER")
-    if not want:
-        pytest.skip("FITSERVE_CPU_TIER is not set (the tier subprocess tests set it)")
-    assert qlinear_tier() == want
+    assert asked_tier() == qlinear_tier()
 
 
 @pytest.mark.slow
