@@ -57,6 +57,11 @@ struct Q45K {
   static void row(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float* res) {
     q45k_row512<kHigh, MT>(w, nsb, a, m0, res);
   }
+  // weight rows w[0 .. NW-1] against rows m0 .. m0+MT-1 of x: res[j * MT + i] = row<MT>'s bits
+  template <int NW, int MT>
+  static void tile(const uint8_t* const* w, int64_t nsb, const Act& a, int64_t m0, float* res) {
+    q45k_tile512<kHigh, NW, MT>(w, nsb, a, m0, res);
+  }
 #elif !defined(FS_GGML_AVX2)
   static constexpr bool kPerm128 = false;
   template <int MT>
@@ -170,6 +175,10 @@ struct Q6K {
   static void row(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float* res) {
     q6k_row512<MT>(w, nsb, a, m0, res);
   }
+  template <int NW, int MT>  // as Q45K::tile
+  static void tile(const uint8_t* const* w, int64_t nsb, const Act& a, int64_t m0, float* res) {
+    q6k_tile512<NW, MT>(w, nsb, a, m0, res);
+  }
 #elif !defined(FS_GGML_AVX2)
   template <int MT>
   static void row(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float* res) {
@@ -267,6 +276,18 @@ template <class T>
 inline constexpr bool kIsKQuant =
     std::is_same_v<T, Q4K> || std::is_same_v<T, Q5K> || std::is_same_v<T, Q6K>;
 
+// Weight rows w[0 .. NW-1] against the one row of x: res[j] = row<1>(w[j])'s bits (T::tile
+// where the tier has one, else row by row).
+template <class T, int NW>
+[[gnu::always_inline]] inline void kq_tile(const uint8_t* const* w, int64_t nsb, const Act& a,
+                                           float* res) {
+#if defined(FS_GGML_AVX512)
+  T::template tile<NW, 1>(w, nsb, a, 0, res);
+#else
+  FS_GGML_UNROLL for (int j = 0; j < NW; ++j) T::template row<1>(w[j], nsb, a, 0, res + j);
+#endif
+}
+
 // The GEMV (one row of x) over weight rows [n0, n1), a thread's share: two interleaved halves
 // (two DRAM streams, each prefetched kKqAhead ahead by the rows themselves); every output is
 // row<1>, the bits of a tile of one in rows_range (batch invariant).
@@ -274,13 +295,16 @@ template <class T>
 void kq_rows_halves(const uint8_t* W, int64_t row_bytes, int64_t nsb, const Act& a, int64_t n0,
                     int64_t n1, float* out) {
   const int64_t half = (n1 - n0 + 1) / 2, mid = n0 + half;
-  float res[1];
+  float res[2];
   for (int64_t i = 0; i < half; ++i) {
-    T::template row<1>(W + (n0 + i) * row_bytes, nsb, a, 0, res);
-    out[n0 + i] = res[0];
-    if (mid + i < n1) {
-      T::template row<1>(W + (mid + i) * row_bytes, nsb, a, 0, res);
-      out[mid + i] = res[0];
+    if (mid + i < n1) {  // NOTE: both halves' rows in one tile: one shared final reduction
+      const uint8_t* w2[2] = {W + (n0 + i) * row_bytes, W + (mid + i) * row_bytes};
+      kq_tile<T, 2>(w2, nsb, a, res);
+      out[n0 + i] = res[0];
+      out[mid + i] = res[1];
+    } else {
+      T::template row<1>(W + (n0 + i) * row_bytes, nsb, a, 0, res);
+      out[n0 + i] = res[0];
     }
   }
 }
