@@ -295,16 +295,24 @@ template <class T>
 void kq_rows_halves(const uint8_t* W, int64_t row_bytes, int64_t nsb, const Act& a, int64_t n0,
                     int64_t n1, float* out) {
   const int64_t half = (n1 - n0 + 1) / 2, mid = n0 + half;
-  float res[2];
-  for (int64_t i = 0; i < half; ++i) {
-    if (mid + i < n1) {  // NOTE: both halves' rows in one tile: one shared final reduction
-      const uint8_t* w2[2] = {W + (n0 + i) * row_bytes, W + (mid + i) * row_bytes};
-      kq_tile<T, 2>(w2, nsb, a, res);
-      out[n0 + i] = res[0];
-      out[mid + i] = res[1];
-    } else {
-      T::template row<1>(W + (n0 + i) * row_bytes, nsb, a, 0, res);
-      out[n0 + i] = res[0];
+  float res[4];
+  int64_t i = 0;
+  // NOTE: rows i, i+1 of both halves in one tile: one shared final reduction, 4 rows in flight
+  for (; i + 2 <= half && mid + i + 2 <= n1; i += 2) {
+    const uint8_t* w4[4] = {W + (n0 + i) * row_bytes, W + (mid + i) * row_bytes,
+                            W + (n0 + i + 1) * row_bytes, W + (mid + i + 1) * row_bytes};
+    kq_tile<T, 4>(w4, nsb, a, res);
+    out[n0 + i] = res[0];
+    out[mid + i] = res[1];
+    out[n0 + i + 1] = res[2];
+    out[mid + i + 1] = res[3];
+  }
+  for (; i < half; ++i) {
+    T::template row<1>(W + (n0 + i) * row_bytes, nsb, a, 0, res);
+    out[n0 + i] = res[0];
+    if (mid + i < n1) {
+      T::template row<1>(W + (mid + i) * row_bytes, nsb, a, 0, res);
+      out[mid + i] = res[0];
     }
   }
 }
