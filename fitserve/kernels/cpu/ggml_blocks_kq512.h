@@ -146,7 +146,7 @@ template <int NW, int MT>
 [[gnu::always_inline]] inline void q6k_tile512(const uint8_t* const* w, int64_t nsb, const Act& a,
                                                int64_t m0, float* res) {
   constexpr bool kSplit = NW * MT <= 2;  // as in q45k_tile512
-  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m3f = _mm512_set1_epi8(0x3F);
   // per half: the low nibbles' qh bits sit at 0-1 (columns 0-31) and 2-3 (32-63), the high
   // nibbles' at 4-5 and 6-7: shifted to 4-5
   const __m512i sh_lo = _mm512_inserti64x4(_mm512_set1_epi64(4), _mm256_set1_epi64x(2), 1);
@@ -162,22 +162,24 @@ template <int NW, int MT>
     const __m256i sc16 =
         _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
     const __m512i sc512 = _mm512_castsi256_si512(sc16);
+    // the -32 offset: -32 sc[s] (fits int16) against x's 16-column sums, one madd per row
+    const __m256i scn = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(sc16, 5));
     __m512i ia[MT], ib[MT];
     FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
       ib[i] = _mm512_setzero_si512();
-      const __m256i bs = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(a.s16row(m0 + i) + sb * 16));
-      ia[i] = _mm512_zextsi256_si512(_mm256_sub_epi32(
-          _mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5)));
+      ia[i] = _mm512_zextsi256_si512(_mm256_madd_epi16(scn, _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(a.s16row(m0 + i) + sb * 16))));
     }
     FS_GGML_UNROLL for (int h = 0; h < 2; ++h) {
       const __m512i l = _mm512_loadu_si512(b + 64 * h);
       const __m512i qh = _mm512_broadcast_i64x4(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h)));
-      const __m512i ulo = _mm512_or_si512(_mm512_and_si512(l, m4),
-                                          _mm512_and_si512(_mm512_sllv_epi64(qh, sh_lo), m30));
-      const __m512i uhi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
-                                          _mm512_and_si512(_mm512_srlv_epi64(qh, sh_hi), m30));
+      // bits 0-3 from the nibble, 4-7 from the shifted qh (0xE4: C ? A : B), 6-7 then cleared
+      const __m512i ulo = _mm512_and_si512(
+          _mm512_ternarylogic_epi32(l, _mm512_sllv_epi64(qh, sh_lo), m4, 0xE4), m3f);
+      const __m512i uhi = _mm512_and_si512(
+          _mm512_ternarylogic_epi32(_mm512_srli_epi16(l, 4), _mm512_srlv_epi64(qh, sh_hi), m4, 0xE4),
+          m3f);
       // 16 columns per 128-bit lane: scales 8h + 0..3 (low nibbles), 8h + 4..7 (high)
       const __m512i ilo = _mm512_set_epi64(
           0x0003000300030003LL + 0x0008000800080008LL * h, 0x0003000300030003LL + 0x0008000800080008LL * h,

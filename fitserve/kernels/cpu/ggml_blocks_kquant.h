@@ -276,45 +276,6 @@ template <class T>
 inline constexpr bool kIsKQuant =
     std::is_same_v<T, Q4K> || std::is_same_v<T, Q5K> || std::is_same_v<T, Q6K>;
 
-// Weight rows w[0 .. NW-1] against the one row of x: res[j] = row<1>(w[j])'s bits (T::tile
-// where the tier has one, else row by row).
-template <class T, int NW>
-[[gnu::always_inline]] inline void kq_tile(const uint8_t* const* w, int64_t nsb, const Act& a,
-                                           float* res) {
-#if defined(FS_GGML_AVX512)
-  T::template tile<NW, 1>(w, nsb, a, 0, res);
-#else
-  FS_GGML_UNROLL for (int j = 0; j < NW; ++j) T::template row<1>(w[j], nsb, a, 0, res + j);
-#endif
-}
-
-// The GEMV (one row of x) over weight rows [n0, n1), a thread's share: two interleaved halves
-// (two DRAM streams, each prefetched kKqAhead ahead by the rows themselves); every output is
-// row<1>, the bits of a tile of one in rows_range (batch invariant).
-template <class T>
-void kq_rows_halves(const uint8_t* W, int64_t row_bytes, int64_t nsb, const Act& a, int64_t n0,
-                    int64_t n1, float* out) {
-  const int64_t half = (n1 - n0 + 1) / 2, mid = n0 + half;
-  float res[4];
-  int64_t i = 0;
-  // NOTE: rows i, i+1 of both halves in one tile: one shared final reduction, 4 rows in flight
-  for (; i + 2 <= half && mid + i + 2 <= n1; i += 2) {
-    const uint8_t* w4[4] = {W + (n0 + i) * row_bytes, W + (mid + i) * row_bytes,
-                            W + (n0 + i + 1) * row_bytes, W + (mid + i + 1) * row_bytes};
-    kq_tile<T, 4>(w4, nsb, a, res);
-    out[n0 + i] = res[0];
-    out[mid + i] = res[1];
-    out[n0 + i + 1] = res[2];
-    out[mid + i + 1] = res[3];
-  }
-  for (; i < half; ++i) {
-    T::template row<1>(W + (n0 + i) * row_bytes, nsb, a, 0, res);
-    out[n0 + i] = res[0];
-    if (mid + i < n1) {
-      T::template row<1>(W + (mid + i) * row_bytes, nsb, a, 0, res);
-      out[mid + i] = res[0];
-    }
-  }
-}
-
 }  // namespace fitserve::ggml
+
+#include "ggml_blocks_kqrun.h"
