@@ -81,7 +81,7 @@ inline __m512i rol_halves(__m512i v, int lo, int hi) {
 // add in acc's dependency chain), so row m gives the same bits whatever M (batch invariance).
 template <bool kHigh, int NW, int MT>
 [[gnu::always_inline]] inline void q45k_tile512(const uint8_t* const* w, int64_t nsb, const Act& a,
-                                                int64_t m0, float* res) {
+                                                int64_t m0, float* res, int64_t ahead = kKqAhead) {
   constexpr int64_t kBytes = kHigh ? 176 : 144, kQsOff = kHigh ? 48 : 16;
   constexpr bool kSplit = NW * MT <= 2;
   const __m512i m4 = _mm512_set1_epi8(0x0F), m10 = _mm512_set1_epi8(0x10);
@@ -92,7 +92,7 @@ template <bool kHigh, int NW, int MT>
   for (int64_t sb = 0; sb < nsb; ++sb) {
     FS_GGML_UNROLL for (int j = 0; j < NW; ++j) {
       const uint8_t* b = w[j] + sb * kBytes;
-      if constexpr (MT == 1) kq_prefetch_ahead<kBytes>(b);  // the GEMV's stream (kKqAhead)
+      if constexpr (MT == 1) kq_prefetch_ahead<kBytes>(b, ahead);  // the GEMV's stream
       uint64_t scv, mnv;
       scale_min_k4(b + 4, scv, mnv);
       const __m512i sc16 = _mm512_broadcast_i32x4(
@@ -144,7 +144,7 @@ template <bool kHigh, int MT>
 
 template <int NW, int MT>
 [[gnu::always_inline]] inline void q6k_tile512(const uint8_t* const* w, int64_t nsb, const Act& a,
-                                               int64_t m0, float* res) {
+                                               int64_t m0, float* res, int64_t ahead = kKqAhead) {
   constexpr bool kSplit = NW * MT <= 2;  // as in q45k_tile512
   const __m512i m4 = _mm512_set1_epi8(0x0F), m3f = _mm512_set1_epi8(0x3F);
   // per half: the low nibbles' qh bits sit at 0-1 (columns 0-31) and 2-3 (32-63), the high
@@ -158,7 +158,7 @@ template <int NW, int MT>
   for (int64_t sb = 0; sb < nsb; ++sb) {
    FS_GGML_UNROLL for (int j = 0; j < NW; ++j) {
     const uint8_t* b = w[j] + sb * 210;
-    if constexpr (MT == 1) kq_prefetch_ahead<210>(b);
+    if constexpr (MT == 1) kq_prefetch_ahead<210>(b, ahead);
     const __m256i sc16 =
         _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
     const __m512i sc512 = _mm512_castsi256_si512(sc16);

@@ -1,5 +1,5 @@
-// The K-quant row drivers (Q4_K / Q5_K / Q6_K of ggml_blocks_kquant.h): the GEMV's two streamed
-// halves (kq_rows_halves) and the M > 1 tiles (kq_rows_range), both running several weight rows
+// The K-quant row drivers (Q4_K / Q5_K / Q6_K of ggml_blocks_kquant.h): the GEMV's four streamed
+// quarters (kq_rows_quarters) and the M > 1 tiles (kq_rows_range), both running several weight rows
 // per tile (T::tile<NW, MT> on AVX-512: one pass over x per super-block for all NW rows, their
 // lane sums reduced together). Every output has the bits of row<1> for its row of x alone: the
 // fp32 ops of a (weight row, x row) pair are the same whatever NW, MT and the split.
@@ -17,42 +17,40 @@ namespace fitserve::ggml {
 // tier has one, else row by row).
 template <class T, int NW, int MT>
 [[gnu::always_inline]] inline void kq_tile(const uint8_t* const* w, int64_t nsb, const Act& a,
-                                           int64_t m0, float* res) {
+                                           int64_t m0, float* res, int64_t ahead = kKqAhead) {
 #if defined(FS_GGML_AVX512)
-  T::template tile<NW, MT>(w, nsb, a, m0, res);
+  T::template tile<NW, MT>(w, nsb, a, m0, res, ahead);
 #else
+  (void)ahead;
   FS_GGML_UNROLL for (int j = 0; j < NW; ++j) T::template row<MT>(w[j], nsb, a, m0, res + j * MT);
 #endif
 }
 
-// The GEMV (one row of x) over weight rows [n0, n1), a thread's share: two interleaved halves
-// (two DRAM streams, each prefetched kKqAhead ahead by the rows themselves).
-// NOTE: rows i and i+1 of both halves go as one 4-row tile: 4 independent rows in flight and one
-// shared final reduction (hot, one thread: Q6_K 1024x256 6.0 -> 3.3 ns per row, Q4_K 256x1024
-// 17.3 -> 12.9, bench_ggml_blocks --hot).
+// The GEMV (one row of x) over weight rows [n0, n1), a thread's share, as four quarters: row i
+// of each quarter in one 4-row tile (T::tile: x read once per super-block for the four, their
+// lane sums reduced together), each quarter a sequential DRAM stream prefetched kKqAhead ahead
+// by its rows. NOTE: four quarters rather than rows i, i+1 of two halves (4 rows, 2 streams):
+// those streams jump between two rows at every super-block, and the 2048x2048 rows from DRAM
+// fell from 0.82-0.89 of a plain read to 0.65-0.79; as quarters 1.02 (one thread, CPU clock,
+// bench_ggml_blocks --vs-read, loaded host). Hot, one thread: Q6_K 1024x256 6.0 -> 3.5 ns per
+// row, Q4_K 256x1024 17.3 -> 14.3 (--hot). Every output has row<1>'s bits.
 template <class T>
-void kq_rows_halves(const uint8_t* W, int64_t row_bytes, int64_t nsb, const Act& a, int64_t n0,
+void kq_rows_quarters(const uint8_t* W, int64_t row_bytes, int64_t nsb, const Act& a, int64_t n0,
                     int64_t n1, float* out) {
-  const int64_t half = (n1 - n0 + 1) / 2, mid = n0 + half;
+  const int64_t q = (n1 - n0 + 3) / 4;
   float res[4];
   int64_t i = 0;
-  for (; i + 2 <= half && mid + i + 2 <= n1; i += 2) {
-    const uint8_t* w4[4] = {W + (n0 + i) * row_bytes, W + (mid + i) * row_bytes,
-                            W + (n0 + i + 1) * row_bytes, W + (mid + i + 1) * row_bytes};
+  for (; n0 + 3 * q + i < n1; ++i) {
+    const uint8_t* w4[4];
+    FS_GGML_UNROLL for (int j = 0; j < 4; ++j) w4[j] = W + (n0 + j * q + i) * row_bytes;
     kq_tile<T, 4, 1>(w4, nsb, a, 0, res);
-    out[n0 + i] = res[0];
-    out[mid + i] = res[1];
-    out[n0 + i + 1] = res[2];
-    out[mid + i + 1] = res[3];
+    FS_GGML_UNROLL for (int j = 0; j < 4; ++j) out[n0 + j * q + i] = res[j];
   }
-  for (; i < half; ++i) {
-    T::template row<1>(W + (n0 + i) * row_bytes, nsb, a, 0, res);
-    out[n0 + i] = res[0];
-    if (mid + i < n1) {
-      T::template row<1>(W + (mid + i) * row_bytes, nsb, a, 0, res);
-      out[mid + i] = res[0];
+  for (; i < q; ++i)  // the last quarter is short: the other three's last rows one by one
+    for (int64_t n = n0 + i; n < std::min(n1, n0 + 3 * q); n += q) {
+      T::template row<1>(W + n * row_bytes, nsb, a, 0, res);
+      out[n] = res[0];
     }
-  }
 }
 
 // Weight rows per tile for a tile of MT rows of x: more where the tile is short (the x rows'

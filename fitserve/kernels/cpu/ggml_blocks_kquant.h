@@ -30,12 +30,13 @@ namespace fitserve::ggml {
 constexpr int kKqAhead = 2048;
 
 template <int kBytes>
-[[gnu::always_inline]] inline void kq_prefetch_ahead(const uint8_t* b) {
+[[gnu::always_inline]] inline void kq_prefetch_ahead(const uint8_t* b, int64_t ahead = kKqAhead) {
 #ifdef FS_GGML_AVX2
   for (int o = 0; o < kBytes; o += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(b) + kKqAhead + o, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(b) + ahead + o, _MM_HINT_T0);
 #else
   (void)b;
+  (void)ahead;
 #endif
 }
 
@@ -57,10 +58,12 @@ struct Q45K {
   static void row(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float* res) {
     q45k_row512<kHigh, MT>(w, nsb, a, m0, res);
   }
-  // weight rows w[0 .. NW-1] against rows m0 .. m0+MT-1 of x: res[j * MT + i] = row<MT>'s bits
+  // weight rows w[0 .. NW-1] against rows m0 .. m0+MT-1 of x: res[j * MT + i] = row<MT>'s bits;
+  // a one-row tile (MT = 1) requests the bytes `ahead` past each super-block it reads
   template <int NW, int MT>
-  static void tile(const uint8_t* const* w, int64_t nsb, const Act& a, int64_t m0, float* res) {
-    q45k_tile512<kHigh, NW, MT>(w, nsb, a, m0, res);
+  static void tile(const uint8_t* const* w, int64_t nsb, const Act& a, int64_t m0, float* res,
+                   int64_t ahead = kKqAhead) {
+    q45k_tile512<kHigh, NW, MT>(w, nsb, a, m0, res, ahead);
   }
 #elif !defined(FS_GGML_AVX2)
   static constexpr bool kPerm128 = false;
@@ -176,8 +179,9 @@ struct Q6K {
     q6k_row512<MT>(w, nsb, a, m0, res);
   }
   template <int NW, int MT>  // as Q45K::tile
-  static void tile(const uint8_t* const* w, int64_t nsb, const Act& a, int64_t m0, float* res) {
-    q6k_tile512<NW, MT>(w, nsb, a, m0, res);
+  static void tile(const uint8_t* const* w, int64_t nsb, const Act& a, int64_t m0, float* res,
+                   int64_t ahead = kKqAhead) {
+    q6k_tile512<NW, MT>(w, nsb, a, m0, res, ahead);
   }
 #elif !defined(FS_GGML_AVX2)
   template <int MT>
@@ -271,7 +275,7 @@ struct Q6K {
 #endif
 };
 
-// The K-quant types, whose GEMV tiles prefetch their own stream (kq_rows_halves runs them).
+// The K-quant types, whose GEMV tiles prefetch their own stream (kq_rows_quarters runs them).
 template <class T>
 inline constexpr bool kIsKQuant =
     std::is_same_v<T, Q4K> || std::is_same_v<T, Q5K> || std::is_same_v<T, Q6K>;
