@@ -18,6 +18,15 @@ medians, and the median of the per-pass ratios kernel / read. --ms 1,8 adds the 
 (per call: the weights read once per tile, so GB/s x M is the per-row cost).
 
     python benchmarks/bench_ggml_blocks.py --vs-read [--threads-list 1,2] [--types Q6_K,Q5_0]
+
+--hot times the kernels' own work with the weights in cache (one copy, called again and again),
+one thread by its CPU clock, on the MoE benchmark's expert shapes (256x1024 gate/up rows: 4
+super-blocks; 1024x256 down rows: one) and 2048x2048: ns per weight row and per super-block
+and GB/s of weight bytes. The per-row cost is the marginal one, (t(N rows) - t(8 rows)) /
+(N - 8) with the two calls alternated --runs times, so the call's fixed cost (dispatch, x's
+quantization, the output) is not counted.
+
+    python benchmarks/bench_ggml_blocks.py --hot [--types Q4_K,Q6_K] [--ms 1,4]
 """
 
 from __future__ import annotations
@@ -121,12 +130,47 @@ def vs_read(args: argparse.Namespace) -> None:
                           f"{ratio:6.2f} {us:9.1f}", flush=True)
 
 
+SHAPES_HOT = "256x1024,1024x256,2048x2048"
+
+
+def calls_time(x: torch.Tensor, w: torch.Tensor, t: str, n: int, k: int, reps: int) -> float:
+    """This thread's CPU seconds per call of ggml_matmul(x, w), over ``reps`` calls."""
+    return pass_time(lambda: [ggml_matmul(x, w, t, n, k) for _ in range(reps)], True) / reps
+
+
+def hot(args: argparse.Namespace) -> None:
+    """Each K-quant kernel's own work, weights in cache (see the module docstring)."""
+    rng = np.random.default_rng(0)
+    torch.set_num_threads(1)
+    print(f"CPU: {cpu_model_name()}; ISA: {detect_isa().describe()}; tier {ggml_blocks_tier()}; "
+          f"one thread, CPU clock, weights in cache; load average {os.getloadavg()}")
+    print(f"{'N x K':>11} {'type':>5} {'M':>3} {'ns/row':>8} {'ns/sb':>7} {'GB/s':>6} "
+          f"{'us/call':>8}")
+    for shape in args.shapes.split(","):
+        n, k = (int(v) for v in shape.split("x"))
+        for t in args.types.split(","):
+            block, size = SIZES[t]
+            row_bytes = k // block * size
+            w, w8 = random_blocks(t, n, k, rng), random_blocks(t, 8, k, rng)
+            reps = max(20, (8 << 20) // (n * row_bytes))
+            for m in [int(v) for v in args.ms.split(",")]:
+                x = torch.randn(m, k).bfloat16()
+                big, small = [], []
+                for _ in range(args.runs):
+                    big.append(calls_time(x, w, t, n, k, reps))
+                    small.append(calls_time(x, w8, t, 8, k, reps))
+                per_row = (statistics.median(big) - statistics.median(small)) / (n - 8)
+                print(f"{shape:>11} {t:>5} {m:>3} {per_row * 1e9:8.2f} "
+                      f"{per_row * 1e9 * block / k:7.2f} {row_bytes / per_row / 1e9:6.1f} "
+                      f"{statistics.median(big) * 1e6:8.1f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--vs-read", action="store_true", help="kernels vs a plain read (see top)")
-    ap.add_argument("--shapes", default=SHAPES_17B, help="--vs-read: N x K list")
-    ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q5_0,Q5_1,IQ4_NL,IQ4_XS,MXFP4",
-                    help="--vs-read: types")
+    ap.add_argument("--hot", action="store_true", help="K-quant own work in cache (see top)")
+    ap.add_argument("--shapes", default=None, help="--vs-read / --hot: N x K list")
+    ap.add_argument("--types", default=None, help="--vs-read / --hot: types")
     ap.add_argument("--threads-list", default="1,2", help="--vs-read: thread counts")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--n", type=int, default=2048)
@@ -136,7 +180,12 @@ def main() -> None:
     ap.add_argument("--rotate-mb", type=int, default=None, help="weight copies (64; --vs-read 256)")
     args = ap.parse_args()
     args.rotate_mb = args.rotate_mb or (256 if args.vs_read else 64)
-    args.ms = args.ms or ("1" if args.vs_read else "1,4,16")
+    args.ms = args.ms or ("1" if args.vs_read or args.hot else "1,4,16")
+    args.shapes = args.shapes or (SHAPES_HOT if args.hot else SHAPES_17B)
+    args.types = args.types or ("Q4_K,Q5_K,Q6_K" if args.hot else
+                                "Q4_K,Q5_K,Q6_K,Q5_0,Q5_1,IQ4_NL,IQ4_XS,MXFP4")
+    if args.hot:
+        return hot(args)
     if args.vs_read:
         return vs_read(args)
     torch.set_num_threads(args.threads)

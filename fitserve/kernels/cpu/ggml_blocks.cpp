@@ -27,9 +27,13 @@ template <class T>
 void run_type(const Act& a, int64_t M, const uint8_t* W, int64_t N, float* out) {
   const int64_t nblk = a.K / T::kQK, row_bytes = nblk * T::kBytes, nb = block_rows(N);
   at::parallel_for(0, (N + nb - 1) / nb, 1, [&](int64_t b0, int64_t b1) {
-    if constexpr (kIsKQuant<T>)  // K-quant rows prefetch their own stream (ggml_blocks_kquant.h)
+    if constexpr (kIsKQuant<T>) {  // the K-quants' own drivers (ggml_blocks_kqrun.h)
       if (M == 1)
-        return kq_rows_halves<T>(W, row_bytes, nblk, a, b0 * nb, std::min(N, b1 * nb), out);
+        return kq_rows_quarters<T>(W, row_bytes, nblk, a, b0 * nb, std::min(N, b1 * nb), out);
+      for (int64_t blk = b0; blk < b1; ++blk)
+        kq_rows_range<T>(W, row_bytes, nblk, a, 0, M, blk * nb, std::min(N, blk * nb + nb), N, out);
+      return;
+    }
     if (M == 1 && streams_m1<T>(row_bytes))
       return rows_streamed<T>(W, row_bytes, nblk, a, b0 * nb, std::min(N, b1 * nb), out);
     for (int64_t blk = b0; blk < b1; ++blk) {

@@ -30,6 +30,36 @@ inline float hsum512(__m512 v) {
   return hsum(s);
 }
 
+// The lane sums of a, b, c, d (lanes 0-3 of the result), each in hsum512's order (lane i +
+// lane i+8, then + 4, + 2, + 1: fp32 add is commutative, so the bits are hsum512's): 14 ops for
+// four rows instead of 4 x 9, and one short dependency chain instead of four.
+[[gnu::always_inline]] inline __m128 hsum512x4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  // x = [a's s0-3 | a's s4-7 | b's s0-3 | b's s4-7] (s_i = lane i + lane i+8), y likewise
+  const __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+  const __m512 u = _mm512_add_ps(t, _mm512_permute_ps(t, 0x4E));  // t0 + t2, t1 + t3 per row
+  const __m512 v = _mm512_add_ps(u, _mm512_permute_ps(u, 0xB1));  // (t0 + t2) + (t1 + t3)
+  return _mm512_castps512_ps128(
+      _mm512_permutexvar_ps(_mm512_castsi128_si512(_mm_setr_epi32(0, 4, 8, 12)), v));
+}
+
+// res[r] = hsum512(acc[r]) for r < N (the same bits), four at a time.
+template <int N>
+[[gnu::always_inline]] inline void hsum512_rows(const __m512* acc, float* res) {
+  int r = 0;
+  FS_GGML_UNROLL for (; r + 4 <= N; r += 4)
+    _mm_storeu_ps(res + r, hsum512x4(acc[r], acc[r + 1], acc[r + 2], acc[r + 3]));
+  if constexpr (N % 4 >= 2) {
+    const __m512 z = _mm512_setzero_ps();
+    const __m128 s = hsum512x4(acc[r], acc[r + 1], N % 4 == 3 ? acc[r + 2] : z, z);
+    _mm_storel_pi(reinterpret_cast<__m64*>(res + r), s);
+    if constexpr (N % 4 == 3) res[r + 2] = _mm_cvtss_f32(_mm_movehl_ps(s, s));
+  } else if constexpr (N % 4 == 1) {
+    res[r] = hsum512(acc[r]);
+  }
+}
+
 // vpshufb control: word p in the low 256 bits, word q in the high 256 bits
 inline __m512i word_sel2(int p, int q) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(word_sel(p))),
@@ -49,98 +79,107 @@ inline __m512i rol_halves(__m512i v, int lo, int hi) {
 // their rows instead and need the registers. Integer sums are exact in any order, and the fp32
 // part is the same three ops for every tile height (t = isum * d da + mins * ds; acc += t: one
 // add in acc's dependency chain), so row m gives the same bits whatever M (batch invariance).
-template <bool kHigh, int MT>
-void q45k_row512(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float* res) {
+template <bool kHigh, int NW, int MT>
+[[gnu::always_inline]] inline void q45k_tile512(const uint8_t* const* w, int64_t nsb, const Act& a,
+                                                int64_t m0, float* res, int64_t ahead = kKqAhead) {
   constexpr int64_t kBytes = kHigh ? 176 : 144, kQsOff = kHigh ? 48 : 16;
-  constexpr bool kSplit = MT <= 2;
+  constexpr bool kSplit = NW * MT <= 2;
   const __m512i m4 = _mm512_set1_epi8(0x0F), m10 = _mm512_set1_epi8(0x10);
-  __m512 acc[MT];
+  __m512 acc[NW * MT];
   const int8_t* aq[MT];
-  FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
-    acc[i] = _mm512_setzero_ps();
-    aq[i] = a.qrow(m0 + i);
-  }
+  FS_GGML_UNROLL for (int r = 0; r < NW * MT; ++r) acc[r] = _mm512_setzero_ps();
+  FS_GGML_UNROLL for (int i = 0; i < MT; ++i) aq[i] = a.qrow(m0 + i);
   for (int64_t sb = 0; sb < nsb; ++sb) {
-    const uint8_t* b = w + sb * kBytes;
-    if constexpr (MT == 1) kq_prefetch_ahead<kBytes>(b);  // the GEMV's stream (kKqAhead)
-    uint64_t scv, mnv;
-    scale_min_k4(b + 4, scv, mnv);
-    const __m512i sc16 = _mm512_broadcast_i32x4(
-        _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(scv))));
-    __m512i hb;
-    if constexpr (kHigh) hb = _mm512_broadcast_i64x4(_mm256_loadu_si256(
-                             reinterpret_cast<const __m256i*>(b + 16)));
-    __m512i ia[MT], ib[MT];
-    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) ia[i] = ib[i] = _mm512_setzero_si512();
-    FS_GGML_UNROLL for (int c = 0; c < 2; ++c) {
-      const __m512i v = _mm512_loadu_si512(b + kQsOff + 64 * c);
-      __m512i lo = _mm512_and_si512(v, m4);
-      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-      if constexpr (kHigh) {  // sub-block s takes bit s of qh
-        lo = _mm512_or_si512(lo, _mm512_and_si512(rol_halves(hb, 4 - 4 * c, 2 - 4 * c), m10));
-        hi = _mm512_or_si512(hi, _mm512_and_si512(rol_halves(hb, 3 - 4 * c, 1 - 4 * c), m10));
+    FS_GGML_UNROLL for (int j = 0; j < NW; ++j) {
+      const uint8_t* b = w[j] + sb * kBytes;
+      if constexpr (MT == 1) kq_prefetch_ahead<kBytes>(b, ahead);  // the GEMV's stream
+      uint64_t scv, mnv;
+      scale_min_k4(b + 4, scv, mnv);
+      const __m512i sc16 = _mm512_broadcast_i32x4(
+          _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(scv))));
+      __m512i hb;
+      if constexpr (kHigh) hb = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                               reinterpret_cast<const __m256i*>(b + 16)));
+      __m512i ia[MT], ib[MT];
+      FS_GGML_UNROLL for (int i = 0; i < MT; ++i) ia[i] = ib[i] = _mm512_setzero_si512();
+      FS_GGML_UNROLL for (int c = 0; c < 2; ++c) {
+        const __m512i v = _mm512_loadu_si512(b + kQsOff + 64 * c);
+        __m512i lo = _mm512_and_si512(v, m4);
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        if constexpr (kHigh) {  // sub-block s takes bit s of qh
+          lo = _mm512_or_si512(lo, _mm512_and_si512(rol_halves(hb, 4 - 4 * c, 2 - 4 * c), m10));
+          hi = _mm512_or_si512(hi, _mm512_and_si512(rol_halves(hb, 3 - 4 * c, 1 - 4 * c), m10));
+        }
+        const __m512i slo = _mm512_shuffle_epi8(sc16, word_sel2(4 * c, 4 * c + 2));
+        const __m512i shi = _mm512_shuffle_epi8(sc16, word_sel2(4 * c + 1, 4 * c + 3));
+        FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
+          const int8_t* p = aq[i] + sb * 256 + 128 * c;  // permuted: [lo columns | hi columns]
+          ia[i] = madd_acc512(ia[i], _mm512_maddubs_epi16(lo, _mm512_loadu_si512(p)), slo);
+          __m512i& dst = kSplit ? ib[i] : ia[i];
+          dst = madd_acc512(dst, _mm512_maddubs_epi16(hi, _mm512_loadu_si512(p + 64)), shi);
+        }
       }
-      const __m512i slo = _mm512_shuffle_epi8(sc16, word_sel2(4 * c, 4 * c + 2));
-      const __m512i shi = _mm512_shuffle_epi8(sc16, word_sel2(4 * c + 1, 4 * c + 3));
+      // mins: -dmin * m[s] against Act::ds (da * the sum of x's quants per 32 columns), 8 lanes
+      const float d = f16_at(b), dmin = f16_at(b + 2);
+      const __m512 mins = _mm512_zextps256_ps512(_mm256_mul_ps(
+          _mm256_set1_ps(-dmin),
+          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(mnv))))));
       FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
-        const int8_t* p = aq[i] + sb * 256 + 128 * c;  // permuted: [lo columns | hi columns]
-        ia[i] = madd_acc512(ia[i], _mm512_maddubs_epi16(lo, _mm512_loadu_si512(p)), slo);
-        __m512i& dst = kSplit ? ib[i] : ia[i];
-        dst = madd_acc512(dst, _mm512_maddubs_epi16(hi, _mm512_loadu_si512(p + 64)), shi);
+        const __m512 s = _mm512_zextps256_ps512(_mm256_loadu_ps(a.dsrow(m0 + i) + sb * 8));
+        const __m512i isum = kSplit ? _mm512_add_epi32(ia[i], ib[i]) : ia[i];
+        const __m512 t = _mm512_fmadd_ps(
+            mins, s, _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d * a.drow(m0 + i)[sb])));
+        acc[j * MT + i] = _mm512_add_ps(acc[j * MT + i], t);
       }
-    }
-    // mins: -dmin * m[s] against Act::ds (da * the sum of x's quants per 32 columns), 8 lanes
-    const float d = f16_at(b), dmin = f16_at(b + 2);
-    const __m512 mins = _mm512_zextps256_ps512(_mm256_mul_ps(
-        _mm256_set1_ps(-dmin),
-        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(mnv))))));
-    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
-      const __m512 s = _mm512_zextps256_ps512(_mm256_loadu_ps(a.dsrow(m0 + i) + sb * 8));
-      const __m512i isum = kSplit ? _mm512_add_epi32(ia[i], ib[i]) : ia[i];
-      const __m512 t = _mm512_fmadd_ps(
-          mins, s, _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d * a.drow(m0 + i)[sb])));
-      acc[i] = _mm512_add_ps(acc[i], t);
     }
   }
-  FS_GGML_UNROLL for (int i = 0; i < MT; ++i) res[i] = hsum512(acc[i]);
+  hsum512_rows<NW * MT>(acc, res);
 }
 
-template <int MT>
-void q6k_row512(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float* res) {
-  constexpr bool kSplit = MT <= 2;  // as in q45k_row512
-  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+template <bool kHigh, int MT>
+[[gnu::always_inline]] inline void q45k_row512(const uint8_t* w, int64_t nsb, const Act& a,
+                                               int64_t m0, float* res) {
+  q45k_tile512<kHigh, 1, MT>(&w, nsb, a, m0, res);
+}
+
+template <int NW, int MT>
+[[gnu::always_inline]] inline void q6k_tile512(const uint8_t* const* w, int64_t nsb, const Act& a,
+                                               int64_t m0, float* res, int64_t ahead = kKqAhead) {
+  constexpr bool kSplit = NW * MT <= 2;  // as in q45k_tile512
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m3f = _mm512_set1_epi8(0x3F);
   // per half: the low nibbles' qh bits sit at 0-1 (columns 0-31) and 2-3 (32-63), the high
   // nibbles' at 4-5 and 6-7: shifted to 4-5
   const __m512i sh_lo = _mm512_inserti64x4(_mm512_set1_epi64(4), _mm256_set1_epi64x(2), 1);
   const __m512i sh_hi = _mm512_inserti64x4(_mm512_set1_epi64(0), _mm256_set1_epi64x(2), 1);
-  __m512 acc[MT];
+  __m512 acc[NW * MT];
   const int8_t* aq[MT];
-  FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
-    acc[i] = _mm512_setzero_ps();
-    aq[i] = a.qrow(m0 + i);
-  }
+  FS_GGML_UNROLL for (int r = 0; r < NW * MT; ++r) acc[r] = _mm512_setzero_ps();
+  FS_GGML_UNROLL for (int i = 0; i < MT; ++i) aq[i] = a.qrow(m0 + i);
   for (int64_t sb = 0; sb < nsb; ++sb) {
-    const uint8_t* b = w + sb * 210;
-    if constexpr (MT == 1) kq_prefetch_ahead<210>(b);
+   FS_GGML_UNROLL for (int j = 0; j < NW; ++j) {
+    const uint8_t* b = w[j] + sb * 210;
+    if constexpr (MT == 1) kq_prefetch_ahead<210>(b, ahead);
     const __m256i sc16 =
         _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
     const __m512i sc512 = _mm512_castsi256_si512(sc16);
+    // the -32 offset: -32 sc[s] (fits int16) against x's 16-column sums, one madd per row
+    const __m256i scn = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(sc16, 5));
     __m512i ia[MT], ib[MT];
     FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
       ib[i] = _mm512_setzero_si512();
-      const __m256i bs = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(a.s16row(m0 + i) + sb * 16));
-      ia[i] = _mm512_zextsi256_si512(_mm256_sub_epi32(
-          _mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5)));
+      ia[i] = _mm512_zextsi256_si512(_mm256_madd_epi16(scn, _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(a.s16row(m0 + i) + sb * 16))));
     }
     FS_GGML_UNROLL for (int h = 0; h < 2; ++h) {
       const __m512i l = _mm512_loadu_si512(b + 64 * h);
       const __m512i qh = _mm512_broadcast_i64x4(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h)));
-      const __m512i ulo = _mm512_or_si512(_mm512_and_si512(l, m4),
-                                          _mm512_and_si512(_mm512_sllv_epi64(qh, sh_lo), m30));
-      const __m512i uhi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
-                                          _mm512_and_si512(_mm512_srlv_epi64(qh, sh_hi), m30));
+      // bits 0-3 from the nibble, 4-7 from the shifted qh (0xE4: C ? A : B), 6-7 then cleared
+      const __m512i ulo = _mm512_and_si512(
+          _mm512_ternarylogic_epi32(l, _mm512_sllv_epi64(qh, sh_lo), m4, 0xE4), m3f);
+      const __m512i uhi = _mm512_and_si512(
+          _mm512_ternarylogic_epi32(_mm512_srli_epi16(l, 4), _mm512_srlv_epi64(qh, sh_hi), m4, 0xE4),
+          m3f);
       // 16 columns per 128-bit lane: scales 8h + 0..3 (low nibbles), 8h + 4..7 (high)
       const __m512i ilo = _mm512_set_epi64(
           0x0003000300030003LL + 0x0008000800080008LL * h, 0x0003000300030003LL + 0x0008000800080008LL * h,
@@ -159,10 +198,18 @@ void q6k_row512(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float* 
     }
     const float d = f16_at(b + 208);
     FS_GGML_UNROLL for (int i = 0; i < MT; ++i)
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(kSplit ? _mm512_add_epi32(ia[i], ib[i]) : ia[i]),
-                               _mm512_set1_ps(d * a.drow(m0 + i)[sb]), acc[i]);
+      acc[j * MT + i] = _mm512_fmadd_ps(
+          _mm512_cvtepi32_ps(kSplit ? _mm512_add_epi32(ia[i], ib[i]) : ia[i]),
+          _mm512_set1_ps(d * a.drow(m0 + i)[sb]), acc[j * MT + i]);
+   }
   }
-  FS_GGML_UNROLL for (int i = 0; i < MT; ++i) res[i] = hsum512(acc[i]);
+  hsum512_rows<NW * MT>(acc, res);
+}
+
+template <int MT>
+[[gnu::always_inline]] inline void q6k_row512(const uint8_t* w, int64_t nsb, const Act& a,
+                                              int64_t m0, float* res) {
+  q6k_tile512<1, MT>(&w, nsb, a, m0, res);
 }
 
 }  // namespace fitserve::ggml

@@ -30,12 +30,13 @@ namespace fitserve::ggml {
 constexpr int kKqAhead = 2048;
 
 template <int kBytes>
-[[gnu::always_inline]] inline void kq_prefetch_ahead(const uint8_t* b) {
+[[gnu::always_inline]] inline void kq_prefetch_ahead(const uint8_t* b, int64_t ahead = kKqAhead) {
 #ifdef FS_GGML_AVX2
   for (int o = 0; o < kBytes; o += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(b) + kKqAhead + o, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(b) + ahead + o, _MM_HINT_T0);
 #else
   (void)b;
+  (void)ahead;
 #endif
 }
 
@@ -56,6 +57,13 @@ struct Q45K {
   template <int MT>
   static void row(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float* res) {
     q45k_row512<kHigh, MT>(w, nsb, a, m0, res);
+  }
+  // weight rows w[0 .. NW-1] against rows m0 .. m0+MT-1 of x: res[j * MT + i] = row<MT>'s bits;
+  // a one-row tile (MT = 1) requests the bytes `ahead` past each super-block it reads
+  template <int NW, int MT>
+  static void tile(const uint8_t* const* w, int64_t nsb, const Act& a, int64_t m0, float* res,
+                   int64_t ahead = kKqAhead) {
+    q45k_tile512<kHigh, NW, MT>(w, nsb, a, m0, res, ahead);
   }
 #elif !defined(FS_GGML_AVX2)
   static constexpr bool kPerm128 = false;
@@ -170,6 +178,11 @@ struct Q6K {
   static void row(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float* res) {
     q6k_row512<MT>(w, nsb, a, m0, res);
   }
+  template <int NW, int MT>  // as Q45K::tile
+  static void tile(const uint8_t* const* w, int64_t nsb, const Act& a, int64_t m0, float* res,
+                   int64_t ahead = kKqAhead) {
+    q6k_tile512<NW, MT>(w, nsb, a, m0, res, ahead);
+  }
 #elif !defined(FS_GGML_AVX2)
   template <int MT>
   static void row(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float* res) {
@@ -262,27 +275,11 @@ struct Q6K {
 #endif
 };
 
-// The K-quant types, whose GEMV tiles prefetch their own stream (kq_rows_halves runs them).
+// The K-quant types, whose GEMV tiles prefetch their own stream (kq_rows_quarters runs them).
 template <class T>
 inline constexpr bool kIsKQuant =
     std::is_same_v<T, Q4K> || std::is_same_v<T, Q5K> || std::is_same_v<T, Q6K>;
 
-// The GEMV (one row of x) over weight rows [n0, n1), a thread's share: two interleaved halves
-// (two DRAM streams, each prefetched kKqAhead ahead by the rows themselves); every output is
-// row<1>, the bits of a tile of one in rows_range (batch invariant).
-template <class T>
-void kq_rows_halves(const uint8_t* W, int64_t row_bytes, int64_t nsb, const Act& a, int64_t n0,
-                    int64_t n1, float* out) {
-  const int64_t half = (n1 - n0 + 1) / 2, mid = n0 + half;
-  float res[1];
-  for (int64_t i = 0; i < half; ++i) {
-    T::template row<1>(W + (n0 + i) * row_bytes, nsb, a, 0, res);
-    out[n0 + i] = res[0];
-    if (mid + i < n1) {
-      T::template row<1>(W + (mid + i) * row_bytes, nsb, a, 0, res);
-      out[mid + i] = res[0];
-    }
-  }
-}
-
 }  // namespace fitserve::ggml
+
+#include "ggml_blocks_kqrun.h"
