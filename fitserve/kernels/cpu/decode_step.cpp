@@ -299,8 +299,8 @@ void decode_plan_layers(int64_t handle, int64_t qk_norm, at::TensorList qk_norms
   TORCH_CHECK(it != plans.end(), "decode_plan_layers: no decode plan ", handle);
   auto plan = std::make_shared<Plan>(*it->second);
   plan->extras = std::make_shared<const LayerExtras>(make_layer_extras(
-      static_cast<int64_t>(plan->k_caches.size()), qk_norm, qk_norms, qk_eps, moe, experts,
-      expert_types, linears, meta));
+      static_cast<int64_t>(plan->k_caches.size()), plan->hq, plan->hkv, qk_norm, qk_norms,
+      qk_eps, moe, experts, expert_types, linears, meta));
   it->second = std::move(plan);
 }
 
