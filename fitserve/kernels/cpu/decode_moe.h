@@ -6,14 +6,15 @@
 //   q/k norms per head (Qwen3, Qwen3-MoE): RMSNorm.forward on 3-D [N, heads, D] views is
 //       fused.rms_norm_reference: weight * rms_norm(x.float(), D, eps).to(dtype), q then k, cat;
 //   q/k norms over the projection (OLMoE): fitserve_fused::rms_norm on the 2-D q / k columns, cat;
-//   MoE block: router linear -> softmax(fp32) -> topk (torch's order and ties) -> / sum (when
-//       renormalised) -> fitserve::moe_experts_ggml (fp32 [N, H]) [-> += (sigmoid(shared gate)
+//   MoE block: router linear -> fitserve::moe_route (softmax, top-k, renormalised when asked;
+//       moe.route calls the same op) -> fitserve::moe_experts_ggml (fp32 [N, H]) [-> += (sigmoid(shared gate)
 //       * shared expert).float()] -> .to(dtype).
 //
 // Included by decode_step.cpp after op(), rms_norm(), silu_and_mul() and linear().
 #pragma once
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -92,11 +93,15 @@ at::Tensor moe_experts_ggml(const at::Tensor& x, const at::Tensor& ids, const at
   return h.call(x, ids, weights, gate_up, gate_up_type, down, down_type);
 }
 
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t k, bool renorm) {
+  static const auto h = op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, int64_t, bool)>(
+      "fitserve::moe_route");
+  return h.call(logits, k, renorm);
+}
+
 // SparseMoeBlock.forward on h [N, H] with its experts grouped (moe.route, GroupedExperts.__call__)
 at::Tensor moe_block(const LayerExtras& e, const MoeLayer& m, const at::Tensor& h) {
-  const at::Tensor probs = at::softmax(extra_linear(e, h, m.router).to(at::kFloat), -1);
-  auto [weights, ids] = at::topk(probs, m.top_k, -1);
-  if (m.renormalize) weights = weights / weights.sum(at::IntArrayRef{-1}, true);
+  auto [weights, ids] = moe_route(extra_linear(e, h, m.router), m.top_k, m.renormalize);
   at::Tensor out = moe_experts_ggml(h.contiguous(), ids, weights, m.gate_up, m.gate_up_type,
                                     m.down, m.down_type);
   if (m.shared >= 0) {  // Qwen2-MoE: sigmoid(shared_expert_gate(h)) * shared_expert(h)

@@ -30,6 +30,7 @@
 #include "ggml_blocks_kquant.h"
 #include "ggml_blocks_q5.h"
 #include "ggml_blocks_run.h"
+#include "moe_route.h"
 
 namespace fitserve::moe {
 namespace {
@@ -341,10 +342,12 @@ std::string moe_experts_tier() { return build_tier_name(); }
 TORCH_LIBRARY_FRAGMENT(fitserve, m) {
   m.def("moe_experts_ggml(Tensor x, Tensor ids, Tensor weights, Tensor gate_up, "
         "str gate_up_type, Tensor down, str down_type) -> Tensor");
+  m.def("moe_route(Tensor logits, int k, bool renormalize) -> (Tensor, Tensor)");
   m.def("moe_experts_types() -> str[]", &fitserve::moe::moe_experts_types);
   m.def("moe_experts_tier() -> str", &fitserve::moe::moe_experts_tier);
 }
 
 TORCH_LIBRARY_IMPL(fitserve, CPU, m) {
   m.impl("moe_experts_ggml", &fitserve::moe::moe_experts_ggml);
+  m.impl("moe_route", &fitserve::moe::moe_route);
 }
