@@ -7,8 +7,9 @@
 //       fused.rms_norm_reference: weight * rms_norm(x.float(), D, eps).to(dtype), q then k, cat;
 //   q/k norms over the projection (OLMoE): fitserve_fused::rms_norm on the 2-D q / k columns, cat;
 //   MoE block: router linear -> fitserve::moe_route (softmax, top-k, renormalised when asked;
-//       moe.route calls the same op) -> fitserve::moe_experts_ggml (fp32 [N, H]) [-> += (sigmoid(shared gate)
-//       * shared expert).float()] -> .to(dtype).
+//       moe.route calls the same op) -> fitserve::moe_experts_ggml (fp32 [N, H]) [-> +=
+//       (sigmoid(shared gate) * shared expert).float()] -> .to(dtype); without a shared expert
+//       the op rounds to the dtype itself (out_x_dtype: the same bits).
 //
 // Included by decode_step.cpp after op(), rms_norm(), silu_and_mul() and linear().
 #pragma once
@@ -85,12 +86,13 @@ at::Tensor norm_qk(const LayerExtras& e, int64_t l, const at::Tensor& qkv, const
 
 at::Tensor moe_experts_ggml(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
                             const at::Tensor& gate_up, const std::string& gate_up_type,
-                            const at::Tensor& down, const std::string& down_type) {
+                            const at::Tensor& down, const std::string& down_type,
+                            bool out_x_dtype) {
   static const auto h =
       op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                    const std::string&, const at::Tensor&, const std::string&)>(
+                    const std::string&, const at::Tensor&, const std::string&, bool)>(
           "fitserve::moe_experts_ggml");
-  return h.call(x, ids, weights, gate_up, gate_up_type, down, down_type);
+  return h.call(x, ids, weights, gate_up, gate_up_type, down, down_type, out_x_dtype);
 }
 
 std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t k, bool renorm) {
@@ -102,21 +104,23 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t k
 // SparseMoeBlock.forward on h [N, H] with its experts grouped (moe.route, GroupedExperts.__call__)
 at::Tensor moe_block(const LayerExtras& e, const MoeLayer& m, const at::Tensor& h) {
   auto [weights, ids] = moe_route(extra_linear(e, h, m.router), m.top_k, m.renormalize);
+  if (m.shared < 0)  // the sum rounded to h's dtype in the op (the same bits as .to())
+    return moe_experts_ggml(h.contiguous(), ids, weights, m.gate_up, m.gate_up_type, m.down,
+                            m.down_type, true);
   at::Tensor out = moe_experts_ggml(h.contiguous(), ids, weights, m.gate_up, m.gate_up_type,
-                                    m.down, m.down_type);
-  if (m.shared >= 0) {  // Qwen2-MoE: sigmoid(shared_expert_gate(h)) * shared_expert(h)
-    const at::Tensor gate = at::sigmoid(extra_linear(e, h, m.shared + 2));
-    const at::Tensor up = silu_and_mul(extra_linear(e, h, m.shared));
-    const at::Tensor shared = extra_linear(e, up, m.shared + 1);
-    out += (gate * shared).to(at::kFloat);
-  }
+                                    m.down, m.down_type, false);
+  // Qwen2-MoE: sigmoid(shared_expert_gate(h)) * shared_expert(h)
+  const at::Tensor gate = at::sigmoid(extra_linear(e, h, m.shared + 2));
+  const at::Tensor up = silu_and_mul(extra_linear(e, h, m.shared));
+  const at::Tensor shared = extra_linear(e, up, m.shared + 1);
+  out += (gate * shared).to(at::kFloat);
   return out.to(h.scalar_type());
 }
 
-// decode_plan_layers' arguments (and the plan's head counts hq, hkv) -> LayerExtras. moe: kMoeInts per layer (is_moe, top_k,
-// renormalize, has_shared); experts: gate_up and down stacks per MoE layer; types: their ggml
-// type names; linears/meta: per MoE layer its router, then (has_shared) the shared expert's
-// gate_up, down and gate, in linear()'s layout.
+// decode_plan_layers' arguments (and the plan's head counts hq, hkv) -> LayerExtras. moe:
+// kMoeInts per layer (is_moe, top_k, renormalize, has_shared); experts: gate_up and down stacks
+// per MoE layer; types: their ggml type names; linears/meta: per MoE layer its router, then
+// (has_shared) the shared expert's gate_up, down and gate, in linear()'s layout.
 constexpr int64_t kMoeInts = 4;
 
 LayerExtras make_layer_extras(int64_t layers, int64_t hq, int64_t hkv, int64_t qk_norm,

@@ -45,8 +45,8 @@ def _moe_route_fake(logits: torch.Tensor, k: int, renormalize: bool
 
 def _moe_experts_fake(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                       gate_up: torch.Tensor, gate_up_type: str, down: torch.Tensor,
-                      down_type: str) -> torch.Tensor:
-    return x.new_empty(x.shape[0], x.shape[1], dtype=torch.float32)
+                      down_type: str, out_x_dtype: bool = False) -> torch.Tensor:
+    return x.new_empty(x.shape[0], x.shape[1], dtype=x.dtype if out_x_dtype else torch.float32)
 
 
 def moe_kernel_available(gate_up_type: str, down_type: str) -> bool:
@@ -102,8 +102,9 @@ def _check_stack(w: torch.Tensor, ggml_type: str, e: int, rows: int, cols: int,
 
 def moe_experts_ggml(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                      gate_up: torch.Tensor, gate_up_type: str, down: torch.Tensor,
-                     down_type: str) -> torch.Tensor:
-    """fp32 ``[N, H]``: the routed experts' weighted sum for every token (see the module doc).
+                     down_type: str, out_x_dtype: bool = False) -> torch.Tensor:
+    """fp32 ``[N, H]``: the routed experts' weighted sum for every token (see the module doc);
+    ``out_x_dtype``: in x's dtype instead (the fp32 sum rounded once, as ``.to(x.dtype)``).
 
     ``x`` float32 / bfloat16 ``[N, H]``; ``ids`` int64 ``[N, k]`` expert ids in [0, E);
     ``weights`` float32 ``[N, k]``. Raises ValueError on types without a kernel or shapes that
@@ -134,5 +135,5 @@ def moe_experts_ggml(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     _check_stack(down, down_type, e, hidden, inter, "down")
     out: torch.Tensor = torch.ops.fitserve.moe_experts_ggml(
         x.contiguous(), ids.contiguous(), weights.contiguous(), gate_up.contiguous(),
-        gate_up_type, down.contiguous(), down_type)
+        gate_up_type, down.contiguous(), down_type, out_x_dtype)
     return out
