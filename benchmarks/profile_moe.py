@@ -12,6 +12,13 @@ forward hooks over 10 more steps (the hooks' own cost is in the totals).
 ``--cpu-split``: a W1 step's thread CPU time by part (engine step, forward, router, routing,
 expert op, lm_head, the rest by difference; with ``--threads 1`` robust on a loaded host).
 
+``--threads-ab``: the W1 engine step at one thread (thread CPU time and wall) and at two threads
+(wall), alternated in one process (--rounds rounds of 25 steps each), medians; the two-thread
+efficiency is the one-thread CPU step over twice the two-thread wall step (1.0: the step splits
+evenly; what is missing is work on the calling thread only, fork/join waits and the two cores
+sharing the memory bandwidth). A loaded host makes the two-thread wall meaningless (a thread
+waits for its descheduled partner at every parallel region): read it on a quiet host.
+
 ``--paths``: one batch-1 decode step's forward (same inputs, same caches) through the module path
 (``CausalLM.forward``), the flat Python loop and the native ``decode_layers`` (runner/
 decode_loop.py), alternated step by step, medians of wall time and of this thread's CPU time
@@ -29,6 +36,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,6 +46,7 @@ from profile_engine import GREEDY, op_table, step_ms  # noqa: E402
 
 from fitserve.config import EngineConfig  # noqa: E402
 from fitserve.engine.core import Engine  # noqa: E402
+from fitserve.kernels.cpu.fused import argmax  # noqa: E402
 from fitserve.model.moe import SparseMoeBlock, route  # noqa: E402
 from fitserve.runner.model_runner import decode_rows_first  # noqa: E402
 from fitserve.types import ScheduledChunk  # noqa: E402
@@ -135,12 +144,59 @@ def cpu_ms(fn: Callable[[], object], rounds: int = 15) -> float:
     return statistics.median(times)
 
 
+def attention_parts(runner: Any, x: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """The attention side of every layer at batch 1, each op kind over all layers on its own
+    (the ops decode_layers calls, on this step's positions, slots and caches)."""
+    from fitserve.runner.decode_loop import DEFAULT_PARTITION  # noqa: PLC0415
+
+    model, kv = runner.model, runner.kv_caches
+    layers = list(model.layers)
+    att = [layer.self_attn for layer in layers]
+    a0 = att[0]
+    hq, hkv, hd = a0.num_heads, a0.num_kv, a0.head_dim
+    qkv = [a.qkv_proj(x) for a in att]
+    qk = [t[:, : (hq + hkv) * hd].view(1, hq + hkv, hd) for t in qkv]
+    v = [t[:, (hq + hkv) * hd :].view(1, hkv, hd) for t in qkv]
+    pos, slots = torch.tensor([32]), torch.tensor([32])
+    tables, lens = torch.tensor([[1, 2, 3, 4]], dtype=torch.int32), torch.tensor([33],
+                                                                                 dtype=torch.int32)
+    rot, fused = model.rotary, torch.ops.fitserve_fused
+    o_in = torch.randn(1, hq * hd, dtype=x.dtype)
+    parts: dict[str, Callable[[], object]] = {
+        "  q/k/v projections": lambda: [a.qkv_proj(x) for a in att],
+        "  o projections": lambda: [a.o_proj(o_in) for a in att],
+        "  RoPE + KV write": lambda: [fused.rope_write_kv_(q, w, pos, rot.cos, rot.sin, c[0],
+                                                           c[1], slots, hq, rot.interleaved)
+                                      for q, w, c in zip(qk, v, kv, strict=True)],
+        "  attention": lambda: [torch.ops.fitserve.paged_decode_attention(
+            q[:, :hq], c[0], c[1], tables, lens, a0.scale, 0, DEFAULT_PARTITION, True)
+            for q, c in zip(qk, kv, strict=True)],
+        "  residual adds + norms": lambda: [fused.add_rms_norm_(x.clone(), x, n.weight, n.eps)
+                                            for layer in layers for n in (
+                                                layer.input_layernorm,
+                                                layer.post_attention_layernorm)],
+    }
+    if a0.q_norm is not None and not a0.norm_whole:
+        # NOTE: as decode_layers runs them (decode_moe.h norm_qk): one rms_norm over all heads
+        w = [torch.cat((a.q_norm.weight.expand(hq, hd), a.k_norm.weight.expand(hkv, hd)))
+             for a in att]
+        parts["  q/k norms"] = lambda: [
+            wi * torch.rms_norm(q.float(), (hd,), eps=a.q_norm.eps).to(q.dtype)
+            for wi, q, a in zip(w, qk, att, strict=True)]
+    elif a0.q_norm is not None:
+        parts["  q/k norms"] = lambda: [a.norm_qk(t, q) for a, t, q in zip(att, qkv, qk,
+                                                                            strict=True)]
+    return parts
+
+
 @torch.inference_mode()
 def cpu_split(engine: Engine) -> str:
     """A W1 step's thread CPU ms by part (run it with --threads 1): the whole engine step, the
-    forward alone (the decode loop as the engine runs it), and the MoE parts and the lm_head
-    called on their own over every layer with one token (router linear, routing: softmax /
-    top-k / renormalise, the grouped expert op), the rest of the forward by difference."""
+    forward alone (the decode loop as the engine runs it), and each op kind called on its own
+    over every layer with one token: the MoE parts (router linear, routing, the grouped expert
+    op), the attention side (attention_parts), the lm_head and the greedy pick; the rest of the
+    forward (decode_layers' glue: views, casts, concatenations, the embedding) and of the step
+    (scheduler, input tensors, outputs: Python) by difference."""
     runner, model = engine.runner, engine.runner.model
     blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
     x = torch.randn(1, runner.spec.hidden_size).bfloat16()
@@ -156,25 +212,64 @@ def cpu_split(engine: Engine) -> str:
     forward = (lambda: loop(ids, pos, batch, runner.kv_caches)) if loop is not None and \
         loop.applies(batch, runner.kv_caches, len(ids)) else \
         (lambda: model(ids, pos, batch, runner.kv_caches))
-    engine.add_request(prompt, GREEDY)
     parts = {
-        "engine step (W1)": lambda: engine.step(),
         "forward": forward,
         "  router linears": lambda: [b.gate(x) for b in blocks],
         "  routing (softmax/topk)": lambda: [route(lg, b.top_k, b.renormalize)
                                              for b, lg in zip(blocks, logits, strict=True)],
         "  expert op": lambda: [b.combine(x, w, i) for b, (w, i) in zip(blocks, routes,
                                                                         strict=True)],
+        **attention_parts(runner, x),
     }
     ms = {k: cpu_ms(fn) for k, fn in parts.items()}
-    ms["  rest (attention, norms, ...)"] = ms["forward"] - sum(
+    ms["  rest of the forward (glue)"] = ms["forward"] - sum(
         v for k, v in ms.items() if k.startswith("  "))
+    engine.add_request(prompt, GREEDY)
+    step = cpu_ms(lambda: engine.step())
     # NOTE: the decode loop returns hidden states: the lm_head runs after the forward
-    ms["after the forward"] = ms["engine step (W1)"] - ms["forward"]
-    ms["  of which the lm_head"] = cpu_ms(lambda: model.lm_head(x).float())
-    lines = [f"    {'part':<30}{'cpu ms':>8}{'share':>8}"]
+    head_out = model.compute_logits(x)
+    after = {"after the forward": step - ms["forward"],
+             "  lm_head (+ .float())": cpu_ms(lambda: model.compute_logits(x)),
+             "  greedy pick (argmax)": cpu_ms(lambda: argmax(head_out))}
+    after["  rest: scheduler, inputs, outputs"] = (after["after the forward"]
+                                                   - after["  lm_head (+ .float())"]
+                                                   - after["  greedy pick (argmax)"])
+    ms = {"engine step (W1)": step, **ms, **after}
+    lines = [f"    {'part':<34}{'cpu ms':>8}{'share':>8}"]
     for k, v in ms.items():
-        lines.append(f"    {k:<30}{v:8.2f}{v / ms['engine step (W1)']:8.0%}")
+        lines.append(f"    {k:<34}{v:8.2f}{v / step:8.0%}")
+    return "\n".join(lines)
+
+
+@torch.inference_mode()
+def threads_ab(engine: Engine, rounds: int, steps: int = 25) -> str:
+    """W1 step medians at 1 thread (CPU, wall) and 2 threads (wall), alternated (see --threads-ab)."""
+    engine.add_request(list(range(100, 132)), GREEDY)
+    step_ms(engine, 5)
+    one_cpu: list[float] = []
+    one_wall: list[float] = []
+    two_wall: list[float] = []
+    lines = [f"    {'round':<7}{'load':>6}{'1t cpu ms':>11}{'1t wall ms':>12}{'2t wall ms':>12}"
+             f"{'2t efficiency':>15}"]
+    for r in range(rounds):
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            engine.step()
+            for _ in range(steps):
+                if not engine.has_unfinished_requests():
+                    engine.add_request(list(range(100, 132)), GREEDY)
+                    engine.step()  # its prefill
+                w, c = time.perf_counter(), time.thread_time()
+                engine.step()
+                w, c = (time.perf_counter() - w) * 1e3, (time.thread_time() - c) * 1e3
+                if threads == 1:
+                    one_cpu.append(c)
+                    one_wall.append(w)
+                else:
+                    two_wall.append(w)
+        cpu, wall1, wall2 = (statistics.median(v) for v in (one_cpu, one_wall, two_wall))
+        lines.append(f"    {r:<7}{os.getloadavg()[0]:6.1f}{cpu:11.2f}{wall1:12.2f}{wall2:12.2f}"
+                     f"{cpu / (2 * wall2):15.2f}")
     return "\n".join(lines)
 
 
@@ -191,6 +286,9 @@ def main() -> None:
                     help="the per-expert loop instead of the grouped C++ call (the old path)")
     ap.add_argument("--cpu-split", action="store_true",
                     help="only a W1 step's thread CPU time by part (use --threads 1)")
+    ap.add_argument("--threads-ab", action="store_true",
+                    help="only the W1 step at 1 and 2 threads, alternated in this process")
+    ap.add_argument("--rounds", type=int, default=4, help="--threads-ab's rounds")
     ap.add_argument("--paths", action="store_true",
                     help="only the A/B of the module path, Python loop and decode_layers")
     args = ap.parse_args()
@@ -205,6 +303,11 @@ def main() -> None:
         print(f"W1 step by part, {args.threads} thread(s), load "
               f"{' '.join(f'{v:.1f}' for v in os.getloadavg())}:")
         print(cpu_split(engine))
+        return
+    if args.threads_ab:
+        print("W1 engine step, 1 thread (thread CPU, wall) vs 2 threads (wall), alternated; "
+              "medians so far after each round:")
+        print(threads_ab(engine, args.rounds))
         return
     if args.paths:
         print(f"one batch-1 decode forward, {args.threads} thread(s), load "

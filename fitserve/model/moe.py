@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from fitserve.config import ModelSpec
+from fitserve.kernels.cpu.moe_experts import moe_route, moe_route_available
 from fitserve.model.layers import GatedMLP
 from fitserve.model.linear import DenseLinear
 from fitserve.model.moe_experts import GroupedExperts, grouped_experts
@@ -36,8 +37,14 @@ from fitserve.model.moe_experts import GroupedExperts, grouped_experts
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [N, k] fp32, expert ids [N, k] int64) of router ``logits`` [N, E]: softmax in
-    fp32, the top k (torch.topk's order and ties, as transformers), renormalised to sum 1 when
-    asked (Mixtral's softmax over the top-k logits is the same numbers)."""
+    fp32, the top k (largest first, as transformers), renormalised to sum 1 when asked
+    (Mixtral's softmax over the top-k logits is the same numbers).
+
+    On the CPU with the C++ build: one call (moe_route.h: the softmax in float64 rounded once,
+    ties to the lower expert), which decode_layers calls too, so every path routes the same
+    bits; else torch's ops."""
+    if logits.device.type == "cpu" and moe_route_available():
+        return moe_route(logits, top_k, renormalize)
     probs = torch.softmax(logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:

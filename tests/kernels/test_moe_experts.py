@@ -152,7 +152,8 @@ def test_inactive_experts_are_not_read() -> None:
 @pytest.mark.parametrize("n, k, case", [(7, 2, "ragged"), (1, 4, "same"), (19, 3, "same")])
 def test_thread_counts_give_the_same_bits(n: int, k: int, case: str) -> None:
     """The rows of all active experts are split over the threads by cost (spans starting
-    mid-expert at 2 and 3 threads): every output is still one tile's work in one order."""
+    mid-expert at 2 and 3 threads): every output is still one tile's work in one order. With
+    ``out_x_dtype`` the bf16 result is the fp32 one rounded (decode_layers' MoE block)."""
     gu, _, _ = stack("Q4_K", 2 * INTER, H, 3)
     dn, _, _ = stack("Q6_K", H, INTER, 4)
     x, ids = torch.randn(n, H), groupings(n, k)[case]
@@ -163,6 +164,11 @@ def test_thread_counts_give_the_same_bits(n: int, k: int, case: str) -> None:
             # NOTE: another call first, so scratch a split left unwritten holds other values
             moe_experts_ggml(-x, ids, w, gu, "Q4_K", dn, "Q6_K")
             outs.append(moe_experts_ggml(x, ids, w, gu, "Q4_K", dn, "Q6_K"))
+            # the sum rounded in the op: the same bits as rounding the fp32 result
+            xb = x.bfloat16()
+            got = moe_experts_ggml(xb, ids, w, gu, "Q4_K", dn, "Q6_K", out_x_dtype=True)
+            assert got.dtype == torch.bfloat16
+            assert torch.equal(got, moe_experts_ggml(xb, ids, w, gu, "Q4_K", dn, "Q6_K").bfloat16())
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 

@@ -12,7 +12,8 @@
 //      weight row decoded once per tile) and silu(gate) * up is formed on the tile's results
 //      -> act [N * k, I] fp32;
 //   4. act quantized for the down type; down streamed the same way -> [N * k, H];
-//   5. each token's k rows summed with its routing weights (j = 0 .. k-1) -> out [N, H] fp32.
+//   5. each token's k rows summed with its routing weights (j = 0 .. k-1) -> out [N, H] fp32
+//      (out_x_dtype: rounded once to x's dtype).
 // Only the active experts' bytes are read: at batch 1 exactly the k experts' rows. Each output
 // is one item's work in one order, so the thread count does not change the bits.
 #include <ATen/ATen.h>
@@ -30,6 +31,7 @@
 #include "ggml_blocks_kquant.h"
 #include "ggml_blocks_q5.h"
 #include "ggml_blocks_run.h"
+#include "moe_route.h"
 
 namespace fitserve::moe {
 namespace {
@@ -265,9 +267,29 @@ Act quantize_x(const at::Tensor& x, const Groups& g, const TypeInfo& t, ActBuf& 
   return {buf.q.data(), buf.d.data(), buf.s16.data(), buf.s32.data(), buf.ds.data(), K, nd};
 }
 
+// out[t] = sum over j = 0 .. k-1 of w[t, j] * y[row of slot (t, j)], summed in fp32 from 0 in
+// choice order, stored as O (fp32, or rounded once to x's bf16: the same bits as .to())
+template <class O>
+void combine(const std::vector<float>& y, const std::vector<int64_t>& row_of, const float* wp,
+             int64_t N, int64_t k, int64_t H, O* op) {
+  at::parallel_for(0, N, std::max<int64_t>(1, 4096 / H), [&](int64_t t0, int64_t t1) {
+    std::vector<float> acc(H);
+    for (int64_t t = t0; t < t1; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < k; ++j) {
+        const float w = wp[t * k + j];
+        const float* src = y.data() + row_of[t * k + j] * H;
+        for (int64_t c = 0; c < H; ++c) acc[c] += w * src[c];
+      }
+      std::copy(acc.begin(), acc.end(), op + t * H);
+    }
+  });
+}
+
 at::Tensor moe_experts_ggml(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
                             const at::Tensor& gate_up, const std::string& gate_up_type,
-                            const at::Tensor& down, const std::string& down_type) {
+                            const at::Tensor& down, const std::string& down_type,
+                            bool out_x_dtype) {
   const TypeInfo& tg = type_info(gate_up_type);
   const TypeInfo& td = type_info(down_type);
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() &&
@@ -289,8 +311,11 @@ at::Tensor moe_experts_ggml(const at::Tensor& x, const at::Tensor& ids, const at
   const int64_t I = gate_up.size(1) / 2;
   check_stack(gate_up, tg, E, 2 * I, H, "gate_up");
   check_stack(down, td, E, H, I, "down");
-  at::Tensor out = at::zeros({N, H}, x.options().dtype(at::kFloat));
-  if (N == 0 || k == 0) return out;
+  // NOTE: out_x_dtype: the sum rounded straight to x's dtype (decode_layers without a shared
+  // expert: no fp32 tensor and .to() call per layer)
+  at::Tensor out = at::empty({N, H}, x.options().dtype(out_x_dtype ? x.scalar_type() : at::kFloat));
+  if (N == 0) return out;
+  if (k == 0) return out.zero_();
 
   const Groups g = group_slots(ids.data_ptr<int64_t>(), N * k, k, E);
   const int64_t M = N * k;
@@ -308,18 +333,11 @@ at::Tensor moe_experts_ggml(const at::Tensor& x, const at::Tensor& ids, const at
   // the weighted sum of each token's k rows, in choice order j = 0 .. k-1
   std::vector<int64_t> row_of(M);
   for (int64_t m = 0; m < M; ++m) row_of[g.order[m]] = m;
-  const float* yp = y.data();
   const float* wp = weights.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, std::max<int64_t>(1, 4096 / H), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t j = 0; j < k; ++j) {
-        const float w = wp[t * k + j];
-        const float* src = yp + row_of[t * k + j] * H;
-        float* dst = op + t * H;
-        for (int64_t c = 0; c < H; ++c) dst[c] += w * src[c];
-      }
-  });
+  if (out.scalar_type() == at::kBFloat16)
+    combine(y, row_of, wp, N, k, H, out.data_ptr<c10::BFloat16>());
+  else
+    combine(y, row_of, wp, N, k, H, out.data_ptr<float>());
   if (buf_x.q.size() > (size_t{1} << 24)) buf_x = ActBuf();
   if (buf_tok.q.size() > (size_t{1} << 24)) buf_tok = ActBuf();  // a large prefill's: freed
   if (buf_h.q.size() > (size_t{1} << 24)) buf_h = ActBuf();
@@ -340,11 +358,13 @@ std::string moe_experts_tier() { return build_tier_name(); }
 
 TORCH_LIBRARY_FRAGMENT(fitserve, m) {
   m.def("moe_experts_ggml(Tensor x, Tensor ids, Tensor weights, Tensor gate_up, "
-        "str gate_up_type, Tensor down, str down_type) -> Tensor");
+        "str gate_up_type, Tensor down, str down_type, bool out_x_dtype=False) -> Tensor");
+  m.def("moe_route(Tensor logits, int k, bool renormalize) -> (Tensor, Tensor)");
   m.def("moe_experts_types() -> str[]", &fitserve::moe::moe_experts_types);
   m.def("moe_experts_tier() -> str", &fitserve::moe::moe_experts_tier);
 }
 
 TORCH_LIBRARY_IMPL(fitserve, CPU, m) {
   m.impl("moe_experts_ggml", &fitserve::moe::moe_experts_ggml);
+  m.impl("moe_route", &fitserve::moe::moe_route);
 }

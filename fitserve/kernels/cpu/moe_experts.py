@@ -20,7 +20,8 @@ import torch
 from fitserve.kernels.cpu.build import load_extension
 from fitserve.kernels.cpu.ggml_blocks import _BLOCK
 
-__all__ = ["MOE_KERNEL_TYPES", "moe_experts_ggml", "moe_experts_tier", "moe_kernel_available"]
+__all__ = ["MOE_KERNEL_TYPES", "moe_experts_ggml", "moe_experts_tier", "moe_kernel_available",
+           "moe_route", "moe_route_available"]
 
 # NOTE: the ggml types moe_experts.cpp implements (those of ggml_blocks.cpp, whose per-type row
 # code it includes); a test checks this tuple against the compiled list
@@ -32,13 +33,20 @@ def _ops_loaded() -> bool:
     if load_extension("moe_experts", "moe_experts.cpp") is None:
         return False
     torch.library.register_fake("fitserve::moe_experts_ggml", _moe_experts_fake)
+    torch.library.register_fake("fitserve::moe_route", _moe_route_fake)
     return True
+
+
+def _moe_route_fake(logits: torch.Tensor, k: int, renormalize: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    n = logits.shape[0]
+    return (logits.new_empty(n, k, dtype=torch.float32), logits.new_empty(n, k, dtype=torch.int64))
 
 
 def _moe_experts_fake(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                       gate_up: torch.Tensor, gate_up_type: str, down: torch.Tensor,
-                      down_type: str) -> torch.Tensor:
-    return x.new_empty(x.shape[0], x.shape[1], dtype=torch.float32)
+                      down_type: str, out_x_dtype: bool = False) -> torch.Tensor:
+    return x.new_empty(x.shape[0], x.shape[1], dtype=x.dtype if out_x_dtype else torch.float32)
 
 
 def moe_kernel_available(gate_up_type: str, down_type: str) -> bool:
@@ -49,6 +57,28 @@ def moe_kernel_available(gate_up_type: str, down_type: str) -> bool:
         return _ops_loaded()
     except Exception:  # a broken build counts as absent: the per-expert path runs
         return False
+
+
+def moe_route_available() -> bool:
+    """True when this build has the routing op (moe_route.h)."""
+    try:
+        return _ops_loaded()
+    except Exception:  # a broken build counts as absent: torch routes
+        return False
+
+
+def moe_route(logits: torch.Tensor, k: int, renormalize: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32 [N, k], ids int64 [N, k]) of router ``logits`` [N, E] on the CPU: the
+    softmax in float64 rounded once, the k largest (largest first, ties to the lower expert),
+    their probabilities or (``renormalize``) the softmax of their logits (moe_route.h)."""
+    if not _ops_loaded():
+        raise RuntimeError("the moe_experts C++ kernel is unavailable (see the log for why)")
+    if logits.dim() != 2 or not 1 <= k <= logits.shape[1]:
+        raise ValueError(f"moe_route: logits must be [N, E] with 1 <= k <= E, got "
+                         f"{list(logits.shape)} and k = {k}")
+    w, ids = torch.ops.fitserve.moe_route(logits, k, renormalize)
+    return w, ids
 
 
 def moe_experts_tier() -> str:
@@ -72,8 +102,9 @@ def _check_stack(w: torch.Tensor, ggml_type: str, e: int, rows: int, cols: int,
 
 def moe_experts_ggml(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                      gate_up: torch.Tensor, gate_up_type: str, down: torch.Tensor,
-                     down_type: str) -> torch.Tensor:
-    """fp32 ``[N, H]``: the routed experts' weighted sum for every token (see the module doc).
+                     down_type: str, out_x_dtype: bool = False) -> torch.Tensor:
+    """fp32 ``[N, H]``: the routed experts' weighted sum for every token (see the module doc);
+    ``out_x_dtype``: in x's dtype instead (the fp32 sum rounded once, as ``.to(x.dtype)``).
 
     ``x`` float32 / bfloat16 ``[N, H]``; ``ids`` int64 ``[N, k]`` expert ids in [0, E);
     ``weights`` float32 ``[N, k]``. Raises ValueError on types without a kernel or shapes that
@@ -104,5 +135,5 @@ def moe_experts_ggml(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     _check_stack(down, down_type, e, hidden, inter, "down")
     out: torch.Tensor = torch.ops.fitserve.moe_experts_ggml(
         x.contiguous(), ids.contiguous(), weights.contiguous(), gate_up.contiguous(),
-        gate_up_type, down.contiguous(), down_type)
+        gate_up_type, down.contiguous(), down_type, out_x_dtype)
     return out
