@@ -28,6 +28,7 @@
 
 #include "build_tier.h"
 #include "ggml_blocks_iq4.h"
+#include "ggml_blocks_kqrun.h"
 #include "ggml_blocks_kquant.h"
 #include "ggml_blocks_q5.h"
 #include "ggml_blocks_run.h"
@@ -175,7 +176,21 @@ void experts_gate_up(const Act& a, const Groups& g, const uint8_t* W, int64_t I,
     for_tiles(g.start[e], g.start[e + 1], [&](auto mt, int64_t m) {
       constexpr int MT = decltype(mt)::value;
       float gate[MT], up[MT];
-      for (int64_t n = n0; n < n1; ++n) {
+      int64_t n = n0;
+      // NOTE: one token (W1): a K-quant tile of two gate rows and their two up rows, x read
+      // once per super-block for the four and their lane sums reduced together (kq_tile keeps
+      // row<1>'s bits). Not for MT > 1: adjacent rows of a longer tile made Q6_K's stream slower.
+      if constexpr (ggml::kIsKQuant<T> && MT == 1) {
+        float res[4];
+        for (; n + 2 <= n1; n += 2) {
+          const uint8_t* w[4] = {We + n * rb, We + (I + n) * rb, We + (n + 1) * rb,
+                                 We + (I + n + 1) * rb};
+          ggml::kq_tile<T, 4, 1>(w, nblk, a, m, res);
+          for (int j = 0; j < 2; ++j)
+            act[m * I + n + j] = res[2 * j] / (1.f + std::exp(-res[2 * j])) * res[2 * j + 1];
+        }
+      }
+      for (; n < n1; ++n) {
         T::template row<MT>(We + n * rb, nblk, a, m, gate);
         T::template row<MT>(We + (I + n) * rb, nblk, a, m, up);
         for (int i = 0; i < MT; ++i)
@@ -196,7 +211,17 @@ void experts_matmul(const Act& a, const Groups& g, const uint8_t* W, int64_t row
     for_tiles(g.start[e], g.start[e + 1], [&](auto mt, int64_t m) {
       constexpr int MT = decltype(mt)::value;
       float res[MT];
-      for (int64_t n = n0; n < n1; ++n) {
+      int64_t n = n0;
+      if constexpr (ggml::kIsKQuant<T> && MT == 1) {  // one token: 4 weight rows per tile
+        float rt[4];
+        for (; n + 4 <= n1; n += 4) {
+          const uint8_t* w[4] = {We + n * rb, We + (n + 1) * rb, We + (n + 2) * rb,
+                                 We + (n + 3) * rb};
+          ggml::kq_tile<T, 4, 1>(w, nblk, a, m, rt);
+          for (int j = 0; j < 4; ++j) out[m * rows + n + j] = rt[j];
+        }
+      }
+      for (; n < n1; ++n) {
         T::template row<MT>(We + n * rb, nblk, a, m, res);
         for (int i = 0; i < MT; ++i) out[(m + i) * rows + n] = res[i];
       }
