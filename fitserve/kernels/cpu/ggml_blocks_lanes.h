@@ -1,5 +1,5 @@
 // The AVX512-VNNI rows of the 32-column block types whose weights are a byte each after
-// decoding (Q5_0, Q5_1, IQ4_NL, MXFP4): 16 blocks (512 columns) per step, one fp32 lane per block.
+// decoding (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4): 16 blocks (512 columns) per step, one fp32 lane per block.
 //
 //   per pair of blocks: 64 unsigned weight bytes (B::pair: Q5's q in 0..31, IQ4_NL's table
 //   value + 128), one VPDPBUSD per row of x -> 8 int32 partials per block
@@ -13,6 +13,8 @@
 // scalar offset FMA): the M > 1 tiles cost 2-4x Q4_K's per weight. Each row of x runs the same
 // instructions whatever the tile's height, so row r of any M is bit for bit the row alone.
 #pragma once
+
+#include <type_traits>
 
 #include "ggml_blocks_act.h"
 
@@ -89,6 +91,21 @@ template <int S>
   return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
 }
 
+// Whether B reads its own 16 block heads (B::heads16(b, nbytes), Q8_0's 34-byte blocks) instead
+// of head_dwords16<B::kBytes>.
+template <class B, class = void>
+struct has_heads16 : std::false_type {};
+template <class B>
+struct has_heads16<B, std::void_t<decltype(&B::heads16)>> : std::true_type {};
+
+template <class B>
+[[gnu::always_inline]] inline __m512i lane_heads(const uint8_t* b, int64_t nbytes) {
+  if constexpr (has_heads16<B>::value)
+    return B::heads16(b, nbytes);
+  else
+    return head_dwords16<B::kBytes>(b, nbytes);
+}
+
 // B: kBytes, kShift (the integer offset: dot - (sum(a) << kShift); < 0: none), kHasMin (a second
 // f16 at byte 2: w = d * q + m), lane_scales(head_dwords16) -> the 16 blocks' scales, and
 // pair(b, two) -> the 64 unsigned weight bytes of blocks b
@@ -101,7 +118,7 @@ template <class B, int MT, bool kFull>
   FS_GGML_UNROLL for (int j = 0; j < 8; ++j)
     wv[j] = kFull || 2 * j < r ? B::pair(b + 2 * j * B::kBytes, kFull || 2 * j + 1 < r)
                                : _mm512_setzero_si512();
-  const __m512i g = head_dwords16<B::kBytes>(b, kFull ? 16 * B::kBytes : r * B::kBytes);
+  const __m512i g = lane_heads<B>(b, kFull ? 16 * B::kBytes : r * B::kBytes);
   const __m512 dv = B::lane_scales(g);
   FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
     const int8_t* aq = a.qrow(m0 + i) + 32 * k;
