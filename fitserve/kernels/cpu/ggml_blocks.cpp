@@ -44,9 +44,12 @@ template <class T>
 void run_x(const at::Tensor& x, const uint8_t* W, int64_t N, float* out) {
   static thread_local ActBuf buf;
   const int64_t M = x.size(0), K = x.size(1);
+  const bool lanes_t = M > 1 && lanes_tiles<T>::value;  // ggml_blocks_lanes.h
   const Act a = x.scalar_type() == at::kBFloat16
-                    ? quantize(x.data_ptr<c10::BFloat16>(), M, K, T::kActBlock, T::kPerm128, buf)
-                    : quantize(x.data_ptr<float>(), M, K, T::kActBlock, T::kPerm128, buf);
+                    ? quantize(x.data_ptr<c10::BFloat16>(), M, K, T::kActBlock, T::kPerm128, buf,
+                               nullptr, lanes_t)
+                    : quantize(x.data_ptr<float>(), M, K, T::kActBlock, T::kPerm128, buf,
+                               nullptr, lanes_t);
   run_type<T>(a, M, W, N, out);
   if (buf.q.size() > (size_t{1} << 24)) buf = ActBuf();  // a large prefill's buffers: freed
 }

@@ -41,6 +41,7 @@ struct NibbleBlock {
     return _mm512_mask_add_epi8(u, static_cast<__mmask64>(qh), u, _mm512_set1_epi8(0x10));
   }
   static constexpr bool kRowPrefetch = true;  // row(..., pf): ggml_blocks_run.h
+  static constexpr bool kLanesTiles = true;   // M > 1: lanes_step_t
   template <int MT>
   static void row(const uint8_t* w, int64_t nb, const Act& a, int64_t m0, float* res,
                   int64_t pf = 0) {

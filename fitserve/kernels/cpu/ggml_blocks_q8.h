@@ -59,6 +59,7 @@ struct Q8_0 {
     return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
   }
   static constexpr bool kRowPrefetch = true;  // row(..., pf): ggml_blocks_run.h
+  static constexpr bool kLanesTiles = true;   // M > 1: lanes_step_t
 #endif
 
   template <int MT>
