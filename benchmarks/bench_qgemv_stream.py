@@ -13,6 +13,14 @@ count); with more threads the clock is the wall's (say the load beside the figur
     python benchmarks/bench_qgemv_stream.py [--threads 1,2] [--formats q4_1,q4_0,q8_0]
         [--shapes 135m,1.7b] [--rotate-mb 128] [--runs 5]
 
+--vs-ggml instead runs, for each GGUF type (--ggml-types Q8_0,Q4_0,Q4_1) and shape, the SAME
+random blocks held both ways the engine can hold them: the qlinear PackedWeight
+(fitserve.quant.gguf_map, PackedLinear with its M > 1 panels, the kernel the table picks) and the
+raw ggml blocks (GgmlLinear, fitserve::ggml_matmul), alternated with a plain read in one process,
+at each M of --ms (1: a decode step; 8, 32: W2's tiles); one thread, CPU clock:
+
+    python benchmarks/bench_qgemv_stream.py --vs-ggml [--shapes 1.7b] [--ms 1,8,32]
+
 Columns: GB/s of weight bytes (codes + scales + mins) per second, the kernel's fraction of the
 plain read's rate, and the kernel's rate on one ~1 MB copy of the same shape read again and again
 (in L2: no DRAM stream, so what is left is the kernel's own work; where it is not well above the
@@ -23,13 +31,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from fitserve.kernels.cpu.isa import cpu_model_name, detect_isa
 from fitserve.kernels.cpu.qlinear import qlinear_ops_available, qlinear_tier
+from fitserve.model.ggml_linear import GgmlLinear
+from fitserve.model.linear import PackedLinear
+from fitserve.quant.ggml_blocks import GgmlBlockWeight
+from fitserve.quant.gguf_map import packed_from_gguf
 
 # (label, N, K): the default model's (SmolLM2-135M) and SmolLM2-1.7B's decode projections
 SHAPES: dict[str, list[tuple[str, int, int]]] = {
@@ -125,6 +140,59 @@ def in_l2(fmt: str, n: int, k: int, threads: int, runs: int) -> float:
     return sl.bytes_per_copy() / best / 1e9
 
 
+def random_ggml(t: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [n, row bytes] of random type-t blocks whose fp16 d (and m) are small numbers."""
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[t]]
+    b = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    for off in (0, 2) if t == "Q4_1" else (0,):
+        v = (rng.standard_normal((n, k // block)) * 0.01).astype(np.float16)
+        b[:, :, off:off + 2] = v.view(np.uint8).reshape(n, k // block, 2)
+    return b.reshape(n, -1)
+
+
+def vs_ggml(args: argparse.Namespace) -> None:
+    """qlinear vs ggml rows on the same blocks (see the module docstring): per M, GB/s of the
+    file's bytes for both, the plain read, and ggml's time over qlinear's (< 1: ggml faster)."""
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    ms = [int(v) for v in args.ms.split(",")]
+    print("| shape | N x K | type | M | qlinear GB/s | ggml GB/s | plain read GB/s | "
+          "qlinear / read | ggml / read | ggml time / qlinear time |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for model in args.shapes.split(","):
+        for label, n, k in SHAPES[model]:
+            for t in args.ggml_types.split(","):
+                nbytes = n * k // 32 * GGML_QUANT_SIZES[GGMLQuantizationType[t]][1]
+                raws = [random_ggml(t, n, k, rng)
+                        for _ in range(max(2, (args.rotate_mb << 20) // nbytes))]
+                packed = [PackedLinear(packed_from_gguf(r, t, (n, k))) for r in raws]
+                for p in packed:
+                    p.prepack()
+                ggml = [GgmlLinear(GgmlBlockWeight(t, n, k, torch.from_numpy(r))) for r in raws]
+                views = plain_views([torch.from_numpy(r) for r in raws])
+                for m in ms:
+                    x = torch.randn(m, k).bfloat16()
+                    times: dict[str, list[float]] = {"q": [], "g": [], "r": []}
+                    for f in (*packed[:2], *ggml[:2]):
+                        f(x)
+                    for _ in range(args.runs):
+                        for key, fns in (("q", packed), ("g", ggml)):
+                            t0 = time.thread_time()
+                            for f in fns:
+                                f(x)
+                            times[key].append(time.thread_time() - t0)
+                        t0 = time.thread_time()
+                        for v in views:
+                            v.sum()
+                        times["r"].append(time.thread_time() - t0)
+                    gbs = {key: len(raws) * nbytes / min(v) / 1e9 for key, v in times.items()}
+                    ratio = statistics.median(g / q for g, q in zip(times["g"], times["q"],
+                                                                    strict=True))
+                    print(f"| {model} {label} | {n}x{k} | {t} | {m} | {gbs['q']:.1f} | "
+                          f"{gbs['g']:.1f} | {gbs['r']:.1f} | {gbs['q'] / gbs['r']:.2f} | "
+                          f"{gbs['g'] / gbs['r']:.2f} | {ratio:.2f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", default="1,2")
@@ -132,11 +200,19 @@ def main() -> None:
     ap.add_argument("--shapes", default="135m,1.7b")
     ap.add_argument("--rotate-mb", type=int, default=128)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--vs-ggml", action="store_true", help="qlinear vs ggml rows (see top)")
+    ap.add_argument("--ggml-types", default="Q8_0,Q4_0,Q4_1", help="--vs-ggml: GGUF types")
+    ap.add_argument("--ms", default="1,8,32", help="--vs-ggml: rows of x")
     args = ap.parse_args()
     if not qlinear_ops_available():
         raise SystemExit("the qlinear extension did not build here: nothing to measure")
     print(f"# {cpu_model_name()} | {detect_isa().describe()} | kernels: {qlinear_tier()} | "
           f"torch {torch.__version__} | load {os.getloadavg()[0]:.1f}")
+    if args.vs_ggml:
+        print(f"# weights rotated through {args.rotate_mb} MB; 1 thread, CPU clock")
+        vs_ggml(args)
+        print(f"# load after: {os.getloadavg()[0]:.1f}")
+        return
     print(f"# weights rotated through {args.rotate_mb} MB; 1 thread: CPU clock, more: wall clock")
     print("| threads | shape | N x K | format | kernel GB/s | plain read GB/s | fraction | "
           "kernel in L2 GB/s |")

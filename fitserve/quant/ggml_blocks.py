@@ -1,4 +1,4 @@
-"""GGUF weights held as the file's raw ggml blocks, byte for byte (K-quants, Q5, IQ4, MXFP4).
+"""GGUF weights held as the file's raw ggml blocks, byte for byte (K-quants, Q4/Q5/Q8_0, IQ4, MXFP4).
 
 ``GgmlBlockWeight.blocks`` is uint8 ``[N, (K / block_size) * type_size]``: row n is the blocks of
 output row n back to back, exactly as ggml stores them (llama.cpp's Q/K row permutation is
@@ -11,6 +11,9 @@ undone by moving whole rows). The dequantization below is vectorized torch, exac
     block_q5_K (176 B, 256 w): d | dmin | scales 12 B | qh 32 B (bit i: sub-block i) | qs 128 B
     block_q6_K (210 B, 256 w): ql 128 B | qh 64 B | scales 16 x int8 | d f16
         w = (d * scale) * (q - 32)
+    block_q4_0 (18 B, 32 w): d | qs 16 B (low nibbles 0-15, high 16-31) w = d * (q - 8)
+    block_q4_1 (20 B, 32 w): d | m | qs 16 B                        w = d * q + m
+    block_q8_0 (34 B, 32 w): d | qs 32 x int8                      w = d * q
     block_q5_0 (22 B, 32 w): d | qh u32 (bit j: weight j) | qs 16 B    w = d * (q - 16)
     block_q5_1 (24 B, 32 w): d | m | qh u32 | qs 16 B                  w = d * q + m
     block_iq4_nl (18 B, 32 w): d | qs 16 B                             w = d * kvalues[q]
@@ -111,6 +114,19 @@ def _q5_low_high(b: torch.Tensor, qh_at: int) -> torch.Tensor:
     return ql | (qh << 4)
 
 
+def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    q = (_nibbles(b[:, 2:18], 1).reshape(b.shape[0], 32).to(torch.int8) - 8).float()
+    return _f16(b, 0) * q
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b, 0) * _nibbles(b[:, 4:20], 1).reshape(b.shape[0], 32).float() + _f16(b, 2)
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b, 0) * b[:, 2:34].contiguous().view(torch.int8).float()
+
+
 def _q5_0(b: torch.Tensor) -> torch.Tensor:
     q = (_q5_low_high(b, 2).to(torch.int8) - 16).float()
     return _f16(b, 0) * q
@@ -161,7 +177,8 @@ def _mxfp4(b: torch.Tensor) -> torch.Tensor:
 
 # ggml type -> its block dequantization ``[nb, type_size] uint8 -> [nb, block_size] float32``
 DEQUANTIZERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "Q5_0": _q5_0, "Q5_1": _q5_1,
+    "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0,
+    "Q5_0": _q5_0, "Q5_1": _q5_1,
     "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs, "MXFP4": _mxfp4,
 }
 GGML_BLOCK_TYPES: tuple[str, ...] = tuple(DEQUANTIZERS)

@@ -8,10 +8,10 @@ reference is ``x64 @ W64.T`` with ``W64 = gguf.quants.dequantize(blocks)`` (gguf
 independent implementation) in float64.
 
 Bound: the kernel rounds x per activation block b (256 columns for the K-quants and IQ4_XS, 32
-for Q5_0 / Q5_1 / IQ4_NL) to ``d_b * q`` with ``|x_k - d_b q_k| <= d_b / 2``, so
+for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL) to ``d_b * q`` with ``|x_k - d_b q_k| <= d_b / 2``, so
 ``|y - y64| <= sum_b (d_b / 2) * sum_{k in b} |w_k|`` plus fp32 rounding of the terms it adds:
 the scaled integer dots (``|d sc q| <= |w| + |offset|``) and the offsets (-dmin * m, -32 d sc,
--16 d, m); ``offset_k`` is gguf's dequantization of the same blocks with their quant bits
+-16 d, -8 d, m); ``offset_k`` is gguf's dequantization of the same blocks with their quant bits
 zeroed. bfloat16 x: the reference uses the same bf16 values (the output is fp32).
 
 That bound holds for any rounding, so it is loose (a wrong sub-block could hide in it); each
@@ -44,15 +44,17 @@ if not ggml_kernel_available("Q4_K"):
 EPS32 = 2.0**-23
 TYPES = list(GGML_KERNEL_TYPES)
 # byte offsets of the fp16 fields, of the scale bytes, and of the quant bits of each block
-F16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q5_1": (0, 2),
-              "IQ4_NL": (0,), "IQ4_XS": (0,), "MXFP4": ()}
+F16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q4_0": (0,), "Q4_1": (0, 2),
+              "Q8_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,), "IQ4_XS": (0,),
+              "MXFP4": ()}
 SCALE_BYTES = {"Q4_K": (4, 16), "Q5_K": (4, 16), "Q6_K": (192, 208), "IQ4_XS": (2, 8)}
 # the quant bits: zeroed, they leave each weight's offset (IQ4 types have none: the table is
 # signed, nibble 0 maps to -127, so zeroed quants give d * sc * -127: a valid magnitude bound)
-QUANT_BYTES = {"Q4_K": [(16, 144)], "Q5_K": [(16, 176)], "Q6_K": [(0, 192)], "Q5_0": [(2, 22)],
+QUANT_BYTES = {"Q4_K": [(16, 144)], "Q5_K": [(16, 176)], "Q6_K": [(0, 192)], "Q4_0": [(2, 18)],
+               "Q4_1": [(4, 20)], "Q8_0": [(2, 34)], "Q5_0": [(2, 22)],
                "Q5_1": [(4, 24)], "IQ4_NL": [(2, 18)], "IQ4_XS": [(8, 136)], "MXFP4": [(1, 17)]}
-ACT_BLOCK = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "Q5_0": 32, "Q5_1": 32, "IQ4_NL": 32,
-             "IQ4_XS": 256, "MXFP4": 32}
+ACT_BLOCK = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "Q4_0": 32, "Q4_1": 32, "Q8_0": 32,
+             "Q5_0": 32, "Q5_1": 32, "IQ4_NL": 32, "IQ4_XS": 256, "MXFP4": 32}
 
 
 def gtype(name: str) -> gguf.GGMLQuantizationType:
@@ -150,9 +152,16 @@ def check(t: str, m: int, n: int, k: int, dtype: torch.dtype, seed: int) -> None
         assert err.max().item() > 0, "the exact product: x was not quantized?"
 
 
+# NOTE: Q4_0 / Q4_1 / Q8_0 run the tile drivers (rows_range, lanes_row<B, MT>) that the other
+# 32-column types test at every M; one M per range (1, 2-16, 17-256) keeps their added time small
+# (test_each_row_is_the_row_alone covers their 8 + 4 + 2 + 1 tiles bit for bit)
+FEW_M_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+MATMUL_CASES = [(t, m) for t in TYPES for m in (1, 2, 3, 5, 16, 17, 40, 64)
+                if t not in FEW_M_TYPES or m in (1, 5, 17)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 16, 17, 40, 64])
-@pytest.mark.parametrize("t", TYPES)
+@pytest.mark.parametrize(("t", "m"), MATMUL_CASES)
 def test_matches_float64(t: str, m: int, dtype: torch.dtype) -> None:
     """M = 1 (the GEMV), 2-16 and 17-64 (row tiles of 4 + 2 + 1), several N and K: K = 256 (one
     super-block), 512, 2304 (9 super-blocks / 72 blocks of 32); the 32-column types also 288

@@ -2,10 +2,10 @@
 // (uint8 [N, (K / block) * type_size], each row its blocks back to back, as the file stores them).
 //
 // x (fp32 / bf16 [M, K]) is quantized once per call (ggml_blocks_act.h: per 256 columns for the
-// K-quants and IQ4_XS, per 32 for Q5_0 / Q5_1 / IQ4_NL / MXFP4), then the output rows N are split over torch's threads
+// K-quants and IQ4_XS, per 32 for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL / MXFP4), then the output rows N are split over torch's threads
 // (at::parallel_for) in blocks of 4-32 weight rows. Inside a block, the rows of x go in tiles
 // of kTileRows (then 2, 1): each weight row's blocks are decoded once per tile and used for
-// every row of the tile (ggml_blocks_kquant.h, _kq512.h, _q5.h, _iq4.h), so M > 1 reads and decodes
+// every row of the tile (ggml_blocks_kquant.h, _kq512.h, _q5.h, _q8.h, _iq4.h), so M > 1 reads and decodes
 // the weights M / kTileRows times, not M times; M = 1 is the same code with a tile of one row.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -18,6 +18,7 @@
 #include "ggml_blocks_iq4.h"
 #include "ggml_blocks_kquant.h"
 #include "ggml_blocks_q5.h"
+#include "ggml_blocks_q8.h"
 #include "ggml_blocks_run.h"
 
 namespace fitserve::ggml {
@@ -47,9 +48,12 @@ template <class T>
 void run_x(const at::Tensor& x, const uint8_t* W, int64_t N, float* out) {
   static thread_local ActBuf buf;
   const int64_t M = x.size(0), K = x.size(1);
+  const bool lanes_t = M > 1 && lanes_tiles<T>::value;  // ggml_blocks_lanes.h
   const Act a = x.scalar_type() == at::kBFloat16
-                    ? quantize(x.data_ptr<c10::BFloat16>(), M, K, T::kActBlock, T::kPerm128, buf)
-                    : quantize(x.data_ptr<float>(), M, K, T::kActBlock, T::kPerm128, buf);
+                    ? quantize(x.data_ptr<c10::BFloat16>(), M, K, T::kActBlock, T::kPerm128, buf,
+                               nullptr, lanes_t)
+                    : quantize(x.data_ptr<float>(), M, K, T::kActBlock, T::kPerm128, buf,
+                               nullptr, lanes_t);
   run_type<T>(a, M, W, N, out);
   if (buf.q.size() > (size_t{1} << 24)) buf = ActBuf();  // a large prefill's buffers: freed
 }
@@ -64,6 +68,9 @@ const TypeInfo kTypes[] = {
     {"Q4_K", Q4K::kQK, Q4K::kBytes, &run_x<Q4K>},
     {"Q5_K", Q5K::kQK, Q5K::kBytes, &run_x<Q5K>},
     {"Q6_K", Q6K::kQK, Q6K::kBytes, &run_x<Q6K>},
+    {"Q4_0", Q4_0::kQK, Q4_0::kBytes, &run_x<Q4_0>},
+    {"Q4_1", Q4_1::kQK, Q4_1::kBytes, &run_x<Q4_1>},
+    {"Q8_0", Q8_0::kQK, Q8_0::kBytes, &run_x<Q8_0>},
     {"Q5_0", Q5_0::kQK, Q5_0::kBytes, &run_x<Q5_0>},
     {"Q5_1", Q5_1::kQK, Q5_1::kBytes, &run_x<Q5_1>},
     {"IQ4_NL", IQ4NL::kQK, IQ4NL::kBytes, &run_x<IQ4NL>},

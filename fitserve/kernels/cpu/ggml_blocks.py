@@ -4,7 +4,7 @@ The weight is what the file stores, byte for byte: uint8 ``[N, (K // block_size)
 row n = the blocks of output feature n back to back (the contract of
 fitserve/quant/ggml_blocks.py's ``GgmlBlockWeight``). ``x`` is quantized per row to int8 the way
 llama.cpp does for the same types (per 256 columns for the K-quants and IQ4_XS, llama.cpp's
-Q8_K; per 32 for Q5_0 / Q5_1 / IQ4_NL / MXFP4, its Q8_0), the dots run in integers (AVX2 maddubs, AVX512-VNNI vpdpwssd /
+Q8_K; per 32 for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL / MXFP4, its Q8_0), the dots run in integers (AVX2 maddubs, AVX512-VNNI vpdpwssd /
 vpdpbusd, or scalar C++ on a CPU without AVX2) and are combined in fp32. The error against the
 exact product is bounded by ``sum over activation blocks of (d_b / 2) * sum |w|`` over the
 block's columns (d_b = absmax / 127 of the block), plus fp32 rounding.
@@ -26,11 +26,12 @@ __all__ = ["GGML_KERNEL_TYPES", "ggml_blocks_tier", "ggml_kernel_available", "gg
 # NOTE: the types ggml_blocks.cpp implements, on every ISA tier (scalar included); whether the
 # build exists on this machine is ggml_kernel_available's question (building it is not an import
 # side effect). A test checks this tuple against the compiled list.
-GGML_KERNEL_TYPES: tuple[str, ...] = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS",
-                                      "MXFP4")
+GGML_KERNEL_TYPES: tuple[str, ...] = ("Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q8_0", "Q5_0",
+                                      "Q5_1", "IQ4_NL", "IQ4_XS", "MXFP4")
 
 # (block_size, type_size) of each type, from gguf.GGML_QUANT_SIZES (checked by the tests)
-_BLOCK = {"Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "Q5_0": (32, 22),
+_BLOCK = {"Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "Q4_0": (32, 18),
+          "Q4_1": (32, 20), "Q8_0": (32, 34), "Q5_0": (32, 22),
           "Q5_1": (32, 24), "IQ4_NL": (32, 18), "IQ4_XS": (256, 136), "MXFP4": (32, 17)}
 
 

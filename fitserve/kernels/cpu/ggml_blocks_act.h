@@ -68,6 +68,8 @@ struct Act {
   const int16_t* s32;  // [M][K/32]  sum of q per 32 columns
   const float* ds;     // [M][K/32]  d * (sum of q) per 32 columns (d of their block)
   int64_t K, nd;
+  // q's 512-column chunks in the lanes-transposed order (quantize_row's `lanes_t`)
+  bool lanes_t = false;
   const int8_t* qrow(int64_t m) const { return q + m * K; }
   const float* drow(int64_t m) const { return d + m * nd; }
   const int16_t* s16row(int64_t m) const { return s16 + m * (K / 16); }
@@ -78,9 +80,12 @@ struct Act {
 // Quantize one row of x (K columns, K a multiple of block) into q / d / s16 / s32 / ds; with
 // perm128 (K a multiple of 128), q is stored in the order [0-31, 64-95, 32-63, 96-127] per 128
 // columns (the AVX-512 Q4_K / Q5_K rows read it so), the sums stay in column order.
+// With lanes_t, each whole 512 columns (16 blocks of 32) of q are stored as 8 x 64 bytes, piece
+// c holding dword c of each block in block order (byte 64c + 4b + i = column 32b + 4c + i;
+// the VNNI lanes' M > 1 tiles, ggml_blocks_lanes.h); the last K % 512 columns stay in order.
 template <class T>
 void quantize_row(const T* x, int64_t K, int64_t block, bool perm128, int8_t* q, float* d,
-                  int16_t* s16, int16_t* s32, float* ds) {
+                  int16_t* s16, int16_t* s32, float* ds, bool lanes_t = false) {
   for (int64_t b0 = 0; b0 < K; b0 += block) {
     float amax = 0.f, probe = 0.f;
     for (int64_t i = b0; i < b0 + block; ++i) {
@@ -111,6 +116,13 @@ void quantize_row(const T* x, int64_t K, int64_t block, bool perm128, int8_t* q,
       std::memcpy(q + c + 64, t, 32);
     }
   for (int64_t j = 0; j < K / 32; ++j) ds[j] = d[j * 32 / block] * static_cast<float>(s32[j]);
+  if (lanes_t)
+    for (int64_t c0 = 0; c0 + 512 <= K; c0 += 512) {
+      int8_t t[512];
+      for (int b = 0; b < 16; ++b)
+        for (int c = 0; c < 8; ++c) std::memcpy(t + 64 * c + 4 * b, q + c0 + 32 * b + 4 * c, 4);
+      std::memcpy(q + c0, t, 512);
+    }
 }
 
 // The 8 six-bit scales and 8 six-bit mins of a K-quant super-block (ggml's get_scale_min_k4,

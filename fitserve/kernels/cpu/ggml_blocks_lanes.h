@@ -1,5 +1,5 @@
 // The AVX512-VNNI rows of the 32-column block types whose weights are a byte each after
-// decoding (Q5_0, Q5_1, IQ4_NL, MXFP4): 16 blocks (512 columns) per step, one fp32 lane per block.
+// decoding (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4): 16 blocks (512 columns) per step, one fp32 lane per block.
 //
 //   per pair of blocks: 64 unsigned weight bytes (B::pair: Q5's q in 0..31, IQ4_NL's table
 //   value + 128), one VPDPBUSD per row of x -> 8 int32 partials per block
@@ -14,10 +14,61 @@
 // instructions whatever the tile's height, so row r of any M is bit for bit the row alone.
 #pragma once
 
+#include <algorithm>
+#include <type_traits>
+
 #include "ggml_blocks_act.h"
 
-#ifdef FS_GGML_VNNI
 namespace fitserve::ggml {
+
+// Whether B's M > 1 tiles take x quantized lanes_t (Act) and transpose their weights once per
+// step (lanes_step_t): B::kLanesTiles, VNNI rows only.
+template <class B, class = void>
+struct lanes_tiles : std::false_type {};
+#ifdef FS_GGML_VNNI
+template <class B>
+struct lanes_tiles<B, std::void_t<decltype(B::kLanesTiles)>>
+    : std::bool_constant<B::kLanesTiles> {};
+
+// The permute indices of transpose_pairs: [stage s][output vector v][16], computed once by
+// following each element (block b, dword c): stage s pairs vectors v and v | 1 << s, output v
+// takes the elements of both whose bit s of c is 0, v | 1 << s those where it is 1, each in
+// (b, c) order; after 3 stages vector c holds dword c of blocks 0-15 in block order.
+inline const int32_t* transpose_idx() {
+  struct Table {
+    alignas(64) int32_t idx[3][8][16];
+  };
+  static const Table table = [] {
+    Table t{};
+    int lay[8][16][2], next[8][16][2];  // (b, c) of each element
+    for (int v = 0; v < 8; ++v)
+      for (int p = 0; p < 16; ++p) lay[v][p][0] = 2 * v + p / 8, lay[v][p][1] = p % 8;
+    for (int s = 0; s < 3; ++s) {
+      for (int v = 0; v < 8; ++v) {
+        if (v & (1 << s)) continue;
+        const int w = v | (1 << s);
+        auto elem = [&](int i) { return lay[i < 16 ? v : w][i % 16]; };
+        for (int side = 0; side < 2; ++side) {
+          int cand[16], n = 0;
+          for (int i = 0; i < 32 && n < 16; ++i)
+            if (((elem(i)[1] >> s) & 1) == side) cand[n++] = i;
+          std::sort(cand, cand + 16, [&](int x, int y) {
+            return elem(x)[0] != elem(y)[0] ? elem(x)[0] < elem(y)[0] : elem(x)[1] < elem(y)[1];
+          });
+          const int out = side ? w : v;
+          for (int p = 0; p < 16; ++p) {
+            t.idx[s][out][p] = cand[p];
+            next[out][p][0] = elem(cand[p])[0];
+            next[out][p][1] = elem(cand[p])[1];
+          }
+        }
+      }
+      std::memcpy(lay, next, sizeof lay);
+    }
+    return t;
+  }();
+  return &table.idx[0][0][0];
+}
 
 // v[j]: lanes 0-7 the partial dots of block 2j, 8-15 of block 2j + 1 -> lane b the dot of
 // block b (b < 16). unpack lo/hi epi32 then epi64 sum within 128-bit lanes, one 128-bit lane
@@ -89,6 +140,38 @@ template <int S>
   return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
 }
 
+// Whether B reads its own 16 block heads (B::heads16(b, nbytes), Q8_0's 34-byte blocks) instead
+// of head_dwords16<B::kBytes>.
+template <class B, class = void>
+struct has_heads16 : std::false_type {};
+template <class B>
+struct has_heads16<B, std::void_t<decltype(&B::heads16)>> : std::true_type {};
+
+template <class B>
+[[gnu::always_inline]] inline __m512i lane_heads(const uint8_t* b, int64_t nbytes) {
+  if constexpr (has_heads16<B>::value)
+    return B::heads16(b, nbytes);
+  else
+    return head_dwords16<B::kBytes>(b, nbytes);
+}
+
+// One row m of x's 16 block dots (lane = block) scaled into acc: the integer offset, then
+// d * da (and Q*_1's mins against d * sum(a)).
+template <class B>
+[[gnu::always_inline]] inline void lanes_finish(__m512i dot, __m512i g, __m512 dv, __mmask16 live,
+                                                const Act& a, int64_t m, int64_t k, __m512& acc) {
+  if constexpr (B::kShift >= 0) {
+    const __m512i s = _mm512_cvtepi16_epi32(_mm256_maskz_loadu_epi16(live, a.s32row(m) + k));
+    dot = _mm512_sub_epi32(dot, _mm512_slli_epi32(s, B::kShift));
+  }
+  const __m512 da = _mm512_maskz_loadu_ps(live, a.drow(m) + k);
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dv, da), acc);
+  if constexpr (B::kHasMin) {
+    const __m512 mv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
+    acc = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(live, a.dsrow(m) + k), acc);
+  }
+}
+
 // B: kBytes, kShift (the integer offset: dot - (sum(a) << kShift); < 0: none), kHasMin (a second
 // f16 at byte 2: w = d * q + m), lane_scales(head_dwords16) -> the 16 blocks' scales, and
 // pair(b, two) -> the 64 unsigned weight bytes of blocks b
@@ -101,7 +184,7 @@ template <class B, int MT, bool kFull>
   FS_GGML_UNROLL for (int j = 0; j < 8; ++j)
     wv[j] = kFull || 2 * j < r ? B::pair(b + 2 * j * B::kBytes, kFull || 2 * j + 1 < r)
                                : _mm512_setzero_si512();
-  const __m512i g = head_dwords16<B::kBytes>(b, kFull ? 16 * B::kBytes : r * B::kBytes);
+  const __m512i g = lane_heads<B>(b, kFull ? 16 * B::kBytes : r * B::kBytes);
   const __m512 dv = B::lane_scales(g);
   FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
     const int8_t* aq = a.qrow(m0 + i) + 32 * k;
@@ -115,17 +198,45 @@ template <class B, int MT, bool kFull>
       else
         v[j] = _mm512_setzero_si512();
     }
-    __m512i dot = block_sums16(v);
-    if constexpr (B::kShift >= 0) {
-      const __m512i s = _mm512_cvtepi16_epi32(_mm256_maskz_loadu_epi16(live, a.s32row(m0 + i) + k));
-      dot = _mm512_sub_epi32(dot, _mm512_slli_epi32(s, B::kShift));
+    lanes_finish<B>(block_sums16(v), g, dv, live, a, m0 + i, k, acc[i]);
+  }
+}
+
+// The weight pairs wv[j] (block 2j in dwords 0-7, 2j + 1 in 8-15) transposed in place: wv[c]
+// dword b = dword c of block b (3 stages of two-source permutes, transpose_idx).
+[[gnu::always_inline]] inline void transpose_pairs(__m512i* wv, const int32_t* idx) {
+  FS_GGML_UNROLL for (int s = 0; s < 3; ++s)
+    FS_GGML_UNROLL for (int v = 0; v < 8; ++v) {
+      if (v & (1 << s)) continue;
+      const int w = v | (1 << s);
+      const __m512i lo = _mm512_permutex2var_epi32(
+          wv[v], _mm512_loadu_si512(idx + (8 * s + v) * 16), wv[w]);
+      wv[w] = _mm512_permutex2var_epi32(wv[v], _mm512_loadu_si512(idx + (8 * s + w) * 16), wv[w]);
+      wv[v] = lo;
     }
-    const __m512 da = _mm512_maskz_loadu_ps(live, a.drow(m0 + i) + k);
-    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dv, da), acc[i]);
-    if constexpr (B::kHasMin) {
-      const __m512 mv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
-      acc[i] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(live, a.dsrow(m0 + i) + k), acc[i]);
+}
+
+// A whole step (16 blocks) against MT rows of x quantized lanes_t (Act): the weights decoded
+// and transposed once for the tile, then per row 8 VPDPBUSD straight into block lanes (no
+// per-row block_sums16: its 15 shuffles per row were the M > 1 tiles' cost). The integer dot
+// of each block is the same number, so the row's bits are those of lanes_step (the row alone).
+template <class B, int MT>
+[[gnu::always_inline]] inline void lanes_step_t(const uint8_t* b, int64_t k, const Act& a,
+                                                int64_t m0, __m512* acc, const int32_t* idx) {
+  __m512i wv[8];
+  FS_GGML_UNROLL for (int j = 0; j < 8; ++j) wv[j] = B::pair(b + 2 * j * B::kBytes, true);
+  transpose_pairs(wv, idx);
+  const __m512i g = lane_heads<B>(b, 16 * B::kBytes);
+  const __m512 dv = B::lane_scales(g);
+  FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
+    const int8_t* aq = a.qrow(m0 + i) + 32 * k;
+    __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[0], _mm512_loadu_si512(aq));
+    __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[1], _mm512_loadu_si512(aq + 64));
+    FS_GGML_UNROLL for (int c = 2; c < 8; c += 2) {
+      d0 = _mm512_dpbusd_epi32(d0, wv[c], _mm512_loadu_si512(aq + 64 * c));
+      d1 = _mm512_dpbusd_epi32(d1, wv[c + 1], _mm512_loadu_si512(aq + 64 * (c + 1)));
     }
+    lanes_finish<B>(_mm512_add_epi32(d0, d1), g, dv, 0xFFFF, a, m0 + i, k, acc[i]);
   }
 }
 
@@ -137,6 +248,10 @@ void lanes_row(const uint8_t* w, int64_t nb, const Act& a, int64_t m0, float* re
   __m512 acc[MT];
   FS_GGML_UNROLL for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
   int64_t k = 0;
+  if (lanes_tiles<B>::value && a.lanes_t) {
+    const int32_t* idx = transpose_idx();
+    for (; k + 16 <= nb; k += 16) lanes_step_t<B, MT>(w + k * B::kBytes, k, a, m0, acc, idx);
+  }
   for (; k + 16 <= nb; k += 16) {
     if (pf > 0) prefetch_span(w + k * B::kBytes + pf, 16 * B::kBytes);
     lanes_step<B, MT, true>(w + k * B::kBytes, k, 16, a, m0, acc);
@@ -160,5 +275,5 @@ void lanes_row(const uint8_t* w, int64_t nb, const Act& a, int64_t m0, float* re
   return _mm512_and_si512(_mm512_mask_srli_epi16(q, 0xFF00FF00u, q, 4), _mm512_set1_epi8(0x0F));
 }
 
+#endif  // FS_GGML_VNNI
 }  // namespace fitserve::ggml
-#endif

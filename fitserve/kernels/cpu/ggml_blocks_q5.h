@@ -1,13 +1,15 @@
-// Q5_0 and Q5_1 blocks (32 columns) against Q8_0-style activations (one scale per 32 columns,
-// ggml_blocks_act.h), with the same `row<MT>` interface as ggml_blocks_kquant.h.
+// Q4_0, Q4_1, Q5_0 and Q5_1 blocks (32 columns) against Q8_0-style activations (one scale per
+// 32 columns, ggml_blocks_act.h), with the same `row<MT>` interface as ggml_blocks_kquant.h.
 //
-//   Q5_0 22 B: d f16, qh u32, qs[16]   q = nibble | bit j of qh << 4 (column j: the low nibble
-//              of qs[j] for j < 16, the high nibble of qs[j - 16] above); w = d * (q - 16)
+//   Q4_0 18 B: d f16, qs[16]           q = nibble (column j: the low nibble of qs[j] for j < 16,
+//              the high nibble of qs[j - 16] above); w = d * (q - 8)
+//   Q4_1 20 B: d f16, m f16, qs[16]; w = d * q + m
+//   Q5_0 22 B: d f16, qh u32, qs[16]   q = nibble | bit j of qh << 4; w = d * (q - 16)
 //   Q5_1 24 B: d f16, m f16, qh u32, qs[16]; w = d * q + m
 //
-// Per block and row of x: y += d * da * sum(q * a) + c * da * sum(a), c = -16 d (Q5_0) or m
-// (da * sum(a) precomputed per activation block: Act::ds). For Q5_0 the offsets are summed as
-// d * ds and multiplied by -16 once per row.
+// Per block and row of x: y += d * da * sum(q * a) + c * da * sum(a), c = -8 d / -16 d (Q4_0 /
+// Q5_0) or m (da * sum(a) precomputed per activation block: Act::ds). For Q4_0 / Q5_0 the
+// offsets are summed as d * ds and multiplied by -8 / -16 once per row.
 #pragma once
 
 #include "ggml_blocks_act.h"
@@ -15,32 +17,35 @@
 
 namespace fitserve::ggml {
 
-template <bool kMin>
-struct Q5 {
-  static constexpr int64_t kQK = 32, kBytes = kMin ? 24 : 22, kActBlock = 32;
-  static constexpr int64_t kQhOff = kMin ? 4 : 2, kQsOff = kQhOff + 4;
+// kMin: a second f16 (m) after d; kFifth: a u32 of 5th bits (qh) before the nibbles.
+template <bool kMin, bool kFifth>
+struct NibbleBlock {
+  static constexpr int64_t kQK = 32, kQhOff = kMin ? 4 : 2, kQsOff = kQhOff + (kFifth ? 4 : 0);
+  static constexpr int64_t kBytes = kQsOff + 16, kActBlock = 32;
   static constexpr bool kPerm128 = false;
 
-  // c / kOffMul: Q5_1's m, or Q5_0's d (times -16 once at the end)
+  // c / kOffMul: Q4_1 / Q5_1's m, or Q4_0 / Q5_0's d (times -8 / -16 once at the end)
   static float offset(const uint8_t* b, float d) { return kMin ? f16_at(b + 2) : d; }
-  static constexpr float kOffMul = kMin ? 1.f : -16.f;
+  static constexpr float kOffMul = kMin ? 1.f : (kFifth ? -16.f : -8.f);
 
 #if defined(FS_GGML_VNNI)
   // ggml_blocks_lanes.h: 16 blocks per step, one lane per block
-  static constexpr int kShift = kMin ? -1 : 4;  // Q5_0: dot(q, a) - 16 sum(a)
+  static constexpr int kShift = kMin ? -1 : (kFifth ? 4 : 3);  // Q5_0: dot(q, a) - 16 sum(a)
   static constexpr bool kHasMin = kMin;
   [[gnu::always_inline]] static inline __m512 lane_scales(__m512i g) { return low_f16s(g); }
   [[gnu::always_inline]] static inline __m512i pair(const uint8_t* b, bool two) {
     const __m512i u = nibbles_pair(b + kQsOff, b + kBytes + kQsOff, two);
+    if constexpr (!kFifth) return u;
     const uint64_t qh = load_u32(b + kQhOff) |
                         (two ? uint64_t{load_u32(b + kBytes + kQhOff)} << 32 : uint64_t{0});
     return _mm512_mask_add_epi8(u, static_cast<__mmask64>(qh), u, _mm512_set1_epi8(0x10));
   }
   static constexpr bool kRowPrefetch = true;  // row(..., pf): ggml_blocks_run.h
+  static constexpr bool kLanesTiles = true;   // M > 1: lanes_step_t
   template <int MT>
   static void row(const uint8_t* w, int64_t nb, const Act& a, int64_t m0, float* res,
                   int64_t pf = 0) {
-    lanes_row<Q5, MT>(w, nb, a, m0, res, pf);
+    lanes_row<NibbleBlock, MT>(w, nb, a, m0, res, pf);
   }
 #elif !defined(FS_GGML_AVX2)
   template <int MT>
@@ -50,7 +55,7 @@ struct Q5 {
     for (int64_t k = 0; k < nb; ++k) {
       const uint8_t* b = w + k * kBytes;
       const float d = f16_at(b), c = offset(b, d);
-      const uint32_t qh = load_u32(b + kQhOff);
+      const uint32_t qh = kFifth ? load_u32(b + kQhOff) : 0;
       for (int j = 0; j < 16; ++j) {
         q[j] = (b[kQsOff + j] & 15) | (((qh >> j) & 1) << 4);
         q[j + 16] = (b[kQsOff + j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
@@ -73,12 +78,14 @@ struct Q5 {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kQsOff));
     __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v),
                                  _mm256_set1_epi8(0x0F));
+    if constexpr (kFifth) {
 #ifdef FS_GGML_AVX512  // the 5th bits straight from a mask register
-    u = _mm256_mask_add_epi8(u, static_cast<__mmask32>(load_u32(b + kQhOff)), u,
-                             _mm256_set1_epi8(0x10));
+      u = _mm256_mask_add_epi8(u, static_cast<__mmask32>(load_u32(b + kQhOff)), u,
+                               _mm256_set1_epi8(0x10));
 #else
-    u = _mm256_or_si256(u, bits_to_0x10(load_u32(b + kQhOff)));
+      u = _mm256_or_si256(u, bits_to_0x10(load_u32(b + kQhOff)));
 #endif
+    }
     const float d = f16_at(b), c = offset(b, d);
     FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
       const __m256i av =
@@ -111,7 +118,9 @@ struct Q5 {
 #endif
 };
 
-using Q5_0 = Q5<false>;
-using Q5_1 = Q5<true>;
+using Q4_0 = NibbleBlock<false, false>;
+using Q4_1 = NibbleBlock<true, false>;
+using Q5_0 = NibbleBlock<false, true>;
+using Q5_1 = NibbleBlock<true, true>;
 
 }  // namespace fitserve::ggml

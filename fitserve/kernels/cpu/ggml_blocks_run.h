@@ -143,7 +143,7 @@ struct ActBuf {
 // row index is given (the MoE kernel's tokens in expert order).
 template <class X>
 inline Act quantize(const X* x, int64_t M, int64_t K, int64_t block, bool perm128, ActBuf& buf,
-                    const int64_t* rows = nullptr) {
+                    const int64_t* rows = nullptr, bool lanes_t = false) {
   const int64_t nd = K / block;
   if (static_cast<int64_t>(buf.q.size()) < M * K) buf.q.resize(M * K);
   if (static_cast<int64_t>(buf.d.size()) < M * nd) buf.d.resize(M * nd);
@@ -154,9 +154,10 @@ inline Act quantize(const X* x, int64_t M, int64_t K, int64_t block, bool perm12
     for (int64_t m = m0; m < m1; ++m)
       quantize_row(x + (rows ? rows[m] : m) * K, K, block, perm128, buf.q.data() + m * K,
                    buf.d.data() + m * nd, buf.s16.data() + m * K / 16,
-                   buf.s32.data() + m * K / 32, buf.ds.data() + m * K / 32);
+                   buf.s32.data() + m * K / 32, buf.ds.data() + m * K / 32, lanes_t);
   });
-  return {buf.q.data(), buf.d.data(), buf.s16.data(), buf.s32.data(), buf.ds.data(), K, nd};
+  return {buf.q.data(), buf.d.data(), buf.s16.data(), buf.s32.data(), buf.ds.data(), K, nd,
+          lanes_t};
 }
 
 }  // namespace fitserve::ggml

@@ -32,8 +32,8 @@ def test_gguf_blocks_match_the_gguf_package() -> None:
 def test_every_type_the_engine_loads_has_a_row() -> None:
     """The ledger counts any GGUF file the engine loads: every type of SUPPORTED_GGUF_TYPES
     (probed from gguf-py) has a table row of gguf's own block layout; the held-as-stored
-    types are exactly what fitserve.quant.ggml_blocks dequantizes."""
-    from fitserve.ledger.formats import GGML_HELD_TYPES
+    types (raw blocks or packed) are exactly what fitserve.quant.ggml_blocks dequantizes."""
+    from fitserve.ledger.formats import GGML_HELD_TYPES, GGUF_PACKED
     from fitserve.loading.gguf_spec import SUPPORTED_GGUF_TYPES
     from fitserve.quant.ggml_blocks import GGML_BLOCK_TYPES
 
@@ -42,7 +42,7 @@ def test_every_type_the_engine_loads_has_a_row() -> None:
         block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
         f = weight_format(name)
         assert f.block_bits / f.block_elements == nbytes * 8 / block, name
-    assert set(GGML_HELD_TYPES) == set(GGML_BLOCK_TYPES)
+    assert set(GGML_HELD_TYPES) | set(GGUF_PACKED) == set(GGML_BLOCK_TYPES)
 
 
 def test_bits_per_weight() -> None:
