@@ -6,7 +6,8 @@
     t_overhead = a CPU's fixed cost per step + per layer x layers (Hardware.step_overhead;
                  measured on a tiny model, 0 on a GPU's roofline)
     t_attention = a CPU's decode attention FLOPs / its measured rate (Hardware.attention_flops,
-                 KV reads included; then t_memory is the weights alone), 0 on a GPU's roofline
+                 KV reads included; then t_memory is the weights alone) + its fixed cost per
+                 (sequence, KV head, layer) (attention_fixed_seconds), 0 on a GPU's roofline
     t_tokens  = a CPU's element-wise work, new tokens x layers x elementwise_elements x its
                  measured cost per element (norms, rotary, KV writes, SwiGLU), + per sampled
                  sequence its measured cost + vocab x the argmax per logit; 0 on a GPU
@@ -14,7 +15,8 @@
                 + t_tokens
 
 On a measured CPU the peak FLOP/s is the rate the engine's own op for the weight format reaches
-at the step's row count (Hardware.peak_flops), not a spec-sheet peak, and a decode step's
+at the step's row count and the model's hidden size as K (Hardware.peak_flops), not a
+spec-sheet peak, and a decode step's
 attention FLOPs run at its paged decode attention's measured rate (Hardware.attention_flops). Collectives and the
 overhead are not overlapped: the CPU runs the Python and the kernels one after another.
 
@@ -123,6 +125,13 @@ def token_seconds(spec: ModelSpec, hw: Hardware, *, new_tokens: int, sampled: in
     return ew + sampled * (hw.seq_overhead_s + spec.vocab_size * hw.logit_s)
 
 
+def attention_fixed_seconds(spec: ModelSpec, hw: Hardware, seqs: int, tp: int = 1) -> float:
+    """A CPU's decode attention cost besides its FLOPs: ``seqs`` x layers x KV heads per rank
+    x Hardware.attention_seq_s (each (sequence, KV head) is a work item of the paged kernel:
+    its setup, block table walk and merge; 0 where not measured)."""
+    return seqs * spec.num_layers * max(1, spec.num_kv_heads // tp) * hw.attention_seq_s
+
+
 def weight_bytes_read(spec: ModelSpec, wb: WeightBytes, batch: int) -> float:
     """Weight bytes a step of ``batch`` tokens reads on one rank (``moe_step_weight_read``)."""
     return moe_step_weight_read(spec, wb, batch)
@@ -161,9 +170,10 @@ def decode_step(spec: ModelSpec, hw: Hardware, wb: WeightBytes, *, batch: int, c
     # caches past the LLC), attention is its own phase after the linears: its FLOPs at that
     # rate are added, and the memory floor is the weights alone
     attn = batch * tf.attention / tp if hw.attention_flops else 0.0
-    t_attention = attn / hw.attention_flops if attn else 0.0
+    t_attention = (attn / hw.attention_flops + attention_fixed_seconds(spec, hw, batch, tp)
+                   if attn else 0.0)
     t_memory = (w + (0.0 if attn else kv)) / hw.mem_bytes_per_s
-    t_compute = (flops - attn) / hw.peak_flops(weights_fmt, batch)
+    t_compute = (flops - attn) / hw.peak_flops(weights_fmt, batch, spec.hidden_size)
     comm = tp_allreduce(spec, hw, tp=tp, tokens=batch, act_dtype_bytes=act_dtype_bytes)
     dq = weight_kernel_seconds(spec, hw, wb, w, rows=batch)
     return StepTime(batch, context, w, kv, flops, t_memory, t_compute, comm.seconds_per_step,
@@ -199,7 +209,8 @@ def prefill_time(spec: ModelSpec, hw: Hardware, wb: WeightBytes, *, prompt_len: 
     flops = prefill_flops(spec, prompt_len).total / tp
     comm = tp_allreduce(spec, hw, tp=tp, tokens=prompt_len, act_dtype_bytes=act_dtype_bytes)
     return StepTime(1, prompt_len, w, kv, flops, (w + kv) / hw.mem_bytes_per_s,
-                    flops / hw.peak_flops(weights_fmt, prompt_len), comm.seconds_per_step,
+                    flops / hw.peak_flops(weights_fmt, prompt_len, spec.hidden_size),
+                    comm.seconds_per_step,
                     t_overhead=hw.step_overhead(spec.num_layers),
                     t_tokens=token_seconds(spec, hw, new_tokens=prompt_len, sampled=1, tp=tp))
 
@@ -318,9 +329,10 @@ def scheduled_step(spec: ModelSpec, hw: Hardware, wb: WeightBytes, step: Schedul
     dq = weight_kernel_seconds(spec, hw, wb, w, rows=n)
     return StepTime(step.seqs, max((*step.decode_contexts, *(s + c for s, c in step.chunks))),
                     w, kv, flops, (w + kv) / hw.mem_bytes_per_s,
-                    (flops - attn) / hw.peak_flops(weights_fmt, n), comm.seconds_per_step, dq,
-                    hw.step_overhead(spec.num_layers),
-                    attn / hw.attention_flops if attn else 0.0,
+                    (flops - attn) / hw.peak_flops(weights_fmt, n, spec.hidden_size),
+                    comm.seconds_per_step, dq, hw.step_overhead(spec.num_layers),
+                    attn / hw.attention_flops + attention_fixed_seconds(
+                        spec, hw, len(step.decode_contexts), tp) if attn else 0.0,
                     token_seconds(spec, hw, new_tokens=n, sampled=step.sampled, tp=tp))
 
 

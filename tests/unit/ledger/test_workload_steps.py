@@ -84,6 +84,18 @@ def test_a_mixed_step_by_hand() -> None:
     assert w.prefill_steps[1].seconds == pytest.approx(want, rel=1e-12)
 
 
+def test_a_mixed_step_pays_attention_items_of_its_decodes_only() -> None:
+    """The fixed cost per (sequence, KV head, layer) of the decode attention is paid by the
+    step's decoding sequences, not by its prompt chunks (they run the prefill op)."""
+    wb = model_weight_bytes(SMOL, "bf16")
+    step = ScheduledStep((5, 9), ((2, 2),), 2)
+    with_items = dataclasses.replace(CPU, attention_seq_s=7e-7)
+    a, b = (scheduled_step(SMOL, hw, wb, step, kv_dtype="bf16", weights_fmt="bf16")
+            for hw in (with_items, CPU))
+    assert a.t_attention - b.t_attention == pytest.approx(2 * 30 * 3 * 7e-7, rel=1e-9)
+    assert a.seconds - b.seconds == pytest.approx(2 * 30 * 3 * 7e-7, rel=1e-9)
+
+
 def test_probe_counts_the_elements_the_ledger_scales_by() -> None:
     """The element-wise probe (fitserve.engine.cpu_rates) divides its time by the same count
     per token and layer that ledger.speed multiplies a model's tokens and layers by."""
