@@ -153,7 +153,7 @@ def main() -> None:
     torch.set_num_threads(1)
     from fitserve.engine import cpu_rates
     from fitserve.ledger.hardware import measured_cpu
-    from fitserve.ledger.speed import attention_fixed_seconds, elementwise_elements
+    from fitserve.ledger.speed import decode_attention_seconds, elementwise_elements
 
     print(f"load average {os.getloadavg()}; 1 thread, CPU time of the thread")
     text = Path(args.rates).read_text() if args.rates else json.dumps(cpu_rates.measure(1))
@@ -191,12 +191,11 @@ def main() -> None:
             flops = 2 * m * spec.vocab_size * spec.hidden_size
             print(f"  lm_head M={m}: {got * 1e3:.2f} ms, predicted "
                   f"{flops / hw.peak_flops(r.weights, m, spec.hidden_size) * 1e3:.2f} ms")
-    print("decode attention, 32 sequences, all layers (CPU ms) vs its FLOPs / probe rate:")
+    print("decode attention, 32 sequences, all layers (CPU ms) vs decode_attention_seconds:")
     from fitserve.ledger.flops import flops_per_token
     for keys in (130, 192, 255):
         got = decode_attention_part(spec, 32, keys, spec.num_layers)
-        want = (32 * flops_per_token(spec, keys).attention / hw.attention_flops
-                + attention_fixed_seconds(spec, hw, 32))
+        want = decode_attention_seconds(spec, hw, 32 * flops_per_token(spec, keys).attention, 32)
         print(f"  keys {keys}: {got * 1e3:.2f} ms, predicted {want * 1e3:.2f} ms")
     ew = elementwise_elements(spec) * spec.num_layers * hw.elementwise_s
     print(f"element-wise per token, all layers: predicted {ew * 1e6:.1f} us")

@@ -17,14 +17,17 @@ JSON it prints beside the copy bandwidth). Measured, each the median of the undi
                              "f32" = F.linear in float32
     attention FLOP/s         the engine's paged decode attention, bf16 cache, 32 sequences of
                              64 and of 256 keys (one partition: a partition's own merge cost
-                             would read as FLOPs), 8 query / 2 KV heads of 64 (4 FLOPs per query
-                             head, key and dimension: q.k and p.v), each call on another layer's
-                             cache (96 MiB of them, as a model's KV streams): the rate is the
-                             slope (FLOPs per second of the keys between the two), the fixed
-                             cost per (sequence, KV head) the intercept (its work item's setup,
-                             table walk and merge: at SmolLM2's 130-255 keys a third of the
-                             step's attention); the time includes its KV reads, so the ledger
-                             adds it to the step rather than overlapping it
+                             would read as per-key work) with 8 query / 2 KV heads of 64, and
+                             of 256 keys with 2 / 2, each call on another layer's cache (96 MiB
+                             of them, as a model's KV streams): per sequence t = Hkv x item + L
+                             x (Hkv x c_kv + Hq x c_q). The query heads' part as FLOP/s (4
+                             FLOPs per query head, key and dimension: q.k and p.v), the KV
+                             heads' part (loading and converting each K / V row: SmolLM2's 3
+                             query heads per KV head measured 1.2x the FLOP rate's time) per
+                             KV head, key and dimension, the intercept per (sequence, KV head)
+                             (its work item's setup, table walk and merge); the time includes
+                             its KV reads, so the ledger adds it to the step rather than
+                             overlapping it
     step overhead            a decode step of the engine on a tiny random-weight Llama
                              (hidden 64) with 2 and with 8 layers: the per-layer cost is the
                              slope, the per-step cost (scheduler, sampler, lm_head call, Python)
@@ -199,9 +202,9 @@ def measure_gemv_rates(threads: int, repeats: int = 15) -> dict[str, list[float]
     return rates
 
 
-def _attention_seconds(keys: int, repeats: int, batch: int) -> float:
+def _attention_seconds(keys: int, repeats: int, batch: int, hq: int = 8) -> float:
     """CPU seconds of one call of the paged decode attention, ``batch`` sequences of ``keys``
-    keys at the probe's heads, each call on another layer's cache."""
+    keys, ``hq`` query heads over ATTENTION_KV_HEADS, each call on another layer's cache."""
     from fitserve.kernels.cpu.paged_attention import (
         paged_attention_available,
         paged_decode_attention,
@@ -209,7 +212,7 @@ def _attention_seconds(keys: int, repeats: int, batch: int) -> float:
 
     if not paged_attention_available():
         raise RuntimeError("the paged_attention C++ extension is not available")
-    hq, hkv, d, block = 8, ATTENTION_KV_HEADS, 64, 16
+    hkv, d, block = ATTENTION_KV_HEADS, 64, 16
     nblk = keys // block
     g = torch.Generator().manual_seed(0)
     q = torch.randn(batch, hq, d, generator=g).bfloat16()
@@ -224,15 +227,23 @@ def _attention_seconds(keys: int, repeats: int, batch: int) -> float:
 
 
 def measure_attention_rate(threads: int, repeats: int = 15,
-                           batch: int = 32) -> tuple[float, float]:
-    """(FLOP/s, seconds per (sequence, KV head)) of the engine's paged decode attention (see
-    the module doc) on ``threads`` cores: one thread's slope x threads, its intercept / threads
-    (the items spread over the cores)."""
+                           batch: int = 32) -> tuple[float, float, float]:
+    """(FLOP/s of the query heads' work, seconds per KV head, key and dimension, seconds per
+    (sequence, KV head)) of the engine's paged decode attention (see the module doc) on
+    ``threads`` cores: one thread's rates x threads, its costs / threads (the work items spread
+    over the cores). Per sequence t(Hq, L) = Hkv x item + L x (Hkv x c_kv + Hq x c_q): 8 query
+    heads at 64 and 256 keys give the slope and intercept, 2 at 256 keys split the slope."""
     lo, hi = ATTENTION_KEYS
-    t_lo, t_hi = (_attention_seconds(n, repeats, batch) for n in ATTENTION_KEYS)
-    per_key = max(1e-15, (t_hi - t_lo) / (hi - lo))
-    fixed = max(0.0, t_lo - lo * per_key) / (batch * ATTENTION_KV_HEADS)
-    return threads * 4 * batch * 8 * 64 / per_key, fixed / threads
+    hkv, d = ATTENTION_KV_HEADS, 64
+    t_lo, t_hi = (_attention_seconds(n, repeats, batch) / batch for n in ATTENTION_KEYS)
+    t_g1 = _attention_seconds(hi, repeats, batch, hq=hkv) / batch
+    slope = max(1e-15, (t_hi - t_lo) / (hi - lo))  # Hkv x c_kv + 8 x c_q
+    # NOTE: floored at a tenth of the slope: a loaded host's noise must not make the query
+    # heads' work free (or negative)
+    c_q = max(slope / 80, (t_hi - t_g1) / (hi * (8 - hkv)))
+    c_kv = max(0.0, slope - 8 * c_q) / hkv
+    item = max(0.0, t_lo - lo * slope) / hkv
+    return threads * 4 * d / c_q, c_kv / d / threads, item / threads
 
 
 def _tiny_engine(layers: int) -> object:
@@ -395,10 +406,11 @@ def measure(threads: int) -> dict[str, object]:
     torch.set_num_threads(1)
     per_step, per_layer = measure_step_overhead()
     per_seq, per_logit = measure_seq_overhead()
-    attention_flops, attention_seq_s = measure_attention_rate(threads)
+    attention_flops, attention_kv_s, attention_seq_s = measure_attention_rate(threads)
     return {"matmul_rows": list(RATE_ROWS), "matmul_k": list(RATE_KS),
             "matmul_flops": measure_matmul_rates(threads),
             "attention_flops": attention_flops, "attention_seq_s": attention_seq_s,
+            "attention_kv_s": attention_kv_s,
             "step_overhead_s": per_step, "layer_overhead_s": per_layer, "threads": threads,
             "elementwise_s": measure_elementwise(), "seq_overhead_s": per_seq,
             "logit_s": per_logit, "gemv_k": list(GEMV_K),

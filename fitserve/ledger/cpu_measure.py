@@ -66,6 +66,7 @@ class CpuFigures:
     gemv_bytes_per_s: dict[str, list[float]] = field(default_factory=dict)
     matmul_k: tuple[int, ...] = ()  # the K each row of matmul_flops was measured at
     attention_seq_s: float = 0.0  # decode attention's cost per (sequence, KV head, layer)
+    attention_kv_s: float = 0.0  # and per KV head, key and dimension
 
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.measured_at))
@@ -75,7 +76,9 @@ class CpuFigures:
         ks = f" x K = {'/'.join(str(k) for k in self.matmul_k)}" if self.matmul_k else ""
         engine = (f"; engine matmul GFLOP/s at M = {rows} rows{ks}: {rates}; decode attention "
                   f"{self.attention_flops / 1e9:.0f} GFLOP/s + "
-                  f"{self.attention_seq_s * 1e9:.0f} ns per sequence and KV head; step overhead "
+                  f"{self.attention_seq_s * 1e9:.0f} ns per sequence and KV head + "
+                  f"{self.attention_kv_s * 1e12:.2f} ps per KV head, key and dimension; "
+                  f"step overhead "
                   f"{self.step_overhead_s * 1e3:.3f} ms + {self.layer_overhead_s * 1e6:.1f} us "
                   f"per layer + {self.seq_overhead_s * 1e6:.1f} us per sequence; element-wise "
                   f"{self.elementwise_s * 1e12:.0f} ps per element{describe_gemv(self)}"
@@ -208,6 +211,7 @@ class EngineRates:
     # attention's fixed cost per (sequence, KV head, layer) beside its FLOPs
     matmul_k: tuple[int, ...] = ()
     attention_seq_s: float = 0.0
+    attention_kv_s: float = 0.0  # decode attention per KV head, key and dimension
 
     @classmethod
     def from_json(cls, text: str) -> EngineRates:
@@ -223,13 +227,14 @@ class EngineRates:
                       {str(p): [float(x) for x in v]
                        for p, v in d.get("gemv_bytes_per_s", {}).items()},
                       tuple(int(k) for k in d.get("matmul_k", ())),
-                      float(d.get("attention_seq_s", 0.0)))
+                      float(d.get("attention_seq_s", 0.0)),
+                      float(d.get("attention_kv_s", 0.0)))
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise ValueError(f"not the engine-rates JSON ({exc!r}): {text[:200]}") from None
         per_path = len(rows) * max(1, len(out.matmul_k))
         if "bf16" not in rates or any(len(v) != per_path for v in rates.values()) or min(
                 [out.step_overhead_s, out.layer_overhead_s, out.attention_flops,
-                 out.attention_seq_s,
+                 out.attention_seq_s, out.attention_kv_s,
                  out.elementwise_s, out.seq_overhead_s, out.logit_s,
                  *(x for v in rates.values() for x in v)]) < 0 or any(
                 len(v) != len(out.gemv_k) or min(v, default=1.0) <= 0
@@ -278,7 +283,8 @@ def measure_figures(threads: int | None = None, *,
                       e.attention_flops, e.step_overhead_s, e.layer_overhead_s,
                       elementwise_s=e.elementwise_s, seq_overhead_s=e.seq_overhead_s,
                       logit_s=e.logit_s, gemv_k=e.gemv_k, gemv_bytes_per_s=e.gemv_bytes_per_s,
-                      matmul_k=e.matmul_k, attention_seq_s=e.attention_seq_s)
+                      matmul_k=e.matmul_k, attention_seq_s=e.attention_seq_s,
+                      attention_kv_s=e.attention_kv_s)
 
 
 def reusable_engine_rates(cached: CpuFigures | None, *, now: float, model: str,
@@ -293,7 +299,7 @@ def reusable_engine_rates(cached: CpuFigures | None, *, now: float, model: str,
                        cached.attention_flops, cached.step_overhead_s, cached.layer_overhead_s,
                        cached.elementwise_s, cached.seq_overhead_s, cached.logit_s,
                        tuple(cached.gemv_k), dict(cached.gemv_bytes_per_s),
-                       tuple(cached.matmul_k), cached.attention_seq_s)
+                       tuple(cached.matmul_k), cached.attention_seq_s, cached.attention_kv_s)
 
 
 def cached_is_usable(cached: CpuFigures, *, now: float, model: str, threads: int,

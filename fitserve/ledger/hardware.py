@@ -22,7 +22,7 @@ from fitserve.ledger.formats import GGUF_PACKED
 # 4: the engine rates (one thread's CPU time x threads) beside the bandwidth; 5: + the
 # element-wise cost per token and the cost per sampled sequence; 6: + the one-row linears'
 # weight stream rate
-CPU_CACHE_VERSION = 7
+CPU_CACHE_VERSION = 8
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,7 @@ class Hardware:
     # fixed cost per (sequence, KV head, layer) beside its FLOPs at attention_flops
     matmul_k: tuple[int, ...] = ()
     attention_seq_s: float = 0.0
+    attention_kv_s: float = 0.0  # decode attention per KV head, key and head dimension
 
     def weight_stream_rate(self, fmt: str, k: int) -> float:
         """Weight bytes/s this CPU's one-row linears reach on weights held as ``fmt`` with rows
@@ -261,7 +262,8 @@ def cpu_hardware(*, refresh: bool = False) -> Hardware:
         seq_overhead_s=figures.seq_overhead_s, logit_s=figures.logit_s,
         gemv_k=tuple(figures.gemv_k),
         gemv_rates=tuple((p, tuple(v)) for p, v in sorted(figures.gemv_bytes_per_s.items())),
-        matmul_k=tuple(figures.matmul_k), attention_seq_s=figures.attention_seq_s)
+        matmul_k=tuple(figures.matmul_k), attention_seq_s=figures.attention_seq_s,
+        attention_kv_s=figures.attention_kv_s)
 
 
 def measured_cpu(*, mem_bytes_per_s: float, engine: cpu_measure.EngineRates,
@@ -278,7 +280,8 @@ def measured_cpu(*, mem_bytes_per_s: float, engine: cpu_measure.EngineRates,
                f"{', '.join(f'{p} ' + '/'.join(f'{x / 1e9:.0f}' for x in v) for p, v in rates)} "
                f"GFLOP/s{_k_note(engine.matmul_k)}, decode attention "
                f"{engine.attention_flops / 1e9:.0f} GFLOP/s + "
-               f"{engine.attention_seq_s * 1e9:.0f} ns per sequence and KV head, "
+               f"{engine.attention_seq_s * 1e9:.0f} ns per sequence and KV head + "
+               f"{engine.attention_kv_s * 1e12:.2f} ps per KV head, key and dimension, "
                f"overhead {engine.step_overhead_s * 1e3:.3f} ms + "
                f"{engine.layer_overhead_s * 1e6:.1f} us per layer + "
                f"{engine.seq_overhead_s * 1e6:.1f} us per sequence, element-wise "
@@ -291,7 +294,8 @@ def measured_cpu(*, mem_bytes_per_s: float, engine: cpu_measure.EngineRates,
         seq_overhead_s=engine.seq_overhead_s, logit_s=engine.logit_s,
         gemv_k=tuple(engine.gemv_k),
         gemv_rates=tuple((p, tuple(v)) for p, v in sorted(engine.gemv_bytes_per_s.items())),
-        matmul_k=tuple(engine.matmul_k), attention_seq_s=engine.attention_seq_s)
+        matmul_k=tuple(engine.matmul_k), attention_seq_s=engine.attention_seq_s,
+        attention_kv_s=engine.attention_kv_s)
 
 
 def _k_note(ks: tuple[int, ...]) -> str:

@@ -6,8 +6,9 @@
     t_overhead = a CPU's fixed cost per step + per layer x layers (Hardware.step_overhead;
                  measured on a tiny model, 0 on a GPU's roofline)
     t_attention = a CPU's decode attention FLOPs / its measured rate (Hardware.attention_flops,
-                 KV reads included; then t_memory is the weights alone) + its fixed cost per
-                 (sequence, KV head, layer) (attention_fixed_seconds), 0 on a GPU's roofline
+                 KV reads included; then t_memory is the weights alone) + its KV heads' rows
+                 and its fixed cost per (sequence, KV head, layer) (decode_attention_seconds),
+                 0 on a GPU's roofline
     t_tokens  = a CPU's element-wise work, new tokens x layers x elementwise_elements x its
                  measured cost per element (norms, rotary, KV writes, SwiGLU), + per sampled
                  sequence its measured cost + vocab x the argmax per logit; 0 on a GPU
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from fitserve.config import ModelSpec
 from fitserve.ledger.dequant import dequant_seconds
 from fitserve.ledger.errors import PlanError
-from fitserve.ledger.flops import flops_per_token, prefill_flops
+from fitserve.ledger.flops import attention_flops_per_position, flops_per_token, prefill_flops
 from fitserve.ledger.hardware import Hardware
 from fitserve.ledger.kv import request_kv
 from fitserve.ledger.moe import expected_experts_touched, moe_step_weight_read
@@ -132,6 +133,19 @@ def attention_fixed_seconds(spec: ModelSpec, hw: Hardware, seqs: int, tp: int = 
     return seqs * spec.num_layers * max(1, spec.num_kv_heads // tp) * hw.attention_seq_s
 
 
+def decode_attention_seconds(spec: ModelSpec, hw: Hardware, attn: float, seqs: int,
+                             tp: int = 1) -> float:
+    """A CPU's decode attention of ``seqs`` sequences whose attention FLOPs on one of ``tp``
+    ranks are ``attn``: the query heads' FLOPs at Hardware.attention_flops + the KV heads' rows
+    (layer-keys x KV heads per rank x head_dim) x Hardware.attention_kv_s + the fixed cost
+    per (sequence, KV head, layer) (``attention_fixed_seconds``); 0 without FLOPs or rate."""
+    if not attn or not hw.attention_flops:
+        return 0.0
+    layer_keys = attn * tp / attention_flops_per_position(spec)
+    kv = layer_keys * max(1, spec.num_kv_heads // tp) * spec.head_dim * hw.attention_kv_s
+    return attn / hw.attention_flops + kv + attention_fixed_seconds(spec, hw, seqs, tp)
+
+
 def weight_bytes_read(spec: ModelSpec, wb: WeightBytes, batch: int) -> float:
     """Weight bytes a step of ``batch`` tokens reads on one rank (``moe_step_weight_read``)."""
     return moe_step_weight_read(spec, wb, batch)
@@ -170,8 +184,7 @@ def decode_step(spec: ModelSpec, hw: Hardware, wb: WeightBytes, *, batch: int, c
     # caches past the LLC), attention is its own phase after the linears: its FLOPs at that
     # rate are added, and the memory floor is the weights alone
     attn = batch * tf.attention / tp if hw.attention_flops else 0.0
-    t_attention = (attn / hw.attention_flops + attention_fixed_seconds(spec, hw, batch, tp)
-                   if attn else 0.0)
+    t_attention = decode_attention_seconds(spec, hw, attn, batch, tp)
     t_memory = (w + (0.0 if attn else kv)) / hw.mem_bytes_per_s
     t_compute = (flops - attn) / hw.peak_flops(weights_fmt, batch, spec.hidden_size)
     comm = tp_allreduce(spec, hw, tp=tp, tokens=batch, act_dtype_bytes=act_dtype_bytes)
@@ -331,8 +344,7 @@ def scheduled_step(spec: ModelSpec, hw: Hardware, wb: WeightBytes, step: Schedul
                     w, kv, flops, (w + kv) / hw.mem_bytes_per_s,
                     (flops - attn) / hw.peak_flops(weights_fmt, n, spec.hidden_size),
                     comm.seconds_per_step, dq, hw.step_overhead(spec.num_layers),
-                    attn / hw.attention_flops + attention_fixed_seconds(
-                        spec, hw, len(step.decode_contexts), tp) if attn else 0.0,
+                    decode_attention_seconds(spec, hw, attn, len(step.decode_contexts), tp),
                     token_seconds(spec, hw, new_tokens=n, sampled=step.sampled, tp=tp))
 
 

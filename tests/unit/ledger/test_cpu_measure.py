@@ -97,19 +97,19 @@ def test_engine_rates_carry_each_k_and_the_attention_items() -> None:
     at_k = ENGINE_JSON.replace('"matmul_flops"', '"matmul_k": [576, 2048], "matmul_flops"').replace(
         "[4e11, 8e11]", "[3e11, 7e11, 4e11, 8e11]").replace(
         "[6e11, 9e11]", "[5e11, 8e11, 6e11, 9e11]").replace(
-        '"threads": 2}', '"threads": 2, "attention_seq_s": 6e-07}')
+        '"threads": 2}', '"threads": 2, "attention_seq_s": 6e-07, "attention_kv_s": 2e-12}')
     e = cpu_measure.EngineRates.from_json(at_k)
     assert e.matmul_k == (576, 2048) and e.matmul_flops["int8act"] == [5e11, 8e11, 6e11, 9e11]
-    assert e.attention_seq_s == 6e-7
+    assert (e.attention_seq_s, e.attention_kv_s) == (6e-7, 2e-12)
     hw = measured_cpu(mem_bytes_per_s=5e10, engine=e, threads=2)
-    assert (hw.matmul_k, hw.attention_seq_s) == ((576, 2048), 6e-7)
+    assert (hw.matmul_k, hw.attention_seq_s, hw.attention_kv_s) == ((576, 2048), 6e-7, 2e-12)
     assert hw.peak_flops("int4-g32-asym", 32, 576) == 5e11
     assert hw.peak_flops("int4-g32-asym", 512, 2048) == 9e11
     assert "(each at K = 576/2048)" in hw.source and "600 ns per sequence" in hw.source
     old = cpu_measure.EngineRates.from_json(ENGINE_JSON)  # one K, no items: as before
-    assert old.matmul_k == () and old.attention_seq_s == 0.0
+    assert old.matmul_k == () and old.attention_seq_s == old.attention_kv_s == 0.0
     for bad in (at_k.replace("[3e11, 7e11, 4e11, 8e11]", "[3e11, 7e11]"),
-                at_k.replace("6e-07", "-6e-07")):
+                at_k.replace("6e-07", "-6e-07"), at_k.replace("2e-12", "-2e-12")):
         with pytest.raises(ValueError, match="mismatched or negative"):
             cpu_measure.EngineRates.from_json(bad)
 

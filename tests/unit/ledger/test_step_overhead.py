@@ -15,6 +15,7 @@ from fitserve.ledger.hardware import Hardware, cpu_matmul_path
 from fitserve.ledger.kv import request_kv
 from fitserve.ledger.speed import (
     attention_fixed_seconds,
+    decode_attention_seconds,
     decode_step,
     prefill_time,
     workload_speed,
@@ -90,6 +91,16 @@ def test_decode_attention_pays_its_fixed_cost_per_sequence_and_kv_head() -> None
                                            rel=1e-12)
     assert attention_fixed_seconds(SMOL, hw, 32, tp=3) == pytest.approx(32 * 30 * 5e-7,
                                                                         rel=1e-12)
+    # + each KV head's rows: 32 sequences x 30 layers x 200 keys x 3 KV heads x 64 dims x 2 ps
+    # (the query heads' part stays at the FLOP rate)
+    kv = dataclasses.replace(hw, attention_kv_s=2e-12)
+    st = decode_step(SMOL, kv, wb, batch=32, context=200, kv_dtype="bf16",
+                     weights_fmt="int4-g32-asym")
+    assert st.t_attention == pytest.approx(32 * tf.attention / 40e9 + 32 * 30 * 3 * 5e-7
+                                           + 32 * 30 * 200 * 3 * 64 * 2e-12, rel=1e-12)
+    assert decode_attention_seconds(SMOL, kv, 32 * tf.attention / 3, 32, tp=3) == pytest.approx(
+        32 * tf.attention / 3 / 40e9 + 32 * 30 * 5e-7 + 32 * 30 * 200 * 64 * 2e-12, rel=1e-12)
+    assert decode_attention_seconds(SMOL, kv, 0.0, 32) == 0.0  # no decodes: no attention
 
 
 def test_decode_step_adds_attention_and_overhead_to_the_larger_floor() -> None:
