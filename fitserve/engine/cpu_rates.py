@@ -351,8 +351,8 @@ def measure_elementwise(repeats: int = 15) -> float:
     blocks = 4096 // 16
     k_cache = torch.zeros(hkv, blocks, 16, d, dtype=torch.bfloat16)
     v_cache = torch.zeros_like(k_cache)
-    positions = torch.arange(m) * 64
-    slots = torch.arange(m) * 64
+    positions = torch.arange(m) * 64 % 4096  # spread over the cache, as a batch's rows are
+    slots = positions.clone()
     gate_up = torch.randn(m, 2 * inter, generator=g).bfloat16()
 
     def layer() -> None:

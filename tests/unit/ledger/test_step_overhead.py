@@ -10,7 +10,7 @@ import math
 import pytest
 
 from fitserve.ledger.errors import PlanError
-from fitserve.ledger.flops import flops_per_token
+from fitserve.ledger.flops import flops_per_token, prefill_flops
 from fitserve.ledger.hardware import Hardware, cpu_matmul_path
 from fitserve.ledger.kv import request_kv
 from fitserve.ledger.speed import (
@@ -153,6 +153,11 @@ def test_workload_is_its_steps_added_up() -> None:
                        kv_dtype="bf16", weights_fmt="bf16", max_num_batched_tokens=2048)
     pf = prefill_time(SMOL, CPU, wb, prompt_len=p, kv_dtype="bf16", weights_fmt="bf16")
     assert [s.seconds for s in w.prefill_steps] == [pytest.approx(pf.seconds, rel=1e-12)]
+    # the prompt's attention at the measured attention rate, the rest at the matmul rate
+    att = prefill_flops(SMOL, p).attention
+    assert pf.t_attention == pytest.approx(att / 40e9, rel=1e-12)
+    assert pf.t_compute == pytest.approx((prefill_flops(SMOL, p).total - att)
+                                         / CPU.peak_flops("bf16", p), rel=1e-12)
     steps = [decode_step(SMOL, CPU, wb, batch=1, context=p + i, kv_dtype="bf16",
                          weights_fmt="bf16").seconds for i in range(1, o)]
     assert len(w.decode_steps) == o - 1
