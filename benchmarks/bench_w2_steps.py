@@ -8,8 +8,9 @@ element-wise and sampling, fixed overhead), on the engine rates measured in this
 (``fitserve.engine.cpu_rates`` at 1 thread, or ``--rates FILE`` with a saved JSON line).
 Then the parts alone, each timed the same way at the model's own shapes: the model's
 linears (its real packed weights, layer after layer as a step runs them) at the row counts of
-W2's steps against the planner's FLOPs / rate, and the paged decode attention of 32
-sequences at the model's heads against its FLOPs / the probe's attention rate.
+W2's steps against the planner's FLOPs / rate, the tied lm_head, and the paged decode
+attention of 32 sequences at the model's heads (blocks interleaved, as sequences decoding
+together get them) against ``speed.decode_attention_seconds``.
 
     PYTHONPATH=$PWD python benchmarks/bench_w2_steps.py [--config q4_1] [--runs 3]
 """
@@ -112,7 +113,7 @@ def decode_attention_part(spec: Any, batch: int, keys: int, layers: int) -> floa
     hq, hkv, d, block = spec.num_heads, spec.num_kv_heads, spec.head_dim, 16
     nblk = -(-keys // block)
     q = torch.randn(batch, hq, d).bfloat16()
-    tables = torch.arange(batch * nblk, dtype=torch.int32).reshape(batch, nblk)
+    tables = torch.arange(batch * nblk, dtype=torch.int32).reshape(nblk, batch).T.contiguous()
     lens = torch.full((batch,), keys, dtype=torch.int32)
     caches = [(torch.randn(hkv, batch * nblk, block, d).bfloat16(),
                torch.randn(hkv, batch * nblk, block, d).bfloat16()) for _ in range(layers)]
