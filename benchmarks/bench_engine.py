@@ -348,9 +348,14 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", default=None,
                     help="fitserve's KV pool (e.g. 256M: W2 needs ~180 MiB in bf16); default "
                          "the engine's own (1 GiB on CPU). Only the blocks a run touches are resident")
+    ap.add_argument("--repredict", default=None, metavar="JSON",
+                    help="no run: predict a saved --json's fitserve configs again with this "
+                         "tree's planner, on the bandwidth and engine rates each round kept")
     ap.add_argument("--worker", choices=["fitserve", "transformers"], help=argparse.SUPPRESS)
     ap.add_argument("spec", nargs="?", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.repredict:
+        return repredict(Path(args.repredict), args.w2_requests)
     if args.worker:
         spec = json.loads(Path(args.spec).read_text())
         fn = fitserve_worker if args.worker == "fitserve" else transformers_worker
@@ -424,6 +429,27 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"cpu": cpu_description(), "threads": args.threads, "results": results}, f,
                       indent=2)
+
+
+def repredict(path: Path, w2_requests: int) -> None:
+    """Each fitserve round of a saved --json: measured W1 / W2 beside the prediction it printed
+    and this tree's planner on the same copy bandwidth and engine rates (kept in the JSON)."""
+    from fitserve.ledger.cpu_measure import EngineRates
+
+    saved = json.loads(path.read_text())
+    base = workload_spec(saved["threads"], 1, w2_requests)
+    print(f"{path}: {saved['cpu']}, {saved['threads']} thread(s)")
+    for r in saved["results"]:
+        for i, rd in enumerate(r.get("rounds") or [r]):
+            if not rd or "engine_rates" not in rd:
+                continue
+            rates = EngineRates.from_json(json.dumps(rd["engine_rates"]))
+            now = planner_prediction(r["config"], base, rd["copy_bytes_per_s"], rates,
+                                     saved["threads"])
+            parts = [f"{w} {rd[w]['tok_s']:.1f} tok/s: predicted then {rd['predicted'][w]:.1f} "
+                     f"({rd[w]['tok_s'] / rd['predicted'][w]:.2f}), now {now[w]:.1f} "
+                     f"({rd[w]['tok_s'] / now[w]:.2f})" for w in ("W1", "W2") if w in rd]
+            print(f"  {_name(r)} round {i + 1}: " + "; ".join(parts))
 
 
 def _name(r: dict[str, Any]) -> str:

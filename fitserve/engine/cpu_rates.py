@@ -5,19 +5,30 @@ runs ``python -m fitserve.engine.cpu_rates`` once per CPU (fitserve.ledger.hardw
 JSON it prints beside the copy bandwidth). Measured, each the median of the undisturbed runs
 (within 1.25 x the best, as the copy bandwidth):
 
-    matmul FLOP/s per path   x [M, K] @ W.T, W [N, K] = [2048, 1024], at M = 32 rows (a batched
-                             decode step) and M = 512 (a prefill chunk), each call on another
-                             copy of W (96 MiB of them: the weights stream from DRAM as a
-                             model's do), on the engine's ops:
+    matmul FLOP/s per path   x [M, K] @ W.T, W [N, K], N = 2048, at K = 576 and 2048 (a small
+                             model's hidden and a 1-2B one's: the planner reads the rate at the
+                             model's own hidden size) and M = 32 rows (a batched decode step)
+                             and 512 (a prefill chunk), each call on another copy of W (96 MiB
+                             of them: the weights stream from DRAM as a model's do), on the
+                             engine's ops:
                              "int8act" = int4_linear with activations quantized per row to int8
                              (W4A8: the default as-stored Q4_0/Q4_1 path; int8 weights run the
                              same VNNI dot products), "bf16" = F.linear in bf16 (oneDNN),
                              "f32" = F.linear in float32
     attention FLOP/s         the engine's paged decode attention, bf16 cache, 32 sequences of
-                             256 keys, 8 query / 2 KV heads of 64 (4 FLOPs per query head, key
-                             and dimension: q.k and p.v), each call on another layer's cache (96
-                             MiB of them, as a model's KV streams); the time includes its KV
-                             reads, so the ledger adds it to the step rather than overlapping it
+                             64 and of 256 keys, blocks interleaved as a batch's sequences
+                             that grow together get them (one partition: a partition's merge
+                             cost would read as per-key work) with 8 query / 2 KV heads of 64,
+                             and of 256 keys with 2 / 2, each call on another layer's cache (96 MiB
+                             of them, as a model's KV streams): per sequence t = Hkv x item + L
+                             x (Hkv x c_kv + Hq x c_q). The query heads' part as FLOP/s (4
+                             FLOPs per query head, key and dimension: q.k and p.v), the KV
+                             heads' part (loading and converting each K / V row: SmolLM2's 3
+                             query heads per KV head measured 1.2x the FLOP rate's time) per
+                             KV head, key and dimension, the intercept per (sequence, KV head)
+                             (its work item's setup, table walk and merge); the time includes
+                             its KV reads, so the ledger adds it to the step rather than
+                             overlapping it
     step overhead            a decode step of the engine on a tiny random-weight Llama
                              (hidden 64) with 2 and with 8 layers: the per-layer cost is the
                              slope, the per-step cost (scheduler, sampler, lm_head call, Python)
@@ -63,8 +74,10 @@ import torch
 import torch.nn.functional as F
 
 GOOD_RUN_SLACK = 1.25
-RATE_K, RATE_N = 1024, 2048
+RATE_KS, RATE_N = (576, 2048), 2048  # as GEMV_K: a small model's hidden and a 1-2B one's
 RATE_ROWS = (32, 512)  # a batched decode step, a prefill chunk
+ATTENTION_KEYS = (64, 256)  # the attention probe's two key counts (slope and intercept)
+ATTENTION_KV_HEADS = 2  # of 8 query heads of 64
 CYCLE_BYTES = 96 << 20  # operands cycled through per op: past the last-level caches seen here
 TINY_LAYERS = (2, 8)
 GEMV_K = (576, 2048)  # a small model's hidden (SmolLM2-135M) and a 1-2B one's
@@ -131,17 +144,18 @@ def _path_calls(m: int, k: int, n: int) -> dict[str, Callable[[], object]]:
 
 
 def measure_matmul_rates(threads: int, repeats: int = 15) -> dict[str, list[float]]:
-    """path -> [FLOP/s at each of RATE_ROWS rows] of the engine's ops on ``threads`` cores: one
-    thread's rate x threads (see the module doc).
+    """path -> [FLOP/s at each K of RATE_KS, at each of RATE_ROWS rows] (K-major) of the
+    engine's ops on ``threads`` cores: one thread's rate x threads (see the module doc).
 
     NOTE: many short timings (~1-10 ms each) rather than a few long ones: on a shared host the
     undisturbed ones are then the many, and the median of those is the figure."""
     rates: dict[str, list[float]] = {}
-    for m in RATE_ROWS:
-        for path, fn in _path_calls(m, RATE_K, RATE_N).items():
-            inner = max(1, 128 // m)
-            sec = _time_call(fn, repeats=repeats, inner=inner)
-            rates.setdefault(path, []).append(threads * 2 * m * RATE_K * RATE_N / sec)
+    for k in RATE_KS:
+        for m in RATE_ROWS:
+            for path, fn in _path_calls(m, k, RATE_N).items():
+                inner = max(1, 128 * 1024 // (m * k))
+                sec = _time_call(fn, repeats=repeats, inner=inner)
+                rates.setdefault(path, []).append(threads * 2 * m * k * RATE_N / sec)
     return rates
 
 
@@ -189,10 +203,9 @@ def measure_gemv_rates(threads: int, repeats: int = 15) -> dict[str, list[float]
     return rates
 
 
-def measure_attention_rate(threads: int, repeats: int = 15, batch: int = 32,
-                           keys: int = 256) -> float:
-    """FLOP/s of the engine's paged decode attention (see the module doc) on ``threads`` cores:
-    one thread's rate x threads."""
+def _attention_seconds(keys: int, repeats: int, batch: int, hq: int = 8) -> float:
+    """CPU seconds of one call of the paged decode attention, ``batch`` sequences of ``keys``
+    keys, ``hq`` query heads over ATTENTION_KV_HEADS, each call on another layer's cache."""
     from fitserve.kernels.cpu.paged_attention import (
         paged_attention_available,
         paged_decode_attention,
@@ -200,19 +213,41 @@ def measure_attention_rate(threads: int, repeats: int = 15, batch: int = 32,
 
     if not paged_attention_available():
         raise RuntimeError("the paged_attention C++ extension is not available")
-    hq, hkv, d, block = 8, 2, 64, 16
+    hkv, d, block = ATTENTION_KV_HEADS, 64, 16
     nblk = keys // block
     g = torch.Generator().manual_seed(0)
     q = torch.randn(batch, hq, d, generator=g).bfloat16()
-    tables = torch.arange(batch * nblk, dtype=torch.int32).reshape(batch, nblk)
+    # NOTE: the blocks as sequences that grow together get them (block j of sequence s is the
+    # (j x batch + s)-th allocated), not in pool order: SmolLM2's W2 decode attention at 255
+    # keys took 16.4 ms this way against 14.4 with each sequence's blocks adjacent
+    tables = torch.arange(batch * nblk, dtype=torch.int32).reshape(nblk, batch).T.contiguous()
     lens = torch.full((batch,), keys, dtype=torch.int32)
     layers = max(2, CYCLE_BYTES // (2 * hkv * batch * keys * d * 2))  # a model's KV: past the LLC
     kv1 = torch.randn(hkv, batch * nblk, block, d, generator=g).bfloat16()
     caches = [(kv1.clone(), kv1.clone()) for _ in range(layers)]
     call = _cycle([functools.partial(paged_decode_attention, q, k, v, tables, lens, d ** -0.5)
                    for k, v in caches])
-    sec = _time_call(call, repeats=repeats, inner=4)
-    return threads * 4 * batch * hq * keys * d / sec
+    return _time_call(call, repeats=repeats, inner=4)
+
+
+def measure_attention_rate(threads: int, repeats: int = 15,
+                           batch: int = 32) -> tuple[float, float, float]:
+    """(FLOP/s of the query heads' work, seconds per KV head, key and dimension, seconds per
+    (sequence, KV head)) of the engine's paged decode attention (see the module doc) on
+    ``threads`` cores: one thread's rates x threads, its costs / threads (the work items spread
+    over the cores). Per sequence t(Hq, L) = Hkv x item + L x (Hkv x c_kv + Hq x c_q): 8 query
+    heads at 64 and 256 keys give the slope and intercept, 2 at 256 keys split the slope."""
+    lo, hi = ATTENTION_KEYS
+    hkv, d = ATTENTION_KV_HEADS, 64
+    t_lo, t_hi = (_attention_seconds(n, repeats, batch) / batch for n in ATTENTION_KEYS)
+    t_g1 = _attention_seconds(hi, repeats, batch, hq=hkv) / batch
+    slope = max(1e-15, (t_hi - t_lo) / (hi - lo))  # Hkv x c_kv + 8 x c_q
+    # NOTE: floored at a tenth of the slope: a loaded host's noise must not make the query
+    # heads' work free (or negative)
+    c_q = max(slope / 80, (t_hi - t_g1) / (hi * (8 - hkv)))
+    c_kv = max(0.0, slope - 8 * c_q) / hkv
+    item = max(0.0, t_lo - lo * slope) / hkv
+    return threads * 4 * d / c_q, c_kv / d / threads, item / threads
 
 
 def _tiny_engine(layers: int) -> object:
@@ -320,8 +355,8 @@ def measure_elementwise(repeats: int = 15) -> float:
     blocks = 4096 // 16
     k_cache = torch.zeros(hkv, blocks, 16, d, dtype=torch.bfloat16)
     v_cache = torch.zeros_like(k_cache)
-    positions = torch.arange(m) * 64
-    slots = torch.arange(m) * 64
+    positions = torch.arange(m) * 64 % 4096  # spread over the cache, as a batch's rows are
+    slots = positions.clone()
     gate_up = torch.randn(m, 2 * inter, generator=g).bfloat16()
 
     def layer() -> None:
@@ -375,8 +410,11 @@ def measure(threads: int) -> dict[str, object]:
     torch.set_num_threads(1)
     per_step, per_layer = measure_step_overhead()
     per_seq, per_logit = measure_seq_overhead()
-    return {"matmul_rows": list(RATE_ROWS), "matmul_flops": measure_matmul_rates(threads),
-            "attention_flops": measure_attention_rate(threads),
+    attention_flops, attention_kv_s, attention_seq_s = measure_attention_rate(threads)
+    return {"matmul_rows": list(RATE_ROWS), "matmul_k": list(RATE_KS),
+            "matmul_flops": measure_matmul_rates(threads),
+            "attention_flops": attention_flops, "attention_seq_s": attention_seq_s,
+            "attention_kv_s": attention_kv_s,
             "step_overhead_s": per_step, "layer_overhead_s": per_layer, "threads": threads,
             "elementwise_s": measure_elementwise(), "seq_overhead_s": per_seq,
             "logit_s": per_logit, "gemv_k": list(GEMV_K),

@@ -50,7 +50,8 @@ class CpuFigures:
     measured_at: float  # unix time
     runs_kept: int  # undisturbed copy runs behind the median
     matmul_rows: tuple[int, ...] = ()  # the rows (M) each engine matmul rate was measured at
-    matmul_flops: dict[str, list[float]] = field(default_factory=dict)  # path -> per row count
+    # path -> at each K of matmul_k (K-major), the rate at each row count (one K: empty)
+    matmul_flops: dict[str, list[float]] = field(default_factory=dict)
     attention_flops: float = 0.0  # the engine's paged decode attention (0: not measured)
     step_overhead_s: float = 0.0  # an engine decode step's fixed cost
     layer_overhead_s: float = 0.0  # and its fixed cost per decoder layer
@@ -63,14 +64,21 @@ class CpuFigures:
     # the one-row linears' weight bytes/s per path at each K of gemv_k (EngineRates)
     gemv_k: tuple[int, ...] = ()
     gemv_bytes_per_s: dict[str, list[float]] = field(default_factory=dict)
+    matmul_k: tuple[int, ...] = ()  # the K each row of matmul_flops was measured at
+    attention_seq_s: float = 0.0  # decode attention's cost per (sequence, KV head, layer)
+    attention_kv_s: float = 0.0  # and per KV head, key and dimension
 
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.measured_at))
         rates = ", ".join(f"{p} {'/'.join(f'{r / 1e9:.0f}' for r in v)}"
                           for p, v in sorted(self.matmul_flops.items()))
         rows = "/".join(str(m) for m in self.matmul_rows)
-        engine = (f"; engine matmul GFLOP/s at M = {rows} rows: {rates}; decode attention "
-                  f"{self.attention_flops / 1e9:.0f} GFLOP/s; step overhead "
+        ks = f" x K = {'/'.join(str(k) for k in self.matmul_k)}" if self.matmul_k else ""
+        engine = (f"; engine matmul GFLOP/s at M = {rows} rows{ks}: {rates}; decode attention "
+                  f"{self.attention_flops / 1e9:.0f} GFLOP/s + "
+                  f"{self.attention_seq_s * 1e9:.0f} ns per sequence and KV head + "
+                  f"{self.attention_kv_s * 1e12:.2f} ps per KV head, key and dimension; "
+                  f"step overhead "
                   f"{self.step_overhead_s * 1e3:.3f} ms + {self.layer_overhead_s * 1e6:.1f} us "
                   f"per layer + {self.seq_overhead_s * 1e6:.1f} us per sequence; element-wise "
                   f"{self.elementwise_s * 1e12:.0f} ps per element{describe_gemv(self)}"
@@ -199,6 +207,11 @@ class EngineRates:
     # weight bytes/s of the one-row linears per path at each of gemv_k (K); empty: not measured
     gemv_k: tuple[int, ...] = ()
     gemv_bytes_per_s: dict[str, list[float]] = field(default_factory=dict)
+    # the K each row of matmul_flops was measured at (K-major; empty: one K), and decode
+    # attention's fixed cost per (sequence, KV head, layer) beside its FLOPs
+    matmul_k: tuple[int, ...] = ()
+    attention_seq_s: float = 0.0
+    attention_kv_s: float = 0.0  # decode attention per KV head, key and dimension
 
     @classmethod
     def from_json(cls, text: str) -> EngineRates:
@@ -212,11 +225,16 @@ class EngineRates:
                       float(d.get("seq_overhead_s", 0.0)), float(d.get("logit_s", 0.0)),
                       tuple(int(k) for k in d.get("gemv_k", ())),
                       {str(p): [float(x) for x in v]
-                       for p, v in d.get("gemv_bytes_per_s", {}).items()})
+                       for p, v in d.get("gemv_bytes_per_s", {}).items()},
+                      tuple(int(k) for k in d.get("matmul_k", ())),
+                      float(d.get("attention_seq_s", 0.0)),
+                      float(d.get("attention_kv_s", 0.0)))
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise ValueError(f"not the engine-rates JSON ({exc!r}): {text[:200]}") from None
-        if "bf16" not in rates or any(len(v) != len(rows) for v in rates.values()) or min(
+        per_path = len(rows) * max(1, len(out.matmul_k))
+        if "bf16" not in rates or any(len(v) != per_path for v in rates.values()) or min(
                 [out.step_overhead_s, out.layer_overhead_s, out.attention_flops,
+                 out.attention_seq_s, out.attention_kv_s,
                  out.elementwise_s, out.seq_overhead_s, out.logit_s,
                  *(x for v in rates.values() for x in v)]) < 0 or any(
                 len(v) != len(out.gemv_k) or min(v, default=1.0) <= 0
@@ -264,7 +282,9 @@ def measure_figures(threads: int | None = None, *,
     return CpuFigures(bw, flops, cpu_model(), t, at, kept, e.matmul_rows, e.matmul_flops,
                       e.attention_flops, e.step_overhead_s, e.layer_overhead_s,
                       elementwise_s=e.elementwise_s, seq_overhead_s=e.seq_overhead_s,
-                      logit_s=e.logit_s, gemv_k=e.gemv_k, gemv_bytes_per_s=e.gemv_bytes_per_s)
+                      logit_s=e.logit_s, gemv_k=e.gemv_k, gemv_bytes_per_s=e.gemv_bytes_per_s,
+                      matmul_k=e.matmul_k, attention_seq_s=e.attention_seq_s,
+                      attention_kv_s=e.attention_kv_s)
 
 
 def reusable_engine_rates(cached: CpuFigures | None, *, now: float, model: str,
@@ -278,7 +298,8 @@ def reusable_engine_rates(cached: CpuFigures | None, *, now: float, model: str,
     return EngineRates(tuple(cached.matmul_rows), dict(cached.matmul_flops),
                        cached.attention_flops, cached.step_overhead_s, cached.layer_overhead_s,
                        cached.elementwise_s, cached.seq_overhead_s, cached.logit_s,
-                       tuple(cached.gemv_k), dict(cached.gemv_bytes_per_s))
+                       tuple(cached.gemv_k), dict(cached.gemv_bytes_per_s),
+                       tuple(cached.matmul_k), cached.attention_seq_s, cached.attention_kv_s)
 
 
 def cached_is_usable(cached: CpuFigures, *, now: float, model: str, threads: int,

@@ -23,25 +23,29 @@ from fitserve.ledger.formats import GGUF_PACKED, weight_format
 from fitserve.ledger.weights import WeightBytes
 
 # Measured 2026-12-05 on AMD EPYC Zen 5 (family 26 model 2; AVX-512 VNNI + BF16, tier
-# avx512_vnni), 1 thread, K = 512, N 128 -> 512 (the slope), load average 16-19 (CPU time of
-# the thread, so other processes' time is not counted; their cache pressure is: repeated runs
-# differ by up to ~15%): `benchmarks/bench_dequant_cost.py` at commit 08c0158 (IQ4_NL: baae164; IQ4_XS at M = 1: the
-# commit after it, A/B); Q5_0, Q5_1, IQ4_NL, IQ4_XS: their VNNI rows (commits 09d26f2,
-# 50b8608), the median of 3 runs alternated with the commit before them, load average 12-13;
-# docs/benchmarks.md, 'Kernel cost per weight'.
+# avx512_vnni), 1 thread, K = 512, N 128 -> 512 (the slope), CPU time of the thread (other
+# processes' time is not counted; their cache pressure is: repeated runs differ by up to ~15%):
+# bf16, int4, int8, fp8: `benchmarks/bench_dequant_cost.py` at commit 08c0158, load average
+# 16-19. The ggml block types whose row kernels changed since (Q5_0 / Q5_1 / IQ4_NL / IQ4_XS
+# 16 blocks per step, block heads by loads + permutes (1f50a7f), MXFP4 on those rows (3858ce0),
+# the K-quant rows' streaming and batch-invariant tiles (8f88f8e, 42baf5e)): the median of 3
+# runs of `benchmarks/bench_dequant_cost.py` (the third and fourth with `--formats Q4_K,Q5_K,
+# Q6_K,Q5_0,Q5_1,IQ4_NL,IQ4_XS,MXFP4`) at 6ba5633, 2026-12-05 18:35-18:52 UTC, load average
+# 3-7 (the values before: docs/benchmarks.md, 'Kernel cost per weight', and git history).
 # format -> (ns per weight at M = 1, at M = 8)
 DEQUANT_NS_PER_WEIGHT: dict[str, tuple[float, float]] = {
     "bf16": (0.0482, 0.0766),
     "int4-g32-sym": (0.0156, 0.0444),
     "int4-g32-asym": (0.0173, 0.0435),
     "int8-g32": (0.0183, 0.0429),
-    "Q4_K": (0.0228, 0.0712),
-    "Q5_K": (0.0254, 0.0786),
-    "Q6_K": (0.0181, 0.0653),
-    "Q5_0": (0.0303, 0.0906),  # 16 blocks per step (0.0324, 0.1506 before, same runs)
-    "Q5_1": (0.0311, 0.0853),  # (0.0340, 0.1573 before)
-    "IQ4_NL": (0.0267, 0.0747),  # (0.0372, 0.1693 with the two-block step before)
-    "IQ4_XS": (0.0265, 0.0918),  # VPDPBUSD per sub-block pair (0.0287, 0.1047 before)
+    "Q4_K": (0.0202, 0.0698),  # (0.0228, 0.0712 before)
+    "Q5_K": (0.0234, 0.0811),  # (0.0254, 0.0786)
+    "Q6_K": (0.0169, 0.0655),  # (0.0181, 0.0653)
+    "Q5_0": (0.0233, 0.0782),  # (0.0303, 0.0906)
+    "Q5_1": (0.0269, 0.0797),  # (0.0311, 0.0853)
+    "IQ4_NL": (0.0181, 0.0765),  # (0.0267, 0.0747)
+    "IQ4_XS": (0.0189, 0.0839),  # (0.0265, 0.0918)
+    "mxfp4": (0.0212, 0.0835),  # the MoE experts' rows (not measured before: 0)
     "fp8-ch": (0.0197, 0.1051),
 }
 

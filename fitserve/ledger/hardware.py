@@ -22,7 +22,7 @@ from fitserve.ledger.formats import GGUF_PACKED
 # 4: the engine rates (one thread's CPU time x threads) beside the bandwidth; 5: + the
 # element-wise cost per token and the cost per sampled sequence; 6: + the one-row linears'
 # weight stream rate
-CPU_CACHE_VERSION = 6
+CPU_CACHE_VERSION = 8
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,12 @@ class Hardware:
     # each K of ``gemv_k`` (fitserve.engine.cpu_rates); empty: not measured
     gemv_k: tuple[int, ...] = ()
     gemv_rates: tuple[tuple[str, tuple[float, ...]], ...] = ()
+    # a CPU: the K (columns) the matmul rates were measured at: each path's rates are then
+    # K-major, len(matmul_k) x len(matmul_rows) (empty: one K); and its decode attention's
+    # fixed cost per (sequence, KV head, layer) beside its FLOPs at attention_flops
+    matmul_k: tuple[int, ...] = ()
+    attention_seq_s: float = 0.0
+    attention_kv_s: float = 0.0  # decode attention per KV head, key and head dimension
 
     def weight_stream_rate(self, fmt: str, k: int) -> float:
         """Weight bytes/s this CPU's one-row linears reach on weights held as ``fmt`` with rows
@@ -74,19 +80,24 @@ class Hardware:
         got = dict(self.gemv_rates).get(path) if path else None
         return _at_rows(self.gemv_k, got, k) if got and self.gemv_k else 0.0
 
-    def peak_flops(self, weights_fmt: str, rows: int | None = None) -> float:
+    def peak_flops(self, weights_fmt: str, rows: int | None = None,
+                   k: int | None = None) -> float:
         """Matmul rate for a weight format: where the engine's rates were measured (a CPU), the
-        rate of the path that format runs on (``cpu_matmul_path``) at ``rows`` rows of x (None:
-        the largest measured), log-linear between the measured row counts and flat past them;
-        else fp8 GEMMs where the device has them, else bf16.
+        rate of the path that format runs on (``cpu_matmul_path``) at ``rows`` rows of x and
+        ``k`` columns of the weight (None: the largest measured), log-linear between the
+        measured row counts and K and flat past them; else fp8 GEMMs where the device has them,
+        else bf16.
 
         NOTE: on a GPU, weight-only int4/int8 (W4A16, W8A16) dequantize to bf16 and run at the
         bf16 peak.
         """
         if self.matmul_rates:
             rates = dict(self.matmul_rates)
-            return _at_rows(self.matmul_rows, rates.get(cpu_matmul_path(weights_fmt),
-                                                        rates["bf16"]), rows)
+            got = rates.get(cpu_matmul_path(weights_fmt), rates["bf16"])
+            n = len(self.matmul_rows)
+            per_k = tuple(_at_rows(self.matmul_rows, got[i * n:(i + 1) * n], rows)
+                          for i in range(max(1, len(self.matmul_k))))
+            return _at_rows(self.matmul_k, per_k, k) if self.matmul_k else per_k[0]
         if weights_fmt.startswith("fp8") and self.fp8_flops:
             return self.fp8_flops
         return self.bf16_flops
@@ -232,7 +243,8 @@ def cpu_hardware(*, refresh: bool = False) -> Hardware:
             pass  # a read-only home only costs a re-measure next time
     rates = tuple((p, tuple(v)) for p, v in sorted(figures.matmul_flops.items()))
     flops = (f"the engine's own matmul ops at M = "
-             f"{'/'.join(str(m) for m in figures.matmul_rows)} rows, each weight format at its "
+             f"{'/'.join(str(m) for m in figures.matmul_rows)} rows"
+             f"{_k_note(tuple(figures.matmul_k))}, each weight format at its "
              f"path's rate, and a tiny model's decode step (overhead per step and per layer; "
              f"fitserve.engine.cpu_rates)" if rates else
              "a 1024^3 float32 numpy matmul (f32 FLOP/s stands in for bf16; no step overhead)")
@@ -249,7 +261,9 @@ def cpu_hardware(*, refresh: bool = False) -> Hardware:
         layer_overhead_s=figures.layer_overhead_s, elementwise_s=figures.elementwise_s,
         seq_overhead_s=figures.seq_overhead_s, logit_s=figures.logit_s,
         gemv_k=tuple(figures.gemv_k),
-        gemv_rates=tuple((p, tuple(v)) for p, v in sorted(figures.gemv_bytes_per_s.items())))
+        gemv_rates=tuple((p, tuple(v)) for p, v in sorted(figures.gemv_bytes_per_s.items())),
+        matmul_k=tuple(figures.matmul_k), attention_seq_s=figures.attention_seq_s,
+        attention_kv_s=figures.attention_kv_s)
 
 
 def measured_cpu(*, mem_bytes_per_s: float, engine: cpu_measure.EngineRates,
@@ -264,7 +278,10 @@ def measured_cpu(*, mem_bytes_per_s: float, engine: cpu_measure.EngineRates,
         link_bytes_per_s=0.0, link_latency_s=0.0,
         source=f"measured in this run: {mem_bytes_per_s / 1e9:.1f} GB/s copy, engine rates "
                f"{', '.join(f'{p} ' + '/'.join(f'{x / 1e9:.0f}' for x in v) for p, v in rates)} "
-               f"GFLOP/s, decode attention {engine.attention_flops / 1e9:.0f} GFLOP/s, "
+               f"GFLOP/s{_k_note(engine.matmul_k)}, decode attention "
+               f"{engine.attention_flops / 1e9:.0f} GFLOP/s + "
+               f"{engine.attention_seq_s * 1e9:.0f} ns per sequence and KV head + "
+               f"{engine.attention_kv_s * 1e12:.2f} ps per KV head, key and dimension, "
                f"overhead {engine.step_overhead_s * 1e3:.3f} ms + "
                f"{engine.layer_overhead_s * 1e6:.1f} us per layer + "
                f"{engine.seq_overhead_s * 1e6:.1f} us per sequence, element-wise "
@@ -276,7 +293,13 @@ def measured_cpu(*, mem_bytes_per_s: float, engine: cpu_measure.EngineRates,
         layer_overhead_s=engine.layer_overhead_s, elementwise_s=engine.elementwise_s,
         seq_overhead_s=engine.seq_overhead_s, logit_s=engine.logit_s,
         gemv_k=tuple(engine.gemv_k),
-        gemv_rates=tuple((p, tuple(v)) for p, v in sorted(engine.gemv_bytes_per_s.items())))
+        gemv_rates=tuple((p, tuple(v)) for p, v in sorted(engine.gemv_bytes_per_s.items())),
+        matmul_k=tuple(engine.matmul_k), attention_seq_s=engine.attention_seq_s,
+        attention_kv_s=engine.attention_kv_s)
+
+
+def _k_note(ks: tuple[int, ...]) -> str:
+    return f" (each at K = {'/'.join(str(k) for k in ks)})" if ks else ""
 
 
 def _read_cached(path: Path) -> cpu_measure.CpuFigures | None:
@@ -286,6 +309,7 @@ def _read_cached(path: Path) -> cpu_measure.CpuFigures | None:
             return None
         data["matmul_rows"] = tuple(data.get("matmul_rows", ()))
         data["gemv_k"] = tuple(data.get("gemv_k", ()))
+        data["matmul_k"] = tuple(data.get("matmul_k", ()))
         return cpu_measure.CpuFigures(**data)
     except (OSError, ValueError, TypeError):
         return None  # missing, old-format or damaged: measured again

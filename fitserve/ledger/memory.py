@@ -471,7 +471,7 @@ def _scratch_note(s: AttentionScratch, block_size: int) -> str:
     return (f"masks + block tables {s.step_tensor_bytes:,} B (the whole step) + max(prefill "
             f"chunk of "
             f"{s.prefill_queries} queries x {s.keys} keys: "
-            f"{'fused C++ rows: output, q, tables + fp32 partials' if s.paged_prefill else 'K/V copies + SDPA'} "
+            f"{'fused C++ tiles: q, output, table + per-thread partials' if s.paged_prefill else 'K/V copies + SDPA'} "
             f"{s.prefill_bytes:,} B, {decode} of {s.decode_batch} sequences "
             f"{s.decode_bytes:,} B); {s.threads} threads, per layer, freed before the MLP")
 

@@ -157,11 +157,11 @@ def paged_decode_bytes(spec: ModelSpec, batch: int, kv_len: int, act_bytes: int)
     return out + batch * spec.num_kv_heads * parts * group * (dpad + 2) * 4
 
 
-# NOTE: the fused kernel runs a prefill chunk as one decode row per query, and a row of L keys
-# spanning several partitions keeps fp32 partials per (row, KV head, partition) in a plain
-# ``new float[]`` (invisible to torch's profiler): for 2,048 queries after 2,048 cached tokens
-# that was 58 MiB per layer, mmapped and page-faulted afresh by every layer. The backend
-# (CpuPagedDecode.prefill) runs the rows in slices whose partials stay under this cap.
+# NOTE: the first fused prefill ran a chunk as one decode row per query, with fp32 partials
+# per (row, KV head, partition) in one buffer (58 MiB a layer for 2,048 queries after 2,048
+# cached tokens), so the backend (CpuPagedDecode.prefill) runs the rows in slices whose
+# per-row partials stay under this cap. The flash-style op (paged_prefill.h) keeps partials
+# per 32-row tile and thread only (``paged_prefill_bytes``); the slices remain.
 PAGED_PREFILL_PARTIALS_BYTES = 8 << 20
 
 
@@ -184,30 +184,69 @@ def paged_prefill_rows(num_heads: int, num_kv_heads: int, head_dim: int, kv_len:
     return max(1, PAGED_PREFILL_PARTIALS_BYTES // per_row) if per_row else 1 << 30
 
 
-def paged_prefill_bytes(spec: ModelSpec, q_len: int, kv_len: int, *, block_size: int,
-                        act_bytes: int) -> tuple[int, int]:
-    """(torch, C++) bytes of one prefill chunk through the fused kernel (``CpuPagedDecode.prefill``),
-    T = ``q_len`` queries whose last reads L = ``kv_len`` keys, rows in slices of
-    R = ``paged_prefill_rows(L)`` (the heaviest slice is the last R rows, L - R + 1 .. L keys)::
+# NOTE: the flash-style prefill op's constants (paged_prefill.h kPrefillRows: query rows per
+# work item; paged_attention_simd.h kTile: keys per online-softmax step)
+PAGED_PREFILL_TILE_ROWS = 32
+PAGED_TILE_KEYS = 64
 
-        torch   T x Hq x D x act          the chunk's output
-                + 2 x R x Hq x D x act    the slice's contiguous q and the kernel's output
-                + R x ceil(L / block) x 4 + R x 4   its int32 block table rows and lengths
-        C++     Hkv x sum_i ceil(L_i / 256) items x (G x (dpad + 2) x 4 + 8)   partials and
-                each item's row index (every item gets partials once any row spans two
-                partitions), + (4 R + 1) x 8 (the per-row vectors of paged_attention.cpp)
-    """
-    heads = (spec.num_heads, spec.num_kv_heads, spec.head_dim)
-    rows = min(q_len, paged_prefill_rows(*heads, kv_len))
-    out = spec.num_heads * spec.head_dim * act_bytes
-    blocks = -(-kv_len // block_size)
-    torch_bytes = q_len * out + rows * (2 * out + blocks * 4 + 4)
-    lens = range(kv_len - rows + 1, kv_len + 1)
-    items = spec.num_kv_heads * sum(-(-n // PAGED_PARTITION) for n in lens)
-    split = paged_partials_bytes_per_row(*heads, kv_len) > 0
-    group = spec.num_heads // max(1, spec.num_kv_heads)
-    dpad = -(-spec.head_dim // PAGED_LANES) * PAGED_LANES
-    cpp = items * ((group * (dpad + 2) * 4 if split else 0) + 8) + (4 * rows + 1) * 8
+
+def _pushed_capacity(n: int) -> int:
+    """Capacity of a std::vector filled by n push_backs from empty (libstdc++ doubles it)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def paged_prefill_thread_bytes(group: int, dpad: int) -> int:
+    """The larger of the prefill op's two per-thread row states (thread_local, kept between
+    calls): ``PrefillRow`` x kPrefillRows (q, acc: G x dpad fp32; m, l: G fp32; qb: G x (dpad
+    + 32) bf16) where its rows run one tile call each, or the blocked bf16 item's ``DotRows``
+    (paged_prefill_dot.h) over rh = kPrefillRows x G row-heads: acc rh x dpad, m, l rh,
+    s rh x kTile fp32, q pairs rh x (dpad + 32) / 2 and the K tile (dpad + 32) / 2 x kTile
+    uint32, and its row-head lists (int64 + int, pushed: rh of full rows, G of own)."""
+    rows, tile = PAGED_PREFILL_TILE_ROWS, PAGED_TILE_KEYS
+    per_row = 2 * group * dpad * 4 + 2 * group * 4 + group * (dpad + 2 * PAGED_LANES) * 2
+    rh, qstride = rows * group, (dpad + 2 * PAGED_LANES) // 2
+    dot = (rh * dpad * 4 + 2 * rh * 4 + rh * tile * 4 + rh * qstride * 4 + qstride * tile * 4
+           + _pushed_capacity(rh) * 12 + _pushed_capacity(group) * 12)
+    return max(rows * per_row, dot)
+
+
+def paged_prefill_bytes(spec: ModelSpec, q_len: int, kv_len: int, *, block_size: int,
+                        act_bytes: int, threads: int = 1) -> tuple[int, int]:
+    """(torch, C++) bytes of one prefill chunk through the flash-style op
+    (``CpuPagedDecode.prefill`` -> paged_prefill.h), T = ``q_len`` queries whose last reads
+    L = ``kv_len`` keys (cached S = L - T), the backend's slices of R = min(T,
+    ``paged_prefill_rows(L)``) rows, on ``threads`` threads::
+
+        torch   2 x R x Hq x D x act      the slice's contiguous q (q is a view of qkv) and
+                                          the op's output
+                + T x Hq x D x act        the chunk's output where it runs in slices (R < T)
+                + ceil(L / block) x 4     the block ids as int32
+        C++     per call of R rows: first_part / num_parts 2 x R x 8, the work items
+                (ceil(R / 32) x Hkv, pushed) x 16, each thread's acc dpad x 4
+                per thread (thread_local): the partials of its largest item, rows of the tile
+                x the partitions of its last row x G x (dpad + 2) x 4 (every tile of every
+                slice: the 32-row tiles start at each slice's first row), and the row states
+                (``paged_prefill_thread_bytes``)
+
+    NOTE: the decode kernel's own thread Scratch (shared with decode, kTile x dpad rows) is
+    not counted here; the partials are per tile, no longer per row of the chunk."""
+    hq, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    rows = min(q_len, paged_prefill_rows(hq, hkv, d, kv_len))
+    out = hq * d * act_bytes
+    torch_bytes = 2 * rows * out + (q_len * out if rows < q_len else 0) + (
+        -(-kv_len // block_size) * 4)
+    group = hq // max(1, hkv)
+    dpad = -(-d // PAGED_LANES) * PAGED_LANES
+    cached, tile = kv_len - q_len, PAGED_PREFILL_TILE_ROWS
+    partial = 0
+    for lo in range(0, q_len, rows):  # the backend's slices, each tiled from its first row
+        n = min(rows, q_len - lo)
+        for r0 in range(0, n, tile):
+            r1 = min(n, r0 + tile)
+            parts = -(-(cached + lo + r1) // PAGED_PARTITION)  # of the tile's last row
+            partial = max(partial, (r1 - r0) * parts * group * (dpad + 2) * 4)
+    per_call = 2 * rows * 8 + _pushed_capacity(-(-rows // tile) * hkv) * 16
+    cpp = per_call + threads * (dpad * 4 + partial + paged_prefill_thread_bytes(group, dpad))
     return torch_bytes, cpp
 
 
@@ -291,7 +330,7 @@ def cpu_attention_scratch(spec: ModelSpec, *, max_num_batched_tokens: int, max_m
         # the C++ kernel runs prefill chunks too, one decode row per query (not over a
         # quantized cache: those chunks read a dequantized copy through SDPA)
         prefill = sum(paged_prefill_bytes(spec, t, keys, block_size=block_size,
-                                          act_bytes=act_bytes))
+                                          act_bytes=act_bytes, threads=threads))
     else:
         prefill = prefill_chunk_bytes(spec, t, keys, block_size=block_size, act_bytes=act_bytes,
                                       kv_bytes=kv_bytes, threads=threads, masked=True)

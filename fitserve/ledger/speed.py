@@ -6,7 +6,9 @@
     t_overhead = a CPU's fixed cost per step + per layer x layers (Hardware.step_overhead;
                  measured on a tiny model, 0 on a GPU's roofline)
     t_attention = a CPU's decode attention FLOPs / its measured rate (Hardware.attention_flops,
-                 KV reads included; then t_memory is the weights alone), 0 on a GPU's roofline
+                 KV reads included; then t_memory is the weights alone) + its KV heads' rows
+                 and its fixed cost per (sequence, KV head, layer) (decode_attention_seconds),
+                 0 on a GPU's roofline
     t_tokens  = a CPU's element-wise work, new tokens x layers x elementwise_elements x its
                  measured cost per element (norms, rotary, KV writes, SwiGLU), + per sampled
                  sequence its measured cost + vocab x the argmax per logit; 0 on a GPU
@@ -14,7 +16,8 @@
                 + t_tokens
 
 On a measured CPU the peak FLOP/s is the rate the engine's own op for the weight format reaches
-at the step's row count (Hardware.peak_flops), not a spec-sheet peak, and a decode step's
+at the step's row count and the model's hidden size as K (Hardware.peak_flops), not a
+spec-sheet peak, and a decode step's
 attention FLOPs run at its paged decode attention's measured rate (Hardware.attention_flops). Collectives and the
 overhead are not overlapped: the CPU runs the Python and the kernels one after another.
 
@@ -31,7 +34,7 @@ from dataclasses import dataclass
 from fitserve.config import ModelSpec
 from fitserve.ledger.dequant import dequant_seconds
 from fitserve.ledger.errors import PlanError
-from fitserve.ledger.flops import flops_per_token, prefill_flops
+from fitserve.ledger.flops import attention_flops_per_position, flops_per_token, prefill_flops
 from fitserve.ledger.hardware import Hardware
 from fitserve.ledger.kv import request_kv
 from fitserve.ledger.moe import expected_experts_touched, moe_step_weight_read
@@ -123,6 +126,39 @@ def token_seconds(spec: ModelSpec, hw: Hardware, *, new_tokens: int, sampled: in
     return ew + sampled * (hw.seq_overhead_s + spec.vocab_size * hw.logit_s)
 
 
+def attention_fixed_seconds(spec: ModelSpec, hw: Hardware, seqs: int, tp: int = 1) -> float:
+    """A CPU's decode attention cost besides its FLOPs: ``seqs`` x layers x KV heads per rank
+    x Hardware.attention_seq_s (each (sequence, KV head) is a work item of the paged kernel:
+    its setup, block table walk and merge; 0 where not measured)."""
+    return seqs * spec.num_layers * max(1, spec.num_kv_heads // tp) * hw.attention_seq_s
+
+
+def decode_attention_seconds(spec: ModelSpec, hw: Hardware, attn: float, seqs: int,
+                             tp: int = 1) -> float:
+    """A CPU's decode attention of ``seqs`` sequences whose attention FLOPs on one of ``tp``
+    ranks are ``attn``: the query heads' FLOPs at Hardware.attention_flops + the KV heads' rows
+    (layer-keys x KV heads per rank x head_dim) x Hardware.attention_kv_s + the fixed cost
+    per (sequence, KV head, layer) (``attention_fixed_seconds``); 0 without FLOPs or rate."""
+    if not attn or not hw.attention_flops:
+        return 0.0
+    layer_keys = attn * tp / attention_flops_per_position(spec)
+    kv = layer_keys * max(1, spec.num_kv_heads // tp) * spec.head_dim * hw.attention_kv_s
+    return attn / hw.attention_flops + kv + attention_fixed_seconds(spec, hw, seqs, tp)
+
+
+def prefill_attention_seconds(hw: Hardware, attn: float) -> float:
+    """A CPU's prompt-chunk attention of ``attn`` FLOPs: at the decode attention's query-head
+    rate (Hardware.attention_flops; 0 where not measured: then those FLOPs run at the matmul
+    rate, as on a GPU's roofline).
+
+    NOTE: the flash-style prefill op runs the decode kernel's own tile function for every row
+    (bitwise the decode row), so a query head's keys cost what a decode's do; each K / V tile
+    is loaded once for 32 rows, so the KV heads' rows (attention_kv_s) and the per-item cost
+    are left out. Measured on SmolLM2 (16 prompts of 128, one thread): the op took ~70 ms of
+    a 1.3 s step, 9.1 GFLOP at ~150 GFLOP/s, where the int8 matmul rate had said 22 ms."""
+    return attn / hw.attention_flops if attn and hw.attention_flops else 0.0
+
+
 def weight_bytes_read(spec: ModelSpec, wb: WeightBytes, batch: int) -> float:
     """Weight bytes a step of ``batch`` tokens reads on one rank (``moe_step_weight_read``)."""
     return moe_step_weight_read(spec, wb, batch)
@@ -161,9 +197,9 @@ def decode_step(spec: ModelSpec, hw: Hardware, wb: WeightBytes, *, batch: int, c
     # caches past the LLC), attention is its own phase after the linears: its FLOPs at that
     # rate are added, and the memory floor is the weights alone
     attn = batch * tf.attention / tp if hw.attention_flops else 0.0
-    t_attention = attn / hw.attention_flops if attn else 0.0
+    t_attention = decode_attention_seconds(spec, hw, attn, batch, tp)
     t_memory = (w + (0.0 if attn else kv)) / hw.mem_bytes_per_s
-    t_compute = (flops - attn) / hw.peak_flops(weights_fmt, batch)
+    t_compute = (flops - attn) / hw.peak_flops(weights_fmt, batch, spec.hidden_size)
     comm = tp_allreduce(spec, hw, tp=tp, tokens=batch, act_dtype_bytes=act_dtype_bytes)
     dq = weight_kernel_seconds(spec, hw, wb, w, rows=batch)
     return StepTime(batch, context, w, kv, flops, t_memory, t_compute, comm.seconds_per_step,
@@ -196,11 +232,15 @@ def prefill_time(spec: ModelSpec, hw: Hardware, wb: WeightBytes, *, prompt_len: 
     tp = wb.tp
     kv = request_kv(spec, prompt_len, kv_dtype, tp=tp).bytes_reclaimed
     w = weight_bytes_read(spec, wb, prompt_len)
-    flops = prefill_flops(spec, prompt_len).total / tp
+    pf = prefill_flops(spec, prompt_len)
+    flops = pf.total / tp
+    attn = pf.attention / tp if hw.attention_flops else 0.0  # at its own rate where measured
     comm = tp_allreduce(spec, hw, tp=tp, tokens=prompt_len, act_dtype_bytes=act_dtype_bytes)
     return StepTime(1, prompt_len, w, kv, flops, (w + kv) / hw.mem_bytes_per_s,
-                    flops / hw.peak_flops(weights_fmt, prompt_len), comm.seconds_per_step,
+                    (flops - attn) / hw.peak_flops(weights_fmt, prompt_len, spec.hidden_size),
+                    comm.seconds_per_step,
                     t_overhead=hw.step_overhead(spec.num_layers),
+                    t_attention=prefill_attention_seconds(hw, attn),
                     t_tokens=token_seconds(spec, hw, new_tokens=prompt_len, sampled=1, tp=tp))
 
 
@@ -307,9 +347,13 @@ def scheduled_step(spec: ModelSpec, hw: Hardware, wb: WeightBytes, step: Schedul
         flops += tf.total / tp
         attn += tf.attention / tp if hw.attention_flops else 0.0
         kv += 0.0 if hw.attention_flops else request_kv(spec, c, kv_dtype, tp=tp).bytes_reclaimed
+    chunk_attn = 0.0
     for start, count in step.chunks:
-        before = prefill_flops(spec, start, logit_positions=0).total if start else 0.0
-        flops += (prefill_flops(spec, start + count, logit_positions=0).total - before) / tp
+        before = prefill_flops(spec, start, logit_positions=0) if start else None
+        after = prefill_flops(spec, start + count, logit_positions=0)
+        flops += (after.total - (before.total if before else 0)) / tp
+        if hw.attention_flops:
+            chunk_attn += (after.attention - (before.attention if before else 0)) / tp
         kv += request_kv(spec, count, kv_dtype, tp=tp).bytes_reclaimed
     # the lm_head of each prompt that ends this step (its first token sampled)
     ended = step.sampled - len(step.decode_contexts)
@@ -318,9 +362,10 @@ def scheduled_step(spec: ModelSpec, hw: Hardware, wb: WeightBytes, step: Schedul
     dq = weight_kernel_seconds(spec, hw, wb, w, rows=n)
     return StepTime(step.seqs, max((*step.decode_contexts, *(s + c for s, c in step.chunks))),
                     w, kv, flops, (w + kv) / hw.mem_bytes_per_s,
-                    (flops - attn) / hw.peak_flops(weights_fmt, n), comm.seconds_per_step, dq,
-                    hw.step_overhead(spec.num_layers),
-                    attn / hw.attention_flops if attn else 0.0,
+                    (flops - attn - chunk_attn) / hw.peak_flops(weights_fmt, n, spec.hidden_size),
+                    comm.seconds_per_step, dq, hw.step_overhead(spec.num_layers),
+                    decode_attention_seconds(spec, hw, attn, len(step.decode_contexts), tp)
+                    + prefill_attention_seconds(hw, chunk_attn),
                     token_seconds(spec, hw, new_tokens=n, sampled=step.sampled, tp=tp))
 
 

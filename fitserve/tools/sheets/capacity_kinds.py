@@ -99,5 +99,6 @@ def cpu_replica_hardware(hw: Hardware, threads: int) -> Hardware:
         hw, name=f"cpu:{threads}", memory_bytes=int(hw.memory_bytes * f),
         mem_bytes_per_s=hw.mem_bytes_per_s * f, bf16_flops=hw.bf16_flops * f,
         matmul_rates=tuple((p, tuple(x * f for x in v)) for p, v in hw.matmul_rates),
-        attention_flops=hw.attention_flops * f, cores=threads,
+        attention_flops=hw.attention_flops * f, attention_seq_s=hw.attention_seq_s / f,
+        attention_kv_s=hw.attention_kv_s / f, cores=threads,
         source=f"{threads} of the {hw.cores} threads of {hw.source}")

@@ -97,21 +97,32 @@ def test_paged_prefill_chunk() -> None:
     assert paged_partials_bytes_per_row(9, 3, 64, 1000) == 9_504
     assert paged_prefill_rows(9, 3, 64, 1000) == 882
     assert paged_partials_bytes_per_row(9, 3, 64, 256) == 0  # one partition: none
-    # 512 queries after 488 cached (489..1000 keys), fp32, block 16 (63 blocks):
-    #   torch  output 512 x 9 x 64 x 4 = 1,179,648 + 512 x (q copy and kernel output
-    #          2 x 2304 + table 63 x 4 + length 4) = 2,490,368 -> 3,670,016
-    #   C++    ceil(n / 256) over 489..1000: 24 rows of 2, 256 of 3, 232 of 4 = 1,744; x 3
-    #          heads = 5,232 items x (3 x 66 x 4 + 8) = 4,185,600, + (4 x 512 + 1) x 8 = 16,392
+    # 512 queries after 488 cached (489..1000 keys), fp32, block 16 (63 blocks), 1 thread,
+    # one call (R = 512):
+    #   torch  q copy + op output 2 x 512 x 9 x 64 x 4 = 2,359,296 + int32 ids 63 x 4 = 252
+    #   C++    per call: first_part / num_parts 2 x 512 x 8 = 8,192, 16 tiles x 3 heads = 48
+    #          items (capacity 64) x 16 = 1,024, acc 64 x 4 = 256
+    #          per thread: partials of a 32-row tile whose last row reads 1000 keys (4
+    #          partitions): 32 x 4 x 3 x 66 x 4 = 101,376; row states, the larger of
+    #          PrefillRow 32 x (2 x 3 x 64 x 4 + 2 x 3 x 4 + 3 x 96 x 2) = 68,352 and DotRows
+    #          (rh 96, q pairs of 48): 24,576 + 768 + 24,576 + 18,432 + 12,288 + 128 x 12
+    #          + 4 x 12 = 82,224
+    assert scratch.paged_prefill_thread_bytes(3, 64) == 82_224
     torch_b, cpp = paged_prefill_bytes(SMOL, 512, 1000, block_size=16, act_bytes=4)
-    assert (torch_b, cpp) == (1_179_648 + 2_490_368, 4_185_600 + 16_392)
+    assert (torch_b, cpp) == (2_359_296 + 252, 8_192 + 1_024 + 256 + 101_376 + 82_224)
     s = cpu_attention_scratch(SMOL, max_num_batched_tokens=512, max_model_len=1000,
-                              max_num_seqs=16, block_size=16, act_bytes=4, kv_bytes=4, threads=1)
-    assert s.paged_prefill and s.prefill_bytes == torch_b + cpp
-    # 8192 keys: 32 partitions, 76,032 B a row, 110 rows a call; the last 110 rows have 32
-    # partitions each: 3 x 3,520 items x 800 + 441 x 8 (bf16, 512 blocks of 16)
+                              max_num_seqs=16, block_size=16, act_bytes=4, kv_bytes=4, threads=2)
+    two = paged_prefill_bytes(SMOL, 512, 1000, block_size=16, act_bytes=4, threads=2)
+    assert two == (torch_b, cpp + 256 + 101_376 + 82_224)  # each thread's own
+    assert s.paged_prefill and s.prefill_bytes == sum(two)
+    # 2048 queries after 6144 cached (8192 keys): 32 partitions, 76,032 B a row of the old
+    # decode-row partials, so the backend's slices of 110 rows (19: 18 x 110 + 68); bf16, 512
+    # blocks. torch: the chunk's output 2048 x 1152 + 2 x 110 x 1152 + 512 x 4. The largest
+    # item: a 32-row tile of slice 18 (rows 1980..2011, last reads 8156 keys: 32 partitions)
+    # 32 x 32 x 198 x 4 = 811,008; per call 2 x 110 x 8 + (4 tiles x 3 = 12 -> 16) x 16
     assert paged_prefill_rows(9, 3, 64, 8192) == 110
     assert paged_prefill_bytes(SMOL, 2048, 8192, block_size=16, act_bytes=2) == (
-        2048 * 1152 + 110 * (2 * 1152 + 512 * 4 + 4), 10_560 * 800 + 441 * 8)
+        2048 * 1152 + 2 * 110 * 1152 + 512 * 4, 1_760 + 256 + 256 + 811_008 + 82_224)
 
 
 def test_budget_above_context_and_short_decode() -> None:

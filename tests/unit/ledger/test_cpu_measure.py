@@ -10,7 +10,7 @@ import pytest
 
 from fitserve.ledger import cpu_measure
 from fitserve.ledger.cpu_measure import CpuFigures, cached_is_usable, good_median
-from fitserve.ledger.hardware import cpu_hardware
+from fitserve.ledger.hardware import cpu_hardware, measured_cpu
 
 DAY = 24 * 3600.0
 
@@ -90,6 +90,27 @@ def test_engine_rates_parse_and_reject() -> None:
                      (ENGINE_JSON.replace("0.0001", "-0.0001"), "negative"),
                      ("not json", "not the engine-rates JSON")]:
         with pytest.raises(ValueError, match=why):
+            cpu_measure.EngineRates.from_json(bad)
+
+
+def test_engine_rates_carry_each_k_and_the_attention_items() -> None:
+    at_k = ENGINE_JSON.replace('"matmul_flops"', '"matmul_k": [576, 2048], "matmul_flops"').replace(
+        "[4e11, 8e11]", "[3e11, 7e11, 4e11, 8e11]").replace(
+        "[6e11, 9e11]", "[5e11, 8e11, 6e11, 9e11]").replace(
+        '"threads": 2}', '"threads": 2, "attention_seq_s": 6e-07, "attention_kv_s": 2e-12}')
+    e = cpu_measure.EngineRates.from_json(at_k)
+    assert e.matmul_k == (576, 2048) and e.matmul_flops["int8act"] == [5e11, 8e11, 6e11, 9e11]
+    assert (e.attention_seq_s, e.attention_kv_s) == (6e-7, 2e-12)
+    hw = measured_cpu(mem_bytes_per_s=5e10, engine=e, threads=2)
+    assert (hw.matmul_k, hw.attention_seq_s, hw.attention_kv_s) == ((576, 2048), 6e-7, 2e-12)
+    assert hw.peak_flops("int4-g32-asym", 32, 576) == 5e11
+    assert hw.peak_flops("int4-g32-asym", 512, 2048) == 9e11
+    assert "(each at K = 576/2048)" in hw.source and "600 ns per sequence" in hw.source
+    old = cpu_measure.EngineRates.from_json(ENGINE_JSON)  # one K, no items: as before
+    assert old.matmul_k == () and old.attention_seq_s == old.attention_kv_s == 0.0
+    for bad in (at_k.replace("[3e11, 7e11, 4e11, 8e11]", "[3e11, 7e11]"),
+                at_k.replace("6e-07", "-6e-07"), at_k.replace("2e-12", "-2e-12")):
+        with pytest.raises(ValueError, match="mismatched or negative"):
             cpu_measure.EngineRates.from_json(bad)
 
 

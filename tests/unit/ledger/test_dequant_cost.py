@@ -20,12 +20,16 @@ CPU = Hardware("cpu", 1 << 34, 20e9, 200e9, None, None, "none", 0.0, 0.0, "test"
 
 def test_ns_per_weight_by_rows_and_name() -> None:
     ns1, ns8 = DEQUANT_NS_PER_WEIGHT["Q4_K"]
-    assert format_ns_per_weight("Q4_K", 1) == ns1 and format_ns_per_weight("Q4_K", 8) == ns8
+    assert format_ns_per_weight("Q4_K", 1) == ns1
+    assert format_ns_per_weight("Q4_K", 8) == pytest.approx(ns8, rel=1e-12)
     assert format_ns_per_weight("Q4_K", 4) == pytest.approx(ns1 + 3 * (ns8 - ns1) / 7)
     # the GGUF types the engine holds packed read their packed format's figures
     assert format_ns_per_weight("Q8_0", 1) == DEQUANT_NS_PER_WEIGHT["int8-g32"][0]
     assert format_ns_per_weight("Q4_0", 1) == DEQUANT_NS_PER_WEIGHT["int4-g32-sym"][0]
     assert format_ns_per_weight("f32", 1) == 0.0  # no measured CPU kernel
+    # gpt-oss's MXFP4 experts (GGUF type name or the ledger's) read their rows' cost
+    assert format_ns_per_weight("MXFP4", 1) == format_ns_per_weight("mxfp4", 1) == (
+        DEQUANT_NS_PER_WEIGHT["mxfp4"][0]) > 0
     with pytest.raises(ValueError, match="at least 1 row"):
         format_ns_per_weight("Q4_K", 0)
 

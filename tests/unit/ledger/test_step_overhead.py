@@ -5,14 +5,21 @@ path and row count, its decode attention rate, and the fixed cost per step and p
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
 from fitserve.ledger.errors import PlanError
-from fitserve.ledger.flops import flops_per_token
+from fitserve.ledger.flops import flops_per_token, prefill_flops
 from fitserve.ledger.hardware import Hardware, cpu_matmul_path
 from fitserve.ledger.kv import request_kv
-from fitserve.ledger.speed import decode_step, prefill_time, workload_speed
+from fitserve.ledger.speed import (
+    attention_fixed_seconds,
+    decode_attention_seconds,
+    decode_step,
+    prefill_time,
+    workload_speed,
+)
 from fitserve.ledger.step_time import roofline_step_model
 from fitserve.ledger.weights import model_weight_bytes
 from fitserve.tools.planner.model_source import catalog_entry
@@ -45,6 +52,55 @@ def test_rate_by_rows_log_linear_between_the_measured_counts() -> None:
     # without measured engine rates: the catalog rule (bf16 peak)
     assert BASE.peak_flops("int4-g32-asym", 128) == 100e9
     assert CPU.step_overhead(30) == pytest.approx(1e-4 + 30 * 2e-5, rel=1e-12)
+
+
+def test_rate_by_rows_and_k_log_linear_between_the_measured_ones() -> None:
+    """Rates measured at two K (K-major: each K's rates at every row count) are read at the
+    step's rows, then at the model's K, each log-linear between its measured points."""
+    hw = dataclasses.replace(CPU, matmul_k=(576, 2048),
+                             matmul_rates=(("bf16", (100e9, 200e9, 300e9, 500e9)),
+                                           ("int8act", (300e9, 600e9, 400e9, 800e9))))
+    assert hw.peak_flops("int4-g32-asym", 32, 576) == 300e9
+    assert hw.peak_flops("int4-g32-asym", 512, 2048) == 800e9
+    assert hw.peak_flops("int4-g32-asym", 128, 576) == pytest.approx(450e9, rel=1e-12)
+    assert hw.peak_flops("int4-g32-asym", 128, 2048) == pytest.approx(600e9, rel=1e-12)
+    assert hw.peak_flops("int4-g32-asym", 128, 4096) == pytest.approx(600e9, rel=1e-12)
+    assert hw.peak_flops("int4-g32-asym", 128) == pytest.approx(600e9, rel=1e-12)  # largest K
+    # K = 1024: log(1024 / 576) / log(2048 / 576) of the way from 450 to 600 (at 128 rows)
+    f = math.log(1024 / 576) / math.log(2048 / 576)
+    assert hw.peak_flops("int4-g32-asym", 128, 1024) == pytest.approx(450e9 + f * 150e9,
+                                                                      rel=1e-12)
+    assert hw.peak_flops("bf16", 2048, 576) == 200e9
+    # a decode step reads the rate at the model's hidden size (SmolLM2: 576)
+    wb = model_weight_bytes(SMOL, "int4-g32-asym")
+    st = decode_step(SMOL, hw, wb, batch=32, context=200, kv_dtype="bf16",
+                     weights_fmt="int4-g32-asym")
+    assert st.t_compute == pytest.approx(32 * flops_per_token(SMOL, 200).matmul / 300e9,
+                                         rel=1e-12)
+
+
+def test_decode_attention_pays_its_fixed_cost_per_sequence_and_kv_head() -> None:
+    hw = dataclasses.replace(CPU, attention_seq_s=5e-7)
+    wb = model_weight_bytes(SMOL, "int4-g32-asym")
+    tf = flops_per_token(SMOL, 200)
+    st = decode_step(SMOL, hw, wb, batch=32, context=200, kv_dtype="bf16",
+                     weights_fmt="int4-g32-asym")
+    # 32 sequences x 30 layers x 3 KV heads x 0.5 us beside the FLOPs at 40 GFLOP/s
+    assert attention_fixed_seconds(SMOL, hw, 32) == pytest.approx(32 * 30 * 3 * 5e-7, rel=1e-12)
+    assert st.t_attention == pytest.approx(32 * tf.attention / 40e9 + 32 * 30 * 3 * 5e-7,
+                                           rel=1e-12)
+    assert attention_fixed_seconds(SMOL, hw, 32, tp=3) == pytest.approx(32 * 30 * 5e-7,
+                                                                        rel=1e-12)
+    # + each KV head's rows: 32 sequences x 30 layers x 200 keys x 3 KV heads x 64 dims x 2 ps
+    # (the query heads' part stays at the FLOP rate)
+    kv = dataclasses.replace(hw, attention_kv_s=2e-12)
+    st = decode_step(SMOL, kv, wb, batch=32, context=200, kv_dtype="bf16",
+                     weights_fmt="int4-g32-asym")
+    assert st.t_attention == pytest.approx(32 * tf.attention / 40e9 + 32 * 30 * 3 * 5e-7
+                                           + 32 * 30 * 200 * 3 * 64 * 2e-12, rel=1e-12)
+    assert decode_attention_seconds(SMOL, kv, 32 * tf.attention / 3, 32, tp=3) == pytest.approx(
+        32 * tf.attention / 3 / 40e9 + 32 * 30 * 5e-7 + 32 * 30 * 200 * 64 * 2e-12, rel=1e-12)
+    assert decode_attention_seconds(SMOL, kv, 0.0, 32) == 0.0  # no decodes: no attention
 
 
 def test_decode_step_adds_attention_and_overhead_to_the_larger_floor() -> None:
@@ -97,6 +153,11 @@ def test_workload_is_its_steps_added_up() -> None:
                        kv_dtype="bf16", weights_fmt="bf16", max_num_batched_tokens=2048)
     pf = prefill_time(SMOL, CPU, wb, prompt_len=p, kv_dtype="bf16", weights_fmt="bf16")
     assert [s.seconds for s in w.prefill_steps] == [pytest.approx(pf.seconds, rel=1e-12)]
+    # the prompt's attention at the measured attention rate, the rest at the matmul rate
+    att = prefill_flops(SMOL, p).attention
+    assert pf.t_attention == pytest.approx(att / 40e9, rel=1e-12)
+    assert pf.t_compute == pytest.approx((prefill_flops(SMOL, p).total - att)
+                                         / CPU.peak_flops("bf16", p), rel=1e-12)
     steps = [decode_step(SMOL, CPU, wb, batch=1, context=p + i, kv_dtype="bf16",
                          weights_fmt="bf16").seconds for i in range(1, o)]
     assert len(w.decode_steps) == o - 1

@@ -72,9 +72,13 @@ def test_a_mixed_step_by_hand() -> None:
     # the chunks' body FLOPs (no lm_head), + the lm_head of r1's prompt, which ends here
     body = [prefill_flops(SMOL, n, logit_positions=0).total for n in (2, 3, 4)]
     flops = tf.total + body[2] - body[0] + body[1] + 2 * 49152 * 576
+    # the chunks' attention runs at the decode attention's rate (the prefill op's rows are
+    # its rows), not at the matmul rate
+    att = [prefill_flops(SMOL, n, logit_positions=0).attention for n in (2, 3, 4)]
+    chunk_attn = att[2] - att[0] + att[1]
     kv = request_kv(SMOL, 2, "bf16").bytes_reclaimed + request_kv(SMOL, 3, "bf16").bytes_reclaimed
-    want = (max((wb.total + kv) / 20e9, (flops - tf.attention) / 200e9)  # 6 rows: flat
-            + tf.attention / 40e9 + 1e-4 + 30 * 2e-5
+    want = (max((wb.total + kv) / 20e9, (flops - tf.attention - chunk_attn) / 200e9)  # 6 rows
+            + (tf.attention + chunk_attn) / 40e9 + 1e-4 + 30 * 2e-5
             + 6 * 30 * 6720 * 4e-10 + 2 * (3e-5 + 49152 * 1e-10))
     assert got.seconds == pytest.approx(want, rel=1e-12)
     assert (got.batch, got.context, got.flops) == (3, 5, pytest.approx(flops, rel=1e-12))
@@ -82,6 +86,18 @@ def test_a_mixed_step_by_hand() -> None:
                        kv_dtype="bf16", weights_fmt="bf16", max_num_batched_tokens=6)
     assert len(w.prefill_steps) == 3 and len(w.decode_steps) == 2
     assert w.prefill_steps[1].seconds == pytest.approx(want, rel=1e-12)
+
+
+def test_a_mixed_step_pays_attention_items_of_its_decodes_only() -> None:
+    """The fixed cost per (sequence, KV head, layer) of the decode attention is paid by the
+    step's decoding sequences, not by its prompt chunks (they run the prefill op)."""
+    wb = model_weight_bytes(SMOL, "bf16")
+    step = ScheduledStep((5, 9), ((2, 2),), 2)
+    with_items = dataclasses.replace(CPU, attention_seq_s=7e-7)
+    a, b = (scheduled_step(SMOL, hw, wb, step, kv_dtype="bf16", weights_fmt="bf16")
+            for hw in (with_items, CPU))
+    assert a.t_attention - b.t_attention == pytest.approx(2 * 30 * 3 * 7e-7, rel=1e-9)
+    assert a.seconds - b.seconds == pytest.approx(2 * 30 * 3 * 7e-7, rel=1e-9)
 
 
 def test_probe_counts_the_elements_the_ledger_scales_by() -> None:

@@ -19,6 +19,7 @@ from fitserve.ledger.memory import (
     engine_load_transient_bytes,
     engine_memory_plan,
 )
+from fitserve.ledger.scratch import paged_prefill_bytes
 from fitserve.ledger.speed import decode_step_roofline
 from fitserve.ledger.units import parse_bytes
 from fitserve.tools.planner.cli import _add_arguments, main
@@ -53,23 +54,25 @@ def test_cpu_plan_by_hand() -> None:
     # activations: 2048 tokens x (2 B x mlp 3 x 576 + 3 x 1536 = 6336, + 24 B of indices)
     act, logits = 2048 * 2 * 6336 + 2048 * 24, 64 * 49152 * 4
     assert (by["activation peak"], by["logits"]) == (26_001_408, logits) and act == 26_001_408
-    # the prefill chunk through the fused kernel (scratch.paged_prefill_bytes): a row of 8192
-    # keys has 32 partitions x 3 KV heads x 3 x (64 + 2) x 4 B = 76,032 B of partials, so
-    # 8 MiB // 76,032 = 110 rows a call; torch: the output 2048 x 9 x 64 x 2 + 110 x (q copy
-    # and kernel output 2 x 1152 + table 512 x 4 + length 4) = 2,838,456; C++: the last 110
-    # rows (8083..8192 keys) have 32 partitions each: 3 x 3520 items x (792 + 8) + 441 x 8
-    # = 8,451,528; the fused decode of 64 x 8192 keys (73,728 + 64 x 76,032) is smaller
-    assert by["attention scratch"] == 16_777_216 + 262_144 + 2_838_456 + 8_451_528
+    # the prefill chunk through the flash-style op (scratch.paged_prefill_bytes), 2048 queries
+    # at 8192 keys in the backend's slices of 110 rows: torch 2048 x 1152 + 2 x 110 x 1152 +
+    # 512 x 4 = 2,614,784; C++ 1,760 + 16 x 16 + 2 threads x (256 + 811,008 + 82,224) =
+    # 1,788,992: 4,403,776, below the fused decode of 64 x 8192 keys (73,728 + 64 x 76,032 =
+    # 4,939,776), which is then the worst attention call
+    prefill = sum(paged_prefill_bytes(SMOL, 2048, 8192, block_size=16, act_bytes=2,
+                                      threads=2))
+    assert prefill == 2_614_784 + 1_788_992 < 4_939_776
+    assert by["attention scratch"] == 16_777_216 + 262_144 + 4_939_776
     # the sampler's copy of the logits (64 rows) + two buffers of a 21-row chunk + 3 rows'
     # nuclei sorted in full, 6 rows each (fitserve.ledger.sampler_memory)
     assert by["sampler"] == (64 + 2 * 21 + 6 * 3) * 49152 * 4 == 24_379_392
-    # phases: attention 2048 x (2 x 3264 + 24) + 11,289,984 = 24,708,480, mlp 26,001,408,
+    # phases: attention 2048 x (2 x 3264 + 24) + 4,939,776 = 18,358,272, mlp 26,001,408,
     # sampling 2048 x 576 x 2 + logits + sampler = 39,321,600 (sets the live peak); the heap
-    # keeps the other two: 50,709,888
-    assert by["allocator retention"] == 24_708_480 + 26_001_408
-    assert (p.step_bytes, p.step_phase) == (17_039_360 + 39_321_600 + 50_709_888, "sampling")
+    # keeps the other two: 44,359,680
+    assert by["allocator retention"] == 18_358_272 + 26_001_408
+    assert (p.step_bytes, p.step_phase) == (17_039_360 + 39_321_600 + 44_359_680, "sampling")
     assert p.peak_bytes == (400 * MIB + W_BF16 + 2_097_152 + 1_073_479_680
-                            + 17_039_360 + 39_321_600 + 50_709_888)
+                            + 17_039_360 + 39_321_600 + 44_359_680)
     assert p.peak_with_kv(p.kv_allocated_bytes) == p.peak_bytes
     assert "sets the peak" not in p.line("loading transient").note
 
@@ -89,16 +92,17 @@ def test_cpu_plan_at_long_context() -> None:
     # context, the fused kernel's chunk scratch does not (its rows run in slices)
     p = _cpu(max_num_seqs=4, max_model_len=32768, runtime_bytes=0, load_transient_bytes=0)
     tables = 2048 * 32768 + 4 * 2048 * 8  # masks and 4 block tables of 2048 blocks
-    # a row of 32768 keys: 128 partitions x 3 x 3 x 66 x 4 = 304,128 B, 27 rows a call;
-    # torch 2048 x 1152 + 27 x (2 x 1152 + 2048 x 4 + 4); C++ 3 x 27 x 128 items x 800 + 109 x 8
-    chunk = 2_359_296 + 27 * 10_500 + 10_368 * 800 + 872
-    assert p.line("attention scratch").bytes == tables + chunk
-    # live: attention 2048 x 6552 + chunk = 24,356,564 < mlp 26,001,408 > sampling
+    # a row of 32768 keys: 128 partitions x 3 x 3 x 66 x 4 = 304,128 B, slices of 27 rows;
+    # torch 2048 x 1152 + 2 x 27 x 1152 + 2048 x 4; C++ 2 x 27 x 8 + 4 items x 16, + 2 threads
+    # x (256 + a 27-row tile of 128 partitions 27 x 128 x 198 x 4 + row states 82,224)
+    chunk = 2_359_296 + 62_208 + 8_192 + 432 + 64 + 2 * (256 + 2_737_152 + 82_224)
+    assert p.line("attention scratch").bytes == tables + chunk == tables + 8_069_456
+    # live: attention 2048 x 6552 + chunk = 21,487,952 < mlp 26,001,408 > sampling
     # 2048 x 576 x 2 + logits 4 x 49,152 x 4 + sampler 3,538,944 = 6,684,672; the heap keeps
     # the attention and sampling phases' pages too
     assert p.step_phase == "mlp"
-    assert p.line("allocator retention").bytes == 24_356_564 + 6_684_672
-    assert p.step_bytes == tables + 26_001_408 + 24_356_564 + 6_684_672
+    assert p.line("allocator retention").bytes == 21_487_952 + 6_684_672
+    assert p.step_bytes == tables + 26_001_408 + 21_487_952 + 6_684_672
 
 
 def test_cpu_plan_loading_sets_the_peak_with_a_small_pool() -> None:
@@ -168,18 +172,18 @@ def test_cpu_plan_json(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFi
     assert lines["runtime baseline"] == 300 * MIB
     # the default context 8192 is the max_model_len: 2 x 8192 x 32 x 4 B
     assert lines["rope tables"] == 2_097_152
-    # fp32, T = 2048 queries x L = 8192 keys through the fused kernel (110 rows a call, as in
-    # test_cpu_plan_by_hand): masks 2048 x 8192 + 16 block tables x 256 blocks of 32 x 8 B +
-    # torch 2048 x 9 x 64 x 4 + 110 x (2 x 2304 + 256 x 4 + 4) + C++ partials 8,451,528
-    assert lines["attention scratch"] == (16_777_216 + 32_768 + 4_718_592 + 619_960
-                                          + 8_451_528) == 30_600_064
+    # fp32, T = 2048 queries x L = 8192 keys through the flash-style op (slices of 110 rows,
+    # as in test_cpu_plan_by_hand): masks 2048 x 8192 + 16 block tables x 256 blocks of 32 x
+    # 8 B + torch 2048 x 9 x 64 x 4 + 2 x 110 x 2304 + 256 x 4 + C++ 1,788,992 (2 threads)
+    assert lines["attention scratch"] == (16_777_216 + 32_768 + 4_718_592 + 506_880 + 1_024
+                                          + 1_788_992) == 23_825_472
     # 16 sequences: logits 16 x 49,152 x 4 = 3 MiB; sampler: its copy of them, two buffers of
     # one 16-row chunk and 2 rows' full nucleus sorts, 6 rows each (sampler_memory)
     assert (lines["logits"], lines["sampler"]) == (3 * MIB, (16 + 2 * 16 + 12) * 49_152 * 4)
-    # phases: attention 2048 x (4 x 3264 + 24) + 13,790,080 = 40,577,920, mlp 2048 x (4 x 6336
+    # phases: attention 2048 x (4 x 3264 + 24) + 7,015,488 = 33,803,328, mlp 2048 x (4 x 6336
     # + 24) = 51,953,664 (the live peak), sampling 2048 x 576 x 4 + 3 MiB + 60 rows = 19,660,800
-    assert lines["allocator retention"] == 40_577_920 + 19_660_800
-    step = 16_777_216 + 32_768 + 51_953_664 + 40_577_920 + 19_660_800
+    assert lines["allocator retention"] == 33_803_328 + 19_660_800
+    step = 16_777_216 + 32_768 + 51_953_664 + 33_803_328 + 19_660_800
     assert e["step_bytes"] == step
     assert e["peak_bytes"] == 300 * MIB + e["weight_bytes"] + lines["rope tables"] + max(
         lines["loading transient"], e["kv_allocated_bytes"] + step)

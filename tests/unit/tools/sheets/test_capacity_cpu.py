@@ -141,3 +141,17 @@ def test_units_follow_the_kv_ceiling_where_it_binds(seeded_cpu: None) -> None:
     assert big["rate"] / small["rate"] == pytest.approx(4 * (24 * h + k) / (24 * h + 4 * k), rel=1e-12)
     assert 3 < big["rate"] / small["rate"] < 4
     assert math.isclose(small["rate"], 1 / (24 * h + k), rel_tol=1e-12)
+
+
+def test_a_replica_of_fewer_threads_takes_its_share_of_every_cpu_figure() -> None:
+    """Half the threads: half the rates, twice the per-item costs of the decode attention
+    (its work items spread over the cores as its FLOPs do)."""
+    from fitserve.tools.sheets.capacity_kinds import cpu_replica_hardware
+
+    hw = Hardware("cpu", 1 << 34, 20e9, 100e9, None, None, "none", 0.0, 0.0, "test", cores=4,
+                  matmul_rows=(32,), matmul_rates=(("bf16", (400e9,)),), attention_flops=80e9,
+                  attention_seq_s=5e-7, attention_kv_s=2e-12)
+    half = cpu_replica_hardware(hw, 2)
+    assert (half.cores, half.matmul_rates, half.attention_flops) == (2, (("bf16", (200e9,)),),
+                                                                    40e9)
+    assert (half.attention_seq_s, half.attention_kv_s) == (1e-6, 4e-12)
