@@ -129,25 +129,37 @@ inline int64_t load_tile(const QGeometry& g, const TileOps& ops, const uint8_t* 
   return nseg;
 }
 
-// Code row pointers and scales of keys [t0, t0 + n) and the runs of keys sharing a block.
+// Code row pointers and scales of keys [t0, t0 + n) and the runs of keys sharing a block:
+// one table read per block, then pointer steps (the strides held in locals: stores into w
+// would otherwise make the compiler reload g's fields for every key).
 inline int64_t gather_tile(const QGeometry& g, const uint8_t* kh, const uint8_t* vh,
                            const float* ksh, const float* vsh, const int32_t* table, int64_t t0,
                            int64_t n, QScratch& w) {
-  int64_t blk = t0 / g.block_size, off = t0 % g.block_size, nseg = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t page = table[blk];
-    if (i == 0 || off == 0) {
-      w.seg_first[nseg] = i;
-      w.seg_page[nseg++] = page;
+  const int64_t bs = g.block_size, kc_tok = g.kc_tok, vc_tok = g.vc_tok, vs_tok = g.vs_tok,
+                ks_in = g.ks_in;
+  const float vf = g.v_factor;
+  const bool token_keys = !g.channel_keys;
+  const uint8_t** kcode = w.kcode.data();
+  const uint8_t** vcode = w.vcode.data();
+  float* vs = w.vs.data();
+  float* ks = w.ks.data();
+  int64_t blk = t0 / bs, off = t0 % bs, nseg = 0;
+  for (int64_t i = 0; i < n; ++blk, off = 0) {
+    const int64_t page = table[blk], len = std::min(bs - off, n - i);
+    w.seg_first[nseg] = i;
+    w.seg_page[nseg++] = page;
+    const uint8_t* kr = kh + page * g.kc_blk + off * kc_tok;
+    const uint8_t* vr = vh + page * g.vc_blk + off * vc_tok;
+    const float* vsr = vsh + page * g.vs_blk + off * vs_tok;
+    const float* ksr = ksh + page * g.ks_blk + off * ks_in;
+    for (int64_t j = 0; j < len; ++j) {
+      kcode[i + j] = kr + j * kc_tok;
+      vcode[i + j] = vr + j * vc_tok;
+      vs[i + j] = vsr[j * vs_tok] * vf;
     }
-    w.kcode[i] = kh + page * g.kc_blk + off * g.kc_tok;
-    w.vcode[i] = vh + page * g.vc_blk + off * g.vc_tok;
-    w.vs[i] = vsh[page * g.vs_blk + off * g.vs_tok] * g.v_factor;
-    if (!g.channel_keys) w.ks[i] = ksh[page * g.ks_blk + off * g.ks_in];
-    if (++off == g.block_size) {
-      off = 0;
-      ++blk;
-    }
+    if (token_keys)
+      for (int64_t j = 0; j < len; ++j) ks[i + j] = ksr[j * ks_in];
+    i += len;
   }
   w.seg_first[nseg] = n;
   return nseg;
