@@ -225,14 +225,18 @@ void attend(const QGeometry& g, const TileOps& ops, const QT* q, const uint8_t* 
   const uint8_t* vh = vc + kvh * g.vc_h;
   const float* ksh = ksc + kvh * g.ks_h;
   const float* vsh = vsc + kvh * g.vs_h;
-  prefetch_scales(g, ksh, vsh, table, t_begin, t_end);
-  if (!first_prefetched)
+  // NOTE: the scale lines go with their tile's codes, one tile ahead (all of an item's at its
+  // start was a burst of up to 80 prefetches for 16 blocks, queued behind the first tile's)
+  if (!first_prefetched) {
+    prefetch_scales(g, ksh, vsh, table, t_begin, std::min(t_begin + kTile, t_end));
     prefetch_codes(g, kh, vh, table, t_begin, std::min(t_begin + kTile, t_end));
+  }
   for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) {
     const int64_t n = std::min(kTile, t_end - t0);
-    if (t0 + n < t_end)
+    if (t0 + n < t_end) {
+      prefetch_scales(g, ksh, vsh, table, t0 + n, std::min(t0 + n + kTile, t_end));
       prefetch_codes(g, kh, vh, table, t0 + n, std::min(t0 + n + kTile, t_end));
-    else {
+    } else {
       prefetch_codes(g, next.kh, next.vh, next.table, next.t_from, next.t_to);
       prefetch_scales(g, next.ksh, next.vsh, next.table, next.t_from, next.t_to);
     }
