@@ -175,16 +175,22 @@ inline void group_tile(const QGeometry& g, const TileOps& ops, const float* ksh,
   if (g.channel_keys) {
     for (int64_t sg = 0; sg < nseg; ++sg) {
       const float* kscale = ksh + w.seg_page[sg] * g.ks_blk;
+      const int64_t i0 = w.seg_first[sg];
+      if (g.ks_in == 1) {  // the fold inside group_scores (in registers where q is held)
+        ops.group_scores(w.q.data(), G, dp, kscale, w.qb.data(), w.kcode.data() + i0,
+                         w.seg_first[sg + 1] - i0, d, s + i0, w.part.data());
+        continue;
+      }
       for (int64_t h = 0; h < G; ++h) {
         for (int64_t c = 0; c < d; ++c) w.qb[h * dp + c] = w.q[h * dp + c] * kscale[c * g.ks_in];
         std::fill(w.qb.data() + h * dp + d, w.qb.data() + (h + 1) * dp, 0.f);
       }
-      const int64_t i0 = w.seg_first[sg];
-      ops.group_scores(w.qb.data(), G, dp, w.kcode.data() + i0, w.seg_first[sg + 1] - i0, d,
-                       s + i0, w.part.data());
+      ops.group_scores(w.qb.data(), G, dp, nullptr, nullptr, w.kcode.data() + i0,
+                       w.seg_first[sg + 1] - i0, d, s + i0, w.part.data());
     }
   } else {
-    ops.group_scores(w.q.data(), G, dp, w.kcode.data(), n, d, s, w.part.data());
+    ops.group_scores(w.q.data(), G, dp, nullptr, nullptr, w.kcode.data(), n, d, s,
+                     w.part.data());
     for (int64_t h = 0; h < G; ++h)
       for (int64_t i = 0; i < n; ++i) s[h * kTile + i] *= w.ks[i];
   }
