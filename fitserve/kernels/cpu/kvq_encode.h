@@ -9,6 +9,7 @@
 // encoder's per-value branches and library calls made that write 3x the bf16 cache's.
 #pragma once
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 
 #if (defined(FITSERVE_TIER_AVX512_VNNI) || defined(FITSERVE_TIER_AVX512)) && \
@@ -88,6 +89,33 @@ inline __m128i encode16(int64_t codec, float qmax, __m512 y) {
   const __mmask16 nan = _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
   const __m512 c = _mm512_mask_mov_ps(_mm512_min_ps(_mm512_max_ps(y, lo), hi), nan, y);
   return _mm512_cvtepi32_epi8(codec == 1 ? fp8_bits<3, 7>(c) : fp8_bits<2, 15>(c));
+}
+
+// 16 code bytes -> their float values, exactly as c10's casts decode them (int8: the integer;
+// e5m2: fp16's top byte; e4m3fn: placed in fp16's fields then times 2^8, its NaN codes NaN).
+inline __m512 decode16(int64_t codec, __m128i x) {
+  if (codec == 0) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x));
+  if (codec == 2) return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(x), 8));
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(x), 7),
+                                     _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+  const __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+  const __mmask16 nan = _mm_cmpeq_epi8_mask(_mm_and_si128(x, _mm_set1_epi8(0x7F)), _mm_set1_epi8(0x7F));
+  return _mm512_mask_mov_ps(v, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+}
+
+// Re-encode row[0..d) of a block at grown per-channel scales: lanes with scale[i] > old[i] get
+// encode(rounded(decode(code) * old) / scale), the others keep their byte (as the scalar loop).
+inline void reencode_row_512(int64_t codec, float qmax, uint8_t* row, const float* old,
+                             const float* scale, int64_t d) {
+  for (int64_t i = 0; i < d; i += 16) {
+    const __mmask16 m = enc_mask(d - i);
+    const __m512 o = _mm512_maskz_loadu_ps(m, old + i), sc = _mm512_maskz_loadu_ps(m, scale + i);
+    const __mmask16 grew = _mm512_mask_cmp_ps_mask(m, sc, o, _CMP_GT_OQ);
+    if (grew == 0) continue;
+    const __m512 y = _mm512_div_ps(_mm512_mul_ps(decode16(codec, _mm_maskz_loadu_epi8(m, row + i)), o),
+                                   _mm512_mask_blend_ps(grew, _mm512_set1_ps(1.f), sc));
+    _mm_mask_storeu_epi8(row + i, grew, encode16(codec, qmax, y));
+  }
 }
 
 // max |x[i]| over d values (NaN ignored, as std::max(amax, NaN) keeps amax).

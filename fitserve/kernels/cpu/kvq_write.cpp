@@ -152,6 +152,13 @@ void write_channel_keys(const Codes& cd, const Cache& c, const T* k, int64_t k_s
       // NOTE: only the (head, channel) columns whose scale grew: at an unchanged scale s,
       // encode(decode(c) * s / s) == c for every code (|c| <= qmax, one rounding of 2^-24
       // relative), so skipping them gives the same bytes as re-encoding the whole block (torch)
+#if KVQ_ENCODE_AVX512
+      // row by row, 16 channels a step (the column walk below touched one byte per row)
+      for (int64_t h = 0; h < h_n; ++h)
+        for (int64_t tok = 0; tok < bs; ++tok)
+          reencode_row_512(cd.codec, cd.qmax, c.kc + ((h * c.nb + blk) * bs + tok) * d,
+                           old.data() + h * d, scale.data() + h * d, d);
+#else
       for (int64_t h = 0; h < h_n; ++h)
         for (int64_t i = 0; i < d; ++i) {
           const int64_t j = h * d + i;
@@ -160,6 +167,7 @@ void write_channel_keys(const Codes& cd, const Cache& c, const T* k, int64_t k_s
           for (int64_t tok = 0; tok < bs; ++tok)
             col[tok * d] = cd.encode(rounded(cd.decode(col[tok * d]) * old[j]) / safe(scale[j]));
         }
+#endif
     }
     for (int64_t h = 0; h < h_n; ++h)
       std::copy_n(scale.data() + h * d, d, c.ks + (h * c.nb + blk) * d);
