@@ -20,6 +20,8 @@ attention of the default model's shape (3 KV heads x 3 query heads each x 64 dim
 blocks in shuffled order) at each context, the dense bf16 kernel against the quantized one per
 codec and scale layout, each of --layers layers on its own cache (so they exceed the last-level
 cache as the model's do), configs alternating, median of --runs passes; ratios to bf16.
+--interleave builds every config's engine in one process and alternates their requests
+(medians of --runs rounds; fairer than a process per config on a loaded host).
 --split times one layer's two cache ops per config (the KV write: rotation + the new token's
 codes and scales; the attention), one thread's CPU time. --clock cpu times the thread's CPU
 seconds, --ordered keeps blocks in pool order, --hugepages
@@ -98,6 +100,48 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             f"decode loop, C++ step {loop.native_calls}/{loop.calls}")
     return {"config": spec["config"], "tok_s": out, "decode_backend": f"{backend} ({path})",
             "kv_format": runner.kv_format}
+
+
+def interleaved(spec: dict[str, Any], configs: list[str]) -> None:
+    """Every config's engine in this one process, requests alternating config by config
+    (--runs rounds per context), so a loaded host's slow periods fall on all alike; prints
+    medians and ratios to the first config."""
+    import torch
+
+    from fitserve.config import EngineConfig
+    from fitserve.engine.core import Engine
+    from fitserve.sampling import SamplingParams
+
+    torch.set_num_threads(spec["threads"])
+    clock = time.thread_time if spec["clock"] == "cpu" else time.perf_counter
+    engines = {c: Engine(EngineConfig(
+        model=spec["gguf"], dtype="bfloat16", weights="as-stored", device="cpu",
+        max_model_len=max(spec["contexts"]), enforce_eager=True,
+        kv_cache_dtype=CONFIGS[c][0], kv_cache_scales=CONFIGS[c][1]))  # type: ignore[arg-type]
+        for c in configs}
+    new = spec["new"]
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    gen = torch.Generator().manual_seed(0)
+    for ctx in spec["contexts"]:
+        prompt = torch.randint(100, 40000, (ctx - new,), generator=gen).tolist()
+
+        def run(engine: Engine, prompt: list[int] = prompt) -> float:
+            times: list[float] = []
+            for o in engine.stream(prompt, params):
+                times += [clock()] * len(o.delta_token_ids)
+            return (new - 1) / (times[-1] - times[0])
+
+        for engine in engines.values():  # warm-up (and the prefix cache)
+            run(engine)
+        res: dict[str, list[float]] = {c: [] for c in configs}
+        for _ in range(spec["runs"]):
+            for c, engine in engines.items():
+                res[c].append(run(engine))
+        first = statistics.median(res[configs[0]])
+        for c in configs:
+            med = statistics.median(res[c])
+            print(f"context {ctx:5d} {c:13s} {med:7.1f} tok/s  x {configs[0]} {med / first:5.2f}  "
+                  f"runs {' '.join(f'{x:.1f}' for x in res[c])}")
 
 
 def _us_per_layer(calls: list[Callable[[], object]], clock: Callable[[], float]) -> float:
@@ -285,6 +329,8 @@ def main() -> None:
                     help="blocks in pool order, as one request's fresh pool gives (--kernel)")
     ap.add_argument("--hugepages", action="store_true",
                     help="caches in 2 MiB transparent huge pages (--kernel)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="all configs' engines in one process, requests alternating")
     ap.add_argument("--split", action="store_true",
                     help="one layer's KV write and attention per config, 1 thread CPU time")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -317,6 +363,12 @@ def main() -> None:
     configs = args.configs.split(",")
     base = {"gguf": str(pull("smollm2-135m", progress=False)), "contexts": contexts,
             "new": args.new, "runs": args.runs, "threads": args.threads, "clock": args.clock}
+    if args.interleave:
+        print(f"CPU: {cpu_model_name()}; ISA: {detect_isa().describe()}; threads {args.threads}; "
+              f"W1 decode tok/s ({args.clock} clock), {args.new} new tokens, one process, "
+              f"{args.runs} rounds; load average {os.getloadavg()}")
+        interleaved(base, configs)
+        return
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
     runs: dict[str, dict[str, list[float]]] = {c: {str(x): [] for x in contexts} for c in configs}
     info: dict[str, str] = {}
