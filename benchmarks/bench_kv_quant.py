@@ -20,7 +20,11 @@ attention of the default model's shape (3 KV heads x 3 query heads each x 64 dim
 blocks in shuffled order) at each context, the dense bf16 kernel against the quantized one per
 codec and scale layout, each of --layers layers on its own cache (so they exceed the last-level
 cache as the model's do), configs alternating, median of --runs passes; ratios to bf16.
---clock cpu times the thread's CPU seconds, --ordered keeps blocks in pool order, --hugepages
+--interleave builds every config's engine in one process and alternates their requests
+(medians of --runs rounds; fairer than a process per config on a loaded host).
+--split times one layer's two cache ops per config (the KV write: rotation + the new token's
+codes and scales; the attention), one thread's CPU time. --clock cpu times the thread's CPU
+seconds, --ordered keeps blocks in pool order, --hugepages
 puts every cache in 2 MiB transparent huge pages (madvise; shuffled blocks then cost no TLB miss
 each). Per config it also prints ns per key per KV head and the GB/s of KV (codes + scales) read,
 beside a plain read (torch sum) of the same bytes in as many buffers, at the same thread count.
@@ -96,6 +100,48 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             f"decode loop, C++ step {loop.native_calls}/{loop.calls}")
     return {"config": spec["config"], "tok_s": out, "decode_backend": f"{backend} ({path})",
             "kv_format": runner.kv_format}
+
+
+def interleaved(spec: dict[str, Any], configs: list[str]) -> None:
+    """Every config's engine in this one process, requests alternating config by config
+    (--runs rounds per context), so a loaded host's slow periods fall on all alike; prints
+    medians and ratios to the first config."""
+    import torch
+
+    from fitserve.config import EngineConfig
+    from fitserve.engine.core import Engine
+    from fitserve.sampling import SamplingParams
+
+    torch.set_num_threads(spec["threads"])
+    clock = time.thread_time if spec["clock"] == "cpu" else time.perf_counter
+    engines = {c: Engine(EngineConfig(
+        model=spec["gguf"], dtype="bfloat16", weights="as-stored", device="cpu",
+        max_model_len=max(spec["contexts"]), enforce_eager=True,
+        kv_cache_dtype=CONFIGS[c][0], kv_cache_scales=CONFIGS[c][1]))  # type: ignore[arg-type]
+        for c in configs}
+    new = spec["new"]
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    gen = torch.Generator().manual_seed(0)
+    for ctx in spec["contexts"]:
+        prompt = torch.randint(100, 40000, (ctx - new,), generator=gen).tolist()
+
+        def run(engine: Engine, prompt: list[int] = prompt) -> float:
+            times: list[float] = []
+            for o in engine.stream(prompt, params):
+                times += [clock()] * len(o.delta_token_ids)
+            return (new - 1) / (times[-1] - times[0])
+
+        for engine in engines.values():  # warm-up (and the prefix cache)
+            run(engine)
+        res: dict[str, list[float]] = {c: [] for c in configs}
+        for _ in range(spec["runs"]):
+            for c, engine in engines.items():
+                res[c].append(run(engine))
+        first = statistics.median(res[configs[0]])
+        for c in configs:
+            med = statistics.median(res[c])
+            print(f"context {ctx:5d} {c:13s} {med:7.1f} tok/s  x {configs[0]} {med / first:5.2f}  "
+                  f"runs {' '.join(f'{x:.1f}' for x in res[c])}")
 
 
 def _us_per_layer(calls: list[Callable[[], object]], clock: Callable[[], float]) -> float:
@@ -208,6 +254,57 @@ def kernel_bench(contexts: list[int], runs: int, batch: int, layers: int, clock:
                   f"{nbytes / us / 1e3:6.2f} {dense / us:6.2f}x")
 
 
+def split_bench(contexts: list[int], runs: int, layers: int, ordered: bool) -> None:
+    """One W1 layer's two cache ops, per config: the KV write (rope_write_kv_ or
+    rope_write_kvq_: rotation + the new token's codes and scales) and the decode attention, in
+    us per call of one thread's CPU time (through the Python op call: each includes ~1-2 us
+    of argument handling the engine's C++ step does not pay), configs alternating, medians."""
+    import torch
+
+    from fitserve.kernels.cpu.fused import fused_ops_available
+    from fitserve.kernels.cpu.paged_attention_kvq import CODEC_IDS, kvq_write_available
+
+    fused_ops_available()
+    kvq_write_available()
+    hkv, g, d, bs = 3, 3, 64, 16
+    gen = torch.Generator().manual_seed(0)
+    angle = torch.rand(max(contexts), d // 2, generator=gen) * 6.28  # unit rotations: the
+    cos, sin = angle.cos(), angle.sin()  # repeatedly rotated q/k stay finite
+    configs = [("", ""), ("int8", "channel-key"), ("int8", "token"), ("fp8_e4m3", "token"),
+               ("fp8_e5m2", "token")]
+    for ctx in contexts:
+        order = torch.arange(-(-ctx // bs)) if ordered else torch.randperm(-(-ctx // bs), generator=gen)
+        last = int(order[(ctx - 1) // bs]) * bs + (ctx - 1) % bs
+        pos, slot = torch.tensor([ctx - 1]), torch.tensor([last])
+        ops: dict[tuple[str, str], tuple[list[Callable[[], object]], list[Callable[[], object]]]] = {}
+        for codec, layout in configs:
+            attn = _layer_calls(ctx, 1, layers, codec, layout, ordered)
+            writes: list[Callable[[], object]] = []
+            for call in attn:
+                qk, v = torch.randn(1, hkv * (g + 1), d).bfloat16(), torch.randn(1, hkv, d).bfloat16()
+                caches = call.args[1:3] if not codec else call.args[1:5]  # type: ignore[attr-defined]
+                if not codec:
+                    writes.append(functools.partial(torch.ops.fitserve_fused.rope_write_kv_, qk, v,
+                                                    pos, cos, sin, *caches, slot, hkv * g, False))
+                else:
+                    writes.append(functools.partial(
+                        torch.ops.fitserve.rope_write_kvq_, qk, v, pos, cos, sin, *caches, slot,
+                        hkv * g, False, CODEC_IDS[codec], layout == "channel-key"))
+            ops[(codec, layout)] = (writes, attn)
+        times: dict[tuple[str, str], tuple[list[float], list[float]]] = {k: ([], []) for k in ops}
+        for _ in range(runs + 1):  # the first pass warms up
+            for key, (writes, attn) in ops.items():
+                times[key][0].append(_us_per_layer(writes, time.thread_time))
+                times[key][1].append(_us_per_layer(attn, time.thread_time))
+        med = {k: (statistics.median(w[1:]), statistics.median(a[1:])) for k, (w, a) in times.items()}
+        bw, ba = med[("", "")]
+        print(f"context {ctx} ({'in order' if ordered else 'shuffled'}): us per layer call")
+        for (codec, layout), (w, a) in med.items():
+            name = f"{codec} {layout}" if codec else "bf16 (dense)"
+            print(f"  {name:22s} write {w:7.2f}  attention {a:8.2f}  sum {w + a:8.2f}  "
+                  f"x bf16: sum {(bw + ba) / (w + a):5.2f}  attention {ba / a:5.2f}")
+
+
 def torch_threads(n: int) -> None:
     import torch
 
@@ -232,6 +329,10 @@ def main() -> None:
                     help="blocks in pool order, as one request's fresh pool gives (--kernel)")
     ap.add_argument("--hugepages", action="store_true",
                     help="caches in 2 MiB transparent huge pages (--kernel)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="all configs' engines in one process, requests alternating")
+    ap.add_argument("--split", action="store_true",
+                    help="one layer's KV write and attention per config, 1 thread CPU time")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("spec", nargs="?", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -243,6 +344,12 @@ def main() -> None:
     from fitserve.loading.pull import pull
 
     contexts = [int(c) for c in args.contexts.split(",")]
+    if args.split:
+        print(f"CPU: {cpu_model_name()}; ISA: {detect_isa().describe()}; 1 thread, CPU clock; "
+              f"load average {os.getloadavg()}")
+        torch_threads(1)
+        split_bench(contexts, args.runs, args.layers, args.ordered)
+        return
     if args.kernel:
         print(f"CPU: {cpu_model_name()}; {os.cpu_count()} CPUs; ISA: {detect_isa().describe()}; "
               f"threads {args.threads}; batch {args.batch}; {args.clock} clock; blocks "
@@ -256,6 +363,12 @@ def main() -> None:
     configs = args.configs.split(",")
     base = {"gguf": str(pull("smollm2-135m", progress=False)), "contexts": contexts,
             "new": args.new, "runs": args.runs, "threads": args.threads, "clock": args.clock}
+    if args.interleave:
+        print(f"CPU: {cpu_model_name()}; ISA: {detect_isa().describe()}; threads {args.threads}; "
+              f"W1 decode tok/s ({args.clock} clock), {args.new} new tokens, one process, "
+              f"{args.runs} rounds; load average {os.getloadavg()}")
+        interleaved(base, configs)
+        return
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
     runs: dict[str, dict[str, list[float]]] = {c: {str(x): [] for x in contexts} for c in configs}
     info: dict[str, str] = {}

@@ -93,6 +93,47 @@ def _check_steps(codec: str, layout: str, dtype: torch.dtype, interleaved: bool)
     assert grew or layout == "token", "vacuous: no block's key scales grew"
 
 
+def _edge_values() -> torch.Tensor:
+    """Values an encoder gets wrong first: every fp8 code's value, the midpoints between
+    neighbours (round half to even) and one ulp either side, int8 halves, fp8 subnormals and
+    values past each format's range (clamped), both signs."""
+    parts = [torch.arange(-300, 300).float() + 0.5, torch.tensor([1e-30, 1e-10, 7e4, 1e6])]
+    for dt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        c = torch.arange(256, dtype=torch.uint8).view(dt).float()
+        c = c[torch.isfinite(c)].unique()
+        mid = (c[1:] + c[:-1]) / 2
+        parts += [c, mid, mid.nextafter(torch.tensor(1e9)), mid.nextafter(torch.tensor(-1e9))]
+    x = torch.cat(parts)
+    return torch.cat([x, -x])
+
+
+@pytest.mark.parametrize("codec", list(CODECS))
+def test_encoder_edge_values_bit_equal(codec: str) -> None:
+    """Token rows of float32 values (V: not rotated) whose absmax is the format's max, so the
+    scale is 1 and each code is the encoding of the value itself (rows past that range scale
+    down): codes and scales equal the torch quantizer's, value by value."""
+    assert kvq_write_available()
+    fmt = CODECS[codec]
+    x = _edge_values()
+    d = 64
+    n = -(-x.numel() // (d - 1))
+    body = torch.zeros(n * (d - 1))
+    body[: x.numel()] = x
+    v = torch.cat([torch.full((n, 1), fmt.qmax), body.view(n, d - 1)], 1)
+    fused = QuantizedKVCache(codec, "token", num_kv_heads=1, num_blocks=n, block_size=1,
+                             head_dim=d)
+    ref = QuantizedKVCache(codec, "token", num_kv_heads=1, num_blocks=n, block_size=1,
+                           head_dim=d)
+    slots = torch.arange(n)
+    ref.write(torch.zeros(n, 1, d), v.view(n, 1, d), slots)
+    cos, sin = torch.ones(n, d // 2), torch.zeros(n, d // 2)
+    assert fused.rope_write_(torch.zeros(n, 2, d), v.view(n, 1, d), slots, cos, sin, slots, 1,
+                             False)
+    assert (ref.v_scales == 1).sum() > n // 3, "vacuous: few rows at scale 1"
+    assert torch.equal(fused.v_scales, ref.v_scales)
+    assert torch.equal(fused.v_codes, ref.v_codes)
+
+
 def test_rejects_bad_inputs_with_a_clear_error() -> None:
     kv = QuantizedKVCache("int8", "token", num_kv_heads=HKV, num_blocks=NB, block_size=BS,
                           head_dim=D)
@@ -121,4 +162,4 @@ def test_tier_is_the_one_asked_for(tier: str) -> None:
 @pytest.mark.parametrize("tier", ["avx2", "scalar"])
 def test_lower_tier_build_is_bit_equal(tier: str) -> None:
     """Built for a lower tier (other -m flags: no FMA to contract into), still bit-equal."""
-    run_tests_at_tier(__file__, tier, f"bit_equal_to_torch or tier_is_the_one_asked_for and {tier}")
+    run_tests_at_tier(__file__, tier, f"bit_equal_to_torch or encoder_edge_values or tier_is_the_one_asked_for and {tier}")

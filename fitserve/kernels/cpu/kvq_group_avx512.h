@@ -18,12 +18,77 @@ inline void widen_row(const uint8_t* src, __mmask16 tail, __m512* out) {
   out[NCH - 1] = codes16_to_f32<C>(_mm_maskz_loadu_epi8(tail, src + (NCH - 1) * kLanes));
 }
 
-// s[h * kTile + i] = q_h . raw(rows[i]) for the g heads of q ([g, dpad], zero past d), i < n.
+// group_scores for a group of G heads known at compile time: the G * NCH registers of q loaded
+// once per call (times the block's per-channel key scales when kscale is not null) and every
+// loop unrolled (the generic loop reloaded q per row and head), each head's dot in two
+// independent FMA chains.
+template <int C, int NCH, int G>
+void group_scores_g(const float* q, int64_t dpad, const float* kscale, const uint8_t* const* rows,
+                    int64_t n, __mmask16 tail, float* s, float* part) {
+  __m512 qv[G][NCH];
+#pragma GCC unroll 16
+  for (int h = 0; h < G; ++h)
+#pragma GCC unroll 16
+    for (int c = 0; c < NCH; ++c) qv[h][c] = _mm512_loadu_ps(q + h * dpad + c * kLanes);
+  if (kscale != nullptr) {
+#pragma GCC unroll 16
+    for (int c = 0; c < NCH; ++c) {
+      const __m512 ks = _mm512_maskz_loadu_ps(c + 1 < NCH ? static_cast<__mmask16>(0xFFFF) : tail,
+                                              kscale + c * kLanes);
+#pragma GCC unroll 16
+      for (int h = 0; h < G; ++h) qv[h][c] = _mm512_mul_ps(qv[h][c], ks);
+    }
+  }
+  for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
+    const int64_t m = std::min<int64_t>(kLanes, n - i0);
+    for (int64_t i = 0; i < m; ++i) {
+      __m512 k[NCH];
+      widen_row<C, NCH>(rows[i0 + i], tail, k);
+#pragma GCC unroll 16
+      for (int h = 0; h < G; ++h) {
+        __m512 dot[2] = {_mm512_mul_ps(qv[h][0], k[0]), _mm512_setzero_ps()};
+#pragma GCC unroll 16
+        for (int c = 1; c < NCH; ++c) dot[c & 1] = _mm512_fmadd_ps(qv[h][c], k[c], dot[c & 1]);
+        _mm512_storeu_ps(part + (h * kLanes + i) * kLanes,
+                         NCH > 1 ? _mm512_add_ps(dot[0], dot[1]) : dot[0]);
+      }
+    }
+#pragma GCC unroll 16
+    for (int h = 0; h < G; ++h) {
+      __m512 a[kLanes];
+#pragma GCC unroll 16
+      for (int i = 0; i < kLanes; ++i)
+        a[i] = i < m ? _mm512_loadu_ps(part + (h * kLanes + i) * kLanes) : _mm512_setzero_ps();
+      _mm512_mask_storeu_ps(s + h * kTile + i0, tail_mask(m), reduce16(a));
+    }
+  }
+}
+
+// s[h * kTile + i] = (q_h (.) kscale) . raw(rows[i]) for the g heads of q ([g, dpad], zero past
+// d), i < n; kscale: the block's d per-channel key scales (contiguous), or null for none; qb a
+// [g, dpad] scratch for the fold on the generic path.
 // Per row, one register of products per head; every 16 rows a transpose tree sums them.
 template <int C, int NCH>
-void group_scores(const float* q, int64_t g, int64_t dpad, const uint8_t* const* rows,
-                  int64_t n, int64_t d, float* s, float* part) {
+void group_scores(const float* q, int64_t g, int64_t dpad, const float* kscale, float* qb,
+                  const uint8_t* const* rows, int64_t n, int64_t d, float* s, float* part) {
   const __mmask16 tail = tail_mask(d - (NCH - 1) * kLanes);
+  // NOTE: q of up to 24 registers held (G * NCH <= 24 of the 32), the rest as before
+  if (g * NCH <= 24 && g <= 8) {
+    switch (g) {
+      case 1: return group_scores_g<C, NCH, 1>(q, dpad, kscale, rows, n, tail, s, part);
+      case 2: return group_scores_g<C, NCH, std::min(2, std::max(1, 24 / NCH))>(q, dpad, kscale, rows, n, tail, s, part);
+      case 3: return group_scores_g<C, NCH, std::min(3, std::max(1, 24 / NCH))>(q, dpad, kscale, rows, n, tail, s, part);
+      case 4: return group_scores_g<C, NCH, std::min(4, std::max(1, 24 / NCH))>(q, dpad, kscale, rows, n, tail, s, part);
+      case 6: return group_scores_g<C, NCH, std::min(6, std::max(1, 24 / NCH))>(q, dpad, kscale, rows, n, tail, s, part);
+      case 8: return group_scores_g<C, NCH, std::min(8, std::max(1, 24 / NCH))>(q, dpad, kscale, rows, n, tail, s, part);
+      default: break;
+    }
+  }
+  if (kscale != nullptr) {
+    for (int64_t h = 0; h < g; ++h)
+      for (int64_t c = 0; c < dpad; ++c) qb[h * dpad + c] = c < d ? q[h * dpad + c] * kscale[c] : 0.f;
+    q = qb;
+  }
   for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
     const int64_t m = std::min<int64_t>(kLanes, n - i0);
     for (int64_t i = 0; i < m; ++i) {

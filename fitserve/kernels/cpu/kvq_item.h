@@ -129,25 +129,37 @@ inline int64_t load_tile(const QGeometry& g, const TileOps& ops, const uint8_t* 
   return nseg;
 }
 
-// Code row pointers and scales of keys [t0, t0 + n) and the runs of keys sharing a block.
+// Code row pointers and scales of keys [t0, t0 + n) and the runs of keys sharing a block:
+// one table read per block, then pointer steps (the strides held in locals: stores into w
+// would otherwise make the compiler reload g's fields for every key).
 inline int64_t gather_tile(const QGeometry& g, const uint8_t* kh, const uint8_t* vh,
                            const float* ksh, const float* vsh, const int32_t* table, int64_t t0,
                            int64_t n, QScratch& w) {
-  int64_t blk = t0 / g.block_size, off = t0 % g.block_size, nseg = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t page = table[blk];
-    if (i == 0 || off == 0) {
-      w.seg_first[nseg] = i;
-      w.seg_page[nseg++] = page;
+  const int64_t bs = g.block_size, kc_tok = g.kc_tok, vc_tok = g.vc_tok, vs_tok = g.vs_tok,
+                ks_in = g.ks_in;
+  const float vf = g.v_factor;
+  const bool token_keys = !g.channel_keys;
+  const uint8_t** kcode = w.kcode.data();
+  const uint8_t** vcode = w.vcode.data();
+  float* vs = w.vs.data();
+  float* ks = w.ks.data();
+  int64_t blk = t0 / bs, off = t0 % bs, nseg = 0;
+  for (int64_t i = 0; i < n; ++blk, off = 0) {
+    const int64_t page = table[blk], len = std::min(bs - off, n - i);
+    w.seg_first[nseg] = i;
+    w.seg_page[nseg++] = page;
+    const uint8_t* kr = kh + page * g.kc_blk + off * kc_tok;
+    const uint8_t* vr = vh + page * g.vc_blk + off * vc_tok;
+    const float* vsr = vsh + page * g.vs_blk + off * vs_tok;
+    const float* ksr = ksh + page * g.ks_blk + off * ks_in;
+    for (int64_t j = 0; j < len; ++j) {
+      kcode[i + j] = kr + j * kc_tok;
+      vcode[i + j] = vr + j * vc_tok;
+      vs[i + j] = vsr[j * vs_tok] * vf;
     }
-    w.kcode[i] = kh + page * g.kc_blk + off * g.kc_tok;
-    w.vcode[i] = vh + page * g.vc_blk + off * g.vc_tok;
-    w.vs[i] = vsh[page * g.vs_blk + off * g.vs_tok] * g.v_factor;
-    if (!g.channel_keys) w.ks[i] = ksh[page * g.ks_blk + off * g.ks_in];
-    if (++off == g.block_size) {
-      off = 0;
-      ++blk;
-    }
+    if (token_keys)
+      for (int64_t j = 0; j < len; ++j) ks[i + j] = ksr[j * ks_in];
+    i += len;
   }
   w.seg_first[nseg] = n;
   return nseg;
@@ -163,16 +175,22 @@ inline void group_tile(const QGeometry& g, const TileOps& ops, const float* ksh,
   if (g.channel_keys) {
     for (int64_t sg = 0; sg < nseg; ++sg) {
       const float* kscale = ksh + w.seg_page[sg] * g.ks_blk;
+      const int64_t i0 = w.seg_first[sg];
+      if (g.ks_in == 1) {  // the fold inside group_scores (in registers where q is held)
+        ops.group_scores(w.q.data(), G, dp, kscale, w.qb.data(), w.kcode.data() + i0,
+                         w.seg_first[sg + 1] - i0, d, s + i0, w.part.data());
+        continue;
+      }
       for (int64_t h = 0; h < G; ++h) {
         for (int64_t c = 0; c < d; ++c) w.qb[h * dp + c] = w.q[h * dp + c] * kscale[c * g.ks_in];
         std::fill(w.qb.data() + h * dp + d, w.qb.data() + (h + 1) * dp, 0.f);
       }
-      const int64_t i0 = w.seg_first[sg];
-      ops.group_scores(w.qb.data(), G, dp, w.kcode.data() + i0, w.seg_first[sg + 1] - i0, d,
-                       s + i0, w.part.data());
+      ops.group_scores(w.qb.data(), G, dp, nullptr, nullptr, w.kcode.data() + i0,
+                       w.seg_first[sg + 1] - i0, d, s + i0, w.part.data());
     }
   } else {
-    ops.group_scores(w.q.data(), G, dp, w.kcode.data(), n, d, s, w.part.data());
+    ops.group_scores(w.q.data(), G, dp, nullptr, nullptr, w.kcode.data(), n, d, s,
+                     w.part.data());
     for (int64_t h = 0; h < G; ++h)
       for (int64_t i = 0; i < n; ++i) s[h * kTile + i] *= w.ks[i];
   }
@@ -213,14 +231,18 @@ void attend(const QGeometry& g, const TileOps& ops, const QT* q, const uint8_t* 
   const uint8_t* vh = vc + kvh * g.vc_h;
   const float* ksh = ksc + kvh * g.ks_h;
   const float* vsh = vsc + kvh * g.vs_h;
-  prefetch_scales(g, ksh, vsh, table, t_begin, t_end);
-  if (!first_prefetched)
+  // NOTE: the scale lines go with their tile's codes, one tile ahead (all of an item's at its
+  // start was a burst of up to 80 prefetches for 16 blocks, queued behind the first tile's)
+  if (!first_prefetched) {
+    prefetch_scales(g, ksh, vsh, table, t_begin, std::min(t_begin + kTile, t_end));
     prefetch_codes(g, kh, vh, table, t_begin, std::min(t_begin + kTile, t_end));
+  }
   for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) {
     const int64_t n = std::min(kTile, t_end - t0);
-    if (t0 + n < t_end)
+    if (t0 + n < t_end) {
+      prefetch_scales(g, ksh, vsh, table, t0 + n, std::min(t0 + n + kTile, t_end));
       prefetch_codes(g, kh, vh, table, t0 + n, std::min(t0 + n + kTile, t_end));
-    else {
+    } else {
       prefetch_codes(g, next.kh, next.vh, next.table, next.t_from, next.t_to);
       prefetch_scales(g, next.ksh, next.vsh, next.table, next.t_from, next.t_to);
     }

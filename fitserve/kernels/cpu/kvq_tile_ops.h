@@ -16,8 +16,9 @@ struct TileOps {
   void (*scores)(const float* q, const float* const* rows, int64_t n, int64_t d, float* s);
   void (*softmax)(float* s, int64_t n, float* m, float* l, float* acc, int64_t dpad);
   void (*pv)(float* acc, const float* p, const float* const* rows, int64_t n, int64_t d);
-  void (*group_scores)(const float* q, int64_t g, int64_t dpad, const uint8_t* const* rows,
-                       int64_t n, int64_t d, float* s, float* part) = nullptr;
+  void (*group_scores)(const float* q, int64_t g, int64_t dpad, const float* kscale, float* qb,
+                       const uint8_t* const* rows, int64_t n, int64_t d, float* s,
+                       float* part) = nullptr;
   void (*group_pv)(float* acc, int64_t g, int64_t dpad, const float* p,
                    const uint8_t* const* rows, int64_t n, int64_t d) = nullptr;
 };

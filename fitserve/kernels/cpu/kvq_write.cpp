@@ -27,8 +27,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <map>
+#include <numeric>
 #include <vector>
+
+#include "kvq_encode.h"
 
 namespace {
 
@@ -92,6 +94,13 @@ inline float safe(float s) { return s > 0.f ? s : 1.f; }
 // One [d] row of x -> codes at its own absmax scale (per token); returns the scale.
 template <typename T>
 float write_token_row(const Codes& cd, const T* x, int64_t d, uint8_t* codes) {
+#if KVQ_ENCODE_AVX512
+  if constexpr (kEncode512<T>) {
+    const float scale = absmax_512(x, d) / cd.qmax;
+    encode_row_512(cd.codec, cd.qmax, x, nullptr, safe(scale), d, codes);
+    return scale;
+  }
+#endif
   float amax = 0.f;
   for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[i])));
   const float scale = amax / cd.qmax;
@@ -111,10 +120,17 @@ template <typename T>
 void write_channel_keys(const Codes& cd, const Cache& c, const T* k, int64_t k_s0, int64_t k_s1,
                         const int64_t* slots, int64_t n) {
   const int64_t h_n = c.hkv, d = c.d, bs = c.bs, cap = c.nb * bs;
-  std::map<int64_t, std::vector<int64_t>> by_block;  // block -> the step's tokens in it
-  for (int64_t t = 0; t < n; ++t) by_block[slots[t] / bs].push_back(t);
-  std::vector<float> old(h_n * d), fresh_max(h_n * d), scale(h_n * d);
-  for (const auto& [blk, tokens] : by_block) {
+  // the step's tokens grouped by block, in token order within each (a W1 step: one token)
+  std::vector<int64_t> order(n);
+  std::iota(order.begin(), order.end(), int64_t{0});
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return slots[a] / bs < slots[b] / bs; });
+  std::vector<float> old(h_n * d), fresh_max(h_n * d), scale(h_n * d), div(h_n * d);
+  std::vector<int64_t> tokens;
+  for (int64_t first = 0; first < n;) {
+    const int64_t blk = slots[order[first]] / bs;
+    tokens.clear();
+    for (; first < n && slots[order[first]] / bs == blk; ++first) tokens.push_back(order[first]);
     bool fresh = false;
     std::fill(fresh_max.begin(), fresh_max.end(), 0.f);
     for (int64_t t : tokens) {
@@ -136,6 +152,13 @@ void write_channel_keys(const Codes& cd, const Cache& c, const T* k, int64_t k_s
       // NOTE: only the (head, channel) columns whose scale grew: at an unchanged scale s,
       // encode(decode(c) * s / s) == c for every code (|c| <= qmax, one rounding of 2^-24
       // relative), so skipping them gives the same bytes as re-encoding the whole block (torch)
+#if KVQ_ENCODE_AVX512
+      // row by row, 16 channels a step (the column walk below touched one byte per row)
+      for (int64_t h = 0; h < h_n; ++h)
+        for (int64_t tok = 0; tok < bs; ++tok)
+          reencode_row_512(cd.codec, cd.qmax, c.kc + ((h * c.nb + blk) * bs + tok) * d,
+                           old.data() + h * d, scale.data() + h * d, d);
+#else
       for (int64_t h = 0; h < h_n; ++h)
         for (int64_t i = 0; i < d; ++i) {
           const int64_t j = h * d + i;
@@ -144,14 +167,22 @@ void write_channel_keys(const Codes& cd, const Cache& c, const T* k, int64_t k_s
           for (int64_t tok = 0; tok < bs; ++tok)
             col[tok * d] = cd.encode(rounded(cd.decode(col[tok * d]) * old[j]) / safe(scale[j]));
         }
+#endif
     }
     for (int64_t h = 0; h < h_n; ++h)
       std::copy_n(scale.data() + h * d, d, c.ks + (h * c.nb + blk) * d);
+    for (int64_t j = 0; j < h_n * d; ++j) div[j] = safe(scale[j]);
     for (int64_t t : tokens)
       for (int64_t h = 0; h < h_n; ++h) {
         uint8_t* row = c.kc + (h * cap + slots[t]) * d;
         const T* x = k + t * k_s0 + h * k_s1;
-        for (int64_t i = 0; i < d; ++i) row[i] = cd.encode(static_cast<float>(x[i]) / safe(scale[h * d + i]));
+#if KVQ_ENCODE_AVX512
+        if constexpr (kEncode512<T>) {
+          encode_row_512(cd.codec, cd.qmax, x, div.data() + h * d, 1.f, d, row);
+          continue;
+        }
+#endif
+        for (int64_t i = 0; i < d; ++i) row[i] = cd.encode(static_cast<float>(x[i]) / div[h * d + i]);
       }
   }
 }
