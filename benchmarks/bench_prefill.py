@@ -28,24 +28,18 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_engine import TEXT, cpu_description, run_worker, write_hf_folder  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 
 def median_time(fn: Any, runs: int) -> float:
     """Median seconds of ``runs`` calls after one warm-up."""
-    fn()
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_seconds(fn, runs)
 
 
 def peaks(rows: int, runs: int) -> dict[str, float]:

@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import FITSERVE_CONFIGS, PLAN_WEIGHTS, workload_spec  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 from fitserve.ledger.cpu_measure import EngineRates, measure_copy_bandwidth  # noqa: E402
 
@@ -79,13 +80,7 @@ def predicted_steps(base: dict[str, Any], config: str, hw: Any) -> tuple[Any, li
 
 
 def _cpu_median(fn: Any, reps: int = 5) -> float:
-    fn()
-    out = []
-    for _ in range(reps):
-        t0 = time.thread_time()
-        fn()
-        out.append(time.thread_time() - t0)
-    return statistics.median(out)
+    return median_seconds(fn, reps, time.thread_time)
 
 
 def linear_parts(engine: Any, rows: list[int]) -> dict[int, dict[str, float]]:

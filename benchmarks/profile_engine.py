@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from timing import median_seconds  # the sibling module: scripts run from benchmarks/
 from torch.profiler import profile
 
 from fitserve.config import EngineConfig
@@ -73,13 +74,7 @@ def op_table(engine: Engine, steps: int = 5, top: int = 6) -> str:
 
 
 def median_ms(fn: Callable[[], object], runs: int = 30) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+    return median_seconds(fn, runs) * 1e3
 
 
 def linear_table(engine: Engine) -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from timing import median_seconds  # the sibling module: scripts run from benchmarks/
 
 
 def memory() -> dict[str, int]:
@@ -54,13 +55,7 @@ def phased(module: Any, name: str) -> None:
 
 
 def cpu_ms(fn: Callable[[], Any], repeat: int = 9) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.process_time()
-        fn()
-        times.append(time.process_time() - t0)
-    return sorted(times)[repeat // 2] * 1e3
+    return median_seconds(fn, repeat, time.process_time) * 1e3
 
 
 def gemv_rates(head: torch.nn.Module) -> None:

@@ -43,6 +43,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_engine import GREEDY, op_table, step_ms  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 from fitserve.config import EngineConfig  # noqa: E402
 from fitserve.engine.core import Engine  # noqa: E402
@@ -135,13 +136,7 @@ def path_ab(engine: Engine, rounds: int = 40) -> str:
 
 def cpu_ms(fn: Callable[[], object], rounds: int = 15) -> float:
     """Median thread CPU ms of fn() over rounds (after one warm-up)."""
-    fn()
-    times = []
-    for _ in range(rounds):
-        c = time.thread_time()
-        fn()
-        times.append((time.thread_time() - c) * 1e3)
-    return statistics.median(times)
+    return median_seconds(fn, rounds, time.thread_time) * 1e3
 
 
 def attention_parts(runner: Any, x: torch.Tensor) -> dict[str, Callable[[], object]]:
