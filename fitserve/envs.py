@@ -62,6 +62,13 @@ FITSERVE_PREPACK_PANELS: EnvVar[bool] = EnvVar(
     "FITSERVE_PREPACK_PANELS", False, _flag_if_true,
     "1: packed projections also hold a second copy laid out at load for the M > 1 panel kernels "
     "(codes + fp32 scales, counted by the ledger) instead of packing panels per call")
+# NOTE: the panel layout as THE held weight (one copy, the same bytes as row-major): the batch-1
+# GEMV streams it at ~1.0 of a plain read where the row-major kernel reached ~0.5
+# (docs/benchmarks.md, wt-panel); 0 keeps the weights row-major (A/B, debugging).
+FITSERVE_HOLD_PANELS: EnvVar[bool] = EnvVar(
+    "FITSERVE_HOLD_PANELS", True, _flag_unless_zero,
+    "0: packed int4/int8 projections stay row-major instead of being held in the panel layout "
+    "of the int8-activation kernels")
 FITSERVE_ALLOW_LONG_MAX_MODEL_LEN: EnvVar[bool] = EnvVar(
     "FITSERVE_ALLOW_LONG_MAX_MODEL_LEN", False, _flag_if_true,
     "1: a max_model_len past the model's trained context is a warning, not an error "

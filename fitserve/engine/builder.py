@@ -30,7 +30,12 @@ from fitserve.ledger.sampler_memory import prompt_logprob_chunk_rows
 from fitserve.ledger.weights import engine_format_rule, engine_weight_bytes
 from fitserve.loading import LoadedModel, load_model
 from fitserve.loading.tokenizer import Tokenizer
-from fitserve.model.linear import cpp_ops_available, holds_panels, set_activation_quant
+from fitserve.model.linear import (
+    cpp_ops_available,
+    hold_linears_as_panels,
+    holds_panels,
+    set_activation_quant,
+)
 from fitserve.model.llama import CausalLM
 from fitserve.model.loader import build_model, check_supported, held_weight_bytes
 from fitserve.quant.convert import loaded_weights_choice
@@ -117,6 +122,7 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) 
         log.info("built the model (%s, %d layers) at %.1f s", spec.architecture, spec.num_layers,
                  time.perf_counter() - t_start)
     log.info(set_activation_quant(model, cfg.activation_quant, dtype))
+    log.info(hold_linears_as_panels(model))
     try:
         pool, kv, scheduler, runner = _size_and_wire(
             cfg, model, spec, shard_spec, loaded, tp_group, weights_choice=weights_choice,

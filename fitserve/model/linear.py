@@ -342,6 +342,8 @@ class PackedLinear(nn.Module):
         self._runs: dict[tuple[str, torch.dtype], Callable[[torch.Tensor], torch.Tensor]] = {}
         self._force: str | None = None
         self._act_quant: bool | None = None
+        # the buffers hold the weight as panels (hold_panels), and this records its row shape
+        self._held_shape: PackedWeight | None = None
 
     @property
     def act_quant(self) -> bool | None:
@@ -350,7 +352,50 @@ class PackedLinear(nn.Module):
 
     @act_quant.setter
     def act_quant(self, value: bool | None) -> None:
+        if value is not True and self.held_panels:
+            self.hold_rows()  # only the int8-activation kernels read the panels
         self._act_quant = value
+        self._chosen.clear()
+        self._runs.clear()
+
+    @property
+    def held_panels(self) -> bool:
+        """Whether the buffers hold the weight as panels (``hold_panels``), not row-major."""
+        return self._held_shape is not None
+
+    def hold_panels(self) -> bool:
+        """Hold the weight in the panel kernels' layout instead of row-major (the same bytes,
+        one copy: fitserve.kernels.cpu.qlinear.hold), so every M reads it as it is and the
+        batch-1 GEMV streams it in order. Only where the int8-activation op runs every call
+        (``act_quant`` True), on the CPU, with N a multiple of the panel rows; False otherwise.
+        The results are the same bits as from the row-major weight."""
+        if (self.held_panels or self._act_quant is not True or self.qweight.device.type != "cpu"
+                or not cpp_ops_available()):
+            return False
+        from fitserve.kernels.cpu import qlinear
+
+        if self.out_features % qlinear.held_layout().lanes:
+            return False
+        shape = self.packed
+        q, s, mn = qlinear.hold(self.qweight, self.scales, self.mins, self.group_size)
+        self._held_shape = PackedWeight(shape.kind, shape.N, shape.K, shape.K_padded,
+                                        shape.group_size, shape.qweight.to("meta"),
+                                        shape.scales.to("meta"),
+                                        None if shape.mins is None else shape.mins.to("meta"))
+        self.qweight, self.scales, self.mins, self.panels = q, s, mn, None
+        self._chosen.clear()
+        self._runs.clear()
+        return True
+
+    def hold_rows(self) -> None:
+        """Back to the row-major buffers (undoes ``hold_panels``)."""
+        if not self.held_panels:
+            return
+        from fitserve.kernels.cpu import qlinear
+
+        self.qweight, self.scales, self.mins = qlinear.rows_of_held(self.qweight, self.scales,
+                                                                    self.mins)
+        self._held_shape = None
         self._chosen.clear()
         self._runs.clear()
 
@@ -369,6 +414,8 @@ class PackedLinear(nn.Module):
         self._cache.clear()
         had_panels = self.panels is not None
         out: PackedLinear = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        if self.held_panels and self.qweight.device.type != "cpu":
+            self.hold_rows()  # the panels are the CPU kernels' layout
         if had_panels:  # made again for the tensors now held (or dropped off the CPU)
             self.panels = None
             self.prepack()
@@ -377,7 +424,7 @@ class PackedLinear(nn.Module):
     def prepack(self) -> bool:
         """Lay the weight out once for the M > 1 panel kernels (buffer ``panels``); False
         where they do not run (no C++ ops, not on the CPU)."""
-        if self.qweight.device.type != "cpu" or not cpp_ops_available():
+        if self.held_panels or self.qweight.device.type != "cpu" or not cpp_ops_available():
             return False
         from fitserve.kernels.cpu import qlinear
 
@@ -391,7 +438,14 @@ class PackedLinear(nn.Module):
 
     @property
     def packed(self) -> PackedWeight:
-        """The weight as a PackedWeight over this module's buffers (no copy)."""
+        """The weight as a row-major PackedWeight over this module's buffers (no copy; a weight
+        held as panels: a row-major copy, for the paths that are not a decode step)."""
+        if self.held_panels:
+            from fitserve.kernels.cpu import qlinear
+
+            q, s, mn = qlinear.rows_of_held(self.qweight, self.scales, self.mins)
+            return PackedWeight(self.kind, self.out_features, self.in_features, self.k_padded,
+                                self.group_size, q, s, mn)
         return PackedWeight(self.kind, self.out_features, self.in_features, self.k_padded,
                             self.group_size, self.qweight, self.scales, self.mins)
 
@@ -401,7 +455,8 @@ class PackedLinear(nn.Module):
             return CANDIDATES[self._force]
         key = (shape_class(m), dtype)
         if key not in self._chosen:
-            self._chosen[key] = choose(self.packed, m, dtype, act_quant=self._act_quant)
+            shape = self._held_shape or self.packed  # (the table reads only the shape)
+            self._chosen[key] = choose(shape, m, dtype, act_quant=self._act_quant)
         return self._chosen[key]
 
     def bound_run(self, m: int, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -409,9 +464,14 @@ class PackedLinear(nn.Module):
         key = (shape_class(m), dtype)
         run = self._runs.get(key)
         if run is None:
-            # NOTE: an explicit --activation-quant asks for one kernel and one order for every M
-            run = self._runs[key] = bind(self.kernel(m, dtype), self.packed, self._cache,
-                                         invariant=self._act_quant is not None)
+            cand = self.kernel(m, dtype)
+            if self.held_panels and cand.name == "cpp-aq":
+                run = self._runs[key] = bind_held(self)
+            else:
+                # NOTE: an explicit --activation-quant asks for one kernel and one order for
+                # every M (a weight held as panels runs any other kernel on a row-major copy)
+                run = self._runs[key] = bind(cand, self.packed, self._cache,
+                                             invariant=self._act_quant is not None)
         return run
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -422,8 +482,23 @@ class PackedLinear(nn.Module):
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
+        shape = self._held_shape or self.packed
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"format={self.packed.format}, bias={self.bias is not None}")
+                f"format={shape.format}, bias={self.bias is not None}"
+                + (", held as panels" if self.held_panels else ""))
+
+
+def bind_held(mod: PackedLinear) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The int8-activation op on a weight held as panels, as a call on x2 [M, K] alone."""
+    q, s, mn, g, kp = mod.qweight, mod.scales, mod.mins, mod.group_size, mod.k_padded
+    pad = kp != mod.in_features
+    if mod.kind == "int4":
+        op4 = torch.ops.fitserve.int4_linear.default
+        return lambda x: op4(_pad(x, kp).contiguous() if pad else x.contiguous(), q, s, mn, g,
+                             True, False)
+    op8 = torch.ops.fitserve.int8_linear.default
+    return lambda x: op8(_pad(x, kp).contiguous() if pad else x.contiguous(), q, s, g, True,
+                         False)
 
 
 def panels_apply(name: str) -> bool:
@@ -436,6 +511,21 @@ def panels_apply(name: str) -> bool:
 def holds_panels(model: nn.Module) -> bool:
     """Whether any PackedLinear of ``model`` holds prepacked panels (the ledger's ``panels``)."""
     return any(type(m) is PackedLinear and m.panels is not None for m in model.modules())
+
+
+def hold_linears_as_panels(model: nn.Module) -> str:
+    """``hold_panels()`` every PackedLinear of ``model`` that runs int8 activations, except the
+    experts (their own kernels) and a weight shared with a PackedEmbedding (the tied lm_head:
+    the embedding gathers rows); returns a one-line summary (FITSERVE_HOLD_PANELS=0: none)."""
+    from fitserve import envs
+
+    if not envs.FITSERVE_HOLD_PANELS():
+        return "packed weights: row-major (FITSERVE_HOLD_PANELS=0)"
+    shared = {m.qweight.data_ptr() for m in model.modules() if isinstance(m, PackedEmbedding)}
+    mods = [(name, m) for name, m in model.named_modules() if type(m) is PackedLinear]
+    n = sum(m.hold_panels() for name, m in mods
+            if ".experts." not in f".{name}." and m.qweight.data_ptr() not in shared)
+    return f"packed weights: {n} of {len(mods)} packed linears held as panels (one copy)"
 
 
 def prepack_linears(model: nn.Module) -> int:

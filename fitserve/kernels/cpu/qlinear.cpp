@@ -52,18 +52,18 @@ void round_into(const float* src, const at::Tensor& out) {
 }
 
 at::Tensor run(const at::Tensor& x, const QWeight& w, bool int4, bool act_quant,
-               bool batch_invariant, const uint8_t* prepacked) {
+               bool batch_invariant, const uint8_t* prepacked, const HeldWeight* held = nullptr) {
   const int64_t M = x.size(0), kp = x.size(1);
   at::Tensor out = at::empty({M, w.N}, x.options());
   if (M == 0 || w.N == 0) return out;
   if (kp == 0) return out.zero_();
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  if (act_quant && (M >= kPanelMinRows || !canonical_rows_apply(w))) {  // panels: direct store
+  if (held || (act_quant && (M >= kPanelMinRows || !canonical_rows_apply(w)))) {  // panels
     if (bf16)
-      panels_int(x.data_ptr<c10::BFloat16>(), M, kp, w, int4, prepacked,
+      panels_int(x.data_ptr<c10::BFloat16>(), M, kp, w, int4, prepacked, held,
                  out.data_ptr<c10::BFloat16>());
     else
-      panels_int(x.data_ptr<float>(), M, kp, w, int4, prepacked, out.data_ptr<float>());
+      panels_int(x.data_ptr<float>(), M, kp, w, int4, prepacked, held, out.data_ptr<float>());
     return out;
   }
   float* op = bf16 ? scratch(tl_f32_out, M * w.N) : out.data_ptr<float>();
@@ -99,9 +99,50 @@ at::Tensor prepacked_for(const at::Tensor& x, bool act_quant, const at::Tensor& 
   return PrepackRegistry::get().find(qweight, scales, mins, group, int4);
 }
 
+// A weight held as panels (qlinear_held.h): codes [P, nd * kLanes * 4], scales / mins
+// [P, G, kLanes] f16. Only the int8-activation kernels read it.
+HeldWeight held_weight(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const at::Tensor* mins, int64_t group, bool int4, bool act_quant) {
+  constexpr int L = S::kLanes;
+  const char* op = int4 ? "int4_linear" : "int8_linear";
+  TORCH_CHECK(act_quant, op, ": a weight held as panels runs with int8 activations only "
+              "(act_quant=True); hold it row-major for the weight-only kernels");
+  TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x must be a contiguous [M, K_padded]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              op, ": x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(group > 0 && group % 32 == 0, op, ": group_size must be a multiple of 32");
+  const int64_t kp = x.size(1), row_bytes = int4 ? kp / 2 : kp;
+  TORCH_CHECK(kp % group == 0 && row_bytes % 4 == 0, op, ": x width ", kp,
+              " is not a multiple of G=", group);
+  TORCH_CHECK(codes.is_contiguous() && codes.size(1) == row_bytes * L &&
+                  codes.scalar_type() == (int4 ? at::kByte : at::kChar),
+              op, ": held codes must be contiguous ", int4 ? "uint8" : "int8", " [P, ",
+              row_bytes * L, "] for this tier's ", L, "-row panels, got ", codes.sizes());
+  const int64_t P = codes.size(0), G = kp / group;
+  const auto check_halves = [&](const at::Tensor& t, const char* what) {
+    TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous() && t.dim() == 3 &&
+                    t.size(0) == P && t.size(1) == G && t.size(2) == L,
+                op, ": held ", what, " must be contiguous float16 [", P, ", ", G, ", ", L, "]");
+  };
+  check_halves(scales, "scales");
+  if (mins) check_halves(*mins, "mins");
+  return {static_cast<const uint8_t*>(codes.const_data_ptr()), scales.data_ptr<at::Half>(),
+          mins ? mins->data_ptr<at::Half>() : nullptr, P, row_bytes / 4, G, group};
+}
+
+at::Tensor run_held(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                    const at::Tensor* mins, int64_t group, bool int4, bool act_quant) {
+  const HeldWeight h = held_weight(x, codes, scales, mins, group, int4, act_quant);
+  return run(x, h.shape(), int4, true, false, nullptr, &h);
+}
+
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const std::optional<at::Tensor>& mins, int64_t group_size,
                        bool act_quant, bool batch_invariant) {
+  const bool has_mins = mins.has_value() && mins->defined();
+  if (scales.dim() == 3)
+    return run_held(x, qweight, scales, has_mins ? &*mins : nullptr, group_size, true, act_quant);
   const int64_t kp = x.size(-1);
   check_common(x, qweight, scales, group_size, kp);
   TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.size(1) * 2 == kp,
@@ -122,6 +163,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        int64_t group_size, bool act_quant, bool batch_invariant) {
+  if (scales.dim() == 3) return run_held(x, qweight, scales, nullptr, group_size, false, act_quant);
   const int64_t kp = x.size(-1);
   check_common(x, qweight, scales, group_size, kp);
   TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.size(1) == kp,
@@ -160,6 +202,39 @@ at::Tensor qlinear_prepack(const at::Tensor& qweight, const at::Tensor& scales,
   return blob;
 }
 
+// The row-major weight laid out as held panels (qlinear_held.h): [codes, scales(, mins)], which
+// replace qweight / scales / mins in later int4_linear / int8_linear calls. N must be a multiple
+// of qlinear_held_layout()[0].
+std::vector<at::Tensor> qlinear_hold(const at::Tensor& qweight, const at::Tensor& scales,
+                                     const std::optional<at::Tensor>& mins, int64_t group_size,
+                                     int64_t bits) {
+  constexpr int L = S::kLanes;
+  TORCH_CHECK(bits == 4 || bits == 8, "qlinear_hold: bits must be 4 or 8, got ", bits);
+  const bool int4 = bits == 4, asym = mins.has_value() && mins->defined();
+  const int64_t kp = qweight.size(1) * (int4 ? 2 : 1);
+  check_common(at::empty({0, kp}, at::kFloat), qweight, scales, group_size, kp);
+  TORCH_CHECK(qweight.scalar_type() == (int4 ? at::kByte : at::kChar),
+              "qlinear_hold: qweight must be ", int4 ? "uint8" : "int8");
+  TORCH_CHECK(!asym || (int4 && mins->scalar_type() == at::kHalf && mins->is_contiguous() &&
+                        mins->sizes() == scales.sizes()),
+              "qlinear_hold: mins must be contiguous float16 shaped like scales (int4 only)");
+  TORCH_CHECK(qweight.size(0) % L == 0, "qlinear_hold: ", qweight.size(0),
+              " rows are not a multiple of the ", L, "-row panels");
+  const QWeight w{static_cast<const uint8_t*>(qweight.const_data_ptr()),
+                  scales.data_ptr<at::Half>(), asym ? mins->data_ptr<at::Half>() : nullptr,
+                  qweight.size(0), qweight.size(1), kp / group_size, group_size};
+  const int64_t P = w.N / L;
+  at::Tensor codes = at::empty({P, w.row_bytes * L}, qweight.options());
+  at::Tensor sc = at::empty({P, w.ngroups, L}, scales.options());
+  at::Tensor mn = asym ? at::empty({P, w.ngroups, L}, scales.options()) : at::Tensor();
+  hold_panels(w, int4, static_cast<uint8_t*>(codes.data_ptr()), sc.data_ptr<at::Half>(),
+              asym ? mn.data_ptr<at::Half>() : nullptr);
+  return asym ? std::vector<at::Tensor>{codes, sc, mn} : std::vector<at::Tensor>{codes, sc};
+}
+
+// [rows per panel, whether int8 codes are held + 128 (^ 0x80)]: what reading them back needs.
+std::vector<int64_t> qlinear_held_layout() { return {S::kLanes, S::kW8Biased ? 1 : 0}; }
+
 // Whether a panel call with these tensors would read prepacked panels (tests).
 bool qlinear_is_prepacked(const at::Tensor& qweight, const at::Tensor& scales,
                           const std::optional<at::Tensor>& mins, int64_t group_size,
@@ -184,6 +259,9 @@ TORCH_LIBRARY_FRAGMENT(fitserve, m) {
   m.def("qlinear_tier() -> str", &fitserve::qlinear::qlinear_tier);
   m.def("qlinear_prepack(Tensor qweight, Tensor scales, Tensor? mins, int group_size, int bits) "
         "-> Tensor", &fitserve::qlinear::qlinear_prepack);
+  m.def("qlinear_hold(Tensor qweight, Tensor scales, Tensor? mins, int group_size, int bits) "
+        "-> Tensor[]", &fitserve::qlinear::qlinear_hold);
+  m.def("qlinear_held_layout() -> int[]", &fitserve::qlinear::qlinear_held_layout);
   m.def("qlinear_is_prepacked(Tensor qweight, Tensor scales, Tensor? mins, int group_size, "
         "int bits) -> bool", &fitserve::qlinear::qlinear_is_prepacked);
 }

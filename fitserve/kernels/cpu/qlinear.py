@@ -33,14 +33,16 @@ The functions raise RuntimeError when the extension is unavailable (no compiler,
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from fitserve.kernels.cpu.build import load_extension
 
-__all__ = ["int4_linear", "int8_linear", "is_prepacked", "prepack", "qlinear_ops_available",
-           "qlinear_tier"]
+__all__ = ["HeldLayout", "held_layout", "hold", "int4_linear", "int8_linear", "is_prepacked",
+           "out_features", "padded_width", "prepack", "qlinear_ops_available", "qlinear_tier",
+           "rows_of_held"]
 
 
 @functools.cache
@@ -58,15 +60,27 @@ def qlinear_tier() -> str:
     return str(torch.ops.fitserve.qlinear_tier())
 
 
+def out_features(qweight: torch.Tensor, scales: torch.Tensor) -> int:
+    """N of a weight held row-major (``qweight [N, ...]``) or as panels (``scales [P, G, L]``)."""
+    return scales.shape[0] * scales.shape[2] if scales.dim() == 3 else qweight.shape[0]
+
+
+def padded_width(qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> int:
+    """K_padded of a weight held row-major or as panels."""
+    if scales.dim() == 3:
+        return scales.shape[1] * group_size
+    return qweight.shape[1] * (2 if qweight.dtype == torch.uint8 else 1)
+
+
 def _int4_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                mins: torch.Tensor | None, group_size: int, act_quant: bool,
                batch_invariant: bool = False) -> torch.Tensor:
-    return x.new_empty(x.shape[0], qweight.shape[0])
+    return x.new_empty(x.shape[0], out_features(qweight, scales))
 
 
 def _int8_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
                act_quant: bool, batch_invariant: bool = False) -> torch.Tensor:
-    return x.new_empty(x.shape[0], qweight.shape[0])
+    return x.new_empty(x.shape[0], out_features(qweight, scales))
 
 
 def _register_fakes() -> None:
@@ -97,20 +111,20 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 batch_invariant: bool = False) -> torch.Tensor:
     """``x @ W.T`` for int4 W (asymmetric with ``mins``, symmetric without): ``[..., N]``."""
     _require()
-    x2 = _as_rows(x, qweight.shape[1] * 2)
+    x2 = _as_rows(x, padded_width(qweight, scales, group_size))
     y: torch.Tensor = torch.ops.fitserve.int4_linear(x2, qweight, scales, mins, group_size,
                                                      act_quant, batch_invariant)
-    return y.reshape(*x.shape[:-1], qweight.shape[0])
+    return y.reshape(*x.shape[:-1], out_features(qweight, scales))
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
                 act_quant: bool, batch_invariant: bool = False) -> torch.Tensor:
     """``x @ W.T`` for int8 W in groups of ``group_size`` columns: ``[..., N]``."""
     _require()
-    x2 = _as_rows(x, qweight.shape[1])
+    x2 = _as_rows(x, padded_width(qweight, scales, group_size))
     y: torch.Tensor = torch.ops.fitserve.int8_linear(x2, qweight, scales, group_size, act_quant,
                                                      batch_invariant)
-    return y.reshape(*x.shape[:-1], qweight.shape[0])
+    return y.reshape(*x.shape[:-1], out_features(qweight, scales))
 
 
 def prepack(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
@@ -126,6 +140,50 @@ def prepack(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | No
     blob: torch.Tensor = torch.ops.fitserve.qlinear_prepack(qweight, scales, mins, group_size,
                                                             bits)
     return blob
+
+
+@dataclass(frozen=True, slots=True)
+class HeldLayout:
+    """How this build's kernels hold a weight as panels (qlinear_held.h)."""
+
+    lanes: int  # weight rows per panel
+    w8_biased: bool  # int8 codes held + 128 (byte ^ 0x80)
+
+
+@functools.cache
+def held_layout() -> HeldLayout:
+    """The panel layout of the loaded kernels (it depends on the ISA tier they were built for)."""
+    _require()
+    lanes, biased = torch.ops.fitserve.qlinear_held_layout()
+    return HeldLayout(int(lanes), bool(biased))
+
+
+def hold(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+         group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The row-major packed weight laid out as panels (``codes [P, nd * L * 4]``, ``scales`` and
+    ``mins`` ``[P, G, L]`` f16), to pass to ``int4_linear`` / ``int8_linear`` in place of
+    ``qweight`` / ``scales`` / ``mins`` (int8 activations only). Same bytes; N % lanes == 0."""
+    _require()
+    bits = 4 if qweight.dtype == torch.uint8 else 8
+    out = torch.ops.fitserve.qlinear_hold(qweight, scales, mins, group_size, bits)
+    return out[0], out[1], (out[2] if len(out) == 3 else None)
+
+
+def rows_of_held(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The inverse of ``hold``: ``(qweight [N, row_bytes], scales [N, G], mins)`` row-major
+    (copies: for dequantization and the pure-torch paths, never a decode step)."""
+    lay = held_layout()
+    p, g, lanes = scales.shape
+    q = codes.view(torch.uint8).view(p, -1, lanes, 4).permute(0, 2, 1, 3).reshape(p * lanes, -1)
+    if codes.dtype == torch.int8 and lay.w8_biased:
+        q = q ^ 0x80
+    rows = q.view(codes.dtype)
+
+    def unpanel(t: torch.Tensor) -> torch.Tensor:
+        return t.permute(0, 2, 1).reshape(p * lanes, g).contiguous()
+
+    return rows, unpanel(scales), None if mins is None else unpanel(mins)
 
 
 def is_prepacked(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,

@@ -22,6 +22,7 @@
 
 #include "qlinear_act.h"
 #include "qlinear_gemv.h"
+#include "qlinear_held.h"
 #include "qlinear_panel.h"
 #include "qlinear_prepack.h"
 #include "qlinear_rows.h"
@@ -197,11 +198,12 @@ struct Int8Panel {
   }
 };
 
-// prepacked: the weight's panels made at load (qlinear_prepack.h), or nullptr: pack per call.
-// out: fp32 or bf16 [M, N] (each output rounded once, in the tile's store).
+// prepacked: the weight's panels made at load beside its rows (qlinear_prepack.h), or held: the
+// weight itself held as panels (qlinear_held.h; w is then only its shape), or neither: pack per
+// call. out: fp32 or bf16 [M, N] (each output rounded once, in the tile's store).
 template <class T, class O>
 void panels_int(const T* x, int64_t M, int64_t kp, const QWeight& w, bool int4,
-                const uint8_t* prepacked, O* out) {
+                const uint8_t* prepacked, const HeldWeight* held, O* out) {
   static thread_local std::vector<int8_t> aq_buf;
   static thread_local std::vector<float> da_buf, sg_buf;
   static thread_local std::vector<int32_t> isum_buf;
@@ -217,6 +219,7 @@ void panels_int(const T* x, int64_t M, int64_t kp, const QWeight& w, bool int4,
     }
   });
   const NatAct xa{aq, da, isum, sg, kp, nblk};
+  if (held && M == 1 && w.group == kActBlock) return held_gemv(*held, int4, xa, out);
   const int64_t npanels = (w.N + S::kLanes - 1) / S::kLanes, half = w.group / 2;
   // NOTE: one parallel region: each thread takes its panels through every chunk of rows (the
   // chunk's activations stay in L2 across its panels), instead of a region per chunk
@@ -226,7 +229,8 @@ void panels_int(const T* x, int64_t M, int64_t kp, const QWeight& w, bool int4,
       const int64_t me = std::min(M, mb + kPanelMaxRows);
       for (int64_t pi = p0; pi < p1; ++pi) {
         const int64_t n0 = pi * S::kLanes;
-        const PanelView view = prepacked && n0 + S::kLanes <= w.N
+        const PanelView view = held ? held_panel(*held, int4, pi, panel.dv, panel.cv)
+                               : prepacked && n0 + S::kLanes <= w.N
                                    ? prepacked_panel(prepacked, w, int4, pi)
                                    : panel.pack(w, int4, n0);
         if (!int4)

@@ -192,6 +192,7 @@ struct Simd {
     return _mm256_set1_epi32(v);
   }
   static I iset1(int32_t v) { return _mm256_set1_epi32(v); }
+  static I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
   static constexpr bool kW8Biased = false;
   static I dot_w8p(I acc, B w, B a) { return _mm256_add_epi32(acc, dot_w8(prep_w8(w), a)); }
   static void storef(float* p, F v, int n) {

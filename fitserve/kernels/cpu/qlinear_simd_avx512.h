@@ -178,6 +178,7 @@ struct Simd {
     return _mm512_set1_epi32(v);
   }
   static I iset1(int32_t v) { return _mm512_set1_epi32(v); }
+  static I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
 #if defined(FITSERVE_TIER_AVX512_VNNI)
   // panel int8 weights are stored as w ^ 0x80 (= w + 128, unsigned); the caller starts each
   // block's sum at -128 * sum(a) so that dpbusd(w + 128, a) gives dot(w, a)

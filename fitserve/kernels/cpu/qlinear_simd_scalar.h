@@ -75,6 +75,7 @@ struct Simd {
   static B loadb(const void* p) { return load_bytes(p, kBytes); }
   static B bcast4(const int8_t* p) { return load_bytes(p, kBytes); }
   static I iset1(int32_t v) { return v; }
+  static I iadd(I a, I b) { return a + b; }
   static constexpr bool kW8Biased = false;
   static I dot_w8p(I acc, B w, B a) { return acc + dot_w8(w, a); }
   static void storef(float* p, F v, int n) {

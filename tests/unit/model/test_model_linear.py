@@ -25,6 +25,7 @@ from fitserve.model.linear import (
     PackedEmbedding,
     PackedLinear,
     choose,
+    cpp_ops_available,
     preference,
     shape_class,
 )
@@ -186,3 +187,29 @@ def test_table_lookup_and_fallback() -> None:
     assert preference("avx2", "int8-channel", "m1", "bf16")[0] == "cpp-aq"
     pw = make("int8-g32")
     assert choose(pw, 1, torch.float16).name == "torch"  # only the torch path runs f16 x
+
+
+@pytest.mark.parametrize("fmt", ["int4-g32-asym", "int8-g32", "int4-g64-sym"])
+def test_held_panels_run_the_same_bits_and_go_back(fmt: str) -> None:
+    from fitserve.kernels.cpu.qlinear import held_layout
+
+    if not cpp_ops_available():
+        pytest.skip("no C++ ops: nothing is held as panels")
+    pw = make(fmt, n=48, k=100)  # K_padded > K: x is padded on the held path too
+    layer, row_major = PackedLinear(pw, torch.randn(48)), PackedLinear(pw, torch.randn(48))
+    row_major.bias = layer.bias
+    assert not layer.hold_panels(), "held before act_quant is set: the table may pick others"
+    layer.act_quant = row_major.act_quant = True
+    assert layer.hold_panels() and layer.held_panels and "held as panels" in repr(layer)
+    assert layer.scales.dim() == 3 and layer.scales.shape[2] == held_layout().lanes
+    before = sum(b.numel() * b.element_size() for b in row_major.buffers())
+    assert sum(b.numel() * b.element_size() for b in layer.buffers()) == before  # one copy
+    assert torch.equal(layer.packed.qweight, pw.qweight)  # a row-major copy on request
+    x = torch.randn(3, 7, 100).bfloat16()
+    for rows in (1, 2, 21):
+        xs = x.reshape(-1, 100)[:rows]
+        assert torch.equal(layer(xs), row_major(xs)), (fmt, rows)
+    layer.act_quant = False  # the weight-only kernels read rows: back to row-major
+    assert not layer.held_panels and torch.equal(layer.qweight, pw.qweight)
+    row_major.act_quant = False
+    assert torch.equal(layer(x), row_major(x))
