@@ -515,16 +515,22 @@ def holds_panels(model: nn.Module) -> bool:
 
 def hold_linears_as_panels(model: nn.Module) -> str:
     """``hold_panels()`` every PackedLinear of ``model`` that runs int8 activations, except the
-    experts (their own kernels) and a weight shared with a PackedEmbedding (the tied lm_head:
-    the embedding gathers rows); returns a one-line summary (FITSERVE_HOLD_PANELS=0: none)."""
+    experts (their own kernels); a tied lm_head's embedding then gathers its rows from the same
+    panels (one copy). Returns a one-line summary (FITSERVE_HOLD_PANELS=0: none)."""
     from fitserve import envs
 
     if not envs.FITSERVE_HOLD_PANELS():
         return "packed weights: row-major (FITSERVE_HOLD_PANELS=0)"
-    shared = {m.qweight.data_ptr() for m in model.modules() if isinstance(m, PackedEmbedding)}
+    tied = {m.qweight.data_ptr(): m for m in model.modules() if isinstance(m, PackedEmbedding)}
     mods = [(name, m) for name, m in model.named_modules() if type(m) is PackedLinear]
-    n = sum(m.hold_panels() for name, m in mods
-            if ".experts." not in f".{name}." and m.qweight.data_ptr() not in shared)
+    n = 0
+    for name, mod in mods:
+        emb = tied.get(mod.qweight.data_ptr())
+        if ".experts." in f".{name}." or not mod.hold_panels():
+            continue
+        n += 1
+        if emb is not None:  # the tied lm_head: its embedding gathers rows from the panels
+            emb.share_held(mod)
     return f"packed weights: {n} of {len(mods)} packed linears held as panels (one copy)"
 
 
@@ -570,8 +576,25 @@ class PackedEmbedding(nn.Module):
                                              self.scales, self.mins)
         return pw
 
+    @property
+    def held_panels(self) -> bool:
+        """Whether the buffers are its tied lm_head's panels (``share_held``), not row-major."""
+        return self.scales.dim() == 3
+
+    def share_held(self, head: PackedLinear) -> None:
+        """Take the tied lm_head's buffers after it was held as panels (one copy stays)."""
+        self.qweight, self.scales, self.mins = head.qweight, head.scales, head.mins
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
+        if self.held_panels:
+            from fitserve.kernels.cpu import qlinear
+
+            q, s, mn = qlinear.gather_held_rows(self.qweight, self.scales, self.mins, flat)
+            rows = PackedWeight(self.kind, flat.numel(), self.embedding_dim, self.k_padded,
+                                self.group_size, q, s, mn)
+            w = gather_rows(rows, torch.arange(flat.numel()), self.dtype)
+            return w.reshape(*ids.shape, self.embedding_dim)
         return gather_rows(self.packed, flat, self.dtype).reshape(*ids.shape, self.embedding_dim)
 
     def tied_linear(self) -> PackedLinear:
@@ -579,6 +602,8 @@ class PackedEmbedding(nn.Module):
         return PackedLinear(self.packed)
 
     def extra_repr(self) -> str:
+        if self.held_panels:
+            return f"{self.num_embeddings}, {self.embedding_dim}, held as its lm_head's panels"
         return f"{self.num_embeddings}, {self.embedding_dim}, format={self.packed.format}"
 
 

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from fitserve.kernels.cpu.build import load_extension
 
 __all__ = ["HeldLayout", "held_layout", "hold", "int4_linear", "int8_linear", "is_prepacked",
-           "out_features", "padded_width", "prepack", "qlinear_ops_available", "qlinear_tier",
+           "gather_held_rows", "out_features", "padded_width", "prepack", "qlinear_ops_available", "qlinear_tier",
            "rows_of_held"]
 
 
@@ -184,6 +184,18 @@ def rows_of_held(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor |
         return t.permute(0, 2, 1).reshape(p * lanes, g).contiguous()
 
     return rows, unpanel(scales), None if mins is None else unpanel(mins)
+
+
+def gather_held_rows(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                     ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Rows ``ids`` of a weight held as panels, row-major (``qweight``, ``scales``, ``mins`` of
+    those rows only): what a tied embedding gathers from its lm_head's panels."""
+    p, _, lanes = scales.shape
+    pi, li = ids // lanes, ids % lanes
+    q = codes.view(torch.uint8).view(p, -1, lanes, 4)[pi, :, li, :].reshape(ids.numel(), -1)
+    if codes.dtype == torch.int8 and held_layout().w8_biased:
+        q = q ^ 0x80
+    return q.view(codes.dtype), scales[pi, :, li], None if mins is None else mins[pi, :, li]
 
 
 def is_prepacked(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,

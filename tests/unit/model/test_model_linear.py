@@ -213,3 +213,22 @@ def test_held_panels_run_the_same_bits_and_go_back(fmt: str) -> None:
     assert not layer.held_panels and torch.equal(layer.qweight, pw.qweight)
     row_major.act_quant = False
     assert torch.equal(layer(x), row_major(x))
+
+
+def test_tied_embedding_gathers_from_its_heads_panels() -> None:
+    from fitserve.model.linear import hold_linears_as_panels
+
+    if not cpp_ops_available():
+        pytest.skip("no C++ ops: nothing is held as panels")
+    pw = make("int8-g32", n=64, k=96)
+    emb = PackedEmbedding(pw, torch.bfloat16)
+    head = emb.tied_linear()
+    head.act_quant = True
+    model = torch.nn.ModuleDict({"embed": emb, "lm_head": head})
+    ids = torch.tensor([[0, 63, 17], [16, 15, 1]])
+    want_rows, x = emb(ids), torch.randn(2, 96).bfloat16()
+    want_logits = head(x)
+    assert "1 of 1" in hold_linears_as_panels(model)
+    assert emb.held_panels and head.held_panels and emb.qweight is head.qweight
+    assert torch.equal(emb(ids), want_rows) and torch.equal(head(x), want_logits)
+    assert sum(b.numel() * b.element_size() for b in model.buffers()) == pw.nbytes  # one copy
