@@ -21,6 +21,11 @@ at each M of --ms (1: a decode step; 8, 32: W2's tiles); one thread, CPU clock:
 
     python benchmarks/bench_qgemv_stream.py --vs-ggml [--shapes 1.7b] [--ms 1,8,32]
 
+--vs-held compares the row-major weight with the same weight held as panels (qlinear_held.h,
+what the engine holds by default), alternated with a plain read, at each M of --ms:
+
+    python benchmarks/bench_qgemv_stream.py --vs-held --threads 1 [--ms 1,8,32]
+
 Columns: GB/s of weight bytes (codes + scales + mins) per second, the kernel's fraction of the
 plain read's rate, and the kernel's rate on one ~1 MB copy of the same shape read again and again
 (in L2: no DRAM stream, so what is left is the kernel's own work; where it is not well above the
@@ -193,6 +198,53 @@ def vs_ggml(args: argparse.Namespace) -> None:
                           f"{gbs['g'] / gbs['r']:.2f} | {ratio:.2f} |", flush=True)
 
 
+def vs_held(args: argparse.Namespace) -> None:
+    """Row-major vs held as panels (qlinear_held.h, the engine's layout): the same random weights
+    both ways, alternated with a plain read in one process, at each M of --ms."""
+    from fitserve.kernels.cpu.qlinear import hold
+
+    ops = torch.ops.fitserve
+    print("| threads | shape | N x K | format | M | row-major GB/s | held GB/s | plain read GB/s | "
+          "row-major / read | held / read | held time / row-major time |")
+    print("|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for threads in (int(t) for t in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        now = clock(threads)
+        for model in args.shapes.split(","):
+            for label, n, k in SHAPES[model]:
+                for fmt in args.formats.split(","):
+                    copies = max(2, (args.rotate_mb << 20) // Slabs(fmt, n, k, 1).bytes_per_copy())
+                    sl = Slabs(fmt, n, k, copies)
+                    rows, held = [sl.call(i) for i in range(copies)], []
+                    for i in range(copies):
+                        r = slice(i * n, (i + 1) * n)
+                        q, sc, mn = hold(sl.q[r], sl.s[r], None if sl.m is None else sl.m[r], 32)
+                        held.append((lambda x, q=q, sc=sc: ops.int8_linear(x, q, sc, 32, True))
+                                    if fmt == "q8_0" else
+                                    (lambda x, q=q, sc=sc, mn=mn:
+                                     ops.int4_linear(x, q, sc, mn, 32, True)))
+                    views, total = plain_views(sl.slabs()), copies * sl.bytes_per_copy()
+                    for m in (int(v) for v in args.ms.split(",")):
+                        x = torch.randn(m, k).bfloat16()
+                        if not torch.equal(rows[0](x), held[0](x)):
+                            raise SystemExit(f"{fmt} {label} M={m}: held differs from row-major")
+                        t: dict[str, list[float]] = {"rows": [], "held": [], "read": []}
+                        for _ in range(args.runs):
+                            for key, calls in (("rows", rows), ("held", held)):
+                                t0 = now()
+                                for f in calls:
+                                    f(x)
+                                t[key].append(now() - t0)
+                            t0 = now()
+                            for v in views:
+                                v.sum()
+                            t["read"].append(now() - t0)
+                        r, h, rd = (total / min(t[key]) / 1e9 for key in ("rows", "held", "read"))
+                        print(f"| {threads} | {model} {label} | {n}x{k} | {fmt} | {m} | {r:.1f} | "
+                              f"{h:.1f} | {rd:.1f} | {r / rd:.2f} | {h / rd:.2f} | "
+                              f"{min(t['held']) / min(t['rows']):.2f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", default="1,2")
@@ -202,7 +254,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--vs-ggml", action="store_true", help="qlinear vs ggml rows (see top)")
     ap.add_argument("--ggml-types", default="Q8_0,Q4_0,Q4_1", help="--vs-ggml: GGUF types")
-    ap.add_argument("--ms", default="1,8,32", help="--vs-ggml: rows of x")
+    ap.add_argument("--ms", default="1,8,32", help="--vs-ggml / --vs-held: rows of x")
+    ap.add_argument("--vs-held", action="store_true",
+                    help="row-major vs held as panels (the engine's layout), at each of --ms")
     args = ap.parse_args()
     if not qlinear_ops_available():
         raise SystemExit("the qlinear extension did not build here: nothing to measure")
@@ -211,6 +265,11 @@ def main() -> None:
     if args.vs_ggml:
         print(f"# weights rotated through {args.rotate_mb} MB; 1 thread, CPU clock")
         vs_ggml(args)
+        print(f"# load after: {os.getloadavg()[0]:.1f}")
+        return
+    if args.vs_held:
+        print(f"# weights rotated through {args.rotate_mb} MB; 1 thread: CPU clock, more: wall")
+        vs_held(args)
         print(f"# load after: {os.getloadavg()[0]:.1f}")
         return
     print(f"# weights rotated through {args.rotate_mb} MB; 1 thread: CPU clock, more: wall clock")

@@ -112,6 +112,16 @@ def _cycle(calls: list[Callable[[], object]]) -> Callable[[], object]:
     return call
 
 
+def _engine_layout(q: torch.Tensor, s: torch.Tensor, mins: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The int4 weight as the engine holds it: as panels (FITSERVE_HOLD_PANELS, the default),
+    else row-major."""
+    from fitserve import envs
+    from fitserve.kernels.cpu.qlinear import hold
+
+    return hold(q, s, mins, 32) if envs.FITSERVE_HOLD_PANELS() else (q, s, mins)
+
+
 def _path_calls(m: int, k: int, n: int) -> dict[str, Callable[[], object]]:
     """Each path's op on x [m, k] and weights of n rows, cycling over copies of the weight
     that together pass CYCLE_BYTES (a model's weights stream from DRAM; one matrix called
@@ -138,8 +148,8 @@ def _path_calls(m: int, k: int, n: int) -> dict[str, Callable[[], object]]:
         mins = (torch.rand(n, k // 32, generator=g) * -0.08).half()
         q1 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
         qs = [q1.clone() for _ in range(copies(n * k // 2))]
-        calls["int8act"] = _cycle([functools.partial(int4_linear, xb, q, s, mins, 32, True)
-                                   for q in qs])
+        calls["int8act"] = _cycle([functools.partial(int4_linear, xb, *_engine_layout(q, s, mins),
+                                                     32, True) for q in qs])
     return calls
 
 
@@ -180,8 +190,8 @@ def _gemv_calls(k: int) -> dict[str, Callable[[], object]]:
         mins = (torch.rand(n, k // 32, generator=g) * -0.08).half()
         q1 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
         qs = [q1.clone() for _ in range(max(2, CYCLE_BYTES // (n * k // 2)))]
-        calls["int8act"] = _cycle([functools.partial(int4_linear, xb, q, s, mins, 32, True)
-                                   for q in qs])
+        calls["int8act"] = _cycle([functools.partial(int4_linear, xb, *_engine_layout(q, s, mins),
+                                                     32, True) for q in qs])
     return calls
 
 

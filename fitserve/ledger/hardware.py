@@ -21,8 +21,8 @@ from fitserve.ledger.formats import GGUF_PACKED
 
 # 4: the engine rates (one thread's CPU time x threads) beside the bandwidth; 5: + the
 # element-wise cost per token and the cost per sampled sequence; 6: + the one-row linears'
-# weight stream rate
-CPU_CACHE_VERSION = 8
+# weight stream rate; 9: the int4 linears measured on the layout the engine holds (panels)
+CPU_CACHE_VERSION = 9
 
 
 @dataclass(frozen=True)
