@@ -31,10 +31,12 @@
 #include <vector>
 
 #include "kvq_encode.h"
+#include "kvq_rotate.h"
 
 namespace {
 
 enum Codec : int64_t { kInt8 = 0, kE4M3 = 1, kE5M2 = 2 };
+constexpr int64_t kMaxHalf = 256;  // head_dim / 2 the vector rotation's stack tables hold
 
 // NOTE: an opaque copy: the compiler may not contract a * b + c across it into an FMA (torch
 // rounds the product first), whatever -ffp-contract the tier's flags imply.
@@ -120,13 +122,16 @@ template <typename T>
 void write_channel_keys(const Codes& cd, const Cache& c, const T* k, int64_t k_s0, int64_t k_s1,
                         const int64_t* slots, int64_t n) {
   const int64_t h_n = c.hkv, d = c.d, bs = c.bs, cap = c.nb * bs;
+  // NOTE: the buffers are the thread's, kept between calls: a W1 step allocates nothing
+  thread_local std::vector<int64_t> order, tokens;
+  thread_local std::vector<float> old, fresh_max, scale, div;
+  for (auto* b : {&old, &fresh_max, &scale, &div}) b->resize(static_cast<size_t>(h_n * d));
   // the step's tokens grouped by block, in token order within each (a W1 step: one token)
-  std::vector<int64_t> order(n);
+  order.resize(static_cast<size_t>(n));
   std::iota(order.begin(), order.end(), int64_t{0});
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return slots[a] / bs < slots[b] / bs; });
-  std::vector<float> old(h_n * d), fresh_max(h_n * d), scale(h_n * d), div(h_n * d);
-  std::vector<int64_t> tokens;
+  if (n > 1)
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return slots[a] / bs < slots[b] / bs; });
   for (int64_t first = 0; first < n;) {
     const int64_t blk = slots[order[first]] / bs;
     tokens.clear();
@@ -243,10 +248,23 @@ void rope_write_kvq_(at::Tensor& qk, const at::Tensor& v, const at::Tensor& posi
     const scalar_t* vb = v.data_ptr<scalar_t>();
     const int64_t s0 = qk.stride(0), s1 = qk.stride(1), v0 = v.stride(0), v1 = v.stride(1);
     const int64_t half = d / 2;
-    for (int64_t t = 0; t < n; ++t)
+    for (int64_t t = 0; t < n; ++t) {
+      const float* ct = cos.data_ptr<float>() + pp[t] * half;
+      const float* st = sin.data_ptr<float>() + pp[t] * half;
+#if KVQ_ENCODE_AVX512
+      if constexpr (kRotate512<scalar_t>) {
+        if (half <= kMaxHalf) {  // the token's tables rounded once, shared by its heads
+          float tab[2 * kMaxHalf];
+          rounded_tables<scalar_t>(ct, st, half, tab);
+          for (int64_t h = 0; h < heads; ++h)
+            rotate_head_512<scalar_t>(base + t * s0 + h * s1, tab, half, interleaved);
+          continue;
+        }
+      }
+#endif
       for (int64_t h = 0; h < heads; ++h)
-        rotate_head<scalar_t>(base + t * s0 + h * s1, cos.data_ptr<float>() + pp[t] * half,
-                              sin.data_ptr<float>() + pp[t] * half, d, interleaved);
+        rotate_head<scalar_t>(base + t * s0 + h * s1, ct, st, d, interleaved);
+    }
     for (int64_t t = 0; t < n; ++t)
       for (int64_t h = 0; h < c.hkv; ++h) {
         const int64_t row = h * cap + sp[t];
