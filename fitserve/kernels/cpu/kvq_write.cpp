@@ -136,47 +136,51 @@ void write_channel_keys(const Codes& cd, const Cache& c, const T* k, int64_t k_s
     const int64_t blk = slots[order[first]] / bs;
     tokens.clear();
     for (; first < n && slots[order[first]] / bs == blk; ++first) tokens.push_back(order[first]);
-    bool fresh = false;
+    bool fresh = false, grew = false;
     std::fill(fresh_max.begin(), fresh_max.end(), 0.f);
-    for (int64_t t : tokens) {
-      fresh |= slots[t] % bs == 0;
-      for (int64_t h = 0; h < h_n; ++h)
-        for (int64_t i = 0; i < d; ++i)
-          fresh_max[h * d + i] = std::max(fresh_max[h * d + i],
-                                          std::fabs(static_cast<float>(k[t * k_s0 + h * k_s1 + i])));
-    }
-    bool grew = false;
-    for (int64_t h = 0; h < h_n; ++h)
-      for (int64_t i = 0; i < d; ++i) {
-        const int64_t j = h * d + i;
-        old[j] = fresh ? 0.f : c.ks[(h * c.nb + blk) * d + i];
-        scale[j] = std::max(old[j], fresh_max[j] / cd.qmax);
-        grew |= scale[j] > old[j];
-      }
-    if (grew && !fresh) {  // re-encode the block's codes at the grown scales
-      // NOTE: only the (head, channel) columns whose scale grew: at an unchanged scale s,
-      // encode(decode(c) * s / s) == c for every code (|c| <= qmax, one rounding of 2^-24
-      // relative), so skipping them gives the same bytes as re-encoding the whole block (torch)
+    for (int64_t t : tokens) fresh |= slots[t] % bs == 0;
 #if KVQ_ENCODE_AVX512
-      // row by row, 16 channels a step (the column walk below touched one byte per row)
+    if constexpr (kEncode512<T>) {
+      for (int64_t t : tokens)
+        for (int64_t h = 0; h < h_n; ++h) absmax_into_512(k + t * k_s0 + h * k_s1, d, &fresh_max[h * d]);
       for (int64_t h = 0; h < h_n; ++h)
-        for (int64_t tok = 0; tok < bs; ++tok)
-          reencode_row_512(cd.codec, cd.qmax, c.kc + ((h * c.nb + blk) * bs + tok) * d,
-                           old.data() + h * d, scale.data() + h * d, d);
-#else
+        grew |= grow_scales_512(c.ks + (h * c.nb + blk) * d, &fresh_max[h * d], cd.qmax, d,
+                                &old[h * d], &scale[h * d], &div[h * d], fresh);
+      if (grew && !fresh)  // see the scalar branch's NOTE
+        for (int64_t h = 0; h < h_n; ++h)
+          reencode_block_512(cd.codec, cd.qmax, c.kc + (h * c.nb + blk) * bs * d, bs, d,
+                             &old[h * d], &scale[h * d]);
+    } else
+#endif
+    {
+      for (int64_t t : tokens)
+        for (int64_t h = 0; h < h_n; ++h)
+          for (int64_t i = 0; i < d; ++i)
+            fresh_max[h * d + i] = std::max(fresh_max[h * d + i],
+                                            std::fabs(static_cast<float>(k[t * k_s0 + h * k_s1 + i])));
       for (int64_t h = 0; h < h_n; ++h)
         for (int64_t i = 0; i < d; ++i) {
           const int64_t j = h * d + i;
-          if (!(scale[j] > old[j])) continue;
-          uint8_t* col = c.kc + (h * c.nb + blk) * bs * d + i;
-          for (int64_t tok = 0; tok < bs; ++tok)
-            col[tok * d] = cd.encode(rounded(cd.decode(col[tok * d]) * old[j]) / safe(scale[j]));
+          old[j] = fresh ? 0.f : c.ks[(h * c.nb + blk) * d + i];
+          scale[j] = std::max(old[j], fresh_max[j] / cd.qmax);
+          grew |= scale[j] > old[j];
         }
-#endif
+      if (grew && !fresh)  // re-encode the block's codes at the grown scales
+        // NOTE: only the (head, channel) columns whose scale grew: at an unchanged scale s,
+        // encode(decode(c) * s / s) == c for every code (|c| <= qmax, one rounding of 2^-24
+        // relative), so skipping them gives the same bytes as re-encoding the whole block (torch)
+        for (int64_t h = 0; h < h_n; ++h)
+          for (int64_t i = 0; i < d; ++i) {
+            const int64_t j = h * d + i;
+            if (!(scale[j] > old[j])) continue;
+            uint8_t* col = c.kc + (h * c.nb + blk) * bs * d + i;
+            for (int64_t tok = 0; tok < bs; ++tok)
+              col[tok * d] = cd.encode(rounded(cd.decode(col[tok * d]) * old[j]) / safe(scale[j]));
+          }
+      for (int64_t h = 0; h < h_n; ++h)
+        std::copy_n(scale.data() + h * d, d, c.ks + (h * c.nb + blk) * d);
+      for (int64_t j = 0; j < h_n * d; ++j) div[j] = safe(scale[j]);
     }
-    for (int64_t h = 0; h < h_n; ++h)
-      std::copy_n(scale.data() + h * d, d, c.ks + (h * c.nb + blk) * d);
-    for (int64_t j = 0; j < h_n * d; ++j) div[j] = safe(scale[j]);
     for (int64_t t : tokens)
       for (int64_t h = 0; h < h_n; ++h) {
         uint8_t* row = c.kc + (h * cap + slots[t]) * d;
