@@ -17,6 +17,8 @@
 // Per-channel keys keep each block's running absmax: a block the step starts (a slot at offset
 // 0) starts from 0; one whose scale grows in any (head, channel) has every code of the block
 // re-encoded at the new scales first (decode x old / new), exactly as _write_channel_keys.
+// On AVX-512 (bf16 / fp16 activations) the rotation, the encoder, the per-channel scales and the
+// re-encode run 16 lanes at a time (kvq_rotate.h, kvq_encode.h), bit-equal to the scalar code.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
