@@ -158,6 +158,36 @@ def test_rotation_edge_values_bit_equal(dtype: torch.dtype) -> None:
         assert torch.equal(qk.view(torch.int16), want.view(torch.int16)), interleaved
 
 
+@pytest.mark.parametrize("codec", list(CODECS))
+def test_small_scale_growth_bit_equal(codec: str) -> None:
+    """Per-channel keys: a block's keys then one whose channels grow the block's scales by
+    factors on both sides of where a code first moves (int8 127 -> 126 at 1.004, fp8 a code
+    one step down at 1.03-1.07) and of the writer's skip bounds: codes and scales bit-equal to
+    torch's quantizer, and some earlier codes did move."""
+    assert kvq_write_available()
+    gen = torch.Generator().manual_seed(5)
+    d, bs, rows = 64, 16, 9
+    fused, ref = (QuantizedKVCache(codec, "channel-key", num_kv_heads=1, num_blocks=2,
+                                   block_size=bs, head_dim=d) for _ in range(2))
+    k = torch.randn(rows, d, generator=gen)
+    k[0] = k[1:].abs().amax(0) * torch.where(torch.rand(d, generator=gen) < 0.5, -1.0, 1.0)
+    grow = torch.tensor([1.0005, 1.002, 1.0034, 1.0036, 1.004, 1.01, 1.02, 1.027, 1.029, 1.031,
+                         1.034, 1.05, 1.055, 1.058, 1.07, 1.2])
+    k = torch.cat([k, (k[0] * grow.repeat(d // 16)).unsqueeze(0)])
+    cos, sin = torch.ones(rows + 1, d // 2), torch.zeros(rows + 1, d // 2)
+    before = None
+    for t in range(rows + 1):
+        qk = k[t].view(1, 1, d).repeat(1, 2, 1).bfloat16()
+        v, pos = torch.randn(1, 1, d, generator=gen).bfloat16(), torch.tensor([t])
+        if t == rows:
+            before = ref.k_codes.clone()
+        ref.write(qk[:, 1:].clone(), v, pos)
+        assert fused.rope_write_(qk, v, pos, cos, sin, pos, 1, False)
+    for name in ("k_codes", "v_codes", "k_scales", "v_scales"):
+        assert torch.equal(getattr(fused, name), getattr(ref, name)), name
+    assert before is not None and not torch.equal(before[:, 0, :rows], ref.k_codes[:, 0, :rows])
+
+
 def test_rejects_bad_inputs_with_a_clear_error() -> None:
     kv = QuantizedKVCache("int8", "token", num_kv_heads=HKV, num_blocks=NB, block_size=BS,
                           head_dim=D)
@@ -186,4 +216,4 @@ def test_tier_is_the_one_asked_for(tier: str) -> None:
 @pytest.mark.parametrize("tier", ["avx2", "scalar"])
 def test_lower_tier_build_is_bit_equal(tier: str) -> None:
     """Built for a lower tier (other -m flags: no FMA to contract into), still bit-equal."""
-    run_tests_at_tier(__file__, tier, f"bit_equal_to_torch or edge_values or tier_is_the_one_asked_for and {tier}")
+    run_tests_at_tier(__file__, tier, f"bit_equal_to_torch or edge_values or small_scale_growth or tier_is_the_one_asked_for and {tier}")

@@ -108,13 +108,21 @@ inline __m512 decode16(int64_t codec, __m128i x) {
 // (as the scalar loop). NOTE: 16 channels at a time down the block's rows, the lanes' old and
 // new scales and the codec held across the rows (the row-outer loop reloaded them per row and
 // branched on the codec per 16 bytes).
+// NOTE: a lane whose scale grew by less than kNoChange[C] - 1 keeps every code, so it is
+// skipped too: decode(c) * old / new moves a code c by less than half its gap below. int8:
+// |c| (1 - old/new) <= 127 * 0.45/127 < 0.5; e4m3 / e5m2: the gap below a code is >= 1/16 /
+// 1/8 of it (1/32 / 1/16 halved; subnormals and 0 have more room), against 1/37 / 1/19; the two
+// fp32 roundings (2^-23 relative) are far inside those margins.
+constexpr float kNoChange[3] = {1.f + 0.45f / 127.f, 1.f + 1.f / 36.f, 1.f + 1.f / 18.f};
+
 template <int64_t C>
 inline void reencode_block_512(float qmax, uint8_t* codes, int64_t bs, int64_t d, const float* old,
                                const float* scale) {
+  const __m512 no_change = _mm512_set1_ps(kNoChange[C]);
   for (int64_t i = 0; i < d; i += 16) {
     const __mmask16 m = enc_mask(d - i);
     const __m512 o = _mm512_maskz_loadu_ps(m, old + i), sc = _mm512_maskz_loadu_ps(m, scale + i);
-    const __mmask16 grew = _mm512_mask_cmp_ps_mask(m, sc, o, _CMP_GT_OQ);
+    const __mmask16 grew = _mm512_mask_cmp_ps_mask(m, sc, _mm512_mul_ps(o, no_change), _CMP_GT_OQ);
     if (grew == 0) continue;
     const __m512 div = _mm512_mask_blend_ps(grew, _mm512_set1_ps(1.f), sc);
     for (uint8_t* row = codes + i; row < codes + bs * d; row += d) {
