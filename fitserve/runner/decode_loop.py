@@ -225,6 +225,7 @@ class DecodeLoop:
         self._plans: dict[str, int | None] = {}
         self._plans_kv: list[LayerKV] | None = None
         self._handles: list[int] = []
+        self._kvq_checked: tuple[list[LayerKV], bool] | None = None  # applies' cache check
         weakref.finalize(self, _drop_plans, self._handles)
         self.native = envs.FITSERVE_DECODE_NATIVE()
         self.calls = 0  # steps run here (tests check the fast path is the one taken)
@@ -253,9 +254,12 @@ class DecodeLoop:
         if isinstance(kv_caches[0], tuple):
             return not d.backend.reads_quantized_kv
         # a quantized cache: the step reads it in place and the fused writer is built
-        return (d.backend.reads_quantized_kv and quantized_loop_available()
-                and all(isinstance(kv, QuantizedKVCache) and kv.k_codes.is_contiguous()
-                        and kv.codec.name in CODEC_IDS for kv in kv_caches))
+        # NOTE: the per-layer check once per cache list (it was ~5 us of every step)
+        if self._kvq_checked is None or self._kvq_checked[0] is not kv_caches:
+            self._kvq_checked = (kv_caches, quantized_loop_available() and all(
+                isinstance(kv, QuantizedKVCache) and kv.k_codes.is_contiguous()
+                and kv.codec.name in CODEC_IDS for kv in kv_caches))
+        return d.backend.reads_quantized_kv and self._kvq_checked[1]
 
     def _bound(self, rows: int) -> list[BoundLayer]:
         key = shape_class(rows)

@@ -134,6 +134,60 @@ def test_encoder_edge_values_bit_equal(codec: str) -> None:
     assert torch.equal(fused.v_codes, ref.v_codes)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rotation_edge_values_bit_equal(dtype: torch.dtype) -> None:
+    """The rotation on random bit patterns of the activation dtype (every finite exponent:
+    subnormals, the largest values, products and sums that round half to even or overflow)
+    by tables holding 0, 1, -1 and random angles: rotated q/k bit-equal to torch's, both
+    pairings, at a head_dim with a partial 16-lane tail (the vector path's masks)."""
+    assert kvq_write_available()
+    gen = torch.Generator().manual_seed(37)
+    d, n, heads = 40, 24, 3
+    bits = torch.randint(0, 1 << 16, (n, heads + 1, d), generator=gen, dtype=torch.int32)
+    x = bits.to(torch.int16).view(dtype)
+    x[~torch.isfinite(x)] = 1.5  # no NaN / inf in: every result is then a number or inf
+    ang = torch.rand(n, d // 2, generator=gen) * 6.3
+    cos, sin = ang.cos(), ang.sin()
+    cos[:3], sin[:3] = torch.tensor([[1.0], [0.0], [-1.0]]), torch.tensor([[0.0], [1.0], [0.0]])
+    kv = QuantizedKVCache("int8", "token", num_kv_heads=1, num_blocks=n, block_size=1, head_dim=d)
+    pos = torch.arange(n)
+    for interleaved in (False, True):
+        qk = x[:, :heads].clone()
+        want = rotate_like_torch(qk.clone(), cos, sin, pos, interleaved)
+        assert kv.rope_write_(qk, x[:, heads:].clone(), pos, cos, sin, pos, heads - 1, interleaved)
+        assert torch.equal(qk.view(torch.int16), want.view(torch.int16)), interleaved
+
+
+@pytest.mark.parametrize("codec", list(CODECS))
+def test_small_scale_growth_bit_equal(codec: str) -> None:
+    """Per-channel keys: a block's keys then one whose channels grow the block's scales by
+    factors on both sides of where a code first moves (int8 127 -> 126 at 1.004, fp8 a code
+    one step down at 1.03-1.07) and of the writer's skip bounds: codes and scales bit-equal to
+    torch's quantizer, and some earlier codes did move."""
+    assert kvq_write_available()
+    gen = torch.Generator().manual_seed(5)
+    d, bs, rows = 64, 16, 9
+    fused, ref = (QuantizedKVCache(codec, "channel-key", num_kv_heads=1, num_blocks=2,
+                                   block_size=bs, head_dim=d) for _ in range(2))
+    k = torch.randn(rows, d, generator=gen)
+    k[0] = k[1:].abs().amax(0) * torch.where(torch.rand(d, generator=gen) < 0.5, -1.0, 1.0)
+    grow = torch.tensor([1.0005, 1.002, 1.0034, 1.0036, 1.004, 1.01, 1.02, 1.027, 1.029, 1.031,
+                         1.034, 1.05, 1.055, 1.058, 1.07, 1.2])
+    k = torch.cat([k, (k[0] * grow.repeat(d // 16)).unsqueeze(0)])
+    cos, sin = torch.ones(rows + 1, d // 2), torch.zeros(rows + 1, d // 2)
+    before = None
+    for t in range(rows + 1):
+        qk = k[t].view(1, 1, d).repeat(1, 2, 1).bfloat16()
+        v, pos = torch.randn(1, 1, d, generator=gen).bfloat16(), torch.tensor([t])
+        if t == rows:
+            before = ref.k_codes.clone()
+        ref.write(qk[:, 1:].clone(), v, pos)
+        assert fused.rope_write_(qk, v, pos, cos, sin, pos, 1, False)
+    for name in ("k_codes", "v_codes", "k_scales", "v_scales"):
+        assert torch.equal(getattr(fused, name), getattr(ref, name)), name
+    assert before is not None and not torch.equal(before[:, 0, :rows], ref.k_codes[:, 0, :rows])
+
+
 def test_rejects_bad_inputs_with_a_clear_error() -> None:
     kv = QuantizedKVCache("int8", "token", num_kv_heads=HKV, num_blocks=NB, block_size=BS,
                           head_dim=D)
@@ -162,4 +216,4 @@ def test_tier_is_the_one_asked_for(tier: str) -> None:
 @pytest.mark.parametrize("tier", ["avx2", "scalar"])
 def test_lower_tier_build_is_bit_equal(tier: str) -> None:
     """Built for a lower tier (other -m flags: no FMA to contract into), still bit-equal."""
-    run_tests_at_tier(__file__, tier, f"bit_equal_to_torch or encoder_edge_values or tier_is_the_one_asked_for and {tier}")
+    run_tests_at_tier(__file__, tier, f"bit_equal_to_torch or edge_values or small_scale_growth or tier_is_the_one_asked_for and {tier}")

@@ -44,6 +44,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "kvq_prefetch.h"
+
 namespace {
 
 // NOTE: kinds 0-3 keep their numbers; each part's kind says where its bias goes: inside the op
@@ -143,31 +145,6 @@ at::Tensor ggml_fp32(const at::Tensor& x, const LinearPart& p) {
       op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::string&, int64_t, int64_t)>(
           "fitserve::ggml_matmul");
   return h.call(x.contiguous(), p.w, p.s0, p.w.size(0), x.size(1));
-}
-
-// NOTE: per-channel key scales: the write reads back each new key's block (a grown scale
-// re-encodes it), lines the weight stream evicted since the layer's last step (~45% of
-// rope_write_kvq_'s time); requested before the qkv GEMV, they arrive while it runs.
-void prefetch_key_blocks(const at::Tensor& kc, const at::Tensor& ks, const at::Tensor& slots) {
-  const int64_t n = slots.numel();
-  if (n > 8 || !kc.is_contiguous() || !ks.is_contiguous() || kc.dim() != 4 ||
-      (slots.scalar_type() != at::kLong && slots.scalar_type() != at::kInt))
-    return;
-  const int64_t hkv = kc.size(0), nb = kc.size(1), bs = kc.size(2), d = kc.size(3);
-  const auto* codes = static_cast<const char*>(kc.data_ptr());
-  const auto* scales = static_cast<const char*>(ks.data_ptr());
-  for (int64_t t = 0; t < n; ++t) {
-    const int64_t slot = slots.scalar_type() == at::kLong ? slots.data_ptr<int64_t>()[t]
-                                                          : slots.data_ptr<int32_t>()[t];
-    const int64_t blk = slot / bs;
-    if (slot < 0 || blk >= nb) continue;
-    for (int64_t h = 0; h < hkv; ++h) {
-      const char* c = codes + (h * nb + blk) * bs * d;
-      for (int64_t b = 0; b < bs * d; b += 64) __builtin_prefetch(c + b, 1, 2);
-      const char* sc = scales + (h * nb + blk) * d * 4;
-      for (int64_t b = 0; b < d * 4; b += 64) __builtin_prefetch(sc + b, 1, 2);
-    }
-  }
 }
 
 // One part on x [M, K], calling the op its module calls, with the same arguments.
@@ -371,7 +348,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
                           : add_rms_norm_(residual, x, norms[2 * l], p.eps[2 * l]);
     if (l == 0) residual = x;
     const int64_t li = l * kLinearsPerLayer;
-    if (p.kv_codec >= 0 && p.channel_keys) prefetch_key_blocks(p.k_caches[l], p.k_scales[l], slots);
+    if (p.kv_codec >= 0)
+      prefetch_write_lines(p.k_caches[l], p.v_caches[l], p.k_scales[l], p.v_scales[l], slots,
+                           p.channel_keys);
     const at::Tensor qkv = linear(h, linears, li);
     at::Tensor qk = qkv.narrow(1, 0, qk_cols).view({n, hq + hkv, hd});
     if (ex != nullptr) qk = norm_qk(*ex, l, qkv, qk, hq, q_size, hkv * hd);

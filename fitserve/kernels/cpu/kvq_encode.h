@@ -103,19 +103,71 @@ inline __m512 decode16(int64_t codec, __m128i x) {
   return _mm512_mask_mov_ps(v, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
 }
 
-// Re-encode row[0..d) of a block at grown per-channel scales: lanes with scale[i] > old[i] get
-// encode(rounded(decode(code) * old) / scale), the others keep their byte (as the scalar loop).
-inline void reencode_row_512(int64_t codec, float qmax, uint8_t* row, const float* old,
-                             const float* scale, int64_t d) {
+// Re-encode one head's block codes [bs, d] at grown per-channel scales: lanes with
+// scale[i] > old[i] get encode(rounded(decode(code) * old) / scale), the others keep their byte
+// (as the scalar loop). NOTE: 16 channels at a time down the block's rows, the lanes' old and
+// new scales and the codec held across the rows (the row-outer loop reloaded them per row and
+// branched on the codec per 16 bytes).
+// NOTE: a lane whose scale grew by less than kNoChange[C] - 1 keeps every code, so it is
+// skipped too: decode(c) * old / new moves a code c by less than half its gap below. int8:
+// |c| (1 - old/new) <= 127 * 0.45/127 < 0.5; e4m3 / e5m2: the gap below a code is >= 1/16 /
+// 1/8 of it (1/32 / 1/16 halved; subnormals and 0 have more room), against 1/37 / 1/19; the two
+// fp32 roundings (2^-23 relative) are far inside those margins.
+constexpr float kNoChange[3] = {1.f + 0.45f / 127.f, 1.f + 1.f / 36.f, 1.f + 1.f / 18.f};
+
+template <int64_t C>
+inline void reencode_block_512(float qmax, uint8_t* codes, int64_t bs, int64_t d, const float* old,
+                               const float* scale) {
+  const __m512 no_change = _mm512_set1_ps(kNoChange[C]);
   for (int64_t i = 0; i < d; i += 16) {
     const __mmask16 m = enc_mask(d - i);
     const __m512 o = _mm512_maskz_loadu_ps(m, old + i), sc = _mm512_maskz_loadu_ps(m, scale + i);
-    const __mmask16 grew = _mm512_mask_cmp_ps_mask(m, sc, o, _CMP_GT_OQ);
+    const __mmask16 grew = _mm512_mask_cmp_ps_mask(m, sc, _mm512_mul_ps(o, no_change), _CMP_GT_OQ);
     if (grew == 0) continue;
-    const __m512 y = _mm512_div_ps(_mm512_mul_ps(decode16(codec, _mm_maskz_loadu_epi8(m, row + i)), o),
-                                   _mm512_mask_blend_ps(grew, _mm512_set1_ps(1.f), sc));
-    _mm_mask_storeu_epi8(row + i, grew, encode16(codec, qmax, y));
+    const __m512 div = _mm512_mask_blend_ps(grew, _mm512_set1_ps(1.f), sc);
+    for (uint8_t* row = codes + i; row < codes + bs * d; row += d) {
+      const __m512 y = _mm512_div_ps(_mm512_mul_ps(decode16(C, _mm_maskz_loadu_epi8(grew, row)), o), div);
+      _mm_mask_storeu_epi8(row, grew, encode16(C, qmax, y));
+    }
   }
+}
+
+inline void reencode_block_512(int64_t codec, float qmax, uint8_t* codes, int64_t bs, int64_t d,
+                               const float* old, const float* scale) {
+  if (codec == 0) reencode_block_512<0>(qmax, codes, bs, d, old, scale);
+  else if (codec == 1) reencode_block_512<1>(qmax, codes, bs, d, old, scale);
+  else reencode_block_512<2>(qmax, codes, bs, d, old, scale);
+}
+
+// fm[i] = max(fm[i], |x[i]|), i < d (NaN ignored, as std::max(fm, NaN) keeps fm).
+template <typename T>
+inline void absmax_into_512(const T* x, int64_t d, float* fm) {
+  const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  for (int64_t i = 0; i < d; i += 16) {
+    const __mmask16 m = enc_mask(d - i);
+    const __m512 a = _mm512_and_ps(enc_load(x + i, m), abs_mask);
+    _mm512_mask_storeu_ps(fm + i, m, _mm512_max_ps(a, _mm512_maskz_loadu_ps(m, fm + i)));
+  }
+}
+
+// One head's block scales, i < d: old = prev (null: a fresh block, 0), scale = std::max(old,
+// fm / qmax), div = scale > 0 ? scale : 1, prev = scale; true where any scale grew.
+inline bool grow_scales_512(float* prev, const float* fm, float qmax, int64_t d, float* old,
+                            float* scale, float* div, bool fresh) {
+  __mmask16 grew = 0;
+  const __m512 q = _mm512_set1_ps(qmax), one = _mm512_set1_ps(1.f);
+  for (int64_t i = 0; i < d; i += 16) {
+    const __mmask16 m = enc_mask(d - i);
+    const __m512 o = fresh ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m, prev + i);
+    const __m512 sc = _mm512_max_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(m, fm + i), q), o);
+    grew |= _mm512_mask_cmp_ps_mask(m, sc, o, _CMP_GT_OQ);
+    _mm512_mask_storeu_ps(old + i, m, o);
+    _mm512_mask_storeu_ps(scale + i, m, sc);
+    _mm512_mask_storeu_ps(prev + i, m, sc);
+    const __mmask16 pos = _mm512_cmp_ps_mask(sc, _mm512_setzero_ps(), _CMP_GT_OQ);
+    _mm512_mask_storeu_ps(div + i, m, _mm512_mask_blend_ps(pos, one, sc));
+  }
+  return grew != 0;
 }
 
 // max |x[i]| over d values (NaN ignored, as std::max(amax, NaN) keeps amax).

@@ -17,6 +17,8 @@
 // Per-channel keys keep each block's running absmax: a block the step starts (a slot at offset
 // 0) starts from 0; one whose scale grows in any (head, channel) has every code of the block
 // re-encoded at the new scales first (decode x old / new), exactly as _write_channel_keys.
+// On AVX-512 (bf16 / fp16 activations) the rotation, the encoder, the per-channel scales and the
+// re-encode run 16 lanes at a time (kvq_rotate.h, kvq_encode.h), bit-equal to the scalar code.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
@@ -31,10 +33,12 @@
 #include <vector>
 
 #include "kvq_encode.h"
+#include "kvq_rotate.h"
 
 namespace {
 
 enum Codec : int64_t { kInt8 = 0, kE4M3 = 1, kE5M2 = 2 };
+constexpr int64_t kMaxHalf = 256;  // head_dim / 2 the vector rotation's stack tables hold
 
 // NOTE: an opaque copy: the compiler may not contract a * b + c across it into an FMA (torch
 // rounds the product first), whatever -ffp-contract the tier's flags imply.
@@ -120,58 +124,65 @@ template <typename T>
 void write_channel_keys(const Codes& cd, const Cache& c, const T* k, int64_t k_s0, int64_t k_s1,
                         const int64_t* slots, int64_t n) {
   const int64_t h_n = c.hkv, d = c.d, bs = c.bs, cap = c.nb * bs;
+  // NOTE: the buffers are the thread's, kept between calls: a W1 step allocates nothing
+  thread_local std::vector<int64_t> order, tokens;
+  thread_local std::vector<float> old, fresh_max, scale, div;
+  for (auto* b : {&old, &fresh_max, &scale, &div}) b->resize(static_cast<size_t>(h_n * d));
   // the step's tokens grouped by block, in token order within each (a W1 step: one token)
-  std::vector<int64_t> order(n);
+  order.resize(static_cast<size_t>(n));
   std::iota(order.begin(), order.end(), int64_t{0});
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return slots[a] / bs < slots[b] / bs; });
-  std::vector<float> old(h_n * d), fresh_max(h_n * d), scale(h_n * d), div(h_n * d);
-  std::vector<int64_t> tokens;
+  if (n > 1)
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return slots[a] / bs < slots[b] / bs; });
   for (int64_t first = 0; first < n;) {
     const int64_t blk = slots[order[first]] / bs;
     tokens.clear();
     for (; first < n && slots[order[first]] / bs == blk; ++first) tokens.push_back(order[first]);
-    bool fresh = false;
+    bool fresh = false, grew = false;
     std::fill(fresh_max.begin(), fresh_max.end(), 0.f);
-    for (int64_t t : tokens) {
-      fresh |= slots[t] % bs == 0;
-      for (int64_t h = 0; h < h_n; ++h)
-        for (int64_t i = 0; i < d; ++i)
-          fresh_max[h * d + i] = std::max(fresh_max[h * d + i],
-                                          std::fabs(static_cast<float>(k[t * k_s0 + h * k_s1 + i])));
-    }
-    bool grew = false;
-    for (int64_t h = 0; h < h_n; ++h)
-      for (int64_t i = 0; i < d; ++i) {
-        const int64_t j = h * d + i;
-        old[j] = fresh ? 0.f : c.ks[(h * c.nb + blk) * d + i];
-        scale[j] = std::max(old[j], fresh_max[j] / cd.qmax);
-        grew |= scale[j] > old[j];
-      }
-    if (grew && !fresh) {  // re-encode the block's codes at the grown scales
-      // NOTE: only the (head, channel) columns whose scale grew: at an unchanged scale s,
-      // encode(decode(c) * s / s) == c for every code (|c| <= qmax, one rounding of 2^-24
-      // relative), so skipping them gives the same bytes as re-encoding the whole block (torch)
+    for (int64_t t : tokens) fresh |= slots[t] % bs == 0;
 #if KVQ_ENCODE_AVX512
-      // row by row, 16 channels a step (the column walk below touched one byte per row)
+    if constexpr (kEncode512<T>) {
+      for (int64_t t : tokens)
+        for (int64_t h = 0; h < h_n; ++h) absmax_into_512(k + t * k_s0 + h * k_s1, d, &fresh_max[h * d]);
       for (int64_t h = 0; h < h_n; ++h)
-        for (int64_t tok = 0; tok < bs; ++tok)
-          reencode_row_512(cd.codec, cd.qmax, c.kc + ((h * c.nb + blk) * bs + tok) * d,
-                           old.data() + h * d, scale.data() + h * d, d);
-#else
+        grew |= grow_scales_512(c.ks + (h * c.nb + blk) * d, &fresh_max[h * d], cd.qmax, d,
+                                &old[h * d], &scale[h * d], &div[h * d], fresh);
+      if (grew && !fresh)  // see the scalar branch's NOTE
+        for (int64_t h = 0; h < h_n; ++h)
+          reencode_block_512(cd.codec, cd.qmax, c.kc + (h * c.nb + blk) * bs * d, bs, d,
+                             &old[h * d], &scale[h * d]);
+    } else
+#endif
+    {
+      for (int64_t t : tokens)
+        for (int64_t h = 0; h < h_n; ++h)
+          for (int64_t i = 0; i < d; ++i)
+            fresh_max[h * d + i] = std::max(fresh_max[h * d + i],
+                                            std::fabs(static_cast<float>(k[t * k_s0 + h * k_s1 + i])));
       for (int64_t h = 0; h < h_n; ++h)
         for (int64_t i = 0; i < d; ++i) {
           const int64_t j = h * d + i;
-          if (!(scale[j] > old[j])) continue;
-          uint8_t* col = c.kc + (h * c.nb + blk) * bs * d + i;
-          for (int64_t tok = 0; tok < bs; ++tok)
-            col[tok * d] = cd.encode(rounded(cd.decode(col[tok * d]) * old[j]) / safe(scale[j]));
+          old[j] = fresh ? 0.f : c.ks[(h * c.nb + blk) * d + i];
+          scale[j] = std::max(old[j], fresh_max[j] / cd.qmax);
+          grew |= scale[j] > old[j];
         }
-#endif
+      if (grew && !fresh)  // re-encode the block's codes at the grown scales
+        // NOTE: only the (head, channel) columns whose scale grew: at an unchanged scale s,
+        // encode(decode(c) * s / s) == c for every code (|c| <= qmax, one rounding of 2^-24
+        // relative), so skipping them gives the same bytes as re-encoding the whole block (torch)
+        for (int64_t h = 0; h < h_n; ++h)
+          for (int64_t i = 0; i < d; ++i) {
+            const int64_t j = h * d + i;
+            if (!(scale[j] > old[j])) continue;
+            uint8_t* col = c.kc + (h * c.nb + blk) * bs * d + i;
+            for (int64_t tok = 0; tok < bs; ++tok)
+              col[tok * d] = cd.encode(rounded(cd.decode(col[tok * d]) * old[j]) / safe(scale[j]));
+          }
+      for (int64_t h = 0; h < h_n; ++h)
+        std::copy_n(scale.data() + h * d, d, c.ks + (h * c.nb + blk) * d);
+      for (int64_t j = 0; j < h_n * d; ++j) div[j] = safe(scale[j]);
     }
-    for (int64_t h = 0; h < h_n; ++h)
-      std::copy_n(scale.data() + h * d, d, c.ks + (h * c.nb + blk) * d);
-    for (int64_t j = 0; j < h_n * d; ++j) div[j] = safe(scale[j]);
     for (int64_t t : tokens)
       for (int64_t h = 0; h < h_n; ++h) {
         uint8_t* row = c.kc + (h * cap + slots[t]) * d;
@@ -243,10 +254,23 @@ void rope_write_kvq_(at::Tensor& qk, const at::Tensor& v, const at::Tensor& posi
     const scalar_t* vb = v.data_ptr<scalar_t>();
     const int64_t s0 = qk.stride(0), s1 = qk.stride(1), v0 = v.stride(0), v1 = v.stride(1);
     const int64_t half = d / 2;
-    for (int64_t t = 0; t < n; ++t)
+    for (int64_t t = 0; t < n; ++t) {
+      const float* ct = cos.data_ptr<float>() + pp[t] * half;
+      const float* st = sin.data_ptr<float>() + pp[t] * half;
+#if KVQ_ENCODE_AVX512
+      if constexpr (kRotate512<scalar_t>) {
+        if (half <= kMaxHalf) {  // the token's tables rounded once, shared by its heads
+          float tab[2 * kMaxHalf];
+          rounded_tables<scalar_t>(ct, st, half, tab);
+          for (int64_t h = 0; h < heads; ++h)
+            rotate_head_512<scalar_t>(base + t * s0 + h * s1, tab, half, interleaved);
+          continue;
+        }
+      }
+#endif
       for (int64_t h = 0; h < heads; ++h)
-        rotate_head<scalar_t>(base + t * s0 + h * s1, cos.data_ptr<float>() + pp[t] * half,
-                              sin.data_ptr<float>() + pp[t] * half, d, interleaved);
+        rotate_head<scalar_t>(base + t * s0 + h * s1, ct, st, d, interleaved);
+    }
     for (int64_t t = 0; t < n; ++t)
       for (int64_t h = 0; h < c.hkv; ++h) {
         const int64_t row = h * cap + sp[t];

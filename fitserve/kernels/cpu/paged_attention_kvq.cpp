@@ -180,9 +180,14 @@ at::Tensor paged_decode_attention_kvq(const at::Tensor& q, const at::Tensor& k_c
               "seq_lens must be int32 or int64");
   TORCH_CHECK(partition_size > 0, "partition_size must be positive");
   const int64_t num_seqs = q.size(0), block_size = k_codes.size(2), num_blocks = k_codes.size(1);
-  const at::Tensor tables = block_tables.to(at::kInt).contiguous();
-  const at::Tensor lens_t = seq_lens.to(at::kLong).contiguous();
-  std::vector<int64_t> lens(lens_t.data_ptr<int64_t>(), lens_t.data_ptr<int64_t>() + num_seqs);
+  const at::Tensor tables = block_tables.to(at::kInt).contiguous();  // no-op for int32 input
+  // NOTE: int32 lengths (the engine's) read as they are: a .to(kLong) was a tensor allocated
+  // and copied per layer call, which the dense kernel does not pay
+  const at::Tensor lens_t = seq_lens.contiguous();
+  std::vector<int64_t> lens(num_seqs);
+  for (int64_t b = 0; b < num_seqs; ++b)
+    lens[b] = seq_lens.scalar_type() == at::kInt ? lens_t.data_ptr<int32_t>()[b]
+                                                 : lens_t.data_ptr<int64_t>()[b];
   const int64_t max_blocks = tables.size(1);
   const int32_t* tp = tables.data_ptr<int32_t>();
   for (int64_t b = 0; b < num_seqs; ++b) {  // never read outside the cache
