@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "build_tier.h"
@@ -35,15 +36,15 @@
 namespace fitserve::moe {
 namespace {
 
-// Chunks of one projection split over the threads by cost into contiguous spans (whole chunks):
-// at batch 1 a thread streams its share of all k experts' rows back to back.
+// Thread t's span of one projection's chunks [c0, c1) when the chunks are split over `threads`
+// by cost into contiguous spans of whole chunks: at batch 1 a thread streams its share of all k
+// experts' rows back to back.
 //
 //   chunks   |c|c|c|c|c| |c|c|c|c|c| |c|c|c ...
 //   threads  [---- thread 0 ----][---- thread 1 ----]  (equal cost: 2 + tokens(e) per chunk)
-void stream_rows(const RowList& L) {
+std::pair<int64_t, int64_t> chunk_span(const RowList& L, int64_t t, int64_t threads) {
   const Groups& g = L.g;
   const int64_t A = static_cast<int64_t>(g.active.size()), chunks = A * L.per;
-  if (chunks == 0) return;
   std::vector<int64_t> cost_end(A);  // cumulative cost at the end of each expert's chunks
   int64_t total = 0;
   for (int64_t a = 0; a < A; ++a) {
@@ -57,10 +58,19 @@ void stream_rows(const RowList& L) {
     const int64_t before = a == 0 ? 0 : cost_end[a - 1];
     return a * L.per + (cost - before) / (2 + g.tokens(g.active[a]));
   };
+  return {chunk_at(total * t / threads), chunk_at(total * (t + 1) / threads)};
+}
+
+// One projection's chunks split by cost over the threads (one parallel region).
+void stream_rows(const RowList& L) {
+  const int64_t chunks = static_cast<int64_t>(L.g.active.size()) * L.per;
+  if (chunks == 0) return;
   const int64_t threads = std::clamp<int64_t>(at::get_num_threads(), 1, chunks);
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      run_chunks(L, chunk_at(total * t / threads), chunk_at(total * (t + 1) / threads));
+    for (int64_t t = t0; t < t1; ++t) {
+      const auto [c0, c1] = chunk_span(L, t, threads);
+      run_chunks(L, c0, c1);
+    }
   });
 }
 
@@ -195,6 +205,19 @@ void combine(const std::vector<float>& y, const std::vector<int64_t>& row_of, co
   });
 }
 
+// Thread t's whole experts split[t] .. split[t + 1] (expert_split): their gate/up rows (the
+// first down rows prefetched as they finish), their activation rows quantized, their down rows.
+void run_expert_share(const RowList& Lg, const RowList& Ld, const std::vector<int64_t>& split,
+                      int64_t t, const float* act, const TypeInfo& td, ActBuf& hbuf) {
+  const Groups& g = Lg.g;
+  const int64_t a0 = split[t], a1 = split[t + 1];
+  if (a0 == a1) return;
+  run_chunks(Lg, a0 * Lg.per, a1 * Lg.per, &Ld, a0 * Ld.per, a1 * Ld.per);
+  quantize_rows(act, g.start[g.active[a0]], g.start[g.active[a1 - 1] + 1], Lg.rows,
+                td.act_block, td.perm128, hbuf);
+  run_chunks(Ld, a0 * Ld.per, a1 * Ld.per);
+}
+
 at::Tensor moe_experts_ggml(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
                             const at::Tensor& gate_up, const std::string& gate_up_type,
                             const at::Tensor& down, const std::string& down_type,
@@ -252,14 +275,7 @@ at::Tensor moe_experts_ggml(const at::Tensor& x, const at::Tensor& ids, const at
     // with no barrier inside (was: a region per projection, the act quantized in between on the
     // calling thread); its down rows are prefetched while its gate/up rows finish
     at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t a0 = split[t], a1 = split[t + 1];
-        if (a0 == a1) continue;
-        run_chunks(Lg, a0 * Lg.per, a1 * Lg.per, &Ld, a0 * Ld.per, a1 * Ld.per);
-        quantize_rows(act_rows, g.start[g.active[a0]], g.start[g.active[a1 - 1] + 1], I,
-                      td.act_block, td.perm128, hbuf);
-        run_chunks(Ld, a0 * Ld.per, a1 * Ld.per);
-      }
+      for (int64_t t = t0; t < t1; ++t) run_expert_share(Lg, Ld, split, t, act_rows, td, hbuf);
     });
   } else {
     stream_rows(Lg);
@@ -282,6 +298,14 @@ at::Tensor moe_experts_ggml(const at::Tensor& x, const at::Tensor& ids, const at
   return out;
 }
 
+}  // namespace
+}  // namespace fitserve::moe
+
+#include "moe_block.h"
+
+namespace fitserve::moe {
+namespace {
+
 std::vector<std::string> moe_experts_types() {
   std::vector<std::string> v;
   for (const TypeInfo& t : kTypes) v.emplace_back(t.name);
@@ -297,6 +321,8 @@ TORCH_LIBRARY_FRAGMENT(fitserve, m) {
   m.def("moe_experts_ggml(Tensor x, Tensor ids, Tensor weights, Tensor gate_up, "
         "str gate_up_type, Tensor down, str down_type, bool out_x_dtype=False) -> Tensor");
   m.def("moe_route(Tensor logits, int k, bool renormalize) -> (Tensor, Tensor)");
+  m.def("moe_block_ggml(Tensor x, Tensor router, int k, bool renormalize, Tensor gate_up, "
+        "str gate_up_type, Tensor down, str down_type) -> Tensor");
   m.def("moe_experts_types() -> str[]", &fitserve::moe::moe_experts_types);
   m.def("moe_experts_tier() -> str", &fitserve::moe::moe_experts_tier);
 }
@@ -304,4 +330,5 @@ TORCH_LIBRARY_FRAGMENT(fitserve, m) {
 TORCH_LIBRARY_IMPL(fitserve, CPU, m) {
   m.impl("moe_experts_ggml", &fitserve::moe::moe_experts_ggml);
   m.impl("moe_route", &fitserve::moe::moe_route);
+  m.impl("moe_block_ggml", &fitserve::moe::moe_block_ggml);
 }
