@@ -3,6 +3,7 @@ tokens per step, beside a plain read of the same bytes, caches evicted.
 
     .venv/bin/python benchmarks/bench_moe_op.py                    # bench_moe's default shape
     .venv/bin/python benchmarks/bench_moe_op.py --tokens 1 2 8 --threads 1 2 --calls 300
+    .venv/bin/python benchmarks/bench_moe_op.py --block      # one token's whole block: 1 op vs 3
 
 Weights: bench_moe.py's default layer (hidden 1024, 64 experts top-8, expert intermediate 256),
 gate_up Q4_K and down Q6_K / Q4_K (a Q4_K_M file's two kinds of layer), random blocks with a sane
@@ -13,6 +14,11 @@ threads), one call per layer in the same order. Method: the two alternate in blo
 calls, --rounds times; one thread is timed by ``time.thread_time`` (this thread's CPU: robust on a
 loaded host), more threads by wall time (loaded-host figures are then a floor). Medians printed,
 with the load average.
+
+``--block``: one token's whole MoE block (router [E, H] bf16 per layer, routing, experts) as
+fitserve::moe_block_ggml (one parallel region) against the three ops it fuses (bf16_gemv,
+moe_route, moe_experts_ggml), alternated the same way; both read the same bytes and give the same
+bits.
 """
 
 from __future__ import annotations
@@ -24,8 +30,9 @@ import time
 
 import torch
 
+from fitserve.kernels.cpu.dense_gemv import bf16_gemv_available
 from fitserve.kernels.cpu.ggml_blocks import _BLOCK
-from fitserve.kernels.cpu.moe_experts import moe_experts_ggml
+from fitserve.kernels.cpu.moe_experts import moe_block_ggml, moe_experts_ggml, moe_route
 
 H, E, K_TOP, INTER = 1024, 64, 8, 256
 # byte offset of the fp16 super-block scale d (and of dmin, Q4_K) in each block
@@ -86,6 +93,34 @@ def measure(layers: list[tuple[torch.Tensor, torch.Tensor]], down_t: str, n: int
               f"{nbytes / t_op / 1e9:9.1f}{nbytes / t_read / 1e9:10.1f}{t_read / t_op:8.2f}")
 
 
+def measure_block(layers: list[tuple[torch.Tensor, torch.Tensor]], down_t: str,
+                  threads: list[int], calls: int, rounds: int, gen: torch.Generator) -> None:
+    """Print one line per thread count: the fused block and the three ops, one token per call."""
+    assert bf16_gemv_available(), "--block needs the dense_gemv build"
+    routers = [(0.05 * torch.randn(E, H, generator=gen)).bfloat16() for _ in layers]
+    xs = [torch.randn(1, H, generator=gen).bfloat16() for _ in range(calls)]
+
+    def fused(i: int) -> None:
+        gu, dn = layers[i % len(layers)]
+        moe_block_ggml(xs[i], routers[i % len(layers)], K_TOP, True, gu, "Q4_K", dn, down_t)
+
+    def three(i: int) -> None:
+        gu, dn = layers[i % len(layers)]
+        logits = torch.ops.fitserve_dense.bf16_gemv(xs[i], routers[i % len(layers)], None)
+        w, ids = moe_route(logits, K_TOP, True)
+        moe_experts_ggml(xs[i], ids, w, gu, "Q4_K", dn, down_t, out_x_dtype=True)
+
+    for t in threads:
+        torch.set_num_threads(t)
+        fused(0), three(0)
+        ts: dict[str, list[float]] = {"fused": [], "three": []}
+        for _ in range(rounds):
+            ts["fused"].append(timed(fused, calls, t > 1))
+            ts["three"].append(timed(three, calls, t > 1))
+        t_f, t_3 = (statistics.median(v) for v in ts.values())
+        print(f"{down_t:<6}{t:>4}{t_3 * 1e6:12.1f}{t_f * 1e6:12.1f}{t_3 / t_f:8.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -95,8 +130,19 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--calls", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--block", action="store_true", help="one token's block: 1 op vs 3 (doc)")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
+    if args.block:
+        print(f"one token's MoE block: hidden {H}, {E} experts top-{K_TOP}; load "
+              f"{' '.join(f'{v:.1f}' for v in os.getloadavg())}")
+        print(f"{'down':<6}{'thr':>4}{'3 ops us':>12}{'fused us':>12}{'3/fused':>8}")
+        for down_t in args.down:
+            layers = [(random_stack("Q4_K", 2 * INTER, H, gen),
+                       random_stack(down_t, H, INTER, gen)) for _ in range(args.layers)]
+            measure_block(layers, down_t, args.threads, args.calls, args.rounds, gen)
+        print("one thread: CPU time of this thread; two: wall time (a loaded host lowers them)")
+        return
     print(f"expert op alone: hidden {H}, {E} experts top-{K_TOP}, intermediate {INTER}; "
           f"load {' '.join(f'{v:.1f}' for v in os.getloadavg())}")
     print(f"{'down':<6}{'N':>3}{'thr':>4}{'active MB':>10}{'op us':>9}{'op GB/s':>9}"

@@ -19,6 +19,12 @@ evenly; what is missing is work on the calling thread only, fork/join waits and 
 sharing the memory bandwidth). A loaded host makes the two-thread wall meaningless (a thread
 waits for its descheduled partner at every parallel region): read it on a quiet host.
 
+``--regions``: the W1 engine step's OpenMP parallel regions (fork/joins) and the calling thread's
+CPU time outside them at two threads (the serial part: norms, routing, glue, Python), beside the
+one-thread CPU step, alternated in one process; then regions per step by calling library. It
+builds benchmarks/gomp_regions.c (cc) into FITSERVE_HOME and reruns itself with it preloaded.
+CPU time of the calling thread stays meaningful on a loaded host; the wall column does not.
+
 ``--paths``: one batch-1 decode step's forward (same inputs, same caches) through the module path
 (``CausalLM.forward``), the flat Python loop and the native ``decode_layers`` (runner/
 decode_loop.py), alternated step by step, medians of wall time and of this thread's CPU time
@@ -29,8 +35,11 @@ loaded host left out).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import re
 import statistics
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -268,6 +277,70 @@ def threads_ab(engine: Engine, rounds: int, steps: int = 25) -> str:
     return "\n".join(lines)
 
 
+SHIM_ENV = "FITSERVE_GOMP_REGIONS"
+
+
+def preload_regions_shim() -> None:
+    """Build gomp_regions.c and re-exec this process with it in LD_PRELOAD (once)."""
+    if os.environ.get(SHIM_ENV):
+        return
+    from fitserve.envs import fitserve_home
+
+    src = Path(__file__).resolve().parent / "gomp_regions.c"
+    so = fitserve_home() / "gomp_regions.so"
+    subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(so), str(src), "-ldl"], check=True)
+    env = {**os.environ, SHIM_ENV: "1",
+           "LD_PRELOAD": ":".join(filter(None, [str(so), os.environ.get("LD_PRELOAD")]))}
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+@torch.inference_mode()
+def regions(engine: Engine, rounds: int, steps: int = 20) -> str:
+    """W1 step at 1 thread (CPU) and 2 threads (regions, calling-thread CPU out/in them, wall)."""
+    shim = ctypes.CDLL(None)
+    shim.regions_cpu_s.restype = shim.regions_wall_s.restype = ctypes.c_double
+    shim.regions_count.restype = ctypes.c_long
+    shim.regions_table.argtypes = [ctypes.c_char_p, ctypes.c_double]
+    engine.add_request(list(range(100, 132)), GREEDY)
+    step_ms(engine, 5)
+    got: dict[str, list[float]] = defaultdict(list)
+    for _ in range(rounds):
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            engine.step()
+            for _ in range(steps):
+                if not engine.has_unfinished_requests():
+                    engine.add_request(list(range(100, 132)), GREEDY)
+                    engine.step()  # its prefill
+                shim.regions_reset()
+                w, c = time.perf_counter(), time.thread_time()
+                engine.step()
+                w, c = (time.perf_counter() - w) * 1e3, (time.thread_time() - c) * 1e3
+                if threads == 1:
+                    got["1t cpu ms"].append(c)
+                    continue
+                inside = shim.regions_cpu_s() * 1e3
+                got["2t regions"].append(shim.regions_count())
+                got["2t cpu out ms"].append(c - inside)
+                got["2t cpu in ms"].append(inside)
+                got["2t wall ms"].append(w)
+    table = Path(f"/tmp/gomp_regions_{os.getpid()}.tsv")  # regions by library, over `steps`
+    shim.regions_reset()
+    for _ in range(steps):
+        engine.step()
+    shim.regions_table(str(table).encode(), float(steps))
+    per_lib: dict[str, float] = defaultdict(float)
+    for line in table.read_text().splitlines():
+        lib, n, _cpu = line.split("\t")
+        per_lib[re.sub(r"_[0-9a-f]{16}\.so$", "", lib)] += float(n)  # an extension's hash
+    table.unlink()
+    lines = [f"    load {os.getloadavg()[0]:.1f}; medians over {rounds} x {steps} steps each:"]
+    lines += [f"    {k:<16}{statistics.median(v):9.2f}" for k, v in got.items()]
+    lines.append("    regions per step by library: " + ", ".join(
+        f"{lib} {n:.0f}" for lib, n in sorted(per_lib.items(), key=lambda kv: -kv[1])))
+    return "\n".join(lines)
+
+
 def moe_route(block: SparseMoeBlock, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return route(block.gate(x), block.top_k, block.renormalize)
 
@@ -283,10 +356,14 @@ def main() -> None:
                     help="only a W1 step's thread CPU time by part (use --threads 1)")
     ap.add_argument("--threads-ab", action="store_true",
                     help="only the W1 step at 1 and 2 threads, alternated in this process")
-    ap.add_argument("--rounds", type=int, default=4, help="--threads-ab's rounds")
+    ap.add_argument("--regions", action="store_true",
+                    help="only the W1 step's parallel regions and serial CPU (see the doc)")
+    ap.add_argument("--rounds", type=int, default=4, help="--threads-ab's / --regions' rounds")
     ap.add_argument("--paths", action="store_true",
                     help="only the A/B of the module path, Python loop and decode_layers")
     args = ap.parse_args()
+    if args.regions:
+        preload_regions_shim()
     torch.set_num_threads(args.threads)
     engine = Engine(EngineConfig(model=args.gguf, dtype="bfloat16", weights="as-stored",
                                  device="cpu", max_model_len=1024))
@@ -303,6 +380,11 @@ def main() -> None:
         print("W1 engine step, 1 thread (thread CPU, wall) vs 2 threads (wall), alternated; "
               "medians so far after each round:")
         print(threads_ab(engine, args.rounds))
+        return
+    if args.regions:
+        print("W1 engine step: 1 thread (thread CPU) vs 2 threads (OpenMP regions per step, the "
+              "calling thread's CPU outside / inside them, wall), alternated:")
+        print(regions(engine, args.rounds))
         return
     if args.paths:
         print(f"one batch-1 decode forward, {args.threads} thread(s), load "

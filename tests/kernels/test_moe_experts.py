@@ -151,8 +151,10 @@ def test_inactive_experts_are_not_read() -> None:
 
 @pytest.mark.parametrize("n, k, case", [(7, 2, "ragged"), (1, 4, "same"), (19, 3, "same")])
 def test_thread_counts_give_the_same_bits(n: int, k: int, case: str) -> None:
-    """The rows of all active experts are split over the threads by cost (spans starting
-    mid-expert at 2 and 3 threads): every output is still one tile's work in one order. With
+    """Both ways the op shares out the rows give the same bits at 1, 2 and 3 threads: whole
+    experts per thread where that splits evenly (batch 1 k=4 at 2 threads, 19 tokens on 3
+    experts at 3) and chunk spans starting mid-expert otherwise (ragged; k=4 at 3 threads):
+    every output is still one tile's work in one order. With
     ``out_x_dtype`` the bf16 result is the fp32 one rounded (decode_layers' MoE block)."""
     gu, _, _ = stack("Q4_K", 2 * INTER, H, 3)
     dn, _, _ = stack("Q6_K", H, INTER, 4)

@@ -9,7 +9,9 @@
 //   MoE block: router linear -> fitserve::moe_route (softmax, top-k, renormalised when asked;
 //       moe.route calls the same op) -> fitserve::moe_experts_ggml (fp32 [N, H]) [-> +=
 //       (sigmoid(shared gate) * shared expert).float()] -> .to(dtype); without a shared expert
-//       the op rounds to the dtype itself (out_x_dtype: the same bits).
+//       the op rounds to the dtype itself (out_x_dtype: the same bits). One token without a
+//       shared expert, its router a bias-free bf16_gemv: fitserve::moe_block_ggml, those three
+//       ops in one call with the same bits (moe_block.h).
 //
 // Included by decode_step.cpp after op(), rms_norm(), silu_and_mul() and linear().
 #pragma once
@@ -101,8 +103,32 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t k
   return h.call(logits, k, renorm);
 }
 
+at::Tensor moe_block_ggml(const at::Tensor& x, const at::Tensor& router, int64_t k, bool renorm,
+                          const at::Tensor& gate_up, const std::string& gate_up_type,
+                          const at::Tensor& down, const std::string& down_type) {
+  static const auto h =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, bool, const at::Tensor&,
+                    const std::string&, const at::Tensor&, const std::string&)>(
+          "fitserve::moe_block_ggml");
+  return h.call(x, router, k, renorm, gate_up, gate_up_type, down, down_type);
+}
+
+// The router's weight when one token's block can run as fitserve::moe_block_ggml (the router a
+// bias-free bf16_gemv, no shared expert: the same ops it fuses), else nullptr.
+const at::Tensor* fused_router(const LayerExtras& e, const MoeLayer& m, const at::Tensor& h) {
+  const Linear& router = e.linears[static_cast<size_t>(m.router)];
+  if (m.shared >= 0 || h.size(0) != 1 || h.scalar_type() != at::kBFloat16 || router.size() != 1 ||
+      router[0].kind != kBf16Gemv || router[0].bias)
+    return nullptr;
+  return &router[0].w;
+}
+
 // SparseMoeBlock.forward on h [N, H] with its experts grouped (moe.route, GroupedExperts.__call__)
 at::Tensor moe_block(const LayerExtras& e, const MoeLayer& m, const at::Tensor& h) {
+  // NOTE: one token: router, routing and experts in one op (one parallel region, not three)
+  if (const at::Tensor* router = fused_router(e, m, h))
+    return moe_block_ggml(h.contiguous(), *router, m.top_k, m.renormalize, m.gate_up,
+                          m.gate_up_type, m.down, m.down_type);
   auto [weights, ids] = moe_route(extra_linear(e, h, m.router), m.top_k, m.renormalize);
   if (m.shared < 0)  // the sum rounded to h's dtype in the op (the same bits as .to())
     return moe_experts_ggml(h.contiguous(), ids, weights, m.gate_up, m.gate_up_type, m.down,

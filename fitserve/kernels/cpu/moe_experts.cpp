@@ -6,12 +6,14 @@
 //   1. the step's N * k slots (token t, choice j) sorted by expert (a stable counting sort);
 //   2. x's N rows quantized once for the gate/up type (ggml_blocks_run.h's quantize), copied
 //      into that order (one copy per slot);
-//   3. gate_up: every active expert's (gate row n, up row I + n) pairs as one list of chunks,
-//      split over the threads by cost and streamed with prefetch across expert boundaries
-//      (stream_rows); each pair runs against the expert's slots in tiles of rows of x (each
-//      weight row decoded once per tile) and silu(gate) * up is formed on the tile's results
-//      -> act [N * k, I] fp32;
+//   3. gate_up: every active expert's (gate row n, up row I + n) pairs as one list of chunks
+//      streamed with prefetch across expert boundaries (moe_rows.h); each pair runs against
+//      the expert's slots in tiles of rows of x (each weight row decoded once per tile) and
+//      silu(gate) * up is formed on the tile's results -> act [N * k, I] fp32;
 //   4. act quantized for the down type; down streamed the same way -> [N * k, H];
+//      3-4 share the threads in one of two ways: whole experts per thread when that splits the
+//      cost evenly (batch 1: k / threads experts each; one parallel region, no barrier), else
+//      each projection's chunks split by cost (a region each, act quantized in between);
 //   5. each token's k rows summed with its routing weights (j = 0 .. k-1) -> out [N, H] fp32
 //      (out_x_dtype: rounded once to x's dtype).
 // Only the active experts' bytes are read: at batch 1 exactly the k experts' rows. Each output
@@ -21,101 +23,32 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <string>
-#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "build_tier.h"
 #include "ggml_blocks_iq4.h"
-#include "ggml_blocks_kqrun.h"
-#include "ggml_blocks_kquant.h"
 #include "ggml_blocks_q5.h"
-#include "ggml_blocks_run.h"
 #include "moe_route.h"
+#include "moe_rows.h"
 
 namespace fitserve::moe {
 namespace {
 
-using ggml::Act;
-using ggml::ActBuf;
-
-// The step's slots grouped by expert: sorted row m holds slot order[m] (= t * k + j); expert
-// e's rows are [start[e], start[e + 1]); active = the experts with at least one slot.
-struct Groups {
-  std::vector<int64_t> start, order, token, active;
-};
-
-Groups group_slots(const int64_t* ids, int64_t slots, int64_t k, int64_t E) {
-  Groups g;
-  g.start.assign(E + 1, 0);
-  for (int64_t s = 0; s < slots; ++s) {
-    TORCH_CHECK(ids[s] >= 0 && ids[s] < E, "moe_experts_ggml: expert id ", ids[s],
-                " out of range [0, ", E, ")");
-    ++g.start[ids[s] + 1];
-  }
-  for (int64_t e = 0; e < E; ++e) {
-    if (g.start[e + 1] > 0) g.active.push_back(e);
-    g.start[e + 1] += g.start[e];
-  }
-  std::vector<int64_t> fill(g.start.begin(), g.start.end() - 1);
-  g.order.resize(slots);
-  g.token.resize(slots);
-  for (int64_t s = 0; s < slots; ++s) {
-    const int64_t m = fill[ids[s]]++;
-    g.order[m] = s;
-    g.token[m] = s / k;
-  }
-  return g;
-}
-
-// The rows of one projection over every active expert as one list of chunks (a few weight rows
-// of one expert each), split over the threads by cost into contiguous spans: at batch 1 a thread
-// streams its share of all k experts' rows back to back, the chunks `ahead` of it requested from
-// memory across expert boundaries (short expert rows: 144..576 B per row).
+// Thread t's span of one projection's chunks [c0, c1) when the chunks are split over `threads`
+// by cost into contiguous spans of whole chunks: at batch 1 a thread streams its share of all k
+// experts' rows back to back.
 //
-//   active experts  e0          e1          e2   ...
-//   chunks          |c|c|c|c|c| |c|c|c|c|c| |c|c|c ...      cost of a chunk ~ 2 + tokens(e)
-//   threads         [---- thread 0 ----][---- thread 1 ----]  (equal cost)
-//
-// fn(e, n0, n1) runs weight rows [n0, n1) of expert e over all of e's tokens; a chunk's bytes are
-// prefetched `ahead` chunks before its turn. pair_offset > 0: each row n also reads row
-// n + pair_offset (gate and up rows together), prefetched as well.
-struct RowList {
-  const Groups& g;
-  int64_t rows;        // rows of the projection per expert (I for gate/up pairs, H for down)
-  int64_t expert_bytes, row_bytes, pair_offset;
-  int64_t nb;          // rows per chunk
-  int64_t per;         // chunks per expert
-};
-
-RowList make_row_list(const Groups& g, int64_t rows, int64_t row_bytes, int64_t pair_offset) {
-  const int64_t span = pair_offset > 0 ? 2 : 1;
-  // NOTE: ~2 KB of weights per chunk (4 Q4_K gate+up pairs of 1024 columns, 8 Q6_K rows of 256)
-  const int64_t nb = std::clamp<int64_t>(2048 / (row_bytes * span), 1, 32);
-  return {g, rows, (rows * span) * row_bytes, row_bytes, pair_offset, nb, (rows + nb - 1) / nb};
-}
-
-inline void prefetch_chunk(const RowList& L, const uint8_t* W, int64_t c) {
-  const int64_t e = L.g.active[c / L.per], n0 = (c % L.per) * L.nb;
-  const int64_t n1 = std::min(L.rows, n0 + L.nb);
-  const uint8_t* base = W + e * L.expert_bytes;
-  for (int64_t n = n0; n < n1; ++n) {
-    ggml::prefetch_row(base, L.row_bytes, n);
-    if (L.pair_offset > 0) ggml::prefetch_row(base, L.row_bytes, n + L.pair_offset);
-  }
-}
-
-template <class F>
-void stream_rows(const RowList& L, const uint8_t* W, F&& fn) {
-  const int64_t A = static_cast<int64_t>(L.g.active.size()), chunks = A * L.per;
-  if (chunks == 0) return;
-  // chunk costs: the weight bytes once plus one dot per token (tile work)
+//   chunks   |c|c|c|c|c| |c|c|c|c|c| |c|c|c ...
+//   threads  [---- thread 0 ----][---- thread 1 ----]  (equal cost: 2 + tokens(e) per chunk)
+std::pair<int64_t, int64_t> chunk_span(const RowList& L, int64_t t, int64_t threads) {
+  const Groups& g = L.g;
+  const int64_t A = static_cast<int64_t>(g.active.size()), chunks = A * L.per;
   std::vector<int64_t> cost_end(A);  // cumulative cost at the end of each expert's chunks
   int64_t total = 0;
   for (int64_t a = 0; a < A; ++a) {
-    const int64_t e = L.g.active[a];
-    total += L.per * (2 + L.g.start[e + 1] - L.g.start[e]);
+    total += L.per * (2 + g.tokens(g.active[a]));
     cost_end[a] = total;
   }
   // NOTE: a span start at cost c -> the chunk where cost c falls (whole chunks per thread)
@@ -123,123 +56,84 @@ void stream_rows(const RowList& L, const uint8_t* W, F&& fn) {
     if (cost >= total) return chunks;
     const int64_t a = std::upper_bound(cost_end.begin(), cost_end.end(), cost) - cost_end.begin();
     const int64_t before = a == 0 ? 0 : cost_end[a - 1];
-    const int64_t e = L.g.active[a];
-    return a * L.per + (cost - before) / (2 + L.g.start[e + 1] - L.g.start[e]);
+    return a * L.per + (cost - before) / (2 + g.tokens(g.active[a]));
   };
+  return {chunk_at(total * t / threads), chunk_at(total * (t + 1) / threads)};
+}
+
+// One projection's chunks split by cost over the threads (one parallel region).
+void stream_rows(const RowList& L) {
+  const int64_t chunks = static_cast<int64_t>(L.g.active.size()) * L.per;
+  if (chunks == 0) return;
   const int64_t threads = std::clamp<int64_t>(at::get_num_threads(), 1, chunks);
-  const int64_t chunk_bytes = L.nb * L.row_bytes * (L.pair_offset > 0 ? 2 : 1);
-  // NOTE: >= 4 KB requested ahead of the rows being computed (a DRAM latency's worth at a
-  // core's share of the bandwidth; fp8_gemv.cpp / rows_streamed measured the same depth)
-  const int64_t ahead = std::max<int64_t>(1, (4096 + chunk_bytes - 1) / chunk_bytes);
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t c0 = chunk_at(total * t / threads), c1 = chunk_at(total * (t + 1) / threads);
-      for (int64_t c = c0; c < std::min(c1, c0 + ahead); ++c) prefetch_chunk(L, W, c);
-      for (int64_t c = c0; c < c1; ++c) {
-        if (c + ahead < c1) prefetch_chunk(L, W, c + ahead);
-        const int64_t n0 = (c % L.per) * L.nb;
-        fn(L.g.active[c / L.per], n0, std::min(L.rows, n0 + L.nb));
-      }
+      const auto [c0, c1] = chunk_span(L, t, threads);
+      run_chunks(L, c0, c1);
     }
   });
 }
 
-// fn(std::integral_constant<int, MT>, m) over the row tiles of [m0, m1): kTileRows, then 4, 2,
-// 1 rows (ggml_blocks_run.h rows_range's tiling, so a row's bits do not depend on the split)
-template <class F>
-inline void for_tiles(int64_t m0, int64_t m1, F&& fn) {
-  int64_t m = m0;
-  for (; m + ggml::kTileRows <= m1; m += ggml::kTileRows)
-    fn(std::integral_constant<int, ggml::kTileRows>{}, m);
-  if constexpr (ggml::kTileRows > 4) {
-    if (m + 4 <= m1) {
-      fn(std::integral_constant<int, 4>{}, m);
-      m += 4;
+// Whole active experts per thread: split[t] .. split[t + 1] (active indices, contiguous), each
+// expert costing (gate/up chunks + down chunks) * (2 + tokens); empty when the most loaded
+// thread would carry more than kSplitSlack over an even share (then each projection is split
+// by chunks instead, stream_rows).
+constexpr double kSplitSlack = 1.05;
+
+std::vector<int64_t> expert_split(const Groups& g, int64_t chunks_per_expert, int64_t threads) {
+  const int64_t A = static_cast<int64_t>(g.active.size());
+  std::vector<int64_t> cum(A + 1, 0);
+  for (int64_t a = 0; a < A; ++a)
+    cum[a + 1] = cum[a] + chunks_per_expert * (2 + g.tokens(g.active[a]));
+  std::vector<int64_t> split(threads + 1, A);
+  split[0] = 0;
+  int64_t worst = 0;
+  for (int64_t t = 1; t <= threads; ++t) {
+    if (t < threads) {  // the expert boundary nearest to an even share
+      const double target = static_cast<double>(cum[A]) * t / threads;
+      int64_t a = std::lower_bound(cum.begin(), cum.end(), static_cast<int64_t>(target)) -
+                  cum.begin();
+      if (a > 0 && target - cum[a - 1] < cum[a] - target) --a;
+      split[t] = std::max(split[t - 1], a);
     }
+    worst = std::max(worst, cum[split[t]] - cum[split[t - 1]]);
   }
-  if (m + 2 <= m1) {
-    fn(std::integral_constant<int, 2>{}, m);
-    m += 2;
-  }
-  if (m < m1) fn(std::integral_constant<int, 1>{}, m);
+  if (static_cast<double>(worst) > kSplitSlack * static_cast<double>(cum[A]) / threads) return {};
+  return split;
 }
 
-// act[m, n] = silu(gate_e row n . x_m) * (up_e row n . x_m) for sorted rows m of each active
-// expert e (gate rows [0, I), up rows [I, 2I) of W = [E, 2I, row bytes]): one pass over x per
-// row pair, the SwiGLU on the tile's registers.
-template <class T>
-void experts_gate_up(const Act& a, const Groups& g, const uint8_t* W, int64_t I, float* act) {
-  const int64_t nblk = a.K / T::kQK, rb = nblk * T::kBytes;
-  const RowList L = make_row_list(g, I, rb, I);
-  stream_rows(L, W, [&](int64_t e, int64_t n0, int64_t n1) {
-    const uint8_t* We = W + e * L.expert_bytes;
-    for_tiles(g.start[e], g.start[e + 1], [&](auto mt, int64_t m) {
-      constexpr int MT = decltype(mt)::value;
-      float gate[MT], up[MT];
-      int64_t n = n0;
-      // NOTE: one token (W1): a K-quant tile of two gate rows and their two up rows, x read
-      // once per super-block for the four and their lane sums reduced together (kq_tile keeps
-      // row<1>'s bits). Not for MT > 1: adjacent rows of a longer tile made Q6_K's stream slower.
-      if constexpr (ggml::kIsKQuant<T> && MT == 1) {
-        float res[4];
-        for (; n + 2 <= n1; n += 2) {
-          const uint8_t* w[4] = {We + n * rb, We + (I + n) * rb, We + (n + 1) * rb,
-                                 We + (I + n + 1) * rb};
-          ggml::kq_tile<T, 4, 1>(w, nblk, a, m, res);
-          for (int j = 0; j < 2; ++j)
-            act[m * I + n + j] = res[2 * j] / (1.f + std::exp(-res[2 * j])) * res[2 * j + 1];
-        }
-      }
-      for (; n < n1; ++n) {
-        T::template row<MT>(We + n * rb, nblk, a, m, gate);
-        T::template row<MT>(We + (I + n) * rb, nblk, a, m, up);
-        for (int i = 0; i < MT; ++i)
-          act[(m + i) * I + n] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
-      }
-    });
-  });
+// buf sized for M rows of K columns quantized with `block` (ggml::quantize's layout); the Act
+// over it (rows filled by quantize_rows)
+Act act_buffer(ActBuf& buf, int64_t M, int64_t K, int64_t block) {
+  const int64_t nd = K / block;
+  if (static_cast<int64_t>(buf.q.size()) < M * K) buf.q.resize(M * K);
+  if (static_cast<int64_t>(buf.d.size()) < M * nd) buf.d.resize(M * nd);
+  if (static_cast<int64_t>(buf.ds.size()) < M * K / 32) buf.ds.resize(M * K / 32);
+  if (static_cast<int64_t>(buf.s16.size()) < M * K / 16) buf.s16.resize(M * K / 16);
+  if (static_cast<int64_t>(buf.s32.size()) < M * K / 32) buf.s32.resize(M * K / 32);
+  return {buf.q.data(), buf.d.data(), buf.s16.data(), buf.s32.data(), buf.ds.data(), K, nd};
 }
 
-// out[m, n] = expert e's weight row n . sorted activation row m (W = [E, rows, row bytes])
-template <class T>
-void experts_matmul(const Act& a, const Groups& g, const uint8_t* W, int64_t rows,
-                    float* out) {
-  const int64_t nblk = a.K / T::kQK, rb = nblk * T::kBytes;
-  const RowList L = make_row_list(g, rows, rb, 0);
-  stream_rows(L, W, [&](int64_t e, int64_t n0, int64_t n1) {
-    const uint8_t* We = W + e * L.expert_bytes;
-    for_tiles(g.start[e], g.start[e + 1], [&](auto mt, int64_t m) {
-      constexpr int MT = decltype(mt)::value;
-      float res[MT];
-      int64_t n = n0;
-      if constexpr (ggml::kIsKQuant<T> && MT == 1) {  // one token: 4 weight rows per tile
-        float rt[4];
-        for (; n + 4 <= n1; n += 4) {
-          const uint8_t* w[4] = {We + n * rb, We + (n + 1) * rb, We + (n + 2) * rb,
-                                 We + (n + 3) * rb};
-          ggml::kq_tile<T, 4, 1>(w, nblk, a, m, rt);
-          for (int j = 0; j < 4; ++j) out[m * rows + n + j] = rt[j];
-        }
-      }
-      for (; n < n1; ++n) {
-        T::template row<MT>(We + n * rb, nblk, a, m, res);
-        for (int i = 0; i < MT; ++i) out[(m + i) * rows + n] = res[i];
-      }
-    });
-  });
+// rows [m0, m1) of x [*, K] quantized into buf (act_buffer's layout; ggml::quantize's codes)
+void quantize_rows(const float* x, int64_t m0, int64_t m1, int64_t K, int64_t block,
+                   bool perm128, ActBuf& buf) {
+  const int64_t nd = K / block;
+  for (int64_t m = m0; m < m1; ++m)
+    ggml::quantize_row(x + m * K, K, block, perm128, buf.q.data() + m * K, buf.d.data() + m * nd,
+                       buf.s16.data() + m * K / 16, buf.s32.data() + m * K / 32,
+                       buf.ds.data() + m * K / 32);
 }
 
 struct TypeInfo {
   const char* name;
   int64_t block, bytes, act_block;
   bool perm128;
-  void (*gate_up)(const Act&, const Groups&, const uint8_t*, int64_t, float*);
-  void (*matmul)(const Act&, const Groups&, const uint8_t*, int64_t, float*);
+  RowFn gate_up, down;  // gate_up_rows<T>, down_rows<T> (moe_rows.h)
 };
 
 template <class T>
 constexpr TypeInfo info(const char* name) {
-  return {name, T::kQK, T::kBytes, T::kActBlock, T::kPerm128, &experts_gate_up<T>, &experts_matmul<T>};
+  return {name, T::kQK, T::kBytes, T::kActBlock, T::kPerm128, &gate_up_rows<T>, &down_rows<T>};
 }
 
 const TypeInfo kTypes[] = {
@@ -311,6 +205,19 @@ void combine(const std::vector<float>& y, const std::vector<int64_t>& row_of, co
   });
 }
 
+// Thread t's whole experts split[t] .. split[t + 1] (expert_split): their gate/up rows (the
+// first down rows prefetched as they finish), their activation rows quantized, their down rows.
+void run_expert_share(const RowList& Lg, const RowList& Ld, const std::vector<int64_t>& split,
+                      int64_t t, const float* act, const TypeInfo& td, ActBuf& hbuf) {
+  const Groups& g = Lg.g;
+  const int64_t a0 = split[t], a1 = split[t + 1];
+  if (a0 == a1) return;
+  run_chunks(Lg, a0 * Lg.per, a1 * Lg.per, &Ld, a0 * Ld.per, a1 * Ld.per);
+  quantize_rows(act, g.start[g.active[a0]], g.start[g.active[a1 - 1] + 1], Lg.rows,
+                td.act_block, td.perm128, hbuf);
+  run_chunks(Ld, a0 * Ld.per, a1 * Ld.per);
+}
+
 at::Tensor moe_experts_ggml(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
                             const at::Tensor& gate_up, const std::string& gate_up_type,
                             const at::Tensor& down, const std::string& down_type,
@@ -351,9 +258,30 @@ at::Tensor moe_experts_ggml(const at::Tensor& x, const at::Tensor& ids, const at
   y.resize(M * H);
   const Act ax = x.scalar_type() == at::kBFloat16 ? quantize_x<c10::BFloat16>(x, g, tg, buf_tok, buf_x)
                                                   : quantize_x<float>(x, g, tg, buf_tok, buf_x);
-  tg.gate_up(ax, g, gate_up.data_ptr<uint8_t>(), I, act.data());
-  const Act ah = ggml::quantize(act.data(), M, I, td.act_block, td.perm128, buf_h);
-  td.matmul(ah, g, down.data_ptr<uint8_t>(), H, y.data());
+  const RowList Lg = make_row_list(g, gate_up.data_ptr<uint8_t>(), I, H / tg.block * tg.bytes, I,
+                                   tg.gate_up, &ax, act.data());
+  const Act ah = act_buffer(buf_h, M, I, td.act_block);
+  const RowList Ld = make_row_list(g, down.data_ptr<uint8_t>(), H, I / td.block * td.bytes, 0,
+                                   td.down, &ah, y.data());
+  const int64_t threads = at::get_num_threads();
+  const std::vector<int64_t> split = expert_split(g, Lg.per + Ld.per, threads);
+  if (!split.empty()) {
+    // NOTE: thread_local scratch is named through these in the region (a worker naming buf_h
+    // would get its own)
+    ActBuf& hbuf = buf_h;
+    const float* act_rows = act.data();
+    // NOTE: whole experts per thread (even shares): a thread runs its experts' gate/up, then
+    // quantizes their activation rows, then their down rows, so the op is one parallel region
+    // with no barrier inside (was: a region per projection, the act quantized in between on the
+    // calling thread); its down rows are prefetched while its gate/up rows finish
+    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) run_expert_share(Lg, Ld, split, t, act_rows, td, hbuf);
+    });
+  } else {
+    stream_rows(Lg);
+    ggml::quantize(act.data(), M, I, td.act_block, td.perm128, buf_h);
+    stream_rows(Ld);
+  }
 
   // the weighted sum of each token's k rows, in choice order j = 0 .. k-1
   std::vector<int64_t> row_of(M);
@@ -370,6 +298,14 @@ at::Tensor moe_experts_ggml(const at::Tensor& x, const at::Tensor& ids, const at
   return out;
 }
 
+}  // namespace
+}  // namespace fitserve::moe
+
+#include "moe_block.h"
+
+namespace fitserve::moe {
+namespace {
+
 std::vector<std::string> moe_experts_types() {
   std::vector<std::string> v;
   for (const TypeInfo& t : kTypes) v.emplace_back(t.name);
@@ -385,6 +321,8 @@ TORCH_LIBRARY_FRAGMENT(fitserve, m) {
   m.def("moe_experts_ggml(Tensor x, Tensor ids, Tensor weights, Tensor gate_up, "
         "str gate_up_type, Tensor down, str down_type, bool out_x_dtype=False) -> Tensor");
   m.def("moe_route(Tensor logits, int k, bool renormalize) -> (Tensor, Tensor)");
+  m.def("moe_block_ggml(Tensor x, Tensor router, int k, bool renormalize, Tensor gate_up, "
+        "str gate_up_type, Tensor down, str down_type) -> Tensor");
   m.def("moe_experts_types() -> str[]", &fitserve::moe::moe_experts_types);
   m.def("moe_experts_tier() -> str", &fitserve::moe::moe_experts_tier);
 }
@@ -392,4 +330,5 @@ TORCH_LIBRARY_FRAGMENT(fitserve, m) {
 TORCH_LIBRARY_IMPL(fitserve, CPU, m) {
   m.impl("moe_experts_ggml", &fitserve::moe::moe_experts_ggml);
   m.impl("moe_route", &fitserve::moe::moe_route);
+  m.impl("moe_block_ggml", &fitserve::moe::moe_block_ggml);
 }

@@ -20,7 +20,7 @@ import torch
 from fitserve.kernels.cpu.build import load_extension
 from fitserve.kernels.cpu.ggml_blocks import _BLOCK
 
-__all__ = ["MOE_KERNEL_TYPES", "moe_experts_ggml", "moe_experts_tier", "moe_kernel_available",
+__all__ = ["MOE_KERNEL_TYPES", "moe_block_ggml", "moe_experts_ggml", "moe_experts_tier", "moe_kernel_available",
            "moe_route", "moe_route_available"]
 
 # NOTE: the ggml types moe_experts.cpp implements (those of ggml_blocks.cpp, whose per-type row
@@ -34,6 +34,7 @@ def _ops_loaded() -> bool:
         return False
     torch.library.register_fake("fitserve::moe_experts_ggml", _moe_experts_fake)
     torch.library.register_fake("fitserve::moe_route", _moe_route_fake)
+    torch.library.register_fake("fitserve::moe_block_ggml", _moe_block_fake)
     return True
 
 
@@ -47,6 +48,12 @@ def _moe_experts_fake(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                       gate_up: torch.Tensor, gate_up_type: str, down: torch.Tensor,
                       down_type: str, out_x_dtype: bool = False) -> torch.Tensor:
     return x.new_empty(x.shape[0], x.shape[1], dtype=x.dtype if out_x_dtype else torch.float32)
+
+
+def _moe_block_fake(x: torch.Tensor, router: torch.Tensor, k: int, renormalize: bool,
+                    gate_up: torch.Tensor, gate_up_type: str, down: torch.Tensor,
+                    down_type: str) -> torch.Tensor:
+    return x.new_empty(x.shape)
 
 
 def moe_kernel_available(gate_up_type: str, down_type: str) -> bool:
@@ -136,4 +143,22 @@ def moe_experts_ggml(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     out: torch.Tensor = torch.ops.fitserve.moe_experts_ggml(
         x.contiguous(), ids.contiguous(), weights.contiguous(), gate_up.contiguous(),
         gate_up_type, down.contiguous(), down_type, out_x_dtype)
+    return out
+
+
+def moe_block_ggml(x: torch.Tensor, router: torch.Tensor, k: int, renormalize: bool,
+                   gate_up: torch.Tensor, gate_up_type: str, down: torch.Tensor,
+                   down_type: str) -> torch.Tensor:
+    """bf16 ``[1, H]``: one token's MoE block without a shared expert in one C++ call (moe_block.h)
+    with the same bits as ``moe_experts_ggml(x, *moe_route(bf16_gemv(x, router), k,
+    renormalize), gate_up, ..., out_x_dtype=True)``; ``x`` bfloat16 ``[1, H]``, ``router``
+    bfloat16 ``[E, H]`` without a bias (decode_layers' batch-1 step calls it directly)."""
+    if not _ops_loaded():
+        raise RuntimeError("the moe_experts C++ kernel is unavailable (see the log for why)")
+    if x.dim() != 2 or x.shape[0] != 1 or x.dtype != torch.bfloat16:
+        raise ValueError(f"moe_block_ggml: x must be bfloat16 [1, H], got {x.dtype} "
+                         f"{list(x.shape)}")
+    out: torch.Tensor = torch.ops.fitserve.moe_block_ggml(
+        x.contiguous(), router.contiguous(), k, renormalize, gate_up.contiguous(), gate_up_type,
+        down.contiguous(), down_type)
     return out

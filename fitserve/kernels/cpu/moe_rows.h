@@ -1,0 +1,207 @@
+// moe_experts.cpp's row work: the step's slots grouped by expert, and the rows of one expert
+// projection (gate/up pairs with the SwiGLU, or down) run over that expert's tokens, chunk by
+// chunk, with the chunks of a thread's share prefetched ahead across expert (and projection)
+// boundaries. Each output is one tile's work in one fixed order (rows_range's tiling), so
+// neither the thread count nor the way chunks are shared out changes the bits.
+// Included by moe_experts.cpp.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+#include "ggml_blocks_kqrun.h"
+#include "ggml_blocks_kquant.h"
+#include "ggml_blocks_run.h"
+
+namespace fitserve::moe {
+namespace {
+
+using ggml::Act;
+using ggml::ActBuf;
+
+// The step's slots grouped by expert: sorted row m holds slot order[m] (= t * k + j); expert
+// e's rows are [start[e], start[e + 1]); active = the experts with at least one slot.
+struct Groups {
+  std::vector<int64_t> start, order, token, active;
+  int64_t tokens(int64_t e) const { return start[e + 1] - start[e]; }
+};
+
+Groups group_slots(const int64_t* ids, int64_t slots, int64_t k, int64_t E) {
+  Groups g;
+  g.start.assign(E + 1, 0);
+  for (int64_t s = 0; s < slots; ++s) {
+    TORCH_CHECK(ids[s] >= 0 && ids[s] < E, "moe_experts_ggml: expert id ", ids[s],
+                " out of range [0, ", E, ")");
+    ++g.start[ids[s] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) {
+    if (g.start[e + 1] > 0) g.active.push_back(e);
+    g.start[e + 1] += g.start[e];
+  }
+  std::vector<int64_t> fill(g.start.begin(), g.start.end() - 1);
+  g.order.resize(slots);
+  g.token.resize(slots);
+  for (int64_t s = 0; s < slots; ++s) {
+    const int64_t m = fill[ids[s]]++;
+    g.order[m] = s;
+    g.token[m] = s / k;
+  }
+  return g;
+}
+
+// fn(e, n0, n1): weight rows [n0, n1) of expert e over all of e's sorted rows of x.
+using RowFn = void (*)(const Act& a, const Groups& g, const uint8_t* W, int64_t rows, int64_t e,
+                       int64_t n0, int64_t n1, float* out);
+
+// The rows of one projection over every active expert as one list of chunks (a few weight rows
+// of one expert each): chunk c is expert active[c / per]'s rows [(c % per) * nb, + nb).
+//
+//   active experts  e0          e1          e2   ...
+//   chunks          |c|c|c|c|c| |c|c|c|c|c| |c|c|c ...      cost of a chunk ~ 2 + tokens(e)
+//
+// pair_offset > 0: each row n also reads row n + pair_offset (gate and up rows together).
+struct RowList {
+  const Groups& g;
+  const uint8_t* W;
+  int64_t rows;        // rows of the projection per expert (I for gate/up pairs, H for down)
+  int64_t expert_bytes, row_bytes, pair_offset;
+  int64_t nb;          // rows per chunk
+  int64_t per;         // chunks per expert
+  RowFn fn;
+  const Act* a;
+  float* out;
+
+  void run(int64_t c) const {
+    const int64_t n0 = (c % per) * nb;
+    fn(*a, g, W, rows, g.active[c / per], n0, std::min(rows, n0 + nb), out);
+  }
+  void prefetch(int64_t c) const {
+    const int64_t e = g.active[c / per], n0 = (c % per) * nb, n1 = std::min(rows, n0 + nb);
+    const uint8_t* base = W + e * expert_bytes;
+    for (int64_t n = n0; n < n1; ++n) {
+      ggml::prefetch_row(base, row_bytes, n);
+      if (pair_offset > 0) ggml::prefetch_row(base, row_bytes, n + pair_offset);
+    }
+  }
+  int64_t chunk_bytes() const { return nb * row_bytes * (pair_offset > 0 ? 2 : 1); }
+};
+
+RowList make_row_list(const Groups& g, const uint8_t* W, int64_t rows, int64_t row_bytes,
+                      int64_t pair_offset, RowFn fn, const Act* a, float* out) {
+  const int64_t span = pair_offset > 0 ? 2 : 1;
+  // NOTE: ~2 KB of weights per chunk (4 Q4_K gate+up pairs of 1024 columns, 8 Q6_K rows of 256)
+  const int64_t nb = std::clamp<int64_t>(2048 / (row_bytes * span), 1, 32);
+  return {g, W, rows, (rows * span) * row_bytes, row_bytes, pair_offset, nb,
+          (rows + nb - 1) / nb, fn, a, out};
+}
+
+// NOTE: >= 4 KB requested ahead of the rows being computed (a DRAM latency's worth at a core's
+// share of the bandwidth; fp8_gemv.cpp / rows_streamed measured the same depth)
+inline int64_t chunks_ahead(int64_t chunk_bytes) {
+  return std::max<int64_t>(1, (4096 + chunk_bytes - 1) / chunk_bytes);
+}
+
+// Chunks [c0, c1) of L run in order, each prefetched `ahead` chunks before its turn; the
+// prefetches that would run past c1 go to `next`'s chunks [n0, n1) instead (the projection
+// this thread runs after, so its first rows are on the way while this one finishes).
+inline void run_chunks(const RowList& L, int64_t c0, int64_t c1, const RowList* next = nullptr,
+                       int64_t n0 = 0, int64_t n1 = 0) {
+  const int64_t ahead = chunks_ahead(L.chunk_bytes());
+  auto request = [&](int64_t c) {
+    if (c < c1) L.prefetch(c);
+    else if (next != nullptr && n0 + (c - c1) < n1) next->prefetch(n0 + (c - c1));
+  };
+  for (int64_t c = c0; c < std::min(c1, c0 + ahead); ++c) L.prefetch(c);
+  for (int64_t c = c0; c < c1; ++c) {
+    request(c + ahead);
+    L.run(c);
+  }
+}
+
+// fn(std::integral_constant<int, MT>, m) over the row tiles of [m0, m1): kTileRows, then 4, 2,
+// 1 rows (ggml_blocks_run.h rows_range's tiling, so a row's bits do not depend on the split)
+template <class F>
+inline void for_tiles(int64_t m0, int64_t m1, F&& fn) {
+  int64_t m = m0;
+  for (; m + ggml::kTileRows <= m1; m += ggml::kTileRows)
+    fn(std::integral_constant<int, ggml::kTileRows>{}, m);
+  if constexpr (ggml::kTileRows > 4) {
+    if (m + 4 <= m1) {
+      fn(std::integral_constant<int, 4>{}, m);
+      m += 4;
+    }
+  }
+  if (m + 2 <= m1) {
+    fn(std::integral_constant<int, 2>{}, m);
+    m += 2;
+  }
+  if (m < m1) fn(std::integral_constant<int, 1>{}, m);
+}
+
+// act[m, n] = silu(gate_e row n . x_m) * (up_e row n . x_m) for rows n in [n0, n1) and expert
+// e's sorted rows m (gate rows [0, I), up rows [I, 2I) of W = [E, 2I, row bytes]): one pass over
+// x per row pair, the SwiGLU on the tile's registers.
+template <class T>
+void gate_up_rows(const Act& a, const Groups& g, const uint8_t* W, int64_t I, int64_t e,
+                  int64_t n0, int64_t n1, float* act) {
+  const int64_t nblk = a.K / T::kQK, rb = nblk * T::kBytes;
+  const uint8_t* We = W + e * 2 * I * rb;
+  for_tiles(g.start[e], g.start[e + 1], [&](auto mt, int64_t m) {
+    constexpr int MT = decltype(mt)::value;
+    float gate[MT], up[MT];
+    int64_t n = n0;
+    // NOTE: one token (W1): a K-quant tile of two gate rows and their two up rows, x read
+    // once per super-block for the four and their lane sums reduced together (kq_tile keeps
+    // row<1>'s bits). Not for MT > 1: adjacent rows of a longer tile made Q6_K's stream slower.
+    if constexpr (ggml::kIsKQuant<T> && MT == 1) {
+      float res[4];
+      for (; n + 2 <= n1; n += 2) {
+        const uint8_t* w[4] = {We + n * rb, We + (I + n) * rb, We + (n + 1) * rb,
+                               We + (I + n + 1) * rb};
+        ggml::kq_tile<T, 4, 1>(w, nblk, a, m, res);
+        for (int j = 0; j < 2; ++j)
+          act[m * I + n + j] = res[2 * j] / (1.f + std::exp(-res[2 * j])) * res[2 * j + 1];
+      }
+    }
+    for (; n < n1; ++n) {
+      T::template row<MT>(We + n * rb, nblk, a, m, gate);
+      T::template row<MT>(We + (I + n) * rb, nblk, a, m, up);
+      for (int i = 0; i < MT; ++i)
+        act[(m + i) * I + n] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+    }
+  });
+}
+
+// out[m, n] = expert e's weight row n . sorted activation row m for rows n in [n0, n1)
+// (W = [E, rows, row bytes])
+template <class T>
+void down_rows(const Act& a, const Groups& g, const uint8_t* W, int64_t rows, int64_t e,
+               int64_t n0, int64_t n1, float* out) {
+  const int64_t nblk = a.K / T::kQK, rb = nblk * T::kBytes;
+  const uint8_t* We = W + e * rows * rb;
+  for_tiles(g.start[e], g.start[e + 1], [&](auto mt, int64_t m) {
+    constexpr int MT = decltype(mt)::value;
+    float res[MT];
+    int64_t n = n0;
+    if constexpr (ggml::kIsKQuant<T> && MT == 1) {  // one token: 4 weight rows per tile
+      float rt[4];
+      for (; n + 4 <= n1; n += 4) {
+        const uint8_t* w[4] = {We + n * rb, We + (n + 1) * rb, We + (n + 2) * rb,
+                               We + (n + 3) * rb};
+        ggml::kq_tile<T, 4, 1>(w, nblk, a, m, rt);
+        for (int j = 0; j < 4; ++j) out[m * rows + n + j] = rt[j];
+      }
+    }
+    for (; n < n1; ++n) {
+      T::template row<MT>(We + n * rb, nblk, a, m, res);
+      for (int i = 0; i < MT; ++i) out[(m + i) * rows + n] = res[i];
+    }
+  });
+}
+
+}  // namespace
+}  // namespace fitserve::moe
