@@ -25,6 +25,8 @@ and the ledger adds the lines up to the process's peak resident set:
               + max(attention-phase activations + attention call scratch   one layer's
                       (+ a quantized cache's dequantized K/V),               phases, never
                     MLP-phase activations,                                   at once
+                    (each + its widest projection's float32 output staging where the
+                     ggml block kernels run: ``scratch.projection_staging_bytes``),
                     final hidden states + logits + sampler copies)
               + allocator retention (the two other phases: glibc's heap keeps their pages
                                      until the engine trims after the step)
