@@ -148,11 +148,19 @@ def fitserve_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def ledger_kv_runtime(engine: Any) -> dict[str, int]:
-    """The ledger's KV pool and runtime-baseline bytes for this engine (what peak RSS is
-    compared with, beside the file's size)."""
+    """The ledger lines peak RSS is compared with, beside the file's size: the engine's KV pool,
+    its step peak (activations, output staging, attention scratch, logits, sampler, allocator
+    retention) and RoPE tables, and the runtime baseline (`fitserve plan`'s measured line: the
+    engine's own plan does not measure it)."""
+    from fitserve.ledger.runtime import runtime_baseline_bytes
+
     plan = engine.pool.memory_plan
-    runtime = sum(ln.bytes for ln in plan.lines if ln.name == "runtime baseline") if plan else 0
-    return {"ledger_kv_bytes": engine.pool.allocated_bytes, "ledger_runtime_bytes": runtime}
+    lines = {ln.name: ln.bytes for ln in plan.lines} if plan else {}
+    runtime = lines.get("runtime baseline", 0) or runtime_baseline_bytes() or 0
+    return {"ledger_kv_bytes": engine.pool.allocated_bytes, "ledger_runtime_bytes": runtime,
+            "ledger_step_bytes": plan.step_bytes if plan else 0,
+            "ledger_rope_bytes": lines.get("rope tables", 0),
+            "ledger_staging_bytes": lines.get("output staging", 0)}
 
 
 def transformers_worker(spec: dict[str, Any]) -> dict[str, Any]:

@@ -193,6 +193,15 @@ def main() -> None:
     report(rows, args)
 
 
+def rss_bound(path: Path, fs: dict[str, Any] | None) -> float:
+    """Bytes peak RSS is held to: the file + the ledger's lines beside the weights (the
+    engine's plan peak with the file's size in place of the held weights)."""
+    if not fs or "ledger_step_bytes" not in fs:
+        return float("nan")
+    return float(path.stat().st_size + fs["ledger_runtime_bytes"] + fs["ledger_rope_bytes"]
+                 + fs["ledger_kv_bytes"] + fs["ledger_step_bytes"])
+
+
 def _rate(r: dict[str, Any] | None, w: str) -> float:
     return r[w]["tok_s"] if r and w in r else float("nan")
 
@@ -202,8 +211,9 @@ def report(rows: list[tuple[str, Path, float, Any, Any, Any, tuple[float, float]
     print(f"\nCPU: {be.cpu_description()}\nshape {args.shape}, threads={args.threads}, medians "
           f"of {args.runs} runs; limit = weight bytes held / copy bandwidth (the higher of the "
           f"figures measured just before and just after fitserve's worker)")
-    print("RSS bound = file + the ledger's KV pool and runtime-baseline lines (target: peak RSS "
-          "within 10% of it)")
+    print("RSS bound = file + the ledger's runtime baseline, RoPE tables, KV pool and step peak "
+          "(activations, output staging, attention scratch, logits, sampler, allocator "
+          "retention), as `fitserve plan` adds them up; target: peak RSS within 10% of it")
     print(f"{'type':<8}{'file MiB':>9}{'held MiB':>9}{'RSS MiB':>8}{'bound':>7}{'W1 fitserve':>12}"
           f"{'llama.cpp':>10}{'ratio':>7}{'of limit':>9}"
           + (f"{'W2 fitserve':>12}{'llama.cpp':>10}{'ratio':>7}" if args.w2 else "")
@@ -211,8 +221,7 @@ def report(rows: list[tuple[str, Path, float, Any, Any, Any, tuple[float, float]
     for qtype, path, bw, fs, peer, tf, bws in rows:
         held = fs["weight_bytes_read"] if fs else float("nan")
         w1, p1 = _rate(fs, "W1"), _rate(peer, "W1")
-        bound = (path.stat().st_size + fs["ledger_kv_bytes"] + fs["ledger_runtime_bytes"]) / 2**20 \
-            if fs and "ledger_kv_bytes" in fs else float("nan")
+        bound = rss_bound(path, fs) / 2**20
         line = (f"{qtype:<8}{path.stat().st_size / 2**20:9.0f}{held / 2**20:9.0f}"
                 f"{fs['peak_rss_mib'] if fs else float('nan'):8.0f}{bound:7.0f}{w1:12.1f}{p1:10.1f}"
                 f"{w1 / p1:7.2f}{w1 * held / bw:9.0%}")
@@ -222,6 +231,13 @@ def report(rows: list[tuple[str, Path, float, Any, Any, Any, tuple[float, float]
         if "transformers" in args.peers:
             line += f"{_rate(tf, 'W1'):16.1f}"
         print(line)
+        if fs and "ledger_step_bytes" in fs:
+            print(f"{'':8}bound MiB: file {path.stat().st_size / 2**20:.0f} + runtime "
+                  f"{fs['ledger_runtime_bytes'] / 2**20:.0f} + KV {fs['ledger_kv_bytes'] / 2**20:.0f}"
+                  f" + step {fs['ledger_step_bytes'] / 2**20:.0f} (output staging "
+                  f"{fs['ledger_staging_bytes'] / 2**20:.0f}) + RoPE "
+                  f"{fs['ledger_rope_bytes'] / 2**20:.1f}; peak RSS / bound "
+                  f"{fs['peak_rss_mib'] / bound:.2f}")
         print(f"{'':8}tensors: {held_types(path)}; bandwidth {bw / 1e9:.1f} GB/s (before "
               f"{bws[0] / 1e9:.1f}, after {bws[1] / 1e9:.1f}); engine start {fs['startup_s'] if fs else float('nan'):.1f} s (load, build, ledger)")
     ratios = [_rate(fs, "W1") / _rate(p, "W1") for _, _, _, fs, p, _, _ in rows if fs and p]

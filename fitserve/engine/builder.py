@@ -30,6 +30,7 @@ from fitserve.ledger.sampler_memory import prompt_logprob_chunk_rows
 from fitserve.ledger.weights import engine_format_rule, engine_weight_bytes
 from fitserve.loading import LoadedModel, load_model
 from fitserve.loading.tokenizer import Tokenizer
+from fitserve.model.ggml_linear import runs_ggml_kernels
 from fitserve.model.linear import (
     cpp_ops_available,
     hold_linears_as_panels,
@@ -161,7 +162,8 @@ def _size_and_wire(cfg: EngineConfig, model: CausalLM, spec: ModelSpec, shard_sp
     if held != weight_bytes:
         raise RuntimeError(f"the model holds {held:,} B of weights, the ledger says "
                            f"{weight_bytes:,} B (fitserve.ledger.weights.engine_weight_bytes)")
-    pool = size_kv_pool(cfg, shard_spec, dtype, device, weight_bytes)
+    pool = size_kv_pool(cfg, shard_spec, dtype, device, weight_bytes,
+                        output_staging=runs_ggml_kernels(model, dtype))
     log.info("weights %.1f MiB as the ledger counts them; KV cache %d blocks, %.1f MiB",
              weight_bytes / 2**20, pool.num_blocks, pool.allocated_bytes / 2**20)
     sched = cfg.scheduler

@@ -66,9 +66,11 @@ def engine_kv_format(cfg: EngineConfig, dtype: torch.dtype) -> str:
 
 
 def size_kv_pool(
-    cfg: EngineConfig, spec: ModelSpec, kv_dtype: torch.dtype, device: torch.device, weight_bytes: int
+    cfg: EngineConfig, spec: ModelSpec, kv_dtype: torch.dtype, device: torch.device, weight_bytes: int,
+    output_staging: bool = False,
 ) -> KVPoolSize:
-    """Number of KV blocks, from the same ledger functions `fitserve plan` prints."""
+    """Number of KV blocks, from the same ledger functions `fitserve plan` prints
+    (``output_staging``: the model runs projections through the ggml block kernels)."""
     kv_name = engine_kv_format(cfg, kv_dtype)
     act_bytes = torch.finfo(kv_dtype).bits // 8
     cache, sched = cfg.cache, cfg.scheduler
@@ -96,7 +98,7 @@ def size_kv_pool(
                 max_num_seqs=sched.max_num_seqs, block_size=cache.block_size, kv_dtype=kv_name,
                 act_dtype_bytes=act_bytes, kv_cache_memory_bytes=kv_bytes, kv_blocks=kv_blocks,
                 max_model_len=cfg.max_model_len or spec.max_position_embeddings,
-                fused_decode=paged_attention_available())
+                fused_decode=paged_attention_available(), output_staging=output_staging)
 
         kv_bytes = cache.kv_cache_memory_bytes
         if cache.host_memory_utilization is not None and kv_bytes is None and cache.num_kv_blocks is None:

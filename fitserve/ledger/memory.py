@@ -25,6 +25,8 @@ and the ledger adds the lines up to the process's peak resident set:
               + max(attention-phase activations + attention call scratch   one layer's
                       (+ a quantized cache's dequantized K/V),               phases, never
                     MLP-phase activations,                                   at once
+                    (each + its widest projection's float32 output staging where the
+                     ggml block kernels run: ``scratch.projection_staging_bytes``),
                     final hidden states + logits + sampler copies)
               + allocator retention (the two other phases: glibc's heap keeps their pages
                                      until the engine trims after the step)
@@ -55,6 +57,7 @@ from fitserve.ledger.scratch import (
     cpp_kernels_disabled,
     cpu_attention_scratch,
     cpu_threads,
+    projection_staging_bytes,
     rope_table_bytes,
     sampler_bytes,
 )
@@ -321,7 +324,8 @@ def cpu_engine_memory_plan(spec: ModelSpec, *, weight_bytes: int, max_num_batche
                            load_transient_bytes: int = 0, weights_note: str = "",
                            runtime_note: str = "", strict: bool = True,
                            max_model_len: int | None = None, threads: int | None = None,
-                           fused_decode: bool | None = None) -> EngineMemoryPlan:
+                           fused_decode: bool | None = None,
+                           output_staging: bool = False) -> EngineMemoryPlan:
     """The engine's host-memory ledger on a CPU: a fixed KV budget, lines summed to the peak.
 
     The KV pool is ``kv_blocks`` blocks if given, else ``kv_cache_memory_bytes``, else
@@ -331,7 +335,9 @@ def cpu_engine_memory_plan(spec: ModelSpec, *, weight_bytes: int, max_num_batche
     transient is freed before the KV pool is allocated. ``max_model_len`` (None: the model's
     max_position_embeddings, as the engine) sizes the RoPE tables and the attention scratch;
     ``threads`` (None: ``scratch.cpu_threads()``) the SDPA tiles; ``fused_decode`` (None: unless
-    FITSERVE_DISABLE_CPP is set) whether decode runs the C++ kernel or gathers K/V. A budget
+    FITSERVE_DISABLE_CPP is set) whether decode runs the C++ kernel or gathers K/V;
+    ``output_staging`` whether projections held as ggml blocks run the ggml kernels (their
+    float32 rows before the cast: ``scratch.projection_staging_bytes``). A budget
     that holds no block raises PlanError, unless ``strict=False`` (the planner: 0 blocks).
     """
     block = kv_block_bytes(spec, block_size, kv_dtype)
@@ -359,9 +365,11 @@ def cpu_engine_memory_plan(spec: ModelSpec, *, weight_bytes: int, max_num_batche
     dequant = kv_dequant_scratch_bytes(spec, kv_dtype, blocks, block_size, max_num_seqs, mml,
                                        act_dtype_bytes)
     step, phase = cpu_step_bytes(spec, budget, act_dtype_bytes, scratch, logits.bytes + sampler,
-                                 dequant)
+                                 dequant, output_staging)
     retained = heap_retention_bytes(cpu_step_phases(spec, budget, act_dtype_bytes, scratch,
-                                                    logits.bytes + sampler, dequant))
+                                                    logits.bytes + sampler, dequant,
+                                                    output_staging))
+    staging = max(projection_staging_bytes(spec, budget, act_dtype_bytes)) if output_staging else 0
     step += retained
     running = kv_bytes + step
     rope = rope_table_bytes(spec, mml)
@@ -377,6 +385,10 @@ def cpu_engine_memory_plan(spec: ModelSpec, *, weight_bytes: int, max_num_batche
         MemoryLine("activation peak", "act_peak", max(activation_phase_bytes(
                    spec, budget, act_dtype_bytes)),
                    f"one forward over max_num_batched_tokens={budget}"),
+        *([MemoryLine("output staging", "min(tokens, 4Mi / N) x N x 4", staging,
+                      "float32 rows of the ggml block kernels before the cast to the model "
+                      "dtype, of the widest projection (N) of a phase, at most 4Mi floats a "
+                      "call (GgmlLinear)")] if staging else []),
         MemoryLine("attention scratch", "masks + max(prefill chunk, decode)", scratch.total_bytes,
                    _scratch_note(scratch, block_size)),
         logits,
@@ -426,27 +438,32 @@ def kv_dequant_scratch_bytes(spec: ModelSpec, kv_dtype: str, num_blocks: int, bl
 
 def cpu_step_phases(spec: ModelSpec, num_tokens: int, act_dtype_bytes: int,
                     scratch: AttentionScratch, logits_bytes: int,
-                    kv_dequant_bytes: int = 0) -> dict[str, int]:
+                    kv_dequant_bytes: int = 0, output_staging: bool = False) -> dict[str, int]:
     """The transient bytes of each phase of a step (``cpu_step_bytes``), masks apart.
 
     attention: the attention-phase activations + the attention call's scratch (one layer) +
     a quantized cache's dequantized K/V (``kv_dequant_bytes``, one layer's, freed with its
     attention); mlp: the MLP-phase activations; sampling: the final hidden states [N, H] + the
-    logits and the sampler's copies (``logits_bytes``).
+    logits and the sampler's copies (``logits_bytes``). ``output_staging``: + each phase's
+    widest projection's float32 kernel output (``scratch.projection_staging_bytes``: weights
+    held as ggml blocks; other formats write the model dtype directly).
     """
     attn, mlp = activation_phase_bytes(spec, num_tokens, act_dtype_bytes)
+    if output_staging:
+        staged = projection_staging_bytes(spec, num_tokens, act_dtype_bytes)
+        attn, mlp = attn + staged[0], mlp + staged[1]
     return {"attention": attn + scratch.kernel_bytes + kv_dequant_bytes, "mlp": mlp,
             "sampling": num_tokens * spec.hidden_size * act_dtype_bytes + logits_bytes}
 
 
 def cpu_step_bytes(spec: ModelSpec, num_tokens: int, act_dtype_bytes: int,
                    scratch: AttentionScratch, logits_bytes: int,
-                   kv_dequant_bytes: int = 0) -> tuple[int, str]:
+                   kv_dequant_bytes: int = 0, output_staging: bool = False) -> tuple[int, str]:
     """(live step peak, the phase that sets it): the masks + the largest of the three phases
     of ``cpu_step_phases``. Each layer frees its attention scratch before its MLP runs, and the
     last layer's activations before the logits are made."""
     phases = cpu_step_phases(spec, num_tokens, act_dtype_bytes, scratch, logits_bytes,
-                             kv_dequant_bytes)
+                             kv_dequant_bytes, output_staging)
     name = max(phases, key=lambda k: phases[k])
     return scratch.step_tensor_bytes + phases[name], name
 

@@ -52,6 +52,13 @@ PAGED_LANES = 16
 # length bucket "<=4096"); tests/numerics/test_attention_scratch.py pins both constants.
 GATHER_EAGER_MAX_KEYS = 4096
 
+# NOTE: the ggml block kernels (fitserve.kernels.cpu.ggml_blocks) write float32 [M, N]; a
+# GgmlLinear with 16-bit activations runs them on at most output_staging_rows(N) rows at a time
+# and casts each piece into its output, so the float32 staging is at most this many floats
+# (16 MiB) whatever the step's token count (a 2,048-token prefill of SmolLM2-1.7B's gate/up
+# held 128 MiB of it at once, +96 MiB over the ledger and as much again left in glibc's heap).
+OUTPUT_STAGING_FLOATS = 1 << 22
+
 
 class ScratchKind(StrEnum):
     """What one attention call allocates, as this ledger counts it (each CPU attention backend
@@ -358,3 +365,29 @@ def rope_table_bytes(spec: ModelSpec, max_model_len: int) -> int:
 def sampler_bytes(spec: ModelSpec, max_num_seqs: int) -> int:
     """The sampler's working buffers at their worst (fitserve.ledger.sampler_memory)."""
     return sampler_memory.sampler_bytes(spec.vocab_size, max_num_seqs)
+
+
+def output_staging_rows(out_features: int) -> int:
+    """Rows of x per ggml kernel call of a GgmlLinear with ``out_features`` outputs and 16-bit
+    activations: the float32 staging [rows, N] stays within OUTPUT_STAGING_FLOATS."""
+    return max(1, OUTPUT_STAGING_FLOATS // max(1, out_features))
+
+
+def output_staging_bytes(num_tokens: int, out_features: tuple[int, ...], act_bytes: int) -> int:
+    """float32 bytes of the widest of these projections' staging over ``num_tokens`` rows:
+    max over N of min(num_tokens, output_staging_rows(N)) x N x 4 (0 with float32
+    activations: the kernel's output is the activation itself)."""
+    if act_bytes >= 4 or num_tokens <= 0:
+        return 0
+    return max((min(num_tokens, output_staging_rows(n)) * n * 4 for n in out_features), default=0)
+
+
+def projection_staging_bytes(spec: ModelSpec, num_tokens: int, act_bytes: int) -> tuple[int, int]:
+    """(attention phase, MLP phase) float32 staging of a step of ``num_tokens`` tokens: the
+    fused q/k/v and o_proj; gate/up (or each routed expert's) and down_proj."""
+    h = spec.hidden_size
+    inter = spec.intermediate_size
+    if spec.num_experts:
+        inter = max(inter if spec.first_k_dense else 0, spec.moe_intermediate_size or inter)
+    return (output_staging_bytes(num_tokens, (spec.q_size + 2 * spec.kv_size, h), act_bytes),
+            output_staging_bytes(num_tokens, (2 * inter, h), act_bytes))

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fitserve.kernels.cpu.ggml_blocks import ggml_kernel_available, ggml_matmul
+from fitserve.ledger.scratch import output_staging_rows
 from fitserve.quant.ggml_blocks import GgmlBlockWeight, dequantize_blocks
 
 # Rows dequantized at once by the torch path: ~1M elements (4 MiB of fp32) whatever the layer.
@@ -72,17 +73,42 @@ class GgmlLinear(nn.Module):
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         n, k = self.out_features, self.in_features
         if self.uses_kernel(x2.dtype):
-            out: torch.Tensor = ggml_matmul(x2.contiguous(), self.blocks, self.ggml_type, n, k)
-            y = out.to(x.dtype)
+            y = self._kernel_rows(x2.contiguous())
         else:
             y = torch_matmul(x2, self.blocks, self.ggml_type, n, k)
         if self.bias is not None:
             y = y + self.bias
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
 
+    def _kernel_rows(self, x2: torch.Tensor) -> torch.Tensor:
+        """The kernel's float32 rows cast into x's dtype, at most ``output_staging_rows``
+        rows a call (the ledger's "output staging" line).
+
+        NOTE: a prefill chunk's float32 [M, N] in one piece was 128 MiB at SmolLM2-1.7B's
+        gate/up (M = 2,048), beside its bf16 copy; equal pieces of >= 2 rows keep every call on
+        the M > 1 tiles, whose rows do not depend on M (the K-quants' M = 1 path is another)."""
+        n, k, m = self.out_features, self.in_features, x2.shape[0]
+        rows = output_staging_rows(n)
+        if m <= rows:
+            out: torch.Tensor = ggml_matmul(x2, self.blocks, self.ggml_type, n, k)
+            return out.to(x2.dtype)
+        pieces = -(-m // rows)
+        step = -(-m // pieces)
+        y = x2.new_empty(m, n)
+        for r0 in range(0, m, step):
+            y[r0 : r0 + step].copy_(ggml_matmul(x2[r0 : r0 + step], self.blocks,
+                                                self.ggml_type, n, k))
+        return y
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"format={self.ggml_type}, bias={self.bias is not None}")
+
+
+def runs_ggml_kernels(model: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether a GgmlLinear of ``model`` runs the C++ kernel for activations of ``dtype`` (the
+    ledger's "output staging" line then counts its float32 rows)."""
+    return any(type(m) is GgmlLinear and m.uses_kernel(dtype) for m in model.modules())
 
 
 class GgmlEmbedding(nn.Module):

@@ -47,7 +47,7 @@ from fitserve.ledger.units import fmt_bytes
 from fitserve.ledger.weights import model_weight_bytes
 from fitserve.tools.planner.fit_more import format_pair, larger_gpu, smaller_tp
 from fitserve.tools.planner.report import PlanRequest, Resolved, resolve
-from fitserve.tools.planner.sections import weight_bytes_per_gpu
+from fitserve.tools.planner.sections import runs_ggml_kernels, weight_bytes_per_gpu
 
 # NOTE: smaller weight formats tried, largest first, when a plan misses (what vLLM users reach
 # for: FP8, then weight-only int8 and int4 with 128-wide groups).
@@ -112,7 +112,8 @@ def memory_plan(r: Resolved, *, runtime: Runtime = "measure") -> EngineMemoryPla
             kv_blocks=q.num_kv_blocks, runtime_bytes=rt or 0,
             load_transient_bytes=engine_load_transient_bytes(r.entry.spec, wb, r.act_bytes),
             weights_note=r.weights_note, strict=False, max_model_len=q.context,
-            runtime_note="" if rt is not None else "NOT MEASURED (torch not importable)")
+            runtime_note="" if rt is not None else "NOT MEASURED (torch not importable)",
+            output_staging=runs_ggml_kernels(r))
     return engine_memory_plan(
         r.entry.spec, weight_bytes=weight_bytes_per_gpu(r), total_memory_bytes=r.hw.memory_bytes,
         memory_utilization=q.memory_utilization, max_num_batched_tokens=q.max_num_batched_tokens,

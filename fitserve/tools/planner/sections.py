@@ -3,7 +3,7 @@ sections_run.py)."""
 
 from __future__ import annotations
 
-from fitserve.ledger.formats import kv_format
+from fitserve.ledger.formats import GGML_HELD_TYPES, kv_format
 from fitserve.ledger.kv import (
     kv_block_bytes,
     kv_block_scale_bytes,
@@ -89,6 +89,22 @@ def whole_model_weights(r: Resolved) -> WeightBytes:
             return tensor_mix_bytes(r.weights, engine_held_tensors(
                 s, r.base_dtype, stored=stored, rule=stored_format_rule(r.base_dtype)))
     return model_weight_bytes(s, r.weights, tp=1, base_dtype=r.base_dtype)
+
+
+def runs_ggml_kernels(r: Resolved) -> bool:
+    """Whether the engine on cpu runs some projection through the ggml block kernels (a
+    tensor held as the file's ggml blocks, bf16 activations, the C++ kernels built), as
+    ``fitserve.model.ggml_linear.runs_ggml_kernels`` says of the built model: the ledger's
+    "output staging" line."""
+    from fitserve.ledger.scratch import cpp_kernels_disabled
+    from fitserve.ledger.weights import engine_held_formats
+
+    if not (r.on_cpu and r.engine_weights is not None and engine_runs(r.entry.spec)
+            and r.act_dtype == "bf16") or cpp_kernels_disabled():
+        return False
+    held = engine_held_formats(r.entry.spec, r.act_dtype, stored=r.entry.stored_formats,
+                               rule=engine_format_rule(r.engine_weights, r.act_dtype))
+    return any(f in GGML_HELD_TYPES for f in held)
 
 
 def prepacked_panel_bytes(r: Resolved) -> int:

@@ -89,3 +89,32 @@ def test_kernel_path_when_built(qtype: Q) -> None:
     # + the bf16 rounding of the float32 result
     got = lin(x).double()
     assert bool(((got - want).abs() <= bound + want.abs() / 128 + 1e-3).all())
+
+
+@pytest.mark.skipif(not ggml_linear.kernel_available("Q4_K", torch.bfloat16),
+                    reason="the ggml_blocks C++ kernel is not built")
+def test_kernel_rows_in_bounded_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 x of more rows than ``output_staging_rows`` (7 here) runs in equal pieces (23 rows:
+    6, 6, 6, 5), each the bits of one whole call, and the call holds no more than the bf16
+    output plus one piece's float32 rows (the ledger's "output staging")."""
+    from tests.memory_events import peak_extra
+
+    n, k, m = 40, 512, 23
+    w, _ = held(Q.Q4_K, n, k)
+    lin = GgmlLinear(w)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    whole = ggml_linear.ggml_matmul(x, w.blocks, "Q4_K", n, k).to(torch.bfloat16)
+    calls: list[int] = []
+    real = ggml_linear.ggml_matmul
+
+    def counted(x2: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(x2.shape[0])
+        return real(x2, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ggml_linear, "output_staging_rows", lambda out_features: 7)
+    monkeypatch.setattr(ggml_linear, "ggml_matmul", counted)
+    assert torch.equal(lin(x), whole)
+    assert calls == [6, 6, 6, 5]
+    assert peak_extra(lambda: lin(x)) == m * n * 2 + 6 * n * 4
+    calls.clear()
+    assert torch.equal(lin(x[:7]), whole[:7]) and calls == [7]  # within the bound: one call
