@@ -29,7 +29,7 @@ void run_type(const Act& a, int64_t M, const uint8_t* W, int64_t N, float* out) 
   const int64_t nblk = a.K / T::kQK, row_bytes = nblk * T::kBytes, nb = block_rows(N);
 #ifdef FS_GGML_AVX512
   if constexpr (kIsKQuant<T>) {  // many rows of x: the lane = output row panels (_kqpanel.h)
-    if (M >= kKqPanelMinRows)
+    if (M >= T::Panel::kMinRows)
       return at::parallel_for(0, (N + kPanelLanes - 1) / kPanelLanes, 1, [&](int64_t p0, int64_t p1) {
         for (int64_t p = p0; p < p1; ++p)
           kq_panel_run<typename T::Panel>(W, row_bytes, nblk, a, M, p * kPanelLanes, N, out);

@@ -32,8 +32,9 @@
 namespace fitserve::ggml {
 
 constexpr int kPanelLanes = 16;
-constexpr int kKqPanelMinRows = 8;  // M from which the panels run (bench_ggml_blocks --msweep)
-constexpr int kKqPanelTile = 4;     // rows of x per panel tile
+// NOTE: rows of x per panel tile: 4 (one thread, CPU clock, 2048x2048 M = 30, alternated in one
+// process, loaded host: Q4_K 2 / 4 / 6 rows 715 / 625 / 698 us, 5 and 8 spill: 1.8x slower)
+constexpr int kKqPanelTile = 4;
 
 // acc + the u8 x s8 dot of each 4-byte lane group (VPDPBUSD; two ops without VNNI: codes <= 63,
 // so maddubs never saturates).
@@ -83,6 +84,9 @@ template <bool kHigh>
 struct Q45KPanel {
   static constexpr int64_t kBytes = kHigh ? 176 : 144, kQsOff = kHigh ? 48 : 16;
   static constexpr int kZmm = 64 + 8 + 4 + 2;  // codes, sc, mp, d / dmin
+  // NOTE: M from which the panels run: panel / row tiles per call, 2048x2048, one thread, CPU
+  // clock, alternated: M = 4 1.03, 6 0.94, 8 0.92, 12 0.73, 16 0.74 (Q4_K)
+  static constexpr int kMinRows = 6;
 
   static void pack(const uint8_t* const* rows, __m512i idx, int64_t sb, __m512i* p) {
     const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F), m10 = _mm512_set1_epi8(0x10);

@@ -10,6 +10,9 @@ namespace fitserve::ggml {
 struct Q6KPanel {
   static constexpr int64_t kBytes = 210;
   static constexpr int kZmm = 64 + 16 + 8 + 1;  // codes, sc, sc pairs, d
+  // NOTE: panel / row tiles per call as Q45KPanel's: M = 8 1.25, 12 0.94, 16 0.94 (Q6_K's three
+  // transposes make its panel dearer to pack, its 16 scales to apply)
+  static constexpr int kMinRows = 12;
 
   static void pack(const uint8_t* const* rows, __m512i idx, int64_t sb, __m512i* p) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
