@@ -132,7 +132,7 @@ template <bool kHigh, int NW, int MT>
   FS_GGML_UNROLL for (int i = 0; i < MT; ++i) aq[i] = a.qrow(m0 + i);
   for (int64_t sb = 0; sb < nsb; ++sb) {
     __m512i isv[R];
-    __m128i msv[R];
+    __m128i msv[R], isg[G], msg[G];
     float dd[R], dm[R];
     FS_GGML_UNROLL for (int j = 0; j < NW; ++j) {
       const uint8_t* b = w[j] + sb * kBytes;
@@ -174,14 +174,18 @@ template <bool kHigh, int NW, int MT>
         const float da = a.drow(m0 + i)[sb];
         dd[r] = d * da;
         dm[r] = dmin * da;
+        if (r % 4 == 3 || r == R - 1) {  // a group of 4 lanes complete: reduced now (registers)
+          const __m128i z = _mm_setzero_si128();
+          auto m = [&](int q) { return q < R ? msv[q] : z; };
+          const int g = r / 4;
+          isg[g] = isum_group<R>(isv, g);
+          msg[g] = isum128x4(m(4 * g), m(4 * g + 1), m(4 * g + 2), m(4 * g + 3));
+        }
       }
     }
     FS_GGML_UNROLL for (int g = 0; g < G; ++g) {
-      const __m128i z = _mm_setzero_si128();
-      auto m = [&](int r) { return r < R ? msv[r] : z; };
-      const __m128i ms = isum128x4(m(4 * g), m(4 * g + 1), m(4 * g + 2), m(4 * g + 3));
-      const __m128 u = _mm_mul_ps(_mm_cvtepi32_ps(ms), lanes4<R>(dm, g));
-      const __m128 t = _mm_fmsub_ps(_mm_cvtepi32_ps(isum_group<R>(isv, g)), lanes4<R>(dd, g), u);
+      const __m128 u = _mm_mul_ps(_mm_cvtepi32_ps(msg[g]), lanes4<R>(dm, g));
+      const __m128 t = _mm_fmsub_ps(_mm_cvtepi32_ps(isg[g]), lanes4<R>(dd, g), u);
       acc[g] = _mm_add_ps(acc[g], t);
     }
   }
@@ -212,6 +216,7 @@ template <int NW, int MT>
   FS_GGML_UNROLL for (int i = 0; i < MT; ++i) aq[i] = a.qrow(m0 + i);
   for (int64_t sb = 0; sb < nsb; ++sb) {
    __m512i isv[R];
+   __m128i isg[G];
    float dd[R];
    FS_GGML_UNROLL for (int j = 0; j < NW; ++j) {
     const uint8_t* b = w[j] + sb * 210;
@@ -255,12 +260,14 @@ template <int NW, int MT>
     }
     const float d = f16_at(b + 208);
     FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
-      isv[j * MT + i] = kSplit ? _mm512_add_epi32(ia[i], ib[i]) : ia[i];
-      dd[j * MT + i] = d * a.drow(m0 + i)[sb];
+      const int r = j * MT + i;
+      isv[r] = kSplit ? _mm512_add_epi32(ia[i], ib[i]) : ia[i];
+      dd[r] = d * a.drow(m0 + i)[sb];
+      if (r % 4 == 3 || r == R - 1) isg[r / 4] = isum_group<R>(isv, r / 4);  // as q45k_tile512
     }
    }
    FS_GGML_UNROLL for (int g = 0; g < G; ++g)
-     acc[g] = _mm_fmadd_ps(_mm_cvtepi32_ps(isum_group<R>(isv, g)), lanes4<R>(dd, g), acc[g]);
+     acc[g] = _mm_fmadd_ps(_mm_cvtepi32_ps(isg[g]), lanes4<R>(dd, g), acc[g]);
   }
   alignas(16) float out[4 * G];
   FS_GGML_UNROLL for (int g = 0; g < G; ++g) _mm_store_ps(out + 4 * g, acc[g]);
