@@ -230,7 +230,19 @@ void kq_panel_run(const uint8_t* W, int64_t rb, int64_t nsb, const Act& a, int64
     off[l] = static_cast<int32_t>(r * rb);
   }
   const __m512i idx = _mm512_load_si512(off);
-  for (int64_t sb = 0; sb < nsb; ++sb) P::pack(rows, idx, sb, buf.data() + sb * P::kZmm);
+  // NOTE: while packing, the rows of the panel after next (16 * rb contiguous bytes) are
+  // requested into L2, 16 super-blocks' worth per step: the pack reads 16 rows at once, which
+  // the hardware prefetchers did not follow from DRAM (8192x2048 Q4_K M = 8: 1.6-2x the row
+  // tiles' time without; one panel ahead 1.3x; two ahead 0.8x; one thread, loaded host)
+  const uint8_t* next = W + (n0 + 2 * kPanelLanes) * rb;
+  const int64_t next_bytes = std::max<int64_t>(0, std::min<int64_t>(N - n0 - 2 * kPanelLanes,
+                                                                    kPanelLanes) * rb);
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    for (int64_t o = sb * kPanelLanes * P::kBytes;
+         o < std::min<int64_t>(next_bytes, (sb + 1) * kPanelLanes * P::kBytes); o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T1);
+    P::pack(rows, idx, sb, buf.data() + sb * P::kZmm);
+  }
   const __mmask16 live = static_cast<__mmask16>((1u << live_n) - 1);
   int64_t m = 0;
   for (; m + kKqPanelTile <= M; m += kKqPanelTile)
