@@ -7,6 +7,8 @@
 // of kTileRows (then 2, 1): each weight row's blocks are decoded once per tile and used for
 // every row of the tile (ggml_blocks_kquant.h, _kq512.h, _q5.h, _q8.h, _iq4.h), so M > 1 reads and decodes
 // the weights M / kTileRows times, not M times; M = 1 is the same code with a tile of one row.
+// On AVX-512 the K-quants from T::Panel::kMinRows rows of x run "lane = output row" panels
+// instead (ggml_blocks_kqpanel.h: 16 weight rows decoded once per call), with the same bits.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

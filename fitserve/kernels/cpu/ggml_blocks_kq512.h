@@ -8,7 +8,8 @@
 //   Q6_K: a 64-byte load of ql covers half h (128 columns): low nibbles = columns 0-63, high =
 //     64-127 (natural order); qh's 32 bytes are broadcast to both 256-bit halves and shifted
 //     per half (64-bit variable shifts: the 0x30 mask keeps each byte's own bits).
-// Sub-block scales enter as int16 (madd / vpdpwssd); one fp32 FMA per super-block and row.
+// Sub-block scales enter as int16 (madd / vpdpwssd); each super-block ends in the canonical fp32
+// order (q45k_tile512's NOTE) shared with the M > 1 panels (ggml_blocks_kqpanel.h).
 #pragma once
 
 #include "ggml_blocks_act.h"
