@@ -27,6 +27,13 @@ and GB/s of weight bytes. The per-row cost is the marginal one, (t(N rows) - t(8
 quantization, the output) is not counted.
 
     python benchmarks/bench_ggml_blocks.py --hot [--types Q4_K,Q6_K] [--ms 1,4]
+
+--msweep times the K-quants' M > 1 calls (the batched decode of W2, the prefill) on one thread
+by its CPU clock, weights in cache (compute-bound at these M), at the 1.7B shapes 2048x2048,
+8192x2048, 2048x8192 and M = 2, 4, 8, 16, 32, 128: median us per call, ns per (weight row, x
+row, super-block) and us per row of x. For an A/B, run it in two trees one after the other.
+
+    python benchmarks/bench_ggml_blocks.py --msweep [--types Q4_K] [--ms 8,32,128]
 """
 
 from __future__ import annotations
@@ -131,6 +138,7 @@ def vs_read(args: argparse.Namespace) -> None:
 
 
 SHAPES_HOT = "256x1024,1024x256,2048x2048"
+SHAPES_SWEEP = "2048x2048,8192x2048,2048x8192"
 
 
 def calls_time(x: torch.Tensor, w: torch.Tensor, t: str, n: int, k: int, reps: int) -> float:
@@ -165,10 +173,32 @@ def hot(args: argparse.Namespace) -> None:
                       f"{statistics.median(big) * 1e6:8.1f}", flush=True)
 
 
+def msweep(args: argparse.Namespace) -> None:
+    """The K-quants' M > 1 cost at the 1.7B shapes (see the module docstring)."""
+    rng = np.random.default_rng(0)
+    torch.set_num_threads(1)
+    print(f"CPU: {cpu_model_name()}; ISA: {detect_isa().describe()}; tier {ggml_blocks_tier()}; "
+          f"one thread, CPU clock; load average {os.getloadavg()}")
+    print(f"{'N x K':>11} {'type':>5} {'M':>4} {'us/call':>9} {'ns/row/sb':>10} {'us/x row':>9}")
+    for shape in args.shapes.split(","):
+        n, k = (int(v) for v in shape.split("x"))
+        for t in args.types.split(","):
+            w = random_blocks(t, n, k, rng)
+            for m in [int(v) for v in args.ms.split(",")]:
+                x = torch.randn(m, k).bfloat16()
+                reps = max(2, int(2e8 // (n * k * m)))
+                per_call = statistics.median(calls_time(x, w, t, n, k, reps)
+                                             for _ in range(args.runs))
+                print(f"{shape:>11} {t:>5} {m:>4} {per_call * 1e6:9.1f} "
+                      f"{per_call * 1e9 * 256 / (n * k * m):10.3f} {per_call * 1e6 / m:9.2f}",
+                      flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--vs-read", action="store_true", help="kernels vs a plain read (see top)")
     ap.add_argument("--hot", action="store_true", help="K-quant own work in cache (see top)")
+    ap.add_argument("--msweep", action="store_true", help="K-quant M > 1 cost (see top)")
     ap.add_argument("--shapes", default=None, help="--vs-read / --hot: N x K list")
     ap.add_argument("--types", default=None, help="--vs-read / --hot: types")
     ap.add_argument("--threads-list", default="1,2", help="--vs-read: thread counts")
@@ -180,12 +210,16 @@ def main() -> None:
     ap.add_argument("--rotate-mb", type=int, default=None, help="weight copies (64; --vs-read 256)")
     args = ap.parse_args()
     args.rotate_mb = args.rotate_mb or (256 if args.vs_read else 64)
-    args.ms = args.ms or ("1" if args.vs_read or args.hot else "1,4,16")
-    args.shapes = args.shapes or (SHAPES_HOT if args.hot else SHAPES_17B)
-    args.types = args.types or ("Q4_K,Q5_K,Q6_K" if args.hot else
+    args.ms = args.ms or ("1" if args.vs_read or args.hot else
+                          "2,4,8,16,32,128" if args.msweep else "1,4,16")
+    args.shapes = args.shapes or (SHAPES_HOT if args.hot else
+                                  SHAPES_SWEEP if args.msweep else SHAPES_17B)
+    args.types = args.types or ("Q4_K,Q5_K,Q6_K" if args.hot or args.msweep else
                                 "Q4_K,Q5_K,Q6_K,Q5_0,Q5_1,IQ4_NL,IQ4_XS,MXFP4")
     if args.hot:
         return hot(args)
+    if args.msweep:
+        return msweep(args)
     if args.vs_read:
         return vs_read(args)
     torch.set_num_threads(args.threads)

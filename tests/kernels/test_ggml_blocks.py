@@ -205,13 +205,15 @@ def test_thread_splits_give_the_same_bits(t: str) -> None:
 def test_each_row_is_the_row_alone(t: str) -> None:
     """Batch invariance: row r of a call with M rows has the bits of row r run alone (the M = 1
     GEMV, rows streamed), for M = 15 (tiles of 8 + 4 + 2 + 1 rows on AVX-512, 4 + 4 + 4 + 2 + 1
-    on AVX2) and M = 24 (full tiles only); K = 544 for the 32-column types is 17 blocks (a
+    on AVX2), M = 24 (full tiles only) and M = 37 (the K-quants' AVX-512 panels: 9 tiles of 4
+    and one of 1, over 16 + 5 weight rows); K = 544 for the 32-column types is 17 blocks (a
     16-block step of the VNNI rows and a tail of one), 1280 for the K-quants (5 super-blocks)."""
     n, k = 21, 544 if ACT_BLOCK[t] == 32 else 1280
     blocks = torch.from_numpy(random_blocks(t, n, k, 11))
-    x = make_x(24, k, torch.float32, 13)
-    alone = torch.cat([ggml_matmul(x[r:r + 1], blocks, t, n, k) for r in range(24)])
-    for m in (15, 24):
+    ms = (15, 24, 37) if t in ("Q4_K", "Q5_K", "Q6_K") else (15, 24)
+    x = make_x(max(ms), k, torch.float32, 13)
+    alone = torch.cat([ggml_matmul(x[r:r + 1], blocks, t, n, k) for r in range(max(ms))])
+    for m in ms:
         y = ggml_matmul(x[:m], blocks, t, n, k)
         bad = [r for r in range(m) if not torch.equal(y[r], alone[r])]
         assert not bad, f"{t} M={m}: rows {bad} differ from the row alone"

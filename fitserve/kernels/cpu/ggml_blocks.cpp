@@ -7,6 +7,8 @@
 // of kTileRows (then 2, 1): each weight row's blocks are decoded once per tile and used for
 // every row of the tile (ggml_blocks_kquant.h, _kq512.h, _q5.h, _q8.h, _iq4.h), so M > 1 reads and decodes
 // the weights M / kTileRows times, not M times; M = 1 is the same code with a tile of one row.
+// On AVX-512 the K-quants from T::Panel::kMinRows rows of x run "lane = output row" panels
+// instead (ggml_blocks_kqpanel.h: 16 weight rows decoded once per call), with the same bits.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -27,6 +29,15 @@ namespace {
 template <class T>
 void run_type(const Act& a, int64_t M, const uint8_t* W, int64_t N, float* out) {
   const int64_t nblk = a.K / T::kQK, row_bytes = nblk * T::kBytes, nb = block_rows(N);
+#ifdef FS_GGML_AVX512
+  if constexpr (kIsKQuant<T>) {  // many rows of x: the lane = output row panels (_kqpanel.h)
+    if (M >= T::Panel::kMinRows)
+      return at::parallel_for(0, (N + kPanelLanes - 1) / kPanelLanes, 1, [&](int64_t p0, int64_t p1) {
+        for (int64_t p = p0; p < p1; ++p)
+          kq_panel_run<typename T::Panel>(W, row_bytes, nblk, a, M, p * kPanelLanes, N, out);
+      });
+  }
+#endif
   at::parallel_for(0, (N + nb - 1) / nb, 1, [&](int64_t b0, int64_t b1) {
     if constexpr (kIsKQuant<T>) {  // the K-quants' own drivers (ggml_blocks_kqrun.h)
       if (M == 1)

@@ -8,7 +8,8 @@
 //   Q6_K: a 64-byte load of ql covers half h (128 columns): low nibbles = columns 0-63, high =
 //     64-127 (natural order); qh's 32 bytes are broadcast to both 256-bit halves and shifted
 //     per half (64-bit variable shifts: the 0x30 mask keeps each byte's own bits).
-// Sub-block scales enter as int16 (madd / vpdpwssd); one fp32 FMA per super-block and row.
+// Sub-block scales enter as int16 (madd / vpdpwssd); each super-block ends in the canonical fp32
+// order (q45k_tile512's NOTE) shared with the M > 1 panels (ggml_blocks_kqpanel.h).
 #pragma once
 
 #include "ggml_blocks_act.h"
@@ -60,6 +61,41 @@ template <int N>
   }
 }
 
+// The int32 lane sums of a, b, c, d (lanes 0-3), exact (integer adds: any order).
+[[gnu::always_inline]] inline __m128i isum512x4(__m512i a, __m512i b, __m512i c, __m512i d) {
+  const __m512i x = _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x44), _mm512_shuffle_i32x4(a, b, 0xEE));
+  const __m512i y = _mm512_add_epi32(_mm512_shuffle_i32x4(c, d, 0x44), _mm512_shuffle_i32x4(c, d, 0xEE));
+  const __m512i t = _mm512_add_epi32(_mm512_shuffle_i32x4(x, y, 0x88), _mm512_shuffle_i32x4(x, y, 0xDD));
+  const __m512i u = _mm512_add_epi32(t, _mm512_shuffle_epi32(t, _MM_PERM_BADC));
+  const __m512i v = _mm512_add_epi32(u, _mm512_shuffle_epi32(u, _MM_PERM_CDAB));
+  return _mm512_castsi512_si128(
+      _mm512_permutexvar_epi32(_mm512_castsi128_si512(_mm_setr_epi32(0, 4, 8, 12)), v));
+}
+
+// The int32 lane sums of four xmm (lanes 0-3), exact.
+[[gnu::always_inline]] inline __m128i isum128x4(__m128i a, __m128i b, __m128i c, __m128i d) {
+  const __m128i x = _mm_add_epi32(_mm_unpacklo_epi32(a, b), _mm_unpackhi_epi32(a, b));
+  const __m128i y = _mm_add_epi32(_mm_unpacklo_epi32(c, d), _mm_unpackhi_epi32(c, d));
+  return _mm_add_epi32(_mm_unpacklo_epi64(x, y), _mm_unpackhi_epi64(x, y));
+}
+
+// Lanes 4g .. 4g+3 of R scalars (zero past R), as an xmm built in registers (NOTE: not stored
+// and reloaded as a vector: four scalar stores then a 16-byte load miss store forwarding, which
+// cost the GEMV ~20% in a trial).
+template <int R>
+[[gnu::always_inline]] inline __m128 lanes4(const float* v, int g) {
+  auto at = [&](int r) { return r < R ? v[r] : 0.f; };
+  return _mm_setr_ps(at(4 * g), at(4 * g + 1), at(4 * g + 2), at(4 * g + 3));
+}
+
+// Lanes 4g .. 4g+3 of the R exact per-pair integer sums v[r] (zero past R), as an xmm.
+template <int R>
+[[gnu::always_inline]] inline __m128i isum_group(const __m512i* v, int g) {
+  const __m512i z = _mm512_setzero_si512();
+  auto at = [&](int r) { return r < R ? v[r] : z; };
+  return isum512x4(at(4 * g), at(4 * g + 1), at(4 * g + 2), at(4 * g + 3));
+}
+
 // vpshufb control: word p in the low 256 bits, word q in the high 256 bits
 inline __m512i word_sel2(int p, int q) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(word_sel(p))),
@@ -76,20 +112,29 @@ inline __m512i rol_halves(__m512i v, int lo, int hi) {
 // NOTE: kSplit (tiles of 1-2 rows, the GEMV): the low / high nibble products go to separate
 // integer accumulators, so each super-block's chain of dependent vpdpwssd is half as long (at
 // M = 1 the latency of that chain, not the op count, set the speed); larger tiles interleave
-// their rows instead and need the registers. Integer sums are exact in any order, and the fp32
-// part is the same three ops for every tile height (t = isum * d da + mins * ds; acc += t: one
-// add in acc's dependency chain), so row m gives the same bits whatever M (batch invariance).
+// their rows instead and need the registers.
+//
+// The canonical order (batch invariance, shared with the panels of ggml_blocks_kqpanel.h): per
+// (weight row, x row, super-block) the EXACT integers isum = sum_s sc[s] * dot_s and (Q4_K /
+// Q5_K) msum = sum_s m[s] * s32[s] (any order: integer adds), then dd = d * da, dm = dmin * da,
+// t = cvt(isum) * dd - cvt(msum) * dm (fmsub over a rounded product), acc += t (Q6_K: acc =
+// fma(cvt(isum), dd, acc)), one fp32 accumulator per output, no horizontal fp32 sum. So every
+// tile height, weight-row count, and the lane = output row panels give row m the same bits.
 template <bool kHigh, int NW, int MT>
 [[gnu::always_inline]] inline void q45k_tile512(const uint8_t* const* w, int64_t nsb, const Act& a,
                                                 int64_t m0, float* res, int64_t ahead = kKqAhead) {
   constexpr int64_t kBytes = kHigh ? 176 : 144, kQsOff = kHigh ? 48 : 16;
   constexpr bool kSplit = NW * MT <= 2;
+  constexpr int R = NW * MT, G = (R + 3) / 4;
   const __m512i m4 = _mm512_set1_epi8(0x0F), m10 = _mm512_set1_epi8(0x10);
-  __m512 acc[NW * MT];
+  __m128 acc[G];
   const int8_t* aq[MT];
-  FS_GGML_UNROLL for (int r = 0; r < NW * MT; ++r) acc[r] = _mm512_setzero_ps();
+  FS_GGML_UNROLL for (int g = 0; g < G; ++g) acc[g] = _mm_setzero_ps();
   FS_GGML_UNROLL for (int i = 0; i < MT; ++i) aq[i] = a.qrow(m0 + i);
   for (int64_t sb = 0; sb < nsb; ++sb) {
+    __m512i isv[R];
+    __m128i msv[R], isg[G], msg[G];
+    float dd[R], dm[R];
     FS_GGML_UNROLL for (int j = 0; j < NW; ++j) {
       const uint8_t* b = w[j] + sb * kBytes;
       if constexpr (MT == 1) kq_prefetch_ahead<kBytes>(b, ahead);  // the GEMV's stream
@@ -119,21 +164,35 @@ template <bool kHigh, int NW, int MT>
           dst = madd_acc512(dst, _mm512_maddubs_epi16(hi, _mm512_loadu_si512(p + 64)), shi);
         }
       }
-      // mins: -dmin * m[s] against Act::ds (da * the sum of x's quants per 32 columns), 8 lanes
+      // mins: m[s] (int16) against x's 32-column sums, 4 int32 partials per pair
+      const __m128i mn16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(mnv)));
       const float d = f16_at(b), dmin = f16_at(b + 2);
-      const __m512 mins = _mm512_zextps256_ps512(_mm256_mul_ps(
-          _mm256_set1_ps(-dmin),
-          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(mnv))))));
       FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
-        const __m512 s = _mm512_zextps256_ps512(_mm256_loadu_ps(a.dsrow(m0 + i) + sb * 8));
-        const __m512i isum = kSplit ? _mm512_add_epi32(ia[i], ib[i]) : ia[i];
-        const __m512 t = _mm512_fmadd_ps(
-            mins, s, _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d * a.drow(m0 + i)[sb])));
-        acc[j * MT + i] = _mm512_add_ps(acc[j * MT + i], t);
+        const int r = j * MT + i;
+        isv[r] = kSplit ? _mm512_add_epi32(ia[i], ib[i]) : ia[i];
+        msv[r] = _mm_madd_epi16(mn16, _mm_loadu_si128(
+                                          reinterpret_cast<const __m128i*>(a.s32row(m0 + i) + sb * 8)));
+        const float da = a.drow(m0 + i)[sb];
+        dd[r] = d * da;
+        dm[r] = dmin * da;
+        if (r % 4 == 3 || r == R - 1) {  // a group of 4 lanes complete: reduced now (registers)
+          const __m128i z = _mm_setzero_si128();
+          auto m = [&](int q) { return q < R ? msv[q] : z; };
+          const int g = r / 4;
+          isg[g] = isum_group<R>(isv, g);
+          msg[g] = isum128x4(m(4 * g), m(4 * g + 1), m(4 * g + 2), m(4 * g + 3));
+        }
       }
     }
+    FS_GGML_UNROLL for (int g = 0; g < G; ++g) {
+      const __m128 u = _mm_mul_ps(_mm_cvtepi32_ps(msg[g]), lanes4<R>(dm, g));
+      const __m128 t = _mm_fmsub_ps(_mm_cvtepi32_ps(isg[g]), lanes4<R>(dd, g), u);
+      acc[g] = _mm_add_ps(acc[g], t);
+    }
   }
-  hsum512_rows<NW * MT>(acc, res);
+  alignas(16) float out[4 * G];
+  FS_GGML_UNROLL for (int g = 0; g < G; ++g) _mm_store_ps(out + 4 * g, acc[g]);
+  FS_GGML_UNROLL for (int r = 0; r < R; ++r) res[r] = out[r];
 }
 
 template <bool kHigh, int MT>
@@ -146,16 +205,20 @@ template <int NW, int MT>
 [[gnu::always_inline]] inline void q6k_tile512(const uint8_t* const* w, int64_t nsb, const Act& a,
                                                int64_t m0, float* res, int64_t ahead = kKqAhead) {
   constexpr bool kSplit = NW * MT <= 2;  // as in q45k_tile512
+  constexpr int R = NW * MT, G = (R + 3) / 4;
   const __m512i m4 = _mm512_set1_epi8(0x0F), m3f = _mm512_set1_epi8(0x3F);
   // per half: the low nibbles' qh bits sit at 0-1 (columns 0-31) and 2-3 (32-63), the high
   // nibbles' at 4-5 and 6-7: shifted to 4-5
   const __m512i sh_lo = _mm512_inserti64x4(_mm512_set1_epi64(4), _mm256_set1_epi64x(2), 1);
   const __m512i sh_hi = _mm512_inserti64x4(_mm512_set1_epi64(0), _mm256_set1_epi64x(2), 1);
-  __m512 acc[NW * MT];
+  __m128 acc[G];
   const int8_t* aq[MT];
-  FS_GGML_UNROLL for (int r = 0; r < NW * MT; ++r) acc[r] = _mm512_setzero_ps();
+  FS_GGML_UNROLL for (int g = 0; g < G; ++g) acc[g] = _mm_setzero_ps();
   FS_GGML_UNROLL for (int i = 0; i < MT; ++i) aq[i] = a.qrow(m0 + i);
   for (int64_t sb = 0; sb < nsb; ++sb) {
+   __m512i isv[R];
+   __m128i isg[G];
+   float dd[R];
    FS_GGML_UNROLL for (int j = 0; j < NW; ++j) {
     const uint8_t* b = w[j] + sb * 210;
     if constexpr (MT == 1) kq_prefetch_ahead<210>(b, ahead);
@@ -197,13 +260,19 @@ template <int NW, int MT>
       }
     }
     const float d = f16_at(b + 208);
-    FS_GGML_UNROLL for (int i = 0; i < MT; ++i)
-      acc[j * MT + i] = _mm512_fmadd_ps(
-          _mm512_cvtepi32_ps(kSplit ? _mm512_add_epi32(ia[i], ib[i]) : ia[i]),
-          _mm512_set1_ps(d * a.drow(m0 + i)[sb]), acc[j * MT + i]);
+    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
+      const int r = j * MT + i;
+      isv[r] = kSplit ? _mm512_add_epi32(ia[i], ib[i]) : ia[i];
+      dd[r] = d * a.drow(m0 + i)[sb];
+      if (r % 4 == 3 || r == R - 1) isg[r / 4] = isum_group<R>(isv, r / 4);  // as q45k_tile512
+    }
    }
+   FS_GGML_UNROLL for (int g = 0; g < G; ++g)
+     acc[g] = _mm_fmadd_ps(_mm_cvtepi32_ps(isg[g]), lanes4<R>(dd, g), acc[g]);
   }
-  hsum512_rows<NW * MT>(acc, res);
+  alignas(16) float out[4 * G];
+  FS_GGML_UNROLL for (int g = 0; g < G; ++g) _mm_store_ps(out + 4 * g, acc[g]);
+  FS_GGML_UNROLL for (int r = 0; r < R; ++r) res[r] = out[r];
 }
 
 template <int MT>

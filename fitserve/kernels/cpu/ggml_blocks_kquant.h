@@ -43,6 +43,7 @@ template <int kBytes>
 }  // namespace fitserve::ggml
 
 #include "ggml_blocks_kq512.h"
+#include "ggml_blocks_kqpanel.h"
 
 namespace fitserve::ggml {
 
@@ -65,6 +66,7 @@ struct Q45K {
                    int64_t ahead = kKqAhead) {
     q45k_tile512<kHigh, NW, MT>(w, nsb, a, m0, res, ahead);
   }
+  using Panel = Q45KPanel<kHigh>;  // M >= kKqPanelMinRows (ggml_blocks_kqpanel.h)
 #elif !defined(FS_GGML_AVX2)
   static constexpr bool kPerm128 = false;
   template <int MT>
@@ -183,6 +185,7 @@ struct Q6K {
                    int64_t ahead = kKqAhead) {
     q6k_tile512<NW, MT>(w, nsb, a, m0, res, ahead);
   }
+  using Panel = Q6KPanel;
 #elif !defined(FS_GGML_AVX2)
   template <int MT>
   static void row(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float* res) {

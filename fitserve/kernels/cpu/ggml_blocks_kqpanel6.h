@@ -1,0 +1,96 @@
+// Q6_K's "lane = output row" panel (ggml_blocks_kqpanel.h has the layout and the Q4_K / Q5_K
+// one): codes in natural column order (x of Q6_K is not permuted), 16 chunks of 16 columns with
+// an int8 scale each, the -32 offset as sum_s sc[s] * s16[s] (vpdpwssd on int16 pairs) << 5.
+#pragma once
+
+#ifdef FS_GGML_AVX512
+
+namespace fitserve::ggml {
+
+struct Q6KPanel {
+  static constexpr int64_t kBytes = 210;
+  static constexpr int kZmm = 64 + 16 + 8 + 1;  // codes, sc, sc pairs, d
+  // NOTE: panel / row tiles per call as Q45KPanel's: M = 8 1.25, 12 0.94, 16 0.94 (Q6_K's three
+  // transposes make its panel dearer to pack, its 16 scales to apply)
+  static constexpr int kMinRows = 12;
+
+  static void pack(const uint8_t* const* rows, __m512i idx, int64_t sb, __m512i* p) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    __m512i qh[16];
+    FS_GGML_UNROLL for (int l = 0; l < 16; ++l) qh[l] = _mm512_loadu_si512(rows[l] + sb * kBytes + 128);
+    transpose16(qh);  // qh[8h + e]: bytes 32h + 4e .. of each row
+    FS_GGML_UNROLL for (int h = 0; h < 2; ++h) {
+      __m512i r[16];
+      FS_GGML_UNROLL for (int l = 0; l < 16; ++l) r[l] = _mm512_loadu_si512(rows[l] + sb * kBytes + 64 * h);
+      transpose16(r);
+      // ql dword e: e < 8 columns 4e.. of t = 0 (low nibble) / 2 (high); e >= 8: t = 1 / 3
+      FS_GGML_UNROLL for (int e = 0; e < 16; ++e) {
+        const int e8 = e % 8, tl = e / 8, th = tl + 2;
+        const __m512i q = qh[8 * h + e8];
+        const __m512i hl = tl == 0 ? _mm512_slli_epi16(q, 4) : _mm512_slli_epi16(q, 2);
+        const __m512i hh = th == 2 ? q : _mm512_srli_epi16(q, 2);
+        const __m512i lo = _mm512_or_si512(_mm512_and_si512(r[e], m4), _mm512_and_si512(hl, m30));
+        const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(r[e], 4), m4),
+                                           _mm512_and_si512(hh, m30));
+        _mm512_store_si512(p + 32 * h + 8 * tl + e8, lo);
+        _mm512_store_si512(p + 32 * h + 8 * th + e8, hi);
+      }
+    }
+    const uint8_t* b0 = rows[0] + sb * kBytes;
+    __m512i sc[16];
+    FS_GGML_UNROLL for (int g = 0; g < 4; ++g) {
+      const __m512i v = gather_rows(b0, idx, 192 + 4 * g);
+      FS_GGML_UNROLL for (int i = 0; i < 4; ++i)  // byte i sign-extended
+        sc[4 * g + i] = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * i), 24);
+    }
+    FS_GGML_UNROLL for (int k = 0; k < 16; ++k) _mm512_store_si512(p + 64 + k, sc[k]);
+    FS_GGML_UNROLL for (int q = 0; q < 8; ++q)
+      _mm512_store_si512(p + 80 + q, _mm512_or_si512(
+          _mm512_and_si512(sc[2 * q], _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(sc[2 * q + 1], 16)));
+    // d: the f16 at byte 208 (the dword at 206: never past the block's 210 bytes)
+    _mm512_store_ps(reinterpret_cast<float*>(p + 88), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(
+        _mm512_srli_epi32(gather_rows(b0, idx, 206), 16))));
+  }
+
+  template <int MT>
+  [[gnu::always_inline]] static void tile(const __m512i* P, int64_t nsb, const Act& a, int64_t m0,
+                                          __m512* acc) {
+    const int8_t* aq[MT];
+    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) aq[i] = a.qrow(m0 + i);
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      const __m512i* p = P + sb * kZmm;
+      __m512i isum[MT], off[MT];
+      FS_GGML_UNROLL for (int i = 0; i < MT; ++i) isum[i] = off[i] = _mm512_setzero_si512();
+      FS_GGML_UNROLL for (int k = 0; k < 16; ++k) {
+        const __m512i w0 = _mm512_load_si512(p + 4 * k), w1 = _mm512_load_si512(p + 4 * k + 1),
+                      w2 = _mm512_load_si512(p + 4 * k + 2), w3 = _mm512_load_si512(p + 4 * k + 3);
+        const __m512i sc = _mm512_load_si512(p + 64 + k);
+        FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
+          const uint8_t* x = reinterpret_cast<const uint8_t*>(aq[i] + sb * 256 + 16 * k);
+          __m512i d0 = dpbusd512(_mm512_setzero_si512(), w0, _mm512_set1_epi32(static_cast<int>(load_u32(x))));
+          __m512i d1 = dpbusd512(_mm512_setzero_si512(), w1, _mm512_set1_epi32(static_cast<int>(load_u32(x + 4))));
+          d0 = dpbusd512(d0, w2, _mm512_set1_epi32(static_cast<int>(load_u32(x + 8))));
+          d1 = dpbusd512(d1, w3, _mm512_set1_epi32(static_cast<int>(load_u32(x + 12))));
+          isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(_mm512_add_epi32(d0, d1), sc));
+        }
+      }
+      FS_GGML_UNROLL for (int q = 0; q < 8; ++q) {
+        const __m512i sp = _mm512_load_si512(p + 80 + q);
+        FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
+          const uint8_t* s = reinterpret_cast<const uint8_t*>(a.s16row(m0 + i) + sb * 16 + 2 * q);
+          off[i] = madd_acc512(off[i], sp, _mm512_set1_epi32(static_cast<int>(load_u32(s))));
+        }
+      }
+      const __m512 d = _mm512_load_ps(reinterpret_cast<const float*>(p + 88));
+      FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {  // kq512.h's canonical fp32 order
+        const __m512i is = _mm512_sub_epi32(isum[i], _mm512_slli_epi32(off[i], 5));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is),
+                                 _mm512_mul_ps(d, _mm512_set1_ps(a.drow(m0 + i)[sb])), acc[i]);
+      }
+    }
+  }
+};
+
+}  // namespace fitserve::ggml
+
+#endif  // FS_GGML_AVX512
