@@ -44,23 +44,33 @@ def median_time(fn: Any, runs: int) -> float:
 
 def peaks(rows: int, runs: int) -> dict[str, float]:
     """FLOP/s of M = rows x 2048 x 2048 products: bf16 (torch / oneDNN), the engine's int8 and
-    int4 panel kernels with int8 activations."""
+    int4 kernels with int8 activations on weights held as panels, as the engine holds them (AMX
+    tiles where the CPU has them: then the AVX-512 VNNI panels' figures beside them)."""
     import torch
 
-    from fitserve.kernels.cpu.qlinear import int4_linear, int8_linear
+    from fitserve.kernels.cpu.qlinear import amx_active, hold, int4_linear, int8_linear, set_amx
 
     n = 2048
     flops = 2.0 * rows * n * n
     a = torch.randn(rows, n).to(torch.bfloat16)
     b = torch.randn(n, n).to(torch.bfloat16)
-    q8 = torch.randint(-127, 128, (n, n), dtype=torch.int8)
-    q4 = torch.randint(0, 256, (n, n // 2), dtype=torch.uint8)
     sc = torch.rand(n, n // 32).to(torch.float16) * 0.01
-    return {
+    q8, s8, _ = hold(torch.randint(-127, 128, (n, n), dtype=torch.int8), sc, None, 32)
+    q4, s4, m4 = hold(torch.randint(0, 256, (n, n // 2), dtype=torch.uint8), sc, sc, 32)
+    out = {
         "bf16_gemm": flops / median_time(lambda: a @ b, runs),
-        "int8_panel": flops / median_time(lambda: int8_linear(a, q8, sc, 32, True), runs),
-        "int4_panel": flops / median_time(lambda: int4_linear(a, q4, sc, sc, 32, True), runs),
+        "int8_panel": flops / median_time(lambda: int8_linear(a, q8, s8, 32, True), runs),
+        "int4_panel": flops / median_time(lambda: int4_linear(a, q4, s4, m4, 32, True), runs),
     }
+    if amx_active():  # the same kernels' figures without the tiles
+        set_amx(False)
+        try:
+            out["int8_vnni"] = flops / median_time(lambda: int8_linear(a, q8, s8, 32, True), runs)
+            out["int4_vnni"] = flops / median_time(
+                lambda: int4_linear(a, q4, s4, m4, 32, True), runs)
+        finally:
+            set_amx(True)
+    return out
 
 
 def attention_breakdown(spec: Any, cache_dtype: Any, q_dtype: Any, rows: int,

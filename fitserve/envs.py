@@ -69,6 +69,12 @@ FITSERVE_HOLD_PANELS: EnvVar[bool] = EnvVar(
     "FITSERVE_HOLD_PANELS", True, _flag_unless_zero,
     "0: packed int4/int8 projections stay row-major instead of being held in the panel layout "
     "of the int8-activation kernels")
+# NOTE: read by the C++ kernel itself (qlinear_amx.h), once per process; listed here so every
+# FITSERVE_* variable is in one place.
+FITSERVE_AMX: EnvVar[bool] = EnvVar(
+    "FITSERVE_AMX", True, _flag_unless_zero,
+    "0: held int4/int8 weights run on the AVX-512 VNNI panels even where the CPU has AMX-INT8 "
+    "tiles (same bits; A/B, debugging)")
 FITSERVE_ALLOW_LONG_MAX_MODEL_LEN: EnvVar[bool] = EnvVar(
     "FITSERVE_ALLOW_LONG_MAX_MODEL_LEN", False, _flag_if_true,
     "1: a max_model_len past the model's trained context is a warning, not an error "

@@ -116,3 +116,39 @@ def test_lower_tiers_hold_the_same_bits(tier: str) -> None:
     """The avx2 tier holds 8-row panels, the scalar tier 1-row ones; the avx512 tier differs
     from avx512_vnni only in how the exact int32 dots are formed (and unbiased int8 codes)."""
     run_tests_at_tier(__file__, tier, "tier_is or reads_back or row_major_bits or stated_one")
+
+
+AMX_MS = (32, 33, 47, 48, 257, 300)  # ragged 16-row tiles, a 256-row chunk boundary
+
+
+@pytest.mark.parametrize("kind", ["int4-asym-g32", "int4-sym-g32", "int8-g32"])
+def test_amx_tiles_give_the_vnni_bits(kind: str) -> None:
+    """Where the CPU has AMX-INT8 (qlinear_amx.h): the tiles give every row the bits the VNNI
+    panels and the batch-1 GEMV give it, and the stated float order (an odd number of groups:
+    the single-group tail)."""
+    from fitserve.kernels.cpu.qlinear import amx_active, set_amx
+
+    if not amx_active():
+        pytest.skip("no AMX-INT8 tiles here (or FITSERVE_AMX=0): the VNNI panels run every M")
+    gen = torch.Generator().manual_seed(5)
+    bits, g, q, s, m, kp = make_weight(kind, gen)
+    hq, hs, hm = hold(q, s, m, g)
+    x = make_x(max(AMX_MS), K, kp, torch.bfloat16, gen)
+    try:
+        for rows in AMX_MS:
+            set_amx(True)
+            got = call(bits, x[:rows], hq, hs, hm, g)
+            set_amx(False)
+            want = call(bits, x[:rows], hq, hs, hm, g)
+            assert torch.equal(got, want), f"{kind} M={rows}: AMX differs from the VNNI panels"
+    finally:
+        set_amx(True)
+    xf = x[:33].float()  # 33 rows: two full tiles and a 1-row one
+    if bits == 4:
+        lo, hi = (q & 15).view(N, -1, 16), (q >> 4).view(N, -1, 16)
+        codes = torch.cat([lo, hi], dim=2).reshape(N, -1).numpy()
+        offsets = m.float().numpy() if m is not None else (s.float() * -8).numpy()
+    else:
+        codes, offsets = q.numpy(), None
+    want = canonical_g32(xf.numpy(), codes, s.float().numpy(), offsets)
+    assert np.array_equal(call(bits, xf, hq, hs, hm, g).numpy(), want)

@@ -121,4 +121,8 @@ def compile_flags(isa: CpuIsa, tier: str | None = None) -> list[str]:
         flags.append("-mavx512vnni")
     if isa.avx512_bf16 and tier != "avx2":
         flags.append("-mavx512bf16")
+    # NOTE: AMX-INT8 tiles for the held int4/int8 panels (qlinear_amx.h), compiled only where the
+    # CPU has them; the kernel still asks the OS for the tile state before its first use.
+    if isa.amx_int8 and tier == "avx512_vnni":
+        flags += ["-mamx-tile", "-mamx-int8", "-DFITSERVE_AMX_INT8"]
     return flags

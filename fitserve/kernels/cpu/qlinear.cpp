@@ -247,6 +247,25 @@ bool qlinear_is_prepacked(const at::Tensor& qweight, const at::Tensor& scales,
 
 std::string qlinear_tier() { return build_tier_name(); }
 
+// Whether held int4 / int8 weights run on AMX-INT8 tiles from kAmxMinRows rows (qlinear_amx.h):
+// compiled for this CPU and granted by the OS. qlinear_set_amx turns the path on / off for later
+// calls (benchmarks and tests compare it with the VNNI panels in one process).
+bool qlinear_amx_active() {
+#if defined(FITSERVE_AMX_INT8)
+  return amx_usable();
+#else
+  return false;
+#endif
+}
+bool qlinear_set_amx(bool on) {
+#if defined(FITSERVE_AMX_INT8)
+  return amx_set(on);
+#else
+  (void)on;
+  return false;
+#endif
+}
+
 }  // namespace
 }  // namespace fitserve::qlinear
 
@@ -262,6 +281,8 @@ TORCH_LIBRARY_FRAGMENT(fitserve, m) {
   m.def("qlinear_hold(Tensor qweight, Tensor scales, Tensor? mins, int group_size, int bits) "
         "-> Tensor[]", &fitserve::qlinear::qlinear_hold);
   m.def("qlinear_held_layout() -> int[]", &fitserve::qlinear::qlinear_held_layout);
+  m.def("qlinear_amx_active() -> bool", &fitserve::qlinear::qlinear_amx_active);
+  m.def("qlinear_set_amx(bool on) -> bool", &fitserve::qlinear::qlinear_set_amx);
   m.def("qlinear_is_prepacked(Tensor qweight, Tensor scales, Tensor? mins, int group_size, "
         "int bits) -> bool", &fitserve::qlinear::qlinear_is_prepacked);
 }

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from fitserve.kernels.cpu.build import load_extension
 
-__all__ = ["HeldLayout", "held_layout", "hold", "int4_linear", "int8_linear", "is_prepacked",
+__all__ = ["HeldLayout", "amx_active", "set_amx", "held_layout", "hold", "int4_linear", "int8_linear", "is_prepacked",
            "gather_held_rows", "out_features", "padded_width", "prepack", "qlinear_ops_available", "qlinear_tier",
            "rows_of_held"]
 
@@ -156,6 +156,20 @@ def held_layout() -> HeldLayout:
     _require()
     lanes, biased = torch.ops.fitserve.qlinear_held_layout()
     return HeldLayout(int(lanes), bool(biased))
+
+
+def amx_active() -> bool:
+    """Whether held int4 / int8 weights with 32-column groups run on AMX-INT8 tiles from a few
+    rows of x on (qlinear_amx.h): compiled for this CPU, granted by the OS, not turned off."""
+    _require()
+    return bool(torch.ops.fitserve.qlinear_amx_active())
+
+
+def set_amx(on: bool) -> bool:
+    """Turns the AMX path on or off for later calls (the VNNI panels run instead, with the same
+    bits); returns whether it is on. ``FITSERVE_AMX=0`` starts a process with it off."""
+    _require()
+    return bool(torch.ops.fitserve.qlinear_set_amx(on))
 
 
 def hold(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,

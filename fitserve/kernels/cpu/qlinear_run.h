@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "qlinear_act.h"
+#include "qlinear_amx.h"
 #include "qlinear_gemv.h"
 #include "qlinear_held.h"
 #include "qlinear_panel.h"
@@ -208,10 +209,23 @@ void panels_int(const T* x, int64_t M, int64_t kp, const QWeight& w, bool int4,
   static thread_local std::vector<float> da_buf, sg_buf;
   static thread_local std::vector<int32_t> isum_buf;
   const int64_t nblk = kp / kActBlock;
-  int8_t* aq = scratch(aq_buf, M * kp);
-  float* da = scratch(da_buf, M * nblk);
-  int32_t* isum = scratch(isum_buf, M * nblk);
-  float* sg = int4 ? scratch(sg_buf, M * w.ngroups) : nullptr;
+#if defined(FITSERVE_AMX_INT8)
+  const bool amx = held && w.group == kActBlock && M >= kAmxMinRows && amx_usable();
+#else
+  constexpr bool amx = false;
+#endif
+  // AMX reads x in 16-row tiles: its rows are padded with zero codes and scales
+  const int64_t Mp = amx ? (M + 15) / 16 * 16 : M;
+  int8_t* aq = scratch(aq_buf, Mp * kp);
+  float* da = scratch(da_buf, Mp * nblk);
+  int32_t* isum = scratch(isum_buf, Mp * nblk);
+  float* sg = int4 ? scratch(sg_buf, Mp * w.ngroups) : nullptr;
+  if (Mp > M) {
+    std::fill(aq + M * kp, aq + Mp * kp, int8_t{0});
+    std::fill(da + M * nblk, da + Mp * nblk, 0.f);
+    std::fill(isum + M * nblk, isum + Mp * nblk, 0);
+    if (sg) std::fill(sg + M * w.ngroups, sg + Mp * w.ngroups, 0.f);
+  }
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / kp), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       quantize_row(x + m * kp, kp, aq + m * kp, da + m * nblk, isum + m * nblk);
@@ -220,6 +234,9 @@ void panels_int(const T* x, int64_t M, int64_t kp, const QWeight& w, bool int4,
   });
   const NatAct xa{aq, da, isum, sg, kp, nblk};
   if (held && M == 1 && w.group == kActBlock) return held_gemv(*held, int4, xa, out);
+#if defined(FITSERVE_AMX_INT8)
+  if (amx) return held_amx(*held, int4, xa, M, out);
+#endif
   const int64_t npanels = (w.N + S::kLanes - 1) / S::kLanes, half = w.group / 2;
   // NOTE: one parallel region: each thread takes its panels through every chunk of rows (the
   // chunk's activations stay in L2 across its panels), instead of a region per chunk
