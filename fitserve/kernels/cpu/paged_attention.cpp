@@ -89,6 +89,10 @@ struct Scratch {
   std::vector<const float*> krow, vrow;
   std::vector<uint16_t> qb;            // bf16 path: raw q rows, zero-padded to 32 lanes
   std::vector<const uint16_t*> kraw, vraw;  // bf16 path: K / V rows in the cache, unconverted
+  // bf16 path: the cache lines of the next tile's K / V rows, requested a few at a time while
+  // this tile's scores run (Prefetches)
+  std::vector<const char*> pf;
+  int64_t pf_n = 0, pf_next = 0;
   void reserve(int64_t g, int64_t dpad) {
     if (static_cast<int64_t>(q.size()) >= g * dpad && static_cast<int64_t>(m.size()) >= g &&
         static_cast<int64_t>(k.size()) >= kTile * dpad)
@@ -152,17 +156,26 @@ inline void row_to_float<c10::Half>(const c10::Half* src, float* dst, int64_t d)
     _mm512_storeu_ps(dst + c, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail_mask(d - c), src + c)));
 }
 
+// Requests up to `count` more of the scratch's queued cache lines (the next tile's rows).
+inline void issue_prefetches(Scratch& w, int64_t count) {
+  const int64_t end = std::min(w.pf_n, w.pf_next + count);
+  for (; w.pf_next < end; ++w.pf_next) __builtin_prefetch(w.pf[w.pf_next], 0, 3);
+}
+
 #if FS_BF16DOT
-// s[0..n) = scale * (q . rows[0..n)) from raw bf16 q and K rows; NC2 = ceil(D / 32).
+// s[0..n) = scale * (q . rows[0..n)) from raw bf16 q and K rows; NC2 = ceil(D / 32); per 16
+// keys, pf_per_block of the next tile's queued lines are requested.
 template <int NC2>
 inline void scores_bf16dot(const uint16_t* q, const uint16_t* const* rows, int64_t n,
-                           __mmask32 tail, float scale, float* s) {
+                           __mmask32 tail, float scale, float* s, Scratch& w,
+                           int64_t pf_per_block) {
   __m512bh qv[NC2];
   for (int c = 0; c < NC2; ++c)  // zero-padded past head_dim
     qv[c] = (__m512bh)_mm512_loadu_si512(q + c * 2 * kLanes);
   const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
     const int64_t cnt = std::min<int64_t>(kLanes, n - i0);
+    issue_prefetches(w, pf_per_block);
     __m512 a[kLanes];
 #pragma GCC unroll 16
     for (int64_t j = 0; j < kLanes; ++j) {
@@ -256,12 +269,19 @@ void tile_avx512(const Geometry& g, Scratch& w, int64_t n) {
     constexpr int kNc2 = (NCH + 1) / 2;
     const int64_t rest = g.head_dim - (kNc2 - 1) * 2 * kLanes;  // 1..32
     const __mmask32 tail32 = rest >= 32 ? 0xFFFFFFFFu : ((1u << rest) - 1u);
+    // NOTE: the next tile's lines spread over this tile's score blocks: requested all at once
+    // (prefetch_rows), most waited behind the core's few outstanding misses, and the rows
+    // streamed at ~5 GB/s a thread against ~12 with the tile in cache (Xeon, SmolLM2 heads)
+    const int64_t blocks = g.group * ((n + kLanes - 1) / kLanes);
+    const int64_t per_block = (w.pf_n - w.pf_next + blocks - 1) / blocks;
     for (int64_t h = 0; h < g.group; ++h) {
       float* s = w.s.data() + h * kTile;
       scores_bf16dot<kNc2>(w.qb.data() + h * (g.dpad + 2 * kLanes), w.kraw.data(), n, tail32,
-                           g.scale, s);
+                           g.scale, s, w, per_block);
       softmax_step_avx512(s, n, &w.m[h], &w.l[h], w.acc.data() + h * g.dpad, g.dpad);
     }
+    issue_prefetches(w, w.pf_n);
+    w.pf_n = w.pf_next = 0;
     pv_group_bf16<NCH>(g, w, n, tail);
     return;
   }
@@ -407,6 +427,32 @@ inline void prefetch_rows(const Geometry& g, const T* kh, const T* vh, const int
   }
 }
 
+// The cache lines of the K/V rows of keys [t_from, t_to) queued in w.pf (issued by the bf16
+// tile while it computes: issue_prefetches), instead of requested at once as prefetch_rows does.
+template <typename T>
+inline void queue_rows(const Geometry& g, const T* kh, const T* vh, const int32_t* table,
+                       int64_t t_from, int64_t t_to, Scratch& w) {
+  w.pf_n = w.pf_next = 0;
+  if (t_from >= t_to) return;
+  const int64_t row_bytes = g.head_dim * static_cast<int64_t>(sizeof(T));
+  const int64_t lines = (row_bytes + 63) / 64;
+  if (static_cast<int64_t>(w.pf.size()) < 2 * lines * kTile) w.pf.resize(2 * lines * kTile);
+  int64_t blk = t_from / g.block_size, off = t_from % g.block_size;
+  for (int64_t t = t_from; t < t_to; ++t) {
+    const int64_t page = table[blk];
+    const char* kr = reinterpret_cast<const char*>(kh + page * g.k_stride_blk + off * g.k_stride_tok);
+    const char* vr = reinterpret_cast<const char*>(vh + page * g.v_stride_blk + off * g.v_stride_tok);
+    for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+      w.pf[w.pf_n++] = kr + byte;
+      w.pf[w.pf_n++] = vr + byte;
+    }
+    if (++off == g.block_size) {
+      off = 0;
+      ++blk;
+    }
+  }
+}
+
 // The keys of the work item a thread runs next, whose first tile the current item's last tile
 // prefetches (t_from == t_to: none).
 template <typename T>
@@ -446,10 +492,16 @@ void attend(const Geometry& g, const QT* q, const T* kc, const T* vc, const int3
     prefetch_rows(g, kh, vh, table, t_begin, std::min(t_begin + kTile, t_end));
   for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) {
     const int64_t n = std::min(kTile, t_end - t0);
-    if (t0 + n < t_end)  // the next tile, else the next item's first (items are short:
+    if constexpr (kDot) {  // queued: the tile requests them while it computes
+      if (t0 + n < t_end)
+        queue_rows(g, kh, vh, table, t0 + n, std::min(t0 + n + kTile, t_end), w);
+      else
+        queue_rows(g, next.kh, next.vh, next.table, next.t_from, next.t_to, w);
+    } else if (t0 + n < t_end) {  // the next tile, else the next item's first (items are short:
       prefetch_rows(g, kh, vh, table, t0 + n, std::min(t0 + n + kTile, t_end));
-    else  // at W2's ~200 keys a third of the tiles were an item's first, never prefetched)
+    } else {  // at W2's ~200 keys a third of the tiles were an item's first, never prefetched)
       prefetch_rows(g, next.kh, next.vh, next.table, next.t_from, next.t_to);
+    }
     int64_t blk = t0 / g.block_size, off = t0 % g.block_size;
     for (int64_t i = 0; i < n; ++i) {
       const int64_t page = table[blk];
