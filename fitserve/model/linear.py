@@ -531,7 +531,12 @@ def hold_linears_as_panels(model: nn.Module) -> str:
         n += 1
         if emb is not None:  # the tied lm_head: its embedding gathers rows from the panels
             emb.share_held(mod)
-    return f"packed weights: {n} of {len(mods)} packed linears held as panels (one copy)"
+    tiles = ""
+    if n:
+        from fitserve.kernels.cpu.qlinear import amx_active
+
+        tiles = "; AMX-INT8 tiles from 32 rows of x" if amx_active() else ""
+    return f"packed weights: {n} of {len(mods)} packed linears held as panels (one copy){tiles}"
 
 
 def prepack_linears(model: nn.Module) -> int:
