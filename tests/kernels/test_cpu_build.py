@@ -133,3 +133,19 @@ def test_a_killed_builds_torch_lock_is_cleared_and_builds_are_serialised(tmp_pat
             time.sleep(0.2)
         assert other.poll() is None and not (tmp_path / "acquired").exists()
     assert other.wait(timeout=60) == 0 and (tmp_path / "acquired").exists()
+
+
+def test_amx_flags_only_with_amx_at_the_vnni_tier(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The AMX-INT8 tiles are compiled in only for a CPU with AMX-INT8 at the avx512_vnni tier,
+    and only when the compiler accepts them (else the whole qlinear build would fail)."""
+    from fitserve.kernels.cpu import isa as isa_mod
+
+    base = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
+    xeon = isa_from_flags(base | {"amx_tile", "amx_int8", "amx_bf16"})
+    monkeypatch.delenv("FITSERVE_CPU_TIER", raising=False)
+    monkeypatch.setattr(isa_mod, "compiler_has_amx", lambda: True)
+    assert "-DFITSERVE_AMX_INT8" in compile_flags(xeon)
+    assert "-DFITSERVE_AMX_INT8" not in compile_flags(isa_from_flags(base))
+    assert "-DFITSERVE_AMX_INT8" not in compile_flags(xeon, "avx512")
+    monkeypatch.setattr(isa_mod, "compiler_has_amx", lambda: False)
+    assert "-DFITSERVE_AMX_INT8" not in compile_flags(xeon)

@@ -122,7 +122,33 @@ def compile_flags(isa: CpuIsa, tier: str | None = None) -> list[str]:
     if isa.avx512_bf16 and tier != "avx2":
         flags.append("-mavx512bf16")
     # NOTE: AMX-INT8 tiles for the held int4/int8 panels (qlinear_amx.h), compiled only where the
-    # CPU has them; the kernel still asks the OS for the tile state before its first use.
-    if isa.amx_int8 and tier == "avx512_vnni":
+    # CPU has them and the compiler knows them (an older g++ would otherwise fail the whole
+    # qlinear build); the kernel still asks the OS for the tile state before its first use.
+    if isa.amx_int8 and tier == "avx512_vnni" and compiler_has_amx():
         flags += ["-mamx-tile", "-mamx-int8", "-DFITSERVE_AMX_INT8"]
     return flags
+
+
+_AMX_PROBE = b"""#include <immintrin.h>
+void f(void* c, const void* a) { _tile_loadconfig(c); _tile_loadd(0, a, 64); _tile_dpbssd(1, 0, 0);
+  _tile_release(); }
+"""
+
+
+@functools.cache
+def compiler_has_amx() -> bool:
+    """Whether the C++ compiler the kernels build with accepts the AMX-INT8 intrinsics (a
+    syntax-only compile of a few of them, once per process)."""
+    import os
+    import shutil
+    import subprocess
+
+    cxx = shutil.which(os.environ.get("CXX", "c++"))
+    if cxx is None:
+        return False
+    try:
+        done = subprocess.run([cxx, "-mamx-tile", "-mamx-int8", "-fsyntax-only", "-x", "c++", "-"],
+                              input=_AMX_PROBE, capture_output=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
