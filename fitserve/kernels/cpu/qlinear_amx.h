@@ -15,9 +15,10 @@
 //         runs on tdpbsud (signed x, unsigned codes 0..15).
 // x is quantized in natural column order (NatAct), so A is row m of x's codes at stride kp.
 //
-// One tdpbsud per group makes each output's integer group sum; its float step is the one of
-// int4_panel_tile / int8_panel_tile for G = 32 (the canonical order of qlinear_rows.h), so row m
-// of the result has the same bits as the VNNI panels and held_gemv give it, whatever M.
+// One tile dot per group (tdpbssd / tdpbsud) makes each output's integer group sum; its float
+// step is the one of int4_panel_tile / int8_panel_tile for G = 32 (the canonical order of
+// qlinear_rows.h), so row m of the result has the same bits as the VNNI panels and held_gemv
+// give it, whatever M.
 #pragma once
 
 #if defined(FITSERVE_AMX_INT8)
