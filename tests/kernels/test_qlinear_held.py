@@ -74,17 +74,22 @@ def test_held_gives_the_row_major_bits(kind: str, dtype: torch.dtype) -> None:
         assert torch.equal(got, alone[:rows]), f"{kind} M={rows}: a row differs from it alone"
 
 
+def g32_codes(bits: int, q: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None
+              ) -> tuple[np.ndarray, np.ndarray | None]:
+    """canonical_g32's codes [N, K] (int4: 0..15 in column order) and int4 offsets [N, G]."""
+    if bits == 4:
+        lo, hi = (q & 15).view(N, -1, 16), (q >> 4).view(N, -1, 16)
+        codes = torch.cat([lo, hi], dim=2).reshape(N, -1).numpy()
+        return codes, m.float().numpy() if m is not None else (s.float() * -8).numpy()
+    return q.numpy(), None
+
+
 @pytest.mark.parametrize("kind", ["int4-asym-g32", "int4-sym-g32", "int8-g32"])
 def test_held_group32_order_is_the_stated_one(kind: str) -> None:
     gen = torch.Generator().manual_seed(3)
     bits, g, q, s, m, _ = make_weight(kind, gen)
     x = make_x(5, K, K, torch.float32, gen)
-    if bits == 4:
-        lo, hi = (q & 15).view(N, -1, 16), (q >> 4).view(N, -1, 16)
-        codes = torch.cat([lo, hi], dim=2).reshape(N, -1).numpy()
-        offsets = m.float().numpy() if m is not None else (s.float() * -8).numpy()
-    else:
-        codes, offsets = q.numpy(), None
+    codes, offsets = g32_codes(bits, q, s, m)
     want = canonical_g32(x.numpy(), codes, s.float().numpy(), offsets)
     hq, hs, hm = hold(q, s, m, g)
     for rows in (1, 5):  # the GEMV and the panel tiles
@@ -144,11 +149,6 @@ def test_amx_tiles_give_the_vnni_bits(kind: str) -> None:
     finally:
         set_amx(True)
     xf = x[:33].float()  # 33 rows: two full tiles and a 1-row one
-    if bits == 4:
-        lo, hi = (q & 15).view(N, -1, 16), (q >> 4).view(N, -1, 16)
-        codes = torch.cat([lo, hi], dim=2).reshape(N, -1).numpy()
-        offsets = m.float().numpy() if m is not None else (s.float() * -8).numpy()
-    else:
-        codes, offsets = q.numpy(), None
+    codes, offsets = g32_codes(bits, q, s, m)
     want = canonical_g32(xf.numpy(), codes, s.float().numpy(), offsets)
     assert np.array_equal(call(bits, xf, hq, hs, hm, g).numpy(), want)

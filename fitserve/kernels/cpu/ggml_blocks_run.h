@@ -139,25 +139,33 @@ struct ActBuf {
   std::vector<int16_t> s16, s32;
 };
 
-// x's rows quantized into buf: row m of the result is x's row m, or x's row rows[m] when a
-// row index is given (the MoE kernel's tokens in expert order).
-template <class X>
-inline Act quantize(const X* x, int64_t M, int64_t K, int64_t block, bool perm128, ActBuf& buf,
-                    const int64_t* rows = nullptr, bool lanes_t = false) {
+// buf sized for M rows of K columns quantized with `block`, and the Act over it (its rows are
+// filled by quantize below, or by the MoE kernels' own row loops).
+inline Act act_buffer(ActBuf& buf, int64_t M, int64_t K, int64_t block, bool lanes_t = false) {
   const int64_t nd = K / block;
   if (static_cast<int64_t>(buf.q.size()) < M * K) buf.q.resize(M * K);
   if (static_cast<int64_t>(buf.d.size()) < M * nd) buf.d.resize(M * nd);
   if (static_cast<int64_t>(buf.ds.size()) < M * K / 32) buf.ds.resize(M * K / 32);
   if (static_cast<int64_t>(buf.s16.size()) < M * K / 16) buf.s16.resize(M * K / 16);
   if (static_cast<int64_t>(buf.s32.size()) < M * K / 32) buf.s32.resize(M * K / 32);
+  return {buf.q.data(), buf.d.data(), buf.s16.data(), buf.s32.data(), buf.ds.data(), K, nd,
+          lanes_t};
+}
+
+// x's rows quantized into buf: row m of the result is x's row m, or x's row rows[m] when a
+// row index is given (the MoE kernel's tokens in expert order).
+template <class X>
+inline Act quantize(const X* x, int64_t M, int64_t K, int64_t block, bool perm128, ActBuf& buf,
+                    const int64_t* rows = nullptr, bool lanes_t = false) {
+  const int64_t nd = K / block;
+  const Act act = act_buffer(buf, M, K, block, lanes_t);
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       quantize_row(x + (rows ? rows[m] : m) * K, K, block, perm128, buf.q.data() + m * K,
                    buf.d.data() + m * nd, buf.s16.data() + m * K / 16,
                    buf.s32.data() + m * K / 32, buf.ds.data() + m * K / 32, lanes_t);
   });
-  return {buf.q.data(), buf.d.data(), buf.s16.data(), buf.s32.data(), buf.ds.data(), K, nd,
-          lanes_t};
+  return act;
 }
 
 }  // namespace fitserve::ggml

@@ -102,19 +102,7 @@ std::vector<int64_t> expert_split(const Groups& g, int64_t chunks_per_expert, in
   return split;
 }
 
-// buf sized for M rows of K columns quantized with `block` (ggml::quantize's layout); the Act
-// over it (rows filled by quantize_rows)
-Act act_buffer(ActBuf& buf, int64_t M, int64_t K, int64_t block) {
-  const int64_t nd = K / block;
-  if (static_cast<int64_t>(buf.q.size()) < M * K) buf.q.resize(M * K);
-  if (static_cast<int64_t>(buf.d.size()) < M * nd) buf.d.resize(M * nd);
-  if (static_cast<int64_t>(buf.ds.size()) < M * K / 32) buf.ds.resize(M * K / 32);
-  if (static_cast<int64_t>(buf.s16.size()) < M * K / 16) buf.s16.resize(M * K / 16);
-  if (static_cast<int64_t>(buf.s32.size()) < M * K / 32) buf.s32.resize(M * K / 32);
-  return {buf.q.data(), buf.d.data(), buf.s16.data(), buf.s32.data(), buf.ds.data(), K, nd};
-}
-
-// rows [m0, m1) of x [*, K] quantized into buf (act_buffer's layout; ggml::quantize's codes)
+// rows [m0, m1) of x [*, K] quantized into buf (ggml::act_buffer's layout; ggml::quantize's codes)
 void quantize_rows(const float* x, int64_t m0, int64_t m1, int64_t K, int64_t block,
                    bool perm128, ActBuf& buf) {
   const int64_t nd = K / block;

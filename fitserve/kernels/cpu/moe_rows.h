@@ -22,6 +22,7 @@ namespace {
 
 using ggml::Act;
 using ggml::ActBuf;
+using ggml::act_buffer;
 
 // The step's slots grouped by expert: sorted row m holds slot order[m] (= t * k + j); expert
 // e's rows are [start[e], start[e + 1]); active = the experts with at least one slot.

@@ -1,0 +1,62 @@
+"""The paged decode attention's time per key and KV head, K/V in cache vs from DRAM.
+
+    PYTHONPATH=$PWD python benchmarks/bench_decode_attention_stream.py
+
+One thread, timed by its CPU clock; SmolLM2-135M's heads (9 query / 3 KV heads of 64), bf16
+cache, blocks of 16 interleaved as W2's sequences get them. Each case calls the op on `layers`
+caches in turn: one layer's cache stays in cache, 30 or 60 layers' caches come from DRAM, so
+the two rows of a batch size show the kernel's own work and how near it streams to it. Prints
+ns per (key, KV head) and the K/V bytes read per second.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench_engine import cpu_description  # noqa: E402
+
+from fitserve.kernels.cpu.paged_attention import paged_decode_attention  # noqa: E402
+
+CASES = ((8, 256, 1, 300), (8, 256, 60, 10), (32, 256, 30, 10), (1, 4096, 1, 300),
+         (1, 4096, 30, 20))  # (sequences, keys, layers' caches, repeats)
+
+
+def case(batch: int, keys: int, layers: int, reps: int) -> None:
+    hq, hkv, d, block = 9, 3, 64, 16
+    nblk = -(-keys // block)
+    q = torch.randn(batch, hq, d).bfloat16()
+    tables = torch.arange(batch * nblk, dtype=torch.int32).reshape(nblk, batch).T.contiguous()
+    lens = torch.full((batch,), keys, dtype=torch.int32)
+    caches = [(torch.randn(hkv, batch * nblk, block, d).bfloat16(),
+               torch.randn(hkv, batch * nblk, block, d).bfloat16()) for _ in range(layers)]
+
+    def step() -> None:
+        for k, v in caches:
+            paged_decode_attention(q, k, v, tables, lens, d ** -0.5)
+
+    for _ in range(3):
+        step()
+    t = time.thread_time()
+    for _ in range(reps):
+        step()
+    dt = (time.thread_time() - t) / reps / layers
+    items = batch * hkv * keys
+    print(f"{batch:3d} sequences x {keys:5d} keys, {layers:2d} layers' caches: "
+          f"{dt * 1e6:8.1f} us a layer, {dt / items * 1e9:5.1f} ns per key and KV head, "
+          f"K/V {2 * items * d * 2 / dt / 1e9:5.1f} GB/s")
+
+
+def main() -> None:
+    print(f"CPU: {cpu_description()}")
+    torch.set_num_threads(1)
+    for c in CASES:
+        case(*c)
+
+
+if __name__ == "__main__":
+    main()
