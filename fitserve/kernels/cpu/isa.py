@@ -137,8 +137,10 @@ void f(void* c, const void* a) { _tile_loadconfig(c); _tile_loadd(0, a, 64); _ti
 
 @functools.cache
 def compiler_has_amx() -> bool:
-    """Whether the C++ compiler the kernels build with accepts the AMX-INT8 intrinsics (a
-    syntax-only compile of a few of them, once per process)."""
+    """Whether the C++ compiler the kernels build with accepts the AMX-INT8 intrinsics: a
+    syntax-only compile of a few of them, its answer kept in FITSERVE_HOME per compiler binary
+    (path, size, mtime), so a start-up with the kernels cached does not run the compiler."""
+    import hashlib
     import os
     import shutil
     import subprocess
@@ -146,9 +148,20 @@ def compiler_has_amx() -> bool:
     cxx = shutil.which(os.environ.get("CXX", "c++"))
     if cxx is None:
         return False
+    st = os.stat(os.path.realpath(cxx))
+    key = hashlib.sha256(f"{os.path.realpath(cxx)}:{st.st_size}:{st.st_mtime_ns}".encode())
+    mark = envs.fitserve_home() / "extensions" / f"amx-probe-{key.hexdigest()[:16]}"
+    if mark.is_file():
+        return mark.read_text().strip() == "1"
     try:
         done = subprocess.run([cxx, "-mamx-tile", "-mamx-int8", "-fsyntax-only", "-x", "c++", "-"],
                               input=_AMX_PROBE, capture_output=True, timeout=60, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return False
-    return done.returncode == 0
+    ok = done.returncode == 0
+    try:
+        mark.parent.mkdir(parents=True, exist_ok=True)
+        mark.write_text("1" if ok else "0")
+    except OSError:  # a read-only home: ask again next time
+        pass
+    return ok
