@@ -136,16 +136,19 @@ def test_a_killed_builds_torch_lock_is_cleared_and_builds_are_serialised(tmp_pat
 
 
 def test_amx_flags_only_with_amx_at_the_vnni_tier(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The AMX-INT8 tiles are compiled in only for a CPU with AMX-INT8 at the avx512_vnni tier,
-    and only when the compiler accepts them (else the whole qlinear build would fail)."""
+    """The AMX tiles are compiled in only for a CPU with them at the avx512_vnni tier (AMX-INT8
+    for the held panels; AMX-BF16 for the attention tile, which also needs AVX512-BF16), and
+    only when the compiler accepts them (else the whole build would fail)."""
     from fitserve.kernels.cpu import isa as isa_mod
 
     base = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
-    xeon = isa_from_flags(base | {"amx_tile", "amx_int8", "amx_bf16"})
+    xeon = isa_from_flags(base | {"avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"})
     monkeypatch.delenv("FITSERVE_CPU_TIER", raising=False)
     monkeypatch.setattr(isa_mod, "compiler_has_amx", lambda: True)
-    assert "-DFITSERVE_AMX_INT8" in compile_flags(xeon)
-    assert "-DFITSERVE_AMX_INT8" not in compile_flags(isa_from_flags(base))
-    assert "-DFITSERVE_AMX_INT8" not in compile_flags(xeon, "avx512")
+    assert {"-DFITSERVE_AMX_INT8", "-DFITSERVE_AMX_BF16", "-mamx-bf16"} <= set(compile_flags(xeon))
+    no_bf16 = compile_flags(isa_from_flags(base | {"amx_tile", "amx_int8", "amx_bf16"}))
+    assert "-DFITSERVE_AMX_INT8" in no_bf16 and "-DFITSERVE_AMX_BF16" not in no_bf16
+    assert not {f for f in compile_flags(isa_from_flags(base)) if "amx" in f.lower()}
+    assert not {f for f in compile_flags(xeon, "avx512") if "amx" in f.lower()}
     monkeypatch.setattr(isa_mod, "compiler_has_amx", lambda: False)
-    assert "-DFITSERVE_AMX_INT8" not in compile_flags(xeon)
+    assert not {f for f in compile_flags(xeon) if "amx" in f.lower()}

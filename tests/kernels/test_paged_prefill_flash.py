@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from fitserve.kernels.cpu.paged_attention import (
+    amx_active,
     kernel_isa,
     paged_attention_available,
     paged_decode_attention,
     paged_prefill_attention,
+    set_amx,
 )
 from tests.conftest import asked_tier, run_tests_at_tier
 
@@ -88,6 +90,56 @@ def test_matches_float64_and_decode_rows(case: tuple, dtype: str) -> None:
         rows = paged_decode_attention(q, k_cache, v_cache, table, lens, scale, window,
                                       partition_size=part, vectorized=vectorized)
         assert torch.equal(got, rows), "a row differs from the decode kernel's bits"
+
+
+# Shapes the AMX tile handles in more than one 16-row tile or chunk: G = 20 (two row-head tiles
+# in decode), D = 256 (8 chunks of 32, 16 column blocks), D = 96 (an odd block count), D = 48
+# (a chunk tail), rows spanning several query tiles and partitions.
+AMX_CASES = [
+    (5, 40, 40, 2, 64, 16, None, 64),
+    (0, 35, 4, 2, 256, 16, None, 256),
+    (30, 50, 6, 3, 96, 32, 40, 64),
+    (17, 33, 2, 1, 48, 16, None, 256),
+]
+
+
+def _amx_available() -> bool:
+    was = amx_active()
+    ok = set_amx(True)
+    set_amx(was)
+    return ok
+
+
+@pytest.mark.skipif(not _amx_available(), reason="no AMX-BF16 attention tile on this CPU / build")
+@pytest.mark.parametrize("case", CASES + AMX_CASES, ids=[f"case{i}" for i in range(len(CASES + AMX_CASES))])
+def test_amx_tile_matches_float64_decode_rows_and_the_vnni_tile(case: tuple) -> None:
+    """bf16 q and cache on the AMX-BF16 tile: float64 within bf16's tolerance, every prefill row
+    the decode kernel's bits (both on AMX), and within tolerance of the VDPBF16PS tile."""
+    q, k_cache, v_cache, order, cached, window, part = make_case(case, torch.bfloat16,
+                                                                 torch.bfloat16)
+    t, d = q.shape[0], q.shape[2]
+    scale = d ** -0.5
+    k = k_cache[:, order.long()].reshape(k_cache.shape[0], -1, d)[:, : cached + t]
+    v = v_cache[:, order.long()].reshape(v_cache.shape[0], -1, d)[:, : cached + t]
+    want = reference(q, k, v, cached, scale, window)
+    table = order.unsqueeze(0).expand(t, -1).contiguous()
+    lens = torch.arange(cached + 1, cached + t + 1, dtype=torch.int32)
+    outs = {}
+    was = amx_active()
+    try:
+        for on in (True, False):
+            assert set_amx(on) == on
+            got = paged_prefill_attention(q, k_cache, v_cache, order, cached, scale, window,
+                                          partition_size=part)
+            rows = paged_decode_attention(q, k_cache, v_cache, table, lens, scale, window,
+                                          partition_size=part)
+            assert torch.equal(got, rows), ("a row differs from the decode kernel's bits", on)
+            err = (got.double() - want).abs().max().item()
+            assert err < 2e-2, (on, err)
+            outs[on] = got
+    finally:
+        set_amx(was)
+    assert torch.allclose(outs[True].double(), outs[False].double(), atol=2e-2, rtol=2e-2)
 
 
 def test_int64_table_and_empty_chunk() -> None:

@@ -121,23 +121,28 @@ def compile_flags(isa: CpuIsa, tier: str | None = None) -> list[str]:
         flags.append("-mavx512vnni")
     if isa.avx512_bf16 and tier != "avx2":
         flags.append("-mavx512bf16")
-    # NOTE: AMX-INT8 tiles for the held int4/int8 panels (qlinear_amx.h), compiled only where the
-    # CPU has them and the compiler knows them (an older g++ would otherwise fail the whole
-    # qlinear build); the kernel still asks the OS for the tile state before its first use.
-    if isa.amx_int8 and tier == "avx512_vnni" and compiler_has_amx():
-        flags += ["-mamx-tile", "-mamx-int8", "-DFITSERVE_AMX_INT8"]
+    # NOTE: AMX tiles (AMX-INT8 for the held int4/int8 panels, qlinear_amx.h; AMX-BF16 for the
+    # bf16 attention tile, paged_attention_amx.h), compiled only where the CPU has them and the
+    # compiler knows them (an older g++ would otherwise fail the whole build); the kernels still
+    # ask the OS for the tile state before their first use.
+    if tier == "avx512_vnni" and (isa.amx_int8 or isa.amx_bf16) and compiler_has_amx():
+        flags.append("-mamx-tile")
+        if isa.amx_int8:
+            flags += ["-mamx-int8", "-DFITSERVE_AMX_INT8"]
+        if isa.amx_bf16 and isa.avx512_bf16:
+            flags += ["-mamx-bf16", "-DFITSERVE_AMX_BF16"]
     return flags
 
 
 _AMX_PROBE = b"""#include <immintrin.h>
 void f(void* c, const void* a) { _tile_loadconfig(c); _tile_loadd(0, a, 64); _tile_dpbssd(1, 0, 0);
-  _tile_release(); }
+  _tile_dpbf16ps(2, 0, 0); _tile_release(); }
 """
 
 
 @functools.cache
 def compiler_has_amx() -> bool:
-    """Whether the C++ compiler the kernels build with accepts the AMX-INT8 intrinsics: a
+    """Whether the C++ compiler the kernels build with accepts the AMX-INT8 and AMX-BF16 intrinsics: a
     syntax-only compile of a few of them, its answer kept in FITSERVE_HOME per compiler binary
     (path, size, mtime), so a start-up with the kernels cached does not run the compiler."""
     import hashlib
@@ -149,12 +154,12 @@ def compiler_has_amx() -> bool:
     if cxx is None:
         return False
     st = os.stat(os.path.realpath(cxx))
-    key = hashlib.sha256(f"{os.path.realpath(cxx)}:{st.st_size}:{st.st_mtime_ns}".encode())
+    key = hashlib.sha256(f"{os.path.realpath(cxx)}:{st.st_size}:{st.st_mtime_ns}".encode() + _AMX_PROBE)
     mark = envs.fitserve_home() / "extensions" / f"amx-probe-{key.hexdigest()[:16]}"
     if mark.is_file():
         return mark.read_text().strip() == "1"
     try:
-        done = subprocess.run([cxx, "-mamx-tile", "-mamx-int8", "-fsyntax-only", "-x", "c++", "-"],
+        done = subprocess.run([cxx, "-mamx-tile", "-mamx-int8", "-mamx-bf16", "-fsyntax-only", "-x", "c++", "-"],
                               input=_AMX_PROBE, capture_output=True, timeout=60, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return False

@@ -30,7 +30,9 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -41,6 +43,14 @@
 
 // the ISA tier macros (FS_AVX512, FS_AVX2, FS_BF16DOT) and the fp32 SIMD tile pieces
 #include "paged_attention_simd.h"
+
+// The AMX-BF16 tile (paged_attention_amx.h) where the build has it.
+#if FS_BF16DOT && defined(FITSERVE_AMX_BF16) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#define FS_AMX_ATTN 1
+#else
+#define FS_AMX_ATTN 0
+#endif
+#include "amx_state.h"
 
 namespace {
 
@@ -536,6 +546,26 @@ inline void partition_range(const Geometry& g, int64_t L, int64_t p, int64_t* fi
   *last = std::min(L, (p + 1) * g.partition);
 }
 
+#if FS_AMX_ATTN
+// paged_attention_amx.h (included with the prefill, after the headers it builds on): the AMX
+// decode tile for this head_dim or nullptr, and the tile configuration every thread loads.
+TileFn amx_decode_tile(int64_t head_dim);
+void amx_attn_configure();
+
+// NOTE: opt-in (FITSERVE_AMX_ATTENTION=1 or paged_attention_set_amx): the AMX tile runs the
+// prefill's attention ~1.8x faster than the VDPBF16PS tile, but a decode row (16 tile rows for a
+// few query heads, K transposed and V paired per tile) ~1.7x slower, and a process must run
+// one tile for both ops (each prefill row keeps the decode kernel's bits). docs/benchmarks.md.
+inline std::atomic<int>& amx_attention_mode() {
+  static std::atomic<int> mode{[] {
+    const char* e = std::getenv("FITSERVE_AMX_ATTENTION");
+    return e && e[0] == '1' && e[1] == 0 && fitserve::amx_usable() ? 1 : 0;
+  }()};
+  return mode;
+}
+inline bool amx_attention_on() { return amx_attention_mode().load(std::memory_order_relaxed) == 1; }
+#endif
+
 // T: the cache dtype; QT: q's and the output's (T itself, or float over a 16-bit cache).
 template <typename T, typename QT>
 void run(const Geometry& g, const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
@@ -576,6 +606,14 @@ void run(const Geometry& g, const at::Tensor& q, const at::Tensor& kc, const at:
 #else
   (void)vectorized;
 #endif
+  [[maybe_unused]] bool amx = false;
+#if FS_AMX_ATTN
+  if (dot && amx_attention_on())
+    if (TileFn f = amx_decode_tile(g.head_dim)) {
+      tile = f;
+      amx = true;
+    }
+#endif
   const QT* qp = q.data_ptr<QT>();
   const T* kp = kc.data_ptr<T>();
   const T* vp = vc.data_ptr<T>();
@@ -585,6 +623,9 @@ void run(const Geometry& g, const at::Tensor& q, const at::Tensor& kc, const at:
 
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     Scratch& w = thread_scratch(g.group, g.dpad);
+#if FS_AMX_ATTN
+    if (amx) amx_attn_configure();
+#endif
     for (int64_t it = begin; it < end; ++it) {
       const int64_t b = item_seq[it];
       const int64_t local = it - item_start[b];
@@ -624,6 +665,9 @@ void run(const Geometry& g, const at::Tensor& q, const at::Tensor& kc, const at:
         std::copy_n(w.l.begin(), g.group, dst + g.group * g.dpad + g.group);
       }
     }
+#if FS_AMX_ATTN
+    if (amx) _tile_release();  // frees the tile state (context switches no longer save it)
+#endif
   });
 
   // Empty sequences (no visible key) give zeros, as a fully masked softmax row would not.
@@ -747,6 +791,26 @@ std::string paged_attention_isa() {
 #endif
 }
 
+// Whether the bf16 attention runs on AMX-BF16 tiles (compiled for this CPU, granted by the OS,
+// asked for); paged_attention_set_amx turns them on / off for later calls.
+bool paged_attention_amx_active() {
+#if FS_AMX_ATTN
+  return amx_attention_on();
+#else
+  return false;
+#endif
+}
+
+bool paged_attention_set_amx(bool on) {
+#if FS_AMX_ATTN
+  amx_attention_mode().store(on && fitserve::amx_set(true) ? 1 : 0);
+  return amx_attention_on();
+#else
+  (void)on;
+  return false;
+#endif
+}
+
 }  // namespace
 
 // NOTE: a FRAGMENT, so other sources may add ops to the same "fitserve" namespace.
@@ -760,6 +824,8 @@ TORCH_LIBRARY_FRAGMENT(fitserve, m) {
       "int cached, float scale, int window, int partition_size=256, bool vectorized=True) "
       "-> Tensor");
   m.def("paged_attention_isa() -> str", &paged_attention_isa);
+  m.def("paged_attention_amx_active() -> bool", &paged_attention_amx_active);
+  m.def("paged_attention_set_amx(bool on) -> bool", &paged_attention_set_amx);
 }
 
 TORCH_LIBRARY_IMPL(fitserve, CPU, m) {

@@ -69,6 +69,24 @@ def kernel_isa() -> str:
     return str(torch.ops.fitserve.paged_attention_isa())
 
 
+def amx_active() -> bool:
+    """Whether the bf16 attention (bf16 q and cache) runs on AMX-BF16 tiles
+    (paged_attention_amx.h): compiled for this CPU, granted by the OS and asked for
+    (``FITSERVE_AMX_ATTENTION=1`` or :func:`set_amx`). Its bits differ from the VDPBF16PS
+    tile's; decode and prefill rows still equal each other."""
+    if not paged_attention_available():
+        return False
+    return bool(torch.ops.fitserve.paged_attention_amx_active())
+
+
+def set_amx(on: bool) -> bool:
+    """Turns the AMX attention tile on or off for later calls (the VDPBF16PS tile runs when
+    off); returns whether it is on (False where the build or the OS has no AMX-BF16)."""
+    if not paged_attention_available():
+        return False
+    return bool(torch.ops.fitserve.paged_attention_set_amx(on))
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

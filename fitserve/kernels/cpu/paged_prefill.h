@@ -198,6 +198,7 @@ void prefill_item(const Geometry& g, const ItemSlots& rows, const QT* q, const T
 
 #include "paged_prefill_dot.h"
 #include "paged_prefill_dot_item.h"
+#include "paged_attention_amx.h"
 
 // The decode kernel's exact merge of a row's partitions (in partition order), for KV head kvh.
 template <typename QT>
@@ -269,6 +270,18 @@ void run_prefill(const Geometry& g, int64_t cached, const at::Tensor& q, const a
   if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<QT, c10::BFloat16>)
     if (dot) dot_item = reinterpret_cast<void*>(pick_dot_item(g.head_dim));
 #endif
+  [[maybe_unused]] bool amx = false;
+#if FS_AMX_ATTN
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<QT, c10::BFloat16>) {
+    TileFn amx_tile = nullptr;
+    DotItemFn amx_item = nullptr;
+    if (dot && amx_attention_on() && pick_amx(g.head_dim, &amx_tile, &amx_item)) {
+      tile = amx_tile;
+      dot_item = reinterpret_cast<void*>(amx_item);
+      amx = true;
+    }
+  }
+#endif
   const int64_t num_items = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1,
@@ -276,6 +289,9 @@ void run_prefill(const Geometry& g, int64_t cached, const at::Tensor& q, const a
     Scratch& w = thread_scratch(g.group, g.dpad);
     thread_local std::vector<float> partial;
     std::vector<float> acc(g.dpad);
+#if FS_AMX_ATTN
+    if (amx) amx_attn_configure();
+#endif
     for (int64_t it = next++; it < num_items; it = next++) {
       const Item& m = items[it];
       const int64_t r1 = std::min(rows.num_rows, m.r0 + kPrefillRows);
@@ -304,6 +320,9 @@ void run_prefill(const Geometry& g, int64_t cached, const at::Tensor& q, const a
       for (int64_t r = m.r0; r < r1; ++r)
         if (rows.num_parts[r] > 1) merge_row(g, slots, op, r, m.kvh, acc);
     }
+#if FS_AMX_ATTN
+    if (amx) _tile_release();
+#endif
   });
 }
 

@@ -53,31 +53,6 @@ inline DotRows& thread_dot_rows(const Geometry& g) {
   return st;
 }
 
-// 16 x 16 dwords in registers: r[j] (key j's 16 pairs) -> out[i] (pair i of the 16 keys).
-inline void transpose16(const __m512i* r, __m512i* out) {
-  __m512i t[16], u[16];
-  for (int k = 0; k < 8; ++k) {  // per 128-bit lane L: rows 2k, 2k+1 of columns 4L .. 4L+3
-    t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
-    t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
-  }
-  for (int k = 0; k < 4; ++k) {  // u[4k + m], lane L: rows 4k .. 4k+3 of column 4L + m
-    u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
-    u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
-    u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
-    u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
-  }
-  for (int m = 0; m < 4; ++m) {  // 4 x 4 transpose of 128-bit lanes across u[m], u[4+m], ...
-    const __m512i v0 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x44);
-    const __m512i v1 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xEE);
-    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x44);
-    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xEE);
-    out[m] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-    out[4 + m] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
-    out[8 + m] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-    out[12 + m] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
-  }
-}
-
 // kt <- the K rows of the tile (n keys), transposed to keys-in-lanes; keys n .. 16-rounded zero.
 template <int NC2>
 inline void transpose_k_tile(const Geometry& g, const uint16_t* const* rows, int64_t n,

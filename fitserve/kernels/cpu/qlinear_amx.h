@@ -25,14 +25,10 @@
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#include <atomic>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
+#include "amx_state.h"
 #include "qlinear_held.h"
 
 namespace fitserve::qlinear {
@@ -45,31 +41,10 @@ constexpr int64_t kAmxRows = 16;     // rows of x per tile
 constexpr int64_t kAmxMinRows = 32;
 constexpr int64_t kAmxChunkRows = 256;  // rows of x per pass over the panels (codes in L2)
 
-// Linux hands out the 8 KB tile state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
-// without it the first tile instruction faults. Asked once per process; FITSERVE_AMX=0 turns the
-// path off (the VNNI panels run instead).
-inline std::atomic<int>& amx_mode() {
-  static std::atomic<int> mode{[] {
-    const char* e = std::getenv("FITSERVE_AMX");
-    if (e && e[0] == '0' && e[1] == 0) return 0;
-    return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : 0;
-  }()};
-  return mode;
-}
-inline bool amx_usable() { return amx_mode().load(std::memory_order_relaxed) == 1; }
-
-// Turns the path on (if the OS grants the tiles) or off for later calls; returns whether it is on.
-inline bool amx_set(bool on) {
-  if (!on) amx_mode().store(0);
-  else amx_mode().store(syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : 0);
-  return amx_usable();
-}
-
-struct alignas(64) AmxConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+// The tile state (amx_usable, amx_set) and LDTILECFG block are the ones every AMX kernel shares.
+using fitserve::AmxConfig;
+using fitserve::amx_set;
+using fitserve::amx_usable;
 
 // Tiles: 0, 1 = C of two groups (16 x 16 int32); 2, 3 = A (16 rows x 32 bytes); 4, 5 = B (8 x 64).
 inline void amx_configure() {
