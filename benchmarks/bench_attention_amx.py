@@ -32,9 +32,9 @@ def both(fn, runs: int) -> tuple[float, float]:
     the lower median of each kept)."""
     amx, dflt = [], []
     for _ in range(2):
-        pa.set_amx(True)
+        pa.set_amx("all")
         amx.append(median_seconds(fn, runs))
-        pa.set_amx(False)
+        pa.set_amx("off")
         dflt.append(median_seconds(fn, runs))
     return min(amx), min(dflt)
 
@@ -72,8 +72,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     args = ap.parse_args()
     print(f"CPU: {cpu_description()}; threads {args.threads}")
-    was = pa.amx_active()
-    if not pa.set_amx(True):
+    was = pa.amx_mode()
+    if pa.set_amx("all") != "all":
         print("no AMX-BF16 attention tile on this CPU / build: nothing to compare")
         return
     torch.set_num_threads(args.threads)

@@ -76,11 +76,12 @@ FITSERVE_AMX: EnvVar[bool] = EnvVar(
     "0: held int4/int8 weights run on the AVX-512 VNNI panels even where the CPU has AMX-INT8 "
     "tiles (same bits; A/B, debugging)")
 # NOTE: read by the C++ kernel itself (paged_attention.cpp), once per process.
-FITSERVE_AMX_ATTENTION: EnvVar[bool] = EnvVar(
-    "FITSERVE_AMX_ATTENTION", False, _flag_if_true,
+FITSERVE_AMX_ATTENTION: EnvVar[str] = EnvVar(
+    "FITSERVE_AMX_ATTENTION", "0", str,
     "1: bf16 attention (decode and prefill) runs on AMX-BF16 tiles where the CPU has them: the "
-    "prefill's attention ~1.8x faster, decode's ~1.7x slower (other bits than the default tile, "
-    "the same between decode and prefill rows)")
+    "prefill's attention ~1.9x faster, decode's ~1.7x slower (other bits than the default tile, "
+    "the same between decode and prefill rows); prefill: only the prefill on the tiles (no "
+    "decode cost, but prefill rows no longer bitwise the decode kernel's)")
 FITSERVE_ALLOW_LONG_MAX_MODEL_LEN: EnvVar[bool] = EnvVar(
     "FITSERVE_ALLOW_LONG_MAX_MODEL_LEN", False, _flag_if_true,
     "1: a max_model_len past the model's trained context is a warning, not an error "

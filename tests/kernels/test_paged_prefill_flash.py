@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fitserve.kernels.cpu.paged_attention import (
-    amx_active,
+    amx_mode,
     kernel_isa,
     paged_attention_available,
     paged_decode_attention,
@@ -104,8 +104,8 @@ AMX_CASES = [
 
 
 def _amx_available() -> bool:
-    was = amx_active()
-    ok = set_amx(True)
+    was = amx_mode()
+    ok = set_amx("all") == "all"
     set_amx(was)
     return ok
 
@@ -114,7 +114,8 @@ def _amx_available() -> bool:
 @pytest.mark.parametrize("case", CASES + AMX_CASES, ids=[f"case{i}" for i in range(len(CASES + AMX_CASES))])
 def test_amx_tile_matches_float64_decode_rows_and_the_vnni_tile(case: tuple) -> None:
     """bf16 q and cache on the AMX-BF16 tile: float64 within bf16's tolerance, every prefill row
-    the decode kernel's bits (both on AMX), and within tolerance of the VDPBF16PS tile."""
+    the decode kernel's bits (both on AMX), and within tolerance of the VDPBF16PS tile. With the
+    prefill alone on AMX ("prefill"), decode keeps the default tile's bits."""
     q, k_cache, v_cache, order, cached, window, part = make_case(case, torch.bfloat16,
                                                                  torch.bfloat16)
     t, d = q.shape[0], q.shape[2]
@@ -124,22 +125,29 @@ def test_amx_tile_matches_float64_decode_rows_and_the_vnni_tile(case: tuple) -> 
     want = reference(q, k, v, cached, scale, window)
     table = order.unsqueeze(0).expand(t, -1).contiguous()
     lens = torch.arange(cached + 1, cached + t + 1, dtype=torch.int32)
-    outs = {}
-    was = amx_active()
+    prefill, decode = {}, {}
+    was = amx_mode()
     try:
-        for on in (True, False):
-            assert set_amx(on) == on
-            got = paged_prefill_attention(q, k_cache, v_cache, order, cached, scale, window,
-                                          partition_size=part)
-            rows = paged_decode_attention(q, k_cache, v_cache, table, lens, scale, window,
-                                          partition_size=part)
-            assert torch.equal(got, rows), ("a row differs from the decode kernel's bits", on)
-            err = (got.double() - want).abs().max().item()
-            assert err < 2e-2, (on, err)
-            outs[on] = got
+        for mode in ("all", "off", "prefill"):
+            assert set_amx(mode) == mode
+            prefill[mode] = paged_prefill_attention(q, k_cache, v_cache, order, cached, scale,
+                                                    window, partition_size=part)
+            decode[mode] = paged_decode_attention(q, k_cache, v_cache, table, lens, scale,
+                                                  window, partition_size=part)
+            err = (prefill[mode].double() - want).abs().max().item()
+            assert err < 2e-2, (mode, err)
     finally:
         set_amx(was)
-    assert torch.allclose(outs[True].double(), outs[False].double(), atol=2e-2, rtol=2e-2)
+    for mode in ("all", "off"):
+        assert torch.equal(prefill[mode], decode[mode]), ("a row differs from the decode bits", mode)
+    assert torch.equal(prefill["prefill"], prefill["all"])  # the same tile for the prefill
+    assert torch.equal(decode["prefill"], decode["off"])  # decode on the default tile
+    assert torch.allclose(prefill["all"].double(), prefill["off"].double(), atol=2e-2, rtol=2e-2)
+
+
+def test_amx_mode_rejects_an_unknown_mode() -> None:
+    with pytest.raises(ValueError, match="AMX attention mode"):
+        set_amx("sometimes")
 
 
 def test_int64_table_and_empty_chunk() -> None:

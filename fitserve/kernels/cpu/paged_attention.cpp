@@ -552,18 +552,25 @@ inline void partition_range(const Geometry& g, int64_t L, int64_t p, int64_t* fi
 TileFn amx_decode_tile(int64_t head_dim);
 void amx_attn_configure();
 
-// NOTE: opt-in (FITSERVE_AMX_ATTENTION=1 or paged_attention_set_amx): the AMX tile runs the
-// prefill's attention ~1.8x faster than the VDPBF16PS tile, but a decode row (16 tile rows for a
-// few query heads, K transposed and V paired per tile) ~1.7x slower, and a process must run
-// one tile for both ops (each prefill row keeps the decode kernel's bits). docs/benchmarks.md.
+// NOTE: opt-in, FITSERVE_AMX_ATTENTION=1 (or paged_attention_set_amx_mode(1)): decode and
+// prefill on the AMX tile, every prefill row still the decode kernel's bits. The tile runs the
+// prefill's attention ~1.9x faster than the VDPBF16PS tile but a decode row (16 tile rows for a
+// few query heads, K transposed and V paired per tile) ~1.7x slower. FITSERVE_AMX_ATTENTION=
+// prefill (mode 2) runs only the prefill on it: no decode cost, but a prefill row's bits then
+// differ from the decode kernel's (a greedy speculative or preempted run may diverge from the
+// plain one), so it is not the default either. docs/benchmarks.md has the figures.
 inline std::atomic<int>& amx_attention_mode() {
   static std::atomic<int> mode{[] {
     const char* e = std::getenv("FITSERVE_AMX_ATTENTION");
-    return e && e[0] == '1' && e[1] == 0 && fitserve::amx_usable() ? 1 : 0;
+    if (e == nullptr || !fitserve::amx_usable()) return 0;
+    if (std::strcmp(e, "1") == 0) return 1;
+    return std::strcmp(e, "prefill") == 0 ? 2 : 0;
   }()};
   return mode;
 }
+// The decode op on the AMX tile (mode 1); the prefill op (modes 1 and 2).
 inline bool amx_attention_on() { return amx_attention_mode().load(std::memory_order_relaxed) == 1; }
+inline bool amx_prefill_on() { return amx_attention_mode().load(std::memory_order_relaxed) >= 1; }
 #endif
 
 // T: the cache dtype; QT: q's and the output's (T itself, or float over a 16-bit cache).
@@ -791,23 +798,24 @@ std::string paged_attention_isa() {
 #endif
 }
 
-// Whether the bf16 attention runs on AMX-BF16 tiles (compiled for this CPU, granted by the OS,
-// asked for); paged_attention_set_amx turns them on / off for later calls.
-bool paged_attention_amx_active() {
+// Which ops run the bf16 attention on AMX-BF16 tiles: 0 none, 1 decode and prefill, 2 the
+// prefill only (compiled for this CPU, granted by the OS, asked for);
+// paged_attention_set_amx_mode sets it for later calls and returns the mode it got.
+int64_t paged_attention_amx_mode() {
 #if FS_AMX_ATTN
-  return amx_attention_on();
+  return amx_attention_mode().load();
 #else
-  return false;
+  return 0;
 #endif
 }
 
-bool paged_attention_set_amx(bool on) {
+int64_t paged_attention_set_amx_mode(int64_t mode) {
+  TORCH_CHECK(mode >= 0 && mode <= 2, "AMX attention mode must be 0, 1 or 2, got ", mode);
 #if FS_AMX_ATTN
-  amx_attention_mode().store(on && fitserve::amx_set(true) ? 1 : 0);
-  return amx_attention_on();
+  amx_attention_mode().store(mode > 0 && fitserve::amx_set(true) ? static_cast<int>(mode) : 0);
+  return amx_attention_mode().load();
 #else
-  (void)on;
-  return false;
+  return 0;
 #endif
 }
 
@@ -824,8 +832,8 @@ TORCH_LIBRARY_FRAGMENT(fitserve, m) {
       "int cached, float scale, int window, int partition_size=256, bool vectorized=True) "
       "-> Tensor");
   m.def("paged_attention_isa() -> str", &paged_attention_isa);
-  m.def("paged_attention_amx_active() -> bool", &paged_attention_amx_active);
-  m.def("paged_attention_set_amx(bool on) -> bool", &paged_attention_set_amx);
+  m.def("paged_attention_amx_mode() -> int", &paged_attention_amx_mode);
+  m.def("paged_attention_set_amx_mode(int mode) -> int", &paged_attention_set_amx_mode);
 }
 
 TORCH_LIBRARY_IMPL(fitserve, CPU, m) {

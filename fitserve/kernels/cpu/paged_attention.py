@@ -69,22 +69,34 @@ def kernel_isa() -> str:
     return str(torch.ops.fitserve.paged_attention_isa())
 
 
+AMX_MODES = ("off", "all", "prefill")
+
+
+def amx_mode() -> str:
+    """Which ops run the bf16 attention (bf16 q and cache) on AMX-BF16 tiles
+    (paged_attention_amx.h): "off", "all" (decode and prefill: every prefill row keeps the
+    decode kernel's bits, other bits than the default tile's) or "prefill" (the prefill only:
+    its rows then differ from the decode kernel's). Set by ``FITSERVE_AMX_ATTENTION=1`` /
+    ``=prefill`` or :func:`set_amx`; "off" where the build or the OS has no AMX-BF16."""
+    if not paged_attention_available():
+        return "off"
+    return AMX_MODES[int(torch.ops.fitserve.paged_attention_amx_mode())]
+
+
 def amx_active() -> bool:
-    """Whether the bf16 attention (bf16 q and cache) runs on AMX-BF16 tiles
-    (paged_attention_amx.h): compiled for this CPU, granted by the OS and asked for
-    (``FITSERVE_AMX_ATTENTION=1`` or :func:`set_amx`). Its bits differ from the VDPBF16PS
-    tile's; decode and prefill rows still equal each other."""
-    if not paged_attention_available():
-        return False
-    return bool(torch.ops.fitserve.paged_attention_amx_active())
+    """Whether any attention op runs on the AMX-BF16 tiles (:func:`amx_mode` is not "off")."""
+    return amx_mode() != "off"
 
 
-def set_amx(on: bool) -> bool:
-    """Turns the AMX attention tile on or off for later calls (the VDPBF16PS tile runs when
-    off); returns whether it is on (False where the build or the OS has no AMX-BF16)."""
+def set_amx(mode: bool | str) -> str:
+    """Sets :func:`amx_mode` for later calls (True = "all", False = "off"); returns the mode it
+    got ("off" where the build or the OS has no AMX-BF16)."""
     if not paged_attention_available():
-        return False
-    return bool(torch.ops.fitserve.paged_attention_set_amx(on))
+        return "off"
+    name = {True: "all", False: "off"}.get(mode, mode) if isinstance(mode, bool) else mode
+    if name not in AMX_MODES:
+        raise ValueError(f"AMX attention mode must be one of {AMX_MODES}, got {mode!r}")
+    return AMX_MODES[int(torch.ops.fitserve.paged_attention_set_amx_mode(AMX_MODES.index(name)))]
 
 
 def paged_decode_attention(
