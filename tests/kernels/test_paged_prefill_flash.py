@@ -69,10 +69,9 @@ def make_case(case: tuple, cache_dtype: torch.dtype, q_dtype: torch.dtype) -> tu
     return q, k_cache, v_cache, order, cached, window, part
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
-def test_matches_float64_and_decode_rows(case: tuple, dtype: str) -> None:
-    cache_dtype, q_dtype, tol = DTYPES[dtype]
+def case_inputs(case: tuple, cache_dtype: torch.dtype, q_dtype: torch.dtype) -> tuple:
+    """make_case's tensors, the scale, the float64 reference, and the decode call's table / lens
+    (one decode row per query)."""
     q, k_cache, v_cache, order, cached, window, part = make_case(case, cache_dtype, q_dtype)
     t, d = q.shape[0], q.shape[2]
     scale = d ** -0.5
@@ -81,6 +80,15 @@ def test_matches_float64_and_decode_rows(case: tuple, dtype: str) -> None:
     want = reference(q, k, v, cached, scale, window)
     table = order.unsqueeze(0).expand(t, -1).contiguous()
     lens = torch.arange(cached + 1, cached + t + 1, dtype=torch.int32)
+    return q, k_cache, v_cache, order, cached, window, part, scale, want, table, lens
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_matches_float64_and_decode_rows(case: tuple, dtype: str) -> None:
+    cache_dtype, q_dtype, tol = DTYPES[dtype]
+    q, k_cache, v_cache, order, cached, window, part, scale, want, table, lens = case_inputs(
+        case, cache_dtype, q_dtype)
     for vectorized in (True, False):  # the SIMD tiles of this build, and the plain C++ tile
         got = paged_prefill_attention(q, k_cache, v_cache, order, cached, scale, window,
                                       partition_size=part, vectorized=vectorized)
@@ -116,15 +124,8 @@ def test_amx_tile_matches_float64_decode_rows_and_the_vnni_tile(case: tuple) -> 
     """bf16 q and cache on the AMX-BF16 tile: float64 within bf16's tolerance, every prefill row
     the decode kernel's bits (both on AMX), and within tolerance of the VDPBF16PS tile. With the
     prefill alone on AMX ("prefill"), decode keeps the default tile's bits."""
-    q, k_cache, v_cache, order, cached, window, part = make_case(case, torch.bfloat16,
-                                                                 torch.bfloat16)
-    t, d = q.shape[0], q.shape[2]
-    scale = d ** -0.5
-    k = k_cache[:, order.long()].reshape(k_cache.shape[0], -1, d)[:, : cached + t]
-    v = v_cache[:, order.long()].reshape(v_cache.shape[0], -1, d)[:, : cached + t]
-    want = reference(q, k, v, cached, scale, window)
-    table = order.unsqueeze(0).expand(t, -1).contiguous()
-    lens = torch.arange(cached + 1, cached + t + 1, dtype=torch.int32)
+    q, k_cache, v_cache, order, cached, window, part, scale, want, table, lens = case_inputs(
+        case, torch.bfloat16, torch.bfloat16)
     prefill, decode = {}, {}
     was = amx_mode()
     try:

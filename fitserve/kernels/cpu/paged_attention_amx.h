@@ -26,7 +26,7 @@
 // (acc, two 16-column blocks); every tile 16 rows x 64 bytes.
 //
 // Included by paged_prefill.h (anonymous namespace of paged_attention.cpp) after the bf16
-// prefill's headers: it uses transpose_k_tile, DotRows, ItemSlots, store_state and attend.
+// prefill's headers: it uses transpose_k_tile, DotRows and prefill_item_rows.
 #pragma once
 
 #if FS_AMX_ATTN
@@ -221,58 +221,19 @@ void amx_rows_tile(const Geometry& g, DotRows& st, AmxAttnBufs& b, const Scratch
   }
 }
 
-// prefill_item_dot with amx_rows_tile for the rows' tiles and tile_amx for a row of its own.
+// The prefill item on AMX: prefill_item_rows with amx_rows_tile for the rows' tiles (and
+// tile_amx, the TileFn it is given, for a row of its own).
 template <int NC2>
 void prefill_item_amx(const Geometry& g, const ItemSlots& rows, const c10::BFloat16* q,
                       const c10::BFloat16* kc, const c10::BFloat16* vc, const int32_t* table,
                       c10::BFloat16* out, int64_t r0, int64_t r1, int64_t kvh, int64_t p,
                       Scratch& w, TileFn tile) {
-  const c10::BFloat16* kh = kc + kvh * g.k_stride_h;
-  const c10::BFloat16* vh = vc + kvh * g.v_stride_h;
-  DotRows& st = thread_dot_rows(g);
-  const int64_t start = p * g.partition, G = g.group;
-  AmxAttnBufs& b = thread_amx_bufs(g, kPrefillRows * G);
-  int64_t shared_end = start, num_shared = 0;
-  int64_t ends[kPrefillRows];
-  for (int64_t r = r0; r < r1; ++r) {  // rows whose keys in p start at its first key
-    int64_t t0 = 0, t1 = 0;
-    partition_range(g, rows.cached + r + 1, p, &t0, &t1);
-    ends[r - r0] = t0 == start && t1 > t0 ? t1 : start;
-    if (ends[r - r0] == start) continue;
-    shared_end = std::max(shared_end, t1);
-    ++num_shared;
-    for (int64_t h = 0; h < G; ++h) {  // init_row's state: raw q pairs, acc 0, m -inf, l 0
-      const int64_t rh = (r - r0) * G + h;
-      uint32_t* qd = st.qp.data() + rh * st.qstride;
-      std::fill(qd, qd + st.qstride, 0u);
-      std::memcpy(qd, q + r * g.q_stride_b + (kvh * G + h) * g.q_stride_h,
-                  g.head_dim * sizeof(uint16_t));
-      std::fill(st.acc.data() + rh * g.dpad, st.acc.data() + (rh + 1) * g.dpad, 0.f);
-      st.m[rh] = kNegInf;
-      st.l[rh] = 0.f;
-    }
-  }
-  if (num_shared > 0) prefetch_rows(g, kh, vh, table, start, std::min(start + kTile, shared_end));
-  for (int64_t t0 = start; t0 < shared_end; t0 += kTile) {
-    const int64_t n_max = std::min(kTile, shared_end - t0);
-    prefetch_rows(g, kh, vh, table, t0 + n_max, std::min(t0 + n_max + kTile, shared_end));
-    load_tile<c10::BFloat16, true>(g, kh, vh, table, t0, n_max, w);
-    amx_rows_tile<NC2>(g, st, b, w, ends, r1 - r0, t0, n_max);
-  }
-  for (int64_t r = r0; r < r1; ++r) {
-    int64_t t0 = 0, t1 = 0;
-    partition_range(g, rows.cached + r + 1, p, &t0, &t1);
-    if (t1 <= t0) continue;
-    const int64_t rh = (r - r0) * G;
-    if (ends[r - r0] > start) {
-      store_state(g, st.acc.data() + rh * g.dpad, st.m.data() + rh, st.l.data() + rh, out, r,
-                  kvh, rows.slot(r, kvh, p));
-    } else {  // a window starting inside p: this row's own tiles, as the decode kernel runs them
-      attend<c10::BFloat16, c10::BFloat16, true>(g, q, kc, vc, table, r, kvh, t0, t1, w, tile,
-                                                 false, NextRows<c10::BFloat16>{});
-      store_row(g, w, out, r, kvh, rows.slot(r, kvh, p));
-    }
-  }
+  AmxAttnBufs& b = thread_amx_bufs(g, kPrefillRows * g.group);
+  prefill_item_rows(g, rows, q, kc, vc, table, out, r0, r1, kvh, p, w, tile,
+                    [&b](const Geometry& gg, DotRows& st, const Scratch& ws, const int64_t* ends,
+                         int64_t nrows, int64_t t0, int64_t n_max) {
+                      amx_rows_tile<NC2>(gg, st, b, ws, ends, nrows, t0, n_max);
+                    });
 }
 
 // The AMX tile and prefill item for this head_dim (up to 256), or nullptrs.

@@ -6,13 +6,14 @@
 #pragma once
 
 #if FS_AVX512 && FS_BF16DOT
-// prefill_item for bf16 q and cache on the VDPBF16PS build: the rows' tiles run together
-// (dot_tile: several rows x heads per K/V load), each row bitwise what its own tile gives.
-template <int NCH>
-void prefill_item_dot(const Geometry& g, const ItemSlots& rows, const c10::BFloat16* q,
-                      const c10::BFloat16* kc, const c10::BFloat16* vc, const int32_t* table,
-                      c10::BFloat16* out, int64_t r0, int64_t r1, int64_t kvh, int64_t p,
-                      Scratch& w, TileFn tile) {
+// prefill_item for bf16 q and cache with the rows' tiles run together by rows_tile (called as
+// rows_tile(g, st, w, ends, nrows, t0, n_max) per key tile: dot_tile, or the AMX tile of
+// paged_attention_amx.h), each row bitwise what its own tile gives.
+template <class RowsTile>
+void prefill_item_rows(const Geometry& g, const ItemSlots& rows, const c10::BFloat16* q,
+                       const c10::BFloat16* kc, const c10::BFloat16* vc, const int32_t* table,
+                       c10::BFloat16* out, int64_t r0, int64_t r1, int64_t kvh, int64_t p,
+                       Scratch& w, TileFn tile, RowsTile rows_tile) {
   const c10::BFloat16* kh = kc + kvh * g.k_stride_h;
   const c10::BFloat16* vh = vc + kvh * g.v_stride_h;
   DotRows& st = thread_dot_rows(g);
@@ -42,7 +43,7 @@ void prefill_item_dot(const Geometry& g, const ItemSlots& rows, const c10::BFloa
     const int64_t n_max = std::min(kTile, shared_end - t0);
     prefetch_rows(g, kh, vh, table, t0 + n_max, std::min(t0 + n_max + kTile, shared_end));
     load_tile<c10::BFloat16, true>(g, kh, vh, table, t0, n_max, w);
-    dot_tile<NCH>(g, st, w, ends, r1 - r0, t0, n_max);
+    rows_tile(g, st, w, ends, r1 - r0, t0, n_max);
   }
   for (int64_t r = r0; r < r1; ++r) {
     int64_t t0 = 0, t1 = 0;
@@ -58,6 +59,19 @@ void prefill_item_dot(const Geometry& g, const ItemSlots& rows, const c10::BFloa
       store_row(g, w, out, r, kvh, rows.slot(r, kvh, p));
     }
   }
+}
+
+// The VDPBF16PS build's item: dot_tile (several rows x heads per K/V load).
+template <int NCH>
+void prefill_item_dot(const Geometry& g, const ItemSlots& rows, const c10::BFloat16* q,
+                      const c10::BFloat16* kc, const c10::BFloat16* vc, const int32_t* table,
+                      c10::BFloat16* out, int64_t r0, int64_t r1, int64_t kvh, int64_t p,
+                      Scratch& w, TileFn tile) {
+  prefill_item_rows(g, rows, q, kc, vc, table, out, r0, r1, kvh, p, w, tile,
+                    [](const Geometry& gg, DotRows& st, const Scratch& ws, const int64_t* ends,
+                       int64_t nrows, int64_t t0, int64_t n_max) {
+                      dot_tile<NCH>(gg, st, ws, ends, nrows, t0, n_max);
+                    });
 }
 
 using DotItemFn = void (*)(const Geometry&, const ItemSlots&, const c10::BFloat16*,
