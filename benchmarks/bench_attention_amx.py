@@ -2,12 +2,14 @@
 
     PYTHONPATH=$PWD python benchmarks/bench_attention_amx.py [--threads 2] [--runs 5]
 
-SmolLM2-135M's heads (9 query / 3 KV heads of 64), bf16 q and cache, blocks of 16. For each
-case the two tiles alternate in one process (``paged_attention.set_amx``), medians of --runs
-timed calls each (wall clock): the prefill op over a 2,048-token prompt (ms and GFLOP/s of the
-causal QK^T + PV), and the decode op at W2's 32 x 256 keys and at one 4,096-key sequence (ns
-per key and KV head; caches stay in cache). Prints each tile's figure and AMX / default.
-Exits early where this CPU or build has no AMX-BF16 tile.
+3 KV heads of 64 (SmolLM2-135M's) with G query heads each (--groups: SmolLM2's 3, and the
+larger groups of bigger models), bf16 q and cache, blocks of 16. For each case the two tiles
+alternate in one process (``paged_attention.set_amx``), medians of --runs timed calls each
+(wall clock): the prefill op over a 2,048-token prompt (ms and GFLOP/s of the causal QK^T +
+PV), and the decode op at W2's 32 x 256 keys and at one 4,096-key sequence (ns per key and KV
+head; caches stay in cache). Prints each tile's figure and AMX / default: where the decode
+ratio crosses 1 is what "auto" (paged_attention.AMX_MIN_GROUP) follows. Exits early where this
+CPU or build has no AMX-BF16 tile.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from timing import median_seconds  # noqa: E402
 
 from fitserve.kernels.cpu import paged_attention as pa  # noqa: E402
 
-HQ, HKV, D, BLOCK = 9, 3, 64, 16
+HKV, D, BLOCK = 3, 64, 16
 
 
 def both(fn, runs: int) -> tuple[float, float]:
@@ -39,29 +41,31 @@ def both(fn, runs: int) -> tuple[float, float]:
     return min(amx), min(dflt)
 
 
-def prefill(tokens: int, runs: int) -> None:
+def prefill(tokens: int, group: int, runs: int) -> None:
+    hq = HKV * group
     nblk = -(-tokens // BLOCK)
     k = torch.randn(HKV, nblk, BLOCK, D).bfloat16()
     v = torch.randn(HKV, nblk, BLOCK, D).bfloat16()
-    q = torch.randn(tokens, HQ, D).bfloat16()
+    q = torch.randn(tokens, hq, D).bfloat16()
     table = torch.randperm(nblk).to(torch.int32)
     a, b = both(lambda: pa.paged_prefill_attention(q, k, v, table, 0, D ** -0.5), runs)
-    flops = 2 * 2 * HQ * D * tokens * (tokens + 1) / 2
-    print(f"prefill {tokens} tokens: AMX {a * 1e3:7.1f} ms ({flops / a / 1e9:5.0f} GFLOP/s), "
+    flops = 2 * 2 * hq * D * tokens * (tokens + 1) / 2
+    print(f"G {group:2d} prefill {tokens} tokens: AMX {a * 1e3:7.1f} ms ({flops / a / 1e9:5.0f} GFLOP/s), "
           f"default {b * 1e3:7.1f} ms ({flops / b / 1e9:5.0f} GFLOP/s); AMX / default time "
           f"{a / b:.2f}")
 
 
-def decode(batch: int, keys: int, runs: int) -> None:
+def decode(batch: int, keys: int, group: int, runs: int) -> None:
+    hq = HKV * group
     nblk = -(-keys // BLOCK)
     k = torch.randn(HKV, batch * nblk, BLOCK, D).bfloat16()
     v = torch.randn(HKV, batch * nblk, BLOCK, D).bfloat16()
-    q = torch.randn(batch, HQ, D).bfloat16()
+    q = torch.randn(batch, hq, D).bfloat16()
     tables = torch.arange(batch * nblk, dtype=torch.int32).reshape(nblk, batch).T.contiguous()
     lens = torch.full((batch,), keys, dtype=torch.int32)
     a, b = both(lambda: pa.paged_decode_attention(q, k, v, tables, lens, D ** -0.5), runs * 4)
     items = batch * keys * HKV
-    print(f"decode {batch} x {keys} keys: AMX {a / items * 1e9:5.1f} ns per key and KV head, "
+    print(f"G {group:2d} decode {batch} x {keys} keys: AMX {a / items * 1e9:5.1f} ns per key and KV head, "
           f"default {b / items * 1e9:5.1f}; AMX / default time {a / b:.2f}")
 
 
@@ -70,6 +74,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--groups", default="3,4,6,8,16", help="query heads per KV head")
     args = ap.parse_args()
     print(f"CPU: {cpu_description()}; threads {args.threads}")
     was = pa.amx_mode()
@@ -78,9 +83,10 @@ def main() -> None:
         return
     torch.set_num_threads(args.threads)
     try:
-        prefill(args.tokens, args.runs)
-        decode(32, 256, args.runs)
-        decode(1, 4096, args.runs)
+        for group in (int(x) for x in args.groups.split(",")):
+            prefill(args.tokens, group, args.runs)
+            decode(32, 256, group, args.runs)
+            decode(1, 4096, group, args.runs)
     finally:
         pa.set_amx(was)
 

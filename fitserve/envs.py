@@ -77,11 +77,12 @@ FITSERVE_AMX: EnvVar[bool] = EnvVar(
     "tiles (same bits; A/B, debugging)")
 # NOTE: read by the C++ kernel itself (paged_attention.cpp), once per process.
 FITSERVE_AMX_ATTENTION: EnvVar[str] = EnvVar(
-    "FITSERVE_AMX_ATTENTION", "0", str,
-    "1: bf16 attention (decode and prefill) runs on AMX-BF16 tiles where the CPU has them: the "
-    "prefill's attention ~1.9x faster, decode's ~1.7x slower (other bits than the default tile, "
-    "the same between decode and prefill rows); prefill: only the prefill on the tiles (no "
-    "decode cost, but prefill rows no longer bitwise the decode kernel's)")
+    "FITSERVE_AMX_ATTENTION", "auto", str,
+    "where the CPU has AMX-BF16, which bf16 attention ops run on its tiles: auto (decode and "
+    "prefill from 8 query heads per KV head, where the tiles are faster for both), 1 (decode and "
+    "prefill for every model: the prefill's attention ~1.9x faster, decode's ~1.7x slower at 3 "
+    "heads per KV head), prefill (the prefill alone: no decode cost, but prefill rows no longer "
+    "bitwise the decode kernel's), 0 (none)")
 FITSERVE_ALLOW_LONG_MAX_MODEL_LEN: EnvVar[bool] = EnvVar(
     "FITSERVE_ALLOW_LONG_MAX_MODEL_LEN", False, _flag_if_true,
     "1: a max_model_len past the model's trained context is a warning, not an error "

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fitserve.kernels.cpu.paged_attention import (
+    AMX_MIN_GROUP,
     amx_mode,
     kernel_isa,
     paged_attention_available,
@@ -123,13 +124,14 @@ def _amx_available() -> bool:
 def test_amx_tile_matches_float64_decode_rows_and_the_vnni_tile(case: tuple) -> None:
     """bf16 q and cache on the AMX-BF16 tile: float64 within bf16's tolerance, every prefill row
     the decode kernel's bits (both on AMX), and within tolerance of the VDPBF16PS tile. With the
-    prefill alone on AMX ("prefill"), decode keeps the default tile's bits."""
+    prefill alone on AMX ("prefill"), decode keeps the default tile's bits; "auto" is "all" for
+    a group of AMX_MIN_GROUP heads or more (case 2: 8 per KV head), else "off"."""
     q, k_cache, v_cache, order, cached, window, part, scale, want, table, lens = case_inputs(
         case, torch.bfloat16, torch.bfloat16)
     prefill, decode = {}, {}
     was = amx_mode()
     try:
-        for mode in ("all", "off", "prefill"):
+        for mode in ("all", "off", "prefill", "auto"):
             assert set_amx(mode) == mode
             prefill[mode] = paged_prefill_attention(q, k_cache, v_cache, order, cached, scale,
                                                     window, partition_size=part)
@@ -143,6 +145,9 @@ def test_amx_tile_matches_float64_decode_rows_and_the_vnni_tile(case: tuple) -> 
         assert torch.equal(prefill[mode], decode[mode]), ("a row differs from the decode bits", mode)
     assert torch.equal(prefill["prefill"], prefill["all"])  # the same tile for the prefill
     assert torch.equal(decode["prefill"], decode["off"])  # decode on the default tile
+    # "auto": both ops on the tile from AMX_MIN_GROUP query heads per KV head, else neither
+    same = "all" if q.shape[1] // k_cache.shape[0] >= AMX_MIN_GROUP else "off"
+    assert torch.equal(prefill["auto"], prefill[same]) and torch.equal(decode["auto"], decode[same])
     assert torch.allclose(prefill["all"].double(), prefill["off"].double(), atol=2e-2, rtol=2e-2)
 
 

@@ -552,25 +552,35 @@ inline void partition_range(const Geometry& g, int64_t L, int64_t p, int64_t* fi
 TileFn amx_decode_tile(int64_t head_dim);
 void amx_attn_configure();
 
-// NOTE: opt-in, FITSERVE_AMX_ATTENTION=1 (or paged_attention_set_amx_mode(1)): decode and
-// prefill on the AMX tile, every prefill row still the decode kernel's bits. The tile runs the
-// prefill's attention ~1.9x faster than the VDPBF16PS tile but a decode row (16 tile rows for a
-// few query heads, K transposed and V paired per tile) ~1.7x slower. FITSERVE_AMX_ATTENTION=
-// prefill (mode 2) runs only the prefill on it: no decode cost, but a prefill row's bits then
-// differ from the decode kernel's (a greedy speculative or preempted run may diverge from the
-// plain one), so it is not the default either. docs/benchmarks.md has the figures.
+// Which ops run on the AMX tile (FITSERVE_AMX_ATTENTION, or paged_attention_set_amx_mode):
+//   0 off; 1 ("1") decode and prefill; 2 ("prefill") the prefill only; 3 ("auto", the default)
+//   decode and prefill for a KV head of at least kAmxMinGroup query heads.
+// NOTE: per 64-key tile the AMX step pays a fixed cost (K transposed, V paired, the tile round
+// trips) and then serves up to 16 row-heads almost for free, while the VDPBF16PS tile's cost
+// grows with the heads: a decode row with SmolLM2's 3 query heads per KV head is ~1.7x slower on
+// AMX, one with 16 faster; a prefill item (32 rows x G) is ~1.9x faster at G = 3. Decode and
+// prefill must use the same tile for a model (or prefill rows would stop matching decode rows),
+// so "auto" decides by the group size both ops see; mode 2 gives up that match for the prefill's
+// speed (a greedy speculative or preempted run may then diverge from the plain one).
+constexpr int64_t kAmxMinGroup = 8;
 inline std::atomic<int>& amx_attention_mode() {
   static std::atomic<int> mode{[] {
     const char* e = std::getenv("FITSERVE_AMX_ATTENTION");
-    if (e == nullptr || !fitserve::amx_usable()) return 0;
-    if (std::strcmp(e, "1") == 0) return 1;
-    return std::strcmp(e, "prefill") == 0 ? 2 : 0;
+    if (!fitserve::amx_usable() || (e != nullptr && std::strcmp(e, "0") == 0)) return 0;
+    if (e != nullptr && std::strcmp(e, "1") == 0) return 1;
+    if (e != nullptr && std::strcmp(e, "prefill") == 0) return 2;
+    return 3;
   }()};
   return mode;
 }
-// The decode op on the AMX tile (mode 1); the prefill op (modes 1 and 2).
-inline bool amx_attention_on() { return amx_attention_mode().load(std::memory_order_relaxed) == 1; }
-inline bool amx_prefill_on() { return amx_attention_mode().load(std::memory_order_relaxed) >= 1; }
+inline bool amx_decode_for(int64_t group) {
+  const int mode = amx_attention_mode().load(std::memory_order_relaxed);
+  return mode == 1 || (mode == 3 && group >= kAmxMinGroup);
+}
+inline bool amx_prefill_for(int64_t group) {
+  const int mode = amx_attention_mode().load(std::memory_order_relaxed);
+  return mode == 1 || mode == 2 || (mode == 3 && group >= kAmxMinGroup);
+}
 #endif
 
 // T: the cache dtype; QT: q's and the output's (T itself, or float over a 16-bit cache).
@@ -615,7 +625,7 @@ void run(const Geometry& g, const at::Tensor& q, const at::Tensor& kc, const at:
 #endif
   [[maybe_unused]] bool amx = false;
 #if FS_AMX_ATTN
-  if (dot && amx_attention_on())
+  if (dot && amx_decode_for(g.group))
     if (TileFn f = amx_decode_tile(g.head_dim)) {
       tile = f;
       amx = true;
@@ -799,8 +809,8 @@ std::string paged_attention_isa() {
 }
 
 // Which ops run the bf16 attention on AMX-BF16 tiles: 0 none, 1 decode and prefill, 2 the
-// prefill only (compiled for this CPU, granted by the OS, asked for);
-// paged_attention_set_amx_mode sets it for later calls and returns the mode it got.
+// prefill only, 3 both from kAmxMinGroup query heads per KV head (compiled for this CPU, granted
+// by the OS); paged_attention_set_amx_mode sets it for later calls, returns the mode it got.
 int64_t paged_attention_amx_mode() {
 #if FS_AMX_ATTN
   return amx_attention_mode().load();
@@ -810,7 +820,7 @@ int64_t paged_attention_amx_mode() {
 }
 
 int64_t paged_attention_set_amx_mode(int64_t mode) {
-  TORCH_CHECK(mode >= 0 && mode <= 2, "AMX attention mode must be 0, 1 or 2, got ", mode);
+  TORCH_CHECK(mode >= 0 && mode <= 3, "AMX attention mode must be 0, 1, 2 or 3, got ", mode);
 #if FS_AMX_ATTN
   amx_attention_mode().store(mode > 0 && fitserve::amx_set(true) ? static_cast<int>(mode) : 0);
   return amx_attention_mode().load();

@@ -69,23 +69,22 @@ def kernel_isa() -> str:
     return str(torch.ops.fitserve.paged_attention_isa())
 
 
-AMX_MODES = ("off", "all", "prefill")
+AMX_MODES = ("off", "all", "prefill", "auto")
+# NOTE: kAmxMinGroup of paged_attention.cpp (the test of "auto" fails if the two part)
+AMX_MIN_GROUP = 8
 
 
 def amx_mode() -> str:
     """Which ops run the bf16 attention (bf16 q and cache) on AMX-BF16 tiles
-    (paged_attention_amx.h): "off", "all" (decode and prefill: every prefill row keeps the
-    decode kernel's bits, other bits than the default tile's) or "prefill" (the prefill only:
-    its rows then differ from the decode kernel's). Set by ``FITSERVE_AMX_ATTENTION=1`` /
-    ``=prefill`` or :func:`set_amx`; "off" where the build or the OS has no AMX-BF16."""
+    (paged_attention_amx.h): "auto" (the default: decode and prefill for models with at least
+    8 query heads per KV head, where the tile is the faster one for both), "all" (decode and
+    prefill whatever the group), "prefill" (the prefill only: its rows then differ in the last
+    bits from the decode kernel's) or "off". Decode and prefill on the same tile keep every
+    prefill row bitwise the decode kernel's. Set by ``FITSERVE_AMX_ATTENTION=auto|1|prefill|0``
+    or :func:`set_amx`; "off" where the build or the OS has no AMX-BF16."""
     if not paged_attention_available():
         return "off"
     return AMX_MODES[int(torch.ops.fitserve.paged_attention_amx_mode())]
-
-
-def amx_active() -> bool:
-    """Whether any attention op runs on the AMX-BF16 tiles (:func:`amx_mode` is not "off")."""
-    return amx_mode() != "off"
 
 
 def set_amx(mode: bool | str) -> str:

@@ -19,8 +19,8 @@
 // zeros). The decode tile (tile_amx) and the prefill item (prefill_item_amx) run these steps
 // per row-head, so every prefill row keeps the decode kernel's bits, as on the other tiers.
 // The bits differ from the VDPBF16PS tile's (another summation order, P in two parts), so a
-// process runs one or the other for both ops (amx_attention_on, read when each op is called).
-// Opt-in (paged_attention.cpp says why): faster for the prefill, slower for decode rows.
+// model runs one or the other for both ops (amx_decode_for / amx_prefill_for: paged_attention.cpp
+// says which, by the query heads per KV head).
 //
 // Tiles: 0 = A (Q), 1 = B (K^T), 2-3 = C (S, two key groups), 4 = A (P), 5 = B (V), 6-7 = C
 // (acc, two 16-column blocks); every tile 16 rows x 64 bytes.
@@ -71,18 +71,26 @@ inline AmxAttnBufs& thread_amx_bufs(const Geometry& g, int64_t row_heads) {
 // in the high half; keys past n and columns past head_dim are zero.
 inline void build_vt(const Geometry& g, const uint16_t* const* rows, int64_t n, uint32_t* vt) {
   const int64_t ndc = g.dpad / kLanes, nkc = (n + 31) / 32;
+  // qwords of unpacklo / unpackhi (a's and b's 16-bit columns interleaved per 128-bit lane) in
+  // column order: columns 0-15 of the 32 are lo.L0, hi.L0, lo.L1, hi.L1; 16-31 the L2, L3 ones
+  const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+  const __m512i second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
   for (int64_t kc = 0; kc < nkc; ++kc)
     for (int64_t r = 0; r < 16; ++r) {
       const int64_t a = kc * 32 + 2 * r, b = a + 1;
-      for (int64_t dc = 0; dc < ndc; ++dc) {
-        const __mmask16 m = tail_mask(g.head_dim - dc * kLanes);
-        const __m256i va = a < n ? _mm256_maskz_loadu_epi16(m, rows[a] + dc * kLanes)
-                                 : _mm256_setzero_si256();
-        const __m256i vb = b < n ? _mm256_maskz_loadu_epi16(m, rows[b] + dc * kLanes)
-                                 : _mm256_setzero_si256();
-        const __m512i row = _mm512_or_si512(_mm512_cvtepu16_epi32(va),
-                                            _mm512_slli_epi32(_mm512_cvtepu16_epi32(vb), 16));
-        _mm512_storeu_si512(vt + ((kc * ndc + dc) * 16 + r) * 16, row);
+      for (int64_t dc = 0; dc < ndc; dc += 2) {
+        const int64_t rest = g.head_dim - dc * kLanes;
+        const __mmask32 m = rest >= 32 ? 0xFFFFFFFFu : ((1u << rest) - 1u);
+        const __m512i va = a < n ? _mm512_maskz_loadu_epi16(m, rows[a] + dc * kLanes)
+                                 : _mm512_setzero_si512();
+        const __m512i vb = b < n ? _mm512_maskz_loadu_epi16(m, rows[b] + dc * kLanes)
+                                 : _mm512_setzero_si512();
+        const __m512i lo = _mm512_unpacklo_epi16(va, vb), hi = _mm512_unpackhi_epi16(va, vb);
+        _mm512_storeu_si512(vt + ((kc * ndc + dc) * 16 + r) * 16,
+                            _mm512_permutex2var_epi64(lo, first, hi));
+        if (dc + 1 < ndc)
+          _mm512_storeu_si512(vt + ((kc * ndc + dc + 1) * 16 + r) * 16,
+                              _mm512_permutex2var_epi64(lo, second, hi));
       }
     }
 }

@@ -275,7 +275,7 @@ void run_prefill(const Geometry& g, int64_t cached, const at::Tensor& q, const a
   if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<QT, c10::BFloat16>) {
     TileFn amx_tile = nullptr;
     DotItemFn amx_item = nullptr;
-    if (dot && amx_prefill_on() && pick_amx(g.head_dim, &amx_tile, &amx_item)) {
+    if (dot && amx_prefill_for(g.group) && pick_amx(g.head_dim, &amx_tile, &amx_item)) {
       tile = amx_tile;
       dot_item = reinterpret_cast<void*>(amx_item);
       amx = true;
