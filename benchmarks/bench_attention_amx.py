@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench_decode_attention_stream import decode_inputs  # noqa: E402
 from bench_engine import cpu_description  # noqa: E402
 from timing import median_seconds  # noqa: E402
 
@@ -56,13 +57,7 @@ def prefill(tokens: int, group: int, runs: int) -> None:
 
 
 def decode(batch: int, keys: int, group: int, runs: int) -> None:
-    hq = HKV * group
-    nblk = -(-keys // BLOCK)
-    k = torch.randn(HKV, batch * nblk, BLOCK, D).bfloat16()
-    v = torch.randn(HKV, batch * nblk, BLOCK, D).bfloat16()
-    q = torch.randn(batch, hq, D).bfloat16()
-    tables = torch.arange(batch * nblk, dtype=torch.int32).reshape(nblk, batch).T.contiguous()
-    lens = torch.full((batch,), keys, dtype=torch.int32)
+    q, tables, lens, [(k, v)] = decode_inputs(batch, keys, HKV * group, HKV, D, 1, BLOCK)
     a, b = both(lambda: pa.paged_decode_attention(q, k, v, tables, lens, D ** -0.5), runs * 4)
     items = batch * keys * HKV
     print(f"G {group:2d} decode {batch} x {keys} keys: AMX {a / items * 1e9:5.1f} ns per key and KV head, "

@@ -26,14 +26,23 @@ CASES = ((8, 256, 1, 300), (8, 256, 60, 10), (32, 256, 30, 10), (1, 4096, 1, 300
          (1, 4096, 30, 20))  # (sequences, keys, layers' caches, repeats)
 
 
-def case(batch: int, keys: int, layers: int, reps: int) -> None:
-    hq, hkv, d, block = 9, 3, 64, 16
+def decode_inputs(batch: int, keys: int, hq: int, hkv: int, d: int, layers: int,
+                  block: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
+    """(q, block tables, lengths, [(k_cache, v_cache)] x layers) of a decode attention call:
+    ``batch`` sequences of ``keys`` keys, bf16, blocks interleaved as W2's sequences growing
+    together get them (block j of sequence s is the (j x batch + s)-th)."""
     nblk = -(-keys // block)
     q = torch.randn(batch, hq, d).bfloat16()
     tables = torch.arange(batch * nblk, dtype=torch.int32).reshape(nblk, batch).T.contiguous()
     lens = torch.full((batch,), keys, dtype=torch.int32)
     caches = [(torch.randn(hkv, batch * nblk, block, d).bfloat16(),
                torch.randn(hkv, batch * nblk, block, d).bfloat16()) for _ in range(layers)]
+    return q, tables, lens, caches
+
+
+def case(batch: int, keys: int, layers: int, reps: int) -> None:
+    hkv, d = 3, 64
+    q, tables, lens, caches = decode_inputs(batch, keys, 9, hkv, d, layers)
 
     def step() -> None:
         for k, v in caches:

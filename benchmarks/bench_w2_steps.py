@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode_attention_stream import decode_inputs  # noqa: E402
 from bench_engine import FITSERVE_CONFIGS, PLAN_WEIGHTS, workload_spec  # noqa: E402
 from timing import median_seconds  # noqa: E402
 
@@ -105,13 +106,9 @@ def decode_attention_part(spec: Any, batch: int, keys: int, layers: int) -> floa
     the model's heads, over ``layers`` layers' caches."""
     from fitserve.kernels.cpu.paged_attention import paged_decode_attention
 
-    hq, hkv, d, block = spec.num_heads, spec.num_kv_heads, spec.head_dim, 16
-    nblk = -(-keys // block)
-    q = torch.randn(batch, hq, d).bfloat16()
-    tables = torch.arange(batch * nblk, dtype=torch.int32).reshape(nblk, batch).T.contiguous()
-    lens = torch.full((batch,), keys, dtype=torch.int32)
-    caches = [(torch.randn(hkv, batch * nblk, block, d).bfloat16(),
-               torch.randn(hkv, batch * nblk, block, d).bfloat16()) for _ in range(layers)]
+    d = spec.head_dim
+    q, tables, lens, caches = decode_inputs(batch, keys, spec.num_heads, spec.num_kv_heads, d,
+                                            layers)
     return _cpu_median(lambda: [paged_decode_attention(q, k, v, tables, lens, d ** -0.5)
                                 for k, v in caches])
 

@@ -69,12 +69,12 @@ FITSERVE_HOLD_PANELS: EnvVar[bool] = EnvVar(
     "FITSERVE_HOLD_PANELS", True, _flag_unless_zero,
     "0: packed int4/int8 projections stay row-major instead of being held in the panel layout "
     "of the int8-activation kernels")
-# NOTE: read by the C++ kernel itself (qlinear_amx.h), once per process; listed here so every
+# NOTE: read by the C++ kernels themselves (amx_state.h), once per process; listed here so every
 # FITSERVE_* variable is in one place.
 FITSERVE_AMX: EnvVar[bool] = EnvVar(
     "FITSERVE_AMX", True, _flag_unless_zero,
-    "0: held int4/int8 weights run on the AVX-512 VNNI panels even where the CPU has AMX-INT8 "
-    "tiles (same bits; A/B, debugging)")
+    "0: no AMX tiles even where the CPU has them: held int4/int8 weights run on the AVX-512 VNNI "
+    "panels (same bits) and bf16 attention on the VDPBF16PS tile (A/B, debugging)")
 # NOTE: read by the C++ kernel itself (paged_attention.cpp), once per process.
 FITSERVE_AMX_ATTENTION: EnvVar[str] = EnvVar(
     "FITSERVE_AMX_ATTENTION", "auto", str,

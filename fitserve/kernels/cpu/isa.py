@@ -142,9 +142,10 @@ void f(void* c, const void* a) { _tile_loadconfig(c); _tile_loadd(0, a, 64); _ti
 
 @functools.cache
 def compiler_has_amx() -> bool:
-    """Whether the C++ compiler the kernels build with accepts the AMX-INT8 and AMX-BF16 intrinsics: a
-    syntax-only compile of a few of them, its answer kept in FITSERVE_HOME per compiler binary
-    (path, size, mtime), so a start-up with the kernels cached does not run the compiler."""
+    """Whether the C++ compiler the kernels build with accepts the AMX-INT8 and AMX-BF16
+    intrinsics: a syntax-only compile of a few of them, its answer kept in FITSERVE_HOME per
+    compiler binary (path, size, mtime) and probe text, so a start-up with the kernels cached
+    does not run the compiler."""
     import hashlib
     import os
     import shutil
@@ -154,12 +155,14 @@ def compiler_has_amx() -> bool:
     if cxx is None:
         return False
     st = os.stat(os.path.realpath(cxx))
-    key = hashlib.sha256(f"{os.path.realpath(cxx)}:{st.st_size}:{st.st_mtime_ns}".encode() + _AMX_PROBE)
+    key = hashlib.sha256(f"{os.path.realpath(cxx)}:{st.st_size}:{st.st_mtime_ns}".encode()
+                         + _AMX_PROBE)
     mark = envs.fitserve_home() / "extensions" / f"amx-probe-{key.hexdigest()[:16]}"
     if mark.is_file():
         return mark.read_text().strip() == "1"
     try:
-        done = subprocess.run([cxx, "-mamx-tile", "-mamx-int8", "-mamx-bf16", "-fsyntax-only", "-x", "c++", "-"],
+        done = subprocess.run([cxx, "-mamx-tile", "-mamx-int8", "-mamx-bf16", "-fsyntax-only",
+                               "-x", "c++", "-"],
                               input=_AMX_PROBE, capture_output=True, timeout=60, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return False

@@ -92,7 +92,7 @@ def set_amx(mode: bool | str) -> str:
     got ("off" where the build or the OS has no AMX-BF16)."""
     if not paged_attention_available():
         return "off"
-    name = {True: "all", False: "off"}.get(mode, mode) if isinstance(mode, bool) else mode
+    name = ("all" if mode else "off") if isinstance(mode, bool) else mode
     if name not in AMX_MODES:
         raise ValueError(f"AMX attention mode must be one of {AMX_MODES}, got {mode!r}")
     return AMX_MODES[int(torch.ops.fitserve.paged_attention_set_amx_mode(AMX_MODES.index(name)))]
