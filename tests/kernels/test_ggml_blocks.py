@@ -31,9 +31,11 @@ from gguf.quants import dequantize
 from fitserve.kernels.cpu.ggml_blocks import (
     _BLOCK,
     GGML_KERNEL_TYPES,
+    amx_active,
     ggml_blocks_tier,
     ggml_kernel_available,
     ggml_matmul,
+    set_amx,
 )
 from tests.conftest import asked_tier, run_tests_at_tier, torch_threads
 
@@ -217,6 +219,29 @@ def test_each_row_is_the_row_alone(t: str) -> None:
         y = ggml_matmul(x[:m], blocks, t, n, k)
         bad = [r for r in range(m) if not torch.equal(y[r], alone[r])]
         assert not bad, f"{t} M={m}: rows {bad} differ from the row alone"
+
+
+@pytest.mark.parametrize("t", ["Q4_K", "Q5_K", "Q6_K"])
+def test_amx_tiles_give_the_vnni_bits(t: str) -> None:
+    """Where the CPU has AMX-INT8 (ggml_blocks_kqamx.h): the K-quant panels' 16-row AMX tiles
+    (Q4_K / Q5_K through the scale-digit codes) give every row the bits of the VNNI panels, M =
+    16 (one full tile), 17 and 47 (short last tiles), N = 45 (a 13-lane panel); and with the
+    tiles on, a call stays within check()'s float64 bounds."""
+    if not amx_active():
+        pytest.skip("no AMX-INT8 tiles here (or FITSERVE_AMX=0): the VNNI panels run every M")
+    n, k = 45, 1280
+    blocks = torch.from_numpy(random_blocks(t, n, k, 19))
+    x = make_x(47, k, torch.float32, 23)
+    try:
+        for m in (16, 17, 47):
+            set_amx(True)
+            got = ggml_matmul(x[:m], blocks, t, n, k)
+            set_amx(False)
+            want = ggml_matmul(x[:m], blocks, t, n, k)
+            assert torch.equal(got, want), f"{t} M={m}: AMX differs from the VNNI panels"
+    finally:
+        set_amx(True)
+    check(t, 33, 45, 2304, torch.bfloat16, seed=77)
 
 
 def test_nan_in_x_reaches_its_row_only() -> None:

@@ -8,7 +8,8 @@
 // every row of the tile (ggml_blocks_kquant.h, _kq512.h, _q5.h, _q8.h, _iq4.h), so M > 1 reads and decodes
 // the weights M / kTileRows times, not M times; M = 1 is the same code with a tile of one row.
 // On AVX-512 the K-quants from T::Panel::kMinRows rows of x run "lane = output row" panels
-// instead (ggml_blocks_kqpanel.h: 16 weight rows decoded once per call), with the same bits.
+// instead (ggml_blocks_kqpanel.h: 16 weight rows decoded once per call), with the same bits, and
+// where the CPU has AMX-INT8 their 16-row tiles of x on the tiles (ggml_blocks_kqamx.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -33,8 +34,10 @@ void run_type(const Act& a, int64_t M, const uint8_t* W, int64_t N, float* out) 
   if constexpr (kIsKQuant<T>) {  // many rows of x: the lane = output row panels (_kqpanel.h)
     if (M >= T::Panel::kMinRows)
       return at::parallel_for(0, (N + kPanelLanes - 1) / kPanelLanes, 1, [&](int64_t p0, int64_t p1) {
+        const bool amx = kq_amx_start<typename T::Panel>(M);
         for (int64_t p = p0; p < p1; ++p)
-          kq_panel_run<typename T::Panel>(W, row_bytes, nblk, a, M, p * kPanelLanes, N, out);
+          kq_panel_run<typename T::Panel>(W, row_bytes, nblk, a, M, p * kPanelLanes, N, out, amx);
+        kq_amx_end(amx);
       });
   }
 #endif
@@ -124,6 +127,26 @@ std::vector<std::string> ggml_kernel_types() {
 
 std::string ggml_blocks_tier() { return build_tier_name(); }
 
+// Whether the K-quants' panels run on AMX-INT8 tiles from kKqAmxMinRows rows
+// (ggml_blocks_kqamx.h): compiled for this CPU and granted by the OS. ggml_blocks_set_amx turns
+// the path on / off for later calls (tests compare the two) and returns whether it is on.
+bool ggml_blocks_amx_active() {
+#if defined(FS_GGML_AVX512) && defined(FITSERVE_AMX_INT8)
+  return fitserve::amx_usable();
+#else
+  return false;
+#endif
+}
+
+bool ggml_blocks_set_amx(bool on) {
+#if defined(FS_GGML_AVX512) && defined(FITSERVE_AMX_INT8)
+  return fitserve::amx_set(on);
+#else
+  (void)on;
+  return false;
+#endif
+}
+
 }  // namespace
 }  // namespace fitserve::ggml
 
@@ -131,6 +154,8 @@ TORCH_LIBRARY_FRAGMENT(fitserve, m) {
   m.def("ggml_matmul(Tensor x, Tensor blocks, str ggml_type, int n, int k) -> Tensor");
   m.def("ggml_kernel_types() -> str[]", &fitserve::ggml::ggml_kernel_types);
   m.def("ggml_blocks_tier() -> str", &fitserve::ggml::ggml_blocks_tier);
+  m.def("ggml_blocks_amx_active() -> bool", &fitserve::ggml::ggml_blocks_amx_active);
+  m.def("ggml_blocks_set_amx(bool on) -> bool", &fitserve::ggml::ggml_blocks_set_amx);
 }
 
 TORCH_LIBRARY_IMPL(fitserve, CPU, m) { m.impl("ggml_matmul", &fitserve::ggml::ggml_matmul); }

@@ -21,7 +21,8 @@ import torch
 
 from fitserve.kernels.cpu.build import load_extension
 
-__all__ = ["GGML_KERNEL_TYPES", "ggml_blocks_tier", "ggml_kernel_available", "ggml_matmul"]
+__all__ = ["GGML_KERNEL_TYPES", "amx_active", "ggml_blocks_tier", "ggml_kernel_available",
+           "ggml_matmul", "set_amx"]
 
 # NOTE: the types ggml_blocks.cpp implements, on every ISA tier (scalar included); whether the
 # build exists on this machine is ggml_kernel_available's question (building it is not an import
@@ -58,6 +59,18 @@ def ggml_blocks_tier() -> str:
     if not _ops_loaded():
         raise RuntimeError("the ggml_blocks C++ kernels are unavailable (see the log for why)")
     return str(torch.ops.fitserve.ggml_blocks_tier())
+
+
+def amx_active() -> bool:
+    """Whether the K-quants' M > 1 panels run on AMX-INT8 tiles (ggml_blocks_kqamx.h): compiled
+    for this CPU, granted by the OS, not turned off (``FITSERVE_AMX=0`` or :func:`set_amx`)."""
+    return _ops_loaded() and bool(torch.ops.fitserve.ggml_blocks_amx_active())
+
+
+def set_amx(on: bool) -> bool:
+    """Turns the AMX tiles on or off for later calls (the bits are the same either way); returns
+    whether they are on."""
+    return _ops_loaded() and bool(torch.ops.fitserve.ggml_blocks_set_amx(on))
 
 
 def ggml_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: str, n: int,

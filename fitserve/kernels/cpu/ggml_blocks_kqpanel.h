@@ -88,38 +88,11 @@ struct Q45KPanel {
   // clock, alternated: M = 4 1.03, 6 0.94, 8 0.92, 12 0.73, 16 0.74 (Q4_K)
   static constexpr int kMinRows = 6;
 
+  // kDigits (the AMX panel, ggml_blocks_kqamx.h): the codes times their chunk scale's high
+  // digit (sc >> 3) in place of the codes, times its low digit (sc & 7) at p + kZmm.
+  template <bool kDigits = false>
   static void pack(const uint8_t* const* rows, __m512i idx, int64_t sb, __m512i* p) {
-    const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F), m10 = _mm512_set1_epi8(0x10);
     const uint8_t* b0 = rows[0] + sb * kBytes;
-    // qs: 32 dwords per row, transposed in two halves; lo / hi nibbles -> storage dwords
-    // 32c + e / 32c + 16 + e (c = half, e = dword in it: x's permuted order, see kq512.h)
-    __m512i qh[8];
-    if constexpr (kHigh) {
-      __m512i r[16];
-      FS_GGML_UNROLL for (int l = 0; l < 16; ++l)
-        r[l] = _mm512_zextsi256_si512(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[l] + sb * kBytes + 16)));
-      transpose16(r);
-      FS_GGML_UNROLL for (int e = 0; e < 8; ++e) qh[e] = r[e];
-    }
-    FS_GGML_UNROLL for (int c = 0; c < 2; ++c) {
-      __m512i r[16];
-      FS_GGML_UNROLL for (int l = 0; l < 16; ++l)
-        r[l] = _mm512_loadu_si512(rows[l] + sb * kBytes + kQsOff + 64 * c);
-      transpose16(r);
-      FS_GGML_UNROLL for (int e = 0; e < 16; ++e) {
-        __m512i lo = _mm512_and_si512(r[e], m4);
-        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(r[e], 4), m4);
-        if constexpr (kHigh) {  // sub-block s takes bit s of qh byte (column % 32)
-          const int s_lo = 4 * c + 2 * (e / 8), s_hi = s_lo + 1;
-          const __m512i h = qh[e % 8];
-          lo = _mm512_or_si512(lo, _mm512_and_si512(bit_to_0x10_512(h, s_lo), m10));
-          hi = _mm512_or_si512(hi, _mm512_and_si512(bit_to_0x10_512(h, s_hi), m10));
-        }
-        _mm512_store_si512(p + 32 * c + e, lo);
-        _mm512_store_si512(p + 32 * c + 16 + e, hi);
-      }
-    }
     // scales and mins (get_scale_min_k4 lane-wise), d / dmin
     const __m512i hd = gather_rows(b0, idx, 0), u0 = gather_rows(b0, idx, 4),
                   u1 = gather_rows(b0, idx, 8), u2 = gather_rows(b0, idx, 12);
@@ -147,11 +120,80 @@ struct Q45KPanel {
     _mm512_store_ps(reinterpret_cast<float*>(p + 76), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(hd)));
     _mm512_store_ps(reinterpret_cast<float*>(p + 77),
                     _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(hd, 16))));
+    // the 8 chunk scales' digits as words (both halves of each lane's dword)
+    alignas(64) __m512i dg[kDigits ? 16 : 1];
+    if constexpr (kDigits)
+      FS_GGML_UNROLL for (int k = 0; k < 8; ++k) {
+        const __m512i sc = _mm512_load_si512(p + 64 + k);
+        const __m512i hi = _mm512_srli_epi32(sc, 3), lo = _mm512_and_si512(sc, _mm512_set1_epi32(7));
+        dg[2 * k] = _mm512_or_si512(hi, _mm512_slli_epi32(hi, 16));
+        dg[2 * k + 1] = _mm512_or_si512(lo, _mm512_slli_epi32(lo, 16));
+      }
+    const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F), m10 = _mm512_set1_epi8(0x10);
+    // qs: 32 dwords per row, transposed in two halves; lo / hi nibbles -> storage dwords
+    // 32c + e / 32c + 16 + e (c = half, e = dword in it: x's permuted order, see kq512.h)
+    __m512i qh[8];
+    if constexpr (kHigh) {
+      __m512i r[16];
+      FS_GGML_UNROLL for (int l = 0; l < 16; ++l)
+        r[l] = _mm512_zextsi256_si512(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[l] + sb * kBytes + 16)));
+      transpose16(r);
+      FS_GGML_UNROLL for (int e = 0; e < 8; ++e) qh[e] = r[e];
+    }
+    FS_GGML_UNROLL for (int c = 0; c < 2; ++c) {
+      __m512i r[16];
+      FS_GGML_UNROLL for (int l = 0; l < 16; ++l)
+        r[l] = _mm512_loadu_si512(rows[l] + sb * kBytes + kQsOff + 64 * c);
+      transpose16(r);
+      FS_GGML_UNROLL for (int e = 0; e < 16; ++e) {
+        __m512i lo = _mm512_and_si512(r[e], m4);
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(r[e], 4), m4);
+        if constexpr (kHigh) {  // sub-block s takes bit s of qh byte (column % 32)
+          const int s_lo = 4 * c + 2 * (e / 8), s_hi = s_lo + 1;
+          const __m512i h = qh[e % 8];
+          lo = _mm512_or_si512(lo, _mm512_and_si512(bit_to_0x10_512(h, s_lo), m10));
+          hi = _mm512_or_si512(hi, _mm512_and_si512(bit_to_0x10_512(h, s_hi), m10));
+        }
+        store_codes<kDigits>(p, 32 * c + e, lo, dg);
+        store_codes<kDigits>(p, 32 * c + 16 + e, hi, dg);
+      }
+    }
+  }
+
+  // Storage dword c's 16 lanes of codes, or (kDigits) their two digit products.
+  // NOTE: vpmullw on words: a code (<= 31) times a digit (<= 7) stays below 256, no carry crosses.
+  template <bool kDigits>
+  [[gnu::always_inline]] static void store_codes(__m512i* p, int c, __m512i q, const __m512i* dg) {
+    if constexpr (kDigits) {
+      _mm512_store_si512(p + c, _mm512_mullo_epi16(q, _mm512_load_si512(dg + 2 * (c / 8))));
+      _mm512_store_si512(p + kZmm + c, _mm512_mullo_epi16(q, _mm512_load_si512(dg + 2 * (c / 8) + 1)));
+    } else {
+      (void)dg;
+      _mm512_store_si512(p + c, q);
+    }
   }
 
   // Bit s of every byte moved to bit 4 (other bits are masked by the caller's 0x10).
   [[gnu::always_inline]] static __m512i bit_to_0x10_512(__m512i v, int s) {
     return s < 4 ? _mm512_slli_epi16(v, 4 - s) : _mm512_srli_epi16(v, s - 4);
+  }
+
+  // One super-block's end for row m of x: the mins' term (msum, against x's int16 sums per 32
+  // columns) and kq512.h's canonical fp32 order. Shared by the VNNI and AMX tiles (the bits).
+  [[gnu::always_inline]] static void finish(const __m512i* p, int64_t sb, const Act& a, int64_t m,
+                                            __m512i isum, __m512& acc) {
+    __m512i msum = _mm512_setzero_si512();
+    const uint8_t* s = reinterpret_cast<const uint8_t*>(a.s32row(m) + sb * 8);
+    FS_GGML_UNROLL for (int q = 0; q < 4; ++q)
+      msum = madd_acc512(msum, _mm512_load_si512(p + 72 + q),
+                         _mm512_set1_epi32(static_cast<int>(load_u32(s + 4 * q))));
+    const __m512 d = _mm512_load_ps(reinterpret_cast<const float*>(p + 76));
+    const __m512 dmin = _mm512_load_ps(reinterpret_cast<const float*>(p + 77));
+    const __m512 da = _mm512_set1_ps(a.drow(m)[sb]);
+    const __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dmin, da));
+    const __m512 t = _mm512_fmsub_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, da), u);
+    acc = _mm512_add_ps(acc, t);
   }
 
   template <int MT>
@@ -161,8 +203,8 @@ struct Q45KPanel {
     FS_GGML_UNROLL for (int i = 0; i < MT; ++i) aq[i] = a.qrow(m0 + i);
     for (int64_t sb = 0; sb < nsb; ++sb) {
       const __m512i* p = P + sb * kZmm;
-      __m512i isum[MT], msum[MT];
-      FS_GGML_UNROLL for (int i = 0; i < MT; ++i) isum[i] = msum[i] = _mm512_setzero_si512();
+      __m512i isum[MT];
+      FS_GGML_UNROLL for (int i = 0; i < MT; ++i) isum[i] = _mm512_setzero_si512();
       FS_GGML_UNROLL for (int k = 0; k < 8; ++k) {
         __m512i d0[MT], d1[MT];
         FS_GGML_UNROLL for (int i = 0; i < MT; ++i) d0[i] = d1[i] = _mm512_setzero_si512();
@@ -178,21 +220,7 @@ struct Q45KPanel {
         FS_GGML_UNROLL for (int i = 0; i < MT; ++i)
           isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(_mm512_add_epi32(d0[i], d1[i]), sc));
       }
-      FS_GGML_UNROLL for (int q = 0; q < 4; ++q) {
-        const __m512i mp = _mm512_load_si512(p + 72 + q);
-        FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
-          const uint8_t* s = reinterpret_cast<const uint8_t*>(a.s32row(m0 + i) + sb * 8 + 2 * q);
-          msum[i] = madd_acc512(msum[i], mp, _mm512_set1_epi32(static_cast<int>(load_u32(s))));
-        }
-      }
-      const __m512 d = _mm512_load_ps(reinterpret_cast<const float*>(p + 76));
-      const __m512 dmin = _mm512_load_ps(reinterpret_cast<const float*>(p + 77));
-      FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {  // kq512.h's canonical fp32 order
-        const __m512 da = _mm512_set1_ps(a.drow(m0 + i)[sb]);
-        const __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(msum[i]), _mm512_mul_ps(dmin, da));
-        const __m512 t = _mm512_fmsub_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(d, da), u);
-        acc[i] = _mm512_add_ps(acc[i], t);
-      }
+      FS_GGML_UNROLL for (int i = 0; i < MT; ++i) finish(p, sb, a, m0 + i, isum[i], acc[i]);
     }
   }
 };
@@ -200,6 +228,7 @@ struct Q45KPanel {
 }  // namespace fitserve::ggml
 
 #include "ggml_blocks_kqpanel6.h"
+#include "ggml_blocks_kqamx.h"
 
 namespace fitserve::ggml {
 
@@ -214,13 +243,19 @@ void kq_panel_rows(const __m512i* panel, int64_t nsb, const Act& a, int64_t m0, 
     _mm512_mask_storeu_ps(out + (m0 + i) * N + n0, live, acc[i]);
 }
 
-// Weight rows [n0, min(n0 + 16, N)) packed into a thread-local panel, then rows [0, M) of x in
-// tiles of kKqPanelTile (the rest as one tile of 1 .. kKqPanelTile - 1 rows).
+// Weight rows [n0, min(n0 + 16, N)) packed into a thread-local panel, then rows [0, M) of x:
+// with amx (the caller configured the tiles) in AMX tiles of 16 rows, the last one short
+// (ggml_blocks_kqamx.h), else in tiles of kKqPanelTile (the last of 1 .. kKqPanelTile - 1 rows).
 template <class P>
 void kq_panel_run(const uint8_t* W, int64_t rb, int64_t nsb, const Act& a, int64_t M, int64_t n0,
-                  int64_t N, float* out) {
+                  int64_t N, float* out, bool amx) {
   static thread_local std::vector<__m512i> buf;
-  if (static_cast<int64_t>(buf.size()) < nsb * P::kZmm) buf.resize(nsb * P::kZmm);
+#ifdef FITSERVE_AMX_INT8
+  const int64_t zs = amx ? kq_amx_zmm<P>() : P::kZmm;  // zmm per super-block
+#else
+  const int64_t zs = P::kZmm;
+#endif
+  if (static_cast<int64_t>(buf.size()) < nsb * zs) buf.resize(nsb * zs);
   const int live_n = static_cast<int>(std::min<int64_t>(kPanelLanes, N - n0));
   const uint8_t* rows[kPanelLanes];
   alignas(64) int32_t off[kPanelLanes];
@@ -241,9 +276,23 @@ void kq_panel_run(const uint8_t* W, int64_t rb, int64_t nsb, const Act& a, int64
     for (int64_t o = sb * kPanelLanes * P::kBytes;
          o < std::min<int64_t>(next_bytes, (sb + 1) * kPanelLanes * P::kBytes); o += 64)
       _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T1);
-    P::pack(rows, idx, sb, buf.data() + sb * P::kZmm);
+#ifdef FITSERVE_AMX_INT8
+    if constexpr (kq_amx_split<P>())
+      if (amx) {
+        P::template pack<true>(rows, idx, sb, buf.data() + sb * zs);
+        continue;
+      }
+#endif
+    P::pack(rows, idx, sb, buf.data() + sb * zs);
   }
   const __mmask16 live = static_cast<__mmask16>((1u << live_n) - 1);
+#ifdef FITSERVE_AMX_INT8
+  if (amx) {
+    for (int64_t m = 0; m < M; m += kKqAmxRows)
+      kq_amx_rows<P>(buf.data(), nsb, a, m, std::min(kKqAmxRows, M - m), n0, N, live, out);
+    return;
+  }
+#endif
   int64_t m = 0;
   for (; m + kKqPanelTile <= M; m += kKqPanelTile)
     kq_panel_rows<P, kKqPanelTile>(buf.data(), nsb, a, m, n0, N, live, out);

@@ -52,6 +52,20 @@ struct Q6KPanel {
         _mm512_srli_epi32(gather_rows(b0, idx, 206), 16))));
   }
 
+  // One super-block's end for row m of x: the -32 offset (sum_s sc[s] * s16[s], << 5) and
+  // kq512.h's canonical fp32 order. Shared by the VNNI and AMX tiles (the bits).
+  [[gnu::always_inline]] static void finish(const __m512i* p, int64_t sb, const Act& a, int64_t m,
+                                            __m512i isum, __m512& acc) {
+    __m512i off = _mm512_setzero_si512();
+    const uint8_t* s = reinterpret_cast<const uint8_t*>(a.s16row(m) + sb * 16);
+    FS_GGML_UNROLL for (int q = 0; q < 8; ++q)
+      off = madd_acc512(off, _mm512_load_si512(p + 80 + q),
+                        _mm512_set1_epi32(static_cast<int>(load_u32(s + 4 * q))));
+    const __m512 d = _mm512_load_ps(reinterpret_cast<const float*>(p + 88));
+    const __m512i is = _mm512_sub_epi32(isum, _mm512_slli_epi32(off, 5));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(d, _mm512_set1_ps(a.drow(m)[sb])), acc);
+  }
+
   template <int MT>
   [[gnu::always_inline]] static void tile(const __m512i* P, int64_t nsb, const Act& a, int64_t m0,
                                           __m512* acc) {
@@ -59,8 +73,8 @@ struct Q6KPanel {
     FS_GGML_UNROLL for (int i = 0; i < MT; ++i) aq[i] = a.qrow(m0 + i);
     for (int64_t sb = 0; sb < nsb; ++sb) {
       const __m512i* p = P + sb * kZmm;
-      __m512i isum[MT], off[MT];
-      FS_GGML_UNROLL for (int i = 0; i < MT; ++i) isum[i] = off[i] = _mm512_setzero_si512();
+      __m512i isum[MT];
+      FS_GGML_UNROLL for (int i = 0; i < MT; ++i) isum[i] = _mm512_setzero_si512();
       FS_GGML_UNROLL for (int k = 0; k < 16; ++k) {
         const __m512i w0 = _mm512_load_si512(p + 4 * k), w1 = _mm512_load_si512(p + 4 * k + 1),
                       w2 = _mm512_load_si512(p + 4 * k + 2), w3 = _mm512_load_si512(p + 4 * k + 3);
@@ -74,19 +88,7 @@ struct Q6KPanel {
           isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(_mm512_add_epi32(d0, d1), sc));
         }
       }
-      FS_GGML_UNROLL for (int q = 0; q < 8; ++q) {
-        const __m512i sp = _mm512_load_si512(p + 80 + q);
-        FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
-          const uint8_t* s = reinterpret_cast<const uint8_t*>(a.s16row(m0 + i) + sb * 16 + 2 * q);
-          off[i] = madd_acc512(off[i], sp, _mm512_set1_epi32(static_cast<int>(load_u32(s))));
-        }
-      }
-      const __m512 d = _mm512_load_ps(reinterpret_cast<const float*>(p + 88));
-      FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {  // kq512.h's canonical fp32 order
-        const __m512i is = _mm512_sub_epi32(isum[i], _mm512_slli_epi32(off[i], 5));
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is),
-                                 _mm512_mul_ps(d, _mm512_set1_ps(a.drow(m0 + i)[sb])), acc[i]);
-      }
+      FS_GGML_UNROLL for (int i = 0; i < MT; ++i) finish(p, sb, a, m0 + i, isum[i], acc[i]);
     }
   }
 };

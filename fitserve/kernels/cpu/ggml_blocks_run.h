@@ -139,11 +139,15 @@ struct ActBuf {
   std::vector<int16_t> s16, s32;
 };
 
+// Rows of codes past M that act_buffer keeps allocated: a 16-row AMX tile of x's codes loaded at
+// the last rows stays inside the buffer (ggml_blocks_kqamx.h; their values are never used).
+constexpr int64_t kActRowPad = 15;
+
 // buf sized for M rows of K columns quantized with `block`, and the Act over it (its rows are
 // filled by quantize below, or by the MoE kernels' own row loops).
 inline Act act_buffer(ActBuf& buf, int64_t M, int64_t K, int64_t block, bool lanes_t = false) {
   const int64_t nd = K / block;
-  if (static_cast<int64_t>(buf.q.size()) < M * K) buf.q.resize(M * K);
+  if (static_cast<int64_t>(buf.q.size()) < (M + kActRowPad) * K) buf.q.resize((M + kActRowPad) * K);
   if (static_cast<int64_t>(buf.d.size()) < M * nd) buf.d.resize(M * nd);
   if (static_cast<int64_t>(buf.ds.size()) < M * K / 32) buf.ds.resize(M * K / 32);
   if (static_cast<int64_t>(buf.s16.size()) < M * K / 16) buf.s16.resize(M * K / 16);

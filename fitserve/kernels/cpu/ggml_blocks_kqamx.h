@@ -1,0 +1,148 @@
+// The K-quants' M > 1 panels (ggml_blocks_kqpanel.h) on AMX-INT8 tiles: 16 rows of x at a time
+// against a panel of 16 weight rows. Compiled where the CPU has AMX-INT8 (isa.py's
+// FITSERVE_AMX_INT8 at the avx512_vnni tier), taken at run time only when the kernel may use the
+// tile registers (amx_usable) and from kKqAmxMinRows rows of x on.
+//
+// The decoded panel already is AMX's B layout: a chunk of CB columns (Q4_K / Q5_K 32, Q6_K 16)
+// is CB / 4 storage dwords of 16 lanes, i.e. CB / 4 rows of 64 bytes with B[c][4 l + i] = code
+// i of lane l's dword c, and x's quantized row m holds the same columns at the same offsets
+// (Q4_K / Q5_K: kPerm128's order), so A = 16 rows of x's codes at stride K.
+//
+// Each chunk's integer dot is scaled by that chunk's scale (isum = sum_k sc_k dot_k), and a
+// vpmulld per row and chunk (2 uops on port 0) cost more than the tiles themselves. So:
+//   Q4_K / Q5_K (scales 0..63, codes <= 31): sc = 8 hi + lo with hi, lo in 0..7, and the panel
+//     holds the codes times hi and times lo instead (<= 217: still unsigned bytes; made by
+//     Q45KPanel::pack<true> as it decodes). Two tile accumulators over the super-block's 256 columns
+//     give isum = 8 * C_hi + C_lo: 8 tdpbsud of K = 64, no multiply.
+//   Q6_K (int8 scales, codes 0..63: no such split in bytes): one tdpbsud per 16-column chunk,
+//     each result scaled by a vpmulld as the VNNI panel does.
+// Both are exact integers, and P::finish ends the super-block with the VNNI panel's own code, so
+// row m of the result has the bits of the VNNI panel, the row tiles and the GEMV (row m alone),
+// whatever M.
+#pragma once
+
+#if defined(FS_GGML_AVX512) && defined(FITSERVE_AMX_INT8)
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "amx_state.h"
+
+namespace fitserve::ggml {
+
+constexpr int64_t kKqAmxRows = 16;  // rows of x per tile
+// NOTE: rows of x from which the tiles run (below: the VNNI panel tiles of kKqPanelTile rows)
+constexpr int64_t kKqAmxMinRows = 16;
+
+// Whether P's scales split into two 3-bit digits (Q4_K / Q5_K), and its super-block's zmm in
+// the AMX panel: the VNNI panel's (codes * hi in place of the codes), then the codes * lo.
+template <class P>
+constexpr bool kq_amx_split() {
+  return !std::is_same_v<P, Q6KPanel>;
+}
+template <class P>
+constexpr int64_t kq_amx_zmm() {
+  return P::kZmm + (kq_amx_split<P>() ? 64 : 0);
+}
+
+// Tiles. Split: 0, 1 = C_hi, C_lo; 2 = A (16 rows x 64 bytes); 4, 5 = B_hi, B_lo (16 x 64).
+// Q6_K: 0, 1 = C of two chunks; 2, 3 = A (16 x 16 bytes); 4, 5 = B (4 x 64).
+template <class P>
+inline void kq_amx_configure() {
+  constexpr int CB = kq_amx_split<P>() ? 64 : 16;
+  fitserve::AmxConfig c;
+  for (int t : {0, 1}) c.rows[t] = 16, c.colsb[t] = 64;
+  for (int t : {2, 3}) c.rows[t] = 16, c.colsb[t] = CB;
+  for (int t : {4, 5}) c.rows[t] = CB / 4, c.colsb[t] = 64;
+  _tile_loadconfig(&c);
+}
+
+// Rows m0 .. m0 + rows - 1 (rows <= 16) of x against the AMX panel: out[(m0 + r) * N + n0 + l],
+// lanes l in live. A short tile still loads 16 rows of x's codes: act_buffer's kActRowPad rows
+// past M keep those loads inside the buffer, and their results are dropped.
+template <class P>
+void kq_amx_rows(const __m512i* panel, int64_t nsb, const Act& a, int64_t m0, int64_t rows,
+                 int64_t n0, int64_t N, __mmask16 live, float* out) {
+  alignas(64) int32_t C[2][kKqAmxRows * 16];
+  __m512 acc[kKqAmxRows];
+  for (auto& v : acc) v = _mm512_setzero_ps();
+  const int8_t* x = a.qrow(m0);
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    const __m512i* p = panel + sb * kq_amx_zmm<P>();
+    const int8_t* xs = x + sb * 256;
+    __m512i isum[kKqAmxRows];
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (kq_amx_split<P>()) {
+      FS_GGML_UNROLL for (int s = 0; s < 4; ++s) {  // 64 columns (16 storage dwords) a step
+        _tile_loadd(2, xs + 64 * s, a.K);
+        _tile_loadd(4, p + 16 * s, 64);
+        _tile_loadd(5, p + P::kZmm + 16 * s, 64);
+        _tile_dpbsud(0, 2, 4);
+        _tile_dpbsud(1, 2, 5);
+      }
+      _tile_stored(0, C[0], 64);
+      _tile_stored(1, C[1], 64);
+      FS_GGML_UNROLL for (int r = 0; r < kKqAmxRows; ++r)
+        isum[r] = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(C[0] + 16 * r), 3),
+                                   _mm512_load_si512(C[1] + 16 * r));
+    } else {
+      for (auto& v : isum) v = _mm512_setzero_si512();
+      for (int k = 0; k < 16; k += 2) {  // two chunks in flight: tile ops overlap the scaling
+        if (k) {
+          _tile_zero(0);
+          _tile_zero(1);
+        }
+        _tile_loadd(2, xs + 16 * k, a.K);
+        _tile_loadd(4, p + 4 * k, 64);
+        _tile_loadd(3, xs + 16 * (k + 1), a.K);
+        _tile_loadd(5, p + 4 * (k + 1), 64);
+        _tile_dpbsud(0, 2, 4);
+        _tile_dpbsud(1, 3, 5);
+        _tile_stored(0, C[0], 64);
+        _tile_stored(1, C[1], 64);
+        const __m512i s0 = _mm512_load_si512(p + 64 + k), s1 = _mm512_load_si512(p + 64 + k + 1);
+        FS_GGML_UNROLL for (int r = 0; r < kKqAmxRows; ++r)
+          isum[r] = _mm512_add_epi32(
+              isum[r], _mm512_add_epi32(_mm512_mullo_epi32(_mm512_load_si512(C[0] + 16 * r), s0),
+                                        _mm512_mullo_epi32(_mm512_load_si512(C[1] + 16 * r), s1)));
+      }
+    }
+    FS_GGML_UNROLL for (int r = 0; r < kKqAmxRows; ++r)
+      if (r < rows) P::finish(p, sb, a, m0 + r, isum[r], acc[r]);
+  }
+  FS_GGML_UNROLL for (int r = 0; r < kKqAmxRows; ++r)
+    if (r < rows) _mm512_mask_storeu_ps(out + (m0 + r) * N + n0, live, acc[r]);
+}
+
+}  // namespace fitserve::ggml
+
+#endif  // FS_GGML_AVX512 && FITSERVE_AMX_INT8
+
+#ifdef FS_GGML_AVX512
+namespace fitserve::ggml {
+
+// Whether a thread's share of an M-row call runs the AMX tiles (then configured for P), and their
+// release at its end (frees the 8 KB tile state: context switches no longer save it).
+template <class P>
+inline bool kq_amx_start(int64_t M) {
+#ifdef FITSERVE_AMX_INT8
+  if (M >= kKqAmxMinRows && fitserve::amx_usable()) {
+    kq_amx_configure<P>();
+    return true;
+  }
+#endif
+  (void)M;
+  return false;
+}
+
+inline void kq_amx_end(bool amx) {
+#ifdef FITSERVE_AMX_INT8
+  if (amx) _tile_release();
+#endif
+  (void)amx;
+}
+
+}  // namespace fitserve::ggml
+#endif  // FS_GGML_AVX512
