@@ -14,7 +14,9 @@ same thread count, greedy decoding and EOS ignored, one warm-up run, then --runs
 the tables report medians. W1: 1 request, 32-token prompt, 128 new tokens (TTFT, decode tok/s,
 decode as a fraction of the bandwidth limit of the bytes that config reads per token: the
 planner's copy bandwidth measured again right before each fitserve worker starts, since a shared
-host's bandwidth moves by +-20% within minutes; the planner's cached figure is printed too). W2: 32
+host's bandwidth moves by +-20% within minutes; the planner's cached figure is printed too;
+"of read": the same bytes over a plain parallel read's bandwidth measured beside it, the issue's
+"measured read bandwidth": the two differ by up to ~20% either way on the CPUs seen here). W2: 32
 requests x 128-token prompt x 128 new tokens (generated tok/s, wall clock incl. prefill).
 Beside each fitserve config's W1 / W2: the planner's prediction (``fitserve plan --gpu cpu``'s
 workload section at these shapes) on the copy bandwidth and the engine's matmul rates and step
@@ -318,8 +320,9 @@ def merge_rounds(rs: list[dict[str, Any] | None]) -> dict[str, Any]:
     out = dict(ok[0])
     if len(rs) == 1:
         return out
-    if all("copy_bytes_per_s" in r for r in ok):
-        out["copy_bytes_per_s"] = statistics.median(r["copy_bytes_per_s"] for r in ok)
+    for key in ("copy_bytes_per_s", "read_bytes_per_s"):
+        if all(key in r for r in ok):
+            out[key] = statistics.median(r[key] for r in ok)
     if all("predicted" in r for r in ok):
         out["predicted"] = {w: statistics.median(r["predicted"][w] for r in ok)
                             for w in ok[0]["predicted"]}
@@ -371,7 +374,11 @@ def main() -> None:
         return
 
     from fitserve.envs import fitserve_home
-    from fitserve.ledger.cpu_measure import measure_copy_bandwidth, measure_engine_rates
+    from fitserve.ledger.cpu_measure import (
+        measure_copy_bandwidth,
+        measure_engine_rates,
+        measure_read_bandwidth,
+    )
 
     if args.cpu_time:
         args.threads = 1
@@ -419,12 +426,14 @@ def main() -> None:
                   file=sys.stderr)
             ours = name.startswith("fitserve")
             bw = measure_copy_bandwidth(threads=args.threads) if ours else None
+            rbw = measure_read_bandwidth(threads=args.threads) if ours else None
             # NOTE: the engine's rates are measured here too, each round (a few seconds): the
             # prediction then sees the load the worker's run sees
             rates = measure_engine_rates(args.threads) if ours else None
             done[name] = job()
             if bw is not None and done[name]:
                 done[name]["copy_bytes_per_s"] = bw  # type: ignore[index]
+                done[name]["read_bytes_per_s"] = rbw  # type: ignore[index]
                 # the figures the prediction used, so a --json can be predicted again
                 done[name]["engine_rates"] = dataclasses.asdict(rates)  # type: ignore[index,call-overload]
                 done[name]["predicted"] = planner_prediction(  # type: ignore[index]
@@ -483,15 +492,18 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
           f"{measured}; fitserve KV pool {pool}")
     by = {_name(r): r for r in results}
     peers = [p for p in ("llama.cpp", "vllm-cpu", "transformers") if p in by]
-    head = f"{'engine':<16}{'W1 TTFT ms':>11}{'W1 tok/s':>10}{'of limit':>9}{'W2 tok/s':>10}{'peak RSS MiB':>13}"
+    head = (f"{'engine':<16}{'W1 TTFT ms':>11}{'W1 tok/s':>10}{'of limit':>9}{'of read':>8}"
+            f"{'W2 tok/s':>10}{'peak RSS MiB':>13}")
     print(head + "".join(f"{'vs ' + p:>18}" for p in peers))
     for r in results:
         w1, w2 = r.get("W1", {}), r.get("W2", {})
         limit = (r.get("copy_bytes_per_s", bw) / r["weight_bytes_read"]
                  if r.get("weight_bytes_read") else None)
         frac = f"{w1['tok_s'] / limit:8.0%}" if limit and w1 else "        -"
+        rfrac = (f"{w1['tok_s'] * r['weight_bytes_read'] / r['read_bytes_per_s']:8.0%}"
+                 if w1 and r.get("weight_bytes_read") and r.get("read_bytes_per_s") else "       -")
         line = (f"{_name(r):<16}{w1.get('ttft_ms', float('nan')):11.1f}{w1.get('tok_s', float('nan')):10.1f}"
-                f"{frac} {w2.get('tok_s', float('nan')):9.1f}{r.get('peak_rss_mib', float('nan')):13.0f}")
+                f"{frac}{rfrac} {w2.get('tok_s', float('nan')):9.1f}{r.get('peak_rss_mib', float('nan')):13.0f}")
         for p in peers:
             q = by[p]
             if r is q:

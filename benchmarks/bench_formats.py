@@ -14,8 +14,10 @@ Each engine runs in its own process (bench_engine.py's workers: same token ids, 
 EOS ignored, one warm-up, medians of --runs). Per type the table prints the file's size,
 fitserve's held weight bytes and peak RSS, W1 decode tok/s for both engines, their ratio and
 fitserve's fraction of its bandwidth limit (weight bytes read per token over the copy
-bandwidth, the higher of those measured just before and after its worker), and with --w2 the
-W2 (32 x 128 + 128) rates.
+bandwidth, the higher of those measured just before and after its worker) and of its read limit
+(the same bytes over a plain parallel read's bandwidth, measured the same way: the issue's
+"measured read bandwidth"), and
+with --w2 the W2 (32 x 128 + 128) rates.
 """
 
 from __future__ import annotations
@@ -124,19 +126,19 @@ def quantize(llamacpp_python: str, src: Path, qtype: str, threads: int) -> Path:
     return out
 
 
-def bandwidth_around(run: Callable[[], T]) -> tuple[float, T, tuple[float, float]]:
-    """Run ``run()`` between two copy-bandwidth measurements; the higher of the two, its result
-    and both figures.
+def bandwidth_around(run: Callable[[], T]) -> tuple[float, T, tuple[float, float], float]:
+    """Run ``run()`` between two copy-bandwidth (and read-bandwidth) measurements; the higher
+    copy figure, its result, both copy figures and the higher read figure.
 
     NOTE: this VM's copy bandwidth moves between ~44 and ~78 GB/s from one minute to the next
     (quiet host), so one figure before a worker let a fraction of the limit read 130%; the
     higher of before and after gives the stricter limit, and both are printed."""
-    from fitserve.ledger.cpu_measure import measure_copy_bandwidth
+    from fitserve.ledger.cpu_measure import measure_copy_bandwidth, measure_read_bandwidth
 
-    before = measure_copy_bandwidth()
+    before, read_before = measure_copy_bandwidth(), measure_read_bandwidth()
     out = run()
-    after = measure_copy_bandwidth()
-    return max(before, after), out, (before, after)
+    after, read_after = measure_copy_bandwidth(), measure_read_bandwidth()
+    return max(before, after), out, (before, after), max(read_before, read_after)
 
 
 def held_types(path: Path) -> str:
@@ -179,7 +181,7 @@ def main() -> None:
         path = quantize(args.llamacpp_python, src, qtype, args.threads)
         spec = {**base, "gguf": str(path), "config": "as-stored"}
         print(f"{qtype}: fitserve ...", file=sys.stderr)
-        bw, fs, bws = bandwidth_around(lambda spec=spec: be.run_worker(
+        bw, fs, bws, rbw = bandwidth_around(lambda spec=spec: be.run_worker(
             [*me, "--worker", "fitserve"], spec))
         peer = None
         if "llamacpp" in args.peers:
@@ -189,7 +191,7 @@ def main() -> None:
         tf = None
         if "transformers" in args.peers:
             tf = be.run_worker([*me, "--worker", "transformers"], spec)
-        rows.append((qtype, path, bw, fs, peer, tf, bws))
+        rows.append((qtype, path, bw, fs, peer, tf, bws, rbw))
     report(rows, args)
 
 
@@ -206,25 +208,26 @@ def _rate(r: dict[str, Any] | None, w: str) -> float:
     return r[w]["tok_s"] if r and w in r else float("nan")
 
 
-def report(rows: list[tuple[str, Path, float, Any, Any, Any, tuple[float, float]]],
+def report(rows: list[tuple[str, Path, float, Any, Any, Any, tuple[float, float], float]],
            args: argparse.Namespace) -> None:
     print(f"\nCPU: {be.cpu_description()}\nshape {args.shape}, threads={args.threads}, medians "
           f"of {args.runs} runs; limit = weight bytes held / copy bandwidth (the higher of the "
-          f"figures measured just before and just after fitserve's worker)")
+          f"figures measured just before and just after fitserve's worker); of read = the same "
+          f"bytes over a plain parallel read's bandwidth (measured alike)")
     print("RSS bound = file + the ledger's runtime baseline, RoPE tables, KV pool and step peak "
           "(activations, output staging, attention scratch, logits, sampler, allocator "
           "retention), as `fitserve plan` adds them up; target: peak RSS within 10% of it")
     print(f"{'type':<8}{'file MiB':>9}{'held MiB':>9}{'RSS MiB':>8}{'bound':>7}{'W1 fitserve':>12}"
-          f"{'llama.cpp':>10}{'ratio':>7}{'of limit':>9}"
+          f"{'llama.cpp':>10}{'ratio':>7}{'of limit':>9}{'of read':>8}"
           + (f"{'W2 fitserve':>12}{'llama.cpp':>10}{'ratio':>7}" if args.w2 else "")
           + (f"{'W1 transformers':>16}" if "transformers" in args.peers else ""))
-    for qtype, path, bw, fs, peer, tf, bws in rows:
+    for qtype, path, bw, fs, peer, tf, bws, rbw in rows:
         held = fs["weight_bytes_read"] if fs else float("nan")
         w1, p1 = _rate(fs, "W1"), _rate(peer, "W1")
         bound = rss_bound(path, fs) / 2**20
         line = (f"{qtype:<8}{path.stat().st_size / 2**20:9.0f}{held / 2**20:9.0f}"
                 f"{fs['peak_rss_mib'] if fs else float('nan'):8.0f}{bound:7.0f}{w1:12.1f}{p1:10.1f}"
-                f"{w1 / p1:7.2f}{w1 * held / bw:9.0%}")
+                f"{w1 / p1:7.2f}{w1 * held / bw:9.0%}{w1 * held / rbw:8.0%}")
         if args.w2:
             w2, p2 = _rate(fs, "W2"), _rate(peer, "W2")
             line += f"{w2:12.1f}{p2:10.1f}{w2 / p2:7.2f}"
@@ -239,8 +242,8 @@ def report(rows: list[tuple[str, Path, float, Any, Any, Any, tuple[float, float]
                   f"{fs['ledger_rope_bytes'] / 2**20:.1f}; peak RSS / bound "
                   f"{fs['peak_rss_mib'] / bound:.2f}")
         print(f"{'':8}tensors: {held_types(path)}; bandwidth {bw / 1e9:.1f} GB/s (before "
-              f"{bws[0] / 1e9:.1f}, after {bws[1] / 1e9:.1f}); engine start {fs['startup_s'] if fs else float('nan'):.1f} s (load, build, ledger)")
-    ratios = [_rate(fs, "W1") / _rate(p, "W1") for _, _, _, fs, p, _, _ in rows if fs and p]
+              f"{bws[0] / 1e9:.1f}, after {bws[1] / 1e9:.1f}; read {rbw / 1e9:.1f}); engine start {fs['startup_s'] if fs else float('nan'):.1f} s (load, build, ledger)")
+    ratios = [_rate(fs, "W1") / _rate(p, "W1") for _, _, _, fs, p, _, _, _ in rows if fs and p]
     if ratios:
         print(f"median W1 ratio fitserve / llama.cpp over the types: {statistics.median(ratios):.2f}")
 

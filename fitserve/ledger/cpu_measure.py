@@ -134,16 +134,22 @@ def good_median(seconds: list[float], slack: float = GOOD_RUN_SLACK) -> tuple[fl
     return statistics.median(good), len(good)
 
 
-def _timed_copies(nbytes: int, repeats: int, threads: int) -> list[float]:
+def _timed_copies(nbytes: int, repeats: int, threads: int, read_only: bool = False) -> list[float]:
+    """Seconds of each of ``repeats`` runs in which ``threads`` workers each copy (or, with
+    ``read_only``, sum: loads and no stores) their slice of ``nbytes``."""
     import numpy as np
 
     n = max(threads, nbytes // 8)
-    src, dst = np.ones(n, dtype=np.float64), np.empty(n, dtype=np.float64)
+    src = np.ones(n, dtype=np.float64)
+    dst = src if read_only else np.empty(n, dtype=np.float64)
     bounds = [(i * n // threads, (i + 1) * n // threads) for i in range(threads)]
 
-    def part(i: int) -> None:  # numpy drops the GIL for a large copy: the slices run at once
+    def part(i: int) -> None:  # numpy drops the GIL for a large copy / sum: the slices run at once
         a, b = bounds[i]
-        np.copyto(dst[a:b], src[a:b])
+        if read_only:
+            np.add.reduce(src[a:b])
+        else:
+            np.copyto(dst[a:b], src[a:b])
 
     out = []
     with ThreadPoolExecutor(threads) as pool:
@@ -162,6 +168,16 @@ def measure_copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 7,
     t = threads or default_threads()
     seconds, _ = good_median(_timed_copies(nbytes, repeats, t))
     return 2 * (nbytes // 8) * 8 / seconds
+
+
+def measure_read_bandwidth(nbytes: int = 256 << 20, repeats: int = 7,
+                           threads: int | None = None) -> float:
+    """Bytes/s of a parallel numpy sum (``nbytes`` read per run, nothing written): the median
+    of the undisturbed runs: the rate a decode step's weight reads can reach, which need not
+    be the copy figure's (a copy's stores are not limited by the cores' outstanding loads)."""
+    t = threads or default_threads()
+    seconds, _ = good_median(_timed_copies(nbytes, repeats, t, read_only=True))
+    return (nbytes // 8) * 8 / seconds
 
 
 def probe_copy_bandwidth(threads: int | None = None) -> float:
