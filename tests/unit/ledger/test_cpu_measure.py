@@ -162,3 +162,26 @@ def test_engine_rates_kept_when_only_the_bandwidth_moved(
     monkeypatch.setattr(cpu_measure, "default_threads", lambda: 1)
     cpu_hardware()
     assert probes == [2, 1]
+
+
+def test_read_and_copy_bandwidth_count_their_own_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy moves 2 x nbytes per run (read + write), a read nbytes; each figure is the bytes
+    over the median of the undisturbed runs (a run 2x the best is dropped)."""
+    seen: list[bool] = []
+
+    def runs(nbytes: int, repeats: int, t: int, read_only: bool = False) -> list[float]:
+        seen.append(read_only)
+        return [0.5, 0.5, 0.55, 1.0]
+
+    monkeypatch.setattr(cpu_measure, "_timed_copies", runs)
+    nbytes = 1 << 20
+    assert cpu_measure.measure_copy_bandwidth(nbytes, threads=2) == 2 * nbytes / 0.5
+    assert cpu_measure.measure_read_bandwidth(nbytes, threads=2) == nbytes / 0.5
+    assert seen == [False, True]
+
+
+def test_a_real_read_is_timed() -> None:
+    """The plain read runs for real: a positive, finite rate on 1 and 2 threads."""
+    for threads in (1, 2):
+        rate = cpu_measure.measure_read_bandwidth(8 << 20, repeats=3, threads=threads)
+        assert 1e8 < rate < 1e13
