@@ -248,9 +248,11 @@ def main() -> None:
         for r in range(args.rounds):
             print(f"{qtype} round {r + 1}/{args.rounds}: fitserve ... (load {_loadavg()})",
                   file=sys.stderr)
-            bw, fs, bws = bf.bandwidth_around(lambda spec=spec: be.run_worker(me, spec))
+            bw, fs, bws, rbw = bf.bandwidth_around(lambda spec=spec: be.run_worker(me, spec))
             print(f"  copy bandwidth before / after fitserve: {bws[0] / 1e9:.1f} / "
-                  f"{bws[1] / 1e9:.1f} GB/s", file=sys.stderr)
+                  f"{bws[1] / 1e9:.1f} GB/s, read {rbw / 1e9:.1f}", file=sys.stderr)
+            if fs:
+                fs["read_bytes_per_s"] = rbw
             peer = None
             if not args.no_peer:
                 print(f"{qtype} round {r + 1}: llama.cpp ... (load {_loadavg()})",
@@ -285,6 +287,8 @@ def _merge(rounds: list[tuple[float, Any, Any]]) -> tuple[float, Any, Any]:
             merged.append(None)
             continue
         out = dict(res[0])
+        if all("read_bytes_per_s" in r for r in res):
+            out["read_bytes_per_s"] = float(np.median([r["read_bytes_per_s"] for r in res]))
         for w in ("W1", "W2"):
             if all(w in r for r in res):
                 out[w] = {**res[0][w], "tok_s": float(np.median([r[w]["tok_s"] for r in res])),
@@ -303,19 +307,22 @@ def report(rows: list[tuple[str, Path, float, Any, Any]], args: argparse.Namespa
     print(f"\nCPU: {be.cpu_description()}\nshape {args.shape}: {s}; threads={args.threads}, "
           f"medians of {args.runs} runs; limit = active bytes per token (batch 1) / copy "
           f"bandwidth (the higher of the figures measured just before and just after "
-          f"fitserve's worker)\ntargets: W1 >= 1.15x llama.cpp "
+          f"fitserve's worker); of read = over a plain read's bandwidth (measured alike)"
+          f"\ntargets: W1 >= 1.15x llama.cpp "
           f"and >= 70% of the limit, W2 >= 1.5x llama.cpp; {args.rounds} round(s) alternating "
           f"the engines; load average now {_loadavg()} (2 cores)")
     print(f"{'type':<8}{'file MiB':>9}{'active MiB':>11}{'limit':>8}{'W1 fitserve':>12}"
-          f"{'llama.cpp':>10}{'ratio':>7}{'of limit':>9}{'W2 fitserve':>12}{'llama.cpp':>10}"
+          f"{'llama.cpp':>10}{'ratio':>7}{'of limit':>9}{'of read':>8}{'W2 fitserve':>12}{'llama.cpp':>10}"
           f"{'ratio':>7}")
     for qtype, path, bw, fs, peer in rows:
         active = fs["active_bytes_per_token"] if fs else float("nan")
         limit = bw / active
         w1, p1 = bf._rate(fs, "W1"), bf._rate(peer, "W1")
         w2, p2 = bf._rate(fs, "W2"), bf._rate(peer, "W2")
+        read = fs.get("read_bytes_per_s", float("nan")) if fs else float("nan")
         print(f"{qtype:<8}{path.stat().st_size / 2**20:9.0f}{active / 2**20:11.1f}{limit:8.1f}"
-              f"{w1:12.1f}{p1:10.1f}{_ratio(w1, p1):>7}{w1 / limit:9.0%}{w2:12.1f}{p2:10.1f}"
+              f"{w1:12.1f}{p1:10.1f}{_ratio(w1, p1):>7}{w1 / limit:9.0%}{w1 * active / read:8.0%}"
+              f"{w2:12.1f}{p2:10.1f}"
               f"{_ratio(w2, p2):>7}")
         print(f"{'':8}file tensors: {bf.held_types(path)}; copy bandwidth {bw / 1e9:.1f} GB/s")
         if fs:
