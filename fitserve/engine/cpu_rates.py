@@ -29,6 +29,12 @@ JSON it prints beside the copy bandwidth). Measured, each the median of the undi
                              (its work item's setup, table walk and merge); the time includes
                              its KV reads, so the ledger adds it to the step rather than
                              overlapping it
+    attention on AMX tiles   where the engine runs the decode attention on the AMX-BF16 tile
+                             (``FITSERVE_AMX_ATTENTION=auto``: models with >= 8 query heads per
+                             KV head), the same two parts measured on the tile at 256 keys with
+                             16 and 32 query heads over 2 KV heads: the tile's cost per query
+                             head is a fraction of the vector tile's, so the probes above
+                             (2 and 8 query heads) would overstate it for those models
     step overhead            a decode step of the engine on a tiny random-weight Llama
                              (hidden 64) with 2 and with 8 layers: the per-layer cost is the
                              slope, the per-step cost (scheduler, sampler, lm_head call, Python)
@@ -260,6 +266,29 @@ def measure_attention_rate(threads: int, repeats: int = 15,
     return threads * 4 * d / c_q, c_kv / d / threads, item / threads
 
 
+def measure_attention_tile_rate(threads: int, item_s: float, repeats: int = 15,
+                                batch: int = 32) -> tuple[float, float, int]:
+    """(FLOP/s of the query heads' work, seconds per KV head, key and dimension, the fewest query
+    heads per KV head it runs for) of the decode attention on the AMX-BF16 tile where the
+    engine runs it (``paged_attention.amx_mode()``: "auto" from AMX_MIN_GROUP query heads per KV
+    head, "all" for every group); (0, 0, 0) where it does not. The same model as
+    ``measure_attention_rate``'s, from 256 keys at G = AMX_MIN_GROUP and 2 x AMX_MIN_GROUP query
+    heads per KV head (the tile's cost per head is far below the vector tile's and not linear
+    from G = 1), with ``item_s`` (that probe's per-item cost, one thread's) as the intercept."""
+    from fitserve.kernels.cpu.paged_attention import AMX_MIN_GROUP, amx_mode
+
+    mode = amx_mode()
+    if mode not in ("auto", "all"):
+        return 0.0, 0.0, 0
+    hkv, d, keys = ATTENTION_KV_HEADS, 64, ATTENTION_KEYS[1]
+    g1, g2 = AMX_MIN_GROUP, 2 * AMX_MIN_GROUP
+    t1, t2 = (_attention_seconds(keys, repeats, batch, hq=hkv * g) / batch for g in (g1, g2))
+    # NOTE: floored as the vector probe's: noise must not make the query heads' work free
+    c_q = max(t1 / (keys * hkv * g1) / 10, (t2 - t1) / (keys * hkv * (g2 - g1)))
+    c_kv = max(0.0, (t1 - hkv * item_s) / keys - hkv * g1 * c_q) / hkv
+    return threads * 4 * d / c_q, c_kv / d / threads, g1 if mode == "auto" else 1
+
+
 def _tiny_engine(layers: int) -> object:
     """An engine over a random-weight Llama of ``layers`` layers (hidden 64, bf16), in memory."""
     import tokenizers
@@ -421,10 +450,13 @@ def measure(threads: int) -> dict[str, object]:
     per_step, per_layer = measure_step_overhead()
     per_seq, per_logit = measure_seq_overhead()
     attention_flops, attention_kv_s, attention_seq_s = measure_attention_rate(threads)
+    tile_flops, tile_kv_s, tile_group = measure_attention_tile_rate(
+        threads, attention_seq_s * threads)
     return {"matmul_rows": list(RATE_ROWS), "matmul_k": list(RATE_KS),
             "matmul_flops": measure_matmul_rates(threads),
             "attention_flops": attention_flops, "attention_seq_s": attention_seq_s,
-            "attention_kv_s": attention_kv_s,
+            "attention_kv_s": attention_kv_s, "attention_tile_flops": tile_flops,
+            "attention_tile_kv_s": tile_kv_s, "attention_tile_min_group": tile_group,
             "step_overhead_s": per_step, "layer_overhead_s": per_layer, "threads": threads,
             "elementwise_s": measure_elementwise(), "seq_overhead_s": per_seq,
             "logit_s": per_logit, "gemv_k": list(GEMV_K),

@@ -67,6 +67,12 @@ class CpuFigures:
     matmul_k: tuple[int, ...] = ()  # the K each row of matmul_flops was measured at
     attention_seq_s: float = 0.0  # decode attention's cost per (sequence, KV head, layer)
     attention_kv_s: float = 0.0  # and per KV head, key and dimension
+    # the decode attention on the AMX-BF16 tile, which runs for models with at least
+    # attention_tile_min_group query heads per KV head (0: never here): its query heads' FLOP/s
+    # and its cost per KV head, key and dimension (EngineRates)
+    attention_tile_flops: float = 0.0
+    attention_tile_kv_s: float = 0.0
+    attention_tile_min_group: int = 0
 
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.measured_at))
@@ -77,8 +83,8 @@ class CpuFigures:
         engine = (f"; engine matmul GFLOP/s at M = {rows} rows{ks}: {rates}; decode attention "
                   f"{self.attention_flops / 1e9:.0f} GFLOP/s + "
                   f"{self.attention_seq_s * 1e9:.0f} ns per sequence and KV head + "
-                  f"{self.attention_kv_s * 1e12:.2f} ps per KV head, key and dimension; "
-                  f"step overhead "
+                  f"{self.attention_kv_s * 1e12:.2f} ps per KV head, key and dimension"
+                  f"{describe_tile(self)}; step overhead "
                   f"{self.step_overhead_s * 1e3:.3f} ms + {self.layer_overhead_s * 1e6:.1f} us "
                   f"per layer + {self.seq_overhead_s * 1e6:.1f} us per sequence; element-wise "
                   f"{self.elementwise_s * 1e12:.0f} ps per element{describe_gemv(self)}"
@@ -87,6 +93,15 @@ class CpuFigures:
         return (f"{self.mem_bytes_per_s / 1e9:.1f} GB/s copy, {self.flops / 1e9:.0f} GFLOP/s "
                 f"numpy f32 matmul{engine}, {self.threads} threads, measured {when} on "
                 f"{self.cpu_model}")
+
+
+def describe_tile(r: CpuFigures | EngineRates) -> str:
+    """' (AMX tile from G query heads per KV head: ...)' (empty where it does not run)."""
+    if not r.attention_tile_min_group:
+        return ""
+    return (f" (on the AMX tile from {r.attention_tile_min_group} query heads per KV head: "
+            f"{r.attention_tile_flops / 1e9:.0f} GFLOP/s + {r.attention_tile_kv_s * 1e12:.2f} ps "
+            f"per KV head, key and dimension)")
 
 
 def describe_gemv(r: CpuFigures | EngineRates) -> str:
@@ -228,6 +243,10 @@ class EngineRates:
     matmul_k: tuple[int, ...] = ()
     attention_seq_s: float = 0.0
     attention_kv_s: float = 0.0  # decode attention per KV head, key and dimension
+    # the decode attention on the AMX-BF16 tile (CpuFigures' fields of the same names)
+    attention_tile_flops: float = 0.0
+    attention_tile_kv_s: float = 0.0
+    attention_tile_min_group: int = 0
 
     @classmethod
     def from_json(cls, text: str) -> EngineRates:
@@ -244,13 +263,17 @@ class EngineRates:
                        for p, v in d.get("gemv_bytes_per_s", {}).items()},
                       tuple(int(k) for k in d.get("matmul_k", ())),
                       float(d.get("attention_seq_s", 0.0)),
-                      float(d.get("attention_kv_s", 0.0)))
+                      float(d.get("attention_kv_s", 0.0)),
+                      float(d.get("attention_tile_flops", 0.0)),
+                      float(d.get("attention_tile_kv_s", 0.0)),
+                      int(d.get("attention_tile_min_group", 0)))
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise ValueError(f"not the engine-rates JSON ({exc!r}): {text[:200]}") from None
         per_path = len(rows) * max(1, len(out.matmul_k))
         if "bf16" not in rates or any(len(v) != per_path for v in rates.values()) or min(
                 [out.step_overhead_s, out.layer_overhead_s, out.attention_flops,
-                 out.attention_seq_s, out.attention_kv_s,
+                 out.attention_seq_s, out.attention_kv_s, out.attention_tile_flops,
+                 out.attention_tile_kv_s, out.attention_tile_min_group,
                  out.elementwise_s, out.seq_overhead_s, out.logit_s,
                  *(x for v in rates.values() for x in v)]) < 0 or any(
                 len(v) != len(out.gemv_k) or min(v, default=1.0) <= 0
@@ -300,7 +323,9 @@ def measure_figures(threads: int | None = None, *,
                       elementwise_s=e.elementwise_s, seq_overhead_s=e.seq_overhead_s,
                       logit_s=e.logit_s, gemv_k=e.gemv_k, gemv_bytes_per_s=e.gemv_bytes_per_s,
                       matmul_k=e.matmul_k, attention_seq_s=e.attention_seq_s,
-                      attention_kv_s=e.attention_kv_s)
+                      attention_kv_s=e.attention_kv_s, attention_tile_flops=e.attention_tile_flops,
+                      attention_tile_kv_s=e.attention_tile_kv_s,
+                      attention_tile_min_group=e.attention_tile_min_group)
 
 
 def reusable_engine_rates(cached: CpuFigures | None, *, now: float, model: str,
@@ -315,7 +340,9 @@ def reusable_engine_rates(cached: CpuFigures | None, *, now: float, model: str,
                        cached.attention_flops, cached.step_overhead_s, cached.layer_overhead_s,
                        cached.elementwise_s, cached.seq_overhead_s, cached.logit_s,
                        tuple(cached.gemv_k), dict(cached.gemv_bytes_per_s),
-                       tuple(cached.matmul_k), cached.attention_seq_s, cached.attention_kv_s)
+                       tuple(cached.matmul_k), cached.attention_seq_s, cached.attention_kv_s,
+                       cached.attention_tile_flops, cached.attention_tile_kv_s,
+                       cached.attention_tile_min_group)
 
 
 def cached_is_usable(cached: CpuFigures, *, now: float, model: str, threads: int,

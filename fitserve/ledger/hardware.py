@@ -22,7 +22,7 @@ from fitserve.ledger.formats import GGUF_PACKED
 # 4: the engine rates (one thread's CPU time x threads) beside the bandwidth; 5: + the
 # element-wise cost per token and the cost per sampled sequence; 6: + the one-row linears'
 # weight stream rate; 9: the int4 linears measured on the layout the engine holds (panels)
-CPU_CACHE_VERSION = 9
+CPU_CACHE_VERSION = 10
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,12 @@ class Hardware:
     matmul_k: tuple[int, ...] = ()
     attention_seq_s: float = 0.0
     attention_kv_s: float = 0.0  # decode attention per KV head, key and head dimension
+    # a CPU: the decode attention on the AMX-BF16 tile, which the engine runs for models with at
+    # least attention_tile_min_group query heads per KV head (0: never on this CPU): its query
+    # heads' FLOP/s and its cost per KV head, key and head dimension (in place of the two above)
+    attention_tile_flops: float = 0.0
+    attention_tile_kv_s: float = 0.0
+    attention_tile_min_group: int = 0
 
     def weight_stream_rate(self, fmt: str, k: int) -> float:
         """Weight bytes/s this CPU's one-row linears reach on weights held as ``fmt`` with rows
@@ -263,7 +269,9 @@ def cpu_hardware(*, refresh: bool = False) -> Hardware:
         gemv_k=tuple(figures.gemv_k),
         gemv_rates=tuple((p, tuple(v)) for p, v in sorted(figures.gemv_bytes_per_s.items())),
         matmul_k=tuple(figures.matmul_k), attention_seq_s=figures.attention_seq_s,
-        attention_kv_s=figures.attention_kv_s)
+        attention_kv_s=figures.attention_kv_s, attention_tile_flops=figures.attention_tile_flops,
+        attention_tile_kv_s=figures.attention_tile_kv_s,
+        attention_tile_min_group=figures.attention_tile_min_group)
 
 
 def measured_cpu(*, mem_bytes_per_s: float, engine: cpu_measure.EngineRates,
@@ -281,7 +289,8 @@ def measured_cpu(*, mem_bytes_per_s: float, engine: cpu_measure.EngineRates,
                f"GFLOP/s{_k_note(engine.matmul_k)}, decode attention "
                f"{engine.attention_flops / 1e9:.0f} GFLOP/s + "
                f"{engine.attention_seq_s * 1e9:.0f} ns per sequence and KV head + "
-               f"{engine.attention_kv_s * 1e12:.2f} ps per KV head, key and dimension, "
+               f"{engine.attention_kv_s * 1e12:.2f} ps per KV head, key and dimension"
+               f"{cpu_measure.describe_tile(engine)}, "
                f"overhead {engine.step_overhead_s * 1e3:.3f} ms + "
                f"{engine.layer_overhead_s * 1e6:.1f} us per layer + "
                f"{engine.seq_overhead_s * 1e6:.1f} us per sequence, element-wise "
@@ -295,7 +304,9 @@ def measured_cpu(*, mem_bytes_per_s: float, engine: cpu_measure.EngineRates,
         gemv_k=tuple(engine.gemv_k),
         gemv_rates=tuple((p, tuple(v)) for p, v in sorted(engine.gemv_bytes_per_s.items())),
         matmul_k=tuple(engine.matmul_k), attention_seq_s=engine.attention_seq_s,
-        attention_kv_s=engine.attention_kv_s)
+        attention_kv_s=engine.attention_kv_s, attention_tile_flops=engine.attention_tile_flops,
+        attention_tile_kv_s=engine.attention_tile_kv_s,
+        attention_tile_min_group=engine.attention_tile_min_group)
 
 
 def _k_note(ks: tuple[int, ...]) -> str:

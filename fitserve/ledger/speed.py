@@ -141,9 +141,21 @@ def decode_attention_seconds(spec: ModelSpec, hw: Hardware, attn: float, seqs: i
     per (sequence, KV head, layer) (``attention_fixed_seconds``); 0 without FLOPs or rate."""
     if not attn or not hw.attention_flops:
         return 0.0
+    flops, kv_s = hw.attention_flops, hw.attention_kv_s
+    if runs_attention_tile(spec, hw):  # the AMX tile's own rates (cost nearly flat in G)
+        flops, kv_s = hw.attention_tile_flops, hw.attention_tile_kv_s
     layer_keys = attn * tp / attention_flops_per_position(spec)
-    kv = layer_keys * max(1, spec.num_kv_heads // tp) * spec.head_dim * hw.attention_kv_s
-    return attn / hw.attention_flops + kv + attention_fixed_seconds(spec, hw, seqs, tp)
+    kv = layer_keys * max(1, spec.num_kv_heads // tp) * spec.head_dim * kv_s
+    return attn / flops + kv + attention_fixed_seconds(spec, hw, seqs, tp)
+
+
+def runs_attention_tile(spec: ModelSpec, hw: Hardware) -> bool:
+    """Whether this CPU's engine runs ``spec``'s decode attention on the AMX-BF16 tile: it has
+    the tile's measured rates and the model at least attention_tile_min_group query heads per
+    KV head (``FITSERVE_AMX_ATTENTION=auto``'s rule, measured as the engine runs it)."""
+    group = spec.num_heads // max(1, spec.num_kv_heads)
+    return bool(hw.attention_tile_min_group and hw.attention_tile_flops
+                and group >= hw.attention_tile_min_group)
 
 
 def prefill_attention_seconds(hw: Hardware, attn: float) -> float:

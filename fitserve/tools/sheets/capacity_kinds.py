@@ -100,5 +100,6 @@ def cpu_replica_hardware(hw: Hardware, threads: int) -> Hardware:
         mem_bytes_per_s=hw.mem_bytes_per_s * f, bf16_flops=hw.bf16_flops * f,
         matmul_rates=tuple((p, tuple(x * f for x in v)) for p, v in hw.matmul_rates),
         attention_flops=hw.attention_flops * f, attention_seq_s=hw.attention_seq_s / f,
-        attention_kv_s=hw.attention_kv_s / f, cores=threads,
+        attention_kv_s=hw.attention_kv_s / f, attention_tile_flops=hw.attention_tile_flops * f,
+        attention_tile_kv_s=hw.attention_tile_kv_s / f, cores=threads,
         source=f"{threads} of the {hw.cores} threads of {hw.source}")

@@ -108,6 +108,14 @@ def test_engine_rates_carry_each_k_and_the_attention_items() -> None:
     assert "(each at K = 576/2048)" in hw.source and "600 ns per sequence" in hw.source
     old = cpu_measure.EngineRates.from_json(ENGINE_JSON)  # one K, no items: as before
     assert old.matmul_k == () and old.attention_seq_s == old.attention_kv_s == 0.0
+    assert old.attention_tile_min_group == 0 and "AMX tile" not in hw.source
+    tiled = cpu_measure.EngineRates.from_json(at_k.replace('"attention_kv_s": 2e-12', (
+        '"attention_kv_s": 2e-12, "attention_tile_flops": 2e11, "attention_tile_kv_s": 1e-12, '
+        '"attention_tile_min_group": 8')))
+    hw = measured_cpu(mem_bytes_per_s=5e10, engine=tiled, threads=2)
+    assert (hw.attention_tile_flops, hw.attention_tile_kv_s, hw.attention_tile_min_group) == (
+        2e11, 1e-12, 8)
+    assert "on the AMX tile from 8 query heads per KV head: 200 GFLOP/s" in hw.source
     for bad in (at_k.replace("[3e11, 7e11, 4e11, 8e11]", "[3e11, 7e11]"),
                 at_k.replace("6e-07", "-6e-07"), at_k.replace("2e-12", "-2e-12")):
         with pytest.raises(ValueError, match="mismatched or negative"):

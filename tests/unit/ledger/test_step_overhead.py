@@ -18,6 +18,7 @@ from fitserve.ledger.speed import (
     decode_attention_seconds,
     decode_step,
     prefill_time,
+    runs_attention_tile,
     workload_speed,
 )
 from fitserve.ledger.step_time import roofline_step_model
@@ -101,6 +102,24 @@ def test_decode_attention_pays_its_fixed_cost_per_sequence_and_kv_head() -> None
     assert decode_attention_seconds(SMOL, kv, 32 * tf.attention / 3, 32, tp=3) == pytest.approx(
         32 * tf.attention / 3 / 40e9 + 32 * 30 * 5e-7 + 32 * 30 * 200 * 64 * 2e-12, rel=1e-12)
     assert decode_attention_seconds(SMOL, kv, 0.0, 32) == 0.0  # no decodes: no attention
+
+
+def test_decode_attention_on_the_amx_tile_from_its_group() -> None:
+    """Where the CPU runs the AMX-BF16 tile from 8 query heads per KV head, a model with that
+    many pays the tile's rates (its FLOPs at attention_tile_flops, its KV rows at
+    attention_tile_kv_s; the fixed cost per item unchanged); SmolLM2 (3 per KV head) keeps the
+    vector tile's."""
+    tile = dataclasses.replace(CPU, attention_seq_s=5e-7, attention_kv_s=2e-12,
+                               attention_tile_flops=160e9, attention_tile_kv_s=1e-12,
+                               attention_tile_min_group=8)
+    wide = dataclasses.replace(SMOL, num_heads=24, num_kv_heads=3)  # 8 query heads per KV head
+    fixed = 32 * 30 * 3 * 5e-7
+    for spec, flops, kv_s in ((SMOL, 40e9, 2e-12), (wide, 160e9, 1e-12)):
+        attn = 32 * flops_per_token(spec, 200).attention
+        assert runs_attention_tile(spec, tile) == (spec is wide)
+        assert decode_attention_seconds(spec, tile, attn, 32) == pytest.approx(
+            attn / flops + 32 * 30 * 200 * 3 * 64 * kv_s + fixed, rel=1e-12)
+    assert not runs_attention_tile(wide, dataclasses.replace(tile, attention_tile_min_group=0))
 
 
 def test_decode_step_adds_attention_and_overhead_to_the_larger_floor() -> None:

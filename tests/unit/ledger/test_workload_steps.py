@@ -111,3 +111,37 @@ def test_probe_counts_the_elements_the_ledger_scales_by() -> None:
     for spec in (ref, catalog_entry("Llama-3.1-8B").spec):
         assert probe.elementwise_elements(spec.hidden_size, spec.q_size, spec.kv_size,
                                           spec.intermediate_size) == elementwise_elements(spec)
+
+
+@pytest.mark.parametrize(("mode", "group"), [("auto", 8), ("all", 1), ("off", 0), ("prefill", 0)])
+def test_attention_probes_recover_the_costs_they_model(monkeypatch: pytest.MonkeyPatch,
+                                                       mode: str, group: int) -> None:
+    """The decode attention probes (fitserve.engine.cpu_rates) solve t(Hq, L) = Hkv x item + L x
+    (Hkv x c_kv + Hq x c_q) per sequence for its three costs: on timings made from known costs
+    (one set for the vector tile, another for the AMX tile from 8 query heads per KV head) they
+    give those costs back, as FLOP/s (4 FLOPs per query head, key and dimension) and per-thread
+    figures; the tile's figures only where the engine runs the tile ("auto" from 8, "all")."""
+    from fitserve.engine import cpu_rates as probe
+    from fitserve.kernels.cpu import paged_attention
+
+    item, vec, tile = 3e-7, (2e-10, 5e-10), (1e-10, 4e-11)  # item; (c_kv, c_q) per key
+
+    def seconds(keys: int, repeats: int, batch: int, hq: int = 8) -> float:
+        hkv = probe.ATTENTION_KV_HEADS
+        c_kv, c_q = tile if hq >= 8 * hkv else vec
+        return batch * (hkv * item + keys * (hkv * c_kv + hq * c_q))
+
+    monkeypatch.setattr(probe, "_attention_seconds", seconds)
+    monkeypatch.setattr(paged_attention, "amx_mode", lambda: mode)
+    threads, d = 2, 64
+    flops, kv_s, seq_s = probe.measure_attention_rate(threads)
+    assert flops == pytest.approx(threads * 4 * d / vec[1], rel=1e-9)
+    assert kv_s == pytest.approx(vec[0] / d / threads, rel=1e-9)
+    assert seq_s == pytest.approx(item / threads, rel=1e-6)
+    t_flops, t_kv_s, t_group = probe.measure_attention_tile_rate(threads, seq_s * threads)
+    assert t_group == group
+    if group:
+        assert t_flops == pytest.approx(threads * 4 * d / tile[1], rel=1e-9)
+        assert t_kv_s == pytest.approx(tile[0] / d / threads, rel=1e-6)
+    else:
+        assert t_flops == t_kv_s == 0.0

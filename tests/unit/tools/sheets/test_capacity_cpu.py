@@ -150,8 +150,11 @@ def test_a_replica_of_fewer_threads_takes_its_share_of_every_cpu_figure() -> Non
 
     hw = Hardware("cpu", 1 << 34, 20e9, 100e9, None, None, "none", 0.0, 0.0, "test", cores=4,
                   matmul_rows=(32,), matmul_rates=(("bf16", (400e9,)),), attention_flops=80e9,
-                  attention_seq_s=5e-7, attention_kv_s=2e-12)
+                  attention_seq_s=5e-7, attention_kv_s=2e-12, attention_tile_flops=300e9,
+                  attention_tile_kv_s=3e-12, attention_tile_min_group=8)
     half = cpu_replica_hardware(hw, 2)
     assert (half.cores, half.matmul_rates, half.attention_flops) == (2, (("bf16", (200e9,)),),
                                                                     40e9)
     assert (half.attention_seq_s, half.attention_kv_s) == (1e-6, 4e-12)
+    assert (half.attention_tile_flops, half.attention_tile_kv_s,
+            half.attention_tile_min_group) == (150e9, 6e-12, 8)
