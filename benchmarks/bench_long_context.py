@@ -1,6 +1,8 @@
 """Single-stream decode at long contexts (512, 2k, 4k, 8k tokens) on the default model:
 fitserve beside llama.cpp on the same GGUF, each as tok/s and as a fraction of its bandwidth
-limit, (weights + KV bytes read per token) / the copy bandwidth measured in the same run.
+limit, (weights + KV bytes read per token) / the copy bandwidth measured in the same run, and
+for fitserve also over a plain read's bandwidth ("of read": issue 43.3's "measured read
+bandwidth"; cpu_measure.measure_read_bandwidth, measured beside the copy).
 
     .venv/bin/python benchmarks/bench_long_context.py
     .venv/bin/python benchmarks/bench_long_context.py --contexts 512,4096 --new 64 --rounds 2
@@ -103,16 +105,17 @@ def tok_s(step_s: list[float]) -> float:
 
 
 def report(results: dict[str, list[dict[str, Any]]], bws: list[float], contexts: list[int],
-           new: int, gguf_bytes: int) -> None:
-    bw = statistics.median(bws)
+           new: int, gguf_bytes: int, rbws: list[float]) -> None:
+    bw, rbw = statistics.median(bws), statistics.median(rbws)
     fs, lc = results.get("fitserve") or [], results.get("llama.cpp") or []
-    print(f"\ncopy bandwidth {bw / 1e9:.1f} GB/s (median of {len(bws)} measured before each "
-          f"round); limit = bandwidth / (weights + KV bytes at the step's mean context)")
+    print(f"\ncopy bandwidth {bw / 1e9:.1f} GB/s, read {rbw / 1e9:.1f} GB/s (medians of "
+          f"{len(bws)} measured before each round); limit = bandwidth / (weights + KV bytes at "
+          f"the step's mean context)")
     if fs:
         print(f"fitserve reads {fs[0]['weight_bytes'] / 1e6:.1f} MB of weights + "
               f"{fs[0]['kv_bytes_per_key'] / 1e3:.1f} KB of KV per context token; llama.cpp "
               f"{gguf_bytes / 1e6:.1f} MB (the GGUF) + the same KV (f16)")
-    print(f"{'context':>8}{'fitserve tok/s':>16}{'of limit':>9}{'llama.cpp tok/s':>17}"
+    print(f"{'context':>8}{'fitserve tok/s':>16}{'of limit':>9}{'of read':>8}{'llama.cpp tok/s':>17}"
           f"{'of limit':>9}{'ratio':>7}{'attn ms':>9}{'attn GB/s':>10}{'of step':>8}")
     for n in contexts:
         mean_ctx = n - new / 2
@@ -121,9 +124,9 @@ def report(results: dict[str, list[dict[str, Any]]], bws: list[float], contexts:
         l_t = statistics.median(tok_s(r["decode_step_s"][str(n)]) for r in lc) if lc else None
         if fs and f_t:
             per_tok = fs[0]["weight_bytes"] + fs[0]["kv_bytes_per_key"] * mean_ctx
-            row += f"{f_t:16.1f}{f_t * per_tok / bw:9.0%}"
+            row += f"{f_t:16.1f}{f_t * per_tok / bw:9.0%}{f_t * per_tok / rbw:8.0%}"
         else:
-            row += f"{'-':>16}{'-':>9}"
+            row += f"{'-':>16}{'-':>9}{'-':>8}"
         if lc and l_t and fs:
             per_tok = gguf_bytes + fs[0]["kv_bytes_per_key"] * mean_ctx
             row += f"{l_t:17.1f}{l_t * per_tok / bw:9.0%}"
@@ -138,7 +141,7 @@ def report(results: dict[str, list[dict[str, Any]]], bws: list[float], contexts:
 
 
 def main() -> None:
-    from fitserve.ledger.cpu_measure import measure_copy_bandwidth
+    from fitserve.ledger.cpu_measure import measure_copy_bandwidth, measure_read_bandwidth
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
@@ -177,8 +180,10 @@ def main() -> None:
             print(f"llama.cpp: no venv at {args.llamacpp_python} (skipped)")
     results: dict[str, list[dict[str, Any]]] = {n: [] for n in jobs}
     bws: list[float] = []
+    rbws: list[float] = []
     for rnd in range(args.rounds):
         bws.append(measure_copy_bandwidth())
+        rbws.append(measure_read_bandwidth())
         for name, job in jobs.items():
             r = job()
             if r is not None:
@@ -187,7 +192,7 @@ def main() -> None:
                                   for n in contexts)
                 print(f"  round {rnd + 1}: {name} tok/s {rates} (load {os.getloadavg()[0]:.1f})",
                       flush=True)
-    report(results, bws, contexts, args.new, Path(gguf).stat().st_size)
+    report(results, bws, contexts, args.new, Path(gguf).stat().st_size, rbws)
     print(f"load average at the end {os.getloadavg()}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
