@@ -1,12 +1,13 @@
 """The paged decode attention's time per key and KV head, K/V in cache vs from DRAM.
 
-    PYTHONPATH=$PWD python benchmarks/bench_decode_attention_stream.py
+    PYTHONPATH=$PWD python benchmarks/bench_decode_attention_stream.py [--blocks 16,64]
 
 One thread, timed by its CPU clock; SmolLM2-135M's heads (9 query / 3 KV heads of 64), bf16
 cache, blocks of 16 interleaved as W2's sequences get them. Each case calls the op on `layers`
 caches in turn: one layer's cache stays in cache, 30 or 60 layers' caches come from DRAM, so
 the two rows of a batch size show the kernel's own work and how near it streams to it. Prints
-ns per (key, KV head) and the K/V bytes read per second.
+ns per (key, KV head) and the K/V bytes read per second; ``--blocks`` repeats every case at each
+KV block size (tokens per block; the engine's default is 16).
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ def decode_inputs(batch: int, keys: int, hq: int, hkv: int, d: int, layers: int,
     return q, tables, lens, caches
 
 
-def case(batch: int, keys: int, layers: int, reps: int) -> None:
+def case(batch: int, keys: int, layers: int, reps: int, block: int = 16) -> None:
     hkv, d = 3, 64
-    q, tables, lens, caches = decode_inputs(batch, keys, 9, hkv, d, layers)
+    q, tables, lens, caches = decode_inputs(batch, keys, 9, hkv, d, layers, block)
 
     def step() -> None:
         for k, v in caches:
@@ -55,16 +56,22 @@ def case(batch: int, keys: int, layers: int, reps: int) -> None:
         step()
     dt = (time.thread_time() - t) / reps / layers
     items = batch * hkv * keys
-    print(f"{batch:3d} sequences x {keys:5d} keys, {layers:2d} layers' caches: "
+    print(f"block {block:3d}, {batch:3d} sequences x {keys:5d} keys, {layers:2d} layers' caches: "
           f"{dt * 1e6:8.1f} us a layer, {dt / items * 1e9:5.1f} ns per key and KV head, "
           f"K/V {2 * items * d * 2 / dt / 1e9:5.1f} GB/s")
 
 
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--blocks", default="16", help="KV block sizes (tokens), comma-separated")
+    args = ap.parse_args()
     print(f"CPU: {cpu_description()}")
     torch.set_num_threads(1)
-    for c in CASES:
-        case(*c)
+    for block in (int(b) for b in args.blocks.split(",")):
+        for c in CASES:
+            case(*c, block=block)
 
 
 if __name__ == "__main__":
