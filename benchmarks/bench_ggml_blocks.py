@@ -31,7 +31,10 @@ quantization, the output) is not counted.
 --msweep times the K-quants' M > 1 calls (the batched decode of W2, the prefill) on one thread
 by its CPU clock, weights in cache (compute-bound at these M), at the 1.7B shapes 2048x2048,
 8192x2048, 2048x8192 and M = 2, 4, 8, 16, 32, 128: median us per call, ns per (weight row, x
-row, super-block) and us per row of x. For an A/B, run it in two trees one after the other.
+row, super-block) and us per row of x. Where the K-quants' AMX tiles are on
+(ggml_blocks.amx_active), each call is also timed with them off, the two alternated run by run,
+and the AMX / VNNI time printed (the same bits either way). For an A/B of two trees, run it in
+both one after the other.
 
     python benchmarks/bench_ggml_blocks.py --msweep [--types Q4_K] [--ms 8,32,128]
 """
@@ -47,7 +50,13 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from fitserve.kernels.cpu.ggml_blocks import GGML_KERNEL_TYPES, ggml_blocks_tier, ggml_matmul
+from fitserve.kernels.cpu.ggml_blocks import (
+    GGML_KERNEL_TYPES,
+    amx_active,
+    ggml_blocks_tier,
+    ggml_matmul,
+    set_amx,
+)
 from fitserve.kernels.cpu.isa import cpu_model_name, detect_isa
 from fitserve.kernels.cpu.qlinear import int4_linear, int8_linear
 
@@ -179,7 +188,9 @@ def msweep(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     print(f"CPU: {cpu_model_name()}; ISA: {detect_isa().describe()}; tier {ggml_blocks_tier()}; "
           f"one thread, CPU clock; load average {os.getloadavg()}")
-    print(f"{'N x K':>11} {'type':>5} {'M':>4} {'us/call':>9} {'ns/row/sb':>10} {'us/x row':>9}")
+    amx = amx_active()
+    print(f"{'N x K':>11} {'type':>5} {'M':>4} {'us/call':>9} {'ns/row/sb':>10} {'us/x row':>9}"
+          + (f" {'AMX / VNNI':>10}" if amx else ""))
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
         for t in args.types.split(","):
@@ -187,11 +198,18 @@ def msweep(args: argparse.Namespace) -> None:
             for m in [int(v) for v in args.ms.split(",")]:
                 x = torch.randn(m, k).bfloat16()
                 reps = max(2, int(2e8 // (n * k * m)))
-                per_call = statistics.median(calls_time(x, w, t, n, k, reps)
-                                             for _ in range(args.runs))
+                on, off = [], []
+                for _ in range(args.runs):
+                    on.append(calls_time(x, w, t, n, k, reps))
+                    if amx:
+                        set_amx(False)
+                        off.append(calls_time(x, w, t, n, k, reps))
+                        set_amx(True)
+                per_call = statistics.median(on)
+                ratio = f" {per_call / statistics.median(off):10.2f}" if amx else ""
                 print(f"{shape:>11} {t:>5} {m:>4} {per_call * 1e6:9.1f} "
-                      f"{per_call * 1e9 * 256 / (n * k * m):10.3f} {per_call * 1e6 / m:9.2f}",
-                      flush=True)
+                      f"{per_call * 1e9 * 256 / (n * k * m):10.3f} {per_call * 1e6 / m:9.2f}"
+                      + ratio, flush=True)
 
 
 def main() -> None:

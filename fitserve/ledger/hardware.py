@@ -21,7 +21,8 @@ from fitserve.ledger.formats import GGUF_PACKED
 
 # 4: the engine rates (one thread's CPU time x threads) beside the bandwidth; 5: + the
 # element-wise cost per token and the cost per sampled sequence; 6: + the one-row linears'
-# weight stream rate; 9: the int4 linears measured on the layout the engine holds (panels)
+# weight stream rate; 9: the int4 linears measured on the layout the engine holds (panels);
+# 10: + the decode attention's rates on the AMX-BF16 tile
 CPU_CACHE_VERSION = 10
 
 

@@ -21,21 +21,12 @@
 // whatever M.
 #pragma once
 
-#if defined(FS_GGML_AVX512) && defined(FITSERVE_AMX_INT8)
-
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
-#include "amx_state.h"
-
+#ifdef FS_GGML_AVX512
 namespace fitserve::ggml {
-
-constexpr int64_t kKqAmxRows = 16;  // rows of x per tile
-// NOTE: rows of x from which the tiles run (below: the VNNI panel tiles of kKqPanelTile rows).
-// AMX / VNNI panel time (one thread, alternated, Xeon with AMX): M = 8 0.96-1.04 (the panel's
-// decode is nearly all of such a call), M = 16 0.78-0.93, M = 32 0.68-0.85
-constexpr int64_t kKqAmxMinRows = 16;
 
 // Whether P's scales split into two 3-bit digits (Q4_K / Q5_K), and its super-block's zmm in
 // the AMX panel: the VNNI panel's (codes * hi in place of the codes), then the codes * lo.
@@ -47,6 +38,21 @@ template <class P>
 constexpr int64_t kq_amx_zmm() {
   return P::kZmm + (kq_amx_split<P>() ? 64 : 0);
 }
+
+}  // namespace fitserve::ggml
+#endif  // FS_GGML_AVX512
+
+#if defined(FS_GGML_AVX512) && defined(FITSERVE_AMX_INT8)
+
+#include "amx_state.h"
+
+namespace fitserve::ggml {
+
+constexpr int64_t kKqAmxRows = 16;  // rows of x per tile
+// NOTE: rows of x from which the tiles run (below: the VNNI panel tiles of kKqPanelTile rows).
+// AMX / VNNI panel time (bench_ggml_blocks.py --msweep, one thread, Xeon with AMX): M = 16
+// 0.75-0.87, M = 32 0.63-0.83; below 16 a tile would be mostly padding rows
+constexpr int64_t kKqAmxMinRows = 16;
 
 // Tiles. Split: 0, 1 = C_hi, C_lo; 2 = A (16 rows x 64 bytes); 4, 5 = B_hi, B_lo (16 x 64).
 // Q6_K: 0, 1 = C of two chunks; 2, 3 = A (16 x 16 bytes); 4, 5 = B (4 x 64).

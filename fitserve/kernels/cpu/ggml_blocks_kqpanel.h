@@ -250,11 +250,7 @@ template <class P>
 void kq_panel_run(const uint8_t* W, int64_t rb, int64_t nsb, const Act& a, int64_t M, int64_t n0,
                   int64_t N, float* out, bool amx) {
   static thread_local std::vector<__m512i> buf;
-#ifdef FITSERVE_AMX_INT8
   const int64_t zs = amx ? kq_amx_zmm<P>() : P::kZmm;  // zmm per super-block
-#else
-  const int64_t zs = P::kZmm;
-#endif
   if (static_cast<int64_t>(buf.size()) < nsb * zs) buf.resize(nsb * zs);
   const int live_n = static_cast<int>(std::min<int64_t>(kPanelLanes, N - n0));
   const uint8_t* rows[kPanelLanes];
@@ -276,13 +272,11 @@ void kq_panel_run(const uint8_t* W, int64_t rb, int64_t nsb, const Act& a, int64
     for (int64_t o = sb * kPanelLanes * P::kBytes;
          o < std::min<int64_t>(next_bytes, (sb + 1) * kPanelLanes * P::kBytes); o += 64)
       _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T1);
-#ifdef FITSERVE_AMX_INT8
     if constexpr (kq_amx_split<P>())
       if (amx) {
         P::template pack<true>(rows, idx, sb, buf.data() + sb * zs);
         continue;
       }
-#endif
     P::pack(rows, idx, sb, buf.data() + sb * zs);
   }
   const __mmask16 live = static_cast<__mmask16>((1u << live_n) - 1);
