@@ -168,6 +168,11 @@ GGUF_PACKED: dict[str, str] = {"Q4_0": "int4-g32-sym", "Q4_1": "int4-g32-asym",
 GGML_HELD_TYPES: tuple[str, ...] = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS",
                                     "MXFP4")
 
+# GGUF types held as another held type's blocks, converted exactly at load (the same values
+# bit for bit: fitserve.quant.ggml_repack): Q3_K's per-16-column (6-bit scale - 32, 3-bit code
+# - 4) is a Q6_K super-block with codes 28..35, 1.9x the file's bytes instead of bf16's 4.65x.
+GGML_REPACKED: dict[str, str] = {"Q3_K": "Q6_K"}
+
 # Spellings accepted for the same format (config.json torch_dtype, ggml names, CLI habits).
 ALIASES: dict[str, str] = {
     "float32": "f32", "fp32": "f32", "F32": "f32",
@@ -301,7 +306,8 @@ def engine_tensor_format(choice: str, stored: str, role: str, dtype: str) -> str
     """The format the engine holds one tensor in, for a ``--weights`` choice.
 
     ``choice``: "auto"/"as-stored" (GGUF Q4_0/Q4_1/Q8_0 packed as stored, see GGUF_PACKED;
-    the GGML_HELD_TYPES as their raw blocks, the format being the type; a `fitserve quantize`
+    the GGML_HELD_TYPES as their raw blocks, the format being the type, GGML_REPACKED types
+    as the blocks of the type they convert to exactly; a `fitserve quantize`
     checkpoint's engine layouts such as "int4-g128-sym" as they are; anything else
     dequantized or converted to the model dtype), "int4"/"int8" (RTN at load,
     RTN_FORMATS), or a dense dtype ("bf16", "float32": every tensor in it). ``stored``: the
@@ -320,6 +326,8 @@ def engine_tensor_format(choice: str, stored: str, role: str, dtype: str) -> str
             return weight_format(name).name  # an engine layout as stored (fitserve quantize)
         if name.upper() in GGML_HELD_TYPES:
             return name.upper()
+        if name.upper() in GGML_REPACKED:
+            return GGML_REPACKED[name.upper()]
         return GGUF_PACKED.get(name.upper(), model)
     if choice in RTN_FORMATS:
         return RTN_FORMATS[choice][0 if role == "matrix" else 1]

@@ -29,7 +29,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from fitserve.config import GEMMA_ARCHITECTURES, ModelSpec
-from fitserve.ledger.formats import GGML_HELD_TYPES, GGUF_PACKED
+from fitserve.ledger.formats import GGML_HELD_TYPES, GGML_REPACKED, GGUF_PACKED
 from fitserve.loading.errors import ModelLoadError, UnsupportedTensorTypeError
 from fitserve.loading.fused_weights import fused_parts
 from fitserve.loading.generation_defaults import GenerationDefaults, from_gguf_metadata
@@ -54,6 +54,7 @@ from fitserve.loading.support import (
 from fitserve.loading.tokenizer import Tokenizer
 from fitserve.quant.convert import held_format, hold
 from fitserve.quant.ggml_blocks import ggml_from_gguf
+from fitserve.quant.ggml_repack import repacked
 from fitserve.quant.gguf_map import packed_from_gguf
 from fitserve.quant.held import HeldTensor, dtype_table_name
 
@@ -135,6 +136,7 @@ def read_gguf_weights(
     stored: dict[str, str] = {}
     elements: Counter[str] = Counter()
     dequantized: dict[str, list[str]] = {}  # quantized type -> the formats its tensors went to
+    repacked_as: dict[str, int] = {}  # GGML_REPACKED type -> its tensors held converted
     for t in reader.tensors:
         if t.name in ROPE_TENSORS:
             continue
@@ -151,10 +153,15 @@ def read_gguf_weights(
                                    weights)
             if fmt is not None and type_name not in _FLOAT_TYPES:
                 dequantized.setdefault(type_name, []).append(fmt)
+            elif fmt is None and type_name in GGML_REPACKED:
+                repacked_as[type_name] = repacked_as.get(type_name, 0) + 1
         if len(shape) >= 2:
             elements[type_name] += int(np.prod(shape))
         release_file_pages(reader, t.data)  # copied out up to here: the file's pages may go
     release_file_pages(reader, reader.data)  # the last tensor's fault-around pages past its end
+    for type_name, count in repacked_as.items():
+        log.info("%s: %d %s tensor(s) held as %s blocks (converted exactly at load)",
+                 path.name, count, type_name, GGML_REPACKED[type_name])
     for type_name, fmts in dequantized.items():
         log.info("%s: %d %s tensor(s) dequantized at load, held as %s", path.name, len(fmts),
                  type_name, ", ".join(sorted(set(fmts))))
@@ -214,9 +221,13 @@ def _held(t: Any, hf: str, rows: np.ndarray | None, type_name: str, shape: tuple
     fmt = (dtype_table_name(dtype) if weights is None
            else held_format(weights, hf, len(shape), type_name, dtype))
     as_blocks = fmt == type_name and type_name in GGML_HELD_TYPES
-    if len(shape) == 2 and (GGUF_PACKED.get(type_name) == fmt or as_blocks):
-        make = ggml_from_gguf if as_blocks else packed_from_gguf
+    repack = GGML_REPACKED.get(type_name) == fmt
+    if len(shape) == 2 and (GGUF_PACKED.get(type_name) == fmt or as_blocks or repack):
         try:
+            if repack:  # the held type's blocks, the same values exactly (ggml_repack)
+                blocks = repacked(t.data, type_name, fmt, (shape[0], shape[1]))
+                return ggml_from_gguf(blocks, fmt, (shape[0], shape[1]), order), None
+            make = ggml_from_gguf if as_blocks else packed_from_gguf
             return make(t.data, type_name, (shape[0], shape[1]), order), None
         except ValueError as exc:
             raise ModelLoadError(f"{path}: tensor {t.name!r} ({type_name}) is corrupt: "

@@ -182,9 +182,87 @@ def open_gguf(path: Path) -> GGUFReader:
     try:
         return _PlainArrayReader(path)
     except Exception as exc:  # the reader raises ValueError/IndexError/struct errors on bad data
+        unknown = _unknown_tensor_type(path)
+        if unknown is not None:
+            name, type_id = unknown
+            raise ModelLoadError(
+                f"{path}: tensor {name!r} has ggml type {type_id}, which the gguf library "
+                f"(gguf-py {_gguf_version()}) does not know: a type newer than it (made by a "
+                f"newer llama.cpp) or a corrupt file. Known types: "
+                f"{', '.join(t.name for t in GGMLQuantizationType)}; re-quantize the model to "
+                "one of them (e.g. Q4_K_M, Q8_0)") from exc
         raise ModelLoadError(
             f"{path}: corrupt or truncated GGUF file ({type(exc).__name__}: {exc})"
         ) from exc
+
+
+def _gguf_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gguf")
+    except PackageNotFoundError:
+        return "unknown version"
+
+
+# GGUF metadata value types -> their fixed size in bytes (8 = string, 9 = array: variable)
+_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def _unknown_tensor_type(path: Path) -> tuple[str, int] | None:
+    """The first tensor whose ggml type id gguf-py does not know, as (name, id), read from the
+    file's own header (gguf-py stops at that id without saying where); None when every tensor's
+    type is known or the header cannot be walked (then the file is corrupt, not new)."""
+    known = {int(t) for t in GGMLQuantizationType}
+    try:
+        buf = np.memmap(path, dtype=np.uint8, mode="r")
+        pos = 4
+
+        def take(n: int) -> bytes:
+            nonlocal pos
+            if pos + n > len(buf):
+                raise ValueError("past the end")
+            out = buf[pos:pos + n].tobytes()
+            pos += n
+            return out
+
+        def u32() -> int:
+            return int.from_bytes(take(4), "little")
+
+        def u64() -> int:
+            return int.from_bytes(take(8), "little")
+
+        def skip_value(vtype: int) -> None:
+            if vtype == 8:
+                take(u64())
+            elif vtype == 9:
+                sub, count = u32(), u64()
+                if sub in _GGUF_SCALAR_BYTES:
+                    take(count * _GGUF_SCALAR_BYTES[sub])
+                else:
+                    for _ in range(count):
+                        skip_value(sub)
+            elif vtype in _GGUF_SCALAR_BYTES:
+                take(_GGUF_SCALAR_BYTES[vtype])
+            else:
+                raise ValueError(f"metadata value type {vtype}")
+
+        if u32() < 2:  # version 1 files use 32-bit counts; gguf-py reads only v2+ anyway
+            return None
+        n_tensors, n_kv = u64(), u64()
+        for _ in range(n_kv):
+            take(u64())  # the key
+            skip_value(u32())
+        for _ in range(n_tensors):
+            name = take(u64()).decode("utf-8", "replace")
+            take(8 * u32())  # the dimensions
+            type_id = u32()
+            take(8)  # the data offset
+            if type_id not in known:
+                return name, type_id
+    except (ValueError, OSError, RecursionError):
+        return None
+    return None
 
 
 def gguf_fields(reader: GGUFReader) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """The ledger follows a GGUF file's real per-tensor mix: `fitserve plan PATH --gpu cpu --json`
 reports the very bytes an Engine on PATH holds (counted from the model's own storages) for
 K-quant files held as their raw ggml blocks, a Q4_K_M-like mix (Q4_K + Q6_K + Q5_0 rows),
-types dequantized at load, and the explicit --weights choices re-quantizing them; a Q4_K
+Q3_K held as Q6_K blocks, types dequantized at load, and the explicit --weights choices re-quantizing them; a Q4_K
 file is held at 4.5 bits per weight, not bf16's 16."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def ggml_formats(engine: Engine) -> set[str]:
 @pytest.mark.parametrize("choice", ["as-stored", "int4", "int8", "bfloat16"])
 @pytest.mark.parametrize(("case", "held"), [
     (Q4_K_M_LIKE, {"Q4_K", "Q6_K", "Q5_0"}),
-    (DEQUANT_MIX, {"Q5_K", "Q5_1", "IQ4_XS"}),
+    (DEQUANT_MIX, {"Q5_K", "Q5_1", "IQ4_XS", "Q6_K"}),  # Q3_K held as Q6_K blocks
 ], ids=["q4_k_m-like-tied", "q5_k-with-q3_k-q2_k"])
 def test_ggml_plan_equals_engine(tmp_path: Path, case: TinyGGUF, held: set[str], choice: str,
                                  capsys: pytest.CaptureFixture[str]) -> None:
@@ -76,6 +76,7 @@ def test_one_log_line_per_dequantized_type(tmp_path: Path,
     path = write_tiny_gguf(tmp_path / "m.gguf", DEQUANT_MIX)
     with caplog.at_level(logging.INFO, logger="fitserve.loading"):
         Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", **COMMON))
-    lines = [r.getMessage() for r in caplog.records if "dequantized at load" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if " at load" in r.getMessage()]
     assert sorted(lines) == ["m.gguf: 2 Q2_K tensor(s) dequantized at load, held as f32",
-                             "m.gguf: 2 Q3_K tensor(s) dequantized at load, held as f32"]
+                             "m.gguf: 2 Q3_K tensor(s) held as Q6_K blocks (converted exactly "
+                             "at load)"]

@@ -1,5 +1,5 @@
-"""GGUF files of every held-as-stored type (and a Q4_K_M-like mix, and types dequantized at
-load), run by the engine with the weights as the file's raw ggml blocks, against transformers
+"""GGUF files of every held-as-stored type (and a Q4_K_M-like mix, Q3_K held as Q6_K blocks,
+and a type dequantized at load), run by the engine with the weights as the file's raw ggml blocks, against transformers
 loading the same file with its own GGUF loader (gguf.quants dequantization, its own Q/K
 un-permutation): the same greedy tokens, every step's top-5 logprobs within EXACT_TOL.
 
@@ -31,8 +31,9 @@ CASES = {
     "Q4_K_M-like": (TinyGGUF(**SHAPE, qtype=Q.Q4_K, embd_qtype=Q.Q6_K, tied=True,
                              types={"attn_v": Q.Q6_K, "ffn_down": Q.Q5_0}),
                     {"Q4_K", "Q6_K", "Q5_0"}),
-    "Q3_K-dequantized": (TinyGGUF(**SHAPE, qtype=Q.Q3_K, embd_qtype=Q.Q6_K,
-                                  types={"attn_k": Q.IQ4_XS}), {"Q6_K", "IQ4_XS"}),
+    # Q3_K held as Q6_K blocks (converted exactly at load), Q2_K dequantized
+    "Q3_K-as-Q6_K": (TinyGGUF(**SHAPE, qtype=Q.Q3_K, embd_qtype=Q.Q6_K,
+                              types={"attn_k": Q.IQ4_XS, "ffn_down": Q.Q2_K}), {"Q6_K", "IQ4_XS"}),
 }
 
 

@@ -319,6 +319,24 @@ def test_truncated_gguf(tmp_path: Path, keep: float) -> None:
         load_model(path)
 
 
+def test_tensor_type_unknown_to_gguf_py_is_named(tmp_path: Path) -> None:
+    """A ggml type id newer than the installed gguf-py (llama.cpp adds types: Q2_0 is 42) is
+    reported with the tensor and the id, not as a corrupt file."""
+    path = tmp_path / "newer.gguf"
+    write_gguf(path, qtype=Q.Q8_0)
+    data = bytearray(path.read_bytes())
+    name = b"blk.0.ffn_up.weight"
+    at = data.index(name) + len(name)  # then: n_dims u32, n_dims x u64, the type id u32
+    n_dims = int.from_bytes(data[at:at + 4], "little")
+    at += 4 + 8 * n_dims
+    assert int.from_bytes(data[at:at + 4], "little") == Q.Q8_0
+    data[at:at + 4] = (250).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match=r"newer\.gguf: tensor 'blk\.0\.ffn_up\.weight' "
+                       r"has ggml type 250, which the gguf library \(gguf-py .*\) does not know"):
+        load_model(path)
+
+
 def test_unsupported_architecture(tmp_path: Path) -> None:
     path = tmp_path / "gemma.gguf"
     write_gguf(path, arch="gemma")
