@@ -9,14 +9,18 @@
 // (Q4_K / Q5_K: kPerm128's order), so A = 16 rows of x's codes at stride K.
 //
 // Each chunk's integer dot is scaled by that chunk's scale (isum = sum_k sc_k dot_k), and a
-// vpmulld per row and chunk (2 uops on port 0) cost more than the tiles themselves. So:
-//   Q4_K / Q5_K (scales 0..63, codes <= 31): sc = 8 hi + lo with hi, lo in 0..7, and the panel
-//     holds the codes times hi and times lo instead (<= 217: still unsigned bytes; made by
-//     Q45KPanel::pack<true> as it decodes). Two tile accumulators over the super-block's 256 columns
-//     give isum = 8 * C_hi + C_lo: 8 tdpbsud of K = 64, no multiply.
-//   Q6_K (int8 scales, codes 0..63: no two-digit split whose products fit a byte): one tdpbsud
-//     per 16-column chunk, each result scaled by a vpmulld as the VNNI panel does.
-// Both are exact integers, and P::finish ends the super-block with the VNNI panel's own code, so
+// vpmulld per row and chunk (2 uops on port 0) cost more than the tiles themselves (Q6_K's first
+// version: 0.78-0.87 of the VNNI panel's time). So the panel holds the codes times the digits of
+// their chunk's scale instead, one plane per digit, and a plane's tile accumulator runs over the
+// super-block's 256 columns (tdp* of K = 64) with no multiply:
+//   Q4_K / Q5_K (scales 0..63, codes <= 31): sc = 8 hi + lo, hi and lo in 0..7; the planes are
+//     codes * hi and codes * lo (<= 217: unsigned bytes, made by Q45KPanel::pack<true> as it
+//     decodes); isum = 8 C_hi + C_lo (tdpbsud: x signed, planes unsigned).
+//   Q6_K (int8 scales, codes 0..63 with a -32 offset): sc = 64 a + 8 b + c, digits in -3..4, and
+//     the planes are the centred codes (q - 32) times a, b, c (-128..124: signed bytes,
+//     Q6KPanel::digit_planes); 64 C_a + 8 C_b + C_c is the super-block's sum with the offset
+//     already in it (tdpbssd), ended by Q6KPanel::finish_centered.
+// Both are exact integers, and the super-block ends with the VNNI panel's own fp32 ops, so
 // row m of the result has the bits of the VNNI panel, the row tiles and the GEMV (row m alone),
 // whatever M.
 #pragma once
@@ -28,15 +32,15 @@
 #ifdef FS_GGML_AVX512
 namespace fitserve::ggml {
 
-// Whether P's scales split into two 3-bit digits (Q4_K / Q5_K), and its super-block's zmm in
-// the AMX panel: the VNNI panel's (codes * hi in place of the codes), then the codes * lo.
+// Digit planes of P's AMX panel (Q4_K / Q5_K: 2, Q6_K: 3): the VNNI panel's kZmm with its codes
+// replaced by the first plane, then the other planes' 64 zmm each.
 template <class P>
-constexpr bool kq_amx_split() {
-  return !std::is_same_v<P, Q6KPanel>;
+constexpr int kq_amx_planes() {
+  return std::is_same_v<P, Q6KPanel> ? 3 : 2;
 }
 template <class P>
 constexpr int64_t kq_amx_zmm() {
-  return P::kZmm + (kq_amx_split<P>() ? 64 : 0);
+  return P::kZmm + 64 * (kq_amx_planes<P>() - 1);
 }
 
 }  // namespace fitserve::ggml
@@ -54,15 +58,16 @@ constexpr int64_t kKqAmxRows = 16;  // rows of x per tile
 // 0.75-0.87, M = 32 0.63-0.83; below 16 a tile would be mostly padding rows
 constexpr int64_t kKqAmxMinRows = 16;
 
-// Tiles. Split: 0, 1 = C_hi, C_lo; 2 = A (16 rows x 64 bytes); 4, 5 = B_hi, B_lo (16 x 64).
-// Q6_K: 0, 1 = C of two chunks; 2, 3 = A (16 x 16 bytes); 4, 5 = B (4 x 64).
+// Tiles: 0 .. planes - 1 = C of each digit plane (16 x 16 int32), 3 = A (16 rows of x x 64
+// bytes), 4 .. 3 + planes = B of each plane (16 x 64: 64 columns of 16 weight rows).
 template <class P>
 inline void kq_amx_configure() {
-  constexpr int CB = kq_amx_split<P>() ? 64 : 16;
   fitserve::AmxConfig c;
-  for (int t : {0, 1}) c.rows[t] = 16, c.colsb[t] = 64;
-  for (int t : {2, 3}) c.rows[t] = 16, c.colsb[t] = CB;
-  for (int t : {4, 5}) c.rows[t] = CB / 4, c.colsb[t] = 64;
+  for (int t = 0; t < kq_amx_planes<P>(); ++t) {
+    c.rows[t] = 16, c.colsb[t] = 64;
+    c.rows[4 + t] = 16, c.colsb[4 + t] = 64;
+  }
+  c.rows[3] = 16, c.colsb[3] = 64;
   _tile_loadconfig(&c);
 }
 
@@ -72,53 +77,48 @@ inline void kq_amx_configure() {
 template <class P>
 void kq_amx_rows(const __m512i* panel, int64_t nsb, const Act& a, int64_t m0, int64_t rows,
                  int64_t n0, int64_t N, __mmask16 live, float* out) {
-  alignas(64) int32_t C[2][kKqAmxRows * 16];
+  constexpr bool k6 = kq_amx_planes<P>() == 3;
+  alignas(64) int32_t C[kq_amx_planes<P>()][kKqAmxRows * 16];
   __m512 acc[kKqAmxRows];
   for (auto& v : acc) v = _mm512_setzero_ps();
   const int8_t* x = a.qrow(m0);
   for (int64_t sb = 0; sb < nsb; ++sb) {
     const __m512i* p = panel + sb * kq_amx_zmm<P>();
     const int8_t* xs = x + sb * 256;
-    __m512i isum[kKqAmxRows];
     _tile_zero(0);
     _tile_zero(1);
-    if constexpr (kq_amx_split<P>()) {
-      FS_GGML_UNROLL for (int s = 0; s < 4; ++s) {  // 64 columns (16 storage dwords) a step
-        _tile_loadd(2, xs + 64 * s, a.K);
-        _tile_loadd(4, p + 16 * s, 64);
-        _tile_loadd(5, p + P::kZmm + 16 * s, 64);
-        _tile_dpbsud(0, 2, 4);
-        _tile_dpbsud(1, 2, 5);
-      }
-      _tile_stored(0, C[0], 64);
-      _tile_stored(1, C[1], 64);
-      FS_GGML_UNROLL for (int r = 0; r < kKqAmxRows; ++r)
-        isum[r] = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(C[0] + 16 * r), 3),
-                                   _mm512_load_si512(C[1] + 16 * r));
-    } else {
-      for (auto& v : isum) v = _mm512_setzero_si512();
-      for (int k = 0; k < 16; k += 2) {  // two chunks in flight: tile ops overlap the scaling
-        if (k) {
-          _tile_zero(0);
-          _tile_zero(1);
-        }
-        _tile_loadd(2, xs + 16 * k, a.K);
-        _tile_loadd(4, p + 4 * k, 64);
-        _tile_loadd(3, xs + 16 * (k + 1), a.K);
-        _tile_loadd(5, p + 4 * (k + 1), 64);
-        _tile_dpbsud(0, 2, 4);
+    if constexpr (k6) _tile_zero(2);
+    FS_GGML_UNROLL for (int s = 0; s < 4; ++s) {  // 64 columns (16 storage dwords) a step
+      _tile_loadd(3, xs + 64 * s, a.K);
+      _tile_loadd(4, p + 16 * s, 64);
+      _tile_loadd(5, p + P::kZmm + 16 * s, 64);
+      if constexpr (k6) {
+        _tile_loadd(6, p + P::kZmm + 64 + 16 * s, 64);
+        _tile_dpbssd(0, 3, 4);
+        _tile_dpbssd(1, 3, 5);
+        _tile_dpbssd(2, 3, 6);
+      } else {
+        _tile_dpbsud(0, 3, 4);
         _tile_dpbsud(1, 3, 5);
-        _tile_stored(0, C[0], 64);
-        _tile_stored(1, C[1], 64);
-        const __m512i s0 = _mm512_load_si512(p + 64 + k), s1 = _mm512_load_si512(p + 64 + k + 1);
-        FS_GGML_UNROLL for (int r = 0; r < kKqAmxRows; ++r)
-          isum[r] = _mm512_add_epi32(
-              isum[r], _mm512_add_epi32(_mm512_mullo_epi32(_mm512_load_si512(C[0] + 16 * r), s0),
-                                        _mm512_mullo_epi32(_mm512_load_si512(C[1] + 16 * r), s1)));
       }
     }
-    FS_GGML_UNROLL for (int r = 0; r < kKqAmxRows; ++r)
-      if (r < rows) P::finish(p, sb, a, m0 + r, isum[r], acc[r]);
+    _tile_stored(0, C[0], 64);
+    _tile_stored(1, C[1], 64);
+    if constexpr (k6) _tile_stored(2, C[k6 ? 2 : 0], 64);
+    FS_GGML_UNROLL for (int r = 0; r < kKqAmxRows; ++r) {
+      if (r >= rows) continue;
+      if constexpr (k6) {
+        const __m512i is = _mm512_add_epi32(
+            _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(C[0] + 16 * r), 6),
+                             _mm512_slli_epi32(_mm512_load_si512(C[1] + 16 * r), 3)),
+            _mm512_load_si512(C[k6 ? 2 : 0] + 16 * r));
+        P::finish_centered(p, sb, a, m0 + r, is, acc[r]);
+      } else {
+        const __m512i is = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(C[0] + 16 * r), 3),
+                                            _mm512_load_si512(C[1] + 16 * r));
+        P::finish(p, sb, a, m0 + r, is, acc[r]);
+      }
+    }
   }
   FS_GGML_UNROLL for (int r = 0; r < kKqAmxRows; ++r)
     if (r < rows) _mm512_mask_storeu_ps(out + (m0 + r) * N + n0, live, acc[r]);

@@ -272,12 +272,10 @@ void kq_panel_run(const uint8_t* W, int64_t rb, int64_t nsb, const Act& a, int64
     for (int64_t o = sb * kPanelLanes * P::kBytes;
          o < std::min<int64_t>(next_bytes, (sb + 1) * kPanelLanes * P::kBytes); o += 64)
       _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T1);
-    if constexpr (kq_amx_split<P>())
-      if (amx) {
-        P::template pack<true>(rows, idx, sb, buf.data() + sb * zs);
-        continue;
-      }
-    P::pack(rows, idx, sb, buf.data() + sb * zs);
+    if (amx)
+      P::template pack<true>(rows, idx, sb, buf.data() + sb * zs);
+    else
+      P::pack(rows, idx, sb, buf.data() + sb * zs);
   }
   const __mmask16 live = static_cast<__mmask16>((1u << live_n) - 1);
 #ifdef FITSERVE_AMX_INT8

@@ -14,6 +14,10 @@ struct Q6KPanel {
   // transposes make its panel dearer to pack, its 16 scales to apply)
   static constexpr int kMinRows = 12;
 
+  // kDigits (the AMX panel, ggml_blocks_kqamx.h): after the VNNI panel, its codes become three
+  // signed planes, the centred codes (q - 32) times each base-8 digit of their chunk's scale
+  // (digit_planes): p[0..63], p[kZmm..kZmm + 63], p[kZmm + 64..kZmm + 127].
+  template <bool kDigits = false>
   static void pack(const uint8_t* const* rows, __m512i idx, int64_t sb, __m512i* p) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
     __m512i qh[16];
@@ -50,6 +54,47 @@ struct Q6KPanel {
     // d: the f16 at byte 208 (the dword at 206: never past the block's 210 bytes)
     _mm512_store_ps(reinterpret_cast<float*>(p + 88), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(
         _mm512_srli_epi32(gather_rows(b0, idx, 206), 16))));
+    if constexpr (kDigits) digit_planes(p);
+  }
+
+  // The scale of each chunk as sc = 64 a + 8 b + c with every digit in -3..4 (balanced base 8:
+  // -3..4 is a complete residue system mod 8, and |sc| <= 128 leaves a in -2..2), and the
+  // centred codes (q - 32, in -32..31) times each digit in signed bytes: products in -128..124,
+  // so sum_col (q - 32) sc x = 64 C_a + 8 C_b + C_c exactly, three tile accumulators and no
+  // multiply per chunk. NOTE: vpmullw on each byte sign-extended to a word, the low byte kept.
+  static void digit_planes(__m512i* p) {
+    const __m512i three = _mm512_set1_epi32(3), seven = _mm512_set1_epi32(7);
+    const __m512i lo_byte = _mm512_set1_epi16(0x00FF), c32 = _mm512_set1_epi8(32);
+    auto words = [](__m512i d) {  // the digit in both words of its dword
+      return _mm512_or_si512(_mm512_and_si512(d, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(d, 16));
+    };
+    auto times = [&](__m512i lo, __m512i hi, __m512i dw) {
+      return _mm512_or_si512(_mm512_and_si512(_mm512_mullo_epi16(lo, dw), lo_byte),
+                             _mm512_slli_epi16(_mm512_mullo_epi16(hi, dw), 8));
+    };
+    FS_GGML_UNROLL for (int k = 0; k < 16; ++k) {
+      const __m512i sc = _mm512_load_si512(p + 64 + k);
+      const __m512i c = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(sc, three), seven), three);
+      const __m512i s1 = _mm512_srai_epi32(_mm512_sub_epi32(sc, c), 3);
+      const __m512i b = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(s1, three), seven), three);
+      const __m512i a = _mm512_srai_epi32(_mm512_sub_epi32(s1, b), 3);
+      const __m512i da = words(a), db = words(b), dc = words(c);
+      FS_GGML_UNROLL for (int j = 0; j < 4; ++j) {
+        const __m512i q = _mm512_sub_epi8(_mm512_load_si512(p + 4 * k + j), c32);
+        const __m512i lo = _mm512_srai_epi16(_mm512_slli_epi16(q, 8), 8), hi = _mm512_srai_epi16(q, 8);
+        _mm512_store_si512(p + 4 * k + j, times(lo, hi, da));
+        _mm512_store_si512(p + kZmm + 4 * k + j, times(lo, hi, db));
+        _mm512_store_si512(p + kZmm + 64 + 4 * k + j, times(lo, hi, dc));
+      }
+    }
+  }
+
+  // A super-block's end from the exact sum_col (q - 32) sc x (the AMX planes): the VNNI finish
+  // without its -32 offset, which that sum already holds (the same integer, the same fp32 ops).
+  [[gnu::always_inline]] static void finish_centered(const __m512i* p, int64_t sb, const Act& a,
+                                                     int64_t m, __m512i is, __m512& acc) {
+    const __m512 d = _mm512_load_ps(reinterpret_cast<const float*>(p + 88));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(d, _mm512_set1_ps(a.drow(m)[sb])), acc);
   }
 
   // One super-block's end for row m of x: the -32 offset (sum_s sc[s] * s16[s], << 5) and
