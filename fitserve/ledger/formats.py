@@ -168,10 +168,20 @@ GGUF_PACKED: dict[str, str] = {"Q4_0": "int4-g32-sym", "Q4_1": "int4-g32-asym",
 GGML_HELD_TYPES: tuple[str, ...] = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS",
                                     "MXFP4")
 
-# GGUF types held as another held type's blocks, converted exactly at load (the same values
-# bit for bit: fitserve.quant.ggml_repack): Q3_K's per-16-column (6-bit scale - 32, 3-bit code
-# - 4) is a Q6_K super-block with codes 28..35, 1.9x the file's bytes instead of bf16's 4.65x.
-GGML_REPACKED: dict[str, str] = {"Q3_K": "Q6_K"}
+# GGUF types held as another type's blocks, converted exactly at load (the same values bit for
+# bit: fitserve.quant.ggml_repack): Q3_K's per-16-column (6-bit scale - 32, 3-bit code - 4) is
+# a Q6_K super-block with codes 28..35 (1.9x the file's bytes instead of bf16's 4.65x); the
+# ternary TQ1_0 / TQ2_0 (d * t per 256) are Q4_0 blocks with q = t + 8, held packed as Q4_0 is.
+GGML_REPACKED: dict[str, str] = {"Q3_K": "Q6_K", "TQ1_0": "Q4_0", "TQ2_0": "Q4_0"}
+
+
+def repacked_format(stored: str) -> str | None:
+    """The engine format a GGML_REPACKED type is held in (its target's held or packed format),
+    None for any other type."""
+    target = GGML_REPACKED.get(stored.upper())
+    if target is None:
+        return None
+    return target if target in GGML_HELD_TYPES else GGUF_PACKED[target]
 
 # Spellings accepted for the same format (config.json torch_dtype, ggml names, CLI habits).
 ALIASES: dict[str, str] = {
@@ -327,7 +337,7 @@ def engine_tensor_format(choice: str, stored: str, role: str, dtype: str) -> str
         if name.upper() in GGML_HELD_TYPES:
             return name.upper()
         if name.upper() in GGML_REPACKED:
-            return GGML_REPACKED[name.upper()]
+            return repacked_format(name) or model
         return GGUF_PACKED.get(name.upper(), model)
     if choice in RTN_FORMATS:
         return RTN_FORMATS[choice][0 if role == "matrix" else 1]

@@ -29,7 +29,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from fitserve.config import GEMMA_ARCHITECTURES, ModelSpec
-from fitserve.ledger.formats import GGML_HELD_TYPES, GGML_REPACKED, GGUF_PACKED
+from fitserve.ledger.formats import GGML_HELD_TYPES, GGML_REPACKED, GGUF_PACKED, repacked_format
 from fitserve.loading.errors import ModelLoadError, UnsupportedTensorTypeError
 from fitserve.loading.fused_weights import fused_parts
 from fitserve.loading.generation_defaults import GenerationDefaults, from_gguf_metadata
@@ -221,12 +221,14 @@ def _held(t: Any, hf: str, rows: np.ndarray | None, type_name: str, shape: tuple
     fmt = (dtype_table_name(dtype) if weights is None
            else held_format(weights, hf, len(shape), type_name, dtype))
     as_blocks = fmt == type_name and type_name in GGML_HELD_TYPES
-    repack = GGML_REPACKED.get(type_name) == fmt
+    repack = repacked_format(type_name) == fmt
     if len(shape) == 2 and (GGUF_PACKED.get(type_name) == fmt or as_blocks or repack):
         try:
-            if repack:  # the held type's blocks, the same values exactly (ggml_repack)
-                blocks = repacked(t.data, type_name, fmt, (shape[0], shape[1]))
-                return ggml_from_gguf(blocks, fmt, (shape[0], shape[1]), order), None
+            if repack:  # the target type's blocks, the same values exactly (ggml_repack)
+                target = GGML_REPACKED[type_name]
+                blocks = repacked(t.data, type_name, target, (shape[0], shape[1]))
+                make = ggml_from_gguf if target in GGML_HELD_TYPES else packed_from_gguf
+                return make(blocks, target, (shape[0], shape[1]), order), None
             make = ggml_from_gguf if as_blocks else packed_from_gguf
             return make(t.data, type_name, (shape[0], shape[1]), order), None
         except ValueError as exc:

@@ -1,4 +1,4 @@
-"""GGUF blocks rewritten, exactly, as the blocks of a type the engine holds as stored.
+"""GGUF blocks rewritten, exactly, as the blocks of a type the engine holds as stored (or packs).
 
 Where a type's values are a subset of another held type's, the loader converts the file's bytes
 (numpy, block by block) instead of dequantizing them: the weight keeps its quantized size and
@@ -13,6 +13,13 @@ such tensors in the target type (``fitserve.ledger.formats.GGML_REPACKED``).
         w = (d * scale) * (q6 - 32):  scale = sc - 32 in [-32, 31], q6 = q' + 32 in [28, 35]
 
 Held as Q6_K a Q3_K weight takes 1.9x the file's bytes (4.65x as bf16).
+
+    TQ1_0 (54 B / 256 w, base-3 packed) and TQ2_0 (66 B / 256 w, 2-bit): w = d * t, t in -1..1
+    (TQ2_0's code 3: 2), one f16 d per 256
+    -> Q4_0 (18 B / 32 w): w = d * (q - 8): the same d in each of the 8 blocks, q = t + 8
+
+Held as Q4_0 (the engine's packed int4-g32-sym) a ternary weight takes 2.2-2.7x the file's
+bytes (7.8-9.5x as bf16).
 """
 
 from __future__ import annotations
@@ -70,9 +77,36 @@ def q3k_as_q6k(data: np.ndarray) -> np.ndarray:
     return q6k_blocks(d, scales, codes).reshape(rows, -1)
 
 
+def ternary_as_q4_0(data: np.ndarray, stored: str) -> np.ndarray:
+    """A TQ1_0 / TQ2_0 tensor's bytes ``[rows, k / 256 * B]`` as Q4_0 bytes ``[rows, k / 32 * 18]``,
+    the same values exactly. The codes come from gguf.quants' own unpacking of the blocks with d
+    set to 1 (its d * t is then t itself, exactly); d is the block's own f16."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    qtype = GGMLQuantizationType[stored]
+    _, block_bytes = GGML_QUANT_SIZES[qtype]
+    a = np.asarray(data)
+    if a.dtype != np.uint8 or a.ndim != 2 or a.shape[1] % block_bytes:
+        raise ValueError(f"{stored} bytes must be uint8 [rows, k / 256 * {block_bytes}], got "
+                         f"{list(a.shape)} x {a.dtype}")
+    blocks = a.reshape(-1, block_bytes).copy()
+    d = blocks[:, -2:].copy()  # both types end with their f16 d
+    blocks[:, -2:] = np.array([1.0], np.float16).view(np.uint8)
+    t = np.asarray(dequantize(blocks, qtype), np.float32).reshape(-1, QK_K // 32, 32)
+    q4 = (t.astype(np.int8) + np.int8(8)).astype(np.uint8)  # 7..10
+    qs = q4[:, :, :16] | (q4[:, :, 16:] << 4)  # Q4_0: low nibbles columns 0-15, high 16-31
+    out = np.concatenate([np.broadcast_to(d[:, None, :], (*qs.shape[:2], 2)), qs], axis=2)
+    return np.ascontiguousarray(out).reshape(a.shape[0], -1)
+
+
 # type as stored -> (type held, bytes of one stored block of 256, the conversion of a
 # [rows, bytes] array of its blocks)
-REPACKS = {"Q3_K": ("Q6_K", Q3K_BYTES, q3k_as_q6k)}
+REPACKS = {
+    "Q3_K": ("Q6_K", Q3K_BYTES, q3k_as_q6k),
+    "TQ1_0": ("Q4_0", 54, lambda a: ternary_as_q4_0(a, "TQ1_0")),
+    "TQ2_0": ("Q4_0", 66, lambda a: ternary_as_q4_0(a, "TQ2_0")),
+}
 
 
 def repacked(data: np.ndarray, stored: str, held: str, shape: tuple[int, int]) -> np.ndarray:

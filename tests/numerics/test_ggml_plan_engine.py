@@ -1,7 +1,7 @@
 """The ledger follows a GGUF file's real per-tensor mix: `fitserve plan PATH --gpu cpu --json`
 reports the very bytes an Engine on PATH holds (counted from the model's own storages) for
 K-quant files held as their raw ggml blocks, a Q4_K_M-like mix (Q4_K + Q6_K + Q5_0 rows),
-Q3_K held as Q6_K blocks, types dequantized at load, and the explicit --weights choices re-quantizing them; a Q4_K
+Q3_K held as Q6_K blocks and TQ1_0 as packed Q4_0, types dequantized at load, and the explicit --weights choices re-quantizing them; a Q4_K
 file is held at 4.5 bits per weight, not bf16's 16."""
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ K_SHAPE = dict(hidden=256, ff=512, heads=4, kv_heads=2, vocab=320)
 Q4_K_M_LIKE = TinyGGUF(**K_SHAPE, qtype=Q.Q4_K, embd_qtype=Q.Q6_K,  # type: ignore[arg-type]
                        types={"attn_v": Q.Q6_K, "ffn_down": Q.Q5_0}, tied=True)
 DEQUANT_MIX = TinyGGUF(**K_SHAPE, qtype=Q.Q5_K, embd_qtype=Q.IQ4_XS,  # type: ignore[arg-type]
-                       types={"attn_k": Q.Q3_K, "ffn_up": Q.Q2_K, "attn_output": Q.Q5_1})
+                       types={"attn_k": Q.Q3_K, "ffn_up": Q.Q2_K, "attn_output": Q.Q5_1,
+                              "ffn_gate": Q.TQ1_0})
 
 
 def ggml_formats(engine: Engine) -> set[str]:
@@ -46,8 +47,9 @@ def test_ggml_plan_equals_engine(tmp_path: Path, case: TinyGGUF, held: set[str],
         choice = "float32"
     engine = check(path, choice, capsys)  # plan weight bytes == the model's own storages
     assert ggml_formats(engine) == (held if choice == "as-stored" else set())
-    want_packed = {"as-stored": set(), "int4": {"int4-g32-asym", "int8-ch"},
-                   "int8": {"int8-ch"}, "float32": set()}[choice]
+    want_packed = {"as-stored": set() if case is Q4_K_M_LIKE else {"int4-g32-sym"},  # TQ1_0
+                   "int4": {"int4-g32-asym", "int8-ch"}, "int8": {"int8-ch"},
+                   "float32": set()}[choice]
     assert packed_formats(engine) == want_packed
 
 
@@ -79,4 +81,6 @@ def test_one_log_line_per_dequantized_type(tmp_path: Path,
     lines = [r.getMessage() for r in caplog.records if " at load" in r.getMessage()]
     assert sorted(lines) == ["m.gguf: 2 Q2_K tensor(s) dequantized at load, held as f32",
                              "m.gguf: 2 Q3_K tensor(s) held as Q6_K blocks (converted exactly "
+                             "at load)",
+                             "m.gguf: 2 TQ1_0 tensor(s) held as Q4_0 blocks (converted exactly "
                              "at load)"]

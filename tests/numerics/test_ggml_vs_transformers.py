@@ -31,9 +31,10 @@ CASES = {
     "Q4_K_M-like": (TinyGGUF(**SHAPE, qtype=Q.Q4_K, embd_qtype=Q.Q6_K, tied=True,
                              types={"attn_v": Q.Q6_K, "ffn_down": Q.Q5_0}),
                     {"Q4_K", "Q6_K", "Q5_0"}),
-    # Q3_K held as Q6_K blocks (converted exactly at load), Q2_K dequantized
+    # Q3_K held as Q6_K blocks, TQ2_0 as packed Q4_0 (converted exactly at load), Q2_K dequantized
     "Q3_K-as-Q6_K": (TinyGGUF(**SHAPE, qtype=Q.Q3_K, embd_qtype=Q.Q6_K,
-                              types={"attn_k": Q.IQ4_XS, "ffn_down": Q.Q2_K}), {"Q6_K", "IQ4_XS"}),
+                              types={"attn_k": Q.IQ4_XS, "ffn_down": Q.Q2_K,
+                                     "ffn_gate": Q.TQ2_0}), {"Q6_K", "IQ4_XS"}),
 }
 
 

@@ -55,3 +55,26 @@ def test_bad_sizes_are_refused() -> None:
         repacked(q3, "Q3_K", "Q4_K", (4, 256))
     with pytest.raises(ValueError, match="uint8"):
         q3k_as_q6k(q3.astype(np.int16))
+
+
+@pytest.mark.parametrize("qtype", [Q.TQ1_0, Q.TQ2_0])
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # inf * 0 in gguf's own dequantization
+def test_ternary_blocks_repack_as_q4_0_exactly(qtype: Q) -> None:
+    """Random TQ blocks (every code byte random: TQ2_0's code 3 is t = 2, TQ1_0's base-3 bytes
+    past 242 decode as gguf reads them) with d random, zero, -0, subnormal, +-inf, NaN."""
+    from gguf import GGML_QUANT_SIZES
+
+    from fitserve.quant.ggml_repack import ternary_as_q4_0
+
+    rng = np.random.default_rng(3)
+    _, nbytes = GGML_QUANT_SIZES[qtype]
+    rows, k = 12, 512
+    blocks = rng.integers(0, 256, (rows * k // 256, nbytes), dtype=np.uint8)
+    d = (rng.standard_normal(len(blocks)) * 0.05).astype(np.float16)
+    d[:7] = [0.0, -0.0, np.float16(6e-8), np.inf, -np.inf, np.nan, np.float16(-65504)]
+    blocks[:, -2:] = d.view(np.uint8).reshape(-1, 2)
+    data = blocks.reshape(rows, -1)
+    q4 = ternary_as_q4_0(data, qtype.name)
+    assert q4.shape == (rows, k // 32 * 18)
+    assert same_bits(dequantize(q4, Q.Q4_0), dequantize(data, qtype))
+    assert repacked(data, qtype.name, "Q4_0", (rows, k)).shape == q4.shape

@@ -5,8 +5,8 @@ For GGUF files written here (GGUFWriter + gguf.quants.quantize for Q4_0, Q4_1 an
 llama.cpp's Q/K row permutation applied as its converter does) and for every tensor of the
 real SmolLM2 Q4_1 file. K-quants, Q5_0/Q5_1 and IQ4 are held as their raw ggml blocks
 (GgmlBlockWeight, fitserve.ledger.formats.GGML_HELD_TYPES) and dequantize exactly too; the other
-quantized types (Q2_K, IQ2_*, TQ*) and float tensors are dequantized to the model dtype, and Q3_K
-is held as Q6_K blocks converted exactly at load.
+quantized types (Q2_K, IQ2_*, IQ3_*) and float tensors are dequantized to the model dtype; Q3_K
+is held as Q6_K blocks and TQ1_0 / TQ2_0 as packed Q4_0, converted exactly at load.
 """
 
 from __future__ import annotations
@@ -162,8 +162,9 @@ def test_mixed_types_and_k_quants_held_as_blocks(tmp_path: Path) -> None:
       "gate_proj": "IQ4_NL", "embed_tokens": "Q6_K"}),
     ({"attn_q": Q.Q3_K, "attn_k": Q.Q2_K, "attn_v": Q.IQ2_XXS, "ffn_up": Q.TQ2_0,
       "ffn_gate": Q.IQ3_S, "token_embd": Q.Q3_K},
-     {**dict.fromkeys(["k_proj", "v_proj", "up_proj", "gate_proj"], "torch.float32"),
-      "q_proj": "Q6_K", "embed_tokens": "Q6_K"}),  # Q3_K: Q6_K blocks (ggml_repack)
+     {**dict.fromkeys(["k_proj", "v_proj", "gate_proj"], "torch.float32"),
+      "q_proj": "Q6_K", "embed_tokens": "Q6_K",  # Q3_K: Q6_K blocks (ggml_repack)
+      "up_proj": "int4-g32-sym"}),  # TQ2_0: Q4_0 blocks, packed
 ], ids=["held-as-blocks", "dequantized-or-repacked-at-load"])
 def test_every_gguf_type_loads_exactly(tmp_path: Path, types: dict[str, Q],
                                        want: dict[str, str]) -> None:
