@@ -77,8 +77,7 @@ def main() -> None:
         print(f"  {name:24s} {sec * 1e3:7.2f} ms  {held / sec / 1e9:5.1f} GB/s")
     print("one-row int4 probe (cpu_rates' int8act GEMV, 2048 x 576, wall clock):")
     for mib in (int(s) for s in args.sizes_mib.split(",")):
-        cpu_rates.CYCLE_BYTES = mib << 20
-        fn = cpu_rates._gemv_calls(576)["int8act"]
+        fn = cpu_rates._gemv_calls(576, mib << 20)["int8act"]
         calls = max(1, (mib << 20) // (2048 * 576 // 2))
 
         timed_calls(fn, calls)

@@ -175,16 +175,16 @@ def measure_matmul_rates(threads: int, repeats: int = 15) -> dict[str, list[floa
     return rates
 
 
-def _gemv_calls(k: int) -> dict[str, Callable[[], object]]:
+def _gemv_calls(k: int, cycle_bytes: int = CYCLE_BYTES) -> dict[str, Callable[[], object]]:
     """Each path's one-row linear (as the engine's W1 step calls it) on weights of GEMV_N x k,
-    cycling over copies past CYCLE_BYTES (``gemv_weight_bytes`` per call)."""
+    cycling over copies of ``cycle_bytes`` in all (``gemv_weight_bytes`` per call)."""
     from fitserve.kernels.cpu.qlinear import int4_linear, qlinear_ops_available
     from fitserve.model.linear import bf16_gemv_preferred
 
     n, g = GEMV_N, torch.Generator().manual_seed(0)
     xb = torch.randn(1, k, generator=g).bfloat16()
     w1 = (torch.randn(n, k, generator=g) * 0.02).bfloat16()
-    wb = [w1.clone() for _ in range(max(2, CYCLE_BYTES // (n * k * 2)))]
+    wb = [w1.clone() for _ in range(max(2, cycle_bytes // (n * k * 2)))]
     if bf16_gemv_preferred():
         gemv = torch.ops.fitserve_dense.bf16_gemv.default
         calls: dict[str, Callable[[], object]] = {
@@ -195,7 +195,7 @@ def _gemv_calls(k: int) -> dict[str, Callable[[], object]]:
         s = (torch.rand(n, k // 32, generator=g) * 0.01).half()
         mins = (torch.rand(n, k // 32, generator=g) * -0.08).half()
         q1 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
-        qs = [q1.clone() for _ in range(max(2, CYCLE_BYTES // (n * k // 2)))]
+        qs = [q1.clone() for _ in range(max(2, cycle_bytes // (n * k // 2)))]
         calls["int8act"] = _cycle([functools.partial(int4_linear, xb, *_engine_layout(q, s, mins),
                                                      32, True) for q in qs])
     return calls

@@ -336,9 +336,7 @@ def engine_tensor_format(choice: str, stored: str, role: str, dtype: str) -> str
             return weight_format(name).name  # an engine layout as stored (fitserve quantize)
         if name.upper() in GGML_HELD_TYPES:
             return name.upper()
-        if name.upper() in GGML_REPACKED:
-            return repacked_format(name) or model
-        return GGUF_PACKED.get(name.upper(), model)
+        return repacked_format(name) or GGUF_PACKED.get(name.upper(), model)
     if choice in RTN_FORMATS:
         return RTN_FORMATS[choice][0 if role == "matrix" else 1]
     if choice in ENGINE_WEIGHT_CHOICES or choice in _DENSE_CHOICES.values() or choice in (

@@ -223,14 +223,13 @@ def _held(t: Any, hf: str, rows: np.ndarray | None, type_name: str, shape: tuple
     as_blocks = fmt == type_name and type_name in GGML_HELD_TYPES
     repack = repacked_format(type_name) == fmt
     if len(shape) == 2 and (GGUF_PACKED.get(type_name) == fmt or as_blocks or repack):
+        blocks_type, data = type_name, t.data
         try:
             if repack:  # the target type's blocks, the same values exactly (ggml_repack)
-                target = GGML_REPACKED[type_name]
-                blocks = repacked(t.data, type_name, target, (shape[0], shape[1]))
-                make = ggml_from_gguf if target in GGML_HELD_TYPES else packed_from_gguf
-                return make(blocks, target, (shape[0], shape[1]), order), None
-            make = ggml_from_gguf if as_blocks else packed_from_gguf
-            return make(t.data, type_name, (shape[0], shape[1]), order), None
+                blocks_type = GGML_REPACKED[type_name]
+                data = repacked(t.data, type_name, blocks_type, (shape[0], shape[1]))
+            make = ggml_from_gguf if blocks_type in GGML_HELD_TYPES else packed_from_gguf
+            return make(data, blocks_type, (shape[0], shape[1]), order), None
         except ValueError as exc:
             raise ModelLoadError(f"{path}: tensor {t.name!r} ({type_name}) is corrupt: "
                                  f"{exc}") from exc

@@ -129,6 +129,17 @@ class GGUFHeader:
         return sum(t.n_bytes for t in self.tensors)
 
 
+class _UnknownTensorType(ValueError):
+    """A tensor's ggml type id is not one of gguf-py's GGMLQuantizationType."""
+
+    def __init__(self, tensor: str, type_id: int) -> None:
+        super().__init__(f"tensor {tensor!r}: unknown ggml type {type_id}")
+        self.tensor, self.type_id = tensor, type_id
+
+
+_KNOWN_TYPE_IDS = frozenset(int(t) for t in GGMLQuantizationType)
+
+
 class _PlainArrayReader(GGUFReader):
     """GGUFReader over a plain ndarray view of the memmap.
 
@@ -145,6 +156,16 @@ class _PlainArrayReader(GGUFReader):
     def data(self, value: np.ndarray) -> None:
         self._plain = value.view(np.ndarray)
         self._mapping: mmap.mmap | None = getattr(value, "_mmap", None)
+
+    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+        # NOTE: gguf-py turns each tensor's type id into GGMLQuantizationType here and fails on
+        # an id newer than it without naming the tensor; the tensor infos are parsed by then
+        for info in fields:
+            name_data, raw_dtype = info.parts[1], info.parts[4]
+            if int(raw_dtype[0]) not in _KNOWN_TYPE_IDS:
+                raise _UnknownTensorType(bytes(name_data).decode("utf-8", "replace"),
+                                         int(raw_dtype[0]))
+        super()._build_tensors(start_offs, fields)
 
     def release_pages(self, arr: np.ndarray) -> None:
         """Drop the file's pages from the start of the mapping to the end of ``arr`` (a view of
@@ -181,16 +202,14 @@ def open_gguf(path: Path) -> GGUFReader:
         raise ModelLoadError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
     try:
         return _PlainArrayReader(path)
+    except _UnknownTensorType as exc:
+        raise ModelLoadError(
+            f"{path}: tensor {exc.tensor!r} has ggml type {exc.type_id}, which the gguf library "
+            f"(gguf-py {_gguf_version()}) does not know: a type newer than it (made by a newer "
+            f"llama.cpp) or a corrupt file. Known types: "
+            f"{', '.join(t.name for t in GGMLQuantizationType)}; re-quantize the model to one "
+            "of them (e.g. Q4_K_M, Q8_0)") from exc
     except Exception as exc:  # the reader raises ValueError/IndexError/struct errors on bad data
-        unknown = _unknown_tensor_type(path)
-        if unknown is not None:
-            name, type_id = unknown
-            raise ModelLoadError(
-                f"{path}: tensor {name!r} has ggml type {type_id}, which the gguf library "
-                f"(gguf-py {_gguf_version()}) does not know: a type newer than it (made by a "
-                f"newer llama.cpp) or a corrupt file. Known types: "
-                f"{', '.join(t.name for t in GGMLQuantizationType)}; re-quantize the model to "
-                "one of them (e.g. Q4_K_M, Q8_0)") from exc
         raise ModelLoadError(
             f"{path}: corrupt or truncated GGUF file ({type(exc).__name__}: {exc})"
         ) from exc
@@ -205,63 +224,6 @@ def _gguf_version() -> str:
         return "unknown version"
 
 
-# GGUF metadata value types -> their fixed size in bytes (8 = string, 9 = array: variable)
-_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-
-
-def _unknown_tensor_type(path: Path) -> tuple[str, int] | None:
-    """The first tensor whose ggml type id gguf-py does not know, as (name, id), read from the
-    file's own header (gguf-py stops at that id without saying where); None when every tensor's
-    type is known or the header cannot be walked (then the file is corrupt, not new)."""
-    known = {int(t) for t in GGMLQuantizationType}
-    try:
-        buf = np.memmap(path, dtype=np.uint8, mode="r")
-        pos = 4
-
-        def take(n: int) -> bytes:
-            nonlocal pos
-            if pos + n > len(buf):
-                raise ValueError("past the end")
-            out = buf[pos:pos + n].tobytes()
-            pos += n
-            return out
-
-        def u32() -> int:
-            return int.from_bytes(take(4), "little")
-
-        def u64() -> int:
-            return int.from_bytes(take(8), "little")
-
-        def skip_value(vtype: int) -> None:
-            if vtype == 8:
-                take(u64())
-            elif vtype == 9:
-                sub, count = u32(), u64()
-                if sub in _GGUF_SCALAR_BYTES:
-                    take(count * _GGUF_SCALAR_BYTES[sub])
-                else:
-                    for _ in range(count):
-                        skip_value(sub)
-            elif vtype in _GGUF_SCALAR_BYTES:
-                take(_GGUF_SCALAR_BYTES[vtype])
-            else:
-                raise ValueError(f"metadata value type {vtype}")
-
-        if u32() < 2:  # version 1 files use 32-bit counts; gguf-py reads only v2+ anyway
-            return None
-        n_tensors, n_kv = u64(), u64()
-        for _ in range(n_kv):
-            take(u64())  # the key
-            skip_value(u32())
-        for _ in range(n_tensors):
-            name = take(u64()).decode("utf-8", "replace")
-            take(8 * u32())  # the dimensions
-            type_id = u32()
-            take(8)  # the data offset
-            if type_id not in known:
-                return name, type_id
-    except (ValueError, OSError, RecursionError):
-        return None
     return None
 
 

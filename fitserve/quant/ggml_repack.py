@@ -25,6 +25,8 @@ bytes (7.8-9.5x as bf16).
 from __future__ import annotations
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
 
 QK_K = 256
 Q3K_BYTES, Q6K_BYTES = 110, 210
@@ -81,9 +83,6 @@ def ternary_as_q4_0(data: np.ndarray, stored: str) -> np.ndarray:
     """A TQ1_0 / TQ2_0 tensor's bytes ``[rows, k / 256 * B]`` as Q4_0 bytes ``[rows, k / 32 * 18]``,
     the same values exactly. The codes come from gguf.quants' own unpacking of the blocks with d
     set to 1 (its d * t is then t itself, exactly); d is the block's own f16."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-    from gguf.quants import dequantize
-
     qtype = GGMLQuantizationType[stored]
     _, block_bytes = GGML_QUANT_SIZES[qtype]
     a = np.asarray(data)

@@ -104,14 +104,14 @@ void kq_amx_rows(const __m512i* panel, int64_t nsb, const Act& a, int64_t m0, in
     }
     _tile_stored(0, C[0], 64);
     _tile_stored(1, C[1], 64);
-    if constexpr (k6) _tile_stored(2, C[k6 ? 2 : 0], 64);
+    if constexpr (k6) _tile_stored(2, C[2], 64);
     FS_GGML_UNROLL for (int r = 0; r < kKqAmxRows; ++r) {
       if (r >= rows) continue;
       if constexpr (k6) {
         const __m512i is = _mm512_add_epi32(
             _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(C[0] + 16 * r), 6),
                              _mm512_slli_epi32(_mm512_load_si512(C[1] + 16 * r), 3)),
-            _mm512_load_si512(C[k6 ? 2 : 0] + 16 * r));
+            _mm512_load_si512(C[2] + 16 * r));
         P::finish_centered(p, sb, a, m0 + r, is, acc[r]);
       } else {
         const __m512i is = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(C[0] + 16 * r), 3),
