@@ -49,6 +49,15 @@ void run_type(const Act& a, int64_t M, const uint8_t* W, int64_t N, float* out) 
         kq_rows_range<T>(W, row_bytes, nblk, a, 0, M, blk * nb, std::min(N, blk * nb + nb), N, out);
       return;
     }
+#ifdef FS_GGML_VNNI
+    if constexpr (lanes_m1<T>::value) {  // the 32-column block types: 4-row tiles
+      if (M == 1)
+        return rows_quarters<T>(W, row_bytes, nblk, a, b0 * nb, std::min(N, b1 * nb), out,
+                                [&](const uint8_t* const* w4, float* res) {
+                                  lanes_rows_m1<T, 4>(w4, nblk, a, 0, res, kLanesAhead);
+                                });
+    }
+#endif
     if (M == 1 && streams_m1<T>(row_bytes))
       return rows_streamed<T>(W, row_bytes, nblk, a, b0 * nb, std::min(N, b1 * nb), out);
     for (int64_t blk = b0; blk < b1; ++blk) {

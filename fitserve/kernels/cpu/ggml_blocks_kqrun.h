@@ -26,31 +26,16 @@ template <class T, int NW, int MT>
 #endif
 }
 
-// The GEMV (one row of x) over weight rows [n0, n1), a thread's share, as four quarters: row i
-// of each quarter in one 4-row tile (T::tile: x read once per super-block for the four, their
-// lane sums reduced together), each quarter a sequential DRAM stream prefetched kKqAhead ahead
-// by its rows. NOTE: four quarters rather than rows i, i+1 of two halves (4 rows, 2 streams):
-// those streams jump between two rows at every super-block, and the 2048x2048 rows from DRAM
-// fell from 0.82-0.89 of a plain read to 0.65-0.79; as quarters 1.02 (one thread, CPU clock,
-// bench_ggml_blocks --vs-read, loaded host). Hot, one thread: Q6_K 1024x256 6.0 -> 3.5 ns per
-// row, Q4_K 256x1024 17.3 -> 14.3 (--hot). Every output has row<1>'s bits.
+// The GEMV (one row of x) over weight rows [n0, n1): rows_quarters (ggml_blocks_run.h) with
+// T::tile's 4-row tiles (x read once per super-block for the four, their lane sums reduced
+// together). Hot, one thread: Q6_K 1024x256 6.0 -> 3.5 ns per row, Q4_K 256x1024 17.3 -> 14.3
+// (--hot) against one row at a time. Every output has row<1>'s bits.
 template <class T>
 void kq_rows_quarters(const uint8_t* W, int64_t row_bytes, int64_t nsb, const Act& a, int64_t n0,
-                    int64_t n1, float* out) {
-  const int64_t q = (n1 - n0 + 3) / 4;
-  float res[4];
-  int64_t i = 0;
-  for (; n0 + 3 * q + i < n1; ++i) {
-    const uint8_t* w4[4];
-    FS_GGML_UNROLL for (int j = 0; j < 4; ++j) w4[j] = W + (n0 + j * q + i) * row_bytes;
+                      int64_t n1, float* out) {
+  rows_quarters<T>(W, row_bytes, nsb, a, n0, n1, out, [&](const uint8_t* const* w4, float* res) {
     kq_tile<T, 4, 1>(w4, nsb, a, 0, res);
-    FS_GGML_UNROLL for (int j = 0; j < 4; ++j) out[n0 + j * q + i] = res[j];
-  }
-  for (; i < q; ++i)  // the last quarter is short: the other three's last rows one by one
-    for (int64_t n = n0 + i; n < std::min(n1, n0 + 3 * q); n += q) {
-      T::template row<1>(W + n * row_bytes, nsb, a, 0, res);
-      out[n] = res[0];
-    }
+  });
 }
 
 // Weight rows per tile for a tile of MT rows of x: more where the tile is short (the x rows'

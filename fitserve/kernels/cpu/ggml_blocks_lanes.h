@@ -261,6 +261,39 @@ void lanes_row(const uint8_t* w, int64_t nb, const Act& a, int64_t m0, float* re
   FS_GGML_UNROLL for (int i = 0; i < MT; ++i) res[i] = _mm512_reduce_add_ps(acc[i]);
 }
 
+// Whether B's rows are lanes_row's (B::pair: the 32-column block types above): their one-row
+// GEMV runs several weight rows per tile (lanes_rows_m1).
+template <class B, class = void>
+struct lanes_m1 : std::false_type {};
+template <class B>
+struct lanes_m1<B, std::void_t<decltype(&B::pair)>> : std::true_type {};
+
+// NW weight rows w[0 .. NW) against row m of x, their steps interleaved: each row's ops are
+// lanes_row<B, 1>'s (the same bits), x's step loaded once for the NW, and each step requests
+// the bytes pf ahead of its reads.
+// NOTE: one row at a time, a step's reduction (block_sums16) is a chain the core waits on; four
+// rows give it four independent chains and four streams advancing together (as the K-quants'
+// kq_tile). One thread's rows then stream at 22-26 GB/s of weight bytes at 2 threads on the Xeon
+// instead of 15-22 (bench_ggml_blocks --vs-read: 2048x8192 Q5_1 1.4-1.6x, 2048x2048 1.2-1.4x).
+constexpr int64_t kLanesAhead = 2048;  // bytes requested ahead of each row's reads
+
+template <class B, int NW>
+void lanes_rows_m1(const uint8_t* const* w, int64_t nb, const Act& a, int64_t m, float* res,
+                   int64_t pf) {
+  __m512 acc[NW];
+  FS_GGML_UNROLL for (int j = 0; j < NW; ++j) acc[j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= nb; k += 16)
+    FS_GGML_UNROLL for (int j = 0; j < NW; ++j) {
+      prefetch_span(w[j] + k * B::kBytes + pf, 16 * B::kBytes);
+      lanes_step<B, 1, true>(w[j] + k * B::kBytes, k, 16, a, m, &acc[j]);
+    }
+  if (k < nb)
+    FS_GGML_UNROLL for (int j = 0; j < NW; ++j)
+      lanes_step<B, 1, false>(w[j] + k * B::kBytes, k, static_cast<int>(nb - k), a, m, &acc[j]);
+  FS_GGML_UNROLL for (int j = 0; j < NW; ++j) res[j] = _mm512_reduce_add_ps(acc[j]);
+}
+
 // The 32 nibbles of 16 code bytes at each of p0, p1 in column order (low nibbles 0-15, high
 // 16-31), as one zmm: block p0 in bytes 0-31, p1 in 32-63 (p1 zero unless `two`).
 // NOTE: 128-bit lanes [p0, p0, p1, p1] by two broadcast loads (load ports), then the high

@@ -15,6 +15,7 @@
 
 #include "ggml_blocks_kqrun.h"
 #include "ggml_blocks_kquant.h"
+#include "ggml_blocks_lanes.h"
 #include "ggml_blocks_run.h"
 
 namespace fitserve::moe {
@@ -143,6 +144,27 @@ inline void for_tiles(int64_t m0, int64_t m1, F&& fn) {
   if (m < m1) fn(std::integral_constant<int, 1>{}, m);
 }
 
+// Whether T runs four weight rows against one row of x in one tile (row4): the K-quants'
+// kq_tile and, on VNNI, the 32-column block types' lanes_rows_m1; each output has row<1>'s bits.
+template <class T>
+constexpr bool kRow4 = ggml::kIsKQuant<T>
+#ifdef FS_GGML_VNNI
+                       || ggml::lanes_m1<T>::value
+#endif
+    ;
+
+template <class T>
+[[gnu::always_inline]] inline void row4(const uint8_t* const* w, int64_t nblk, const ggml::Act& a,
+                                        int64_t m, float* res) {
+#ifdef FS_GGML_VNNI
+  if constexpr (ggml::lanes_m1<T>::value) {
+    ggml::lanes_rows_m1<T, 4>(w, nblk, a, m, res, ggml::kLanesAhead);
+    return;
+  }
+#endif
+  if constexpr (ggml::kIsKQuant<T>) ggml::kq_tile<T, 4, 1>(w, nblk, a, m, res);
+}
+
 // act[m, n] = silu(gate_e row n . x_m) * (up_e row n . x_m) for rows n in [n0, n1) and expert
 // e's sorted rows m (gate rows [0, I), up rows [I, 2I) of W = [E, 2I, row bytes]): one pass over
 // x per row pair, the SwiGLU on the tile's registers.
@@ -158,12 +180,12 @@ void gate_up_rows(const Act& a, const Groups& g, const uint8_t* W, int64_t I, in
     // NOTE: one token (W1): a K-quant tile of two gate rows and their two up rows, x read
     // once per super-block for the four and their lane sums reduced together (kq_tile keeps
     // row<1>'s bits). Not for MT > 1: adjacent rows of a longer tile made Q6_K's stream slower.
-    if constexpr (ggml::kIsKQuant<T> && MT == 1) {
+    if constexpr (kRow4<T> && MT == 1) {
       float res[4];
       for (; n + 2 <= n1; n += 2) {
         const uint8_t* w[4] = {We + n * rb, We + (I + n) * rb, We + (n + 1) * rb,
                                We + (I + n + 1) * rb};
-        ggml::kq_tile<T, 4, 1>(w, nblk, a, m, res);
+        row4<T>(w, nblk, a, m, res);
         for (int j = 0; j < 2; ++j)
           act[m * I + n + j] = res[2 * j] / (1.f + std::exp(-res[2 * j])) * res[2 * j + 1];
       }
@@ -188,12 +210,12 @@ void down_rows(const Act& a, const Groups& g, const uint8_t* W, int64_t rows, in
     constexpr int MT = decltype(mt)::value;
     float res[MT];
     int64_t n = n0;
-    if constexpr (ggml::kIsKQuant<T> && MT == 1) {  // one token: 4 weight rows per tile
+    if constexpr (kRow4<T> && MT == 1) {  // one token: 4 weight rows per tile
       float rt[4];
       for (; n + 4 <= n1; n += 4) {
         const uint8_t* w[4] = {We + n * rb, We + (n + 1) * rb, We + (n + 2) * rb,
                                We + (n + 3) * rb};
-        ggml::kq_tile<T, 4, 1>(w, nblk, a, m, rt);
+        row4<T>(w, nblk, a, m, rt);
         for (int j = 0; j < 4; ++j) out[m * rows + n + j] = rt[j];
       }
     }
