@@ -78,6 +78,19 @@ inline void hold_panels(const QWeight& w, bool int4, uint8_t* codes, at::Half* s
 // ahead 0.6-1.0, 8 KB 0.8-1.1 for int4 and int8 (docs/benchmarks.md, wt-panel).
 constexpr int64_t kHeldPrefetch = 8192;
 
+// Whether the held GEMV's prefetches go to L2 (prefetcht1) rather than L1 (prefetcht0).
+// NOTE: on the Intel Xeon (AMX) the 1.7B shapes' int4 GEMV streamed 19.3-19.5 GB/s at 2 threads
+// with 8 KB-ahead T0 and 22.1-22.5 with T1 (two alternated sweeps, bench_qgemv_stream --vs-held;
+// no prefetch: ~17): 8 KB ahead of two threads' reads held in L1 evicts what the step reuses.
+// Other vendors keep T0, the hint the Zen 5 measurements above chose.
+inline bool held_prefetch_to_l2() {
+  static const bool intel = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") != 0;
+  }();
+  return intel;
+}
+
 // One panel's kLanes outputs for one row of x, 32-column groups: each group's integer dot
 // (split over two accumulators: integer sums are exact in any order), then the canonical float
 // step of int4_panel_tile / int8_panel_tile (kOneBlock / per_group == 1).
@@ -88,10 +101,14 @@ inline S::F held_panel_row(const HeldWeight& h, int64_t p, const NatAct& x) {
   const at::Half* sc = h.scales + p * h.ngroups * L;
   const at::Half* mn = h.mins ? h.mins + p * h.ngroups * L : nullptr;
   constexpr int kDw = kInt4 ? 4 : 8;  // dwords of a row per 32-column group
+  const bool to_l2 = held_prefetch_to_l2();
   S::F acc = S::fzero();
   for (int64_t g = 0; g < h.ngroups; ++g) {
     const uint8_t* cg = c + g * kDw * L * 4;
-    for (int o = 0; o < kDw * L * 4; o += 64) __builtin_prefetch(cg + kHeldPrefetch + o);
+    for (int o = 0; o < kDw * L * 4; o += 64) {
+      if (to_l2) __builtin_prefetch(cg + kHeldPrefetch + o, 0, 2);
+      else __builtin_prefetch(cg + kHeldPrefetch + o, 0, 3);
+    }
     const S::F dv = S::load_half(sc + g * L, L);
     const int8_t* a = x.aq + g * kActBlock;
     if constexpr (kInt4) {
