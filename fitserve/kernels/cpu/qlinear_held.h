@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "qlinear_panel.h"
@@ -91,59 +92,78 @@ inline bool held_prefetch_to_l2() {
   return intel;
 }
 
-// One panel's kLanes outputs for one row of x, 32-column groups: each group's integer dot
-// (split over two accumulators: integer sums are exact in any order), then the canonical float
-// step of int4_panel_tile / int8_panel_tile (kOneBlock / per_group == 1).
-template <bool kInt4>
-inline S::F held_panel_row(const HeldWeight& h, int64_t p, const NatAct& x) {
+// NP panels' kLanes outputs each (panels pp[0 .. NP)) for one row of x, 32-column groups, the
+// panels in lockstep group by group: each group's integer dot (split over two accumulators:
+// integer sums are exact in any order), then the canonical float step of int4_panel_tile /
+// int8_panel_tile (kOneBlock / per_group == 1). Each panel's ops are the same whatever NP.
+template <bool kInt4, int NP>
+inline void held_panel_rows(const HeldWeight& h, const int64_t* pp, const NatAct& x, S::F* acc) {
   constexpr int L = S::kLanes;
-  const uint8_t* c = h.codes + p * h.panel_bytes();
-  const at::Half* sc = h.scales + p * h.ngroups * L;
-  const at::Half* mn = h.mins ? h.mins + p * h.ngroups * L : nullptr;
   constexpr int kDw = kInt4 ? 4 : 8;  // dwords of a row per 32-column group
   const bool to_l2 = held_prefetch_to_l2();
-  S::F acc = S::fzero();
+  const uint8_t* c[NP];
+  const at::Half* sc[NP];
+  const at::Half* mn[NP];
+  for (int j = 0; j < NP; ++j) {
+    c[j] = h.codes + pp[j] * h.panel_bytes();
+    sc[j] = h.scales + pp[j] * h.ngroups * L;
+    mn[j] = h.mins ? h.mins + pp[j] * h.ngroups * L : nullptr;
+    acc[j] = S::fzero();
+  }
   for (int64_t g = 0; g < h.ngroups; ++g) {
-    const uint8_t* cg = c + g * kDw * L * 4;
-    for (int o = 0; o < kDw * L * 4; o += 64) {
-      if (to_l2) __builtin_prefetch(cg + kHeldPrefetch + o, 0, 2);
-      else __builtin_prefetch(cg + kHeldPrefetch + o, 0, 3);
-    }
-    const S::F dv = S::load_half(sc + g * L, L);
     const int8_t* a = x.aq + g * kActBlock;
-    if constexpr (kInt4) {
-      S::I i0 = S::izero(), i1 = S::izero();
-      _Pragma("GCC unroll 4") for (int d = 0; d < 4; ++d) {
-        const S::B wv = S::loadb(cg + d * L * 4);
-        i0 = S::dot_u4(i0, S::nib_lo(wv), S::bcast4(a + 4 * d));
-        i1 = S::dot_u4(i1, S::nib_hi(wv), S::bcast4(a + 16 + 4 * d));
+    _Pragma("GCC unroll 2") for (int j = 0; j < NP; ++j) {
+      const uint8_t* cg = c[j] + g * kDw * L * 4;
+      for (int o = 0; o < kDw * L * 4; o += 64) {
+        if (to_l2) __builtin_prefetch(cg + kHeldPrefetch + o, 0, 2);
+        else __builtin_prefetch(cg + kHeldPrefetch + o, 0, 3);
       }
-      const S::F cv = mn ? S::load_half(mn + g * L, L) : S::mul(dv, S::set1(-8.f));
-      const S::F t = S::mulr(S::cvt(S::iadd(i0, i1)), S::mulr(dv, S::set1(x.da[g])));
-      const S::F off = S::mulr(cv, S::set1(x.sg[g]));
-      acc = S::add(acc, S::add(t, off));
-    } else {
-      S::I i0 = S::kW8Biased ? S::iset1(-128 * x.isum[g]) : S::izero(), i1 = S::izero();
-      _Pragma("GCC unroll 8") for (int d = 0; d < 8; d += 2) {
-        i0 = S::dot_w8p(i0, S::loadb(cg + d * L * 4), S::bcast4(a + 4 * d));
-        i1 = S::dot_w8p(i1, S::loadb(cg + (d + 1) * L * 4), S::bcast4(a + 4 * d + 4));
+      const S::F dv = S::load_half(sc[j] + g * L, L);
+      if constexpr (kInt4) {
+        S::I i0 = S::izero(), i1 = S::izero();
+        _Pragma("GCC unroll 4") for (int d = 0; d < 4; ++d) {
+          const S::B wv = S::loadb(cg + d * L * 4);
+          i0 = S::dot_u4(i0, S::nib_lo(wv), S::bcast4(a + 4 * d));
+          i1 = S::dot_u4(i1, S::nib_hi(wv), S::bcast4(a + 16 + 4 * d));
+        }
+        const S::F cv = mn[j] ? S::load_half(mn[j] + g * L, L) : S::mul(dv, S::set1(-8.f));
+        const S::F t = S::mulr(S::cvt(S::iadd(i0, i1)), S::mulr(dv, S::set1(x.da[g])));
+        const S::F off = S::mulr(cv, S::set1(x.sg[g]));
+        acc[j] = S::add(acc[j], S::add(t, off));
+      } else {
+        S::I i0 = S::kW8Biased ? S::iset1(-128 * x.isum[g]) : S::izero(), i1 = S::izero();
+        _Pragma("GCC unroll 8") for (int d = 0; d < 8; d += 2) {
+          i0 = S::dot_w8p(i0, S::loadb(cg + d * L * 4), S::bcast4(a + 4 * d));
+          i1 = S::dot_w8p(i1, S::loadb(cg + (d + 1) * L * 4), S::bcast4(a + 4 * d + 4));
+        }
+        acc[j] = S::add(acc[j], S::mulr(S::cvt(S::iadd(i0, i1)), S::mulr(dv, S::set1(x.da[g]))));
       }
-      acc = S::add(acc, S::mulr(S::cvt(S::iadd(i0, i1)), S::mulr(dv, S::set1(x.da[g]))));
     }
   }
-  return acc;
 }
 
 // y [1, N] = x [1, kp] @ W^T for a held weight with 32-column groups (x quantized in xa).
+// NOTE: a thread's panels run as two halves in lockstep (panel i of each: two sequential streams
+// and two independent chains per group). One panel at a time streamed the 1.7B shapes' int4 rows
+// at 17.4-19.5 GB/s at 2 threads on the Xeon, two 21.5-22.1 (four alternated rounds,
+// bench_qgemv_stream --vs-held); adjacent panel pairs (one stream) gained nothing.
 template <class O>
 void held_gemv(const HeldWeight& h, bool int4, const NatAct& xa, O* out) {
   constexpr int L = S::kLanes;
   const int64_t N = h.P * L;
-  // NOTE: contiguous runs of whole panels per thread (one sequential stream each)
   at::parallel_for(0, h.P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const S::F acc = int4 ? held_panel_row<true>(h, p, xa) : held_panel_row<false>(h, p, xa);
-      store_lanes(acc, out + p * L, N - p * L);
+    auto run = [&](auto np, const int64_t* pp) {
+      constexpr int NP = decltype(np)::value;
+      S::F acc[NP];
+      if (int4) held_panel_rows<true, NP>(h, pp, xa, acc);
+      else held_panel_rows<false, NP>(h, pp, xa, acc);
+      for (int j = 0; j < NP; ++j) store_lanes(acc[j], out + pp[j] * L, N - pp[j] * L);
+    };
+    const int64_t half = (p1 - p0 + 1) / 2;
+    for (int64_t i = 0; i < half; ++i) {
+      const int64_t pp[2] = {p0 + i, p0 + half + i};
+      if (pp[1] < p1) run(std::integral_constant<int, 2>{}, pp);
+      else run(std::integral_constant<int, 1>{}, pp);
     }
   });
 }
