@@ -12,6 +12,16 @@ namespace {
 // NCH registers of one code row (lanes past d are 0: the masked load reads none of them).
 template <int C, int NCH>
 inline void widen_row(const uint8_t* src, __mmask16 tail, __m512* out) {
+  if constexpr (C != kInt8 && NCH % 2 == 0) {  // the fp8 codes 32 at a time (kv_codes.h)
+#pragma GCC unroll 16
+    for (int c = 0; c < NCH - 2; c += 2)
+      codes32_to_f32<C>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + c * kLanes)),
+                        out[c], out[c + 1]);
+    const __mmask32 last = static_cast<__mmask32>(0xFFFFu) | (static_cast<__mmask32>(tail) << 16);
+    codes32_to_f32<C>(_mm256_maskz_loadu_epi8(last, src + (NCH - 2) * kLanes), out[NCH - 2],
+                      out[NCH - 1]);
+    return;
+  }
 #pragma GCC unroll 16
   for (int c = 0; c < NCH - 1; ++c)
     out[c] = codes16_to_f32<C>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + c * kLanes)));
