@@ -246,7 +246,7 @@ def main() -> None:
     print(f"CPU: {cpu_model_name()}; ISA: {detect_isa().describe()}; tier {ggml_blocks_tier()}; "
           f"threads {args.threads}; W {n}x{k}")
     cands: dict[str, tuple[int, Callable[[torch.Tensor, int], torch.Tensor]]] = {}
-    for t in GGML_KERNEL_TYPES:
+    for t in (v for v in args.types.split(",") if v in SIZES):  # the types random_blocks makes
         nbytes = n * (k // SIZES[t][0]) * SIZES[t][1]
         copies = max(1, (args.rotate_mb << 20) // nbytes)
         ws = [random_blocks(t, n, k, rng) for _ in range(copies)]
