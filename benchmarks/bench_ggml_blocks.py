@@ -51,7 +51,6 @@ import numpy as np
 import torch
 
 from fitserve.kernels.cpu.ggml_blocks import (
-    GGML_KERNEL_TYPES,
     amx_active,
     ggml_blocks_tier,
     ggml_matmul,
