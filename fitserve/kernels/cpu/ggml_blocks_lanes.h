@@ -268,7 +268,8 @@ struct lanes_m1 : std::false_type {};
 template <class B>
 struct lanes_m1<B, std::void_t<decltype(&B::pair)>> : std::true_type {};
 
-// NW weight rows w[0 .. NW) against row m of x, their steps interleaved: each row's ops are
+// NW weight rows w[0 .. NW) against row m of x (quantized in the natural layout, as the one-row
+// GEMV and the MoE experts quantize it), their steps interleaved: each row's ops are
 // lanes_row<B, 1>'s (the same bits), x's step loaded once for the NW, and each step requests
 // the bytes pf ahead of its reads.
 // NOTE: one row at a time, a step's reduction (block_sums16) is a chain the core waits on; four
@@ -280,6 +281,10 @@ constexpr int64_t kLanesAhead = 2048;  // bytes requested ahead of each row's re
 template <class B, int NW>
 void lanes_rows_m1(const uint8_t* const* w, int64_t nb, const Act& a, int64_t m, float* res,
                    int64_t pf) {
+  if (a.lanes_t) {  // x laid out for lanes_step_t (dense M > 1 calls): lanes_row reads it
+    for (int j = 0; j < NW; ++j) lanes_row<B, 1>(w[j], nb, a, m, res + j, pf);
+    return;
+  }
   __m512 acc[NW];
   FS_GGML_UNROLL for (int j = 0; j < NW; ++j) acc[j] = _mm512_setzero_ps();
   int64_t k = 0;
