@@ -41,4 +41,10 @@ struct alignas(64) AmxConfig {
   uint8_t rows[16] = {};
 };
 
+// LDTILECFG of c. NOTE: not _tile_loadconfig: GCC 12's macro hands the asm only the block's first
+// 8 bytes as its memory operand, so the compiler may drop the stores to rows / colsb as dead
+// (it did, for a config built in an inlined function: every tile instruction after it faulted
+// with SIGILL, tiles unconfigured). Here the operand is the whole 64-byte block.
+inline void amx_load_config(const AmxConfig& c) { __asm__ volatile("ldtilecfg %0" ::"m"(c)); }
+
 }  // namespace fitserve

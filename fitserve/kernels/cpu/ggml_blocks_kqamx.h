@@ -68,7 +68,7 @@ inline void kq_amx_configure() {
     c.rows[4 + t] = 16, c.colsb[4 + t] = 64;
   }
   c.rows[3] = 16, c.colsb[3] = 64;
-  _tile_loadconfig(&c);
+  fitserve::amx_load_config(c);
 }
 
 // Rows m0 .. m0 + rows - 1 (rows <= 16) of x against the AMX panel: out[(m0 + r) * N + n0 + l],

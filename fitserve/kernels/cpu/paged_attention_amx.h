@@ -36,7 +36,7 @@ constexpr int64_t kAmxRowHeads = 16;  // row-heads per tile (A / C rows)
 void amx_attn_configure() {
   fitserve::AmxConfig c;
   for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
-  _tile_loadconfig(&c);
+  fitserve::amx_load_config(c);
 }
 
 // Per-thread tile buffers, sized for the largest head_dim / group seen.

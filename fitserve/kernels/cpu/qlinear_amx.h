@@ -52,7 +52,7 @@ inline void amx_configure() {
   for (int t : {0, 1}) c.rows[t] = 16, c.colsb[t] = 64;
   for (int t : {2, 3}) c.rows[t] = 16, c.colsb[t] = 32;
   for (int t : {4, 5}) c.rows[t] = 8, c.colsb[t] = 64;
-  _tile_loadconfig(&c);
+  fitserve::amx_load_config(c);
 }
 
 // A panel's int4 codes as bytes in B order: group g at b + g * 512.
