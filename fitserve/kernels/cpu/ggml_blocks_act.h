@@ -83,9 +83,57 @@ struct Act {
 // With lanes_t, each whole 512 columns (16 blocks of 32) of q are stored as 8 x 64 bytes, piece
 // c holding dword c of each block in block order (byte 64c + 4b + i = column 32b + 4c + i;
 // the VNNI lanes' M > 1 tiles, ggml_blocks_lanes.h); the last K % 512 columns stay in order.
+#ifdef FS_GGML_AVX512
+// 16 values of x as fp32 (bf16: its bits << 16, exact).
+template <class T>
+[[gnu::always_inline]] inline __m512 load16_f32(const T* x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(x);
+  } else {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+// One activation block (n columns, a multiple of 16) as quantize_row's scalar loop below, 16 at
+// a time with the same values: amax ignores NaN as std::max does (max_ps returns its second
+// operand for a NaN), the NaN / inf probe is a sum of v * 0, q = the round-to-even of the clamped
+// t (cvtps under the default rounding mode: nearbyint), NaN t -> 0; s16 the sums of 16 q.
+// NOTE: the scalar loop cost 1.8 ns per column (3.7 us per row of 2048): 15% of a 32-row
+// batched decode's IQ4_NL GEMM on the AMX tiles.
+template <class T>
+inline void quantize_block16(const T* x, int64_t n, int8_t* q, float* d, int16_t* s16) {
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  __m512 vmax = _mm512_setzero_ps(), vprobe = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 v = load16_f32(x + i);
+    vmax = _mm512_max_ps(_mm512_andnot_ps(sign, v), vmax);
+    vprobe = _mm512_add_ps(vprobe, _mm512_mul_ps(v, _mm512_setzero_ps()));
+  }
+  const float amax = _mm512_reduce_max_ps(vmax), probe = _mm512_reduce_add_ps(vprobe);
+  const float id = amax > 0.f ? 127.f / amax : 0.f;
+  const __m512 vid = _mm512_set1_ps(id), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 t = _mm512_mul_ps(load16_f32(x + i), vid);
+    const __mmask16 ok = _mm512_cmp_ps_mask(t, t, _CMP_ORD_Q);
+    const __m512i r = _mm512_maskz_cvtps_epi32(ok, _mm512_min_ps(_mm512_max_ps(t, lo), hi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(r));
+    s16[i / 16] = static_cast<int16_t>(_mm512_reduce_add_epi32(r));
+  }
+  *d = amax / 127.f + probe;
+}
+#endif
+
 template <class T>
 void quantize_row(const T* x, int64_t K, int64_t block, bool perm128, int8_t* q, float* d,
                   int16_t* s16, int16_t* s32, float* ds, bool lanes_t = false) {
+#ifdef FS_GGML_AVX512
+  if (block % 16 == 0) {
+    for (int64_t b0 = 0; b0 < K; b0 += block)
+      quantize_block16(x + b0, block, q + b0, d + b0 / block, s16 + b0 / 16);
+  } else
+#endif
+  {
   for (int64_t b0 = 0; b0 < K; b0 += block) {
     float amax = 0.f, probe = 0.f;
     for (int64_t i = b0; i < b0 + block; ++i) {
@@ -105,6 +153,7 @@ void quantize_row(const T* x, int64_t K, int64_t block, bool perm128, int8_t* q,
     int32_t s = 0;
     for (int i = 0; i < 16; ++i) s += q[16 * j + i];
     s16[j] = static_cast<int16_t>(s);
+  }
   }
   for (int64_t j = 0; j < K / 32; ++j)
     s32[j] = static_cast<int16_t>(s16[2 * j] + s16[2 * j + 1]);
