@@ -208,11 +208,12 @@ def test_each_row_is_the_row_alone(t: str) -> None:
     """Batch invariance: row r of a call with M rows has the bits of row r run alone (the M = 1
     GEMV, rows streamed), for M = 15 (tiles of 8 + 4 + 2 + 1 rows on AVX-512, 4 + 4 + 4 + 2 + 1
     on AVX2), M = 24 (full tiles only) and M = 37 (the K-quants' AVX-512 panels: 9 tiles of 4
-    and one of 1, over 16 + 5 weight rows); K = 544 for the 32-column types is 17 blocks (a
-    16-block step of the VNNI rows and a tail of one), 1280 for the K-quants (5 super-blocks)."""
+    and one of 1, over 16 + 5 weight rows; where the CPU has AMX-INT8, also the 32-column types'
+    tiles of 16 + 16 + 5); K = 544 for the 32-column types is 17 blocks (a 16-block step of the
+    VNNI rows and a tail of one), 1280 for the K-quants (5 super-blocks)."""
     n, k = 21, 544 if ACT_BLOCK[t] == 32 else 1280
     blocks = torch.from_numpy(random_blocks(t, n, k, 11))
-    ms = (15, 24, 37) if t in ("Q4_K", "Q5_K", "Q6_K") else (15, 24)
+    ms = (15, 24, 37) if t in ("Q4_K", "Q5_K", "Q6_K") or ACT_BLOCK[t] == 32 else (15, 24)
     x = make_x(max(ms), k, torch.float32, 13)
     alone = torch.cat([ggml_matmul(x[r:r + 1], blocks, t, n, k) for r in range(max(ms))])
     for m in ms:
@@ -221,15 +222,26 @@ def test_each_row_is_the_row_alone(t: str) -> None:
         assert not bad, f"{t} M={m}: rows {bad} differ from the row alone"
 
 
-@pytest.mark.parametrize("t", ["Q4_K", "Q5_K", "Q6_K"])
+AMX_TYPES = ["Q4_K", "Q5_K", "Q6_K"] + [t for t in TYPES if ACT_BLOCK[t] == 32]
+
+
+@pytest.mark.parametrize("t", AMX_TYPES)
 def test_amx_tiles_give_the_vnni_bits(t: str) -> None:
-    """Where the CPU has AMX-INT8 (ggml_blocks_kqamx.h): the K-quant panels' 16-row AMX tiles
-    (Q4_K / Q5_K through the scale-digit codes) give every row the bits of the VNNI panels, M =
-    16 (one full tile), 17 and 47 (short last tiles), N = 45 (a 13-lane panel); and with the
+    """Where the CPU has AMX-INT8: the K-quant panels' 16-row AMX tiles (ggml_blocks_kqamx.h;
+    Q4_K / Q5_K through the scale-digit codes) give every row the bits of the VNNI panels, and
+    the 32-column types' tiles (ggml_blocks_lanes_amx.h: one tile dot per block, the lanes'
+    fp32 order) the bits of their VNNI rows; M = 16 (one full tile), 17 and 47 (short last
+    tiles), N = 45 (a 13-row last panel), K = 1280 (5 super-blocks, 40 blocks of 32) and for the
+    32-column types also 544 (17 blocks: an odd count, a lane with two blocks); and with the
     tiles on, a call stays within check()'s float64 bounds."""
     if not amx_active():
-        pytest.skip("no AMX-INT8 tiles here (or FITSERVE_AMX=0): the VNNI panels run every M")
-    n, k = 45, 1280
+        pytest.skip("no AMX-INT8 tiles here (or FITSERVE_AMX=0): the VNNI kernels run every M")
+    for k in (1280, 544) if ACT_BLOCK[t] == 32 else (1280,):
+        amx_matches_vnni(t, 45, k)
+    check(t, 33, 45, 2304, torch.bfloat16, seed=77)
+
+
+def amx_matches_vnni(t: str, n: int, k: int) -> None:
     blocks = torch.from_numpy(random_blocks(t, n, k, 19))
     x = make_x(47, k, torch.float32, 23)
     try:
@@ -238,18 +250,21 @@ def test_amx_tiles_give_the_vnni_bits(t: str) -> None:
             got = ggml_matmul(x[:m], blocks, t, n, k)
             set_amx(False)
             want = ggml_matmul(x[:m], blocks, t, n, k)
-            assert torch.equal(got, want), f"{t} M={m}: AMX differs from the VNNI panels"
+            assert torch.equal(got, want), f"{t} M={m} K={k}: AMX differs from VNNI"
     finally:
         set_amx(True)
-    check(t, 33, 45, 2304, torch.bfloat16, seed=77)
 
 
-def test_nan_in_x_reaches_its_row_only() -> None:
-    blocks = torch.from_numpy(random_blocks("Q4_K", 12, 512, 5))
-    x = torch.randn(3, 512)
+@pytest.mark.parametrize(("t", "m"), [("Q4_K", 3), ("Q4_K", 20), ("IQ4_NL", 3), ("IQ4_NL", 20)])
+def test_nan_in_x_reaches_its_row_only(t: str, m: int) -> None:
+    """A NaN in one row of x makes that row NaN and no other (M = 20: the AMX tiles where the
+    CPU has them, the row sharing its tile with 15 finite ones)."""
+    blocks = torch.from_numpy(random_blocks(t, 12, 512, 5))
+    x = torch.randn(m, 512)
     x[2, 300] = float("nan")
-    y = ggml_matmul(x, blocks, "Q4_K", 12, 512)
-    assert y[2].isnan().all() and y[:2].isfinite().all()
+    y = ggml_matmul(x, blocks, t, 12, 512)
+    assert y[2].isnan().all()
+    assert torch.cat([y[:2], y[3:]]).isfinite().all()
 
 
 def test_bad_arguments_raise() -> None:

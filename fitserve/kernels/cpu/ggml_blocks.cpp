@@ -9,7 +9,8 @@
 // the weights M / kTileRows times, not M times; M = 1 is the same code with a tile of one row.
 // On AVX-512 the K-quants from T::Panel::kMinRows rows of x run "lane = output row" panels
 // instead (ggml_blocks_kqpanel.h: 16 weight rows decoded once per call), with the same bits, and
-// where the CPU has AMX-INT8 their 16-row tiles of x on the tiles (ggml_blocks_kqamx.h).
+// where the CPU has AMX-INT8 their 16-row tiles of x on the tiles (ggml_blocks_kqamx.h); the
+// 32-column types there from 16 rows of x on AMX tiles too (ggml_blocks_lanes_amx.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -20,6 +21,7 @@
 #include "build_tier.h"
 #include "ggml_blocks_iq4.h"
 #include "ggml_blocks_kquant.h"
+#include "ggml_blocks_lanes_amx.h"
 #include "ggml_blocks_q5.h"
 #include "ggml_blocks_q8.h"
 #include "ggml_blocks_run.h"
@@ -39,6 +41,11 @@ void run_type(const Act& a, int64_t M, const uint8_t* W, int64_t N, float* out) 
           kq_panel_run<typename T::Panel>(W, row_bytes, nblk, a, M, p * kPanelLanes, N, out, amx);
         kq_amx_end(amx);
       });
+  }
+#endif
+#if defined(FS_GGML_VNNI) && defined(FITSERVE_AMX_INT8)
+  if constexpr (lanes_m1<T>::value) {  // the 32-column block types' AMX tiles (_lanes_amx.h)
+    if (lanes_amx_runs<T>(M)) return lanes_amx_run<T>(W, row_bytes, nblk, a, M, N, out);
   }
 #endif
   at::parallel_for(0, (N + nb - 1) / nb, 1, [&](int64_t b0, int64_t b1) {
@@ -71,7 +78,8 @@ template <class T>
 void run_x(const at::Tensor& x, const uint8_t* W, int64_t N, float* out) {
   static thread_local ActBuf buf;
   const int64_t M = x.size(0), K = x.size(1);
-  const bool lanes_t = M > 1 && lanes_tiles<T>::value;  // ggml_blocks_lanes.h
+  // ggml_blocks_lanes.h; the AMX tiles read x in natural order (ggml_blocks_lanes_amx.h)
+  const bool lanes_t = M > 1 && lanes_tiles<T>::value && !lanes_amx_runs<T>(M);
   const Act a = x.scalar_type() == at::kBFloat16
                     ? quantize(x.data_ptr<c10::BFloat16>(), M, K, T::kActBlock, T::kPerm128, buf,
                                nullptr, lanes_t)

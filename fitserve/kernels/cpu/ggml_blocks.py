@@ -62,8 +62,9 @@ def ggml_blocks_tier() -> str:
 
 
 def amx_active() -> bool:
-    """Whether the K-quants' M > 1 panels run on AMX-INT8 tiles (ggml_blocks_kqamx.h): compiled
-    for this CPU, granted by the OS, not turned off (``FITSERVE_AMX=0`` or :func:`set_amx`)."""
+    """Whether the M > 1 calls run on AMX-INT8 tiles (the K-quant panels, ggml_blocks_kqamx.h;
+    the 32-column types from 16 rows, ggml_blocks_lanes_amx.h): compiled for this CPU, granted
+    by the OS, not turned off (``FITSERVE_AMX=0`` or :func:`set_amx`)."""
     return _ops_loaded() and bool(torch.ops.fitserve.ggml_blocks_amx_active())
 
 
