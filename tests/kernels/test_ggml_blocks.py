@@ -208,12 +208,12 @@ def test_each_row_is_the_row_alone(t: str) -> None:
     """Batch invariance: row r of a call with M rows has the bits of row r run alone (the M = 1
     GEMV, rows streamed), for M = 15 (tiles of 8 + 4 + 2 + 1 rows on AVX-512, 4 + 4 + 4 + 2 + 1
     on AVX2), M = 24 (full tiles only) and M = 37 (the K-quants' AVX-512 panels: 9 tiles of 4
-    and one of 1, over 16 + 5 weight rows; where the CPU has AMX-INT8, also the 32-column types'
-    tiles of 16 + 16 + 5); K = 544 for the 32-column types is 17 blocks (a 16-block step of the
-    VNNI rows and a tail of one), 1280 for the K-quants (5 super-blocks)."""
+    and one of 1, over 16 + 5 weight rows; where the CPU has AMX-INT8, the 32-column types' and
+    IQ4_XS's tiles of 16 + 16 + 5); K = 544 for the 32-column types is 17 blocks (a 16-block
+    step of the VNNI rows and a tail of one), 1280 for the others (5 super-blocks)."""
     n, k = 21, 544 if ACT_BLOCK[t] == 32 else 1280
     blocks = torch.from_numpy(random_blocks(t, n, k, 11))
-    ms = (15, 24, 37) if t in ("Q4_K", "Q5_K", "Q6_K") or ACT_BLOCK[t] == 32 else (15, 24)
+    ms = (15, 24, 37)
     x = make_x(max(ms), k, torch.float32, 13)
     alone = torch.cat([ggml_matmul(x[r:r + 1], blocks, t, n, k) for r in range(max(ms))])
     for m in ms:
@@ -222,7 +222,7 @@ def test_each_row_is_the_row_alone(t: str) -> None:
         assert not bad, f"{t} M={m}: rows {bad} differ from the row alone"
 
 
-AMX_TYPES = ["Q4_K", "Q5_K", "Q6_K"] + [t for t in TYPES if ACT_BLOCK[t] == 32]
+AMX_TYPES = ["Q4_K", "Q5_K", "Q6_K", "IQ4_XS"] + [t for t in TYPES if ACT_BLOCK[t] == 32]
 
 
 @pytest.mark.parametrize("t", AMX_TYPES)

@@ -10,7 +10,7 @@
 // On AVX-512 the K-quants from T::Panel::kMinRows rows of x run "lane = output row" panels
 // instead (ggml_blocks_kqpanel.h: 16 weight rows decoded once per call), with the same bits, and
 // where the CPU has AMX-INT8 their 16-row tiles of x on the tiles (ggml_blocks_kqamx.h); the
-// 32-column types there from 16 rows of x on AMX tiles too (ggml_blocks_lanes_amx.h).
+// 32-column types and IQ4_XS there from 16 rows of x on AMX tiles too (ggml_blocks_lanes_amx.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -44,8 +44,8 @@ void run_type(const Act& a, int64_t M, const uint8_t* W, int64_t N, float* out) 
   }
 #endif
 #if defined(FS_GGML_VNNI) && defined(FITSERVE_AMX_INT8)
-  if constexpr (lanes_m1<T>::value) {  // the 32-column block types' AMX tiles (_lanes_amx.h)
-    if (lanes_amx_runs<T>(M)) return lanes_amx_run<T>(W, row_bytes, nblk, a, M, N, out);
+  if constexpr (has_amx_blocks<T>::value) {  // 32-column blocks on AMX tiles (_lanes_amx.h)
+    if (lanes_amx_runs<T>(M)) return lanes_amx_run<T>(W, row_bytes, a.K / 32, a, M, N, out);
   }
 #endif
   at::parallel_for(0, (N + nb - 1) / nb, 1, [&](int64_t b0, int64_t b1) {

@@ -1,5 +1,6 @@
 // The 32-column block types (ggml_blocks_lanes.h: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4)
-// from kLanesAmxMinRows rows of x on AMX-INT8 tiles: 16 rows of x against 16 weight rows, one
+// and IQ4_XS (its 32-column sub-blocks, AmxBlocks<IQ4XS>) from kLanesAmxMinRows rows of x on
+// AMX-INT8 tiles: 16 rows of x against 16 weight rows, one
 // tile dot (K = 32) per block. Compiled where the CPU has AMX-INT8 (isa.py's FITSERVE_AMX_INT8 at
 // the avx512_vnni tier), taken at run time only when the kernel may use the tile registers.
 //
@@ -29,6 +30,7 @@
 #include <cstring>
 #include <vector>
 
+#include "ggml_blocks_iq4.h"
 #include "ggml_blocks_lanes.h"
 
 #if defined(FS_GGML_VNNI) && defined(FITSERVE_AMX_INT8)
@@ -72,10 +74,12 @@ inline void lanes_amx_configure() {
 }
 
 // A thread's decoded panel: block b's B tile at codes + 512 b (one spare block for an odd count),
-// its 16 weight rows' scales at d + 16 b (Q*_1's mins at mn + 16 b); rows past N zero.
+// its 16 weight rows' scales at d + 16 b (Q*_1's mins at mn + 16 b, IQ4_XS's integer sub-block
+// scales at ls + 16 b); rows past N zero.
 struct LanesPanel {
   std::vector<int8_t> codes;
   std::vector<float> d, mn;
+  std::vector<int32_t> ls;
 };
 
 template <class B>
@@ -87,41 +91,92 @@ template <class B>
     return u;
 }
 
+// How the tiles read a type, as its VNNI rows do: pair(row, j, two) = blocks 2j, 2j + 1 (of 32
+// columns) of a weight row as signed bytes; scales(row, k, r) = blocks k .. k + r - 1's fp32
+// scale (the d that multiplies da), min and integer scale (1: none) as 16 lanes; kActPer = blocks
+// per activation block (x's da index is b / kActPer).
+// The 32-column block types of ggml_blocks_lanes.h.
 template <class B>
+struct AmxBlocks {
+  static constexpr int64_t kActPer = 1;
+  static constexpr bool kHasMin = B::kHasMin, kIntScale = false;
+  [[gnu::always_inline]] static inline __m512i pair(const uint8_t* row, int64_t j, bool two) {
+    return signed_pair<B>(row + 2 * j * B::kBytes, two);
+  }
+  // as lanes_step reads them: the heads of r blocks
+  [[gnu::always_inline]] static inline void scales(const uint8_t* row, int64_t k, int r,
+                                                   __m512& d, __m512& mn, __m512i&) {
+    const __m512i g = lane_heads<B>(row + k * B::kBytes, r * B::kBytes);
+    d = B::lane_scales(g);
+    if constexpr (B::kHasMin) mn = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
+  }
+};
+
+// IQ4_XS: its 32-column sub-blocks are the blocks (IQ4XS::step's lanes: sub-block s of
+// super-block sb is lane 8 (sb % 2) + s); the dot times ls - 32 as int32 (exact), the super-block's
+// d per sub-block, x's da per 256 columns.
+template <>
+struct AmxBlocks<IQ4XS> {
+  static constexpr int64_t kActPer = 8;
+  static constexpr bool kHasMin = false, kIntScale = true;
+  [[gnu::always_inline]] static inline __m512i pair(const uint8_t* row, int64_t j, bool) {
+    const __m512i table =
+        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Values)));
+    const uint8_t* q = row + (j / 4) * IQ4XS::kBytes + 8 + 32 * (j % 4);
+    return _mm512_shuffle_epi8(table, nibbles_pair(q, q + 16, true));
+  }
+  [[gnu::always_inline]] static inline void scales(const uint8_t* row, int64_t k, int r,
+                                                   __m512& d, __m512&, __m512i& ls) {
+    const uint8_t* b = row + (k / 8) * IQ4XS::kBytes;  // k: a multiple of 16
+    const bool two = r > 8;
+    ls = _mm512_cvtepi16_epi32(two ? IQ4XS::scales16(b)
+                                   : _mm256_zextsi128_si256(IQ4XS::scales8(b)));
+    d = _mm512_insertf32x8(_mm512_set1_ps(f16_at(b)),
+                           _mm256_set1_ps(two ? f16_at(b + IQ4XS::kBytes) : 0.f), 1);
+  }
+};
+
+template <class T, class = void>
+struct has_amx_blocks : std::false_type {};
+template <class T>
+struct has_amx_blocks<T, std::enable_if_t<lanes_m1<T>::value || std::is_same_v<T, IQ4XS>>>
+    : std::true_type {};
+
+template <class T>
 void lanes_amx_decode(const uint8_t* W, int64_t row_bytes, int64_t nb, int64_t rows,
                       LanesPanel& p) {
+  using S = AmxBlocks<T>;
   const int64_t npair = (nb + 1) / 2;
   p.codes.resize(npair * 1024 + 64);
   p.d.resize(nb * 16);
-  if constexpr (B::kHasMin) p.mn.resize(nb * 16);
+  if constexpr (S::kHasMin) p.mn.resize(nb * 16);
+  if constexpr (S::kIntScale) p.ls.resize(nb * 16);
   int8_t* codes = p.codes.data() + ((64 - reinterpret_cast<uintptr_t>(p.codes.data()) % 64) % 64);
   for (int64_t j = 0; j < npair; ++j) {
     __m512i v[16];
     const bool two = 2 * j + 1 < nb;
     FS_GGML_UNROLL for (int l = 0; l < 16; ++l)
-      v[l] = l < rows ? signed_pair<B>(W + l * row_bytes + 2 * j * B::kBytes, two)
-                      : _mm512_setzero_si512();
+      v[l] = l < rows ? S::pair(W + l * row_bytes, j, two) : _mm512_setzero_si512();
     transpose16x16_epi32(v);  // v[c]: dword c of each row's pair = row c % 8 of block 2j + c / 8
     FS_GGML_UNROLL for (int c = 0; c < 16; ++c) _mm512_store_si512(codes + 1024 * j + 64 * c, v[c]);
   }
   alignas(64) float sc[16][16], mn[16][16];
+  alignas(64) int32_t ls[16][16];
   for (int64_t k = 0; k < nb; k += 16) {
     const int r = static_cast<int>(std::min<int64_t>(16, nb - k));
     for (int l = 0; l < 16; ++l) {
       __m512 dv = _mm512_setzero_ps(), mv = _mm512_setzero_ps();
-      if (l < rows) {  // as the VNNI rows read them (lanes_step: the heads of r blocks)
-        const __m512i g = lane_heads<B>(W + l * row_bytes + k * B::kBytes, r * B::kBytes);
-        dv = B::lane_scales(g);
-        if constexpr (B::kHasMin)
-          mv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
-      }
+      __m512i lv = _mm512_setzero_si512();
+      if (l < rows) S::scales(W + l * row_bytes, k, r, dv, mv, lv);
       _mm512_store_ps(sc[l], dv);
       _mm512_store_ps(mn[l], mv);
+      _mm512_store_si512(ls[l], lv);
     }
     for (int i = 0; i < r; ++i)
       for (int l = 0; l < 16; ++l) {
         p.d[(k + i) * 16 + l] = sc[l][i];
-        if constexpr (B::kHasMin) p.mn[(k + i) * 16 + l] = mn[l][i];
+        if constexpr (S::kHasMin) p.mn[(k + i) * 16 + l] = mn[l][i];
+        if constexpr (S::kIntScale) p.ls[(k + i) * 16 + l] = ls[l][i];
       }
   }
 }
@@ -133,20 +188,25 @@ inline const int8_t* panel_codes(const LanesPanel& p) {
 
 // Block b's tile dot C (rows of x x weight rows) into lane b % 16 of the rows' accumulators
 // (part[lane][row]) as lanes_finish.
-template <class B>
+template <class T>
 [[gnu::always_inline]] inline void lanes_amx_finish(const int32_t* C, const LanesPanel& p,
                                                     int64_t b, const Act& a, int64_t m0,
                                                     int64_t rows, float (*part)[16]) {
+  using S = AmxBlocks<T>;
   const __m512 dv = _mm512_loadu_ps(p.d.data() + 16 * b);
   __m512 mv = _mm512_setzero_ps();
-  if constexpr (B::kHasMin) mv = _mm512_loadu_ps(p.mn.data() + 16 * b);
-  const float* da = a.d + m0 * a.nd + b;
+  __m512i ls = _mm512_setzero_si512();
+  if constexpr (S::kHasMin) mv = _mm512_loadu_ps(p.mn.data() + 16 * b);
+  if constexpr (S::kIntScale) ls = _mm512_loadu_si512(p.ls.data() + 16 * b);
+  const float* da = a.d + m0 * a.nd + b / S::kActPer;
   FS_GGML_UNROLL for (int r = 0; r < 16; ++r) {
     if (r >= rows) continue;
     __m512 acc = _mm512_load_ps(part[r]);
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(C + 16 * r)),
-                          _mm512_mul_ps(dv, _mm512_set1_ps(da[r * a.nd])), acc);
-    if constexpr (B::kHasMin)
+    __m512i dot = _mm512_load_si512(C + 16 * r);
+    if constexpr (S::kIntScale) dot = _mm512_mullo_epi32(dot, ls);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dv, _mm512_set1_ps(da[r * a.nd])),
+                          acc);
+    if constexpr (S::kHasMin)
       acc = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.dsrow(m0 + r)[b]), acc);
     _mm512_store_ps(part[r], acc);
   }
@@ -199,10 +259,10 @@ void lanes_amx_rows(const LanesPanel& p, int64_t nb, const Act& a, int64_t m0, i
   }
 }
 
-// Whether an M-row call of B runs here (then x is quantized in natural order: lanes_t off).
-template <class B>
+// Whether an M-row call of T runs here (then x is quantized in natural order: lanes_t off).
+template <class T>
 inline bool lanes_amx_runs(int64_t M) {
-  return lanes_m1<B>::value && M >= kLanesAmxMinRows && fitserve::amx_usable();
+  return has_amx_blocks<T>::value && M >= kLanesAmxMinRows && fitserve::amx_usable();
 }
 
 // The whole call: panels of 16 weight rows split over the threads, each decoded once.
