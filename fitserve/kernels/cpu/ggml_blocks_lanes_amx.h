@@ -197,15 +197,17 @@ template <class T>
   __m512 mv = _mm512_setzero_ps();
   __m512i ls = _mm512_setzero_si512();
   if constexpr (S::kHasMin) mv = _mm512_loadu_ps(p.mn.data() + 16 * b);
+  // NOTE: the dot times ls in fp32, not vpmulld (2 uops) then cvt: |dot| < 32 * 127 * 127 and
+  // |ls| <= 32 keep both it and the product below 2^24, so either way is the same exact value
   if constexpr (S::kIntScale) ls = _mm512_loadu_si512(p.ls.data() + 16 * b);
+  const __m512 lsf = _mm512_cvtepi32_ps(ls);
   const float* da = a.d + m0 * a.nd + b / S::kActPer;
   FS_GGML_UNROLL for (int r = 0; r < 16; ++r) {
     if (r >= rows) continue;
     __m512 acc = _mm512_load_ps(part[r]);
-    __m512i dot = _mm512_load_si512(C + 16 * r);
-    if constexpr (S::kIntScale) dot = _mm512_mullo_epi32(dot, ls);
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dv, _mm512_set1_ps(da[r * a.nd])),
-                          acc);
+    __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(C + 16 * r));
+    if constexpr (S::kIntScale) dot = _mm512_mul_ps(dot, lsf);
+    acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(dv, _mm512_set1_ps(da[r * a.nd])), acc);
     if constexpr (S::kHasMin)
       acc = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.dsrow(m0 + r)[b]), acc);
     _mm512_store_ps(part[r], acc);
