@@ -48,19 +48,21 @@ JSON it prints beside the copy bandwidth). Measured, each the median of the undi
                              the ledger multiplies by a model's widths, tokens and layers)
     weight stream at M = 1   bytes of weight per second the engine's one-row linears reach on
                              weights cycled past the LLC (a W1 step's linears), at K = 576 and
-                             2048 (N = 2048): "int8act" = int4_linear with int8 activations,
+                             2048 (N = 8192): "int8act" = int4_linear with int8 activations,
                              "bf16" = the one-row bf16 linear (fitserve_dense::bf16_gemv where
                              the engine prefers it, else F.linear). A kernel whose own work per
                              byte is slower than the memory, or that does not overlap the two,
                              reads below the copy bandwidth: the planner's W1 floor is then
-                             this rate, not the bandwidth
+                             this rate, not the bandwidth. Timed on all the engine's threads
+                             at once by the wall clock, as the copy bandwidth (a stream is
+                             the memory system's rate, not one core's x threads)
     per sequence             the tiny model's decode step with 8 sequences against 1 (the slope:
                              scheduler, input building, sampling and output per sequence), plus
                              the greedy argmax over the vocabulary per logit (the engine's C++
                              argmax on [32, 49152] fp32 logits)
 
 NOTE: timed as one thread's CPU time (``time.thread_time``, torch at 1 thread), the matmul rates
-then multiplied by the engine's thread count: on the shared 2-core host this was written on,
+then multiplied by the engine's thread count (the weight stream excepted, see above): on the shared 2-core host this was written on,
 wall-clock figures of the 2-thread ops under load 15-20 came out 5-50x low and moved 10x between
 runs (a descheduled thread stalls every OpenMP barrier), while one thread's CPU time does not
 count the other processes. It assumes the GEMMs scale over the cores (compute-bound ones do)
@@ -87,7 +89,10 @@ ATTENTION_KV_HEADS = 2  # of 8 query heads of 64
 CYCLE_BYTES = 96 << 20  # operands cycled through per op: past the last-level caches seen here
 TINY_LAYERS = (2, 8)
 GEMV_K = (576, 2048)  # a small model's hidden (SmolLM2-135M) and a 1-2B one's
-GEMV_N = 2048
+# NOTE: 8192 rows (2.6-32 MB a call): at 2048 a K = 576 call (0.66 MB) spent ~7 of its ~37 us
+# in the Python call and the thread pool's fork / join, which the engine's decode step does not
+# pay per linear (its per-layer cost is measured apart: measure_step_overhead)
+GEMV_N = 8192
 
 
 def _good_median(seconds: list[float]) -> float:
@@ -208,14 +213,38 @@ def gemv_weight_bytes(path: str, k: int) -> int:
     return n * k * 2 if path == "bf16" else n * k // 2 + 2 * 2 * n * (k // 32)
 
 
+def _wall_time_call(fn: Callable[[], object], *, repeats: int, inner: int) -> float:
+    """Wall seconds per call: the median of the undisturbed of ``repeats`` timings of ``inner``
+    calls (the copy bandwidth's rule: runs past 1.25 x the fastest were disturbed)."""
+    fn()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        out.append((time.perf_counter() - t0) / inner)
+    return _good_median(out)
+
+
 def measure_gemv_rates(threads: int, repeats: int = 15) -> dict[str, list[float]]:
     """path -> [weight bytes/s at each of GEMV_K] of the engine's one-row linears on
-    ``threads`` cores: one thread's rate x threads (see the module doc)."""
+    ``threads`` cores, timed as the copy bandwidth is: all ``threads`` at once, wall clock, the
+    median of the undisturbed runs.
+    NOTE: not one thread's CPU time x threads as the matmul rates: a stream's rate is the
+    memory system's, and one core streams more than 1 / threads of it (on the Xeon with AMX,
+    one thread x 2 read 22-24 GB/s where the engine's W1 streamed its int4 rows at ~29, and the
+    planner's W1 came out 1.50x low; 2 threads' wall clock at N = 8192: 36-43 GB/s there, its
+    480 MiB LLC holding part of the 96 MiB cycle, so the copy bandwidth bounds W1 instead)."""
     rates: dict[str, list[float]] = {}
-    for k in GEMV_K:
-        for path, fn in _gemv_calls(k).items():
-            sec = _time_call(fn, repeats=repeats, inner=16)
-            rates.setdefault(path, []).append(threads * gemv_weight_bytes(path, k) / sec)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for k in GEMV_K:
+            for path, fn in _gemv_calls(k).items():
+                sec = _wall_time_call(fn, repeats=repeats, inner=16)
+                rates.setdefault(path, []).append(gemv_weight_bytes(path, k) / sec)
+    finally:
+        torch.set_num_threads(before)
     return rates
 
 
