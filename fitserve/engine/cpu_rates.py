@@ -100,16 +100,17 @@ def _good_median(seconds: list[float]) -> float:
     return statistics.median(s for s in seconds if s <= best * GOOD_RUN_SLACK)
 
 
-def _time_call(fn: Callable[[], object], *, repeats: int, inner: int) -> float:
-    """CPU seconds of this thread per call: the median of the undisturbed of ``repeats``
-    timings of ``inner`` calls."""
+def _time_call(fn: Callable[[], object], *, repeats: int, inner: int,
+               clock: Callable[[], float] = time.thread_time) -> float:
+    """Seconds per call by ``clock`` (this thread's CPU time unless told): the median of the
+    undisturbed of ``repeats`` timings of ``inner`` calls."""
     fn()
     out = []
     for _ in range(repeats):
-        t0 = time.thread_time()
+        t0 = clock()
         for _ in range(inner):
             fn()
-        out.append((time.thread_time() - t0) / inner)
+        out.append((clock() - t0) / inner)
     return _good_median(out)
 
 
@@ -213,19 +214,6 @@ def gemv_weight_bytes(path: str, k: int) -> int:
     return n * k * 2 if path == "bf16" else n * k // 2 + 2 * 2 * n * (k // 32)
 
 
-def _wall_time_call(fn: Callable[[], object], *, repeats: int, inner: int) -> float:
-    """Wall seconds per call: the median of the undisturbed of ``repeats`` timings of ``inner``
-    calls (the copy bandwidth's rule: runs past 1.25 x the fastest were disturbed)."""
-    fn()
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        out.append((time.perf_counter() - t0) / inner)
-    return _good_median(out)
-
-
 def measure_gemv_rates(threads: int, repeats: int = 15) -> dict[str, list[float]]:
     """path -> [weight bytes/s at each of GEMV_K] of the engine's one-row linears on
     ``threads`` cores, timed as the copy bandwidth is: all ``threads`` at once, wall clock, the
@@ -241,7 +229,8 @@ def measure_gemv_rates(threads: int, repeats: int = 15) -> dict[str, list[float]
     try:
         for k in GEMV_K:
             for path, fn in _gemv_calls(k).items():
-                sec = _wall_time_call(fn, repeats=repeats, inner=16)
+                # the copy bandwidth's rule: all threads at once, wall clock, undisturbed runs
+                sec = _time_call(fn, repeats=repeats, inner=16, clock=time.perf_counter)
                 rates.setdefault(path, []).append(gemv_weight_bytes(path, k) / sec)
     finally:
         torch.set_num_threads(before)
