@@ -62,11 +62,12 @@ JSON it prints beside the copy bandwidth). Measured, each the median of the undi
                              argmax on [32, 49152] fp32 logits)
 
 NOTE: timed as one thread's CPU time (``time.thread_time``, torch at 1 thread), the matmul rates
-then multiplied by the engine's thread count (the weight stream excepted, see above): on the shared 2-core host this was written on,
-wall-clock figures of the 2-thread ops under load 15-20 came out 5-50x low and moved 10x between
-runs (a descheduled thread stalls every OpenMP barrier), while one thread's CPU time does not
-count the other processes. It assumes the GEMMs scale over the cores (compute-bound ones do)
-and leaves out the thread pool's fork/join per op (a few us each).
+then multiplied by the engine's thread count (the weight stream excepted, see above): on the
+shared 2-core host this was written on, wall-clock figures of the 2-thread ops under load 15-20
+came out 5-50x low and moved 10x between runs (a descheduled thread stalls every OpenMP
+barrier), while one thread's CPU time does not count the other processes. It assumes the GEMMs
+scale over the cores (compute-bound ones do) and leaves out the thread pool's fork/join per op
+(a few us each).
 """
 
 from __future__ import annotations

@@ -229,8 +229,8 @@ AMX_TYPES = ["Q4_K", "Q5_K", "Q6_K", "IQ4_XS"] + [t for t in TYPES if ACT_BLOCK[
 def test_amx_tiles_give_the_vnni_bits(t: str) -> None:
     """Where the CPU has AMX-INT8: the K-quant panels' 16-row AMX tiles (ggml_blocks_kqamx.h;
     Q4_K / Q5_K through the scale-digit codes) give every row the bits of the VNNI panels, and
-    the 32-column types' tiles (ggml_blocks_lanes_amx.h: one tile dot per block, the lanes'
-    fp32 order) the bits of their VNNI rows; M = 16 (one full tile), 17 and 47 (short last
+    the 32-column types' and IQ4_XS's tiles (ggml_blocks_lanes_amx.h: one tile dot per block
+    of 32 columns, the lanes' fp32 order) the bits of their VNNI rows; M = 16 (one full tile), 17 and 47 (short last
     tiles), N = 45 (a 13-row last panel), K = 1280 (5 super-blocks, 40 blocks of 32) and for the
     32-column types also 544 (17 blocks: an odd count, a lane with two blocks); and with the
     tiles on, a call stays within check()'s float64 bounds."""

@@ -134,26 +134,26 @@ void quantize_row(const T* x, int64_t K, int64_t block, bool perm128, int8_t* q,
   } else
 #endif
   {
-  for (int64_t b0 = 0; b0 < K; b0 += block) {
-    float amax = 0.f, probe = 0.f;
-    for (int64_t i = b0; i < b0 + block; ++i) {
-      const float v = static_cast<float>(x[i]);
-      amax = std::max(amax, std::fabs(v));
-      probe += v * 0.f;  // NOTE: NaN / inf in x make the block scale NaN: y is NaN, not finite
+    for (int64_t b0 = 0; b0 < K; b0 += block) {
+      float amax = 0.f, probe = 0.f;
+      for (int64_t i = b0; i < b0 + block; ++i) {
+        const float v = static_cast<float>(x[i]);
+        amax = std::max(amax, std::fabs(v));
+        probe += v * 0.f;  // NOTE: NaN / inf in x make the block scale NaN: y is NaN, not finite
+      }
+      const float id = amax > 0.f ? 127.f / amax : 0.f;
+      for (int64_t i = b0; i < b0 + block; ++i) {
+        const float t = static_cast<float>(x[i]) * id;
+        const float r = t == t ? std::nearbyint(std::clamp(t, -127.f, 127.f)) : 0.f;
+        q[i] = static_cast<int8_t>(r);  // round half to even (the default rounding mode)
+      }
+      d[b0 / block] = amax / 127.f + probe;
     }
-    const float id = amax > 0.f ? 127.f / amax : 0.f;
-    for (int64_t i = b0; i < b0 + block; ++i) {
-      const float t = static_cast<float>(x[i]) * id;
-      const float r = t == t ? std::nearbyint(std::clamp(t, -127.f, 127.f)) : 0.f;
-      q[i] = static_cast<int8_t>(r);  // round half to even (the default rounding mode)
+    for (int64_t j = 0; j < K / 16; ++j) {
+      int32_t s = 0;
+      for (int i = 0; i < 16; ++i) s += q[16 * j + i];
+      s16[j] = static_cast<int16_t>(s);
     }
-    d[b0 / block] = amax / 127.f + probe;
-  }
-  for (int64_t j = 0; j < K / 16; ++j) {
-    int32_t s = 0;
-    for (int i = 0; i < 16; ++i) s += q[16 * j + i];
-    s16[j] = static_cast<int16_t>(s);
-  }
   }
   for (int64_t j = 0; j < K / 32; ++j)
     s32[j] = static_cast<int16_t>(s16[2 * j] + s16[2 * j + 1]);

@@ -1,8 +1,8 @@
 // The 32-column block types (ggml_blocks_lanes.h: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4)
 // and IQ4_XS (its 32-column sub-blocks, AmxBlocks<IQ4XS>) from kLanesAmxMinRows rows of x on
-// AMX-INT8 tiles: 16 rows of x against 16 weight rows, one
-// tile dot (K = 32) per block. Compiled where the CPU has AMX-INT8 (isa.py's FITSERVE_AMX_INT8 at
-// the avx512_vnni tier), taken at run time only when the kernel may use the tile registers.
+// AMX-INT8 tiles: 16 rows of x against 16 weight rows, one tile dot (K = 32) per block.
+// Compiled where the CPU has AMX-INT8 (isa.py's FITSERVE_AMX_INT8 at the avx512_vnni tier),
+// taken at run time only when the kernel may use the tile registers.
 //
 // Each thread decodes a panel of 16 weight rows once per call (B::pair, made signed: the value,
 // not value + bias, so tdpbssd's integer dot is the lanes' dot - (sum(a) << kShift) exactly) in
@@ -12,15 +12,16 @@
 //
 // Bits: the VNNI rows (lanes_row, lanes_rows_m1, lanes_step_t) keep one fp32 lane per block,
 // lane b % 16, each updated once per 16-block step with fma(dot, d * da, acc) [+ fma(m, ds)],
-// then _mm512_reduce_add_ps. Here lane L's blocks L, L + 16, ... go in that order into 16
-// accumulators (one per row of x, a vector over the 16 weight rows) with the same ops, and the
-// 16 lanes are summed in GCC's reduce_add_ps tree (hi + lo halves: 8, 4, then [0]+[2], [1]+[3],
-// then the two) -- so row m has the bits of the row alone, whatever M.
+// then _mm512_reduce_add_ps. Here block b's scaled dot goes into lane b % 16 of each row of x's
+// sums (part[lane][row], a vector over the 16 weight rows) in block order with the same ops, and
+// the 16 lanes are summed in GCC's reduce_add_ps tree (hi + lo halves: 8, 4, then [0]+[2],
+// [1]+[3], then the two) -- so row m has the bits of the row alone, whatever M.
 // NOTE: the VNNI rows' M = 32 tiles cost 77 us per row of x at 2048x2048 for IQ4_NL and 58 for
 // Q5_1 (one thread, Xeon, bench_ggml_blocks --msweep; per-block reductions, the weights decoded
-// again per 8-row tile); these tiles 30-36. The scaling (per block and row: cvt, mul, FMA and the
+// again per 8-row tile); these tiles 27-41. The scaling (per block and row: cvt, mul, FMA and the
 // lane's load / store) is most of it; two panels sharing x's tile (four tile dots in flight) were
-// 10-20% slower, their 32 KB of lane sums no longer in L1.
+// 10-20% slower, their 32 KB of lane sums no longer in L1, and IQ4_XS decoded in the transposed
+// domain (half the decode's ops) no faster.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -31,6 +32,7 @@
 #include <vector>
 
 #include "ggml_blocks_iq4.h"
+#include "ggml_blocks_kquant.h"  // transpose16 (ggml_blocks_kqpanel.h)
 #include "ggml_blocks_lanes.h"
 
 #if defined(FS_GGML_VNNI) && defined(FITSERVE_AMX_INT8)
@@ -53,26 +55,6 @@ inline void lanes_amx_configure() {
   fitserve::amx_load_config(c);
 }
 
-// v[l] dword c -> v[c] dword l: four stages, stage s swapping bit s of the vector index with
-// bit s of the dword index (two two-source permutes per pair of vectors).
-[[gnu::always_inline]] inline void transpose16x16_epi32(__m512i* v) {
-  FS_GGML_UNROLL for (int s = 0; s < 4; ++s) {
-    const int bit = 1 << s;
-    alignas(64) int32_t lo_idx[16], hi_idx[16];
-    for (int p = 0; p < 16; ++p) {
-      lo_idx[p] = (p & bit) ? 16 + (p - bit) : p;
-      hi_idx[p] = (p & bit) ? 16 + p : p + bit;
-    }
-    const __m512i li = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
-    FS_GGML_UNROLL for (int a = 0; a < 16; ++a) {
-      if (a & bit) continue;
-      const __m512i x = v[a], y = v[a | bit];
-      v[a] = _mm512_permutex2var_epi32(x, li, y);
-      v[a | bit] = _mm512_permutex2var_epi32(x, hi, y);
-    }
-  }
-}
-
 // A thread's decoded panel: block b's B tile at codes + 512 b (one spare block for an odd count),
 // its 16 weight rows' scales at d + 16 b (Q*_1's mins at mn + 16 b, IQ4_XS's integer sub-block
 // scales at ls + 16 b); rows past N zero.
@@ -81,6 +63,14 @@ struct LanesPanel {
   std::vector<float> d, mn;
   std::vector<int32_t> ls;
 };
+
+// The panel's codes from their first 64-byte boundary (the vector keeps 64 spare bytes).
+inline int8_t* panel_codes(LanesPanel& p) {
+  return p.codes.data() + (64 - reinterpret_cast<uintptr_t>(p.codes.data()) % 64) % 64;
+}
+inline const int8_t* panel_codes(const LanesPanel& p) {
+  return panel_codes(const_cast<LanesPanel&>(p));
+}
 
 template <class B>
 [[gnu::always_inline]] inline __m512i signed_pair(const uint8_t* b, bool two) {
@@ -151,13 +141,13 @@ void lanes_amx_decode(const uint8_t* W, int64_t row_bytes, int64_t nb, int64_t r
   p.d.resize(nb * 16);
   if constexpr (S::kHasMin) p.mn.resize(nb * 16);
   if constexpr (S::kIntScale) p.ls.resize(nb * 16);
-  int8_t* codes = p.codes.data() + ((64 - reinterpret_cast<uintptr_t>(p.codes.data()) % 64) % 64);
+  int8_t* codes = panel_codes(p);
   for (int64_t j = 0; j < npair; ++j) {
     __m512i v[16];
     const bool two = 2 * j + 1 < nb;
     FS_GGML_UNROLL for (int l = 0; l < 16; ++l)
       v[l] = l < rows ? S::pair(W + l * row_bytes, j, two) : _mm512_setzero_si512();
-    transpose16x16_epi32(v);  // v[c]: dword c of each row's pair = row c % 8 of block 2j + c / 8
+    transpose16(v);  // v[c]: dword c of each row's pair = row c % 8 of block 2j + c / 8
     FS_GGML_UNROLL for (int c = 0; c < 16; ++c) _mm512_store_si512(codes + 1024 * j + 64 * c, v[c]);
   }
   alignas(64) float sc[16][16], mn[16][16];
@@ -181,11 +171,6 @@ void lanes_amx_decode(const uint8_t* W, int64_t row_bytes, int64_t nb, int64_t r
   }
 }
 
-// The panel's aligned codes (lanes_amx_decode's offset).
-inline const int8_t* panel_codes(const LanesPanel& p) {
-  return p.codes.data() + ((64 - reinterpret_cast<uintptr_t>(p.codes.data()) % 64) % 64);
-}
-
 // Block b's tile dot C (rows of x x weight rows) into lane b % 16 of the rows' accumulators
 // (part[lane][row]) as lanes_finish.
 template <class T>
@@ -195,12 +180,12 @@ template <class T>
   using S = AmxBlocks<T>;
   const __m512 dv = _mm512_loadu_ps(p.d.data() + 16 * b);
   __m512 mv = _mm512_setzero_ps();
-  __m512i ls = _mm512_setzero_si512();
+  __m512 lsf = _mm512_setzero_ps();
   if constexpr (S::kHasMin) mv = _mm512_loadu_ps(p.mn.data() + 16 * b);
   // NOTE: the dot times ls in fp32, not vpmulld (2 uops) then cvt: |dot| < 32 * 127 * 127 and
   // |ls| <= 32 keep both it and the product below 2^24, so either way is the same exact value
-  if constexpr (S::kIntScale) ls = _mm512_loadu_si512(p.ls.data() + 16 * b);
-  const __m512 lsf = _mm512_cvtepi32_ps(ls);
+  if constexpr (S::kIntScale)
+    lsf = _mm512_cvtepi32_ps(_mm512_loadu_si512(p.ls.data() + 16 * b));
   const float* da = a.d + m0 * a.nd + b / S::kActPer;
   FS_GGML_UNROLL for (int r = 0; r < 16; ++r) {
     if (r >= rows) continue;
