@@ -255,16 +255,16 @@ PLAN_WEIGHTS: dict[str, str | None] = {
     "q4_1-compiled": None, "bf16-compiled": "bf16"}
 
 
-def planner_prediction(cfg: str, base: dict[str, Any], bw: float, rates: Any,
+def planner_prediction(cfg: str, base: dict[str, Any], read_bw: float, rates: Any,
                        threads: int) -> dict[str, float]:
     """The planner's W1 / W2 for ``cfg`` at this script's own shapes (W1: its prompt, one
-    request; W2: its batch), on the bandwidth and engine rates measured right before the
+    request; W2: its batch), on the read bandwidth and engine rates measured right before the
     worker (``fitserve plan --gpu cpu``'s workload section, with those figures)."""
     from fitserve.ledger.hardware import measured_cpu
     from fitserve.tools.planner.report import PlanRequest, resolve
     from fitserve.tools.planner.sections_workload import run_workload
 
-    hw = measured_cpu(mem_bytes_per_s=bw, engine=rates, threads=threads)
+    hw = measured_cpu(mem_bytes_per_s=read_bw, engine=rates, threads=threads)
 
     def at(input_len: int, batch: int) -> Any:
         req = PlanRequest(model=base["gguf"], gpu="cpu", context=1024,
@@ -437,7 +437,7 @@ def main() -> None:
                 # the figures the prediction used, so a --json can be predicted again
                 done[name]["engine_rates"] = dataclasses.asdict(rates)  # type: ignore[index,call-overload]
                 done[name]["predicted"] = planner_prediction(  # type: ignore[index]
-                    name.removeprefix("fitserve "), base, bw, rates, args.threads)
+                    name.removeprefix("fitserve "), base, rbw, rates, args.threads)
         rounds.append(done)
     results = [merge_rounds([rd[name] for rd in rounds])
                for name, _ in jobs if any(rd[name] for rd in rounds)]
@@ -461,7 +461,8 @@ def repredict(path: Path, w2_requests: int) -> None:
             if not rd or "engine_rates" not in rd:
                 continue
             rates = EngineRates.from_json(json.dumps(rd["engine_rates"]))
-            now = planner_prediction(r["config"], base, rd["copy_bytes_per_s"], rates,
+            now = planner_prediction(r["config"], base,  # read: runs saved before 2026-12-07 had copy
+                                     rd.get("read_bytes_per_s") or rd["copy_bytes_per_s"], rates,
                                      saved["threads"])
             parts = [f"{w} {rd[w]['tok_s']:.1f} tok/s: predicted then {rd['predicted'][w]:.1f} "
                      f"({rd[w]['tok_s'] / rd['predicted'][w]:.2f}), now {now[w]:.1f} "
@@ -476,7 +477,7 @@ def _name(r: dict[str, Any]) -> str:
 def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     from fitserve.ledger.hardware import cpu_hardware
 
-    cached = cpu_hardware().mem_bytes_per_s
+    cached = cpu_hardware().mem_bytes_per_s  # the planner's read bandwidth
     pool = args.kv_cache_memory or "engine default (1 GiB on CPU)"
     runs = (f"{args.runs * args.rounds} runs ({args.rounds} rounds of {args.runs}, engines "
             f"round-robin)" if args.rounds > 1 else f"{args.runs} runs")
@@ -485,8 +486,8 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     bw = statistics.median(fresh) if fresh else cached
     measured = (f"copy bandwidth {bw / 1e9:.1f} GB/s (median of {len(fresh)} measured before the "
                 f"fitserve workers, {min(fresh) / 1e9:.1f}-{max(fresh) / 1e9:.1f}; the planner's "
-                f"cached figure {cached / 1e9:.1f})" if fresh else
-                f"copy bandwidth {bw / 1e9:.1f} GB/s (planner's measurement)")
+                f"cached read figure {cached / 1e9:.1f})" if fresh else
+                f"the planner's read bandwidth {bw / 1e9:.1f} GB/s")
     clock = " (CPU time of the one thread)" if args.cpu_time else ""
     print(f"\nCPU: {cpu_description()}\nthreads={args.threads}{clock}, medians of {runs}; "
           f"{measured}; fitserve KV pool {pool}")

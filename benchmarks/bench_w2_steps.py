@@ -33,7 +33,7 @@ from bench_decode_attention_stream import decode_inputs  # noqa: E402
 from bench_engine import FITSERVE_CONFIGS, PLAN_WEIGHTS, workload_spec  # noqa: E402
 from timing import median_seconds  # noqa: E402
 
-from fitserve.ledger.cpu_measure import EngineRates, measure_copy_bandwidth  # noqa: E402
+from fitserve.ledger.cpu_measure import EngineRates, measure_read_bandwidth  # noqa: E402
 
 
 def engine_for(gguf: str, config: str) -> Any:
@@ -152,7 +152,7 @@ def main() -> None:
     text = Path(args.rates).read_text() if args.rates else json.dumps(cpu_rates.measure(1))
     print("rates:", text.strip())
     rates = EngineRates.from_json(text)
-    bw = measure_copy_bandwidth(threads=1)
+    bw = measure_read_bandwidth(threads=1)  # the planner's memory bandwidth: reads
     hw = measured_cpu(mem_bytes_per_s=bw, engine=rates, threads=1)
     base = workload_spec(1, args.runs, 32)
     engine = engine_for(base["gguf"], args.config)

@@ -5,9 +5,12 @@ A single best-of-5 copy taken while the host was busy once cached 9.5 GB/s for a
 copies at 24.8, and every ``--gpu cpu`` speed line was then off by 2.6x. So:
 
     full measure   ``threads`` workers (the engine's decode runs on every core) each copy
-                   their slice of 256 MiB, 7 times; runs slower than 1.25 x the best are
-                   disturbed (another process took the cores) and dropped; the median of
-                   the rest is the figure
+                   their slice of 256 MiB, 7 times, then each sum (read) theirs, 7 times; runs
+                   slower than 1.25 x the best are disturbed (another process took the cores)
+                   and dropped; the median of the rest is each figure. The read rate is the
+                   memory bandwidth the planner prices a step's weight and KV reads at (a
+                   decode step reads; measured on the Xeon this was written on: read 30 GB/s,
+                   copy 24.4, the engine's W1 streaming its weights at ~28)
     cache          $FITSERVE_HOME/hardware-cpu.json with the CPU model, thread count and time
     re-measure     when the CPU model or thread count differ, the figure is older than
                    ``STALE_AFTER_S``, or a quick probe (64 MiB, best of 3) is more than 25%
@@ -39,7 +42,8 @@ GOOD_RUN_SLACK = 1.25  # runs within this factor of the best run count as undist
 
 @dataclass(frozen=True, slots=True)
 class CpuFigures:
-    """One measurement: copy bandwidth (read + write bytes/s), numpy float32 matmul FLOP/s and
+    """One measurement: copy bandwidth (read + write bytes/s), read bandwidth (bytes summed per
+    second; 0: not measured, the copy figure stands in), numpy float32 matmul FLOP/s and
     the engine's own rates (``measure_engine_rates``; empty where they could not be measured,
     ``engine_note`` says why)."""
 
@@ -73,6 +77,12 @@ class CpuFigures:
     attention_tile_flops: float = 0.0
     attention_tile_kv_s: float = 0.0
     attention_tile_min_group: int = 0
+    read_bytes_per_s: float = 0.0
+
+    @property
+    def stream_bytes_per_s(self) -> float:
+        """The bandwidth a step's reads are priced at: the read rate, else the copy's."""
+        return self.read_bytes_per_s or self.mem_bytes_per_s
 
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.measured_at))
@@ -90,7 +100,8 @@ class CpuFigures:
                   f"{self.elementwise_s * 1e12:.0f} ps per element{describe_gemv(self)}"
                   if self.matmul_flops else
                   f"; engine rates not measured ({self.engine_note or 'unknown'})")
-        return (f"{self.mem_bytes_per_s / 1e9:.1f} GB/s copy, {self.flops / 1e9:.0f} GFLOP/s "
+        read = f"{self.read_bytes_per_s / 1e9:.1f} GB/s read, " if self.read_bytes_per_s else ""
+        return (f"{read}{self.mem_bytes_per_s / 1e9:.1f} GB/s copy, {self.flops / 1e9:.0f} GFLOP/s "
                 f"numpy f32 matmul{engine}, {self.threads} threads, measured {when} on "
                 f"{self.cpu_model}")
 
@@ -313,11 +324,13 @@ def measure_figures(threads: int | None = None, *,
     seconds more; ``engine``: rates already measured on this CPU, kept instead)."""
     t = threads or default_threads()
     seconds, kept = good_median(_timed_copies(256 << 20, 7, t))
+    read = (256 << 20) / good_median(_timed_copies(256 << 20, 7, t, read_only=True))[0]
     bw, flops, at = 2 * (256 << 20) / seconds, measure_matmul_flops(), time.time()
     try:
         e = engine or measure_engine_rates(t)
     except RuntimeError as exc:
-        return CpuFigures(bw, flops, cpu_model(), t, at, kept, engine_note=str(exc))
+        return CpuFigures(bw, flops, cpu_model(), t, at, kept, engine_note=str(exc),
+                          read_bytes_per_s=read)
     return CpuFigures(bw, flops, cpu_model(), t, at, kept, e.matmul_rows, e.matmul_flops,
                       e.attention_flops, e.step_overhead_s, e.layer_overhead_s,
                       elementwise_s=e.elementwise_s, seq_overhead_s=e.seq_overhead_s,
@@ -325,7 +338,8 @@ def measure_figures(threads: int | None = None, *,
                       matmul_k=e.matmul_k, attention_seq_s=e.attention_seq_s,
                       attention_kv_s=e.attention_kv_s, attention_tile_flops=e.attention_tile_flops,
                       attention_tile_kv_s=e.attention_tile_kv_s,
-                      attention_tile_min_group=e.attention_tile_min_group)
+                      attention_tile_min_group=e.attention_tile_min_group,
+                      read_bytes_per_s=read)
 
 
 def reusable_engine_rates(cached: CpuFigures | None, *, now: float, model: str,

@@ -22,8 +22,9 @@ from fitserve.ledger.formats import GGUF_PACKED
 # 4: the engine rates (one thread's CPU time x threads) beside the bandwidth; 5: + the
 # element-wise cost per token and the cost per sampled sequence; 6: + the one-row linears'
 # weight stream rate; 9: the int4 linears measured on the layout the engine holds (panels);
-# 10: + the decode attention's rates on the AMX-BF16 tile
-CPU_CACHE_VERSION = 10
+# 10: + the decode attention's rates on the AMX-BF16 tile; 11: + the read bandwidth, which
+# becomes the CPU's memory bandwidth (mem_bytes_per_s)
+CPU_CACHE_VERSION = 11
 
 
 @dataclass(frozen=True)
@@ -226,7 +227,8 @@ def cpu_engine_dtype() -> str:
 
 
 def cpu_hardware(*, refresh: bool = False) -> Hardware:
-    """This machine: copy bandwidth and matmul FLOP/s (``fitserve.ledger.cpu_measure``), cached
+    """This machine: read bandwidth (its ``mem_bytes_per_s``: a decode step's weight and KV
+    traffic is reads) and matmul FLOP/s (``fitserve.ledger.cpu_measure``), cached
     in $FITSERVE_HOME/hardware-cpu.json and measured again when the cache no longer describes
     this CPU (another model or thread count, stale, or a quick probe > 25% off); ``refresh``
     measures again in any case."""
@@ -256,12 +258,13 @@ def cpu_hardware(*, refresh: bool = False) -> Hardware:
              f"fitserve.engine.cpu_rates)" if rates else
              "a 1024^3 float32 numpy matmul (f32 FLOP/s stands in for bf16; no step overhead)")
     return Hardware(
-        name="cpu", memory_bytes=_mem_total(), mem_bytes_per_s=figures.mem_bytes_per_s,
+        name="cpu", memory_bytes=_mem_total(), mem_bytes_per_s=figures.stream_bytes_per_s,
         bf16_flops=dict(rates)["bf16"][-1] if rates else figures.flops, fp8_flops=None,
         power_w=None, link="none", link_bytes_per_s=0.0, link_latency_s=0.0,
-        source=(f"{figures.describe()}: {figures.threads} parallel numpy copies of 256 MiB "
-                f"(read+write), median of the undisturbed runs of 7; FLOP/s: {flops}; "
-                f"memory = physical RAM"),
+        source=(f"{figures.describe()}: memory bandwidth = "
+                f"{'the read rate' if figures.read_bytes_per_s else 'the copy rate'} "
+                f"({figures.threads} parallel numpy sums / copies of 256 MiB, each the median of "
+                f"the undisturbed runs of 7); FLOP/s: {flops}; memory = physical RAM"),
         measured=True, measured_at=figures.measured_at, cores=figures.threads,
         matmul_rows=tuple(figures.matmul_rows), matmul_rates=rates,
         attention_flops=figures.attention_flops, step_overhead_s=figures.step_overhead_s,
@@ -279,13 +282,13 @@ def measured_cpu(*, mem_bytes_per_s: float, engine: cpu_measure.EngineRates,
                  threads: int) -> Hardware:
     """This CPU from figures measured just now rather than the cache: what bench_engine.py
     predicts with, measuring both right before each of its fitserve workers (same host, same
-    load as what it then measures)."""
+    load as what it then measures); ``mem_bytes_per_s`` the read bandwidth, as cpu_hardware's."""
     rates = tuple((p, tuple(v)) for p, v in sorted(engine.matmul_flops.items()))
     return Hardware(
         name="cpu", memory_bytes=_mem_total(), mem_bytes_per_s=mem_bytes_per_s,
         bf16_flops=dict(rates)["bf16"][-1], fp8_flops=None, power_w=None, link="none",
         link_bytes_per_s=0.0, link_latency_s=0.0,
-        source=f"measured in this run: {mem_bytes_per_s / 1e9:.1f} GB/s copy, engine rates "
+        source=f"measured in this run: {mem_bytes_per_s / 1e9:.1f} GB/s read, engine rates "
                f"{', '.join(f'{p} ' + '/'.join(f'{x / 1e9:.0f}' for x in v) for p, v in rates)} "
                f"GFLOP/s{_k_note(engine.matmul_k)}, decode attention "
                f"{engine.attention_flops / 1e9:.0f} GFLOP/s + "

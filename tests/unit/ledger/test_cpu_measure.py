@@ -148,7 +148,8 @@ def test_engine_rates_kept_when_only_the_bandwidth_moved(
     monkeypatch.setenv("FITSERVE_HOME", str(tmp_path))
     monkeypatch.setattr(cpu_measure, "cpu_model", lambda: "CPU X")
     monkeypatch.setattr(cpu_measure, "default_threads", lambda: 2)
-    monkeypatch.setattr(cpu_measure, "_timed_copies", lambda nbytes, repeats, t: [0.05] * 3)
+    monkeypatch.setattr(cpu_measure, "_timed_copies",
+                        lambda nbytes, repeats, t, read_only=False: [0.04 if read_only else 0.05] * 3)
     monkeypatch.setattr(cpu_measure, "measure_matmul_flops", lambda: 5e10)
     probes: list[int] = []
 
@@ -161,7 +162,9 @@ def test_engine_rates_kept_when_only_the_bandwidth_moved(
     first = cpu_hardware()
     second = cpu_hardware()
     assert probes == [2]  # measured once, kept on the second full measure
-    assert first.mem_bytes_per_s == second.mem_bytes_per_s == 2 * (256 << 20) / 0.05
+    # the memory bandwidth is the read rate (256 MiB summed in 0.04 s), the copy's beside it
+    assert first.mem_bytes_per_s == second.mem_bytes_per_s == (256 << 20) / 0.04
+    assert "6.7 GB/s read, 10.7 GB/s copy" in second.source and "the read rate" in second.source
     assert second.matmul_rates == (("bf16", (4e11, 8e11)), ("int8act", (6e11, 9e11)))
     assert (second.attention_flops, second.step_overhead_s, second.layer_overhead_s) == (
         9e10, 1e-4, 1.5e-5)

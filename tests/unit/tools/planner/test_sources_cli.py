@@ -56,7 +56,8 @@ def test_cpu_measured_once_and_cached(tmp_path: Path, monkeypatch: pytest.Monkey
 
     # the cached figures come back while a quick probe agrees with them
     monkeypatch.setattr(cpu_measure, "measure_figures", boom)
-    monkeypatch.setattr(cpu_measure, "probe_copy_bandwidth", lambda t=None: hw.mem_bytes_per_s)
+    copy = json.loads((tmp_path / "hardware-cpu.json").read_text())["mem_bytes_per_s"]
+    monkeypatch.setattr(cpu_measure, "probe_copy_bandwidth", lambda t=None: copy)
     assert cpu_hardware() == hw
 
 
