@@ -100,9 +100,15 @@ struct Scratch {
   std::vector<uint16_t> qb;            // bf16 path: raw q rows, zero-padded to 32 lanes
   std::vector<const uint16_t*> kraw, vraw;  // bf16 path: K / V rows in the cache, unconverted
   // bf16 path: the cache lines of the next tile's K / V rows, requested a few at a time while
-  // this tile's scores run (Prefetches)
-  std::vector<const char*> pf;
-  int64_t pf_n = 0, pf_next = 0;
+  // this tile's scores run (issue_prefetches): pf_n lines in runs of contiguous lines (a KV
+  // block's K rows, then its V rows), pf_next of them requested so far, the next one at line
+  // pf_line of run pf_run
+  struct LineRun {
+    const char* first;  // 64-byte aligned
+    int64_t lines;
+  };
+  std::vector<LineRun> pf;
+  int64_t pf_n = 0, pf_next = 0, pf_run = 0, pf_line = 0;
   void reserve(int64_t g, int64_t dpad) {
     if (static_cast<int64_t>(q.size()) >= g * dpad && static_cast<int64_t>(m.size()) >= g &&
         static_cast<int64_t>(k.size()) >= kTile * dpad)
@@ -168,8 +174,20 @@ inline void row_to_float<c10::Half>(const c10::Half* src, float* dst, int64_t d)
 
 // Requests up to `count` more of the scratch's queued cache lines (the next tile's rows).
 inline void issue_prefetches(Scratch& w, int64_t count) {
-  const int64_t end = std::min(w.pf_n, w.pf_next + count);
-  for (; w.pf_next < end; ++w.pf_next) __builtin_prefetch(w.pf[w.pf_next], 0, 3);
+  int64_t left = std::min(w.pf_n - w.pf_next, count);
+  if (left <= 0) return;
+  w.pf_next += left;
+  while (left > 0) {
+    const Scratch::LineRun& r = w.pf[w.pf_run];
+    const int64_t take = std::min(left, r.lines - w.pf_line);
+    const char* p = r.first + 64 * w.pf_line;
+    for (int64_t i = 0; i < take; ++i) __builtin_prefetch(p + 64 * i, 0, 3);
+    left -= take;
+    if ((w.pf_line += take) == r.lines) {
+      ++w.pf_run;
+      w.pf_line = 0;
+    }
+  }
 }
 
 #if FS_BF16DOT
@@ -439,27 +457,37 @@ inline void prefetch_rows(const Geometry& g, const T* kh, const T* vh, const int
 
 // The cache lines of the K/V rows of keys [t_from, t_to) queued in w.pf (issued by the bf16
 // tile while it computes: issue_prefetches), instead of requested at once as prefetch_rows does.
+// NOTE: one run of lines per KV block for K and one for V where a block's rows are contiguous
+// (the engine's caches), not a pointer per line: building and reading back 4 pointers a key
+// (SmolLM2's 64-dim heads) was a sixth of the bf16 decode tile's time
 template <typename T>
 inline void queue_rows(const Geometry& g, const T* kh, const T* vh, const int32_t* table,
                        int64_t t_from, int64_t t_to, Scratch& w) {
-  w.pf_n = w.pf_next = 0;
+  w.pf.clear();
+  w.pf_n = w.pf_next = w.pf_run = w.pf_line = 0;
   if (t_from >= t_to) return;
   const int64_t row_bytes = g.head_dim * static_cast<int64_t>(sizeof(T));
-  const int64_t lines = (row_bytes + 63) / 64;
-  if (static_cast<int64_t>(w.pf.size()) < 2 * lines * kTile) w.pf.resize(2 * lines * kTile);
-  int64_t blk = t_from / g.block_size, off = t_from % g.block_size;
-  for (int64_t t = t_from; t < t_to; ++t) {
+  const bool k_dense = g.k_stride_tok == g.head_dim, v_dense = g.v_stride_tok == g.head_dim;
+  auto add = [&w](const T* start, int64_t bytes) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(start);
+    const uintptr_t first = a & ~uintptr_t{63};
+    const int64_t lines = static_cast<int64_t>((a + bytes - first + 63) / 64);
+    w.pf.push_back({reinterpret_cast<const char*>(first), lines});
+    w.pf_n += lines;
+  };
+  int64_t blk = t_from / g.block_size, off = t_from % g.block_size;  // one division per call
+  for (int64_t t = t_from; t < t_to;) {
+    const int64_t cnt = std::min(g.block_size - off, t_to - t);
     const int64_t page = table[blk];
-    const char* kr = reinterpret_cast<const char*>(kh + page * g.k_stride_blk + off * g.k_stride_tok);
-    const char* vr = reinterpret_cast<const char*>(vh + page * g.v_stride_blk + off * g.v_stride_tok);
-    for (int64_t byte = 0; byte < row_bytes; byte += 64) {
-      w.pf[w.pf_n++] = kr + byte;
-      w.pf[w.pf_n++] = vr + byte;
-    }
-    if (++off == g.block_size) {
-      off = 0;
-      ++blk;
-    }
+    const T* kr = kh + page * g.k_stride_blk + off * g.k_stride_tok;
+    const T* vr = vh + page * g.v_stride_blk + off * g.v_stride_tok;
+    for (int64_t i = 0; i < (k_dense ? 1 : cnt); ++i)
+      add(kr + i * g.k_stride_tok, k_dense ? cnt * row_bytes : row_bytes);
+    for (int64_t i = 0; i < (v_dense ? 1 : cnt); ++i)
+      add(vr + i * g.v_stride_tok, v_dense ? cnt * row_bytes : row_bytes);
+    t += cnt;
+    off = 0;
+    ++blk;
   }
 }
 
@@ -512,26 +540,26 @@ void attend(const Geometry& g, const QT* q, const T* kc, const T* vc, const int3
     } else {  // at W2's ~200 keys a third of the tiles were an item's first, never prefetched)
       prefetch_rows(g, next.kh, next.vh, next.table, next.t_from, next.t_to);
     }
+    // the tile's rows, a KV block at a time (one table read and base address per block)
     int64_t blk = t0 / g.block_size, off = t0 % g.block_size;
-    for (int64_t i = 0; i < n; ++i) {
+    for (int64_t i = 0; i < n; ++blk, off = 0) {
+      const int64_t cnt = std::min(g.block_size - off, n - i);
       const int64_t page = table[blk];
       const T* kr = kh + page * g.k_stride_blk + off * g.k_stride_tok;
       const T* vr = vh + page * g.v_stride_blk + off * g.v_stride_tok;
-      if constexpr (std::is_same_v<T, float>) {  // fp32 rows are read in place
-        w.krow[i] = kr;
-        w.vrow[i] = vr;
-      } else if constexpr (kDot) {  // K and V read in place as bf16
-        w.kraw[i] = reinterpret_cast<const uint16_t*>(kr);
-        w.vraw[i] = reinterpret_cast<const uint16_t*>(vr);
-      } else {  // 16-bit rows widen into the tile buffer (L1-resident) once per group
-        row_to_float(kr, w.k.data() + i * g.dpad, d);
-        row_to_float(vr, w.v.data() + i * g.dpad, d);
-        w.krow[i] = w.k.data() + i * g.dpad;
-        w.vrow[i] = w.v.data() + i * g.dpad;
-      }
-      if (++off == g.block_size) {
-        off = 0;
-        ++blk;
+      for (int64_t j = 0; j < cnt; ++j, ++i, kr += g.k_stride_tok, vr += g.v_stride_tok) {
+        if constexpr (std::is_same_v<T, float>) {  // fp32 rows are read in place
+          w.krow[i] = kr;
+          w.vrow[i] = vr;
+        } else if constexpr (kDot) {  // K and V read in place as bf16
+          w.kraw[i] = reinterpret_cast<const uint16_t*>(kr);
+          w.vraw[i] = reinterpret_cast<const uint16_t*>(vr);
+        } else {  // 16-bit rows widen into the tile buffer (L1-resident) once per group
+          row_to_float(kr, w.k.data() + i * g.dpad, d);
+          row_to_float(vr, w.v.data() + i * g.dpad, d);
+          w.krow[i] = w.k.data() + i * g.dpad;
+          w.vrow[i] = w.v.data() + i * g.dpad;
+        }
       }
     }
     tile(g, w, n);
