@@ -36,6 +36,40 @@ def test_rms_norm(dtype: torch.dtype, rows: int, dim: int) -> None:
         assert torch.equal(got, eager)
 
 
+def _aten_heads(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm_reference as ATen computes it (the composite the op must match bit for bit)."""
+    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+@pytest.mark.parametrize("dim", [8, 16, 24, 64, 128, 136, 256, 512, 40, 520])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_rms_norm_heads_is_the_aten_composite_bit_for_bit(dim: int, per_head: bool) -> None:
+    """Per-head q/k norms on a qkv view (rows strided past the heads): the same bits as
+    F.rms_norm's dozen ops over every scale of input, weight [D] or [H, D], and within the
+    reference's rounding of float64; 520 (past the one-pass kernel's sums) and bf16's fallbacks
+    too."""
+    assert torch.ops.fitserve_fused.rms_norm_heads_one_pass()  # this torch: the kernel's order
+    torch.manual_seed(dim)
+    heads, tokens = 5, 7
+    qkv = torch.randn(tokens, (heads + 2) * dim) * torch.logspace(-4, 2, tokens).unsqueeze(1)
+    x = qkv.bfloat16()[:, : heads * dim].view(tokens, heads, dim)  # not contiguous past D
+    w = torch.randn(heads, dim).bfloat16() if per_head else torch.randn(dim).bfloat16()
+    got = torch.ops.fitserve_fused.rms_norm_heads(x, w, 1e-6)
+    assert torch.equal(got, _aten_heads(x, w, 1e-6))
+    ref = _rms64(x, w, 1e-6)
+    assert ((got.double() - ref).abs() <= TOL[torch.bfloat16] * ref.abs() + 1e-30).all()
+    if not per_head:  # the module path's RMSNorm on 3-D views goes through it
+        assert torch.equal(fused.rms_norm_reference(x, w, 1e-6), got)
+
+
+def test_rms_norm_heads_falls_back_and_checks_shapes() -> None:
+    x = torch.randn(2, 3, 64)
+    assert torch.equal(torch.ops.fitserve_fused.rms_norm_heads(x, torch.ones(64), 1e-5),
+                       _aten_heads(x, torch.ones(64), 1e-5))  # fp32: the ATen ops
+    with pytest.raises(RuntimeError, match=r"weight must be \[D\] or \[H, D\]"):
+        torch.ops.fitserve_fused.rms_norm_heads(x.bfloat16(), torch.ones(2, 64).bfloat16(), 1e-5)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_add_rms_norm_updates_residual_in_place(dtype: torch.dtype) -> None:
     torch.manual_seed(1)

@@ -53,28 +53,27 @@ at::Tensor extra_linear(const LayerExtras& e, const at::Tensor& x, int64_t i) {
   return linear(x, e.linears, i);
 }
 
-// fitserve.kernels.cpu.fused.rms_norm_reference on x [..., D]
-at::Tensor rms_norm_reference(const at::Tensor& x, const at::Tensor& w, double eps) {
-  const at::Tensor normed = at::rms_norm(x.to(at::kFloat), {x.size(-1)}, std::nullopt, eps);
-  return w * normed.to(x.scalar_type());
+// fitserve.kernels.cpu.fused.rms_norm_reference on x [N, H, D] (fitserve_fused::rms_norm_heads,
+// fused_ops.cpp: the ATen composite's bits in one pass)
+at::Tensor rms_norm_heads(const at::Tensor& x, const at::Tensor& w, double eps) {
+  static const auto h = op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>(
+      "fitserve_fused::rms_norm_heads");
+  return h.call(x, w, eps);
 }
 
 // Attention.norm_qk: qk [N, Hq+Hkv, D] (a view of qkv) -> the normed copy (or qk untouched).
 at::Tensor norm_qk(const LayerExtras& e, int64_t l, const at::Tensor& qkv, const at::Tensor& qk,
                    int64_t hq, int64_t q_size, int64_t kv_size) {
   if (e.qk_norm == kQkHeads && !e.qk_weights.empty()) {
-    // NOTE: one normalisation over all Hq + Hkv heads: rms_norm reduces each head's row on its
-    // own (the same bits as the q and k halves apart), and the product with the repeated weights
-    // is the same elementwise product as the broadcast one; 4 ATen calls instead of 11 + cat
-    // (~15 us a layer at batch 1, on the calling thread)
-    const at::Tensor normed = at::rms_norm(qk.to(at::kFloat), {qk.size(-1)}, std::nullopt,
-                                           e.q_eps[l]);
-    return e.qk_weights[l] * normed.to(qk.scalar_type());
+    // NOTE: one normalisation over all Hq + Hkv heads: each head's row is normed on its own
+    // (the same bits as the q and k halves apart), and the product with the repeated weights
+    // is the same elementwise product as the broadcast one; one op instead of 11 + cat
+    return rms_norm_heads(qk, e.qk_weights[l], e.q_eps[l]);
   }
   if (e.qk_norm == kQkHeads) {
     const int64_t heads = qk.size(1);
-    return at::cat({rms_norm_reference(qk.narrow(1, 0, hq), e.q_norms[l], e.q_eps[l]),
-                    rms_norm_reference(qk.narrow(1, hq, heads - hq), e.k_norms[l], e.k_eps[l])},
+    return at::cat({rms_norm_heads(qk.narrow(1, 0, hq), e.q_norms[l], e.q_eps[l]),
+                    rms_norm_heads(qk.narrow(1, hq, heads - hq), e.k_norms[l], e.k_eps[l])},
                    1);
   }
   if (e.qk_norm == kQkWhole) {

@@ -51,6 +51,10 @@ def _register_fakes() -> None:
           num_q_heads: int, interleaved: bool) -> None:
         return None
 
+    @torch.library.register_fake(lib + "rms_norm_heads")
+    def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return x.new_empty(x.shape)
+
     @torch.library.register_fake(lib + "argmax")
     def _(x: torch.Tensor) -> torch.Tensor:
         return x.new_empty(x.shape[0], dtype=torch.long)
@@ -61,7 +65,10 @@ def _use_cpp(x: torch.Tensor) -> bool:
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF LlamaRMSNorm: mean of squares in fp32, rounded to x's dtype before the weight."""
+    """HF LlamaRMSNorm: mean of squares in fp32, rounded to x's dtype before the weight. On
+    [N, H, D] (per-head q/k norms) one C++ op with the same bits (fused_ops.cpp)."""
+    if _use_cpp(x) and x.dim() == 3 and weight.dim() == 1:
+        return torch.ops.fitserve_fused.rms_norm_heads(x, weight, eps)
     normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
     return weight * normed.to(x.dtype)
 
