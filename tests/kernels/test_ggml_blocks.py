@@ -222,6 +222,38 @@ def test_each_row_is_the_row_alone(t: str) -> None:
         assert not bad, f"{t} M={m}: rows {bad} differ from the row alone"
 
 
+@pytest.mark.parametrize("types", [("Q4_K", "Q6_K"), ("Q8_0",), ("Q6_K", "Q4_0", "Q4_K", "IQ4_XS")])
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_parts_side_by_side_are_the_calls_concatenated(types: tuple[str, ...], m: int,
+                                                      dtype: torch.dtype) -> None:
+    """ggml_matmul_parts (a decode step's Q4_K_M qkv: attn_q / attn_k Q4_K, attn_v Q6_K) gives
+    the bits of each part's ggml_matmul, concatenated, and with out_x_dtype of that rounded to
+    x's dtype; one row of x runs all parts in one region, split over 1, 2 or 3 threads alike."""
+    k, ns = 512, (70, 24, 45, 33)
+    blocks = [torch.from_numpy(random_blocks(t, n, k, 30 + i))
+              for i, (t, n) in enumerate(zip(types, ns, strict=False))]
+    x = make_x(m, k, dtype, 31)
+    want = torch.cat([ggml_matmul(x, b, t, b.shape[0], k) for b, t in zip(blocks, types, strict=True)], -1)
+    for threads in (1, 2, 3):
+        with torch_threads(threads):
+            got = torch.ops.fitserve.ggml_matmul_parts(x, blocks, list(types), False)
+            cast = torch.ops.fitserve.ggml_matmul_parts(x, blocks, list(types), True)
+        assert torch.equal(got, want), (types, m, threads)
+        assert cast.dtype == dtype and torch.equal(cast, want.to(dtype)), (types, m, threads)
+
+
+def test_parts_bad_arguments_raise() -> None:
+    blocks = [torch.from_numpy(random_blocks("Q4_K", 4, 256, 6))]
+    x = torch.randn(1, 256)
+    with pytest.raises(RuntimeError, match="one type per part"):
+        torch.ops.fitserve.ggml_matmul_parts(x, blocks, ["Q4_K", "Q6_K"], False)
+    with pytest.raises(RuntimeError, match="ggml_matmul_parts: blocks must be contiguous uint8"):
+        torch.ops.fitserve.ggml_matmul_parts(x, blocks, ["Q6_K"], False)
+    with pytest.raises(RuntimeError, match="no kernel for GGML type"):
+        torch.ops.fitserve.ggml_matmul_parts(x, blocks, ["Q2_K"], False)
+
+
 AMX_TYPES = ["Q4_K", "Q5_K", "Q6_K", "IQ4_XS"] + [t for t in TYPES if ACT_BLOCK[t] == 32]
 
 

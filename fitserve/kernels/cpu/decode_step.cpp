@@ -139,12 +139,19 @@ at::Tensor attention_kvq(const at::Tensor& q, const at::Tensor& kc, const at::Te
                 true);
 }
 
-// A ggml part's float32 output (fitserve::ggml_matmul), before GgmlLinear's cast.
-at::Tensor ggml_fp32(const at::Tensor& x, const LinearPart& p) {
+// ggml parts side by side, rounded to x's dtype (fitserve::ggml_matmul_parts): the bits of
+// GgmlLinear's ggml_matmul(...).to(dtype) per part, concatenated (ConcatLinear)
+at::Tensor ggml_parts(const at::Tensor& x, const LinearPart* const* parts, size_t count) {
   static const auto h =
-      op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::string&, int64_t, int64_t)>(
-          "fitserve::ggml_matmul");
-  return h.call(x.contiguous(), p.w, p.s0, p.w.size(0), x.size(1));
+      op<at::Tensor(const at::Tensor&, at::TensorList, at::ArrayRef<std::string>, bool)>(
+          "fitserve::ggml_matmul_parts");
+  std::vector<at::Tensor> w;
+  std::vector<std::string> types;
+  for (size_t i = 0; i < count; ++i) {
+    w.push_back(parts[i]->w);
+    types.push_back(parts[i]->s0);
+  }
+  return h.call(x.contiguous(), w, types, true);
 }
 
 // One part on x [M, K], calling the op its module calls, with the same arguments.
@@ -181,9 +188,11 @@ at::Tensor run_part(const at::Tensor& x, const LinearPart& p) {
       y = h.call(x.contiguous(), p.w, p.s, p.i0, p.i1 == 1, p.i1 == 2);
       break;
     }
-    case kGgml:  // float32 out, cast to x's dtype (GgmlLinear.forward)
-      y = ggml_fp32(x, p).to(x.scalar_type());
+    case kGgml: {  // float32 out, cast to x's dtype (GgmlLinear.forward)
+      const LinearPart* one = &p;
+      y = ggml_parts(x, &one, 1);
       break;
+    }
     default:
       TORCH_CHECK(false, "decode_layers: unknown linear kind ", p.kind);
   }
@@ -196,13 +205,13 @@ at::Tensor linear(const at::Tensor& x, const std::vector<Linear>& linears, int64
   if (parts.size() == 1) return run_part(x, parts[0]);
   std::vector<at::Tensor> outs;
   outs.reserve(parts.size());
-  // NOTE: ggml parts without a bias (a Q4_K_M qkv or gate_up): their float32 outputs
-  // concatenated, then one cast: the cast is elementwise, so the same bits as casting each part
-  // (4 ATen calls fewer per part)
+  // NOTE: ggml parts without a bias (a Q4_K_M qkv or gate_up): one op, one parallel region at
+  // batch 1; the cast is elementwise, so the same bits as casting each part
   if (std::all_of(parts.begin(), parts.end(),
                   [](const LinearPart& p) { return p.kind == kGgml && !p.bias; })) {
-    for (const LinearPart& p : parts) outs.push_back(ggml_fp32(x, p));
-    return at::cat(outs, -1).to(x.scalar_type());
+    std::vector<const LinearPart*> ptrs;
+    for (const LinearPart& p : parts) ptrs.push_back(&p);
+    return ggml_parts(x, ptrs.data(), ptrs.size());
   }
   for (const LinearPart& p : parts) outs.push_back(run_part(x, p));
   return at::cat(outs, -1);

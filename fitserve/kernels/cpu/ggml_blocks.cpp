@@ -29,6 +29,37 @@
 namespace fitserve::ggml {
 namespace {
 
+// Weight rows in blocks [b0, b1) of nb rows (one thread's share of run_type's loop) on M rows of
+// x: the K-quants' drivers, the 32-column types' 4-row tiles at M = 1, the streamed rows, else
+// rows_range; each output row's bits are its own whatever the split (ggml_blocks_run.h).
+template <class T>
+void run_blocks(const Act& a, int64_t M, const uint8_t* W, int64_t N, int64_t nb, int64_t b0,
+                int64_t b1, float* out) {
+  const int64_t nblk = a.K / T::kQK, row_bytes = nblk * T::kBytes;
+  if constexpr (kIsKQuant<T>) {  // the K-quants' own drivers (ggml_blocks_kqrun.h)
+    if (M == 1)
+      return kq_rows_quarters<T>(W, row_bytes, nblk, a, b0 * nb, std::min(N, b1 * nb), out);
+    for (int64_t blk = b0; blk < b1; ++blk)
+      kq_rows_range<T>(W, row_bytes, nblk, a, 0, M, blk * nb, std::min(N, blk * nb + nb), N, out);
+    return;
+  }
+#ifdef FS_GGML_VNNI
+  if constexpr (lanes_m1<T>::value) {  // the 32-column block types: 4-row tiles
+    if (M == 1)
+      return rows_quarters<T>(W, row_bytes, nblk, a, b0 * nb, std::min(N, b1 * nb), out,
+                              [&](const uint8_t* const* w4, float* res) {
+                                lanes_rows_m1<T, 4>(w4, nblk, a, 0, res, kLanesAhead);
+                              });
+  }
+#endif
+  if (M == 1 && streams_m1<T>(row_bytes))
+    return rows_streamed<T>(W, row_bytes, nblk, a, b0 * nb, std::min(N, b1 * nb), out);
+  for (int64_t blk = b0; blk < b1; ++blk) {
+    const int64_t n0 = blk * nb, n1 = std::min(N, n0 + nb);
+    rows_range<T>(W, row_bytes, nblk, a, 0, M, n0, n1, N, out);
+  }
+}
+
 template <class T>
 void run_type(const Act& a, int64_t M, const uint8_t* W, int64_t N, float* out) {
   const int64_t nblk = a.K / T::kQK, row_bytes = nblk * T::kBytes, nb = block_rows(N);
@@ -49,28 +80,7 @@ void run_type(const Act& a, int64_t M, const uint8_t* W, int64_t N, float* out) 
   }
 #endif
   at::parallel_for(0, (N + nb - 1) / nb, 1, [&](int64_t b0, int64_t b1) {
-    if constexpr (kIsKQuant<T>) {  // the K-quants' own drivers (ggml_blocks_kqrun.h)
-      if (M == 1)
-        return kq_rows_quarters<T>(W, row_bytes, nblk, a, b0 * nb, std::min(N, b1 * nb), out);
-      for (int64_t blk = b0; blk < b1; ++blk)
-        kq_rows_range<T>(W, row_bytes, nblk, a, 0, M, blk * nb, std::min(N, blk * nb + nb), N, out);
-      return;
-    }
-#ifdef FS_GGML_VNNI
-    if constexpr (lanes_m1<T>::value) {  // the 32-column block types: 4-row tiles
-      if (M == 1)
-        return rows_quarters<T>(W, row_bytes, nblk, a, b0 * nb, std::min(N, b1 * nb), out,
-                                [&](const uint8_t* const* w4, float* res) {
-                                  lanes_rows_m1<T, 4>(w4, nblk, a, 0, res, kLanesAhead);
-                                });
-    }
-#endif
-    if (M == 1 && streams_m1<T>(row_bytes))
-      return rows_streamed<T>(W, row_bytes, nblk, a, b0 * nb, std::min(N, b1 * nb), out);
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t n0 = blk * nb, n1 = std::min(N, n0 + nb);
-      rows_range<T>(W, row_bytes, nblk, a, 0, M, n0, n1, N, out);
-    }
+    run_blocks<T>(a, M, W, N, nb, b0, b1, out);
   });
 }
 
@@ -89,25 +99,42 @@ void run_x(const at::Tensor& x, const uint8_t* W, int64_t N, float* out) {
   if (buf.q.size() > (size_t{1} << 24)) buf = ActBuf();  // a large prefill's buffers: freed
 }
 
+// One row of x (bf16 / fp32 [1, K]) quantized for T into buf.
+template <class T>
+Act quantize_one(const at::Tensor& x, ActBuf& buf) {
+  const int64_t K = x.size(1);
+  return x.scalar_type() == at::kBFloat16
+             ? quantize(x.data_ptr<c10::BFloat16>(), 1, K, T::kActBlock, T::kPerm128, buf)
+             : quantize(x.data_ptr<float>(), 1, K, T::kActBlock, T::kPerm128, buf);
+}
+
+template <class T>
+void blocks_m1(const Act& a, const uint8_t* W, int64_t N, int64_t nb, int64_t b0, int64_t b1,
+               float* out) {
+  run_blocks<T>(a, 1, W, N, nb, b0, b1, out);
+}
+
 struct TypeInfo {
   const char* name;
   int64_t block, bytes;
   void (*run)(const at::Tensor&, const uint8_t*, int64_t, float*);
+  // one row of x: its quantization (act_block, perm128 name the layout, so parts of types that
+  // share it share one) and a thread's share of the weight-row blocks (ggml_matmul_parts)
+  int64_t act_block;
+  bool perm128;
+  Act (*quantize_one)(const at::Tensor&, ActBuf&);
+  void (*blocks_m1)(const Act&, const uint8_t*, int64_t, int64_t, int64_t, int64_t, float*);
 };
 
+#define FS_GGML_TYPE(name, T) \
+  {name, T::kQK, T::kBytes, &run_x<T>, T::kActBlock, T::kPerm128, &quantize_one<T>, &blocks_m1<T>}
 const TypeInfo kTypes[] = {
-    {"Q4_K", Q4K::kQK, Q4K::kBytes, &run_x<Q4K>},
-    {"Q5_K", Q5K::kQK, Q5K::kBytes, &run_x<Q5K>},
-    {"Q6_K", Q6K::kQK, Q6K::kBytes, &run_x<Q6K>},
-    {"Q4_0", Q4_0::kQK, Q4_0::kBytes, &run_x<Q4_0>},
-    {"Q4_1", Q4_1::kQK, Q4_1::kBytes, &run_x<Q4_1>},
-    {"Q8_0", Q8_0::kQK, Q8_0::kBytes, &run_x<Q8_0>},
-    {"Q5_0", Q5_0::kQK, Q5_0::kBytes, &run_x<Q5_0>},
-    {"Q5_1", Q5_1::kQK, Q5_1::kBytes, &run_x<Q5_1>},
-    {"IQ4_NL", IQ4NL::kQK, IQ4NL::kBytes, &run_x<IQ4NL>},
-    {"IQ4_XS", IQ4XS::kQK, IQ4XS::kBytes, &run_x<IQ4XS>},
-    {"MXFP4", MXFP4::kQK, MXFP4::kBytes, &run_x<MXFP4>},
+    FS_GGML_TYPE("Q4_K", Q4K),     FS_GGML_TYPE("Q5_K", Q5K),   FS_GGML_TYPE("Q6_K", Q6K),
+    FS_GGML_TYPE("Q4_0", Q4_0),    FS_GGML_TYPE("Q4_1", Q4_1),  FS_GGML_TYPE("Q8_0", Q8_0),
+    FS_GGML_TYPE("Q5_0", Q5_0),    FS_GGML_TYPE("Q5_1", Q5_1),  FS_GGML_TYPE("IQ4_NL", IQ4NL),
+    FS_GGML_TYPE("IQ4_XS", IQ4XS), FS_GGML_TYPE("MXFP4", MXFP4),
 };
+#undef FS_GGML_TYPE
 
 const TypeInfo& type_info(const std::string& name) {
   for (const TypeInfo& t : kTypes)
@@ -115,24 +142,101 @@ const TypeInfo& type_info(const std::string& name) {
   TORCH_CHECK(false, "ggml_matmul: no kernel for GGML type ", name);
 }
 
-at::Tensor ggml_matmul(const at::Tensor& x, const at::Tensor& blocks, const std::string& type,
-                       int64_t n, int64_t k) {
-  const TypeInfo& t = type_info(type);
-  TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "ggml_matmul: CPU tensors only");
+void check_args(const char* op, const at::Tensor& x, const at::Tensor& blocks, const TypeInfo& t,
+                const std::string& type, int64_t n, int64_t k) {
+  TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), op, ": CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == k,
-              "ggml_matmul: x must be a contiguous [M, K=", k, "], got ", x.sizes());
+              op, ": x must be a contiguous [M, K=", k, "], got ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "ggml_matmul: x must be float32 or bfloat16, got ", x.scalar_type());
-  TORCH_CHECK(k > 0 && k % t.block == 0, "ggml_matmul: K=", k, " is not a multiple of ",
+              op, ": x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(k > 0 && k % t.block == 0, op, ": K=", k, " is not a multiple of ",
               type, "'s block size ", t.block);
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.dim() == 2 &&
                   blocks.size(0) == n && blocks.size(1) == k / t.block * t.bytes,
-              "ggml_matmul: blocks must be contiguous uint8 [N=", n, ", ", k / t.block * t.bytes,
+              op, ": blocks must be contiguous uint8 [N=", n, ", ", k / t.block * t.bytes,
               "] for ", type, " with K=", k, ", got ", blocks.sizes(), " ",
               blocks.scalar_type());
+}
+
+at::Tensor ggml_matmul(const at::Tensor& x, const at::Tensor& blocks, const std::string& type,
+                       int64_t n, int64_t k) {
+  const TypeInfo& t = type_info(type);
+  check_args("ggml_matmul", x, blocks, t, type, n, k);
   at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
   if (x.size(0) == 0 || n == 0) return out;
   t.run(x, blocks.data_ptr<uint8_t>(), n, out.data_ptr<float>());
+  return out;
+}
+
+// fitserve::ggml_matmul_parts: the ggml_matmul of each part (weight rows of its own type) side
+// by side, [M, sum of the parts' N], float32 or, with out_x_dtype, rounded to x's dtype as
+// `.to()` rounds: the bits of torch.cat([ggml_matmul(x, part) ...], -1)[.to(x.dtype)]. One row
+// of x (a decode step's linear of several GGUF tensors, e.g. a Q4_K_M qkv whose attn_v is Q6_K)
+// runs every part in one parallel region, each thread its share of every part's row blocks.
+// NOTE: one fork / join, no cat and no cast op where the parts took a region, an output, a cat
+// and a cast each (~12 us of a Qwen3-MoE layer's 87 us qkv at batch 1, on the calling thread)
+at::Tensor ggml_matmul_parts(const at::Tensor& x, at::TensorList blocks,
+                             at::ArrayRef<std::string> types, bool out_x_dtype) {
+  const int64_t P = static_cast<int64_t>(blocks.size());
+  TORCH_CHECK(P >= 1 && static_cast<int64_t>(types.size()) == P,
+              "ggml_matmul_parts: one type per part, got ", P, " parts and ", types.size(),
+              " types");
+  TORCH_CHECK(x.dim() == 2, "ggml_matmul_parts: x must be [M, K], got ", x.sizes());
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<const TypeInfo*> info(P);
+  std::vector<int64_t> off(P + 1, 0);
+  for (int64_t i = 0; i < P; ++i) {
+    info[i] = &type_info(types[i]);
+    check_args("ggml_matmul_parts", x, blocks[i], *info[i], types[i], blocks[i].size(0), K);
+    off[i + 1] = off[i] + blocks[i].size(0);
+  }
+  const int64_t N = off[P];
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  float* yp = y.data_ptr<float>();
+  if (M == 1) {
+    static thread_local std::vector<ActBuf> bufs;
+    if (static_cast<int64_t>(bufs.size()) < P) bufs.resize(P);
+    std::vector<Act> acts;
+    for (int64_t i = 0; i < P; ++i) {
+      int64_t same = 0;
+      while (same < i && (info[same]->act_block != info[i]->act_block ||
+                          info[same]->perm128 != info[i]->perm128))
+        ++same;
+      acts.push_back(same < i ? acts[same] : info[i]->quantize_one(x, bufs[i]));
+    }
+    std::vector<int64_t> nb(P), nblocks(P);
+    for (int64_t i = 0; i < P; ++i) {
+      const int64_t n = off[i + 1] - off[i];
+      nb[i] = block_rows(n);
+      nblocks[i] = (n + nb[i] - 1) / nb[i];
+    }
+    const int64_t T = std::max<int64_t>(1, at::get_num_threads());
+    at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t i = 0; i < P; ++i) {
+          const int64_t b0 = nblocks[i] * t / T, b1 = nblocks[i] * (t + 1) / T;
+          if (b0 < b1)
+            info[i]->blocks_m1(acts[i], blocks[i].data_ptr<uint8_t>(), off[i + 1] - off[i],
+                               nb[i], b0, b1, yp + off[i]);
+        }
+    });
+  } else if (M > 0) {
+    for (int64_t i = 0; i < P; ++i) {
+      const int64_t n = off[i + 1] - off[i];
+      if (P == 1) {
+        info[i]->run(x, blocks[i].data_ptr<uint8_t>(), n, yp);
+        break;
+      }
+      at::Tensor part = at::empty({M, n}, y.options());
+      info[i]->run(x, blocks[i].data_ptr<uint8_t>(), n, part.data_ptr<float>());
+      y.narrow(1, off[i], n).copy_(part);
+    }
+  }
+  if (!out_x_dtype || x.scalar_type() == at::kFloat) return y;
+  if (M != 1) return y.to(x.scalar_type());
+  at::Tensor out = at::empty({1, N}, x.options());  // one row: rounded here, no op call
+  auto* o = out.data_ptr<c10::BFloat16>();
+  for (int64_t c = 0; c < N; ++c) o[c] = c10::BFloat16(yp[c]);
   return out;
 }
 
@@ -169,10 +273,15 @@ bool ggml_blocks_set_amx(bool on) {
 
 TORCH_LIBRARY_FRAGMENT(fitserve, m) {
   m.def("ggml_matmul(Tensor x, Tensor blocks, str ggml_type, int n, int k) -> Tensor");
+  m.def("ggml_matmul_parts(Tensor x, Tensor[] blocks, str[] ggml_types, bool out_x_dtype) "
+        "-> Tensor");
   m.def("ggml_kernel_types() -> str[]", &fitserve::ggml::ggml_kernel_types);
   m.def("ggml_blocks_tier() -> str", &fitserve::ggml::ggml_blocks_tier);
   m.def("ggml_blocks_amx_active() -> bool", &fitserve::ggml::ggml_blocks_amx_active);
   m.def("ggml_blocks_set_amx(bool on) -> bool", &fitserve::ggml::ggml_blocks_set_amx);
 }
 
-TORCH_LIBRARY_IMPL(fitserve, CPU, m) { m.impl("ggml_matmul", &fitserve::ggml::ggml_matmul); }
+TORCH_LIBRARY_IMPL(fitserve, CPU, m) {
+  m.impl("ggml_matmul", &fitserve::ggml::ggml_matmul);
+  m.impl("ggml_matmul_parts", &fitserve::ggml::ggml_matmul_parts);
+}
