@@ -25,6 +25,7 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
+#include "fp_rounded.h"
 #include "simd_exp.h"
 
 #if defined(__AVX2__)
@@ -356,18 +357,8 @@ at::Tensor argmax(const at::Tensor& x) {
 // levels differ). The order is an implementation detail of torch, so the first call compares
 // both ways on a probe and keeps the ATen ops for the process if they differ.
 
-// x * x rounded to float before it is added (pow(2) is its own op in ATen): an opaque register
-// copy, so the compiler cannot contract it into an FMA whatever the tier's -ffp-contract
-inline float squared(float x) {
-  float y = x * x;
-#if defined(__x86_64__) || defined(__i386__)
-  asm volatile("" : "+x"(y));
-#else
-  volatile float z = y;
-  y = z;
-#endif
-  return y;
-}
+// x * x rounded to float before it is added (pow(2) is its own op in ATen; fp_rounded.h)
+inline float squared(float x) { return fitserve::rounded(x * x); }
 
 at::Tensor rms_norm_heads_aten(const at::Tensor& x, const at::Tensor& w, double eps) {
   const at::Tensor normed = at::rms_norm(x.to(at::kFloat), {x.size(-1)}, std::nullopt, eps);

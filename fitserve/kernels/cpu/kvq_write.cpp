@@ -32,6 +32,7 @@
 #include <numeric>
 #include <vector>
 
+#include "fp_rounded.h"
 #include "kvq_encode.h"
 #include "kvq_rotate.h"
 
@@ -40,17 +41,7 @@ namespace {
 enum Codec : int64_t { kInt8 = 0, kE4M3 = 1, kE5M2 = 2 };
 constexpr int64_t kMaxHalf = 256;  // head_dim / 2 the vector rotation's stack tables hold
 
-// NOTE: an opaque copy: the compiler may not contract a * b + c across it into an FMA (torch
-// rounds the product first), whatever -ffp-contract the tier's flags imply.
-inline float rounded(float x) {
-#if defined(__x86_64__) || defined(__i386__)
-  asm volatile("" : "+x"(x));
-#else
-  volatile float y = x;
-  x = y;
-#endif
-  return x;
-}
+using fitserve::rounded;  // fp_rounded.h: torch rounds the product before the add
 
 template <typename T> inline float in_t(float x) { return rounded(static_cast<float>(static_cast<T>(x))); }
 
