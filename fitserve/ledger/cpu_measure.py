@@ -324,7 +324,7 @@ def measure_figures(threads: int | None = None, *,
     seconds more; ``engine``: rates already measured on this CPU, kept instead)."""
     t = threads or default_threads()
     seconds, kept = good_median(_timed_copies(256 << 20, 7, t))
-    read = (256 << 20) / good_median(_timed_copies(256 << 20, 7, t, read_only=True))[0]
+    read = measure_read_bandwidth(256 << 20, 7, t)
     bw, flops, at = 2 * (256 << 20) / seconds, measure_matmul_flops(), time.time()
     try:
         e = engine or measure_engine_rates(t)

@@ -84,50 +84,42 @@ void run_type(const Act& a, int64_t M, const uint8_t* W, int64_t N, float* out) 
   });
 }
 
+// x's rows (bf16 / fp32 [M, K]) quantized for T into buf; lanes_t: the VNNI tiles' layout
+template <class T>
+Act quantize_x(const at::Tensor& x, ActBuf& buf, bool lanes_t) {
+  const int64_t M = x.size(0), K = x.size(1);
+  return x.scalar_type() == at::kBFloat16
+             ? quantize(x.data_ptr<c10::BFloat16>(), M, K, T::kActBlock, T::kPerm128, buf,
+                        nullptr, lanes_t)
+             : quantize(x.data_ptr<float>(), M, K, T::kActBlock, T::kPerm128, buf, nullptr,
+                        lanes_t);
+}
+
 template <class T>
 void run_x(const at::Tensor& x, const uint8_t* W, int64_t N, float* out) {
   static thread_local ActBuf buf;
-  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t M = x.size(0);
   // ggml_blocks_lanes.h; the AMX tiles read x in natural order (ggml_blocks_lanes_amx.h)
   const bool lanes_t = M > 1 && lanes_tiles<T>::value && !lanes_amx_runs<T>(M);
-  const Act a = x.scalar_type() == at::kBFloat16
-                    ? quantize(x.data_ptr<c10::BFloat16>(), M, K, T::kActBlock, T::kPerm128, buf,
-                               nullptr, lanes_t)
-                    : quantize(x.data_ptr<float>(), M, K, T::kActBlock, T::kPerm128, buf,
-                               nullptr, lanes_t);
-  run_type<T>(a, M, W, N, out);
+  run_type<T>(quantize_x<T>(x, buf, lanes_t), M, W, N, out);
   if (buf.q.size() > (size_t{1} << 24)) buf = ActBuf();  // a large prefill's buffers: freed
-}
-
-// One row of x (bf16 / fp32 [1, K]) quantized for T into buf.
-template <class T>
-Act quantize_one(const at::Tensor& x, ActBuf& buf) {
-  const int64_t K = x.size(1);
-  return x.scalar_type() == at::kBFloat16
-             ? quantize(x.data_ptr<c10::BFloat16>(), 1, K, T::kActBlock, T::kPerm128, buf)
-             : quantize(x.data_ptr<float>(), 1, K, T::kActBlock, T::kPerm128, buf);
-}
-
-template <class T>
-void blocks_m1(const Act& a, const uint8_t* W, int64_t N, int64_t nb, int64_t b0, int64_t b1,
-               float* out) {
-  run_blocks<T>(a, 1, W, N, nb, b0, b1, out);
 }
 
 struct TypeInfo {
   const char* name;
   int64_t block, bytes;
   void (*run)(const at::Tensor&, const uint8_t*, int64_t, float*);
-  // one row of x: its quantization (act_block, perm128 name the layout, so parts of types that
-  // share it share one) and a thread's share of the weight-row blocks (ggml_matmul_parts)
+  // ggml_matmul_parts' pieces: x's quantization (act_block, perm128 name the layout, so parts of
+  // types that share it share one) and a thread's share of the weight-row blocks
   int64_t act_block;
   bool perm128;
-  Act (*quantize_one)(const at::Tensor&, ActBuf&);
-  void (*blocks_m1)(const Act&, const uint8_t*, int64_t, int64_t, int64_t, int64_t, float*);
+  Act (*quantize)(const at::Tensor&, ActBuf&, bool);
+  void (*run_blocks)(const Act&, int64_t, const uint8_t*, int64_t, int64_t, int64_t, int64_t,
+                     float*);
 };
 
 #define FS_GGML_TYPE(name, T) \
-  {name, T::kQK, T::kBytes, &run_x<T>, T::kActBlock, T::kPerm128, &quantize_one<T>, &blocks_m1<T>}
+  {name, T::kQK, T::kBytes, &run_x<T>, T::kActBlock, T::kPerm128, &quantize_x<T>, &run_blocks<T>}
 const TypeInfo kTypes[] = {
     FS_GGML_TYPE("Q4_K", Q4K),     FS_GGML_TYPE("Q5_K", Q5K),   FS_GGML_TYPE("Q6_K", Q6K),
     FS_GGML_TYPE("Q4_0", Q4_0),    FS_GGML_TYPE("Q4_1", Q4_1),  FS_GGML_TYPE("Q8_0", Q8_0),
@@ -202,7 +194,7 @@ at::Tensor ggml_matmul_parts(const at::Tensor& x, at::TensorList blocks,
       while (same < i && (info[same]->act_block != info[i]->act_block ||
                           info[same]->perm128 != info[i]->perm128))
         ++same;
-      acts.push_back(same < i ? acts[same] : info[i]->quantize_one(x, bufs[i]));
+      acts.push_back(same < i ? acts[same] : info[i]->quantize(x, bufs[i], false));
     }
     std::vector<int64_t> nb(P), nblocks(P);
     for (int64_t i = 0; i < P; ++i) {
@@ -216,17 +208,15 @@ at::Tensor ggml_matmul_parts(const at::Tensor& x, at::TensorList blocks,
         for (int64_t i = 0; i < P; ++i) {
           const int64_t b0 = nblocks[i] * t / T, b1 = nblocks[i] * (t + 1) / T;
           if (b0 < b1)
-            info[i]->blocks_m1(acts[i], blocks[i].data_ptr<uint8_t>(), off[i + 1] - off[i],
-                               nb[i], b0, b1, yp + off[i]);
+            info[i]->run_blocks(acts[i], 1, blocks[i].data_ptr<uint8_t>(), off[i + 1] - off[i],
+                                nb[i], b0, b1, yp + off[i]);
         }
     });
-  } else if (M > 0) {
+  } else if (M > 0 && P == 1) {
+    info[0]->run(x, blocks[0].data_ptr<uint8_t>(), N, yp);
+  } else if (M > 0) {  // each part in turn, then into its columns
     for (int64_t i = 0; i < P; ++i) {
       const int64_t n = off[i + 1] - off[i];
-      if (P == 1) {
-        info[i]->run(x, blocks[i].data_ptr<uint8_t>(), n, yp);
-        break;
-      }
       at::Tensor part = at::empty({M, n}, y.options());
       info[i]->run(x, blocks[i].data_ptr<uint8_t>(), n, part.data_ptr<float>());
       y.narrow(1, off[i], n).copy_(part);
