@@ -21,9 +21,9 @@ from fitserve.kernels.cpu.isa import TIERS, detect_isa
 
 TIER_TEST_EXTENSIONS: dict[str, tuple[str, ...]] = {
     "scalar": ("qlinear", "ggml_blocks", "moe_experts", "fp8_gemv", "dense_gemv", "kvq_write",
-               "paged_attention_kvq"),
+               "paged_attention_kvq", "fused_ops"),
     "avx2": ("qlinear", "ggml_blocks", "moe_experts", "fp8_gemv", "dense_gemv", "kvq_write",
-             "paged_attention", "paged_attention_kvq"),
+             "paged_attention", "paged_attention_kvq", "fused_ops"),
     "avx512": ("qlinear", "ggml_blocks", "moe_experts", "fp8_gemv"),
 }
 """Per tier, the extensions its tier-subprocess tests load (the ``tier`` parameters of each

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from fitserve.kernels.cpu import fused
+from tests.conftest import asked_tier, run_tests_at_tier
 
 pytestmark = pytest.mark.skipif(not fused.fused_ops_available(),
                                 reason="fused_ops extension could not be built here")
@@ -34,6 +35,64 @@ def test_rms_norm(dtype: torch.dtype, rows: int, dim: int) -> None:
     assert (got.double() - eager.double()).abs().max().item() <= TOL[dtype] * w.abs().max().item()
     if dtype == torch.bfloat16:  # same rounding points as the reference: bit-identical here
         assert torch.equal(got, eager)
+
+
+def _scaled_rows(rows: int, dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Rows whose magnitudes span 1e-3 .. 1e2 (the sums' rounding at every scale)."""
+    gen = torch.Generator().manual_seed(seed)
+    scale = torch.logspace(-3, 2, rows).unsqueeze(1)
+    return (torch.randn(rows, dim, generator=gen) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [8, 64, 136, 256, 512])
+def test_rms_norm_sum_order_is_atens(dtype: torch.dtype, dim: int) -> None:
+    """For D a multiple of 8 up to 512 the rows' sum of squares runs in ATen's vectorized order,
+    so rms_norm and add_rms_norm_ give fused.rms_norm_reference's (the eager composite's) bits."""
+    x = _scaled_rows(200, dim, dtype, dim)
+    w = _scaled_rows(1, dim, dtype, dim + 1)[0] * 50
+    eager = w * F.rms_norm(x.float(), (dim,), eps=1e-6).to(dtype)
+    assert torch.equal(fused.rms_norm(x, w, 1e-6), eager)
+    res, add = x.clone(), _scaled_rows(200, dim, dtype, dim + 2)
+    got = fused.add_rms_norm_(res, add, w, 1e-6)
+    assert torch.equal(res, (x.double() + add.double()).to(dtype))
+    assert torch.equal(got, w * F.rms_norm(res.float(), (dim,), eps=1e-6).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [576, 1000, 1003, 2048])
+def test_rms_norm_rows_do_not_depend_on_the_batch(dtype: torch.dtype, dim: int) -> None:
+    """Each row's bits are the same alone, in any batch and at any thread count (the engine's
+    batch invariance), and within the float64 bound, at widths past ATen's one-level sum and
+    with a tail of D % 8 columns."""
+    x = _scaled_rows(64, dim, dtype, dim)
+    w = _scaled_rows(1, dim, dtype, dim + 1)[0] * 50
+    full = fused.rms_norm(x, w, 1e-5)
+    ref = _rms64(x, w, 1e-5)
+    assert ((full.double() - ref).abs() <= TOL[dtype] * ref.abs() + 1e-6).all()
+    for r in (0, 17, 63):
+        assert torch.equal(fused.rms_norm(x[r : r + 1], w, 1e-5), full[r : r + 1])
+    assert torch.equal(fused.rms_norm(x[5:40], w, 1e-5), full[5:40])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(fused.rms_norm(x, w, 1e-5), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_rms_norm_tier_is_the_one_asked_for() -> None:
+    from fitserve.kernels.cpu.isa import build_tier, detect_isa
+
+    assert asked_tier() == build_tier(detect_isa())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tier", ["avx2", "scalar"])
+def test_rms_norm_lower_tiers(tier: str) -> None:
+    """The vector-typed sum built for the avx2 tier (ymm) and the scalar one (no AVX: SSE pairs
+    and a volatile copy instead of the asm barrier) keep ATen's order and the batch invariance."""
+    run_tests_at_tier(__file__, tier, "sum_order_is_atens or do_not_depend or rms_norm_tier_is")
 
 
 def _aten_heads(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,7 +1,8 @@
 // Fused elementwise ops of the decoder layer (vLLM-style custom ops): each replaces 4-10 small
 // ATen calls per layer, which at batch 1 cost more in dispatch than in arithmetic.
 //
-//   rms_norm(x, w, eps)               y = w * to_dtype(x * rsqrt(mean(x^2) + eps))   (fp32 sum)
+//   rms_norm(x, w, eps)               y = w * to_dtype(x * rsqrt(mean(x^2) + eps))   (fp32 sum in
+//                                     ATen's vectorized order: norm_row below)
 //   add_rms_norm_(res, x, w, eps)     res = to_dtype(res + x); returns rms_norm(res, w, eps)
 //   silu_and_mul(gate_up)             y = silu(gate) * up, gate/up the two halves of the last dim
 //   rope_write_kv_(qk, v, pos, cos, sin, k_cache, v_cache, slots, num_q_heads, interleaved)
@@ -37,24 +38,121 @@ namespace {
 template <typename T> inline float f32(T v) { return static_cast<float>(v); }
 template <typename T> inline T from_f32(float v) { return static_cast<T>(v); }
 
+// RMSNorm rows in one order for every row count (so a token's bits do not depend on its batch):
+// the sum of squares is ATen's vectorized inner sum (4 accumulators of 8 lanes, accumulator k
+// taking every fourth 8-lane chunk, the chunks past the last group of four into accumulator 0,
+// then lane-wise ((0 + 1) + 2) + 3 and the 8 lanes in turn; what F.rms_norm does for D a
+// multiple of 8 up to 512, see rms_norm_heads below), then the D % 8 tail in turn. Written with
+// GCC vector types: ymm on AVX2 / AVX-512, scalar code elsewhere, the same bits.
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+
+inline f32x8 squared8(f32x8 v) {
+  f32x8 p = v * v;
+#if defined(__AVX__)
+  asm volatile("" : "+x"(p));  // keep the square out of an FMA with the add (fp_rounded.h)
+#else
+  volatile f32x8 q = p;
+  p = q;
+#endif
+  return p;
+}
+
+inline f32x8 load8f(const float* p) {
+  f32x8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline f32x8 load8f(const c10::BFloat16* p) {
+  u16x8 h;
+  std::memcpy(&h, p, sizeof h);
+  const u32x8 b = __builtin_convertvector(h, u32x8) << 16;
+  f32x8 v;
+  std::memcpy(&v, &b, sizeof v);
+  return v;
+}
+// v rounded to T's values (bf16: nearest even, NaN -> the quiet NaN, as c10::BFloat16 does)
+inline f32x8 round8(f32x8 v, float*) { return v; }
+inline u32x8 bf16_bits8(f32x8 v) {
+  u32x8 b;
+  std::memcpy(&b, &v, sizeof b);
+  const u32x8 r = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+  const i32x8 nan = v != v;
+  return (r & ~reinterpret_cast<const u32x8&>(nan)) | (0x7FC0u & reinterpret_cast<const u32x8&>(nan));
+}
+inline f32x8 round8(f32x8 v, c10::BFloat16*) {
+  const u32x8 b = bf16_bits8(v) << 16;
+  f32x8 r;
+  std::memcpy(&r, &b, sizeof r);
+  return r;
+}
+inline void store8f(float* p, f32x8 v) { std::memcpy(p, &v, sizeof v); }
+inline void store8f(c10::BFloat16* p, f32x8 v) {
+  const u16x8 h = __builtin_convertvector(bf16_bits8(v), u16x8);
+  std::memcpy(p, &h, sizeof h);
+}
+
+// One row: xr (+ add, rounded to T and written back to xr: add_rms_norm_'s residual), then
+// y = T(w * T(x * rsqrt(mean(x^2) + eps))). xf: D floats of scratch.
 template <typename T>
-void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t dim, int64_t x_stride,
-                   float eps) {
+void norm_row(T* xr, const T* add, const T* w, T* y, int64_t D, float eps, float* xf) {
+  const int64_t D8 = D / 8 * 8, chunks = D / 8, in_fours = chunks / 4 * 4;
+  const auto chunk = [&](int64_t c) {  // x's chunk c as floats (+ add, rounded, written back)
+    f32x8 v = load8f(xr + c * 8);
+    if (add) {
+      v = round8(v + load8f(add + c * 8), static_cast<T*>(nullptr));
+      store8f(xr + c * 8, v);
+    }
+    store8f(xf + c * 8, v);
+    return v;
+  };
+  f32x8 acc[4] = {};
+  int64_t c = 0;
+  for (; c < in_fours; c += 4)  // chunk c into accumulator c % 4 ...
+    for (int k = 0; k < 4; ++k) acc[k] += squared8(chunk(c + k));
+  for (; c < chunks; ++c) acc[0] += squared8(chunk(c));  // ... the chunks past them into 0
+  for (int64_t i = D8; i < D; ++i) {
+    if (add) xr[i] = from_f32<T>(f32(xr[i]) + f32(add[i]));
+    xf[i] = f32(xr[i]);
+  }
+  const f32x8 lanes = ((acc[0] + acc[1]) + acc[2]) + acc[3];
+  float ss = 0.f;
+  for (int j = 0; j < 8; ++j) ss += lanes[j];
+  for (int64_t i = D8; i < D; ++i) ss += fitserve::rounded(xf[i] * xf[i]);
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
+  for (int64_t i = 0; i < D8; i += 8) {
+    const f32x8 n = round8(load8f(xf + i) * inv, static_cast<T*>(nullptr));
+    store8f(y + i, load8f(w + i) * n);
+  }
+  // round the normalised value to T first, as the reference does
+  for (int64_t i = D8; i < D; ++i) y[i] = from_f32<T>(f32(w[i]) * f32(from_f32<T>(xf[i] * inv)));
+}
+
+// The rows of add_rms_norm_ / rms_norm; Half (no vector rounding here) keeps one fp32 sum in turn.
+template <typename T>
+void rms_norm_rows(T* x, const T* add, const T* w, T* y, int64_t rows, int64_t dim,
+                   int64_t x_stride, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
     std::vector<float> buf(dim);
     for (int64_t r = b; r < e; ++r) {
-      const T* xr = x + r * x_stride;
+      T* xr = x + r * x_stride;
+      const T* ar = add ? add + r * dim : nullptr;
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+        norm_row<T>(xr, ar, w, y + r * dim, dim, eps, buf.data());
+        continue;
+      }
       float ss = 0.f;
       for (int64_t i = 0; i < dim; ++i) {
+        if (ar) xr[i] = from_f32<T>(f32(xr[i]) + f32(ar[i]));
         buf[i] = f32(xr[i]);
         ss += buf[i] * buf[i];
       }
       const float inv = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
       T* yr = y + r * dim;
-      for (int64_t i = 0; i < dim; ++i) {
-        // round the normalised value to T first, as the reference does
+      for (int64_t i = 0; i < dim; ++i)
         yr[i] = from_f32<T>(f32(w[i]) * f32(from_f32<T>(buf[i] * inv)));
-      }
     }
   });
 }
@@ -65,8 +163,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   auto w = weight.contiguous();
   auto y = at::empty({x.size(0), x.size(1)}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(),
-                            x.size(0), x.size(1), x.stride(0), static_cast<float>(eps));
+    rms_norm_rows<scalar_t>(const_cast<scalar_t*>(x.data_ptr<scalar_t>()), nullptr,
+                            w.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), x.size(0), x.size(1),
+                            x.stride(0), static_cast<float>(eps));
   });
   return y;
 }
@@ -76,16 +175,16 @@ at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Te
   TORCH_CHECK(residual.is_contiguous() && residual.dim() == 2, "add_rms_norm_: residual [N, D]");
   TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
               "add_rms_norm_: x must match residual");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "add_rms_norm_: weight dtype must match x");
   auto xc = x.contiguous();
-  const int64_t n = residual.numel();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_", [&] {
-    scalar_t* r = residual.data_ptr<scalar_t>();
-    const scalar_t* a = xc.data_ptr<scalar_t>();
-    at::parallel_for(0, n, 4096, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) r[i] = from_f32<scalar_t>(f32(r[i]) + f32(a[i]));
-    });
+  auto w = weight.contiguous();
+  auto y = at::empty({x.size(0), x.size(1)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm_", [&] {
+    rms_norm_rows<scalar_t>(residual.data_ptr<scalar_t>(), xc.data_ptr<scalar_t>(),
+                            w.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), x.size(0), x.size(1),
+                            x.size(1), static_cast<float>(eps));
   });
-  return rms_norm(residual, weight, eps);
+  return y;
 }
 
 #if defined(__AVX512F__)
@@ -350,15 +449,11 @@ at::Tensor argmax(const at::Tensor& x) {
 // fused.rms_norm_reference = w * F.rms_norm(x.float(), (D,), eps).to(dtype), which ATen runs as
 // a dozen ops (pow(2), mean -> sum + div_, add_(eps), rsqrt, mul, .to, the bf16 product): ~60 us
 // at batch 1 for Qwen3-MoE's 20 q/k heads, ~11% of its W1 step on the calling thread. Here in
-// one pass with the same bits: ATen's vectorized inner sum adds each row's squares in 4
-// accumulators of 8 float lanes (the AVX2 reduction kernel, which torch 2.13 dispatches to at
-// the AVX512 capability too), accumulator k taking every fourth 8-lane chunk, then lane-wise
-// 0 + 1 + 2 + 3 and the 8 lanes in turn; D a multiple of 8 up to 512 (past it the sum's cascade
-// levels differ). The order is an implementation detail of torch, so the first call compares
-// both ways on a probe and keeps the ATen ops for the process if they differ.
-
-// x * x rounded to float before it is added (pow(2) is its own op in ATen; fp_rounded.h)
-inline float squared(float x) { return fitserve::rounded(x * x); }
+// one pass with the same bits: norm_row (above) adds each row's squares in ATen's vectorized
+// inner-sum order (the AVX2 reduction kernel, which torch 2.13 dispatches to at the AVX512
+// capability too) for D a multiple of 8 up to 512 (past it the sum's cascade levels differ).
+// The order is an implementation detail of torch, so the first call compares both ways on a
+// probe and keeps the ATen ops for the process if they differ.
 
 at::Tensor rms_norm_heads_aten(const at::Tensor& x, const at::Tensor& w, double eps) {
   const at::Tensor normed = at::rms_norm(x.to(at::kFloat), {x.size(-1)}, std::nullopt, eps);
@@ -374,26 +469,12 @@ at::Tensor rms_norm_heads_rows(const at::Tensor& x, const at::Tensor& w, double 
   const auto* xp = x.data_ptr<c10::BFloat16>();
   const auto* wp = w.data_ptr<c10::BFloat16>();
   auto* op = out.data_ptr<c10::BFloat16>();
-  const int64_t chunks = D / 8, ilp = chunks / 4;
-  const float e = static_cast<float>(eps), d = static_cast<float>(D);
   float xf[kHeadsMaxDim];
   for (int64_t n = 0; n < N; ++n)
     for (int64_t h = 0; h < H; ++h) {
-      const c10::BFloat16* row = xp + n * x.stride(0) + h * x.stride(1);
-      for (int64_t c = 0; c < D; ++c) xf[c] = static_cast<float>(row[c]);
-      float acc[4][8] = {};
-      for (int64_t i = 0; i < ilp; ++i)
-        for (int k = 0; k < 4; ++k)
-          for (int j = 0; j < 8; ++j) acc[k][j] += squared(xf[(i * 4 + k) * 8 + j]);
-      for (int64_t c = ilp * 4; c < chunks; ++c)
-        for (int j = 0; j < 8; ++j) acc[0][j] += squared(xf[c * 8 + j]);
-      float sum = 0.f;
-      for (int j = 0; j < 8; ++j) sum += ((acc[0][j] + acc[1][j]) + acc[2][j]) + acc[3][j];
-      const float r = 1.f / std::sqrt(sum / d + e);
-      c10::BFloat16* dst = op + (n * H + h) * D;
-      const c10::BFloat16* wr = wp + h * w_head;
-      for (int64_t c = 0; c < D; ++c)
-        dst[c] = c10::BFloat16(f32(wr[c]) * f32(c10::BFloat16(xf[c] * r)));
+      auto* row = const_cast<c10::BFloat16*>(xp + n * x.stride(0) + h * x.stride(1));
+      norm_row<c10::BFloat16>(row, nullptr, wp + h * w_head, op + (n * H + h) * D, D,
+                              static_cast<float>(eps), xf);
     }
   return out;
 }
