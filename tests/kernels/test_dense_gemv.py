@@ -91,6 +91,10 @@ def test_thread_splits_give_the_same_bits() -> None:
             outs.append(torch.ops.fitserve_dense.bf16_gemv(x, w, None))
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     check(outs[1], x, w, None)
+    # the rows run as interleaved runs per thread: each output is still its row's dot alone
+    for n in (0, 1, 250, 251, 500, 999, 1000):
+        assert torch.equal(torch.ops.fitserve_dense.bf16_gemv(x, w[n : n + 1], None)[0, 0],
+                           outs[1][0, n])
 
 
 def test_tier_is_the_one_asked_for() -> None:
