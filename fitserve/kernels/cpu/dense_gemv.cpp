@@ -17,19 +17,14 @@
 #include <vector>
 
 #include "dense_row_dot.h"
+#include "row_runs.h"
 
 namespace {
 
 using fitserve::dense::kBf16Dot;
 using fitserve::dense::row_dot;
 
-// NOTE: a thread's rows run as kStreams runs in lockstep, each requested kAheadBytes ahead.
-// One run, prefetched or not, streamed SmolLM2-135M's bf16 gate_up (3.5 MB x 30 layers) at
-// 17-20 GB/s and its lm_head (57 MB) at 16-17 on the Xeon (2 threads); two runs 25-28 / 22, four
-// 27-33 / 24-25, eight no better (the MoE expert op and held_gemv found the same: one core keeps
-// more misses in flight over several sequential streams than over one).
-constexpr int64_t kStreams = 4;
-constexpr int64_t kAheadBytes = 4096;
+constexpr int64_t kAheadBytes = 4096;  // requested ahead of the row computed, per run
 
 at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight,
                      const std::optional<at::Tensor>& bias) {
@@ -69,20 +64,9 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight,
     const auto* r = reinterpret_cast<const char*>(w + n * K);
     for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(r + o, 0, 3);
   };
-  // rows requested ahead of the one computed: >= kAheadBytes in flight per stream
   const int64_t ahead = std::max<int64_t>(1, (kAheadBytes + row_bytes - 1) / row_bytes);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    // kStreams equal runs of the thread's rows taken in turn; each row's dot is unchanged
-    const int64_t q = (n1 - n0 + kStreams - 1) / kStreams;
-    for (int64_t i = 0; i < std::min(q, ahead); ++i)
-      for (int64_t s = 0; s < kStreams; ++s)
-        if (s * q + i < n1 - n0) prefetch(n0 + s * q + i);
-    for (int64_t i = 0; i < q; ++i) {
-      for (int64_t s = 0; s < kStreams; ++s)
-        if (i + ahead < q && s * q + i + ahead < n1 - n0) prefetch(n0 + s * q + i + ahead);
-      for (int64_t s = 0; s < kStreams; ++s)
-        if (s * q + i < n1 - n0) row(n0 + s * q + i);
-    }
+    fitserve::rows_in_runs(n0, n1, ahead, prefetch, row);  // row_runs.h
   });
   return out;
 }

@@ -26,6 +26,7 @@
 
 #include "fp8_gemv_lookup.h"
 #include "fp8_gemv_simd.h"
+#include "row_runs.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -107,27 +108,19 @@ void run_rows(const Problem& p, int64_t m0, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) run_row<MB, E5M2>(p, m0, n);
 }
 
-// NOTE: the few-rows case streams W from DRAM once per call. One thread's rows go as two
-// interleaved halves, each row requested `ahead` rows (>= 4 KB) before its turn (software
-// prefetch of the whole row): two streams in flight instead of one. Single thread, 2048 x 2048
-// codes rotated through 256 MiB, Zen 5: 17 GB/s with no hint, 30 with the next-but-one row
-// prefetched, 37 with two halves (a plain read: 41); benchmarks/bench_dequant_cost.py --stream.
+// NOTE: the few-rows case streams W from DRAM once per call, a thread's rows in runs taken in
+// turn (row_runs.h), each row requested `ahead` rows (>= 4 KB) before its turn (software
+// prefetch of the whole row). Single thread, 2048 x 2048 codes rotated through 256 MiB, Zen 5:
+// 17 GB/s with no hint, 30 with the next-but-one row prefetched, 37 with two runs (a plain
+// read: 41); benchmarks/bench_dequant_cost.py --stream.
 constexpr int64_t kStreamedRowMax = 4096;  // bytes of a row for run_rows_streamed
 
 template <int MB, bool E5M2>
 void run_rows_streamed(const Problem& p, int64_t n0, int64_t n1) {
-  const int64_t kAhead = std::clamp<int64_t>(4096 / std::max<int64_t>(1, p.K), 2, 16);
-  const int64_t half = (n1 - n0 + 1) / 2, mid = n0 + half;
-  for (int64_t i = 0; i < kAhead && i < half; ++i) {
-    prefetch_row(p, n0 + i);
-    if (mid + i < n1) prefetch_row(p, mid + i);
-  }
-  for (int64_t i = 0; i < half; ++i) {
-    if (i + kAhead < half) prefetch_row(p, n0 + i + kAhead);
-    if (mid + i + kAhead < n1) prefetch_row(p, mid + i + kAhead);
-    run_row<MB, E5M2>(p, 0, n0 + i);
-    if (mid + i < n1) run_row<MB, E5M2>(p, 0, mid + i);
-  }
+  const int64_t ahead = std::clamp<int64_t>(4096 / std::max<int64_t>(1, p.K), 2, 16);
+  fitserve::rows_in_runs(
+      n0, n1, ahead, [&](int64_t n) { prefetch_row(p, n); },
+      [&](int64_t n) { run_row<MB, E5M2>(p, 0, n); });
 }
 
 template <bool E5M2>
