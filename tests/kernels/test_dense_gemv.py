@@ -42,6 +42,10 @@ def test_matches_float64(k: int, bias: bool) -> None:
     y = torch.ops.fitserve_dense.bf16_gemv(x, w, b)
     assert y.dtype == torch.bfloat16 and y.shape == (1, n)
     check(y, x, w, b)
+    for r in (0, 16, 17, 66):  # four rows run together, each with its own row's bits
+        br = None if b is None else b[r : r + 1]
+        one = torch.ops.fitserve_dense.bf16_gemv(x, w[r : r + 1], br)
+        assert torch.equal(one[0, 0], y[0, r])
 
 
 def test_nan_and_inf_reach_the_output() -> None:

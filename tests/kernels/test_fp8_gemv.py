@@ -153,6 +153,32 @@ def test_thread_splits_give_the_same_bits() -> None:
         check(outs[1], x, codes, scales, "e4m3", "channel", 128, None)
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("granularity", ["tensor", "channel"])
+@pytest.mark.parametrize("k", [64, 576, 1088])
+def test_one_row_of_x_gives_each_output_its_row_alone(fmt: str, granularity: str, k: int) -> None:
+    """At one row of x a thread's weight rows stream as four runs, one row of each computed
+    together (the lookup path: rows_dot_lookup4, x's loads shared, one reduction of four):
+    every output has the bits of its weight row called alone, whatever the split."""
+    gen = torch.Generator().manual_seed(k)
+    n = 1003  # runs of unequal length at 1-3 threads
+    codes = finite_codes(n, k, fmt, gen)
+    scales = random_scales(n, k, granularity, 128, gen)
+    x = torch.randn(1, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    for b in (None, bias):
+        full = fp8_linear(x, codes, scales, fmt, granularity, 128, b)
+        check(full, x, codes, scales, fmt, granularity, 128, b)
+        for t in (1, 3):
+            with torch_threads(t):
+                assert torch.equal(fp8_linear(x, codes, scales, fmt, granularity, 128, b), full)
+        for r in (0, 1, 250, 251, 252, 500, 1000, 1002):
+            sr = scales[r : r + 1] if granularity == "channel" else scales
+            br = None if b is None else b[r : r + 1]
+            one = fp8_linear(x, codes[r : r + 1], sr, fmt, granularity, 128, br)
+            assert torch.equal(one[0, 0], full[0, r])
+
+
 def test_bad_arguments_raise() -> None:
     x = torch.ones(2, 8)
     codes = torch.zeros(4, 8, dtype=torch.uint8)

@@ -66,7 +66,19 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight,
   };
   const int64_t ahead = std::max<int64_t>(1, (kAheadBytes + row_bytes - 1) / row_bytes);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)  // kBf16Dot: four rows, x read once
+    fitserve::rows_in_runs(n0, n1, ahead, prefetch, row, [&](const int64_t* ns) {
+      const c10::BFloat16* ws[4] = {w + ns[0] * K, w + ns[1] * K, w + ns[2] * K, w + ns[3] * K};
+      float s[4];
+      fitserve::dense::row_dot4(ws, xb, K, s);
+      for (int r = 0; r < 4; ++r) {
+        if (b) s[r] += static_cast<float>(b[ns[r]]);
+        y[ns[r]] = c10::BFloat16(s[r]);
+      }
+    });
+#else
     fitserve::rows_in_runs(n0, n1, ahead, prefetch, row);  // row_runs.h
+#endif
   });
   return out;
 }

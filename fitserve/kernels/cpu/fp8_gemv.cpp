@@ -115,12 +115,40 @@ void run_rows(const Problem& p, int64_t m0, int64_t n0, int64_t n1) {
 // read: 41); benchmarks/bench_dequant_cost.py --stream.
 constexpr int64_t kStreamedRowMax = 4096;  // bytes of a row for run_rows_streamed
 
+#if defined(FP8_GEMV_LOOKUP)
+// Whether run_row<1> of four rows can go through rows_dot_lookup4: one row of x on the lookup
+// path, whole 64-code steps and one scale per row (the block-scaled rows keep run_row).
+inline bool four_rows_apply(const Problem& p) { return p.xp && p.gran != 2 && p.K % 64 == 0; }
+
+// run_row<1>(p, 0, n) of the rows ns[0..3], with its bits (the same sum, scale, bias, store).
+template <bool E5M2>
+FP8_VBMI void run_row4(const Problem& p, const int64_t* ns) {
+  static const LookupTables tables = make_lookup_tables(table(E5M2), kFactor[E5M2]);
+  const uint8_t* w[4] = {p.w + ns[0] * p.K, p.w + ns[1] * p.K, p.w + ns[2] * p.K,
+                         p.w + ns[3] * p.K};
+  float sums[4];
+  rows_dot_lookup4(w, p.xp, 0, p.K, tables, sums);
+  for (int r = 0; r < 4; ++r) {
+    const float s = p.gran == 0 ? p.scales[0] : p.scales[ns[r]];
+    const float tot = 0.f + s * sums[r];
+    store(p, ns[r], tot + (p.bias ? p.bias[ns[r]] : 0.f));
+  }
+}
+#endif
+
 template <int MB, bool E5M2>
 void run_rows_streamed(const Problem& p, int64_t n0, int64_t n1) {
   const int64_t ahead = std::clamp<int64_t>(4096 / std::max<int64_t>(1, p.K), 2, 16);
-  fitserve::rows_in_runs(
-      n0, n1, ahead, [&](int64_t n) { prefetch_row(p, n); },
-      [&](int64_t n) { run_row<MB, E5M2>(p, 0, n); });
+  const auto prefetch = [&](int64_t n) { prefetch_row(p, n); };
+  const auto row = [&](int64_t n) { run_row<MB, E5M2>(p, 0, n); };
+#if defined(FP8_GEMV_LOOKUP)
+  if (MB == 1 && four_rows_apply(p)) {
+    fitserve::rows_in_runs(n0, n1, ahead, prefetch, row,
+                           [&](const int64_t* ns) { run_row4<E5M2>(p, ns); });
+    return;
+  }
+#endif
+  fitserve::rows_in_runs(n0, n1, ahead, prefetch, row);
 }
 
 template <bool E5M2>

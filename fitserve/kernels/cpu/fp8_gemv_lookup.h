@@ -17,6 +17,8 @@
 
 #include <cstdint>
 
+#include "simd_reduce4.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__GNUC__)
 #define FP8_GEMV_LOOKUP 1
@@ -105,6 +107,57 @@ FP8_VBMI void rows_dot_lookup(const uint8_t* w, const uint16_t* xp, int64_t ldx,
     for (int u = 1; u < 2 * U; ++u) s = _mm512_add_ps(s, acc[m][u]);
     sums[m] += _mm512_reduce_add_ps(s);
   }
+}
+
+// 64 codes at p -> bf16 in rows_dot_lookup's wa / wb order
+FP8_VBMI inline void decode_lookup(const LookupTables& t, __m512i sign, const uint8_t* p,
+                                   __m512bh& wa, __m512bh& wb) {
+  const __m512i c = _mm512_loadu_si512(p);
+  const __m512i lo = _mm512_permutex2var_epi8(t.lo0, c, t.lo1);
+  const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.hi0, c, t.hi1), c,
+                                               sign, 0xF8);  // hi | (c & 0x80)
+  wa = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
+  wb = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+}
+
+// rows_dot_lookup<1> of four weight rows w[r] over [k0, k1) (x's loads shared): sums[r] = its
+// result for row r alone, bit for bit (the same accumulators, steps and final adds per row).
+FP8_VBMI inline void rows_dot_lookup4(const uint8_t* const* w, const uint16_t* xp, int64_t k0,
+                                      int64_t k1, const LookupTables& t, float* sums) {
+  __m512 acc[4][4];
+  for (auto& r : acc)
+    for (auto& a : r) a = _mm512_setzero_ps();
+  const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  int64_t k = k0;
+  for (; k + 128 <= k1; k += 128) {
+    for (int u = 0; u < 2; ++u) {
+      const __m512bh xa = (__m512bh)_mm512_loadu_si512(xp + k + 64 * u);
+      const __m512bh xb = (__m512bh)_mm512_loadu_si512(xp + k + 64 * u + 32);
+      for (int r = 0; r < 4; ++r) {
+        __m512bh wa, wb;
+        decode_lookup(t, sign, w[r] + k + 64 * u, wa, wb);
+        acc[r][2 * u] = _mm512_dpbf16_ps(acc[r][2 * u], wa, xa);
+        acc[r][2 * u + 1] = _mm512_dpbf16_ps(acc[r][2 * u + 1], wb, xb);
+      }
+    }
+  }
+  for (; k < k1; k += 64) {
+    const __m512bh xa = (__m512bh)_mm512_loadu_si512(xp + k);
+    const __m512bh xb = (__m512bh)_mm512_loadu_si512(xp + k + 32);
+    for (int r = 0; r < 4; ++r) {
+      __m512bh wa, wb;
+      decode_lookup(t, sign, w[r] + k, wa, wb);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], wa, xa);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], wb, xb);
+    }
+  }
+  __m512 s[4];
+  for (int r = 0; r < 4; ++r)
+    s[r] = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), acc[r][2]),
+                         acc[r][3]);
+  float red[4];
+  fitserve::reduce_add4(s, red);
+  for (int r = 0; r < 4; ++r) sums[r] = 0.f + red[r];  // rows_dot_lookup<1>: 0 + the reduction
 }
 
 }  // namespace fp8_gemv

@@ -17,9 +17,11 @@ namespace fitserve {
 
 constexpr int64_t kRowRuns = 4;
 
-// prefetch(n): request row n; row(n): compute row n.
-template <class Prefetch, class Row>
-inline void rows_in_runs(int64_t n0, int64_t n1, int64_t ahead, Prefetch&& prefetch, Row&& row) {
+// prefetch(n): request row n; row(n): compute row n; row4(const int64_t* ns): compute the four
+// rows ns[0..3] (one of each run), each with row(n)'s bits.
+template <class Prefetch, class Row, class Row4>
+inline void rows_in_runs(int64_t n0, int64_t n1, int64_t ahead, Prefetch&& prefetch, Row&& row,
+                         Row4&& row4) {
   const int64_t n = n1 - n0, q = (n + kRowRuns - 1) / kRowRuns;
   for (int64_t i = 0; i < std::min(q, ahead); ++i)
     for (int64_t r = 0; r < kRowRuns; ++r)
@@ -28,9 +30,22 @@ inline void rows_in_runs(int64_t n0, int64_t n1, int64_t ahead, Prefetch&& prefe
     if (i + ahead < q)
       for (int64_t r = 0; r < kRowRuns; ++r)
         if (r * q + i + ahead < n) prefetch(n0 + r * q + i + ahead);
+    if ((kRowRuns - 1) * q + i < n) {
+      static_assert(kRowRuns == 4, "row4 takes one row of each run");
+      const int64_t ns[4] = {n0 + i, n0 + q + i, n0 + 2 * q + i, n0 + 3 * q + i};
+      row4(ns);
+      continue;
+    }
     for (int64_t r = 0; r < kRowRuns; ++r)
       if (r * q + i < n) row(n0 + r * q + i);
   }
+}
+
+template <class Prefetch, class Row>
+inline void rows_in_runs(int64_t n0, int64_t n1, int64_t ahead, Prefetch&& prefetch, Row&& row) {
+  rows_in_runs(n0, n1, ahead, prefetch, row, [&](const int64_t* ns) {
+    for (int r = 0; r < 4; ++r) row(ns[r]);
+  });
 }
 
 }  // namespace fitserve
