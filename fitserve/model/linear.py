@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fitserve.quant.held import DenseWeight
-from fitserve.quant.packed import CODES, PackedCodes, PackedWeight, gather_rows
+from fitserve.quant.packed import CODES, PackedCodes, PackedWeight, dequantize_rows, gather_rows
 
 # Rows of the weight dequantized at once by the pure-torch path: bounds its scratch to
 # ~1M elements (4 MiB of fp32) whatever the layer (the tied lm_head is 49152 x 576).
@@ -596,12 +596,11 @@ class PackedEmbedding(nn.Module):
             from fitserve.kernels.cpu import qlinear
 
             q, s, mn = qlinear.gather_held_rows(self.qweight, self.scales, self.mins, flat)
-            # NOTE: the gathered rows dequantized as they are (gather_rows' ops without its
-            # index_select copies and a PackedWeight's checks: ~25 of ~56 us a decode step)
-            codes = CODES[self.kind]
-            w = codes.dequantize(codes.unpack(q, self.group_size), s, mn, self.group_size)
-            w = w[:, : self.embedding_dim] if self.k_padded != self.embedding_dim else w
-            return w.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+            # NOTE: the gathered rows dequantized as they are (no index_select copies and no
+            # PackedWeight's checks, as gather_rows would: ~25 of ~56 us a decode step)
+            w = dequantize_rows(self.kind, self.embedding_dim, self.group_size, q, s, mn,
+                                self.dtype)
+            return w.reshape(*ids.shape, self.embedding_dim)
         return gather_rows(self.packed, flat, self.dtype).reshape(*ids.shape, self.embedding_dim)
 
     def tied_linear(self) -> PackedLinear:

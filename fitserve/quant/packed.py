@@ -288,11 +288,18 @@ def gather_rows(pw: PackedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torc
     """Rows ``ids`` of the dequantized weight ``[len(ids), K]`` without dequantizing the rest
     (the packed embedding: gather the packed rows, then dequantize them)."""
     mins = None if pw.mins is None else pw.mins.index_select(0, ids)
-    qrows = pw.qweight.index_select(0, ids)
-    codes = pw.codes
-    w = codes.dequantize(codes.unpack(qrows, pw.group_size), pw.scales.index_select(0, ids), mins,
-                         pw.group_size)
-    w = w[:, : pw.K] if pw.K_padded != pw.K else w
+    return dequantize_rows(pw.kind, pw.K, pw.group_size, pw.qweight.index_select(0, ids),
+                           pw.scales.index_select(0, ids), mins, dtype)
+
+
+def dequantize_rows(kind: str, k: int, group_size: int, qrows: torch.Tensor,
+                    scales: torch.Tensor, mins: torch.Tensor | None, dtype: torch.dtype
+                    ) -> torch.Tensor:
+    """Packed rows (codes, scales, mins of ``kind``) dequantized to ``[rows, k]`` in ``dtype``
+    (the codes' padding past ``k`` dropped)."""
+    codes = CODES[kind]
+    w = codes.dequantize(codes.unpack(qrows, group_size), scales, mins, group_size)
+    w = w[:, :k] if w.shape[1] != k else w
     return w.to(dtype)
 
 

@@ -54,11 +54,11 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight,
   const float* xp = xf.data();
   // rows per task: >= 16 KB of weights, so a task amortises its scheduling
   const int64_t grain = std::max<int64_t>(1, (16 << 10) / std::max<int64_t>(1, 2 * K));
-  const auto row = [&](int64_t n) {
-    float s = row_dot(w + n * K, xb, xp, K);
+  const auto finish = [&](int64_t n, float s) {  // + bias in fp32, one rounding to bf16
     if (b) s += static_cast<float>(b[n]);
     y[n] = c10::BFloat16(s);  // round to nearest even
   };
+  const auto row = [&](int64_t n) { finish(n, row_dot(w + n * K, xb, xp, K)); };
   const int64_t row_bytes = 2 * K;
   const auto prefetch = [&](int64_t n) {
     const auto* r = reinterpret_cast<const char*>(w + n * K);
@@ -71,10 +71,7 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight,
       const c10::BFloat16* ws[4] = {w + ns[0] * K, w + ns[1] * K, w + ns[2] * K, w + ns[3] * K};
       float s[4];
       fitserve::dense::row_dot4(ws, xb, K, s);
-      for (int r = 0; r < 4; ++r) {
-        if (b) s[r] += static_cast<float>(b[ns[r]]);
-        y[ns[r]] = c10::BFloat16(s[r]);
-      }
+      for (int r = 0; r < 4; ++r) finish(ns[r], s[r]);
     });
 #else
     fitserve::rows_in_runs(n0, n1, ahead, prefetch, row);  // row_runs.h

@@ -63,6 +63,17 @@ inline void permute_x(const uint16_t* x, uint16_t* xp, int64_t M, int64_t K) {
   }
 }
 
+// 64 codes at p -> bf16 in the wa / wb order above
+FP8_VBMI inline void decode_lookup(const LookupTables& t, __m512i sign, const uint8_t* p,
+                                   __m512bh& wa, __m512bh& wb) {
+  const __m512i c = _mm512_loadu_si512(p);
+  const __m512i lo = _mm512_permutex2var_epi8(t.lo0, c, t.lo1);
+  const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.hi0, c, t.hi1), c,
+                                               sign, 0xF8);  // hi | (c & 0x80)
+  wa = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
+  wb = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+}
+
 // sums[m] += sum_{k in [k0, k1)} value(w[k]) * x[m][k]; k0, k1 - k0 multiples of 64
 template <int MB>
 FP8_VBMI void rows_dot_lookup(const uint8_t* w, const uint16_t* xp, int64_t ldx, int64_t k0,
@@ -75,12 +86,8 @@ FP8_VBMI void rows_dot_lookup(const uint8_t* w, const uint16_t* xp, int64_t ldx,
   int64_t k = k0;
   for (; k + 64 * U <= k1; k += 64 * U) {
     for (int u = 0; u < U; ++u) {
-      const __m512i c = _mm512_loadu_si512(w + k + 64 * u);
-      const __m512i lo = _mm512_permutex2var_epi8(t.lo0, c, t.lo1);
-      const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.hi0, c, t.hi1),
-                                                   c, sign, 0xF8);  // hi | (c & 0x80)
-      const __m512bh wa = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
-      const __m512bh wb = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+      __m512bh wa, wb;
+      decode_lookup(t, sign, w + k + 64 * u, wa, wb);
       for (int m = 0; m < MB; ++m) {
         const uint16_t* xm = xp + m * ldx + k + 64 * u;
         acc[m][2 * u] = _mm512_dpbf16_ps(acc[m][2 * u], wa, (__m512bh)_mm512_loadu_si512(xm));
@@ -90,16 +97,12 @@ FP8_VBMI void rows_dot_lookup(const uint8_t* w, const uint16_t* xp, int64_t ldx,
     }
   }
   for (; k < k1; k += 64) {  // one 64-code step left when U = 2
-    const __m512i c = _mm512_loadu_si512(w + k);
-    const __m512i lo = _mm512_permutex2var_epi8(t.lo0, c, t.lo1);
-    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.hi0, c, t.hi1), c,
-                                                 sign, 0xF8);
+    __m512bh wa, wb;
+    decode_lookup(t, sign, w + k, wa, wb);
     for (int m = 0; m < MB; ++m) {
       const uint16_t* xm = xp + m * ldx + k;
-      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], (__m512bh)_mm512_unpacklo_epi8(lo, hi),
-                                   (__m512bh)_mm512_loadu_si512(xm));
-      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], (__m512bh)_mm512_unpackhi_epi8(lo, hi),
-                                   (__m512bh)_mm512_loadu_si512(xm + 32));
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], wa, (__m512bh)_mm512_loadu_si512(xm));
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], wb, (__m512bh)_mm512_loadu_si512(xm + 32));
     }
   }
   for (int m = 0; m < MB; ++m) {
@@ -107,17 +110,6 @@ FP8_VBMI void rows_dot_lookup(const uint8_t* w, const uint16_t* xp, int64_t ldx,
     for (int u = 1; u < 2 * U; ++u) s = _mm512_add_ps(s, acc[m][u]);
     sums[m] += _mm512_reduce_add_ps(s);
   }
-}
-
-// 64 codes at p -> bf16 in rows_dot_lookup's wa / wb order
-FP8_VBMI inline void decode_lookup(const LookupTables& t, __m512i sign, const uint8_t* p,
-                                   __m512bh& wa, __m512bh& wb) {
-  const __m512i c = _mm512_loadu_si512(p);
-  const __m512i lo = _mm512_permutex2var_epi8(t.lo0, c, t.lo1);
-  const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.hi0, c, t.hi1), c,
-                                               sign, 0xF8);  // hi | (c & 0x80)
-  wa = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
-  wb = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
 }
 
 // rows_dot_lookup<1> of four weight rows w[r] over [k0, k1) (x's loads shared): sums[r] = its

@@ -49,16 +49,8 @@ typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 
-inline f32x8 squared8(f32x8 v) {
-  f32x8 p = v * v;
-#if defined(__AVX__)
-  asm volatile("" : "+x"(p));  // keep the square out of an FMA with the add (fp_rounded.h)
-#else
-  volatile f32x8 q = p;
-  p = q;
-#endif
-  return p;
-}
+// v * v kept out of an FMA with the add that takes it (fp_rounded.h)
+inline f32x8 squared8(f32x8 v) { return fitserve::rounded(v * v); }
 
 inline f32x8 load8f(const float* p) {
   f32x8 v;
