@@ -11,7 +11,9 @@
 // tiles and stores alone, the float step alone, the tiles without stores, and tiles (no stores)
 // beside the float step. If the two units overlapped, "all" would be near the larger part; on
 // the Xeon of docs/benchmarks.md (seventh / eighth sessions) it is their sum.
-// Exits 0 without output where the OS refuses the tile state (no AMX).
+// -DFMA_STEP: the float step with two FMAs instead of its separate products and adds (not the
+// canonical order; what such an order would save). Exits 0 without output where the OS refuses
+// the tile state (no AMX).
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -86,10 +88,17 @@ int main() {
           for (int r = 0; r < 16; ++r) {
             const int m = (j >> 1) * 16 + r;
             const __m512 ci = _mm512_cvtepi32_ps(_mm512_load_si512(C[prev][j] + r * 16));
-            const __m512 t = _mm512_mul_ps(ci, _mm512_mul_ps(d, _mm512_set1_ps(da[m * kGroups + g])));
-            const __m512 off = _mm512_mul_ps(c, _mm512_set1_ps(sg[m * kGroups + g]));
+            const __m512 s = _mm512_mul_ps(d, _mm512_set1_ps(da[m * kGroups + g]));
             const __m512 a = _mm512_load_ps(acc[j] + r * 16);
+#ifdef FMA_STEP
+            const __m512 t = _mm512_fmadd_ps(ci, s, a);
+            _mm512_store_ps(acc[j] + r * 16,
+                            _mm512_fmadd_ps(c, _mm512_set1_ps(sg[m * kGroups + g]), t));
+#else
+            const __m512 t = _mm512_mul_ps(ci, s);
+            const __m512 off = _mm512_mul_ps(c, _mm512_set1_ps(sg[m * kGroups + g]));
             _mm512_store_ps(acc[j] + r * 16, _mm512_add_ps(a, _mm512_add_ps(t, off)));
+#endif
           }
         }
       }
