@@ -18,6 +18,7 @@
 
 #include "dense_row_dot.h"
 #include "row_runs.h"
+#include "stream_prefetch.h"
 
 namespace {
 
@@ -62,7 +63,7 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight,
   const int64_t row_bytes = 2 * K;
   const auto prefetch = [&](int64_t n) {
     const auto* r = reinterpret_cast<const char*>(w + n * K);
-    for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(r + o, 0, 3);
+    for (int64_t o = 0; o < row_bytes; o += 64) fitserve::prefetch_stream(r + o);
   };
   const int64_t ahead = std::max<int64_t>(1, (kAheadBytes + row_bytes - 1) / row_bytes);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {

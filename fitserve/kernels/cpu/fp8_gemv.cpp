@@ -27,6 +27,7 @@
 #include "fp8_gemv_lookup.h"
 #include "fp8_gemv_simd.h"
 #include "row_runs.h"
+#include "stream_prefetch.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -100,7 +101,7 @@ inline void run_row(const Problem& p, int64_t m0, int64_t n) {
 // Every code of W's row n requested from memory ahead of its use (one hint per 64 B line).
 inline void prefetch_row(const Problem& p, int64_t n) {
   const uint8_t* r = p.w + n * p.K;
-  for (int64_t o = 0; o < p.K; o += 64) __builtin_prefetch(r + o, 0, 3);
+  for (int64_t o = 0; o < p.K; o += 64) fitserve::prefetch_stream(r + o);
 }
 
 template <int MB, bool E5M2>

@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "ggml_blocks_act.h"
+#include "stream_prefetch.h"
 
 namespace fitserve::ggml {
 
@@ -33,7 +34,7 @@ template <int kBytes>
 [[gnu::always_inline]] inline void kq_prefetch_ahead(const uint8_t* b, int64_t ahead = kKqAhead) {
 #ifdef FS_GGML_AVX2
   for (int o = 0; o < kBytes; o += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(b) + ahead + o, _MM_HINT_T0);
+    prefetch_stream(b + ahead + o);
 #else
   (void)b;
   (void)ahead;

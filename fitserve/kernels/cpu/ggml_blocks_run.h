@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "ggml_blocks_act.h"
+#include "stream_prefetch.h"
 
 namespace fitserve::ggml {
 
@@ -49,7 +50,7 @@ void rows_tile(const uint8_t* W, int64_t row_bytes, int64_t nblk, const Act& a, 
 // Every byte of weight row n requested from memory ahead of its use (one hint per 64 B line).
 inline void prefetch_row(const uint8_t* W, int64_t row_bytes, int64_t n) {
   const uint8_t* r = W + n * row_bytes;
-  for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(r + o, 0, 3);
+  for (int64_t o = 0; o < row_bytes; o += 64) prefetch_stream(r + o);
 }
 
 // Whether T's row<1> takes a prefetch distance (row(w, nb, a, m0, res, pf): each step requests

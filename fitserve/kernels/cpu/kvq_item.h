@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "stream_prefetch.h"
+
 namespace {
 
 struct QGeometry {
@@ -74,8 +76,8 @@ inline void prefetch_codes(const QGeometry& g, const uint8_t* kh, const uint8_t*
   const uint8_t* vr = vh + table[blk] * g.vc_blk + off * g.vc_tok;
   for (int64_t t = t_from; t < t_to; ++t) {
     for (int64_t byte = 0; byte < g.head_dim; byte += 64) {
-      __builtin_prefetch(kr + byte, 0, 3);
-      __builtin_prefetch(vr + byte, 0, 3);
+      fitserve::prefetch_stream(kr + byte);
+      fitserve::prefetch_stream(vr + byte);
     }
     if (++off == g.block_size && t + 1 < t_to) {
       off = 0;
@@ -99,8 +101,8 @@ inline void prefetch_scales(const QGeometry& g, const float* ksh, const float* v
   const int64_t v_span = g.block_size * g.vs_tok;
   for (int64_t blk = t_from / g.block_size; blk <= (t_to - 1) / g.block_size; ++blk) {
     const int64_t page = table[blk];
-    for (int64_t i = 0; i < v_span; i += 16) __builtin_prefetch(vsh + page * g.vs_blk + i, 0, 3);
-    for (int64_t i = 0; i < k_span; i += 16) __builtin_prefetch(ksh + page * g.ks_blk + i, 0, 3);
+    for (int64_t i = 0; i < v_span; i += 16) fitserve::prefetch_stream(vsh + page * g.vs_blk + i);
+    for (int64_t i = 0; i < k_span; i += 16) fitserve::prefetch_stream(ksh + page * g.ks_blk + i);
   }
 }
 

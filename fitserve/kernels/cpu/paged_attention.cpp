@@ -43,6 +43,7 @@
 
 // the ISA tier macros (FS_AVX512, FS_AVX2, FS_BF16DOT) and the fp32 SIMD tile pieces
 #include "paged_attention_simd.h"
+#include "stream_prefetch.h"
 
 // The AMX-BF16 tile (paged_attention_amx.h) where the build has it.
 #if FS_BF16DOT && defined(FITSERVE_AMX_BF16) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
@@ -181,7 +182,7 @@ inline void issue_prefetches(Scratch& w, int64_t count) {
     const Scratch::LineRun& r = w.pf[w.pf_run];
     const int64_t take = std::min(left, r.lines - w.pf_line);
     const char* p = r.first + 64 * w.pf_line;
-    for (int64_t i = 0; i < take; ++i) __builtin_prefetch(p + 64 * i, 0, 3);
+    for (int64_t i = 0; i < take; ++i) fitserve::prefetch_stream(p + 64 * i);
     left -= take;
     if ((w.pf_line += take) == r.lines) {
       ++w.pf_run;
@@ -445,8 +446,8 @@ inline void prefetch_rows(const Geometry& g, const T* kh, const T* vh, const int
     const char* kr = reinterpret_cast<const char*>(kh + page * g.k_stride_blk + off * g.k_stride_tok);
     const char* vr = reinterpret_cast<const char*>(vh + page * g.v_stride_blk + off * g.v_stride_tok);
     for (int64_t byte = 0; byte < row_bytes; byte += 64) {
-      __builtin_prefetch(kr + byte, 0, 3);
-      __builtin_prefetch(vr + byte, 0, 3);
+      fitserve::prefetch_stream(kr + byte);
+      fitserve::prefetch_stream(vr + byte);
     }
     if (++off == g.block_size) {
       off = 0;

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "qlinear_panel.h"
+#include "stream_prefetch.h"
 
 namespace fitserve::qlinear {
 
@@ -74,23 +75,11 @@ inline void hold_panels(const QWeight& w, bool int4, uint8_t* codes, at::Half* s
   });
 }
 
-// NOTE: every line of the codes is prefetched this far ahead (bytes). The hardware prefetcher
-// alone left int4 at 0.6-0.7 of a plain read (Zen 5, one thread, weights from DRAM); 1-4 KB
-// ahead 0.6-1.0, 8 KB 0.8-1.1 for int4 and int8 (docs/benchmarks.md, wt-panel).
+// NOTE: every line of the codes is prefetched this far ahead (bytes), into L2
+// (stream_prefetch.h, where the hint is measured). The hardware prefetcher alone left int4 at
+// 0.6-0.7 of a plain read (Zen 5, one thread, weights from DRAM); 1-4 KB ahead 0.6-1.0, 8 KB
+// 0.8-1.1 for int4 and int8 (docs/benchmarks.md, wt-panel).
 constexpr int64_t kHeldPrefetch = 8192;
-
-// Whether the held GEMV's prefetches go to L2 (prefetcht1) rather than L1 (prefetcht0).
-// NOTE: on the Intel Xeon (AMX) the 1.7B shapes' int4 GEMV streamed 19.3-19.5 GB/s at 2 threads
-// with 8 KB-ahead T0 and 22.1-22.5 with T1 (two alternated sweeps, bench_qgemv_stream --vs-held;
-// no prefetch: ~17): 8 KB ahead of two threads' reads held in L1 evicts what the step reuses.
-// Other vendors keep T0, the hint the Zen 5 measurements above chose.
-inline bool held_prefetch_to_l2() {
-  static const bool intel = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_is("intel") != 0;
-  }();
-  return intel;
-}
 
 // NP panels' kLanes outputs each (panels pp[0 .. NP)) for one row of x, 32-column groups, the
 // panels in lockstep group by group: each group's integer dot (split over two accumulators:
@@ -100,7 +89,6 @@ template <bool kInt4, int NP>
 inline void held_panel_rows(const HeldWeight& h, const int64_t* pp, const NatAct& x, S::F* acc) {
   constexpr int L = S::kLanes;
   constexpr int kDw = kInt4 ? 4 : 8;  // dwords of a row per 32-column group
-  const bool to_l2 = held_prefetch_to_l2();
   const uint8_t* c[NP];
   const at::Half* sc[NP];
   const at::Half* mn[NP];
@@ -114,10 +102,7 @@ inline void held_panel_rows(const HeldWeight& h, const int64_t* pp, const NatAct
     const int8_t* a = x.aq + g * kActBlock;
     _Pragma("GCC unroll 2") for (int j = 0; j < NP; ++j) {
       const uint8_t* cg = c[j] + g * kDw * L * 4;
-      for (int o = 0; o < kDw * L * 4; o += 64) {
-        if (to_l2) __builtin_prefetch(cg + kHeldPrefetch + o, 0, 2);
-        else __builtin_prefetch(cg + kHeldPrefetch + o, 0, 3);
-      }
+      for (int o = 0; o < kDw * L * 4; o += 64) prefetch_stream(cg + kHeldPrefetch + o);
       const S::F dv = S::load_half(sc[j] + g * L, L);
       if constexpr (kInt4) {
         S::I i0 = S::izero(), i1 = S::izero();
