@@ -19,6 +19,13 @@
 #include "fp8_gemv_lookup.h"
 #include "fp8_gemv_simd.h"
 
+#if !defined(FP8_GEMV_LOOKUP)
+int main() {
+  std::printf("built without AVX512-BF16: the lookup path does not exist on this CPU\n");
+  return 0;
+}
+#else
+
 namespace {
 
 double now_ns() {
@@ -102,3 +109,5 @@ int main() {
                 "registers %.3f | (c) rows_dot_lookup4, L1 rows %.3f\n",
                 in_registers<false>(), in_registers<true>(), l1_rows());
 }
+
+#endif  // FP8_GEMV_LOOKUP
