@@ -34,7 +34,8 @@ inline void widen_row(const uint8_t* src, __mmask16 tail, __m512* out) {
 // independent FMA chains.
 template <int C, int NCH, int G>
 void group_scores_g(const float* q, int64_t dpad, const float* kscale, const uint8_t* const* rows,
-                    int64_t n, __mmask16 tail, float* s, float* part) {
+                    int64_t n, __mmask16 tail, float* s, float* part, fitserve::LineQueue* pf,
+                    int64_t pf_per_block) {
   __m512 qv[G][NCH];
 #pragma GCC unroll 16
   for (int h = 0; h < G; ++h)
@@ -51,6 +52,7 @@ void group_scores_g(const float* q, int64_t dpad, const float* kscale, const uin
   }
   for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
     const int64_t m = std::min<int64_t>(kLanes, n - i0);
+    pf->issue(pf_per_block);
     for (int64_t i = 0; i < m; ++i) {
       __m512 k[NCH];
       widen_row<C, NCH>(rows[i0 + i], tail, k);
@@ -76,21 +78,23 @@ void group_scores_g(const float* q, int64_t dpad, const float* kscale, const uin
 
 // s[h * kTile + i] = (q_h (.) kscale) . raw(rows[i]) for the g heads of q ([g, dpad], zero past
 // d), i < n; kscale: the block's d per-channel key scales (contiguous), or null for none; qb a
-// [g, dpad] scratch for the fold on the generic path.
+// [g, dpad] scratch for the fold on the generic path. Before each 16 keys, pf_per_block more
+// of the next tile's queued lines are requested.
 // Per row, one register of products per head; every 16 rows a transpose tree sums them.
 template <int C, int NCH>
 void group_scores(const float* q, int64_t g, int64_t dpad, const float* kscale, float* qb,
-                  const uint8_t* const* rows, int64_t n, int64_t d, float* s, float* part) {
+                  const uint8_t* const* rows, int64_t n, int64_t d, float* s, float* part,
+                  fitserve::LineQueue* pf, int64_t pf_per_block) {
   const __mmask16 tail = tail_mask(d - (NCH - 1) * kLanes);
   // NOTE: q of up to 24 registers held (G * NCH <= 24 of the 32), the rest as before
   if (g * NCH <= 24 && g <= 8) {
     switch (g) {
-      case 1: return group_scores_g<C, NCH, 1>(q, dpad, kscale, rows, n, tail, s, part);
-      case 2: return group_scores_g<C, NCH, std::min(2, std::max(1, 24 / NCH))>(q, dpad, kscale, rows, n, tail, s, part);
-      case 3: return group_scores_g<C, NCH, std::min(3, std::max(1, 24 / NCH))>(q, dpad, kscale, rows, n, tail, s, part);
-      case 4: return group_scores_g<C, NCH, std::min(4, std::max(1, 24 / NCH))>(q, dpad, kscale, rows, n, tail, s, part);
-      case 6: return group_scores_g<C, NCH, std::min(6, std::max(1, 24 / NCH))>(q, dpad, kscale, rows, n, tail, s, part);
-      case 8: return group_scores_g<C, NCH, std::min(8, std::max(1, 24 / NCH))>(q, dpad, kscale, rows, n, tail, s, part);
+      case 1: return group_scores_g<C, NCH, 1>(q, dpad, kscale, rows, n, tail, s, part, pf, pf_per_block);
+      case 2: return group_scores_g<C, NCH, std::min(2, std::max(1, 24 / NCH))>(q, dpad, kscale, rows, n, tail, s, part, pf, pf_per_block);
+      case 3: return group_scores_g<C, NCH, std::min(3, std::max(1, 24 / NCH))>(q, dpad, kscale, rows, n, tail, s, part, pf, pf_per_block);
+      case 4: return group_scores_g<C, NCH, std::min(4, std::max(1, 24 / NCH))>(q, dpad, kscale, rows, n, tail, s, part, pf, pf_per_block);
+      case 6: return group_scores_g<C, NCH, std::min(6, std::max(1, 24 / NCH))>(q, dpad, kscale, rows, n, tail, s, part, pf, pf_per_block);
+      case 8: return group_scores_g<C, NCH, std::min(8, std::max(1, 24 / NCH))>(q, dpad, kscale, rows, n, tail, s, part, pf, pf_per_block);
       default: break;
     }
   }
@@ -101,6 +105,7 @@ void group_scores(const float* q, int64_t g, int64_t dpad, const float* kscale, 
   }
   for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
     const int64_t m = std::min<int64_t>(kLanes, n - i0);
+    pf->issue(pf_per_block);
     for (int64_t i = 0; i < m; ++i) {
       __m512 k[NCH];
       widen_row<C, NCH>(rows[i0 + i], tail, k);

@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "stream_prefetch.h"
+#include "line_queue.h"
 
 namespace {
 
@@ -28,6 +28,7 @@ struct QScratch {
   std::vector<const float*> krow, vrow;
   std::vector<const uint8_t*> kcode, vcode;  // the tile's code rows (the group path)
   std::vector<int64_t> seg_first, seg_page;
+  fitserve::LineQueue pf;  // the next tile's scale and code lines
   int64_t g_cap = 0, d_cap = 0;
   void reserve(int64_t g, int64_t dpad) {
     if (g <= g_cap && dpad <= d_cap) return;
@@ -66,43 +67,34 @@ inline QScratch& thread_scratch(int64_t g, int64_t dpad) {
 
 template <typename T> inline float to_f(T x) { return static_cast<float>(x); }
 
-// Software prefetch of keys [t_from, t_to)'s code rows (blocks sit at random places of the
-// pool; the hardware prefetcher loses the stream at each).
-inline void prefetch_codes(const QGeometry& g, const uint8_t* kh, const uint8_t* vh,
-                           const int32_t* table, int64_t t_from, int64_t t_to) {
+// The lines of keys [t_from, t_to) queued in pf: first every block's K / V scale lines (the
+// tile reads them all before its first score), then each block's K and V code rows. Blocks sit
+// at random places of the pool (the hardware prefetcher loses the stream at each) and their
+// scale lines are in other arrays again, so none of this is predicted.
+inline void queue_tile(const QGeometry& g, const uint8_t* kh, const uint8_t* vh, const float* ksh,
+                       const float* vsh, const int32_t* table, int64_t t_from, int64_t t_to,
+                       fitserve::LineQueue& pf) {
+  pf.clear();
   if (t_to <= t_from) return;
-  int64_t blk = t_from / g.block_size, off = t_from % g.block_size;
-  const uint8_t* kr = kh + table[blk] * g.kc_blk + off * g.kc_tok;
-  const uint8_t* vr = vh + table[blk] * g.vc_blk + off * g.vc_tok;
-  for (int64_t t = t_from; t < t_to; ++t) {
-    for (int64_t byte = 0; byte < g.head_dim; byte += 64) {
-      fitserve::prefetch_stream(kr + byte);
-      fitserve::prefetch_stream(vr + byte);
-    }
-    if (++off == g.block_size && t + 1 < t_to) {
-      off = 0;
-      ++blk;
-      kr = kh + table[blk] * g.kc_blk;
-      vr = vh + table[blk] * g.vc_blk;
-    } else {
-      kr += g.kc_tok;
-      vr += g.vc_tok;
-    }
-  }
-}
-
-// The scale lines of every block keys [t_from, t_to) touch: an item's blocks lie at random
-// places of the pool and each brings its own K/V scale lines, which no hardware prefetcher
-// predicts; issued once when the item starts, they arrive while its first tiles run.
-inline void prefetch_scales(const QGeometry& g, const float* ksh, const float* vsh,
-                            const int32_t* table, int64_t t_from, int64_t t_to) {
-  if (t_to <= t_from) return;
-  const int64_t k_span = (g.channel_keys ? g.head_dim : g.block_size) * g.ks_in;
-  const int64_t v_span = g.block_size * g.vs_tok;
-  for (int64_t blk = t_from / g.block_size; blk <= (t_to - 1) / g.block_size; ++blk) {
+  const int64_t bs = g.block_size, last = (t_to - 1) / bs;
+  for (int64_t blk = t_from / bs; blk <= last; ++blk) {
     const int64_t page = table[blk];
-    for (int64_t i = 0; i < v_span; i += 16) fitserve::prefetch_stream(vsh + page * g.vs_blk + i);
-    for (int64_t i = 0; i < k_span; i += 16) fitserve::prefetch_stream(ksh + page * g.ks_blk + i);
+    const int64_t from = blk == t_from / bs ? t_from % bs : 0;
+    const int64_t cnt = (blk == last ? (t_to - 1) % bs + 1 : bs) - from;
+    pf.add(vsh + page * g.vs_blk + from * g.vs_tok, ((cnt - 1) * g.vs_tok + 1) * 4);
+    if (g.channel_keys) pf.add(ksh + page * g.ks_blk, ((g.head_dim - 1) * g.ks_in + 1) * 4);
+    else pf.add(ksh + page * g.ks_blk + from * g.ks_in, ((cnt - 1) * g.ks_in + 1) * 4);
+  }
+  for (int64_t blk = t_from / bs; blk <= last; ++blk) {
+    const int64_t page = table[blk];
+    const int64_t from = blk == t_from / bs ? t_from % bs : 0;
+    const int64_t cnt = (blk == last ? (t_to - 1) % bs + 1 : bs) - from;
+    const uint8_t* kr = kh + page * g.kc_blk + from * g.kc_tok;
+    const uint8_t* vr = vh + page * g.vc_blk + from * g.vc_tok;
+    if (g.kc_tok == g.head_dim) pf.add(kr, cnt * g.head_dim);
+    else for (int64_t i = 0; i < cnt; ++i) pf.add(kr + i * g.kc_tok, g.head_dim);
+    if (g.vc_tok == g.head_dim) pf.add(vr, cnt * g.head_dim);
+    else for (int64_t i = 0; i < cnt; ++i) pf.add(vr + i * g.vc_tok, g.head_dim);
   }
 }
 
@@ -174,13 +166,16 @@ inline void group_tile(const QGeometry& g, const TileOps& ops, const float* ksh,
                        int64_t nseg, QScratch& w) {
   const int64_t d = g.head_dim, dp = g.dpad, G = g.group;
   float* s = w.s.data();
+  // the next tile's queued lines, a share at each 16-key block of the scores (the most a
+  // segment split adds is one block per segment); the rest before P @ V
+  const int64_t per_block = w.pf.share((n + kLanes - 1) / kLanes);
   if (g.channel_keys) {
     for (int64_t sg = 0; sg < nseg; ++sg) {
       const float* kscale = ksh + w.seg_page[sg] * g.ks_blk;
       const int64_t i0 = w.seg_first[sg];
       if (g.ks_in == 1) {  // the fold inside group_scores (in registers where q is held)
         ops.group_scores(w.q.data(), G, dp, kscale, w.qb.data(), w.kcode.data() + i0,
-                         w.seg_first[sg + 1] - i0, d, s + i0, w.part.data());
+                         w.seg_first[sg + 1] - i0, d, s + i0, w.part.data(), &w.pf, per_block);
         continue;
       }
       for (int64_t h = 0; h < G; ++h) {
@@ -188,11 +183,11 @@ inline void group_tile(const QGeometry& g, const TileOps& ops, const float* ksh,
         std::fill(w.qb.data() + h * dp + d, w.qb.data() + (h + 1) * dp, 0.f);
       }
       ops.group_scores(w.qb.data(), G, dp, nullptr, nullptr, w.kcode.data() + i0,
-                       w.seg_first[sg + 1] - i0, d, s + i0, w.part.data());
+                       w.seg_first[sg + 1] - i0, d, s + i0, w.part.data(), &w.pf, per_block);
     }
   } else {
     ops.group_scores(w.q.data(), G, dp, nullptr, nullptr, w.kcode.data(), n, d, s,
-                     w.part.data());
+                     w.part.data(), &w.pf, per_block);
     for (int64_t h = 0; h < G; ++h)
       for (int64_t i = 0; i < n; ++i) s[h * kTile + i] *= w.ks[i];
   }
@@ -201,6 +196,7 @@ inline void group_tile(const QGeometry& g, const TileOps& ops, const float* ksh,
     ops.softmax(sh, n, &w.m[h], &w.l[h], w.acc.data() + h * dp, dp);
     for (int64_t i = 0; i < n; ++i) sh[i] *= w.vs[i];
   }
+  w.pf.issue(w.pf.left());
   ops.group_pv(w.acc.data(), G, dp, s, w.vcode.data(), n, d);
 }
 
@@ -236,22 +232,21 @@ void attend(const QGeometry& g, const TileOps& ops, const QT* q, const uint8_t* 
   // NOTE: the scale lines go with their tile's codes, one tile ahead (all of an item's at its
   // start was a burst of up to 80 prefetches for 16 blocks, queued behind the first tile's)
   if (!first_prefetched) {
-    prefetch_scales(g, ksh, vsh, table, t_begin, std::min(t_begin + kTile, t_end));
-    prefetch_codes(g, kh, vh, table, t_begin, std::min(t_begin + kTile, t_end));
+    queue_tile(g, kh, vh, ksh, vsh, table, t_begin, std::min(t_begin + kTile, t_end), w.pf);
+    w.pf.issue(w.pf.left());
   }
   for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) {
     const int64_t n = std::min(kTile, t_end - t0);
-    if (t0 + n < t_end) {
-      prefetch_scales(g, ksh, vsh, table, t0 + n, std::min(t0 + n + kTile, t_end));
-      prefetch_codes(g, kh, vh, table, t0 + n, std::min(t0 + n + kTile, t_end));
-    } else {
-      prefetch_codes(g, next.kh, next.vh, next.table, next.t_from, next.t_to);
-      prefetch_scales(g, next.ksh, next.vsh, next.table, next.t_from, next.t_to);
-    }
+    if (t0 + n < t_end)  // the next tile, else the next item's first
+      queue_tile(g, kh, vh, ksh, vsh, table, t0 + n, std::min(t0 + n + kTile, t_end), w.pf);
+    else
+      queue_tile(g, next.kh, next.vh, next.ksh, next.vsh, next.table, next.t_from, next.t_to,
+                 w.pf);
     if (ops.group_scores != nullptr) {
       group_tile(g, ops, ksh, n, gather_tile(g, kh, vh, ksh, vsh, table, t0, n, w), w);
       continue;
     }
+    w.pf.issue(w.pf.left());  // the fp32 tiers: at once
     const int64_t nseg = load_tile(g, ops, kh, vh, ksh, vsh, table, t0, n, w);
     for (int64_t h = 0; h < g.group; ++h) {
       float* s = w.s.data() + h * kTile;

@@ -18,7 +18,7 @@ struct TileOps {
   void (*pv)(float* acc, const float* p, const float* const* rows, int64_t n, int64_t d);
   void (*group_scores)(const float* q, int64_t g, int64_t dpad, const float* kscale, float* qb,
                        const uint8_t* const* rows, int64_t n, int64_t d, float* s,
-                       float* part) = nullptr;
+                       float* part, fitserve::LineQueue* pf, int64_t pf_per_block) = nullptr;
   void (*group_pv)(float* acc, int64_t g, int64_t dpad, const float* p,
                    const uint8_t* const* rows, int64_t n, int64_t d) = nullptr;
 };

@@ -42,6 +42,7 @@
 #include <vector>
 
 // the ISA tier macros (FS_AVX512, FS_AVX2, FS_BF16DOT) and the fp32 SIMD tile pieces
+#include "line_queue.h"
 #include "paged_attention_simd.h"
 #include "stream_prefetch.h"
 
@@ -100,16 +101,9 @@ struct Scratch {
   std::vector<const float*> krow, vrow;
   std::vector<uint16_t> qb;            // bf16 path: raw q rows, zero-padded to 32 lanes
   std::vector<const uint16_t*> kraw, vraw;  // bf16 path: K / V rows in the cache, unconverted
-  // bf16 path: the cache lines of the next tile's K / V rows, requested a few at a time while
-  // this tile's scores run (issue_prefetches): pf_n lines in runs of contiguous lines (a KV
-  // block's K rows, then its V rows), pf_next of them requested so far, the next one at line
-  // pf_line of run pf_run
-  struct LineRun {
-    const char* first;  // 64-byte aligned
-    int64_t lines;
-  };
-  std::vector<LineRun> pf;
-  int64_t pf_n = 0, pf_next = 0, pf_run = 0, pf_line = 0;
+  // bf16 path: the cache lines of the next tile's K / V rows (a KV block's K rows, then its V
+  // rows), requested a few at a time while this tile's scores run
+  fitserve::LineQueue pf;
   void reserve(int64_t g, int64_t dpad) {
     if (static_cast<int64_t>(q.size()) >= g * dpad && static_cast<int64_t>(m.size()) >= g &&
         static_cast<int64_t>(k.size()) >= kTile * dpad)
@@ -173,24 +167,6 @@ inline void row_to_float<c10::Half>(const c10::Half* src, float* dst, int64_t d)
     _mm512_storeu_ps(dst + c, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail_mask(d - c), src + c)));
 }
 
-// Requests up to `count` more of the scratch's queued cache lines (the next tile's rows).
-inline void issue_prefetches(Scratch& w, int64_t count) {
-  int64_t left = std::min(w.pf_n - w.pf_next, count);
-  if (left <= 0) return;
-  w.pf_next += left;
-  while (left > 0) {
-    const Scratch::LineRun& r = w.pf[w.pf_run];
-    const int64_t take = std::min(left, r.lines - w.pf_line);
-    const char* p = r.first + 64 * w.pf_line;
-    for (int64_t i = 0; i < take; ++i) fitserve::prefetch_stream(p + 64 * i);
-    left -= take;
-    if ((w.pf_line += take) == r.lines) {
-      ++w.pf_run;
-      w.pf_line = 0;
-    }
-  }
-}
-
 #if FS_BF16DOT
 // s[0..n) = scale * (q . rows[0..n)) from raw bf16 q and K rows; NC2 = ceil(D / 32); per 16
 // keys, pf_per_block of the next tile's queued lines are requested.
@@ -204,7 +180,7 @@ inline void scores_bf16dot(const uint16_t* q, const uint16_t* const* rows, int64
   const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
     const int64_t cnt = std::min<int64_t>(kLanes, n - i0);
-    issue_prefetches(w, pf_per_block);
+    w.pf.issue(pf_per_block);
     __m512 a[kLanes];
 #pragma GCC unroll 16
     for (int64_t j = 0; j < kLanes; ++j) {
@@ -302,15 +278,15 @@ void tile_avx512(const Geometry& g, Scratch& w, int64_t n) {
     // (prefetch_rows), most waited behind the core's few outstanding misses, and the rows
     // streamed at ~5 GB/s a thread against ~12 with the tile in cache (Xeon, SmolLM2 heads)
     const int64_t blocks = g.group * ((n + kLanes - 1) / kLanes);
-    const int64_t per_block = (w.pf_n - w.pf_next + blocks - 1) / blocks;
+    const int64_t per_block = w.pf.share(blocks);
     for (int64_t h = 0; h < g.group; ++h) {
       float* s = w.s.data() + h * kTile;
       scores_bf16dot<kNc2>(w.qb.data() + h * (g.dpad + 2 * kLanes), w.kraw.data(), n, tail32,
                            g.scale, s, w, per_block);
       softmax_step_avx512(s, n, &w.m[h], &w.l[h], w.acc.data() + h * g.dpad, g.dpad);
     }
-    issue_prefetches(w, w.pf_n);
-    w.pf_n = w.pf_next = 0;
+    w.pf.issue(w.pf.left());
+    w.pf.clear();
     pv_group_bf16<NCH>(g, w, n, tail);
     return;
   }
@@ -457,7 +433,7 @@ inline void prefetch_rows(const Geometry& g, const T* kh, const T* vh, const int
 }
 
 // The cache lines of the K/V rows of keys [t_from, t_to) queued in w.pf (issued by the bf16
-// tile while it computes: issue_prefetches), instead of requested at once as prefetch_rows does.
+// tile while it computes: LineQueue::issue), instead of requested at once as prefetch_rows does.
 // NOTE: one run of lines per KV block for K and one for V where a block's rows are contiguous
 // (the engine's caches), not a pointer per line: building and reading back 4 pointers a key
 // (SmolLM2's 64-dim heads) was a sixth of the bf16 decode tile's time
@@ -465,17 +441,9 @@ template <typename T>
 inline void queue_rows(const Geometry& g, const T* kh, const T* vh, const int32_t* table,
                        int64_t t_from, int64_t t_to, Scratch& w) {
   w.pf.clear();
-  w.pf_n = w.pf_next = w.pf_run = w.pf_line = 0;
   if (t_from >= t_to) return;
   const int64_t row_bytes = g.head_dim * static_cast<int64_t>(sizeof(T));
   const bool k_dense = g.k_stride_tok == g.head_dim, v_dense = g.v_stride_tok == g.head_dim;
-  auto add = [&w](const T* start, int64_t bytes) {
-    const uintptr_t a = reinterpret_cast<uintptr_t>(start);
-    const uintptr_t first = a & ~uintptr_t{63};
-    const int64_t lines = static_cast<int64_t>((a + bytes - first + 63) / 64);
-    w.pf.push_back({reinterpret_cast<const char*>(first), lines});
-    w.pf_n += lines;
-  };
   int64_t blk = t_from / g.block_size, off = t_from % g.block_size;  // one division per call
   for (int64_t t = t_from; t < t_to;) {
     const int64_t cnt = std::min(g.block_size - off, t_to - t);
@@ -483,9 +451,9 @@ inline void queue_rows(const Geometry& g, const T* kh, const T* vh, const int32_
     const T* kr = kh + page * g.k_stride_blk + off * g.k_stride_tok;
     const T* vr = vh + page * g.v_stride_blk + off * g.v_stride_tok;
     for (int64_t i = 0; i < (k_dense ? 1 : cnt); ++i)
-      add(kr + i * g.k_stride_tok, k_dense ? cnt * row_bytes : row_bytes);
+      w.pf.add(kr + i * g.k_stride_tok, k_dense ? cnt * row_bytes : row_bytes);
     for (int64_t i = 0; i < (v_dense ? 1 : cnt); ++i)
-      add(vr + i * g.v_stride_tok, v_dense ? cnt * row_bytes : row_bytes);
+      w.pf.add(vr + i * g.v_stride_tok, v_dense ? cnt * row_bytes : row_bytes);
     t += cnt;
     off = 0;
     ++blk;

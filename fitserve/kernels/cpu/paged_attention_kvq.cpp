@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "line_queue.h"
 #include "paged_attention_simd.h"
 #include "kv_codes.h"
 #include "kvq_group_avx512.h"
