@@ -50,7 +50,8 @@ JSON it prints beside the copy bandwidth). Measured, each the median of the undi
                              weights cycled past the LLC (a W1 step's linears), at K = 576 and
                              2048 (N = 8192): "int8act" = int4_linear with int8 activations,
                              "bf16" = the one-row bf16 linear (fitserve_dense::bf16_gemv where
-                             the engine prefers it, else F.linear). A kernel whose own work per
+                             the engine prefers it, else F.linear), "fp8" = the e4m3
+                             per-channel fp8_linear (--weights fp8). A kernel whose own work per
                              byte is slower than the memory, or that does not overlap the two,
                              reads below the copy bandwidth: the planner's W1 floor is then
                              this rate, not the bandwidth. Timed on all the engine's threads
@@ -185,8 +186,10 @@ def measure_matmul_rates(threads: int, repeats: int = 15) -> dict[str, list[floa
 def _gemv_calls(k: int, cycle_bytes: int = CYCLE_BYTES) -> dict[str, Callable[[], object]]:
     """Each path's one-row linear (as the engine's W1 step calls it) on weights of GEMV_N x k,
     cycling over copies of ``cycle_bytes`` in all (``gemv_weight_bytes`` per call)."""
+    from fitserve.kernels.cpu.fp8_gemv import fp8_gemv_available, fp8_linear
     from fitserve.kernels.cpu.qlinear import int4_linear, qlinear_ops_available
     from fitserve.model.linear import bf16_gemv_preferred
+    from fitserve.quant.fp8 import quantize_fp8
 
     n, g = GEMV_N, torch.Generator().manual_seed(0)
     xb = torch.randn(1, k, generator=g).bfloat16()
@@ -205,13 +208,21 @@ def _gemv_calls(k: int, cycle_bytes: int = CYCLE_BYTES) -> dict[str, Callable[[]
         qs = [q1.clone() for _ in range(max(2, cycle_bytes // (n * k // 2)))]
         calls["int8act"] = _cycle([functools.partial(int4_linear, xb, *_engine_layout(q, s, mins),
                                                      32, True) for q in qs])
+    if fp8_gemv_available():  # --weights fp8: e4m3 codes, a float32 scale per output channel
+        fw = quantize_fp8(w1.float(), "e4m3", "channel")
+        codes = fw.data.view(torch.uint8)
+        cs = [codes.clone() for _ in range(max(2, cycle_bytes // (n * k)))]
+        calls["fp8"] = _cycle([functools.partial(fp8_linear, xb, c, fw.scales, "e4m3", "channel",
+                                                 fw.block, None) for c in cs])
     return calls
 
 
 def gemv_weight_bytes(path: str, k: int) -> int:
     """Bytes of weight one call of ``path``'s one-row linear reads (codes + fp16 scales and
-    mins per group of 32 for int4)."""
+    mins per group of 32 for int4; codes + a float32 scale per row for fp8)."""
     n = GEMV_N
+    if path == "fp8":
+        return n * k + 4 * n
     return n * k * 2 if path == "bf16" else n * k // 2 + 2 * 2 * n * (k // 32)
 
 

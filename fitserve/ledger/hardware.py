@@ -23,8 +23,9 @@ from fitserve.ledger.formats import GGUF_PACKED
 # element-wise cost per token and the cost per sampled sequence; 6: + the one-row linears'
 # weight stream rate; 9: the int4 linears measured on the layout the engine holds (panels);
 # 10: + the decode attention's rates on the AMX-BF16 tile; 11: + the read bandwidth, which
-# becomes the CPU's memory bandwidth (mem_bytes_per_s)
-CPU_CACHE_VERSION = 11
+# becomes the CPU's memory bandwidth (mem_bytes_per_s); 12: + the fp8 one-row linear's stream
+# rate (--weights fp8's W1 floor)
+CPU_CACHE_VERSION = 12
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ class Hardware:
     def weight_stream_rate(self, fmt: str, k: int) -> float:
         """Weight bytes/s this CPU's one-row linears reach on weights held as ``fmt`` with rows
         of ``k`` (log-linear between the measured K, flat past them); 0 where that kernel was
-        not measured (``gemv_path``: the ggml block kernels, fp8, f32), so no floor."""
+        not measured (``gemv_path``: the ggml block kernels, f32), so no floor."""
         path = gemv_path(fmt)
         got = dict(self.gemv_rates).get(path) if path else None
         return _at_rows(self.gemv_k, got, k) if got and self.gemv_k else 0.0
@@ -126,10 +127,13 @@ def gemv_path(fmt: str) -> str | None:
     """The measured one-row kernel (``Hardware.gemv_rates``) a held weight format runs on:
     "int8act" for the packed int4 / int8 group formats (GGUF Q4_0 / Q4_1 / Q8_0 held packed:
     the int8 rows measured within ~10% of the int4 ones per byte, bench_qgemv_stream.py),
-    "bf16" for bf16; None for the rest (their kernels were not timed at M = 1)."""
+    "bf16" for bf16, "fp8" for the fp8 formats (the fp8 GEMV decodes e4m3 and e5m2 codes
+    alike); None for the rest (their kernels were not timed at M = 1)."""
     f = GGUF_PACKED.get(fmt, fmt).lower()
     if f.startswith(("int4", "int8")):
         return "int8act"
+    if f.startswith("fp8"):
+        return "fp8"
     return "bf16" if f in ("bf16", "bfloat16") else None
 
 

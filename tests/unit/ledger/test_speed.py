@@ -59,8 +59,14 @@ def test_a_cpus_one_row_linears_floor_the_weight_kernels() -> None:
     assert hw.weight_stream_rate("Q4_0", 4096) == 39e9  # held packed; flat past the measured K
     assert hw.weight_stream_rate("int8-g32", 1024) == pytest.approx(
         36e9 + 3e9 * math.log(1024 / 576) / math.log(2048 / 576))
-    # no floor where that kernel was not timed: a ggml block type, bf16 here, an unmeasured CPU
+    # no floor where that kernel was not timed: a ggml block type, bf16 and fp8 here, an
+    # unmeasured CPU
     assert hw.weight_stream_rate("Q4_K", 576) == hw.weight_stream_rate("bf16", 576) == 0.0
+    assert hw.weight_stream_rate("fp8-ch", 576) == 0.0
+    # --weights fp8 (e4m3 or e5m2, any scale granularity) reads at the fp8 GEMV's own rate
+    fp8 = dataclasses.replace(hw, gemv_rates=(*hw.gemv_rates, ("fp8", (17e9, 19e9))))
+    assert fp8.weight_stream_rate("fp8-ch", 576) == fp8.weight_stream_rate("fp8", 576) == 17e9
+    assert fp8.weight_stream_rate("int8-ch", 2048) == 39e9  # the int8 lm_head: int8act's
     assert base.weight_stream_rate("int4-g32-asym", 576) == 0.0
     wb = model_weight_bytes(L8, "int4-g32-asym")
     s = decode_step(L8, hw, wb, batch=1, context=1024, kv_dtype="bf16",
