@@ -97,6 +97,7 @@ struct Table4Block {
 
 #ifdef FS_GGML_VNNI
   static constexpr bool kRowPrefetch = true;  // row(..., pf): ggml_blocks_run.h
+  static constexpr bool kLanesTiles = true;   // M > 1: lanes_step_t (as Q5_0 / Q5_1 / Q8_0)
 #endif
   template <int MT>
   static void row(const uint8_t* w, int64_t nb, const Act& a, int64_t m0, float* res,
