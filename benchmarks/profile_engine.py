@@ -1,6 +1,7 @@
 """Where an engine step's time goes, for the README's "where the time goes" figures.
 
     .venv/bin/python benchmarks/profile_engine.py [--dtype bf16] [--threads 2] [--weights auto]
+        [--model PATH]
 
 First, what the loaded engine holds: its resident memory (/proc/self/status) beside the KV
 pool and the weights the ledger counts. W1 shape: 1 request decoding (context ~40). W2 shape:
@@ -111,12 +112,16 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--weights", default="auto", help="EngineConfig.weights (auto: Q4_1 as stored)")
+    ap.add_argument("--model", default=None,
+                    help="a GGUF file or HF folder instead of the default model (e.g. a "
+                         "bench_formats.py file)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = "bfloat16" if args.dtype == "bf16" else "float32"
 
+    kw = {"model": args.model} if args.model else {}
     engine = Engine(EngineConfig(dtype=dtype, device="cpu", max_model_len=1024,
-                                 weights=args.weights))
+                                 weights=args.weights, **kw))
     print(memory_line(engine))
     engine.add_request("The capital of France is", GREEDY)
     step_ms(engine, 5)
@@ -126,7 +131,7 @@ def main() -> None:
     del engine
 
     engine = Engine(EngineConfig(dtype=dtype, device="cpu", max_model_len=1024,
-                                 weights=args.weights))
+                                 weights=args.weights, **kw))
     ids = engine.tokenizer.encode("The history of computing is long. " * 40, add_special_tokens=False)
     for i in range(32):
         engine.add_request(ids[i : i + 128], GREEDY)
