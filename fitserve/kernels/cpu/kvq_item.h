@@ -76,19 +76,23 @@ inline void queue_tile(const QGeometry& g, const uint8_t* kh, const uint8_t* vh,
                        fitserve::LineQueue& pf) {
   pf.clear();
   if (t_to <= t_from) return;
-  const int64_t bs = g.block_size, last = (t_to - 1) / bs;
-  for (int64_t blk = t_from / bs; blk <= last; ++blk) {
+  const int64_t bs = g.block_size, first = t_from / bs, last = (t_to - 1) / bs;
+  // keys [from, from + cnt) of block blk are in [t_from, t_to)
+  auto span = [&](int64_t blk, int64_t* from, int64_t* cnt) {
+    *from = blk == first ? t_from % bs : 0;
+    *cnt = (blk == last ? (t_to - 1) % bs + 1 : bs) - *from;
+  };
+  int64_t from = 0, cnt = 0;
+  for (int64_t blk = first; blk <= last; ++blk) {
     const int64_t page = table[blk];
-    const int64_t from = blk == t_from / bs ? t_from % bs : 0;
-    const int64_t cnt = (blk == last ? (t_to - 1) % bs + 1 : bs) - from;
+    span(blk, &from, &cnt);
     pf.add(vsh + page * g.vs_blk + from * g.vs_tok, ((cnt - 1) * g.vs_tok + 1) * 4);
     if (g.channel_keys) pf.add(ksh + page * g.ks_blk, ((g.head_dim - 1) * g.ks_in + 1) * 4);
     else pf.add(ksh + page * g.ks_blk + from * g.ks_in, ((cnt - 1) * g.ks_in + 1) * 4);
   }
-  for (int64_t blk = t_from / bs; blk <= last; ++blk) {
+  for (int64_t blk = first; blk <= last; ++blk) {
     const int64_t page = table[blk];
-    const int64_t from = blk == t_from / bs ? t_from % bs : 0;
-    const int64_t cnt = (blk == last ? (t_to - 1) % bs + 1 : bs) - from;
+    span(blk, &from, &cnt);
     const uint8_t* kr = kh + page * g.kc_blk + from * g.kc_tok;
     const uint8_t* vr = vh + page * g.vc_blk + from * g.vc_tok;
     if (g.kc_tok == g.head_dim) pf.add(kr, cnt * g.head_dim);

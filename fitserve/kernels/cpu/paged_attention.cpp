@@ -42,8 +42,9 @@
 #include <vector>
 
 // the ISA tier macros (FS_AVX512, FS_AVX2, FS_BF16DOT) and the fp32 SIMD tile pieces
-#include "line_queue.h"
 #include "paged_attention_simd.h"
+// the next tile's lines requested a share at a time (LineQueue) or at once (prefetch_stream)
+#include "line_queue.h"
 #include "stream_prefetch.h"
 
 // The AMX-BF16 tile (paged_attention_amx.h) where the build has it.
@@ -286,7 +287,6 @@ void tile_avx512(const Geometry& g, Scratch& w, int64_t n) {
       softmax_step_avx512(s, n, &w.m[h], &w.l[h], w.acc.data() + h * g.dpad, g.dpad);
     }
     w.pf.issue(w.pf.left());
-    w.pf.clear();
     pv_group_bf16<NCH>(g, w, n, tail);
     return;
   }
