@@ -321,7 +321,9 @@ def _least_load_placement(units: dict[str, float], n: int) -> dict[str, int]:
 
 def test_heterogeneous_replicas_share_traffic_by_capacity_units(mixed: Fleet, mixed_units: dict[str, float]) -> None:
     """The groups' capacity units are the planner's (``plan capacity --gpus cpu:1`` with each
-    group's max_num_seqs: the batch of 4 was worth 2.84 one-at-a-time replicas here). 6 requests at
+    group's max_num_seqs: the batch of 4 was worth 2.76-2.84 one-at-a-time replicas here on a quiet
+    host, 1.95 when a fresh-clone CI measured the CPU while the other pytest worker kept it busy).
+    The units only need to place the 6 unevenly for this test to mean something. 6 requests at
     once (24 tokens each, so none ends before all are placed) land exactly as least load by those
     units places them (counted by the replicas' own /metrics). Then 24 shorter requests, 6 at a
     time: the completed share is reported (it follows how fast each group really is), and neither
@@ -329,8 +331,8 @@ def test_heterogeneous_replicas_share_traffic_by_capacity_units(mixed: Fleet, mi
     the other's by more than PEAK_FACTOR: a group's load per unit is the share of its capacity at
     the SLO in use, so equal loads per unit mean neither group reaches its SLO capacity (breaks
     the SLO) while the other has room to spare, at the router's level."""
-    assert mixed_units["big"] > 2 * mixed_units["small"], mixed_units
     want = _least_load_placement({f"fitserve-{g}": u for g, u in mixed_units.items()}, 6)
+    assert want["fitserve-big"] > want["fitserve-small"], (mixed_units, want)
     fc = mixed.client()
 
     def run(n: int, tokens: int) -> dict[str, float]:
