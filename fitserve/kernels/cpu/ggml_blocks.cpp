@@ -22,6 +22,7 @@
 #include "ggml_blocks_iq4.h"
 #include "ggml_blocks_kquant.h"
 #include "ggml_blocks_lanes_amx.h"
+#include "ggml_blocks_lanes_panel.h"
 #include "ggml_blocks_q5.h"
 #include "ggml_blocks_q8.h"
 #include "ggml_blocks_run.h"
@@ -50,6 +51,16 @@ void run_blocks(const Act& a, int64_t M, const uint8_t* W, int64_t N, int64_t nb
                               [&](const uint8_t* const* w4, float* res) {
                                 lanes_rows_m1<T, 4>(w4, nblk, a, 0, res, kLanesAhead);
                               });
+  }
+#endif
+#ifdef FS_GGML_VNNI
+  if constexpr (lanes_tiles<T>::value) {  // each weight row decoded once (_lanes_panel.h)
+    if (a.lanes_t && M >= kLanesPanelMinRows) {
+      for (int64_t blk = b0; blk < b1; ++blk)
+        lanes_panel_range<T>(W, row_bytes, nblk, a, M, blk * nb, std::min(N, blk * nb + nb), N,
+                             out);
+      return;
+    }
   }
 #endif
   if (M == 1 && streams_m1<T>(row_bytes))

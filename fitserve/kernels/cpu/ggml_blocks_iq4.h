@@ -227,21 +227,74 @@ struct IQ4XS {
     }
   }
 
+  // step<MT, 2> against x quantized lanes_t (Act; the 512 columns of two super-blocks are
+  // lanes_t's 16 blocks of 32): the 16 sub-blocks' weights decoded and transposed once
+  // (decode_t: LanesStep's g holds the scales ls, dv each super-block's d), then per row 8
+  // VPDPBUSD straight into sub-block lanes (rows_t) in place of 8 VPDPBUSD + block_sums16's 22
+  // ops. The integer sub-block dots are the same numbers and every op after them is step's
+  // (dv * da: the products d * da step takes), so each row's bits are the row alone's.
+  [[gnu::always_inline]] static inline void decode_t(const uint8_t* b, const __m512i table_u,
+                                                     const int32_t* idx, LanesStep& s) {
+    FS_GGML_UNROLL for (int j = 0; j < 8; ++j) {
+      const uint8_t* q = b + (j / 4) * kBytes + 8 + 32 * (j % 4);
+      s.wv[j] = _mm512_shuffle_epi8(table_u, nibbles_pair(q, q + 16, true));
+    }
+    transpose_pairs(s.wv, idx);
+    s.g = _mm512_cvtepi16_epi32(scales16(b));
+    s.dv = _mm512_insertf32x8(_mm512_set1_ps(f16_at(b)), _mm256_set1_ps(f16_at(b + kBytes)), 1);
+  }
+  template <int MT>
+  [[gnu::always_inline]] static inline void rows_t(const LanesStep& s, int64_t sb, const Act& a,
+                                                   int64_t m0, __m512* acc) {
+    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
+      const __m512i s32 = _mm512_cvtepi16_epi32(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.s32row(m0 + i) + sb * 8)));
+      const __m512i dot = _mm512_mullo_epi32(
+          _mm512_sub_epi32(lanes_dot_t(s, a.qrow(m0 + i) + sb * 256), _mm512_slli_epi32(s32, 7)),
+          s.g);
+      const float* da = a.drow(m0 + i) + sb;
+      const __m512 sc = _mm512_mul_ps(
+          s.dv, _mm512_insertf32x8(_mm512_set1_ps(da[0]), _mm256_set1_ps(da[1]), 1));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc, acc[i]);
+    }
+  }
+  static __m512i table_u() {
+    static constexpr std::array<uint8_t, 16> kTabU = biased_table(kIq4Values);
+    return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kTabU.data())));
+  }
+  // A weight row's whole 512-column steps decoded into out[0 .. nsb / 2) (lanes_panel_range).
+  static void decode_row(const uint8_t* w, int64_t nsb, LanesStep* out) {
+    const __m512i tab = table_u();
+    const int32_t* idx = transpose_idx();
+    for (int64_t sb = 0; sb + 2 <= nsb; sb += 2) decode_t(w + sb * kBytes, tab, idx, out[sb / 2]);
+  }
+
   static constexpr bool kRowPrefetch = true;  // row(..., pf): ggml_blocks_run.h
+  static constexpr bool kLanesTiles = true;   // M > 1: step_t (x quantized lanes_t)
+  // With x lanes_t, the whole steps run decode_t + rows_t (or read `dec`, the row's steps
+  // decoded by decode_row); the last odd super-block's 256 columns stay in order: step<MT, 1>.
   template <int MT>
   static void row(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float* res,
-                  int64_t pf = 0) {
-    static constexpr std::array<uint8_t, 16> kTabU = biased_table(kIq4Values);
-    const __m512i table_u =
-        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kTabU.data())));
+                  int64_t pf = 0, const LanesStep* dec = nullptr) {
+    const __m512i tab = table_u();
     __m512 acc[MT];
     FS_GGML_UNROLL for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
     int64_t sb = 0;
+    if (a.lanes_t && dec != nullptr) {
+      for (; sb + 2 <= nsb; sb += 2) rows_t<MT>(dec[sb / 2], sb, a, m0, acc);
+    } else if (a.lanes_t) {
+      const int32_t* idx = transpose_idx();
+      for (; sb + 2 <= nsb; sb += 2) {
+        LanesStep s;
+        decode_t(w + sb * kBytes, tab, idx, s);
+        rows_t<MT>(s, sb, a, m0, acc);
+      }
+    }
     for (; sb + 2 <= nsb; sb += 2) {
       if (pf > 0) prefetch_span(w + sb * kBytes + pf, 2 * kBytes);
-      step<MT, 2>(w + sb * kBytes, sb, a, m0, table_u, acc);
+      step<MT, 2>(w + sb * kBytes, sb, a, m0, tab, acc);
     }
-    if (sb < nsb) step<MT, 1>(w + sb * kBytes, sb, a, m0, table_u, acc);
+    if (sb < nsb) step<MT, 1>(w + sb * kBytes, sb, a, m0, tab, acc);
     FS_GGML_UNROLL for (int i = 0; i < MT; ++i) res[i] = _mm512_reduce_add_ps(acc[i]);
   }
 #else

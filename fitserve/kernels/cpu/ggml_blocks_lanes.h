@@ -216,6 +216,44 @@ template <class B, int MT, bool kFull>
     }
 }
 
+// One 512-column step of a weight row decoded for the M > 1 tiles (x quantized lanes_t): the
+// weight bytes transposed (wv[c] dword b = dword c of block b: transpose_pairs), the 16 block
+// heads (IQ4_XS: its 16 sub-block scales ls) and the blocks' fp32 scales. 640 bytes.
+struct LanesStep {
+  __m512i wv[8];
+  __m512i g;
+  __m512 dv;
+};
+
+template <class B>
+[[gnu::always_inline]] inline void lanes_decode_t(const uint8_t* b, const int32_t* idx,
+                                                  LanesStep& s) {
+  FS_GGML_UNROLL for (int j = 0; j < 8; ++j) s.wv[j] = B::pair(b + 2 * j * B::kBytes, true);
+  transpose_pairs(s.wv, idx);
+  s.g = lane_heads<B>(b, 16 * B::kBytes);
+  s.dv = B::lane_scales(s.g);
+}
+
+// A decoded step's 16 integer block dots with one row of x (its 512 columns at aq, lanes_t):
+// 8 VPDPBUSD straight into block lanes, in two chains.
+[[gnu::always_inline]] inline __m512i lanes_dot_t(const LanesStep& s, const int8_t* aq) {
+  __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), s.wv[0], _mm512_loadu_si512(aq));
+  __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), s.wv[1], _mm512_loadu_si512(aq + 64));
+  FS_GGML_UNROLL for (int c = 2; c < 8; c += 2) {
+    d0 = _mm512_dpbusd_epi32(d0, s.wv[c], _mm512_loadu_si512(aq + 64 * c));
+    d1 = _mm512_dpbusd_epi32(d1, s.wv[c + 1], _mm512_loadu_si512(aq + 64 * (c + 1)));
+  }
+  return _mm512_add_epi32(d0, d1);
+}
+
+template <class B, int MT>
+[[gnu::always_inline]] inline void lanes_rows_t(const LanesStep& s, int64_t k, const Act& a,
+                                                int64_t m0, __m512* acc) {
+  FS_GGML_UNROLL for (int i = 0; i < MT; ++i)
+    lanes_finish<B>(lanes_dot_t(s, a.qrow(m0 + i) + 32 * k), s.g, s.dv, 0xFFFF, a, m0 + i, k,
+                    acc[i]);
+}
+
 // A whole step (16 blocks) against MT rows of x quantized lanes_t (Act): the weights decoded
 // and transposed once for the tile, then per row 8 VPDPBUSD straight into block lanes (no
 // per-row block_sums16: its 15 shuffles per row were the M > 1 tiles' cost). The integer dot
@@ -223,34 +261,34 @@ template <class B, int MT, bool kFull>
 template <class B, int MT>
 [[gnu::always_inline]] inline void lanes_step_t(const uint8_t* b, int64_t k, const Act& a,
                                                 int64_t m0, __m512* acc, const int32_t* idx) {
-  __m512i wv[8];
-  FS_GGML_UNROLL for (int j = 0; j < 8; ++j) wv[j] = B::pair(b + 2 * j * B::kBytes, true);
-  transpose_pairs(wv, idx);
-  const __m512i g = lane_heads<B>(b, 16 * B::kBytes);
-  const __m512 dv = B::lane_scales(g);
-  FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
-    const int8_t* aq = a.qrow(m0 + i) + 32 * k;
-    __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[0], _mm512_loadu_si512(aq));
-    __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[1], _mm512_loadu_si512(aq + 64));
-    FS_GGML_UNROLL for (int c = 2; c < 8; c += 2) {
-      d0 = _mm512_dpbusd_epi32(d0, wv[c], _mm512_loadu_si512(aq + 64 * c));
-      d1 = _mm512_dpbusd_epi32(d1, wv[c + 1], _mm512_loadu_si512(aq + 64 * (c + 1)));
-    }
-    lanes_finish<B>(_mm512_add_epi32(d0, d1), g, dv, 0xFFFF, a, m0 + i, k, acc[i]);
-  }
+  LanesStep s;
+  lanes_decode_t<B>(b, idx, s);
+  lanes_rows_t<B, MT>(s, k, a, m0, acc);
+}
+
+// A weight row's whole 512-column steps decoded into out[0 .. nb / 16) (lanes_panel_range).
+template <class B>
+void lanes_decode_row(const uint8_t* w, int64_t nb, LanesStep* out) {
+  const int32_t* idx = transpose_idx();
+  for (int64_t k = 0; k + 16 <= nb; k += 16) lanes_decode_t<B>(w + k * B::kBytes, idx, out[k / 16]);
 }
 
 // One weight row (nb blocks) against rows m0 .. m0 + MT - 1 of x; with pf > 0 each step also
-// requests the bytes pf ahead of the ones it reads (ggml_blocks_run.h's rows_streamed).
+// requests the bytes pf ahead of the ones it reads (ggml_blocks_run.h's rows_streamed). With
+// x lanes_t and `dec` (the row's steps decoded by lanes_decode_row), the whole steps read them.
 template <class B, int MT>
 void lanes_row(const uint8_t* w, int64_t nb, const Act& a, int64_t m0, float* res,
-               int64_t pf = 0) {
+               int64_t pf = 0, const LanesStep* dec = nullptr) {
   __m512 acc[MT];
   FS_GGML_UNROLL for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
   int64_t k = 0;
   if (lanes_tiles<B>::value && a.lanes_t) {
-    const int32_t* idx = transpose_idx();
-    for (; k + 16 <= nb; k += 16) lanes_step_t<B, MT>(w + k * B::kBytes, k, a, m0, acc, idx);
+    if (dec != nullptr) {
+      for (; k + 16 <= nb; k += 16) lanes_rows_t<B, MT>(dec[k / 16], k, a, m0, acc);
+    } else {
+      const int32_t* idx = transpose_idx();
+      for (; k + 16 <= nb; k += 16) lanes_step_t<B, MT>(w + k * B::kBytes, k, a, m0, acc, idx);
+    }
   }
   for (; k + 16 <= nb; k += 16) {
     if (pf > 0) prefetch_span(w + k * B::kBytes + pf, 16 * B::kBytes);
