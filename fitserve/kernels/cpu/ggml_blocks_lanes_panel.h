@@ -27,12 +27,19 @@ void lanes_decode_row_any(const uint8_t* w, int64_t nblk, LanesStep* out) {
     T::decode_row(w, nblk, out);
 }
 
+// With `ahead` (the first tile only), each weight row's turn also requests the same row of the
+// next block from memory (L2), so that block's decode finds its rows there: a decode step's
+// weights stream from DRAM once, and the decode of a block is a burst with no compute beside it.
 template <class T, int MT>
 void lanes_panel_tile(const uint8_t* W, int64_t row_bytes, int64_t nblk, const Act& a,
                       int64_t m0, int64_t n0, int64_t n1, int64_t N, const LanesStep* panel,
-                      int64_t steps, float* out) {
+                      int64_t steps, float* out, bool ahead) {
   float res[MT];
   for (int64_t n = n0; n < n1; ++n) {
+    if (ahead) {
+      const uint8_t* nx = W + (n + (n1 - n0)) * row_bytes;
+      for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(nx + o, 0, 2);
+    }
     const LanesStep* dec = panel + (n - n0) * steps;
     if constexpr (lanes_m1<T>::value)
       lanes_row<T, MT>(W + n * row_bytes, nblk, a, m0, res, 0, dec);
@@ -54,18 +61,18 @@ void lanes_panel_range(const uint8_t* W, int64_t row_bytes, int64_t nblk, const 
   const LanesStep* p = panel.data();
   int64_t m = 0;
   for (; m + kTileRows <= M; m += kTileRows)
-    lanes_panel_tile<T, kTileRows>(W, row_bytes, nblk, a, m, n0, n1, N, p, steps, out);
+    lanes_panel_tile<T, kTileRows>(W, row_bytes, nblk, a, m, n0, n1, N, p, steps, out, m == 0);
   if constexpr (kTileRows > 4) {
     if (m + 4 <= M) {
-      lanes_panel_tile<T, 4>(W, row_bytes, nblk, a, m, n0, n1, N, p, steps, out);
+      lanes_panel_tile<T, 4>(W, row_bytes, nblk, a, m, n0, n1, N, p, steps, out, m == 0);
       m += 4;
     }
   }
   if (m + 2 <= M) {
-    lanes_panel_tile<T, 2>(W, row_bytes, nblk, a, m, n0, n1, N, p, steps, out);
+    lanes_panel_tile<T, 2>(W, row_bytes, nblk, a, m, n0, n1, N, p, steps, out, m == 0);
     m += 2;
   }
-  if (m < M) lanes_panel_tile<T, 1>(W, row_bytes, nblk, a, m, n0, n1, N, p, steps, out);
+  if (m < M) lanes_panel_tile<T, 1>(W, row_bytes, nblk, a, m, n0, n1, N, p, steps, out, m == 0);
 }
 
 #endif  // FS_GGML_VNNI
