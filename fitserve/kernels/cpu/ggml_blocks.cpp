@@ -11,6 +11,8 @@
 // instead (ggml_blocks_kqpanel.h: 16 weight rows decoded once per call), with the same bits, and
 // where the CPU has AMX-INT8 their 16-row tiles of x on the tiles (ggml_blocks_kqamx.h); the
 // 32-column types and IQ4_XS there from 16 rows of x on AMX tiles too (ggml_blocks_lanes_amx.h).
+// Otherwise on AVX512-VNNI those types decode each weight row once per call from 9 rows of x
+// (ggml_blocks_lanes_panel.h), every tile of x reading the decoded steps.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
