@@ -6,7 +6,7 @@
 First, what the loaded engine holds: its resident memory (/proc/self/status) beside the KV
 pool and the weights the ledger counts. W1 shape: 1 request decoding (context ~40). W2 shape:
 32 requests x 128-token prompts (prefill timed as the steps until every prompt is in the
-cache), then batch-32 decode steps. Each decode
+cache, no prefix caching; the first step's op table), then batch-32 decode steps. Each decode
 figure is the median of 20 steps after warm-up; the op table is torch.profiler's self CPU time
 over 5 more steps, grouped by ATen op.
 """
@@ -64,6 +64,11 @@ def op_table(engine: Engine, steps: int = 5, top: int = 6) -> str:
     with profile() as prof:
         for _ in range(steps):
             engine.step()
+    return table(prof, steps, top)
+
+
+def table(prof: profile, steps: int, top: int = 6) -> str:
+    """The profiled steps' ops by self CPU time per step, the top ones and all together."""
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events)
     lines = [f"    {'op':<22}{'ms/step':>9}{'share':>8}"]
@@ -130,16 +135,24 @@ def main() -> None:
     print(linear_table(engine))
     del engine
 
+    # NOTE: no prefix caching: the text below tokenizes with a period of 7 tokens (8 distinct
+    # prompts of the 32), so with it 24 were prefix hits and "the prefill" timed a quarter of the
+    # work (bench_engine's W2 runs from an empty cache, and its prompts share no block)
     engine = Engine(EngineConfig(dtype=dtype, device="cpu", max_model_len=1024,
-                                 weights=args.weights, **kw))
+                                 weights=args.weights, enable_prefix_caching=False, **kw))
     ids = engine.tokenizer.encode("The history of computing is long. " * 40, add_special_tokens=False)
     for i in range(32):
         engine.add_request(ids[i : i + 128], GREEDY)
     t = time.perf_counter()
+    with profile() as prof:  # the first step: a max_num_batched_tokens chunk of the prompts
+        engine.step()
+    first = time.perf_counter() - t
     while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.running) \
             or engine.scheduler.num_waiting:
         engine.step()
-    print(f"W2 prefill of 32 x 128 tokens: {time.perf_counter() - t:.2f} s")
+    print(f"W2 prefill of 32 x 128 tokens: {time.perf_counter() - t:.2f} s; its first step "
+          f"{first:.2f} s:")
+    print(table(prof, 1))
     step_ms(engine, 3)
     print(f"W2 decode step (batch 32): {step_ms(engine):.2f} ms median")
     print(op_table(engine))
