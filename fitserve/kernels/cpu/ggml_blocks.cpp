@@ -54,8 +54,6 @@ void run_blocks(const Act& a, int64_t M, const uint8_t* W, int64_t N, int64_t nb
                                 lanes_rows_m1<T, 4>(w4, nblk, a, 0, res, kLanesAhead);
                               });
   }
-#endif
-#ifdef FS_GGML_VNNI
   if constexpr (lanes_tiles<T>::value) {  // each weight row decoded once (_lanes_panel.h)
     if (a.lanes_t && M >= kLanesPanelMinRows) {
       for (int64_t blk = b0; blk < b1; ++blk)

@@ -59,20 +59,20 @@ void lanes_panel_range(const uint8_t* W, int64_t row_bytes, int64_t nblk, const 
   for (int64_t n = n0; n < n1; ++n)
     lanes_decode_row_any<T>(W + n * row_bytes, nblk, panel.data() + (n - n0) * steps);
   const LanesStep* p = panel.data();
-  int64_t m = 0;
+  int64_t m = 0;  // M > kTileRows: the first tile is a full one, and it alone prefetches
   for (; m + kTileRows <= M; m += kTileRows)
     lanes_panel_tile<T, kTileRows>(W, row_bytes, nblk, a, m, n0, n1, N, p, steps, out, m == 0);
   if constexpr (kTileRows > 4) {
     if (m + 4 <= M) {
-      lanes_panel_tile<T, 4>(W, row_bytes, nblk, a, m, n0, n1, N, p, steps, out, m == 0);
+      lanes_panel_tile<T, 4>(W, row_bytes, nblk, a, m, n0, n1, N, p, steps, out, false);
       m += 4;
     }
   }
   if (m + 2 <= M) {
-    lanes_panel_tile<T, 2>(W, row_bytes, nblk, a, m, n0, n1, N, p, steps, out, m == 0);
+    lanes_panel_tile<T, 2>(W, row_bytes, nblk, a, m, n0, n1, N, p, steps, out, false);
     m += 2;
   }
-  if (m < M) lanes_panel_tile<T, 1>(W, row_bytes, nblk, a, m, n0, n1, N, p, steps, out, m == 0);
+  if (m < M) lanes_panel_tile<T, 1>(W, row_bytes, nblk, a, m, n0, n1, N, p, steps, out, false);
 }
 
 #endif  // FS_GGML_VNNI
