@@ -243,20 +243,38 @@ struct IQ4XS {
     s.g = _mm512_cvtepi16_epi32(scales16(b));
     s.dv = _mm512_insertf32x8(_mm512_set1_ps(f16_at(b)), _mm256_set1_ps(f16_at(b + kBytes)), 1);
   }
+  // A decoded step's 16 sub-block dots with one row m of x (lanes_dot_t) scaled into acc: the
+  // - 128 sum(a) offset and the scales ls as int32, then step's one cvt + FMA. x_t: what row m
+  // brings (loaded once per row of x for a register tile's weight rows, lanes_panel_steps).
+  [[gnu::always_inline]] static inline LanesX x_t(const Act& a, int64_t m, int64_t sb) {
+    LanesX x;
+    x.off = _mm512_slli_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256(
+                                  reinterpret_cast<const __m256i*>(a.s32row(m) + sb * 8))),
+                              7);
+    const float* da = a.drow(m) + sb;
+    x.da = _mm512_insertf32x8(_mm512_set1_ps(da[0]), _mm256_set1_ps(da[1]), 1);
+    return x;
+  }
+  [[gnu::always_inline]] static inline void apply_t(__m512i dot, const LanesStep& s,
+                                                    const LanesX& x, __m512& acc) {
+    dot = _mm512_mullo_epi32(_mm512_sub_epi32(dot, x.off), s.g);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s.dv, x.da), acc);
+  }
+  [[gnu::always_inline]] static inline void finish_t(__m512i dot, const LanesStep& s, int64_t sb,
+                                                     const Act& a, int64_t m, __m512& acc) {
+    apply_t(dot, s, x_t(a, m, sb), acc);
+  }
   template <int MT>
   [[gnu::always_inline]] static inline void rows_t(const LanesStep& s, int64_t sb, const Act& a,
                                                    int64_t m0, __m512* acc) {
-    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
-      const __m512i s32 = _mm512_cvtepi16_epi32(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.s32row(m0 + i) + sb * 8)));
-      const __m512i dot = _mm512_mullo_epi32(
-          _mm512_sub_epi32(lanes_dot_t(s, a.qrow(m0 + i) + sb * 256), _mm512_slli_epi32(s32, 7)),
-          s.g);
-      const float* da = a.drow(m0 + i) + sb;
-      const __m512 sc = _mm512_mul_ps(
-          s.dv, _mm512_insertf32x8(_mm512_set1_ps(da[0]), _mm256_set1_ps(da[1]), 1));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc, acc[i]);
-    }
+    FS_GGML_UNROLL for (int i = 0; i < MT; ++i)
+      finish_t(lanes_dot_t(s, a.qrow(m0 + i) + sb * 256), s, sb, a, m0 + i, acc[i]);
+  }
+  // The columns past a row's whole steps (the last odd super-block, in x's natural order) into
+  // acc: what row does after its steps (lanes_panel_range's register tiles).
+  template <int MT>
+  static void tail(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, __m512* acc) {
+    if (nsb % 2) step<MT, 1>(w + (nsb - 1) * kBytes, nsb - 1, a, m0, table_u(), acc);
   }
   static __m512i table_u() {
     static constexpr std::array<uint8_t, 16> kTabU = biased_table(kIq4Values);

@@ -155,21 +155,42 @@ template <class B>
     return head_dwords16<B::kBytes>(b, nbytes);
 }
 
-// One row m of x's 16 block dots (lane = block) scaled into acc: the integer offset, then
-// d * da (and Q*_1's mins against d * sum(a)).
+// What a row m of x brings to the finish of its 16 block dots at block k (lanes `live`): the
+// integer offset sum(a) << kShift, the scales da and (Q*_1) d * sum(a). Loaded once per row of x
+// and step for every weight row of a register tile (ggml_blocks_lanes_panel.h).
+struct LanesX {
+  __m512i off;
+  __m512 da, ds;
+};
+
+template <class B>
+[[gnu::always_inline]] inline LanesX lanes_x(const Act& a, int64_t m, int64_t k, __mmask16 live) {
+  LanesX x;
+  if constexpr (B::kShift >= 0)
+    x.off = _mm512_slli_epi32(
+        _mm512_cvtepi16_epi32(_mm256_maskz_loadu_epi16(live, a.s32row(m) + k)), B::kShift);
+  x.da = _mm512_maskz_loadu_ps(live, a.drow(m) + k);
+  if constexpr (B::kHasMin) x.ds = _mm512_maskz_loadu_ps(live, a.dsrow(m) + k);
+  return x;
+}
+
+// A row of x's 16 block dots (lane = block) scaled into acc: the integer offset, then d * da
+// (and Q*_1's mins against d * sum(a)).
+template <class B>
+[[gnu::always_inline]] inline void lanes_apply(__m512i dot, __m512i g, __m512 dv, const LanesX& x,
+                                               __m512& acc) {
+  if constexpr (B::kShift >= 0) dot = _mm512_sub_epi32(dot, x.off);
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dv, x.da), acc);
+  if constexpr (B::kHasMin) {
+    const __m512 mv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
+    acc = _mm512_fmadd_ps(mv, x.ds, acc);
+  }
+}
+
 template <class B>
 [[gnu::always_inline]] inline void lanes_finish(__m512i dot, __m512i g, __m512 dv, __mmask16 live,
                                                 const Act& a, int64_t m, int64_t k, __m512& acc) {
-  if constexpr (B::kShift >= 0) {
-    const __m512i s = _mm512_cvtepi16_epi32(_mm256_maskz_loadu_epi16(live, a.s32row(m) + k));
-    dot = _mm512_sub_epi32(dot, _mm512_slli_epi32(s, B::kShift));
-  }
-  const __m512 da = _mm512_maskz_loadu_ps(live, a.drow(m) + k);
-  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dv, da), acc);
-  if constexpr (B::kHasMin) {
-    const __m512 mv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
-    acc = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(live, a.dsrow(m) + k), acc);
-  }
+  lanes_apply<B>(dot, g, dv, lanes_x<B>(a, m, k, live), acc);
 }
 
 // B: kBytes, kShift (the integer offset: dot - (sum(a) << kShift); < 0: none), kHasMin (a second
