@@ -208,10 +208,13 @@ def test_each_row_is_the_row_alone(t: str) -> None:
     """Batch invariance: row r of a call with M rows has the bits of row r run alone (the M = 1
     GEMV, rows streamed), for M = 15 (tiles of 8 + 4 + 2 + 1 rows on AVX-512, 4 + 4 + 4 + 2 + 1
     on AVX2), M = 24 (full tiles only) and M = 37 (the K-quants' AVX-512 panels: 9 tiles of 4
-    and one of 1, over 16 + 5 weight rows; where the CPU has AMX-INT8, the 32-column types' and
-    IQ4_XS's tiles of 16 + 16 + 5); K = 544 for the 32-column types is 17 blocks (a 16-block
-    step of the VNNI rows and a tail of one), 1280 for the others (5 super-blocks)."""
-    n, k = 21, 544 if ACT_BLOCK[t] == 32 else 1280
+    and one of 1, over 16 + 16 + 13 weight rows, a pair of panels in one register tile where a
+    thread's share has two; the VNNI 32-column types' and IQ4_XS's register tiles of 4 weight
+    rows x 4 rows of x, then 2 and 1, over blocks with a last short one; where the CPU has
+    AMX-INT8, their tiles of 16 + 16 + 5); K = 544 for the 32-column types is 17 blocks (a
+    16-block step of the VNNI rows and a tail of one), 1280 for the others (5 super-blocks: two
+    steps of IQ4_XS's VNNI tiles and its odd one)."""
+    n, k = 45, 544 if ACT_BLOCK[t] == 32 else 1280
     blocks = torch.from_numpy(random_blocks(t, n, k, 11))
     ms = (15, 24, 37)
     x = make_x(max(ms), k, torch.float32, 13)

@@ -79,8 +79,10 @@ void run_type(const Act& a, int64_t M, const uint8_t* W, int64_t N, float* out) 
     if (M >= T::Panel::kMinRows)
       return at::parallel_for(0, (N + kPanelLanes - 1) / kPanelLanes, 1, [&](int64_t p0, int64_t p1) {
         const bool amx = kq_amx_start<typename T::Panel>(M);
-        for (int64_t p = p0; p < p1; ++p)
-          kq_panel_run<typename T::Panel>(W, row_bytes, nblk, a, M, p * kPanelLanes, N, out, amx);
+        // two panels (32 weight rows) per register tile where the share has them (not AMX)
+        for (int64_t p = p0; p < p1; p += amx ? 1 : 2)
+          kq_panel_run<typename T::Panel>(W, row_bytes, nblk, a, M, p * kPanelLanes, N, out, amx,
+                                          !amx && p + 1 < p1);
         kq_amx_end(amx);
       });
   }

@@ -84,6 +84,7 @@ template <bool kHigh>
 struct Q45KPanel {
   static constexpr int64_t kBytes = kHigh ? 176 : 144, kQsOff = kHigh ? 48 : 16;
   static constexpr int kZmm = 64 + 8 + 4 + 2;  // codes, sc, mp, d / dmin
+  static constexpr int kChunkDwords = 8;         // codes' dwords per scale (32 columns)
   // NOTE: M from which the panels run: panel / row tiles per call, 2048x2048, one thread, CPU
   // clock, alternated: M = 4 1.03, 6 0.94, 8 0.92, 12 0.73, 16 0.74 (Q4_K)
   static constexpr int kMinRows = 6;
@@ -243,28 +244,78 @@ void kq_panel_rows(const __m512i* panel, int64_t nsb, const Act& a, int64_t m0, 
     _mm512_mask_storeu_ps(out + (m0 + i) * N + n0, live, acc[i]);
 }
 
-// Weight rows [n0, min(n0 + 16, N)) packed into a thread-local panel, then rows [0, M) of x:
-// with amx (the caller configured the tiles) in AMX tiles of 16 rows, the last one short
-// (ggml_blocks_kqamx.h), else in tiles of kKqPanelTile (the last of 1 .. kKqPanelTile - 1 rows).
+// MT rows of x against two panels (32 weight rows) as one register tile: per dword of codes,
+// MT broadcasts of x (pinned in registers) and 2 loads of codes feed 2 * MT VPDPBUSD.
+// NOTE: P::tile (one panel) folds each broadcast of x into its VPDPBUSD as a memory operand,
+// a load per VPDPBUSD (Zen 4 loads one zmm per cycle): Q4_K ran at ~125 G MAC/s per core. Each
+// chunk's integer dot and its product with the scale are the same numbers, then P::finish:
+// each lane keeps its row-alone bits.
+template <class P, int MT>
+[[gnu::noinline]] void kq_panel_rows2(const __m512i* panel0, const __m512i* panel1,
+                                      int64_t nsb, const Act& act, int64_t m0, int64_t n0,
+                                      int64_t N, __mmask16 live1, float* out) {
+  constexpr int kDw = P::kChunkDwords, kChunks = 64 / kDw;
+  const Act a = act;  // a local copy: GCC reloads a reference's fields past every store
+  const __m512i* pn[2] = {panel0, panel1};
+  __m512 acc[2][MT];
+  FS_GGML_UNROLL for (int q = 0; q < 2; ++q)
+    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) acc[q][i] = _mm512_setzero_ps();
+  const int8_t* aq[MT];
+  FS_GGML_UNROLL for (int i = 0; i < MT; ++i) aq[i] = a.qrow(m0 + i);
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    __m512i isum[2][MT];
+    FS_GGML_UNROLL for (int q = 0; q < 2; ++q)
+      FS_GGML_UNROLL for (int i = 0; i < MT; ++i) isum[q][i] = _mm512_setzero_si512();
+    FS_GGML_UNROLL for (int k = 0; k < kChunks; ++k) {
+      __m512i d[2][MT];
+      FS_GGML_UNROLL for (int q = 0; q < 2; ++q)
+        FS_GGML_UNROLL for (int i = 0; i < MT; ++i) d[q][i] = _mm512_setzero_si512();
+      FS_GGML_UNROLL for (int c = 0; c < kDw; ++c) {
+        __m512i xb[MT];
+        FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
+          xb[i] = _mm512_set1_epi32(static_cast<int>(
+              load_u32(reinterpret_cast<const uint8_t*>(aq[i] + sb * 256 + 4 * (kDw * k + c)))));
+          asm("" : "+v"(xb[i]));
+        }
+        FS_GGML_UNROLL for (int q = 0; q < 2; ++q) {
+          const __m512i w = _mm512_load_si512(pn[q] + sb * P::kZmm + kDw * k + c);
+          FS_GGML_UNROLL for (int i = 0; i < MT; ++i) d[q][i] = dpbusd512(d[q][i], w, xb[i]);
+        }
+      }
+      FS_GGML_UNROLL for (int q = 0; q < 2; ++q) {
+        const __m512i sc = _mm512_load_si512(pn[q] + sb * P::kZmm + 64 + k);
+        FS_GGML_UNROLL for (int i = 0; i < MT; ++i)
+          isum[q][i] = _mm512_add_epi32(isum[q][i], _mm512_mullo_epi32(d[q][i], sc));
+      }
+    }
+    FS_GGML_UNROLL for (int q = 0; q < 2; ++q)
+      FS_GGML_UNROLL for (int i = 0; i < MT; ++i)
+        P::finish(pn[q] + sb * P::kZmm, sb, a, m0 + i, isum[q][i], acc[q][i]);
+  }
+  FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
+    _mm512_storeu_ps(out + (m0 + i) * N + n0, acc[0][i]);
+    _mm512_mask_storeu_ps(out + (m0 + i) * N + n0 + kPanelLanes, live1, acc[1][i]);
+  }
+}
+
+// Weight rows [n0, min(n0 + 16, N)) packed into panel (zs zmm per super-block; amx: the AMX
+// layout). Rows past N repeat row n0 (masked on store).
+// NOTE: while packing, the rows of the panel after next (16 * rb contiguous bytes) are
+// requested into L2, 16 super-blocks' worth per step: the pack reads 16 rows at once, which
+// the hardware prefetchers did not follow from DRAM (8192x2048 Q4_K M = 8: 1.6-2x the row
+// tiles' time without; one panel ahead 1.3x; two ahead 0.8x; one thread, loaded host)
 template <class P>
-void kq_panel_run(const uint8_t* W, int64_t rb, int64_t nsb, const Act& a, int64_t M, int64_t n0,
-                  int64_t N, float* out, bool amx) {
-  static thread_local std::vector<__m512i> buf;
-  const int64_t zs = amx ? kq_amx_zmm<P>() : P::kZmm;  // zmm per super-block
-  if (static_cast<int64_t>(buf.size()) < nsb * zs) buf.resize(nsb * zs);
+__mmask16 kq_panel_pack(const uint8_t* W, int64_t rb, int64_t nsb, int64_t n0, int64_t N,
+                        __m512i* panel, int64_t zs, bool amx) {
   const int live_n = static_cast<int>(std::min<int64_t>(kPanelLanes, N - n0));
   const uint8_t* rows[kPanelLanes];
   alignas(64) int32_t off[kPanelLanes];
   for (int l = 0; l < kPanelLanes; ++l) {
-    const int64_t r = l < live_n ? l : 0;  // NOTE: rows past N repeat row n0 (masked on store)
+    const int64_t r = l < live_n ? l : 0;
     rows[l] = W + (n0 + r) * rb;
     off[l] = static_cast<int32_t>(r * rb);
   }
   const __m512i idx = _mm512_load_si512(off);
-  // NOTE: while packing, the rows of the panel after next (16 * rb contiguous bytes) are
-  // requested into L2, 16 super-blocks' worth per step: the pack reads 16 rows at once, which
-  // the hardware prefetchers did not follow from DRAM (8192x2048 Q4_K M = 8: 1.6-2x the row
-  // tiles' time without; one panel ahead 1.3x; two ahead 0.8x; one thread, loaded host)
   const uint8_t* next = W + (n0 + 2 * kPanelLanes) * rb;
   const int64_t next_bytes = std::max<int64_t>(0, std::min<int64_t>(N - n0 - 2 * kPanelLanes,
                                                                     kPanelLanes) * rb);
@@ -273,25 +324,48 @@ void kq_panel_run(const uint8_t* W, int64_t rb, int64_t nsb, const Act& a, int64
          o < std::min<int64_t>(next_bytes, (sb + 1) * kPanelLanes * P::kBytes); o += 64)
       _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T1);
     if (amx)
-      P::template pack<true>(rows, idx, sb, buf.data() + sb * zs);
+      P::template pack<true>(rows, idx, sb, panel + sb * zs);
     else
-      P::pack(rows, idx, sb, buf.data() + sb * zs);
+      P::pack(rows, idx, sb, panel + sb * zs);
   }
-  const __mmask16 live = static_cast<__mmask16>((1u << live_n) - 1);
+  return static_cast<__mmask16>((1u << live_n) - 1);
+}
+
+// Weight rows [n0, min(n0 + 16, N)) packed into a thread-local panel, then rows [0, M) of x:
+// with amx (the caller configured the tiles) in AMX tiles of 16 rows, the last one short
+// (ggml_blocks_kqamx.h), else in tiles of kKqPanelTile (the last of 1 .. kKqPanelTile - 1 rows).
+// With `two` (not amx; n0 + 16 < N), rows [n0, min(n0 + 32, N)) as two panels in one register
+// tile of kKqPanelTile rows of x (kq_panel_rows2), the last rows of x one panel at a time.
+template <class P>
+void kq_panel_run(const uint8_t* W, int64_t rb, int64_t nsb, const Act& a, int64_t M, int64_t n0,
+                  int64_t N, float* out, bool amx, bool two = false) {
+  static thread_local std::vector<__m512i> buf;
+  const int64_t zs = amx ? kq_amx_zmm<P>() : P::kZmm;  // zmm per super-block
+  if (static_cast<int64_t>(buf.size()) < 2 * nsb * zs) buf.resize(2 * nsb * zs);
+  __m512i* p0 = buf.data();
+  const __mmask16 live = kq_panel_pack<P>(W, rb, nsb, n0, N, p0, zs, amx);
 #ifdef FITSERVE_AMX_INT8
   if (amx) {
     for (int64_t m = 0; m < M; m += kKqAmxRows)
-      kq_amx_rows<P>(buf.data(), nsb, a, m, std::min(kKqAmxRows, M - m), n0, N, live, out);
+      kq_amx_rows<P>(p0, nsb, a, m, std::min(kKqAmxRows, M - m), n0, N, live, out);
     return;
   }
 #endif
   int64_t m = 0;
+  if (two) {
+    const int64_t n1 = n0 + kPanelLanes;
+    __m512i* p1 = buf.data() + nsb * zs;
+    const __mmask16 live1 = kq_panel_pack<P>(W, rb, nsb, n1, N, p1, zs, false);
+    for (; m + kKqPanelTile <= M; m += kKqPanelTile)
+      kq_panel_rows2<P, kKqPanelTile>(p0, p1, nsb, a, m, n0, N, live1, out);
+    for (int64_t r = m; r < M; ++r) kq_panel_rows<P, 1>(p1, nsb, a, r, n1, N, live1, out);
+  }
   for (; m + kKqPanelTile <= M; m += kKqPanelTile)
-    kq_panel_rows<P, kKqPanelTile>(buf.data(), nsb, a, m, n0, N, live, out);
+    kq_panel_rows<P, kKqPanelTile>(p0, nsb, a, m, n0, N, live, out);
   switch (M - m) {
-    case 1: return kq_panel_rows<P, 1>(buf.data(), nsb, a, m, n0, N, live, out);
-    case 2: return kq_panel_rows<P, 2>(buf.data(), nsb, a, m, n0, N, live, out);
-    case 3: return kq_panel_rows<P, 3>(buf.data(), nsb, a, m, n0, N, live, out);
+    case 1: return kq_panel_rows<P, 1>(p0, nsb, a, m, n0, N, live, out);
+    case 2: return kq_panel_rows<P, 2>(p0, nsb, a, m, n0, N, live, out);
+    case 3: return kq_panel_rows<P, 3>(p0, nsb, a, m, n0, N, live, out);
     default: return;
   }
 }

@@ -10,6 +10,7 @@ namespace fitserve::ggml {
 struct Q6KPanel {
   static constexpr int64_t kBytes = 210;
   static constexpr int kZmm = 64 + 16 + 8 + 1;  // codes, sc, sc pairs, d
+  static constexpr int kChunkDwords = 4;          // codes' dwords per scale (16 columns)
   // NOTE: panel / row tiles per call as Q45KPanel's: M = 8 1.25, 12 0.94, 16 0.94 (Q6_K's three
   // transposes make its panel dearer to pack, its 16 scales to apply)
   static constexpr int kMinRows = 12;
