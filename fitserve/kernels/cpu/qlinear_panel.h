@@ -218,6 +218,107 @@ void int8_panel_tile(const QWeight& w, const PanelView& p, const NatAct& x, int6
   for (int m = 0; m < MT; ++m) store_lanes(acc[m], out + (m0 + m) * ldo + n0, w.N - n0);
 }
 
+// Two panels (2 * kLanes weight rows from n0) x MT rows of x for group 32 (the default model's
+// int4 and Q8_0's int8), one register tile: per dword, MT broadcasts of x pinned in registers
+// feed both panels' dots. NOTE: the one-panel tiles fold each broadcast into its dot as a
+// memory operand, one load per dot (Zen 4 loads one zmm per cycle); as in the ggml K-quant
+// panels (ggml_blocks_kqpanel.h) two panels per tile halve that. Each lane's integer sums are
+// the same numbers and its fp32 ops those of the one-panel tiles' G = 32 branches (the
+// canonical order of qlinear_rows.h): the same bits.
+constexpr bool kTwoPanels = S::kLanes == 16;  // AVX-512's 32 registers hold the tile
+constexpr int kTwoPanelMT = 4;
+
+template <class B>
+[[gnu::always_inline]] inline B pinned(B v) {
+  asm("" : "+v"(v));
+  return v;
+}
+
+template <int MT, class O>
+[[gnu::noinline]] void int4_panel_tile2(const QWeight& w, const PanelView* pv, const NatAct& x,
+                                        int64_t n0, int64_t m0, O* out, int64_t ldo) {
+  constexpr int L = S::kLanes;
+  const int8_t* a[MT];
+  const float* da[MT];
+  const float* sg[MT];
+  S::F acc[2][MT];
+  _Pragma("GCC unroll 16") for (int m = 0; m < MT; ++m) {
+    a[m] = x.aq + (m0 + m) * x.kp;
+    da[m] = x.da + (m0 + m) * x.nblk;
+    sg[m] = x.sg + (m0 + m) * w.ngroups;
+    acc[0][m] = acc[1][m] = S::fzero();
+  }
+  for (int64_t g = 0; g < w.ngroups; ++g) {
+    const int64_t lo = g * w.group, hi = lo + 16;
+    S::I il[2][MT];
+    _Pragma("GCC unroll 16") for (int m = 0; m < MT; ++m) il[0][m] = il[1][m] = S::izero();
+    _Pragma("GCC unroll 4") for (int d = 0; d < 4; ++d) {
+      S::B ql[2], qh[2];
+      _Pragma("GCC unroll 2") for (int q = 0; q < 2; ++q) {
+        const S::B wv = S::loadb(pv[q].wq + (4 * g + d) * L);
+        ql[q] = S::nib_lo(wv);
+        qh[q] = S::nib_hi(wv);
+      }
+      _Pragma("GCC unroll 16") for (int m = 0; m < MT; ++m) {
+        const S::B xl = pinned(S::bcast4(a[m] + lo + 4 * d));
+        const S::B xh = pinned(S::bcast4(a[m] + hi + 4 * d));
+        _Pragma("GCC unroll 2") for (int q = 0; q < 2; ++q)
+          il[q][m] = S::dot_u4(S::dot_u4(il[q][m], ql[q], xl), qh[q], xh);
+      }
+    }
+    _Pragma("GCC unroll 2") for (int q = 0; q < 2; ++q) {
+      const S::F dv = S::loadf(pv[q].dv + g * L), cv = S::loadf(pv[q].cv + g * L);
+      _Pragma("GCC unroll 16") for (int m = 0; m < MT; ++m) {
+        const S::F t = S::mulr(S::cvt(il[q][m]), S::mulr(dv, S::set1(da[m][g])));
+        const S::F off = S::mulr(cv, S::set1(sg[m][g]));
+        acc[q][m] = S::add(acc[q][m], S::add(t, off));
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int q = 0; q < 2; ++q)
+      store_lanes(acc[q][m], out + (m0 + m) * ldo + n0 + q * L, w.N - n0 - q * L);
+}
+
+template <int MT, class O>
+[[gnu::noinline]] void int8_panel_tile2(const QWeight& w, const PanelView* pv, const NatAct& x,
+                                        int64_t n0, int64_t m0, O* out, int64_t ldo) {
+  constexpr int L = S::kLanes;
+  const int8_t* a[MT];
+  const float* da[MT];
+  const int32_t* is[MT];
+  S::F acc[2][MT];
+  _Pragma("GCC unroll 16") for (int m = 0; m < MT; ++m) {
+    a[m] = x.aq + (m0 + m) * x.kp;
+    da[m] = x.da + (m0 + m) * x.nblk;
+    is[m] = x.isum + (m0 + m) * x.nblk;
+    acc[0][m] = acc[1][m] = S::fzero();
+  }
+  for (int64_t blk = 0; blk < x.nblk; ++blk) {
+    S::I ia[2][MT];
+    _Pragma("GCC unroll 16") for (int m = 0; m < MT; ++m)
+      ia[0][m] = ia[1][m] = S::kW8Biased ? S::iset1(-128 * is[m][blk]) : S::izero();
+    _Pragma("GCC unroll 8") for (int d = 0; d < 8; ++d) {
+      S::B wv[2];
+      _Pragma("GCC unroll 2") for (int q = 0; q < 2; ++q)
+        wv[q] = S::loadb(pv[q].wq + (blk * 8 + d) * L);
+      _Pragma("GCC unroll 16") for (int m = 0; m < MT; ++m) {
+        const S::B xb = pinned(S::bcast4(a[m] + blk * kActBlock + 4 * d));
+        _Pragma("GCC unroll 2") for (int q = 0; q < 2; ++q)
+          ia[q][m] = S::dot_w8p(ia[q][m], wv[q], xb);
+      }
+    }
+    _Pragma("GCC unroll 2") for (int q = 0; q < 2; ++q) {
+      const S::F dv = S::loadf(pv[q].dv + blk * L);
+      _Pragma("GCC unroll 16") for (int m = 0; m < MT; ++m)
+        acc[q][m] = S::add(acc[q][m], S::mulr(S::cvt(ia[q][m]), S::mulr(dv, S::set1(da[m][blk]))));
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int q = 0; q < 2; ++q)
+      store_lanes(acc[q][m], out + (m0 + m) * ldo + n0 + q * L, w.N - n0 - q * L);
+}
+
 inline void dequant_row(const QWeight& w, bool int4, int64_t n, float* dst) {
   const uint8_t* q = w.q + n * w.row_bytes;
   const at::Half* sc = w.scales + n * w.ngroups;

@@ -240,24 +240,50 @@ void panels_int(const T* x, int64_t M, int64_t kp, const QWeight& w, bool int4,
   const int64_t npanels = (w.N + S::kLanes - 1) / S::kLanes, half = w.group / 2;
   // NOTE: one parallel region: each thread takes its panels through every chunk of rows (the
   // chunk's activations stay in L2 across its panels), instead of a region per chunk
+  // G = 32 (the default model's int4, Q8_0's int8) on AVX-512: two panels per register tile
+  [[maybe_unused]] const bool two = kTwoPanels && w.group == kActBlock;
   at::parallel_for(0, npanels, 1, [&](int64_t p0, int64_t p1) {
-    static thread_local Panel panel;  // per worker thread
+    static thread_local Panel panel[2];  // per worker thread
+    auto view = [&](int64_t pi, int j) {
+      const int64_t n0 = pi * S::kLanes;
+      return held ? held_panel(*held, int4, pi, panel[j].dv, panel[j].cv)
+             : prepacked && n0 + S::kLanes <= w.N ? prepacked_panel(prepacked, w, int4, pi)
+                                                  : panel[j].pack(w, int4, n0);
+    };
+    auto rows = [&](const PanelView& v, int64_t n0, int64_t m0, int64_t m1) {
+      if (!int4)
+        panel_rows(Int8Panel<O>{w, xa, out}, v, n0, m0, m1);
+      else if (w.group == kActBlock)
+        panel_rows(Int4Panel<16, true, O>{w, xa, out}, v, n0, m0, m1);
+      else if (half % 32 == 0)
+        panel_rows(Int4Panel<32, false, O>{w, xa, out}, v, n0, m0, m1);
+      else
+        panel_rows(Int4Panel<16, false, O>{w, xa, out}, v, n0, m0, m1);
+    };
     for (int64_t mb = 0; mb < M; mb += kPanelMaxRows) {
       const int64_t me = std::min(M, mb + kPanelMaxRows);
-      for (int64_t pi = p0; pi < p1; ++pi) {
+      for (int64_t pi = p0; pi < p1;) {
         const int64_t n0 = pi * S::kLanes;
-        const PanelView view = held ? held_panel(*held, int4, pi, panel.dv, panel.cv)
-                               : prepacked && n0 + S::kLanes <= w.N
-                                   ? prepacked_panel(prepacked, w, int4, pi)
-                                   : panel.pack(w, int4, n0);
-        if (!int4)
-          panel_rows(Int8Panel<O>{w, xa, out}, view, n0, mb, me);
-        else if (w.group == kActBlock)
-          panel_rows(Int4Panel<16, true, O>{w, xa, out}, view, n0, mb, me);
-        else if (half % 32 == 0)
-          panel_rows(Int4Panel<32, false, O>{w, xa, out}, view, n0, mb, me);
-        else
-          panel_rows(Int4Panel<16, false, O>{w, xa, out}, view, n0, mb, me);
+        if constexpr (kTwoPanels) {
+          if (two && pi + 1 < p1 && me - mb >= kTwoPanelMT) {
+            const PanelView v[2] = {view(pi, 0), view(pi + 1, 1)};
+            int64_t m = mb;
+            for (; m + kTwoPanelMT <= me; m += kTwoPanelMT) {
+              if (int4)
+                int4_panel_tile2<kTwoPanelMT, O>(w, v, xa, n0, m, out, w.N);
+              else
+                int8_panel_tile2<kTwoPanelMT, O>(w, v, xa, n0, m, out, w.N);
+            }
+            if (m < me) {
+              rows(v[0], n0, m, me);
+              rows(v[1], n0 + S::kLanes, m, me);
+            }
+            pi += 2;
+            continue;
+          }
+        }
+        rows(view(pi, 0), n0, mb, me);
+        pi += 1;
       }
     }
   });
