@@ -289,18 +289,16 @@ struct IQ4XS {
 
   static constexpr bool kRowPrefetch = true;  // row(..., pf): ggml_blocks_run.h
   static constexpr bool kLanesTiles = true;   // M > 1: step_t (x quantized lanes_t)
-  // With x lanes_t, the whole steps run decode_t + rows_t (or read `dec`, the row's steps
-  // decoded by decode_row); the last odd super-block's 256 columns stay in order: step<MT, 1>.
+  // With x lanes_t, the whole steps run decode_t + rows_t; the last odd super-block's 256
+  // columns stay in order: step<MT, 1>.
   template <int MT>
   static void row(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float* res,
-                  int64_t pf = 0, const LanesStep* dec = nullptr) {
+                  int64_t pf = 0) {
     const __m512i tab = table_u();
     __m512 acc[MT];
     FS_GGML_UNROLL for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
     int64_t sb = 0;
-    if (a.lanes_t && dec != nullptr) {
-      for (; sb + 2 <= nsb; sb += 2) rows_t<MT>(dec[sb / 2], sb, a, m0, acc);
-    } else if (a.lanes_t) {
+    if (a.lanes_t) {
       const int32_t* idx = transpose_idx();
       for (; sb + 2 <= nsb; sb += 2) {
         LanesStep s;

@@ -351,23 +351,26 @@ void kq_panel_run(const uint8_t* W, int64_t rb, int64_t nsb, const Act& a, int64
     return;
   }
 #endif
-  int64_t m = 0;
-  if (two) {
-    const int64_t n1 = n0 + kPanelLanes;
-    __m512i* p1 = buf.data() + nsb * zs;
-    const __mmask16 live1 = kq_panel_pack<P>(W, rb, nsb, n1, N, p1, zs, false);
+  // rows [m, M) of x against one panel: tiles of kKqPanelTile, the last of 1 .. kKqPanelTile - 1
+  auto rows = [&](const __m512i* p, int64_t n, __mmask16 lv, int64_t m) {
     for (; m + kKqPanelTile <= M; m += kKqPanelTile)
-      kq_panel_rows2<P, kKqPanelTile>(p0, p1, nsb, a, m, n0, N, live1, out);
-    for (int64_t r = m; r < M; ++r) kq_panel_rows<P, 1>(p1, nsb, a, r, n1, N, live1, out);
-  }
+      kq_panel_rows<P, kKqPanelTile>(p, nsb, a, m, n, N, lv, out);
+    switch (M - m) {
+      case 1: return kq_panel_rows<P, 1>(p, nsb, a, m, n, N, lv, out);
+      case 2: return kq_panel_rows<P, 2>(p, nsb, a, m, n, N, lv, out);
+      case 3: return kq_panel_rows<P, 3>(p, nsb, a, m, n, N, lv, out);
+      default: return;
+    }
+  };
+  if (!two) return rows(p0, n0, live, 0);
+  const int64_t n1 = n0 + kPanelLanes;
+  __m512i* p1 = buf.data() + nsb * zs;
+  const __mmask16 live1 = kq_panel_pack<P>(W, rb, nsb, n1, N, p1, zs, false);
+  int64_t m = 0;
   for (; m + kKqPanelTile <= M; m += kKqPanelTile)
-    kq_panel_rows<P, kKqPanelTile>(p0, nsb, a, m, n0, N, live, out);
-  switch (M - m) {
-    case 1: return kq_panel_rows<P, 1>(p0, nsb, a, m, n0, N, live, out);
-    case 2: return kq_panel_rows<P, 2>(p0, nsb, a, m, n0, N, live, out);
-    case 3: return kq_panel_rows<P, 3>(p0, nsb, a, m, n0, N, live, out);
-    default: return;
-  }
+    kq_panel_rows2<P, kKqPanelTile>(p0, p1, nsb, a, m, n0, N, live1, out);
+  rows(p0, n0, live, m);
+  rows(p1, n1, live1, m);
 }
 
 }  // namespace fitserve::ggml

@@ -296,20 +296,16 @@ void lanes_decode_row(const uint8_t* w, int64_t nb, LanesStep* out) {
 
 // One weight row (nb blocks) against rows m0 .. m0 + MT - 1 of x; with pf > 0 each step also
 // requests the bytes pf ahead of the ones it reads (ggml_blocks_run.h's rows_streamed). With
-// x lanes_t and `dec` (the row's steps decoded by lanes_decode_row), the whole steps read them.
+// x lanes_t, the whole steps are decoded and transposed here (lanes_step_t).
 template <class B, int MT>
 void lanes_row(const uint8_t* w, int64_t nb, const Act& a, int64_t m0, float* res,
-               int64_t pf = 0, const LanesStep* dec = nullptr) {
+               int64_t pf = 0) {
   __m512 acc[MT];
   FS_GGML_UNROLL for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
   int64_t k = 0;
   if (lanes_tiles<B>::value && a.lanes_t) {
-    if (dec != nullptr) {
-      for (; k + 16 <= nb; k += 16) lanes_rows_t<B, MT>(dec[k / 16], k, a, m0, acc);
-    } else {
-      const int32_t* idx = transpose_idx();
-      for (; k + 16 <= nb; k += 16) lanes_step_t<B, MT>(w + k * B::kBytes, k, a, m0, acc, idx);
-    }
+    const int32_t* idx = transpose_idx();
+    for (; k + 16 <= nb; k += 16) lanes_step_t<B, MT>(w + k * B::kBytes, k, a, m0, acc, idx);
   }
   for (; k + 16 <= nb; k += 16) {
     if (pf > 0) prefetch_span(w + k * B::kBytes + pf, 16 * B::kBytes);
