@@ -100,10 +100,19 @@ def fitserve_worker(spec: dict[str, Any]) -> dict[str, Any]:
     # not count); else the wall clock
     clock = time.thread_time if spec.get("cpu_time") else time.perf_counter
     dtype, weights, eager = FITSERVE_CONFIGS[spec["config"]]
+    def start(**kv: Any) -> Any:
+        return Engine(EngineConfig(model=spec["gguf"], dtype=dtype, weights=weights, device="cpu",
+                                   max_model_len=1024, enforce_eager=eager, **kv))
+
     t0 = time.perf_counter()
-    engine = Engine(EngineConfig(model=spec["gguf"], dtype=dtype, weights=weights, device="cpu",
-                                 max_model_len=1024, enforce_eager=eager,
-                                 kv_cache_memory_bytes=spec.get("kv_cache_memory")))
+    engine = start(kv_cache_memory_bytes=spec.get("kv_cache_memory"))
+    need = peer_context_blocks(spec, engine.pool.block_size)
+    if spec.get("kv_cache_memory") is None and engine.pool.num_blocks < need:
+        # the default pool holds less KV than llama.cpp's context: W2 would preempt and
+        # recompute prompts that llama.cpp keeps; hold at least what it holds
+        del engine
+        t0 = time.perf_counter()
+        engine = start(num_kv_blocks=need)
     startup = time.perf_counter() - t0
     new = spec["new_tokens"]
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
@@ -146,6 +155,8 @@ def fitserve_worker(spec: dict[str, Any]) -> dict[str, Any]:
                    "tok_s": statistics.median(r[1] for r in r1), "runs": [r[1] for r in r1]},
             **({"W2": {"tok_s": statistics.median(r2), "runs": r2}} if r2 else {}),
             "weight_bytes_read": weight_bytes - rope, "peak_rss_mib": peak_rss_mib(),
+            "kv_blocks": engine.pool.num_blocks,
+            "preemptions": engine.scheduler.total_preemptions,  # over every run: 0 expected
             **ledger_kv_runtime(engine)}
 
 
@@ -237,6 +248,16 @@ def write_hf_folder(gguf: str, out: Path) -> Path:
 
 
 # -- orchestration ------------------------------------------------------------------------------
+def peer_context_blocks(spec: dict[str, Any], block_size: int) -> int:
+    """KV blocks for the context llama.cpp's worker allocates for ``spec``'s workloads (W1: 1,024
+    tokens; W2: each sequence its prompt + new tokens + 16, kv_unified off:
+    peers/llamacpp_worker.py), so that fitserve never preempts where llama.cpp does not."""
+    w1 = -(-1024 // block_size)
+    batch = spec.get("w2_batch") or []
+    w2 = sum(-(-(len(p) + spec["new_tokens"] + 16) // block_size) for p in batch)
+    return max(w1, w2)
+
+
 def workload_spec(threads: int, runs: int, w2_requests: int) -> dict[str, Any]:
     """The workers' common spec: the default model's path and the W1 / W2 token ids (W1: a
     32-token prompt, W2: ``w2_requests`` 128-token prompts; 128 new tokens each)."""
@@ -333,6 +354,8 @@ def merge_rounds(rs: list[dict[str, Any] | None]) -> dict[str, Any]:
             if "ttft_ms" in ok[0][w]:
                 out[w]["ttft_ms"] = statistics.median(r[w]["ttft_ms"] for r in ok)
     out["peak_rss_mib"] = max(r.get("peak_rss_mib", float("nan")) for r in ok)
+    if all("preemptions" in r for r in ok):
+        out["preemptions"] = sum(r["preemptions"] for r in ok)
     for key in ("startup_s", "startup_cold_s"):
         if all(key in r for r in ok):
             out[key] = statistics.median(r[key] for r in ok)
@@ -358,7 +381,9 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--kv-cache-memory", default=None,
                     help="fitserve's KV pool (e.g. 256M: W2 needs ~180 MiB in bf16); default "
-                         "the engine's own (1 GiB on CPU). Only the blocks a run touches are resident")
+                         "the engine's own (1 GiB on CPU), or the blocks of llama.cpp's context "
+                         "where that is more (peer_context_blocks). Only the blocks a run touches "
+                         "are resident")
     ap.add_argument("--repredict", default=None, metavar="JSON",
                     help="no run: predict a saved --json's fitserve configs again with this "
                          "tree's planner, on the bandwidth and engine rates each round kept")
@@ -478,7 +503,8 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     from fitserve.ledger.hardware import cpu_hardware
 
     cached = cpu_hardware().mem_bytes_per_s  # the planner's read bandwidth
-    pool = args.kv_cache_memory or "engine default (1 GiB on CPU)"
+    pool = args.kv_cache_memory or ("engine default (1 GiB on CPU), or llama.cpp's context "
+                                     "where that is more")
     runs = (f"{args.runs * args.rounds} runs ({args.rounds} rounds of {args.runs}, engines "
             f"round-robin)" if args.rounds > 1 else f"{args.runs} runs")
     fresh = [x["copy_bytes_per_s"] for r in results for x in (r.get("rounds") or [r])
@@ -520,7 +546,8 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
                      if "startup_cold_s" in r else f"start-up {r['startup_s']:.1f} s")
             print(f"  {_name(r)}: {r['weight_bytes_read'] / 1e6:.1f} MB of weights read per token -> "
                   f"W1 limit {r.get('copy_bytes_per_s', bw) / r['weight_bytes_read']:.0f} tok/s; "
-                  f"{start}")
+                  f"{start}; KV {r.get('kv_blocks', '?')} blocks, "
+                  f"{r.get('preemptions', '?')} preemptions")
     planner_vs_measured(results)
     if args.rounds > 1:
         paired_ratios(results, by, peers)

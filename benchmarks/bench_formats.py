@@ -240,7 +240,8 @@ def report(rows: list[tuple[str, Path, float, Any, Any, Any, tuple[float, float]
                   f" + step {fs['ledger_step_bytes'] / 2**20:.0f} (output staging "
                   f"{fs['ledger_staging_bytes'] / 2**20:.0f}) + RoPE "
                   f"{fs['ledger_rope_bytes'] / 2**20:.1f}; peak RSS / bound "
-                  f"{fs['peak_rss_mib'] / bound:.2f}")
+                  f"{fs['peak_rss_mib'] / bound:.2f}; KV {fs.get('kv_blocks', '?')} blocks, "
+                  f"{fs.get('preemptions', '?')} preemptions")
         print(f"{'':8}tensors: {held_types(path)}; bandwidth {bw / 1e9:.1f} GB/s (before "
               f"{bws[0] / 1e9:.1f}, after {bws[1] / 1e9:.1f}; read {rbw / 1e9:.1f}); engine start {fs['startup_s'] if fs else float('nan'):.1f} s (load, build, ledger)")
     ratios = [_rate(fs, "W1") / _rate(p, "W1") for _, _, _, fs, p, _, _, _ in rows if fs and p]
