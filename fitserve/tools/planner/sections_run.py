@@ -303,7 +303,7 @@ def build_plan(req: PlanRequest) -> Plan:
               if r.on_cpu and r.entry.engine_refusal else "")
     sections = [model_section(r), weights_section(r), kv_section(r), memory_section(r, mp, fc),
                 fit_section(r, mp, fc, alts, cannot), speed_section(r, batch),
-                workload_section(r)]
+                workload_section(r, mp)]
     moe = moe_section(r, batch)
     if moe is not None:
         sections.append(moe)

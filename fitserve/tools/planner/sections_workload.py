@@ -9,8 +9,9 @@ the same prediction at its own shapes (W1: a 32-token prompt) beside what it mea
 
 from __future__ import annotations
 
+from fitserve.ledger.memory import EngineMemoryPlan
 from fitserve.ledger.speed import StepTime, WorkloadSpeed, workload_speed
-from fitserve.ledger.units import fmt_seconds
+from fitserve.ledger.units import fmt_bytes, fmt_seconds
 from fitserve.tools.planner.report import Line, Resolved, Section, speed_weights
 
 
@@ -33,8 +34,40 @@ def run_workload(r: Resolved, batch: int) -> WorkloadSpeed:
                           act_dtype_bytes=r.act_bytes)
 
 
-def workload_section(r: Resolved) -> Section:
-    """W1 (one request) and W2 (--batch-size requests at once) of the plan's workload."""
+def batch_room(r: Resolved, mp: EngineMemoryPlan) -> tuple[Line | None, str | None]:
+    """Whether the engine holds --batch-size sequences of input + output tokens at once (the
+    step-time model assumes it does): if not, a line of what the batch needs beside what the
+    pool holds, and a note of what the engine does instead (preempts and recomputes, or keeps
+    the rest waiting) and what would hold it."""
+    q = r.req
+    total = q.input_len + q.output_len
+    ceil = mp.max_concurrent_sequences(total)
+    if q.batch_size <= ceil.value:
+        return None, None
+    per_seq = -(-total // mp.block_size)
+    need = q.batch_size * per_seq
+    line = Line(f"KV at the batch's end ({q.batch_size} x {total:,} tokens)",
+                "batch x ceil((input + output) / block_size) blocks", need,
+                f"{need:,} blocks > {mp.num_kv_blocks:,} in the pool",
+                f"{q.batch_size} x {per_seq} blocks of {mp.block_size}; the pool holds "
+                f"{ceil.value} such sequences at once (limited by {ceil.limited_by})")
+    if ceil.limited_by == "max_num_seqs":
+        note = (f"--batch-size {q.batch_size} > max_num_seqs {mp.max_num_seqs}: the engine runs "
+                f"{mp.max_num_seqs} at once and the rest wait, which the batch line above does "
+                f"not model (it runs all {q.batch_size} together)")
+    else:
+        note = (f"the KV pool holds {ceil.value} of the {q.batch_size} sequences at their full "
+                f"{total:,} tokens: the engine preempts (recompute, as vLLM does) as the pool "
+                f"fills and prefills those requests again, which the batch line above does not "
+                f"count, so it is too high; --num-kv-blocks {need} (--kv-cache-memory "
+                f"{-(-need * mp.block_bytes // 2**20)}M = {fmt_bytes(need * mp.block_bytes)}) "
+                f"holds the whole batch")
+    return line, note
+
+
+def workload_section(r: Resolved, mp: EngineMemoryPlan | None = None) -> Section:
+    """W1 (one request) and W2 (--batch-size requests at once) of the plan's workload;
+    with the engine's memory plan ``mp``, whether its KV pool holds that batch (batch_room)."""
     q, hw = r.req, r.hw
     one, many = run_workload(r, 1), run_workload(r, q.batch_size)
     shape = f"{q.input_len:,} in, {q.output_len:,} out"
@@ -62,6 +95,9 @@ def workload_section(r: Resolved) -> Section:
              f"+ {q.output_len - 1} decode steps {fmt_seconds(many.decode_s)}); "
              + first_last(many)),
     ]
+    room_line, room_note = batch_room(r, mp) if mp is not None else (None, None)
+    if room_line is not None:
+        lines.append(room_line)
     notes = [f"vllm bench throughput's shape: --input-len {q.input_len} --output-len "
              f"{q.output_len} --batch-size {q.batch_size} (defaults: bench_engine.py's W2); "
              f"prompts prefilled in steps of --max-num-batched-tokens "
@@ -72,5 +108,7 @@ def workload_section(r: Resolved) -> Section:
                      f"{fmt_seconds(hw.layer_overhead_s)} x {r.entry.spec.num_layers} layers = "
                      f"{fmt_seconds(hw.step_overhead(r.entry.spec.num_layers))} "
                      f"(a tiny model's decode step; not overlapped with the kernels)")
+    if room_note is not None:
+        notes.insert(0, room_note)
     return Section(f"Workload on {hw.name} (step-time model, step by step)", tuple(lines),
                    tuple(notes))

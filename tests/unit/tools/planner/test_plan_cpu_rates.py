@@ -66,3 +66,38 @@ def test_bad_workload_flags_name_the_flag(seeded_cpu: None, capsys: pytest.Captu
                                           ) -> None:
     assert main(["SmolLM2-135M", "--gpu", "cpu", "--batch-size", "0"]) == 2
     assert "--batch-size must be >= 1, got 0" in capsys.readouterr().err
+
+
+def _workload(args: list[str]) -> tuple[object, str]:
+    parser = argparse.ArgumentParser()
+    _add_arguments(parser)
+    plan = build_plan(request_from_args(parser.parse_args(args)))
+    return next(s for s in plan.sections if s.title.startswith("Workload on cpu")), plan
+
+
+@pytest.mark.parametrize(("blocks", "held"), [(20, 4), (39, 7)])
+def test_a_batch_the_kv_pool_cannot_hold_is_named_with_what_would_hold_it(
+        seeded_cpu: None, blocks: int, held: int) -> None:
+    # 8 requests x (64 + 16) tokens = 8 x 5 blocks of 16 = 40 blocks at the batch's end
+    sec, plan = _workload(["SmolLM2-135M", "--gpu", "cpu", "--weights", "bf16", "--context",
+                           "1024", "--input-len", "64", "--output-len", "16", "--batch-size", "8",
+                           "--num-kv-blocks", str(blocks)])
+    room = sec.lines[2]  # type: ignore[attr-defined]
+    assert room.name == "KV at the batch's end (8 x 80 tokens)"
+    assert room.value == 40
+    assert room.shown == f"40 blocks > {blocks} in the pool"
+    note = sec.notes[0]  # type: ignore[attr-defined]
+    block_bytes = plan.engine.block_bytes  # type: ignore[attr-defined]
+    assert f"the KV pool holds {held} of the 8 sequences at their full 80 tokens" in note
+    assert "preempts" in note
+    assert f"--num-kv-blocks 40 (--kv-cache-memory {-(-40 * block_bytes // 2**20)}M" in note
+
+
+def test_a_batch_the_pool_holds_adds_no_line_and_max_num_seqs_is_named(seeded_cpu: None) -> None:
+    base = ["SmolLM2-135M", "--gpu", "cpu", "--weights", "bf16", "--context", "1024",
+            "--input-len", "64", "--output-len", "16", "--batch-size", "8"]
+    sec, _ = _workload([*base, "--num-kv-blocks", "40"])  # exactly enough
+    assert len(sec.lines) == 2  # type: ignore[attr-defined]
+    sec, _ = _workload([*base, "--max-num-seqs", "4"])
+    assert sec.lines[2].value == 40  # type: ignore[attr-defined]
+    assert sec.notes[0].startswith("--batch-size 8 > max_num_seqs 4: the engine runs 4 at once")  # type: ignore[attr-defined]
