@@ -12,8 +12,10 @@ This is vLLM's reading of ``gpu_memory_utilization``: the engine may use ``total
 in all, and the KV pool gets what the other lines leave of it.
 
 On a CPU the rule is the other way round (``cpu_engine_memory_plan``): the KV pool is a fixed
-budget (``kv_cache_memory_bytes``, default ``DEFAULT_CPU_KV_BYTES``, as vLLM's CPU backend does)
-and the ledger adds the lines up to the process's peak resident set:
+budget (``kv_cache_memory_bytes``, default ``DEFAULT_CPU_KV_BYTES``, as
+VLLM_CPU_KVCACHE_SPACE fixes one for vLLM's CPU backend; without it vLLM 0.32's CPU backend gives
+the KV what ``gpu_memory_utilization`` x RAM leaves, which fitserve does with
+--gpu-memory-utilization on CPU) and the ledger adds the lines up to the process's peak resident set:
 
     runtime baseline (python + torch + engine modules, measured)
     + weights (as the engine holds them: packed as stored, or dense in the model dtype)
@@ -64,7 +66,9 @@ from fitserve.ledger.scratch import (
 from fitserve.ledger.units import fmt_bytes
 
 LOGIT_BYTES = 4  # logits are kept in f32 for sampling
-DEFAULT_CPU_KV_BYTES = 1 << 30  # the engine's KV budget on CPU (like vLLM's CPU backend)
+# the engine's KV budget on CPU (a fixed budget, as VLLM_CPU_KVCACHE_SPACE sets one for vLLM's CPU
+# backend; `fitserve plan --batch-size` says when a batch needs more)
+DEFAULT_CPU_KV_BYTES = 1 << 30
 DEFAULT_GPU_WORKSPACE_BYTES = 1 << 30  # kernel workspace / CUDA-graph reserve on a GPU
 
 
