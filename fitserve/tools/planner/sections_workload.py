@@ -46,28 +46,36 @@ def batch_room(r: Resolved, mp: EngineMemoryPlan) -> tuple[Line | None, str | No
         return None, None
     per_seq = -(-total // mp.block_size)
     need = q.batch_size * per_seq
+    if ceil.limited_by == "max_num_seqs":
+        line = Line(f"sequences at once ({q.batch_size} asked)", "max_num_seqs", mp.max_num_seqs,
+                    f"{mp.max_num_seqs} < {q.batch_size}", "max_num_seqs caps the running batch")
+        note = (f"--batch-size {q.batch_size} > max_num_seqs {mp.max_num_seqs}: the engine runs "
+                f"{mp.max_num_seqs} at once and the rest wait, which the batch line above does "
+                f"not model (it runs all {q.batch_size} together)")
+        return line, note
+    if mp.kv_groups:  # sliding-window groups: their pools and windows, not whole blocks
+        line = Line(f"sequences the KV holds at {total:,} tokens", "max_concurrent_sequences",
+                    ceil.value, f"{ceil.value} < {q.batch_size}", "; ".join(ceil.reasons))
+        return line, (f"the KV pools hold {ceil.value} of the {q.batch_size} sequences at their "
+                      f"full {total:,} tokens: the engine preempts (recompute) as they fill, "
+                      f"which the batch line above does not count, so it is too high")
     line = Line(f"KV at the batch's end ({q.batch_size} x {total:,} tokens)",
                 "batch x ceil((input + output) / block_size) blocks", need,
                 f"{need:,} blocks > {mp.num_kv_blocks:,} in the pool",
                 f"{q.batch_size} x {per_seq} blocks of {mp.block_size}; the pool holds "
-                f"{ceil.value} such sequences at once (limited by {ceil.limited_by})")
-    if ceil.limited_by == "max_num_seqs":
-        note = (f"--batch-size {q.batch_size} > max_num_seqs {mp.max_num_seqs}: the engine runs "
-                f"{mp.max_num_seqs} at once and the rest wait, which the batch line above does "
-                f"not model (it runs all {q.batch_size} together)")
-    else:
-        note = (f"the KV pool holds {ceil.value} of the {q.batch_size} sequences at their full "
-                f"{total:,} tokens: the engine preempts (recompute, as vLLM does) as the pool "
-                f"fills and prefills those requests again, which the batch line above does not "
-                f"count, so it is too high; --num-kv-blocks {need} (--kv-cache-memory "
-                f"{-(-need * mp.block_bytes // 2**20)}M = {fmt_bytes(need * mp.block_bytes)}) "
-                f"holds the whole batch")
+                f"{ceil.value} such sequences at once")
+    note = (f"the KV pool holds {ceil.value} of the {q.batch_size} sequences at their full "
+            f"{total:,} tokens: the engine preempts (recompute, as vLLM does) as the pool "
+            f"fills and prefills those requests again, which the batch line above does not "
+            f"count, so it is too high; --num-kv-blocks {need} (--kv-cache-memory "
+            f"{-(-need * mp.block_bytes // 2**20)}M = {fmt_bytes(need * mp.block_bytes)}) "
+            f"holds the whole batch")
     return line, note
 
 
-def workload_section(r: Resolved, mp: EngineMemoryPlan | None = None) -> Section:
-    """W1 (one request) and W2 (--batch-size requests at once) of the plan's workload;
-    with the engine's memory plan ``mp``, whether its KV pool holds that batch (batch_room)."""
+def workload_section(r: Resolved, mp: EngineMemoryPlan) -> Section:
+    """W1 (one request) and W2 (--batch-size requests at once) of the plan's workload, and
+    whether the engine (memory plan ``mp``) holds that batch at once (batch_room)."""
     q, hw = r.req, r.hw
     one, many = run_workload(r, 1), run_workload(r, q.batch_size)
     shape = f"{q.input_len:,} in, {q.output_len:,} out"
@@ -95,7 +103,7 @@ def workload_section(r: Resolved, mp: EngineMemoryPlan | None = None) -> Section
              f"+ {q.output_len - 1} decode steps {fmt_seconds(many.decode_s)}); "
              + first_last(many)),
     ]
-    room_line, room_note = batch_room(r, mp) if mp is not None else (None, None)
+    room_line, room_note = batch_room(r, mp)
     if room_line is not None:
         lines.append(room_line)
     notes = [f"vllm bench throughput's shape: --input-len {q.input_len} --output-len "

@@ -99,5 +99,6 @@ def test_a_batch_the_pool_holds_adds_no_line_and_max_num_seqs_is_named(seeded_cp
     sec, _ = _workload([*base, "--num-kv-blocks", "40"])  # exactly enough
     assert len(sec.lines) == 2  # type: ignore[attr-defined]
     sec, _ = _workload([*base, "--max-num-seqs", "4"])
-    assert sec.lines[2].value == 40  # type: ignore[attr-defined]
+    assert sec.lines[2].value == 4  # type: ignore[attr-defined]
+    assert sec.lines[2].shown == "4 < 8"  # type: ignore[attr-defined]
     assert sec.notes[0].startswith("--batch-size 8 > max_num_seqs 4: the engine runs 4 at once")  # type: ignore[attr-defined]
