@@ -209,11 +209,11 @@ def test_each_row_is_the_row_alone(t: str) -> None:
     GEMV, rows streamed), for M = 15 (tiles of 8 + 4 + 2 + 1 rows on AVX-512, 4 + 4 + 4 + 2 + 1
     on AVX2), M = 24 (full tiles only) and M = 37 (the K-quants' AVX-512 panels: 9 tiles of 4
     and one of 1, over 16 + 16 + 13 weight rows, a pair of panels in one register tile where a
-    thread's share has two; the VNNI 32-column types' and IQ4_XS's register tiles of 4 weight
-    rows x 4 rows of x, then 2 and 1, over blocks with a last short one; where the CPU has
-    AMX-INT8, their tiles of 16 + 16 + 5); K = 544 for the 32-column types is 17 blocks (a
-    16-block step of the VNNI rows and a tail of one), 1280 for the others (5 super-blocks: two
-    steps of IQ4_XS's VNNI tiles and its odd one)."""
+    thread's share has two; IQ4_XS's VNNI panels the same way from M = 2; the VNNI 32-column
+    types' register tiles of 4 weight rows x 4 rows of x, then 2 and 1, over blocks with a last
+    short one; where the CPU has AMX-INT8, their tiles of 16 + 16 + 5); K = 544 for the
+    32-column types is 17 blocks (a 16-block step of the VNNI rows and a tail of one), 1280 for
+    the others (5 super-blocks: two of IQ4_XS's two-super-block GEMV steps and its odd one)."""
     n, k = 45, 544 if ACT_BLOCK[t] == 32 else 1280
     blocks = torch.from_numpy(random_blocks(t, n, k, 11))
     ms = (15, 24, 37)
@@ -257,15 +257,16 @@ def test_parts_bad_arguments_raise() -> None:
         torch.ops.fitserve.ggml_matmul_parts(x, blocks, ["Q2_K"], False)
 
 
-AMX_TYPES = ["Q4_K", "Q5_K", "Q6_K", "IQ4_XS"] + [t for t in TYPES if ACT_BLOCK[t] == 32]
+AMX_TYPES = ["Q4_K", "Q5_K", "Q6_K"] + [t for t in TYPES if ACT_BLOCK[t] == 32]
 
 
 @pytest.mark.parametrize("t", AMX_TYPES)
 def test_amx_tiles_give_the_vnni_bits(t: str) -> None:
     """Where the CPU has AMX-INT8: the K-quant panels' 16-row AMX tiles (ggml_blocks_kqamx.h;
     Q4_K / Q5_K through the scale-digit codes) give every row the bits of the VNNI panels, and
-    the 32-column types' and IQ4_XS's tiles (ggml_blocks_lanes_amx.h: one tile dot per block
-    of 32 columns, the lanes' fp32 order) the bits of their VNNI rows; M = 16 (one full tile), 17 and 47 (short last
+    the 32-column types' tiles (ggml_blocks_lanes_amx.h: one tile dot per block of 32
+    columns, the lanes' fp32 order) the bits of their VNNI rows (IQ4_XS has no AMX tiles: its
+    VNNI panel runs); M = 16 (one full tile), 17 and 47 (short last
     tiles), N = 45 (a 13-row last panel), K = 1280 (5 super-blocks, 40 blocks of 32) and for the
     32-column types also 544 (17 blocks: an odd count, a lane with two blocks); and with the
     tiles on, a call stays within check()'s float64 bounds."""

@@ -7,10 +7,11 @@
 // of kTileRows (then 2, 1): each weight row's blocks are decoded once per tile and used for
 // every row of the tile (ggml_blocks_kquant.h, _kq512.h, _q5.h, _q8.h, _iq4.h), so M > 1 reads and decodes
 // the weights M / kTileRows times, not M times; M = 1 is the same code with a tile of one row.
-// On AVX-512 the K-quants from T::Panel::kMinRows rows of x run "lane = output row" panels
-// instead (ggml_blocks_kqpanel.h: 16 weight rows decoded once per call), with the same bits, and
-// where the CPU has AMX-INT8 their 16-row tiles of x on the tiles (ggml_blocks_kqamx.h); the
-// 32-column types and IQ4_XS there from 16 rows of x on AMX tiles too (ggml_blocks_lanes_amx.h).
+// On AVX-512 the K-quants (and IQ4_XS on AVX512-VNNI: ggml_blocks_iq4panel.h) from
+// T::Panel::kMinRows rows of x run "lane = output row" panels instead (ggml_blocks_kqpanel.h: 16
+// weight rows decoded once per call), with the same bits, and where the CPU has AMX-INT8 the
+// K-quants' 16-row tiles of x on the tiles (ggml_blocks_kqamx.h); the 32-column types there
+// from 16 rows of x on AMX tiles too (ggml_blocks_lanes_amx.h).
 // Otherwise on AVX512-VNNI those types decode each weight row once per call from 9 rows of x
 // (ggml_blocks_lanes_panel.h), every tile of x reading the decoded steps.
 #include <ATen/ATen.h>
@@ -18,6 +19,7 @@
 #include <torch/library.h>
 
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "build_tier.h"
@@ -71,11 +73,18 @@ void run_blocks(const Act& a, int64_t M, const uint8_t* W, int64_t N, int64_t nb
   }
 }
 
+// The types with "lane = output row" panels for many rows of x: the K-quants on AVX-512, IQ4_XS
+// on AVX512-VNNI (T::Panel).
+template <class T, class = void>
+struct has_panel : std::false_type {};
+template <class T>
+struct has_panel<T, std::void_t<typename T::Panel>> : std::true_type {};
+
 template <class T>
 void run_type(const Act& a, int64_t M, const uint8_t* W, int64_t N, float* out) {
   const int64_t nblk = a.K / T::kQK, row_bytes = nblk * T::kBytes, nb = block_rows(N);
 #ifdef FS_GGML_AVX512
-  if constexpr (kIsKQuant<T>) {  // many rows of x: the lane = output row panels (_kqpanel.h)
+  if constexpr (has_panel<T>::value) {  // many rows of x: lane = output row panels (_kqpanel.h)
     if (M >= T::Panel::kMinRows)
       return at::parallel_for(0, (N + kPanelLanes - 1) / kPanelLanes, 1, [&](int64_t p0, int64_t p1) {
         const bool amx = kq_amx_start<typename T::Panel>(M);

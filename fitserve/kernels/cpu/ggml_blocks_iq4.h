@@ -142,6 +142,12 @@ struct Table4Block {
 using IQ4NL = Table4Block<false>;
 using MXFP4 = Table4Block<true>;
 
+}  // namespace fitserve::ggml
+
+#include "ggml_blocks_iq4panel.h"
+
+namespace fitserve::ggml {
+
 struct IQ4XS {
   static constexpr int64_t kQK = 256, kBytes = 136, kActBlock = 256;
   static constexpr bool kPerm128 = false;
@@ -193,12 +199,15 @@ struct IQ4XS {
 #ifdef FS_GGML_VNNI
   // NOTE: as ggml_blocks_lanes.h: the table read + 128, one VPDPBUSD per pair of sub-blocks and
   // row, the partials reduced to sub-block dots (lane = sub-block), - 128 sum(a) and the
-  // scales ls applied as int32 (|ls * dot| < 2^24), one cvt + FMA per step and row; a step is
-  // two super-blocks (16 sub-block lanes: one block_sums16, 22 ops, where two block_sums8 cost
-  // 26 and every other op ran on half a vector), the last of an odd count alone
+  // scales ls applied as int32; a step is two super-blocks (16 sub-block lanes: one
+  // block_sums16, 22 ops, where two block_sums8 cost 26), the last of an odd count alone.
+  // The canonical order (batch invariance, shared with IQ4XSPanel's lane = output row tiles
+  // from Panel::kMinRows rows of x): per (weight row, x row, super-block) the exact integer
+  // R = sum_s ls_s * dot_s, then acc = fma(cvt(R), d * da, acc), one fp32 accumulator per
+  // output, super-blocks in order.
   template <int MT, int S>
   [[gnu::always_inline]] static inline void step(const uint8_t* b, int64_t sb, const Act& a,
-                                                 int64_t m0, const __m512i table_u, __m512* acc) {
+                                                 int64_t m0, const __m512i table_u, __m128* acc) {
     const __m256i ls16 = S == 2 ? scales16(b)
                                 : _mm256_zextsi128_si256(scales8(b));
     const __m512i ls = _mm512_cvtepi16_epi32(ls16);
@@ -220,98 +229,39 @@ struct IQ4XS {
       const __m512i dot = _mm512_mullo_epi32(
           _mm512_sub_epi32(S == 2 ? block_sums16(v) : _mm512_zextsi256_si512(block_sums8(v)),
                            _mm512_slli_epi32(s32, 7)), ls);
+      // R of super-block sb in lane 0, of sb + 1 in lane 8 (integer adds: exact)
+      __m512i t = _mm512_add_epi32(dot, _mm512_shuffle_i32x4(dot, dot, _MM_SHUFFLE(2, 3, 0, 1)));
+      t = _mm512_add_epi32(t, _mm512_shuffle_epi32(t, _MM_PERM_BADC));
+      t = _mm512_add_epi32(t, _mm512_shuffle_epi32(t, _MM_PERM_CDAB));
       const float* da = a.drow(m0 + i) + sb;
-      const __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(d0 * da[0]),
-                                           _mm256_set1_ps(S == 2 ? d1 * da[1] : 0.f), 1);
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc, acc[i]);
+      acc[i] = _mm_fmadd_ss(_mm_cvtepi32_ps(_mm512_castsi512_si128(t)), _mm_set_ss(d0 * da[0]),
+                            acc[i]);
+      if constexpr (S == 2)
+        acc[i] = _mm_fmadd_ss(_mm_cvtepi32_ps(_mm512_extracti32x4_epi32(t, 2)),
+                              _mm_set_ss(d1 * da[1]), acc[i]);
     }
   }
 
-  // step<MT, 2> against x quantized lanes_t (Act; the 512 columns of two super-blocks are
-  // lanes_t's 16 blocks of 32): the 16 sub-blocks' weights decoded and transposed once
-  // (decode_t: LanesStep's g holds the scales ls, dv each super-block's d), then per row 8
-  // VPDPBUSD straight into sub-block lanes (rows_t) in place of 8 VPDPBUSD + block_sums16's 22
-  // ops. The integer sub-block dots are the same numbers and every op after them is step's
-  // (dv * da: the products d * da step takes), so each row's bits are the row alone's.
-  [[gnu::always_inline]] static inline void decode_t(const uint8_t* b, const __m512i table_u,
-                                                     const int32_t* idx, LanesStep& s) {
-    FS_GGML_UNROLL for (int j = 0; j < 8; ++j) {
-      const uint8_t* q = b + (j / 4) * kBytes + 8 + 32 * (j % 4);
-      s.wv[j] = _mm512_shuffle_epi8(table_u, nibbles_pair(q, q + 16, true));
-    }
-    transpose_pairs(s.wv, idx);
-    s.g = _mm512_cvtepi16_epi32(scales16(b));
-    s.dv = _mm512_insertf32x8(_mm512_set1_ps(f16_at(b)), _mm256_set1_ps(f16_at(b + kBytes)), 1);
-  }
-  // A decoded step's 16 sub-block dots with one row m of x (lanes_dot_t) scaled into acc: the
-  // - 128 sum(a) offset and the scales ls as int32, then step's one cvt + FMA. x_t: what row m
-  // brings (loaded once per row of x for a register tile's weight rows, lanes_panel_steps).
-  [[gnu::always_inline]] static inline LanesX x_t(const Act& a, int64_t m, int64_t sb) {
-    LanesX x;
-    x.off = _mm512_slli_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256(
-                                  reinterpret_cast<const __m256i*>(a.s32row(m) + sb * 8))),
-                              7);
-    const float* da = a.drow(m) + sb;
-    x.da = _mm512_insertf32x8(_mm512_set1_ps(da[0]), _mm256_set1_ps(da[1]), 1);
-    return x;
-  }
-  [[gnu::always_inline]] static inline void apply_t(__m512i dot, const LanesStep& s,
-                                                    const LanesX& x, __m512& acc) {
-    dot = _mm512_mullo_epi32(_mm512_sub_epi32(dot, x.off), s.g);
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s.dv, x.da), acc);
-  }
-  [[gnu::always_inline]] static inline void finish_t(__m512i dot, const LanesStep& s, int64_t sb,
-                                                     const Act& a, int64_t m, __m512& acc) {
-    apply_t(dot, s, x_t(a, m, sb), acc);
-  }
-  template <int MT>
-  [[gnu::always_inline]] static inline void rows_t(const LanesStep& s, int64_t sb, const Act& a,
-                                                   int64_t m0, __m512* acc) {
-    FS_GGML_UNROLL for (int i = 0; i < MT; ++i)
-      finish_t(lanes_dot_t(s, a.qrow(m0 + i) + sb * 256), s, sb, a, m0 + i, acc[i]);
-  }
-  // The columns past a row's whole steps (the last odd super-block, in x's natural order) into
-  // acc: what row does after its steps (lanes_panel_range's register tiles).
-  template <int MT>
-  static void tail(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, __m512* acc) {
-    if (nsb % 2) step<MT, 1>(w + (nsb - 1) * kBytes, nsb - 1, a, m0, table_u(), acc);
-  }
   static __m512i table_u() {
     static constexpr std::array<uint8_t, 16> kTabU = biased_table(kIq4Values);
     return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kTabU.data())));
   }
-  // A weight row's whole 512-column steps decoded into out[0 .. nsb / 2) (lanes_panel_range).
-  static void decode_row(const uint8_t* w, int64_t nsb, LanesStep* out) {
-    const __m512i tab = table_u();
-    const int32_t* idx = transpose_idx();
-    for (int64_t sb = 0; sb + 2 <= nsb; sb += 2) decode_t(w + sb * kBytes, tab, idx, out[sb / 2]);
-  }
 
   static constexpr bool kRowPrefetch = true;  // row(..., pf): ggml_blocks_run.h
-  static constexpr bool kLanesTiles = true;   // M > 1: step_t (x quantized lanes_t)
-  // With x lanes_t, the whole steps run decode_t + rows_t; the last odd super-block's 256
-  // columns stay in order: step<MT, 1>.
+  using Panel = IQ4XSPanel;                   // M >= Panel::kMinRows (ggml_blocks_iq4panel.h)
   template <int MT>
   static void row(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float* res,
                   int64_t pf = 0) {
     const __m512i tab = table_u();
-    __m512 acc[MT];
-    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+    __m128 acc[MT];
+    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) acc[i] = _mm_setzero_ps();
     int64_t sb = 0;
-    if (a.lanes_t) {
-      const int32_t* idx = transpose_idx();
-      for (; sb + 2 <= nsb; sb += 2) {
-        LanesStep s;
-        decode_t(w + sb * kBytes, tab, idx, s);
-        rows_t<MT>(s, sb, a, m0, acc);
-      }
-    }
     for (; sb + 2 <= nsb; sb += 2) {
       if (pf > 0) prefetch_span(w + sb * kBytes + pf, 2 * kBytes);
       step<MT, 2>(w + sb * kBytes, sb, a, m0, tab, acc);
     }
     if (sb < nsb) step<MT, 1>(w + sb * kBytes, sb, a, m0, tab, acc);
-    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) res[i] = _mm512_reduce_add_ps(acc[i]);
+    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) res[i] = _mm_cvtss_f32(acc[i]);
   }
 #else
   template <int MT>

@@ -34,6 +34,12 @@ namespace fitserve::ggml {
 
 // Digit planes of P's AMX panel (Q4_K / Q5_K: 2, Q6_K: 3): the VNNI panel's kZmm with its codes
 // replaced by the first plane, then the other planes' 64 zmm each.
+// Panels without an AMX layout (P::kNoAmx: IQ4_XS's) run their VNNI tiles whatever the CPU.
+template <class P, class = void>
+struct kq_no_amx : std::false_type {};
+template <class P>
+struct kq_no_amx<P, std::void_t<decltype(P::kNoAmx)>> : std::bool_constant<P::kNoAmx> {};
+
 template <class P>
 constexpr int kq_amx_planes() {
   return std::is_same_v<P, Q6KPanel> ? 3 : 2;
@@ -136,7 +142,7 @@ namespace fitserve::ggml {
 template <class P>
 inline bool kq_amx_start(int64_t M) {
 #ifdef FITSERVE_AMX_INT8
-  if (M >= kKqAmxMinRows && fitserve::amx_usable()) {
+  if (!kq_no_amx<P>::value && M >= kKqAmxMinRows && fitserve::amx_usable()) {
     kq_amx_configure<P>();
     return true;
   }

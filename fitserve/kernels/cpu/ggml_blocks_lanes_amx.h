@@ -1,6 +1,6 @@
 // The 32-column block types (ggml_blocks_lanes.h: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4)
-// and IQ4_XS (its 32-column sub-blocks, AmxBlocks<IQ4XS>) from kLanesAmxMinRows rows of x on
-// AMX-INT8 tiles: 16 rows of x against 16 weight rows, one tile dot (K = 32) per block.
+// from kLanesAmxMinRows rows of x on AMX-INT8 tiles (IQ4_XS runs its VNNI panel there:
+// ggml_blocks_iq4panel.h): 16 rows of x against 16 weight rows, one tile dot (K = 32) per block.
 // Compiled where the CPU has AMX-INT8 (isa.py's FITSERVE_AMX_INT8 at the avx512_vnni tier),
 // taken at run time only when the kernel may use the tile registers.
 //
@@ -20,8 +20,7 @@
 // Q5_1 (one thread, Xeon, bench_ggml_blocks --msweep; per-block reductions, the weights decoded
 // again per 8-row tile); these tiles 27-41. The scaling (per block and row: cvt, mul, FMA and the
 // lane's load / store) is most of it; two panels sharing x's tile (four tile dots in flight) were
-// 10-20% slower, their 32 KB of lane sums no longer in L1, and IQ4_XS decoded in the transposed
-// domain (half the decode's ops) no faster.
+// 10-20% slower, their 32 KB of lane sums no longer in L1.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -56,12 +55,10 @@ inline void lanes_amx_configure() {
 }
 
 // A thread's decoded panel: block b's B tile at codes + 512 b (one spare block for an odd count),
-// its 16 weight rows' scales at d + 16 b (Q*_1's mins at mn + 16 b, IQ4_XS's integer sub-block
-// scales at ls + 16 b); rows past N zero.
+// its 16 weight rows' scales at d + 16 b (Q*_1's mins at mn + 16 b); rows past N zero.
 struct LanesPanel {
   std::vector<int8_t> codes;
   std::vector<float> d, mn;
-  std::vector<int32_t> ls;
 };
 
 // The panel's codes from their first 64-byte boundary (the vector keeps 64 spare bytes).
@@ -83,54 +80,28 @@ template <class B>
 
 // How the tiles read a type, as its VNNI rows do: pair(row, j, two) = blocks 2j, 2j + 1 (of 32
 // columns) of a weight row as signed bytes; scales(row, k, r) = blocks k .. k + r - 1's fp32
-// scale (the d that multiplies da), min and integer scale (1: none) as 16 lanes; kActPer = blocks
-// per activation block (x's da index is b / kActPer).
-// The 32-column block types of ggml_blocks_lanes.h.
+// scale (the d that multiplies da) and min as 16 lanes; kActPer = blocks per activation block
+// (x's da index is b / kActPer).
 template <class B>
 struct AmxBlocks {
   static constexpr int64_t kActPer = 1;
-  static constexpr bool kHasMin = B::kHasMin, kIntScale = false;
+  static constexpr bool kHasMin = B::kHasMin;
   [[gnu::always_inline]] static inline __m512i pair(const uint8_t* row, int64_t j, bool two) {
     return signed_pair<B>(row + 2 * j * B::kBytes, two);
   }
   // as lanes_step reads them: the heads of r blocks
   [[gnu::always_inline]] static inline void scales(const uint8_t* row, int64_t k, int r,
-                                                   __m512& d, __m512& mn, __m512i&) {
+                                                   __m512& d, __m512& mn) {
     const __m512i g = lane_heads<B>(row + k * B::kBytes, r * B::kBytes);
     d = B::lane_scales(g);
     if constexpr (B::kHasMin) mn = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
   }
 };
 
-// IQ4_XS: its 32-column sub-blocks are the blocks (IQ4XS::step's lanes: sub-block s of
-// super-block sb is lane 8 (sb % 2) + s); the dot times ls - 32 as int32 (exact), the super-block's
-// d per sub-block, x's da per 256 columns.
-template <>
-struct AmxBlocks<IQ4XS> {
-  static constexpr int64_t kActPer = 8;
-  static constexpr bool kHasMin = false, kIntScale = true;
-  [[gnu::always_inline]] static inline __m512i pair(const uint8_t* row, int64_t j, bool) {
-    const __m512i table =
-        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Values)));
-    const uint8_t* q = row + (j / 4) * IQ4XS::kBytes + 8 + 32 * (j % 4);
-    return _mm512_shuffle_epi8(table, nibbles_pair(q, q + 16, true));
-  }
-  [[gnu::always_inline]] static inline void scales(const uint8_t* row, int64_t k, int r,
-                                                   __m512& d, __m512&, __m512i& ls) {
-    const uint8_t* b = row + (k / 8) * IQ4XS::kBytes;  // k: a multiple of 16
-    const bool two = r > 8;
-    ls = _mm512_cvtepi16_epi32(two ? IQ4XS::scales16(b)
-                                   : _mm256_zextsi128_si256(IQ4XS::scales8(b)));
-    d = _mm512_insertf32x8(_mm512_set1_ps(f16_at(b)),
-                           _mm256_set1_ps(two ? f16_at(b + IQ4XS::kBytes) : 0.f), 1);
-  }
-};
-
 template <class T, class = void>
 struct has_amx_blocks : std::false_type {};
 template <class T>
-struct has_amx_blocks<T, std::enable_if_t<lanes_m1<T>::value || std::is_same_v<T, IQ4XS>>>
-    : std::true_type {};
+struct has_amx_blocks<T, std::enable_if_t<lanes_m1<T>::value>> : std::true_type {};
 
 template <class T>
 void lanes_amx_decode(const uint8_t* W, int64_t row_bytes, int64_t nb, int64_t rows,
@@ -140,7 +111,6 @@ void lanes_amx_decode(const uint8_t* W, int64_t row_bytes, int64_t nb, int64_t r
   p.codes.resize(npair * 1024 + 64);
   p.d.resize(nb * 16);
   if constexpr (S::kHasMin) p.mn.resize(nb * 16);
-  if constexpr (S::kIntScale) p.ls.resize(nb * 16);
   int8_t* codes = panel_codes(p);
   for (int64_t j = 0; j < npair; ++j) {
     __m512i v[16];
@@ -151,22 +121,18 @@ void lanes_amx_decode(const uint8_t* W, int64_t row_bytes, int64_t nb, int64_t r
     FS_GGML_UNROLL for (int c = 0; c < 16; ++c) _mm512_store_si512(codes + 1024 * j + 64 * c, v[c]);
   }
   alignas(64) float sc[16][16], mn[16][16];
-  alignas(64) int32_t ls[16][16];
   for (int64_t k = 0; k < nb; k += 16) {
     const int r = static_cast<int>(std::min<int64_t>(16, nb - k));
     for (int l = 0; l < 16; ++l) {
       __m512 dv = _mm512_setzero_ps(), mv = _mm512_setzero_ps();
-      __m512i lv = _mm512_setzero_si512();
-      if (l < rows) S::scales(W + l * row_bytes, k, r, dv, mv, lv);
+      if (l < rows) S::scales(W + l * row_bytes, k, r, dv, mv);
       _mm512_store_ps(sc[l], dv);
       _mm512_store_ps(mn[l], mv);
-      _mm512_store_si512(ls[l], lv);
     }
     for (int i = 0; i < r; ++i)
       for (int l = 0; l < 16; ++l) {
         p.d[(k + i) * 16 + l] = sc[l][i];
         if constexpr (S::kHasMin) p.mn[(k + i) * 16 + l] = mn[l][i];
-        if constexpr (S::kIntScale) p.ls[(k + i) * 16 + l] = ls[l][i];
       }
   }
 }
@@ -180,18 +146,12 @@ template <class T>
   using S = AmxBlocks<T>;
   const __m512 dv = _mm512_loadu_ps(p.d.data() + 16 * b);
   __m512 mv = _mm512_setzero_ps();
-  __m512 lsf = _mm512_setzero_ps();
   if constexpr (S::kHasMin) mv = _mm512_loadu_ps(p.mn.data() + 16 * b);
-  // NOTE: the dot times ls in fp32, not vpmulld (2 uops) then cvt: |dot| < 32 * 127 * 127 and
-  // |ls| <= 32 keep both it and the product below 2^24, so either way is the same exact value
-  if constexpr (S::kIntScale)
-    lsf = _mm512_cvtepi32_ps(_mm512_loadu_si512(p.ls.data() + 16 * b));
   const float* da = a.d + m0 * a.nd + b / S::kActPer;
   FS_GGML_UNROLL for (int r = 0; r < 16; ++r) {
     if (r >= rows) continue;
     __m512 acc = _mm512_load_ps(part[r]);
-    __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(C + 16 * r));
-    if constexpr (S::kIntScale) dot = _mm512_mul_ps(dot, lsf);
+    const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(C + 16 * r));
     acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(dv, _mm512_set1_ps(da[r * a.nd])), acc);
     if constexpr (S::kHasMin)
       acc = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.dsrow(m0 + r)[b]), acc);

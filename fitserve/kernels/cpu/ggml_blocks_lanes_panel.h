@@ -21,44 +21,25 @@ namespace fitserve::ggml {
 // rows_range's one 8-row tile (2 threads, Zen 4: 2048x2048 M = 8 about 0.6x), at 12 faster.
 constexpr int64_t kLanesPanelMinRows = kTileRows + 1;
 
-template <class T>
-void lanes_decode_row_any(const uint8_t* w, int64_t nblk, LanesStep* out) {
-  if constexpr (lanes_m1<T>::value)
-    lanes_decode_row<T>(w, nblk, out);
-  else
-    T::decode_row(w, nblk, out);
-}
-
 // What row m of x brings to a decoded step's finish, and the finish of one weight row's dots
-// with it: the type's own ops (lanes_x / lanes_apply, IQ4XS::x_t / apply_t), those of its row
-// alone. `step` counts 512-column steps.
+// with it: the type's own ops (lanes_x / lanes_apply), those of its row alone. `step` counts 512-column steps.
 template <class T>
 [[gnu::always_inline]] inline LanesX lanes_step_x(const Act& a, int64_t m, int64_t step) {
-  if constexpr (lanes_m1<T>::value)
-    return lanes_x<T>(a, m, 16 * step, 0xFFFF);
-  else
-    return T::x_t(a, m, 2 * step);
+  return lanes_x<T>(a, m, 16 * step, 0xFFFF);
 }
 
 template <class T>
 [[gnu::always_inline]] inline void lanes_step_apply(__m512i dot, const LanesStep& s,
                                                     const LanesX& x, __m512& acc) {
-  if constexpr (lanes_m1<T>::value)
-    lanes_apply<T>(dot, s.g, s.dv, x, acc);
-  else
-    T::apply_t(dot, s, x, acc);
+  lanes_apply<T>(dot, s.g, s.dv, x, acc);
 }
 
 // The columns of a weight row past its whole steps, against MT rows of x, into acc.
 template <class T, int MT>
 void lanes_row_tail(const uint8_t* w, int64_t nblk, const Act& a, int64_t m0, __m512* acc) {
-  if constexpr (lanes_m1<T>::value) {
-    const int64_t k = nblk / 16 * 16;
-    if (k < nblk)
-      lanes_step<T, MT, false>(w + k * T::kBytes, k, static_cast<int>(nblk - k), a, m0, acc);
-  } else {
-    T::template tail<MT>(w, nblk, a, m0, acc);
-  }
+  const int64_t k = nblk / 16 * 16;
+  if (k < nblk)
+    lanes_step<T, MT, false>(w + k * T::kBytes, k, static_cast<int>(nblk - k), a, m0, acc);
 }
 
 // R decoded weight rows (dec[r * steps + k]) against MT rows of x from m0, every whole step,
@@ -155,7 +136,7 @@ void lanes_panel_range(const uint8_t* W, int64_t row_bytes, int64_t nblk, const 
   static thread_local std::vector<LanesStep> panel;
   if (static_cast<int64_t>(panel.size()) < (n1 - n0) * steps) panel.resize((n1 - n0) * steps);
   for (int64_t n = n0; n < n1; ++n)
-    lanes_decode_row_any<T>(W + n * row_bytes, nblk, panel.data() + (n - n0) * steps);
+    lanes_decode_row<T>(W + n * row_bytes, nblk, panel.data() + (n - n0) * steps);
   const LanesStep* p = panel.data();
   constexpr int MT = kLanesPanelX;
   int64_t m = 0;  // M > MT: the first tile is a full one, and it alone prefetches
