@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_formats.py                                   # default model
     .venv/bin/python benchmarks/bench_formats.py --shape 1.7b --types Q4_K_M,Q8_0 --w2
     .venv/bin/python benchmarks/bench_formats.py --types Q4_K_M --peers llamacpp,transformers
+    .venv/bin/python benchmarks/bench_formats.py --shape 1.7b --types IQ4_XS --w2 --runs 1 --rounds 3
 
 The files are made here, never committed: an F16 GGUF first (``--shape default``: the default
 model's own weights, dequantized from its Q4_1 file; ``--shape 1.7b``: random weights of
@@ -17,7 +18,10 @@ fitserve's fraction of its bandwidth limit (weight bytes read per token over the
 bandwidth, the higher of those measured just before and after its worker) and of its read limit
 (the same bytes over a plain parallel read's bandwidth, measured the same way: the issue's
 "measured read bandwidth"), and
-with --w2 the W2 (32 x 128 + 128) rates.
+with --w2 the W2 (32 x 128 + 128) rates. With --rounds R the two engines' workers alternate R
+times per type: the rates pool every round's runs, the limit is the median of the rounds' own,
+and each round's paired ratios (fitserve / llama.cpp, run minutes apart) and their median are
+printed -- on this shared host one worker's minute can be 20% slower than the next.
 """
 
 from __future__ import annotations
@@ -160,6 +164,10 @@ def main() -> None:
                     help="llama.cpp ftype names (LLAMA_FTYPE_MOSTLY_<name>)")
     ap.add_argument("--peers", default="llamacpp")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="per type, fitserve then llama.cpp this many times alternated; rates "
+                         "pool every round's runs, and each round's paired ratios and their "
+                         "median are printed (a noisy host's slow minutes then fall on both)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--w2", action="store_true", help="also W2 (32 requests; slow on 1.7b)")
     ap.add_argument("--llamacpp-python", default=str(Path.home() / "peers/llamacpp/bin/python"))
@@ -180,14 +188,22 @@ def main() -> None:
     for qtype in filter(None, args.types.split(",")):
         path = quantize(args.llamacpp_python, src, qtype, args.threads)
         spec = {**base, "gguf": str(path), "config": "as-stored"}
-        print(f"{qtype}: fitserve ...", file=sys.stderr)
-        bw, fs, bws, rbw = bandwidth_around(lambda spec=spec: be.run_worker(
-            [*me, "--worker", "fitserve"], spec))
-        peer = None
-        if "llamacpp" in args.peers:
-            print(f"{qtype}: llama.cpp ...", file=sys.stderr)
-            peer = be.run_worker([args.llamacpp_python, str(HERE / "peers/llamacpp_worker.py")],
-                                 spec)
+        fss, peers, bwss, rbws = [], [], [], []
+        for i in range(args.rounds):
+            print(f"{qtype}: fitserve (round {i + 1} of {args.rounds}) ...", file=sys.stderr)
+            _, fs_i, bws_i, rbw_i = bandwidth_around(lambda spec=spec: be.run_worker(
+                [*me, "--worker", "fitserve"], spec))
+            fss.append(fs_i), bwss.append(bws_i), rbws.append(rbw_i)
+            if "llamacpp" in args.peers:
+                print(f"{qtype}: llama.cpp (round {i + 1}) ...", file=sys.stderr)
+                peers.append(be.run_worker(
+                    [args.llamacpp_python, str(HERE / "peers/llamacpp_worker.py")], spec))
+        # the limit: each round's higher copy figure, their median (the rates pool the rounds)
+        bw = statistics.median(max(b) for b in bwss)
+        bws = (statistics.median(b[0] for b in bwss), statistics.median(b[1] for b in bwss))
+        rbw = statistics.median(rbws)
+        fs = be.merge_rounds(fss) if any(fss) else None
+        peer = be.merge_rounds(peers) if any(peers) else None
         tf = None
         if "transformers" in args.peers:
             tf = be.run_worker([*me, "--worker", "transformers"], spec)
@@ -211,7 +227,7 @@ def _rate(r: dict[str, Any] | None, w: str) -> float:
 def report(rows: list[tuple[str, Path, float, Any, Any, Any, tuple[float, float], float]],
            args: argparse.Namespace) -> None:
     print(f"\nCPU: {be.cpu_description()}\nshape {args.shape}, threads={args.threads}, medians "
-          f"of {args.runs} runs; limit = weight bytes held / copy bandwidth (the higher of the "
+          f"of {args.runs} runs x {args.rounds} round(s); limit = weight bytes held / copy bandwidth (the higher of the "
           f"figures measured just before and just after fitserve's worker); of read = the same "
           f"bytes over a plain parallel read's bandwidth (measured alike)")
     print("RSS bound = file + the ledger's runtime baseline, RoPE tables, KV pool and step peak "
@@ -244,6 +260,18 @@ def report(rows: list[tuple[str, Path, float, Any, Any, Any, tuple[float, float]
                   f"{fs.get('preemptions', '?')} preemptions")
         print(f"{'':8}tensors: {held_types(path)}; bandwidth {bw / 1e9:.1f} GB/s (before "
               f"{bws[0] / 1e9:.1f}, after {bws[1] / 1e9:.1f}; read {rbw / 1e9:.1f}); engine start {fs['startup_s'] if fs else float('nan'):.1f} s (load, build, ledger)")
+    if args.rounds > 1:
+        for qtype, _, _, fs, peer, _, _, _ in rows:
+            if not fs or not peer:
+                continue
+            pairs = [(a, b) for a, b in zip(fs["rounds"], peer["rounds"], strict=True) if a and b]
+            parts = []
+            for w in ("W1", "W2"):
+                rs = [a[w]["tok_s"] / b[w]["tok_s"] for a, b in pairs if w in a and w in b]
+                if rs:
+                    parts.append(f"{w} " + " ".join(f"{x:.2f}" for x in rs)
+                                 + f" (median {statistics.median(rs):.2f}x)")
+            print(f"{qtype} fitserve / llama.cpp per round: " + "; ".join(parts))
     ratios = [_rate(fs, "W1") / _rate(p, "W1") for _, _, _, fs, p, _, _, _ in rows if fs and p]
     if ratios:
         print(f"median W1 ratio fitserve / llama.cpp over the types: {statistics.median(ratios):.2f}")
