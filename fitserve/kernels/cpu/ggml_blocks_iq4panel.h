@@ -86,34 +86,6 @@ struct IQ4XSPanel {
     const __m512 d = _mm512_load_ps(reinterpret_cast<const float*>(p + 76));
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(r), _mm512_mul_ps(d, _mm512_set1_ps(a.drow(m)[sb])), acc);
   }
-
-  template <int MT>
-  [[gnu::always_inline]] static void tile(const __m512i* P, int64_t nsb, const Act& a, int64_t m0,
-                                          __m512* acc) {
-    const int8_t* aq[MT];
-    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) aq[i] = a.qrow(m0 + i);
-    for (int64_t sb = 0; sb < nsb; ++sb) {
-      const __m512i* p = P + sb * kZmm;
-      __m512i isum[MT];
-      FS_GGML_UNROLL for (int i = 0; i < MT; ++i) isum[i] = _mm512_setzero_si512();
-      FS_GGML_UNROLL for (int k = 0; k < 8; ++k) {
-        __m512i d0[MT], d1[MT];
-        FS_GGML_UNROLL for (int i = 0; i < MT; ++i) d0[i] = d1[i] = _mm512_setzero_si512();
-        FS_GGML_UNROLL for (int c = 0; c < 8; c += 2) {
-          const __m512i w0 = _mm512_load_si512(p + 8 * k + c), w1 = _mm512_load_si512(p + 8 * k + c + 1);
-          FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
-            const uint8_t* x = reinterpret_cast<const uint8_t*>(aq[i] + sb * 256 + 32 * k + 4 * c);
-            d0[i] = _mm512_dpbusd_epi32(d0[i], w0, _mm512_set1_epi32(static_cast<int>(load_u32(x))));
-            d1[i] = _mm512_dpbusd_epi32(d1[i], w1, _mm512_set1_epi32(static_cast<int>(load_u32(x + 4))));
-          }
-        }
-        const __m512i sc = _mm512_load_si512(p + 64 + k);
-        FS_GGML_UNROLL for (int i = 0; i < MT; ++i)
-          isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(_mm512_add_epi32(d0[i], d1[i]), sc));
-      }
-      FS_GGML_UNROLL for (int i = 0; i < MT; ++i) finish(p, sb, a, m0 + i, isum[i], acc[i]);
-    }
-  }
 };
 
 }  // namespace fitserve::ggml

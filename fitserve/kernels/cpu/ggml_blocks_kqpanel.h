@@ -79,7 +79,40 @@ constexpr int kKqPanelTile = 4;
   return _mm512_i32gather_epi32(idx, reinterpret_cast<const int*>(base + off), 1);
 }
 
-// Per type: kZmm per super-block, pack(rows, idx, sb, panel), tile<MT>(panel, nsb, a, m0, acc).
+// MT rows of x against one panel of P (kq_panel_rows): per storage dword of codes one VPDPBUSD
+// with x's 4 bytes broadcast, per chunk of P::kChunkDwords dwords one vpmulld by the chunk's
+// scale (codes at p[0..63], scales at p[64 + k]), then P::finish per super-block. The integers
+// are exact in any order, so row m keeps its own bits.
+template <class P, int MT>
+[[gnu::always_inline]] inline void panel_tile(const __m512i* panel, int64_t nsb, const Act& a,
+                                              int64_t m0, __m512* acc) {
+  constexpr int kDw = P::kChunkDwords, kChunks = 64 / kDw;
+  const int8_t* aq[MT];
+  FS_GGML_UNROLL for (int i = 0; i < MT; ++i) aq[i] = a.qrow(m0 + i);
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    const __m512i* p = panel + sb * P::kZmm;
+    __m512i isum[MT];
+    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) isum[i] = _mm512_setzero_si512();
+    FS_GGML_UNROLL for (int k = 0; k < kChunks; ++k) {
+      __m512i d0[MT], d1[MT];
+      FS_GGML_UNROLL for (int i = 0; i < MT; ++i) d0[i] = d1[i] = _mm512_setzero_si512();
+      FS_GGML_UNROLL for (int c = 0; c < kDw; c += 2) {
+        const __m512i w0 = _mm512_load_si512(p + kDw * k + c), w1 = _mm512_load_si512(p + kDw * k + c + 1);
+        FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
+          const uint8_t* x = reinterpret_cast<const uint8_t*>(aq[i] + sb * 256 + 4 * (kDw * k + c));
+          d0[i] = dpbusd512(d0[i], w0, _mm512_set1_epi32(static_cast<int>(load_u32(x))));
+          d1[i] = dpbusd512(d1[i], w1, _mm512_set1_epi32(static_cast<int>(load_u32(x + 4))));
+        }
+      }
+      const __m512i sc = _mm512_load_si512(p + 64 + k);
+      FS_GGML_UNROLL for (int i = 0; i < MT; ++i)
+        isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(_mm512_add_epi32(d0[i], d1[i]), sc));
+    }
+    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) P::finish(p, sb, a, m0 + i, isum[i], acc[i]);
+  }
+}
+
+// Per type: kZmm per super-block, kChunkDwords, pack(rows, idx, sb, panel), finish(...).
 template <bool kHigh>
 struct Q45KPanel {
   static constexpr int64_t kBytes = kHigh ? 176 : 144, kQsOff = kHigh ? 48 : 16;
@@ -196,34 +229,6 @@ struct Q45KPanel {
     const __m512 t = _mm512_fmsub_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, da), u);
     acc = _mm512_add_ps(acc, t);
   }
-
-  template <int MT>
-  [[gnu::always_inline]] static void tile(const __m512i* P, int64_t nsb, const Act& a, int64_t m0,
-                                          __m512* acc) {
-    const int8_t* aq[MT];
-    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) aq[i] = a.qrow(m0 + i);
-    for (int64_t sb = 0; sb < nsb; ++sb) {
-      const __m512i* p = P + sb * kZmm;
-      __m512i isum[MT];
-      FS_GGML_UNROLL for (int i = 0; i < MT; ++i) isum[i] = _mm512_setzero_si512();
-      FS_GGML_UNROLL for (int k = 0; k < 8; ++k) {
-        __m512i d0[MT], d1[MT];
-        FS_GGML_UNROLL for (int i = 0; i < MT; ++i) d0[i] = d1[i] = _mm512_setzero_si512();
-        FS_GGML_UNROLL for (int c = 0; c < 8; c += 2) {
-          const __m512i w0 = _mm512_load_si512(p + 8 * k + c), w1 = _mm512_load_si512(p + 8 * k + c + 1);
-          FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
-            const uint8_t* x = reinterpret_cast<const uint8_t*>(aq[i] + sb * 256 + 32 * k + 4 * c);
-            d0[i] = dpbusd512(d0[i], w0, _mm512_set1_epi32(static_cast<int>(load_u32(x))));
-            d1[i] = dpbusd512(d1[i], w1, _mm512_set1_epi32(static_cast<int>(load_u32(x + 4))));
-          }
-        }
-        const __m512i sc = _mm512_load_si512(p + 64 + k);
-        FS_GGML_UNROLL for (int i = 0; i < MT; ++i)
-          isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(_mm512_add_epi32(d0[i], d1[i]), sc));
-      }
-      FS_GGML_UNROLL for (int i = 0; i < MT; ++i) finish(p, sb, a, m0 + i, isum[i], acc[i]);
-    }
-  }
 };
 
 }  // namespace fitserve::ggml
@@ -239,14 +244,14 @@ void kq_panel_rows(const __m512i* panel, int64_t nsb, const Act& a, int64_t m0, 
                    int64_t N, __mmask16 live, float* out) {
   __m512 acc[MT];
   FS_GGML_UNROLL for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
-  P::template tile<MT>(panel, nsb, a, m0, acc);
+  panel_tile<P, MT>(panel, nsb, a, m0, acc);
   FS_GGML_UNROLL for (int i = 0; i < MT; ++i)
     _mm512_mask_storeu_ps(out + (m0 + i) * N + n0, live, acc[i]);
 }
 
 // MT rows of x against two panels (32 weight rows) as one register tile: per dword of codes,
 // MT broadcasts of x (pinned in registers) and 2 loads of codes feed 2 * MT VPDPBUSD.
-// NOTE: P::tile (one panel) folds each broadcast of x into its VPDPBUSD as a memory operand,
+// NOTE: panel_tile (one panel) folds each broadcast of x into its VPDPBUSD as a memory operand,
 // a load per VPDPBUSD (Zen 4 loads one zmm per cycle): Q4_K ran at ~125 G MAC/s per core. Each
 // chunk's integer dot and its product with the scale are the same numbers, then P::finish:
 // each lane keeps its row-alone bits.

@@ -111,32 +111,6 @@ struct Q6KPanel {
     const __m512i is = _mm512_sub_epi32(isum, _mm512_slli_epi32(off, 5));
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(d, _mm512_set1_ps(a.drow(m)[sb])), acc);
   }
-
-  template <int MT>
-  [[gnu::always_inline]] static void tile(const __m512i* P, int64_t nsb, const Act& a, int64_t m0,
-                                          __m512* acc) {
-    const int8_t* aq[MT];
-    FS_GGML_UNROLL for (int i = 0; i < MT; ++i) aq[i] = a.qrow(m0 + i);
-    for (int64_t sb = 0; sb < nsb; ++sb) {
-      const __m512i* p = P + sb * kZmm;
-      __m512i isum[MT];
-      FS_GGML_UNROLL for (int i = 0; i < MT; ++i) isum[i] = _mm512_setzero_si512();
-      FS_GGML_UNROLL for (int k = 0; k < 16; ++k) {
-        const __m512i w0 = _mm512_load_si512(p + 4 * k), w1 = _mm512_load_si512(p + 4 * k + 1),
-                      w2 = _mm512_load_si512(p + 4 * k + 2), w3 = _mm512_load_si512(p + 4 * k + 3);
-        const __m512i sc = _mm512_load_si512(p + 64 + k);
-        FS_GGML_UNROLL for (int i = 0; i < MT; ++i) {
-          const uint8_t* x = reinterpret_cast<const uint8_t*>(aq[i] + sb * 256 + 16 * k);
-          __m512i d0 = dpbusd512(_mm512_setzero_si512(), w0, _mm512_set1_epi32(static_cast<int>(load_u32(x))));
-          __m512i d1 = dpbusd512(_mm512_setzero_si512(), w1, _mm512_set1_epi32(static_cast<int>(load_u32(x + 4))));
-          d0 = dpbusd512(d0, w2, _mm512_set1_epi32(static_cast<int>(load_u32(x + 8))));
-          d1 = dpbusd512(d1, w3, _mm512_set1_epi32(static_cast<int>(load_u32(x + 12))));
-          isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(_mm512_add_epi32(d0, d1), sc));
-        }
-      }
-      FS_GGML_UNROLL for (int i = 0; i < MT; ++i) finish(p, sb, a, m0 + i, isum[i], acc[i]);
-    }
-  }
 };
 
 }  // namespace fitserve::ggml
