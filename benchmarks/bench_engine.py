@@ -576,14 +576,20 @@ def paired_ratios(results: list[dict[str, Any]], by: dict[str, dict[str, Any]],
             print(f"  {_name(r)}, W1 of its limit per round (the bandwidth measured just before): "
                   + " ".join(f"{f:.0%}" for f in fracs) + f" (median {statistics.median(fracs):.0%})")
         for p in peers:
-            pairs = [(a, b) for a, b in zip(r["rounds"], by[p]["rounds"], strict=True) if a and b]
-            parts = []
-            for w in ("W1", "W2"):
-                ratios = [a[w]["tok_s"] / b[w]["tok_s"] for a, b in pairs if w in a and w in b]
-                if ratios:
-                    each = " ".join(f"{x:.2f}" for x in ratios)
-                    parts.append(f"{w} {each} (median {statistics.median(ratios):.2f}x)")
-            print(f"  {_name(r)} / {p}, per round: " + "; ".join(parts))
+            print(f"  {_name(r)} / {p}, per round: " + round_ratios(r, by[p]))
+
+
+def round_ratios(a: dict[str, Any], b: dict[str, Any]) -> str:
+    """Two engines' merged results (merge_rounds), round i against round i: each round's W1
+    and W2 ratio of medians and their median (rounds where either worker failed left out)."""
+    pairs = [(x, y) for x, y in zip(a["rounds"], b["rounds"], strict=True) if x and y]
+    parts = []
+    for w in ("W1", "W2"):
+        ratios = [x[w]["tok_s"] / y[w]["tok_s"] for x, y in pairs if w in x and w in y]
+        if ratios:
+            each = " ".join(f"{v:.2f}" for v in ratios)
+            parts.append(f"{w} {each} (median {statistics.median(ratios):.2f}x)")
+    return "; ".join(parts)
 
 if __name__ == "__main__":
     main()

@@ -193,7 +193,9 @@ def main() -> None:
             print(f"{qtype}: fitserve (round {i + 1} of {args.rounds}) ...", file=sys.stderr)
             _, fs_i, bws_i, rbw_i = bandwidth_around(lambda spec=spec: be.run_worker(
                 [*me, "--worker", "fitserve"], spec))
-            fss.append(fs_i), bwss.append(bws_i), rbws.append(rbw_i)
+            fss.append(fs_i)
+            bwss.append(bws_i)
+            rbws.append(rbw_i)
             if "llamacpp" in args.peers:
                 print(f"{qtype}: llama.cpp (round {i + 1}) ...", file=sys.stderr)
                 peers.append(be.run_worker(
@@ -262,16 +264,8 @@ def report(rows: list[tuple[str, Path, float, Any, Any, Any, tuple[float, float]
               f"{bws[0] / 1e9:.1f}, after {bws[1] / 1e9:.1f}; read {rbw / 1e9:.1f}); engine start {fs['startup_s'] if fs else float('nan'):.1f} s (load, build, ledger)")
     if args.rounds > 1:
         for qtype, _, _, fs, peer, _, _, _ in rows:
-            if not fs or not peer:
-                continue
-            pairs = [(a, b) for a, b in zip(fs["rounds"], peer["rounds"], strict=True) if a and b]
-            parts = []
-            for w in ("W1", "W2"):
-                rs = [a[w]["tok_s"] / b[w]["tok_s"] for a, b in pairs if w in a and w in b]
-                if rs:
-                    parts.append(f"{w} " + " ".join(f"{x:.2f}" for x in rs)
-                                 + f" (median {statistics.median(rs):.2f}x)")
-            print(f"{qtype} fitserve / llama.cpp per round: " + "; ".join(parts))
+            if fs and peer:
+                print(f"{qtype} fitserve / llama.cpp per round: " + be.round_ratios(fs, peer))
     ratios = [_rate(fs, "W1") / _rate(p, "W1") for _, _, _, fs, p, _, _, _ in rows if fs and p]
     if ratios:
         print(f"median W1 ratio fitserve / llama.cpp over the types: {statistics.median(ratios):.2f}")

@@ -33,6 +33,15 @@ constexpr std::array<uint8_t, 16> biased_table(const int8_t* values) {
   return t;
 }
 
+#ifdef FS_GGML_VNNI
+// The table + 128 (biased_table) in every 128-bit lane: vpshufb's operand for nibble lookups.
+template <const int8_t* kValues>
+inline __m512i biased_table512() {
+  static constexpr std::array<uint8_t, 16> kTabU = biased_table(kValues);
+  return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kTabU.data())));
+}
+#endif
+
 // 2^(e - 128) as float32, from its bits (e < 2: the subnormals 2^-128 and 2^-127)
 inline float e8m0_half_at(const uint8_t* p) {
   const uint32_t e = p[0];
@@ -88,9 +97,7 @@ struct Table4Block {
     }
   }
   [[gnu::always_inline]] static inline __m512i pair(const uint8_t* b, bool two) {
-    static constexpr std::array<uint8_t, 16> kTabU = biased_table(kValues);
-    const __m512i table_u =
-        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kTabU.data())));
+    const __m512i table_u = biased_table512<kValues>();
     return _mm512_shuffle_epi8(table_u, nibbles_pair(b + kQs, b + kBytes + kQs, two));
   }
 #endif
@@ -242,17 +249,12 @@ struct IQ4XS {
     }
   }
 
-  static __m512i table_u() {
-    static constexpr std::array<uint8_t, 16> kTabU = biased_table(kIq4Values);
-    return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kTabU.data())));
-  }
-
   static constexpr bool kRowPrefetch = true;  // row(..., pf): ggml_blocks_run.h
   using Panel = IQ4XSPanel;                   // M >= Panel::kMinRows (ggml_blocks_iq4panel.h)
   template <int MT>
   static void row(const uint8_t* w, int64_t nsb, const Act& a, int64_t m0, float* res,
                   int64_t pf = 0) {
-    const __m512i tab = table_u();
+    const __m512i tab = biased_table512<kIq4Values>();
     __m128 acc[MT];
     FS_GGML_UNROLL for (int i = 0; i < MT; ++i) acc[i] = _mm_setzero_ps();
     int64_t sb = 0;

@@ -16,8 +16,6 @@
 // digits below 256, which the biased table values (up to 241) are not.
 #pragma once
 
-#include <array>
-
 #include "ggml_blocks_kquant.h"
 
 #ifdef FS_GGML_VNNI
@@ -31,16 +29,14 @@ struct IQ4XSPanel {
   static constexpr bool kNoAmx = true;
   // NOTE: M from which the panels run (M = 1: IQ4XS::row, the GEMV). G MAC/s against the
   // row tiles they replace (bench_m_rows.py --interleave, 2 threads, Zen 4, trees alternated):
-  // 2048x2048 / 8192x2048 M = 2 74-91 vs 56-61, M = 3 96-117 vs 48-51, M = 32 271-297 vs
-  // 193-224 (the lane tiles over transposed x before)
+  // 2048x2048 / 8192x2048 M = 2 74-91 vs 56-61, M = 3 96-117 vs 47-51; three shapes M = 32
+  // 246-297 vs 193-226 (the lane tiles over transposed x before: docs/benchmarks.md)
   static constexpr int kMinRows = 2;
 
   // kDigits (the AMX planes): never taken (kNoAmx), the same decode
   template <bool kDigits = false>
   static void pack(const uint8_t* const* rows, __m512i idx, int64_t sb, __m512i* p) {
-    static constexpr std::array<uint8_t, 16> kTabU = biased_table(kIq4Values);
-    const __m512i table =
-        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kTabU.data())));
+    const __m512i table = biased_table512<kIq4Values>();
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     FS_GGML_UNROLL for (int h = 0; h < 2; ++h) {  // qs bytes 64h .. 64h + 63: sub-blocks 4h .. 4h + 3
       __m512i r[16];
