@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from fitserve.loading.pull import pull
+from tests.gguf_vocab_files import default_hf_tokenizer
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -75,10 +76,8 @@ def smollm2_path() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_tokenizer_dir(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """transformers' own tokenizer of the SmolLM2 GGUF, saved as tokenizer.json & co."""
-    transformers = pytest.importorskip("transformers")
-    tok = transformers.AutoTokenizer.from_pretrained(
-        str(smollm2_path.parent), gguf_file=smollm2_path.name
-    )
+    pytest.importorskip("transformers")
+    tok = default_hf_tokenizer(smollm2_path)
     folder = tmp_path_factory.mktemp("smollm2-tokenizer")
     tok.save_pretrained(folder)
     return folder

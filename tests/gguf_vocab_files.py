@@ -12,6 +12,7 @@ tiny random-weight model (tests/tiny_gguf.py) so both fitserve and transformers 
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 from collections.abc import Sequence
@@ -202,3 +203,12 @@ def hf_tokenizer(path: Path) -> Any:
     import transformers
 
     return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@functools.cache
+def default_hf_tokenizer(path: Path) -> Any:
+    """``hf_tokenizer`` of a file no test rewrites (the default model's), read once per process.
+
+    NOTE: transformers converts a GGUF vocabulary in ~5 s; fifteen fixtures each read the default
+    model's, so every pytest worker paid ~75 s for the same tokenizer. Nothing mutates it."""
+    return hf_tokenizer(path)

@@ -12,6 +12,7 @@ from fitserve.config import EngineConfig
 from fitserve.engine.core import Engine
 from fitserve.loading import load_model
 from fitserve.sampling import SamplingParams
+from tests.gguf_vocab_files import default_hf_tokenizer
 
 from .conftest import hf_greedy
 from .tiny_models import build_tiny
@@ -24,8 +25,8 @@ NUM_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def hf_tokenizer(smollm2_gguf):  # type: ignore[no-untyped-def]
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    pytest.importorskip("transformers")
+    return default_hf_tokenizer(smollm2_gguf)
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from fitserve.loading import load_model
+from tests.gguf_vocab_files import default_hf_tokenizer
 
 from .conftest import hf_greedy
 from .hf_to_gguf import write_gguf_like_llama_cpp
@@ -40,8 +41,7 @@ ARCH = "gemma3_all_sliding"
 
 @pytest.fixture(scope="module")
 def family(smollm2_gguf: Path, tmp_path_factory: Any) -> Family:
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent),
-                                                           gguf_file=smollm2_gguf.name)
+    tokenizer = default_hf_tokenizer(smollm2_gguf)
     folder = tmp_path_factory.mktemp("tiny-gemma3-all-sliding")
     ref = build_tiny(ARCH, folder, tokenizer)
     loaded = load_model(folder, dtype=torch.float32)

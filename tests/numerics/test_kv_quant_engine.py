@@ -27,6 +27,7 @@ from fitserve.model.loader import build_model
 from fitserve.quant.kv_cache import CODECS
 from fitserve.runner.teacher_forcing import score_logits
 from fitserve.sampling import SamplingParams
+from tests.gguf_vocab_files import default_hf_tokenizer
 
 from .test_prefix_caching import check_on_equals_off
 from .tiny_models import build_tiny
@@ -34,9 +35,8 @@ from .tiny_models import build_tiny
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> LoadedModel:
-    transformers = pytest.importorskip("transformers")
-    tok = transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent),
-                                                     gguf_file=smollm2_gguf.name)
+    pytest.importorskip("transformers")
+    tok = default_hf_tokenizer(smollm2_gguf)
     folder = tmp_path_factory.mktemp("tiny-llama-kvq")
     build_tiny("llama", folder, tok)
     return load_model(folder, dtype=torch.float32)

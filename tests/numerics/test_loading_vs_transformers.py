@@ -16,6 +16,7 @@ from gguf.quants import dequantize
 
 from fitserve.loading import LoadedModel
 from fitserve.loading.gguf import open_gguf
+from tests.gguf_vocab_files import default_hf_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -50,9 +51,7 @@ CONVERSATIONS: list[list[dict[str, str]]] = [
 
 @pytest.fixture(scope="module")
 def hf_tokenizer(smollm2_path: Path) -> Any:
-    return transformers.AutoTokenizer.from_pretrained(
-        str(smollm2_path.parent), gguf_file=smollm2_path.name
-    )
+    return default_hf_tokenizer(smollm2_path)
 
 
 def test_spec(smollm2_loaded: LoadedModel) -> None:

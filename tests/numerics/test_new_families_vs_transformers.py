@@ -27,6 +27,7 @@ from fitserve.engine.core import Engine
 from fitserve.loading import LoadedModel, load_model
 from fitserve.sampling import SamplingParams
 from fitserve.sampling.beam_search import BeamSearchParams
+from tests.gguf_vocab_files import default_hf_tokenizer
 
 from .conftest import hf_greedy
 from .hf_to_gguf import write_gguf_like_llama_cpp
@@ -68,8 +69,7 @@ def derived_tolerance(ref: Any, prompt: list[int]) -> float:
 
 @pytest.fixture(scope="module")
 def hf_tokenizer(smollm2_gguf: Path) -> Any:
-    return transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent),
-                                                      gguf_file=smollm2_gguf.name)
+    return default_hf_tokenizer(smollm2_gguf)
 
 
 @pytest.fixture(scope="module", params=["gemma2", "gemma3", "phi3"])

@@ -25,6 +25,7 @@ from fitserve.engine.core import Engine
 from fitserve.loading import LoadedModel, load_model
 from fitserve.sampling import SamplingParams
 from fitserve.types import RunnerOutput, SchedulerOutput
+from tests.gguf_vocab_files import default_hf_tokenizer
 
 from .tiny_models import build_tiny
 
@@ -35,8 +36,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def hf_tokenizer(smollm2_gguf: Path):  # type: ignore[no-untyped-def]
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    pytest.importorskip("transformers")
+    return default_hf_tokenizer(smollm2_gguf)
 
 
 @pytest.fixture(scope="module", params=["llama", "mistral", "gemma3"])

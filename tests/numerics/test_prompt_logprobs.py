@@ -27,6 +27,7 @@ from fitserve.engine.core import Engine
 from fitserve.loading import LoadedModel, load_model
 from fitserve.sampling import SamplingParams
 from fitserve.types import RequestOutput, TokenLogprobs
+from tests.gguf_vocab_files import default_hf_tokenizer
 
 from .tiny_models import build_tiny
 
@@ -36,8 +37,8 @@ TOP = 3
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path):  # type: ignore[no-untyped-def]
-    transformers = pytest.importorskip("transformers")
-    tok = transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    pytest.importorskip("transformers")
+    tok = default_hf_tokenizer(smollm2_gguf)
     folder = tmp_path_factory.mktemp("tiny-llama-lp")
     hf = build_tiny("llama", folder, tok)
     return load_model(folder, dtype=torch.float32), hf.double()

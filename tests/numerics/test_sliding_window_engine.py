@@ -15,6 +15,7 @@ from fitserve.kv.group import NULL_BLOCK
 from fitserve.ledger.kv import window_blocks_held
 from fitserve.loading import load_model
 from fitserve.sampling import SamplingParams
+from tests.gguf_vocab_files import default_hf_tokenizer
 
 from .conftest import hf_greedy
 from .tiny_models import build_tiny
@@ -28,8 +29,8 @@ HYBRID = dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=
 
 @pytest.fixture(scope="module")
 def hf_tokenizer(smollm2_gguf):  # type: ignore[no-untyped-def]
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    pytest.importorskip("transformers")
+    return default_hf_tokenizer(smollm2_gguf)
 
 
 def _engine(folder, num_kv_blocks: int = 96, max_model_len: int = 256):  # type: ignore[no-untyped-def]

@@ -18,6 +18,7 @@ from fitserve.engine.core import Engine
 from fitserve.loading import LoadedModel, load_model
 from fitserve.sampling import SamplingParams
 from fitserve.spec_decode import rejection
+from tests.gguf_vocab_files import default_hf_tokenizer
 
 from .tiny_models import build_tiny
 
@@ -31,8 +32,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 @pytest.fixture(scope="module", params=["llama", "mistral"])
 def tiny(request, tmp_path_factory, smollm2_gguf: Path) -> LoadedModel:  # type: ignore[no-untyped-def]
-    transformers = pytest.importorskip("transformers")
-    tok = transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    pytest.importorskip("transformers")
+    tok = default_hf_tokenizer(smollm2_gguf)
     folder = tmp_path_factory.mktemp(f"tiny-spec-{request.param}")
     build_tiny(request.param, folder, tok)
     return load_model(folder, dtype=torch.float32)
@@ -170,8 +171,8 @@ def test_sampling_distribution_matches_plain(tiny: LoadedModel, params: Sampling
 @pytest.fixture(scope="module")
 def random_draft_for_smollm2(tmp_path_factory, smollm2_gguf: Path) -> Path:  # type: ignore[no-untyped-def]
     """A random 3-layer model with SmolLM2's vocabulary: a draft that is mostly wrong."""
-    transformers = pytest.importorskip("transformers")
-    tok = transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    pytest.importorskip("transformers")
+    tok = default_hf_tokenizer(smollm2_gguf)
     folder = tmp_path_factory.mktemp("tiny-draft-49152")
     build_tiny("llama", folder, tok, vocab_size=49152)
     return folder
@@ -206,8 +207,8 @@ def test_a_draft_of_another_vocabulary_is_refused(smollm2_loaded: LoadedModel, t
 def test_draft_model_sampling_matches_plain(tiny: LoadedModel, tmp_path_factory, smollm2_gguf: Path) -> None:  # type: ignore[no-untyped-def]
     """A random draft (the other tiny architecture, same vocabulary) proposes from its own q:
     rejections resample norm(max(0, p - q)); the token distribution stays the target's."""
-    transformers = pytest.importorskip("transformers")
-    tok = transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    pytest.importorskip("transformers")
+    tok = default_hf_tokenizer(smollm2_gguf)
     other = "qwen2" if tiny.spec.architecture == "llama" else "llama"
     folder = tmp_path_factory.mktemp(f"tiny-draft-{other}")
     build_tiny(other, folder, tok)
@@ -229,8 +230,8 @@ def test_draft_model_greedy_on_tiny_models_under_pressure(tiny: LoadedModel, tmp
                                                           smollm2_gguf: Path) -> None:  # type: ignore[no-untyped-def]
     """A random draft of the other tiny architecture, batched with requests that do not
     speculate, a small token budget (chunked prefill) and a pool small enough to preempt."""
-    transformers = pytest.importorskip("transformers")
-    tok = transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    pytest.importorskip("transformers")
+    tok = default_hf_tokenizer(smollm2_gguf)
     other = "qwen3" if tiny.spec.architecture == "llama" else "llama"
     folder = tmp_path_factory.mktemp(f"tiny-greedy-draft-{other}")
     build_tiny(other, folder, tok)

@@ -18,6 +18,7 @@ from fitserve.engine.core import Engine
 from fitserve.loading import LoadedModel, load_model
 from fitserve.model.eagle_head import EagleHead
 from fitserve.sampling import SamplingParams
+from tests.gguf_vocab_files import default_hf_tokenizer
 
 from .test_spec_decode import _chi2, _critical, _histograms, drive
 from .tiny_models import build_tiny
@@ -29,8 +30,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, smollm2_gguf: Path) -> tuple[LoadedModel, Path, Path]:  # type: ignore[no-untyped-def]
     """(target, trained head file, untrained head file)."""
-    transformers = pytest.importorskip("transformers")
-    tok = transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    pytest.importorskip("transformers")
+    tok = default_hf_tokenizer(smollm2_gguf)
     folder = tmp_path_factory.mktemp("tiny-eagle")
     hf = build_tiny("llama", folder, tok)
     xs, hs, ys = [], [], []
