@@ -25,6 +25,7 @@ from fitserve.model.attention.backend import AttentionBackend, DecodeBatch, Pref
 from fitserve.model.attention.dispatch import choose_attention_backend, classify
 from fitserve.model.attention.paged import AttentionBatch
 from fitserve.model.llama import CausalLM, LayerKV
+from fitserve.model.moe import SparseMoeBlock
 from fitserve.quant.kv_cache import QuantizedKVCache
 from fitserve.runner.compiled_step import CompiledDecode
 from fitserve.runner.decode_loop import DecodeLoop
@@ -112,6 +113,9 @@ class ModelRunner:
             self.compiled = CompiledDecode(model, self.kv_caches, spec.sliding_window)
         # eager decode-only steps as one flat loop of prebound ops (fitserve.runner.decode_loop);
         # FITSERVE_DECODE_LOOP=0 runs them through the modules instead (same bits, slower)
+        for module in model.modules():  # the experts stacked before the first request
+            if isinstance(module, SparseMoeBlock):
+                module.prepare_grouped()
         self.decode_loop: DecodeLoop | None = None
         if (one_batch and self.use_cpp and (self.use_kvq or not self.quantized_kv)
                 and envs.FITSERVE_DECODE_LOOP() and DecodeLoop.supports(model, kv_dtype)):

@@ -64,8 +64,11 @@ def test_moe_grouped_experts_native(arch: str, tmp_path: Path) -> None:
     assert all(type(b) is SparseMoeBlock for b in blocks)
     assert (blocks[0].shared_expert is not None) == (arch == "qwen2_moe")
     assert (model.layers[0].self_attn.q_norm is not None) == (arch in ("qwen3_moe", "olmoe"))
+    # stacked at start-up (prepare_grouped), not in the first request's step, and never again
+    grouped = [b._grouped for b in blocks]
+    assert all(g is not None and g.active for g in grouped)
     steps_native(engine)
-    assert all(b._grouped is not None and b._grouped.active for b in blocks)
+    assert all(b._grouped is g for b, g in zip(blocks, grouped, strict=True))
 
 
 def test_moe_experts_off_the_grouped_kernel(tmp_path: Path, smollm2_tokenizer_dir: Path) -> None:
