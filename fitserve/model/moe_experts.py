@@ -8,9 +8,10 @@ type has a kernel, and x is bfloat16 (GgmlLinear's own rule: a float32 model is 
 and dequantizes). Elsewhere (dense / packed / fp8 experts, gpt-oss's experts, no C++ build,
 float32) the block's per-expert loop runs.
 
-Memory: the layer's experts are stacked once, at the first call, into one ``[E, rows, bytes]``
-tensor per projection, and each expert's ``blocks`` buffer becomes a view of its slice, so the
-weights are held once, as before (the stack replaces the per-expert tensors).
+Memory: the layer's experts are stacked once, at start-up (SparseMoeBlock.prepare_grouped),
+into one ``[E, rows, bytes]`` tensor per projection, and each expert's ``blocks`` buffer becomes
+a view of its slice, so the weights are held once, as before (the stack replaces the per-expert
+tensors).
 """
 
 from __future__ import annotations
