@@ -111,11 +111,11 @@ class ModelRunner:
         one_batch = self.layer_group is None
         if compile_decode and self.use_cpp and not self.quantized_kv and one_batch:
             self.compiled = CompiledDecode(model, self.kv_caches, spec.sliding_window)
-        # eager decode-only steps as one flat loop of prebound ops (fitserve.runner.decode_loop);
-        # FITSERVE_DECODE_LOOP=0 runs them through the modules instead (same bits, slower)
         for module in model.modules():  # the experts stacked before the first request
             if isinstance(module, SparseMoeBlock):
                 module.prepare_grouped()
+        # eager decode-only steps as one flat loop of prebound ops (fitserve.runner.decode_loop);
+        # FITSERVE_DECODE_LOOP=0 runs them through the modules instead (same bits, slower)
         self.decode_loop: DecodeLoop | None = None
         if (one_batch and self.use_cpp and (self.use_kvq or not self.quantized_kv)
                 and envs.FITSERVE_DECODE_LOOP() and DecodeLoop.supports(model, kv_dtype)):
