@@ -591,5 +591,6 @@ def round_ratios(a: dict[str, Any], b: dict[str, Any]) -> str:
             parts.append(f"{w} {each} (median {statistics.median(ratios):.2f}x)")
     return "; ".join(parts)
 
+
 if __name__ == "__main__":
     main()
