@@ -4,6 +4,7 @@ tokens per step, beside a plain read of the same bytes, caches evicted.
     .venv/bin/python benchmarks/bench_moe_op.py                    # bench_moe's default shape
     .venv/bin/python benchmarks/bench_moe_op.py --tokens 1 2 8 --threads 1 2 --calls 300
     .venv/bin/python benchmarks/bench_moe_op.py --block      # one token's whole block: 1 op vs 3
+    .venv/bin/python benchmarks/bench_moe_op.py --hot --threads 1   # the op's own work (cached)
 
 Weights: bench_moe.py's default layer (hidden 1024, 64 experts top-8, expert intermediate 256),
 gate_up Q4_K and down Q6_K / Q4_K (a Q4_K_M file's two kinds of layer), random blocks with a sane
@@ -14,6 +15,10 @@ threads), one call per layer in the same order. Method: the two alternate in blo
 calls, --rounds times; one thread is timed by ``time.thread_time`` (this thread's CPU: robust on a
 loaded host), more threads by wall time (loaded-host figures are then a floor). Medians printed,
 with the load average.
+
+``--hot``: one layer and one routing for every call, so the active experts' bytes stay in the
+caches: the op's own decode and dot work, without DRAM (set beside the default run's figure, how
+much of the op's time is memory stalls).
 
 ``--block``: one token's whole MoE block (router [E, H] bf16 per layer, routing, experts) as
 fitserve::moe_block_ggml (one parallel region) against the three ops it fuses (bf16_gemv,
@@ -63,10 +68,13 @@ def timed(fn, calls: int, wall: bool) -> float:  # type: ignore[no-untyped-def]
 
 
 def measure(layers: list[tuple[torch.Tensor, torch.Tensor]], down_t: str, n: int,
-            threads: list[int], calls: int, rounds: int, gen: torch.Generator) -> None:
+            threads: list[int], calls: int, rounds: int, gen: torch.Generator,
+            hot: bool = False) -> None:
     """Print one line per thread count: the op and the plain read on n tokens per call."""
     x = torch.randn(n, H).bfloat16()
-    routes = [routing(n, gen) for _ in range(calls)]
+    routes = [routing(n, gen)] * calls if hot else [routing(n, gen) for _ in range(calls)]
+    if hot:
+        layers = layers[:1]
     per_expert = layers[0][0][0].numel() + layers[0][1][0].numel()
     nbytes = statistics.mean(len(set(ids.flatten().tolist())) * per_expert for ids, _ in routes)
 
@@ -130,6 +138,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--calls", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--hot", action="store_true", help="one layer and routing: experts cached")
     ap.add_argument("--block", action="store_true", help="one token's block: 1 op vs 3 (doc)")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
@@ -143,7 +152,8 @@ def main() -> None:
             measure_block(layers, down_t, args.threads, args.calls, args.rounds, gen)
         print("one thread: CPU time of this thread; two: wall time (a loaded host lowers them)")
         return
-    print(f"expert op alone: hidden {H}, {E} experts top-{K_TOP}, intermediate {INTER}; "
+    print(f"expert op alone{' (hot: one layer and routing, cached)' if args.hot else ''}: "
+          f"hidden {H}, {E} experts top-{K_TOP}, intermediate {INTER}; "
           f"load {' '.join(f'{v:.1f}' for v in os.getloadavg())}")
     print(f"{'down':<6}{'N':>3}{'thr':>4}{'active MB':>10}{'op us':>9}{'op GB/s':>9}"
           f"{'read GB/s':>10}{'op/read':>8}")
@@ -151,7 +161,7 @@ def main() -> None:
         layers = [(random_stack("Q4_K", 2 * INTER, H, gen), random_stack(down_t, H, INTER, gen))
                   for _ in range(args.layers)]
         for n in args.tokens:
-            measure(layers, down_t, n, args.threads, args.calls, args.rounds, gen)
+            measure(layers, down_t, n, args.threads, args.calls, args.rounds, gen, args.hot)
     print("one thread: CPU time of this thread; more: wall time (a loaded host lowers them)")
 
 
