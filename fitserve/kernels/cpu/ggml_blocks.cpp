@@ -283,9 +283,13 @@ bool ggml_blocks_set_amx(bool on) {
 }  // namespace
 }  // namespace fitserve::ggml
 
+#include "ggml_dequant_rows.h"
+
 TORCH_LIBRARY_FRAGMENT(fitserve, m) {
   m.def("ggml_matmul(Tensor x, Tensor blocks, str ggml_type, int n, int k) -> Tensor");
   m.def("ggml_matmul_parts(Tensor x, Tensor[] blocks, str[] ggml_types, bool out_x_dtype) "
+        "-> Tensor");
+  m.def("ggml_dequant_rows(Tensor blocks, Tensor ids, str ggml_type, int k, ScalarType dtype) "
         "-> Tensor");
   m.def("ggml_kernel_types() -> str[]", &fitserve::ggml::ggml_kernel_types);
   m.def("ggml_blocks_tier() -> str", &fitserve::ggml::ggml_blocks_tier);
@@ -296,4 +300,5 @@ TORCH_LIBRARY_FRAGMENT(fitserve, m) {
 TORCH_LIBRARY_IMPL(fitserve, CPU, m) {
   m.impl("ggml_matmul", &fitserve::ggml::ggml_matmul);
   m.impl("ggml_matmul_parts", &fitserve::ggml::ggml_matmul_parts);
+  m.impl("ggml_dequant_rows", &fitserve::ggml::dequant::ggml_dequant_rows);
 }

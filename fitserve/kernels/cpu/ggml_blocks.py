@@ -21,8 +21,8 @@ import torch
 
 from fitserve.kernels.cpu.build import load_extension
 
-__all__ = ["GGML_KERNEL_TYPES", "amx_active", "ggml_blocks_tier", "ggml_kernel_available",
-           "ggml_matmul", "set_amx"]
+__all__ = ["GGML_KERNEL_TYPES", "amx_active", "ggml_blocks_tier", "ggml_dequant_rows",
+           "ggml_kernel_available", "ggml_matmul", "set_amx"]
 
 # NOTE: the types ggml_blocks.cpp implements, on every ISA tier (scalar included); whether the
 # build exists on this machine is ggml_kernel_available's question (building it is not an import
@@ -41,12 +41,32 @@ def _ops_loaded() -> bool:
     if load_extension("ggml_blocks", "ggml_blocks.cpp") is None:
         return False
     torch.library.register_fake("fitserve::ggml_matmul", _ggml_matmul_fake)
+    torch.library.register_fake("fitserve::ggml_dequant_rows", _ggml_dequant_rows_fake)
     return True
 
 
 def _ggml_matmul_fake(x: torch.Tensor, blocks: torch.Tensor, ggml_type: str, n: int,
                       k: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], n, dtype=torch.float32)
+
+
+def _ggml_dequant_rows_fake(blocks: torch.Tensor, ids: torch.Tensor, ggml_type: str, k: int,
+                            dtype: torch.dtype) -> torch.Tensor:
+    return blocks.new_empty(*ids.shape, k, dtype=dtype)
+
+
+def ggml_dequant_rows(blocks: torch.Tensor, ids: torch.Tensor, ggml_type: str, k: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` of ``blocks`` (uint8 ``[N, K / block * bytes]``) dequantized: ``[*ids.shape,
+    K]`` of ``dtype`` (float32, bfloat16, float16), the values of
+    fitserve.quant.ggml_blocks.dequantize_blocks (gguf-py's) rounded once to ``dtype`` -- a token
+    embedding's lookup in one call. An id outside ``[0, N)`` raises IndexError."""
+    if not _ops_loaded():
+        raise RuntimeError("the ggml_blocks C++ kernels are unavailable (see the log for why); "
+                           "use the pure-torch path")
+    out: torch.Tensor = torch.ops.fitserve.ggml_dequant_rows(blocks, ids.long(), ggml_type, k,
+                                                             dtype)
+    return out
 
 
 def ggml_kernel_available(ggml_type: str) -> bool:
