@@ -269,6 +269,8 @@ bool qlinear_set_amx(bool on) {
 }  // namespace
 }  // namespace fitserve::qlinear
 
+#include "qlinear_held_rows.h"
+
 // NOTE: a FRAGMENT, so other sources (paged_attention.cpp) may add ops to namespace "fitserve".
 TORCH_LIBRARY_FRAGMENT(fitserve, m) {
   m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int group_size, "
@@ -281,6 +283,8 @@ TORCH_LIBRARY_FRAGMENT(fitserve, m) {
   m.def("qlinear_hold(Tensor qweight, Tensor scales, Tensor? mins, int group_size, int bits) "
         "-> Tensor[]", &fitserve::qlinear::qlinear_hold);
   m.def("qlinear_held_layout() -> int[]", &fitserve::qlinear::qlinear_held_layout);
+  m.def("qlinear_held_rows(Tensor codes, Tensor scales, Tensor? mins, Tensor ids, int group_size, "
+        "int bits, int k, ScalarType dtype) -> Tensor");
   m.def("qlinear_amx_active() -> bool", &fitserve::qlinear::qlinear_amx_active);
   m.def("qlinear_set_amx(bool on) -> bool", &fitserve::qlinear::qlinear_set_amx);
   m.def("qlinear_is_prepacked(Tensor qweight, Tensor scales, Tensor? mins, int group_size, "
@@ -292,4 +296,5 @@ TORCH_LIBRARY_FRAGMENT(fitserve, m) {
 TORCH_LIBRARY_IMPL(fitserve, CPU, m) {
   m.impl("int4_linear", &fitserve::qlinear::int4_linear);
   m.impl("int8_linear", &fitserve::qlinear::int8_linear);
+  m.impl("qlinear_held_rows", &fitserve::qlinear::qlinear_held_rows);
 }

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from fitserve.kernels.cpu.build import load_extension
 
 __all__ = ["HeldLayout", "amx_active", "set_amx", "held_layout", "hold", "int4_linear", "int8_linear", "is_prepacked",
-           "gather_held_rows", "out_features", "padded_width", "prepack", "qlinear_ops_available", "qlinear_tier",
+           "gather_held_rows", "held_rows", "out_features", "padded_width", "prepack", "qlinear_ops_available", "qlinear_tier",
            "rows_of_held"]
 
 
@@ -87,6 +87,13 @@ def _register_fakes() -> None:
     """Shapes for torch.compile's fake tensors: the ops stay opaque calls in the graph."""
     torch.library.register_fake("fitserve::int4_linear", _int4_fake)
     torch.library.register_fake("fitserve::int8_linear", _int8_fake)
+    torch.library.register_fake("fitserve::qlinear_held_rows", _held_rows_fake)
+
+
+def _held_rows_fake(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                    ids: torch.Tensor, group_size: int, bits: int, k: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    return scales.new_empty(*ids.shape, k, dtype=dtype)
 
 
 def _require() -> None:
@@ -210,6 +217,19 @@ def gather_held_rows(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tens
     if codes.dtype == torch.int8 and held_layout().w8_biased:
         q = q ^ 0x80
     return q.view(codes.dtype), scales[pi, :, li], None if mins is None else mins[pi, :, li]
+
+
+def held_rows(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+              ids: torch.Tensor, group_size: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` of a weight held as panels dequantized to ``[*ids.shape, k]`` of ``dtype``
+    (float32, bfloat16, float16) in one call: the values of ``gather_held_rows`` then
+    fitserve.quant.packed's dequantize, bit for bit (a tied embedding's lookup). An id outside
+    ``[0, N)`` raises IndexError."""
+    _require()
+    bits = 4 if codes.dtype == torch.uint8 else 8
+    out: torch.Tensor = torch.ops.fitserve.qlinear_held_rows(codes, scales, mins, ids.long(),
+                                                             group_size, bits, k, dtype)
+    return out
 
 
 def is_prepacked(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,

@@ -215,20 +215,34 @@ def test_held_panels_run_the_same_bits_and_go_back(fmt: str) -> None:
     assert torch.equal(layer(x), row_major(x))
 
 
-def test_tied_embedding_gathers_from_its_heads_panels() -> None:
+@pytest.mark.parametrize("fmt, k", [("int8-g32", 96), ("int4-g32-asym", 100),
+                                    ("int4-g64-sym", 100), ("int8-ch", 70)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=str)
+def test_tied_embedding_gathers_from_its_heads_panels(fmt: str, k: int,
+                                                      dtype: torch.dtype) -> None:
+    """The held lookup (qlinear_held_rows, one C++ call) gives the row-major lookup's tensor
+    (gather_rows: packed.py's dequantize, then .to(dtype)) bit for bit, K's padding dropped."""
+    from fitserve.kernels.cpu import qlinear
     from fitserve.model.linear import hold_linears_as_panels
 
     if not cpp_ops_available():
         pytest.skip("no C++ ops: nothing is held as panels")
-    pw = make("int8-g32", n=64, k=96)
-    emb = PackedEmbedding(pw, torch.bfloat16)
+    pw = make(fmt, n=64, k=k)
+    emb = PackedEmbedding(pw, dtype)
     head = emb.tied_linear()
     head.act_quant = True
     model = torch.nn.ModuleDict({"embed": emb, "lm_head": head})
     ids = torch.tensor([[0, 63, 17], [16, 15, 1]])
-    want_rows, x = emb(ids), torch.randn(2, 96).bfloat16()
+    want_rows, x = emb(ids), torch.randn(2, k).bfloat16()
+    assert want_rows.dtype == dtype and want_rows.shape == (2, 3, k)
     want_logits = head(x)
     assert "1 of 1" in hold_linears_as_panels(model)
     assert emb.held_panels and head.held_panels and emb.qweight is head.qweight
-    assert torch.equal(emb(ids), want_rows) and torch.equal(head(x), want_logits)
+    got = emb(ids)
+    assert torch.equal(got.view(torch.uint8), want_rows.view(torch.uint8)), (fmt, dtype)
+    assert not torch.equal(got, emb((ids + 1) % 64))  # a wrong row would be seen
+    assert torch.equal(head(x), want_logits)
     assert sum(b.numel() * b.element_size() for b in model.buffers()) == pw.nbytes  # one copy
+    with pytest.raises(IndexError, match="out of bounds"):
+        qlinear.held_rows(emb.qweight, emb.scales, emb.mins, torch.tensor([64]), pw.group_size,
+                          k, dtype)
