@@ -61,7 +61,7 @@ def test_bad_ids_and_arguments_raise() -> None:
     for bad in ([N_ROWS], [-1]):
         with pytest.raises(IndexError, match="out of bounds"):
             ggml_dequant_rows(blocks, torch.tensor(bad), "Q4_K", k, torch.float32)
-    with pytest.raises(RuntimeError, match="no dequantization for GGML type"):
+    with pytest.raises(RuntimeError, match="ggml_dequant_rows: no kernel for GGML type"):
         ggml_dequant_rows(blocks, torch.tensor([0]), "Q2_K", k, torch.float32)
     with pytest.raises(RuntimeError, match="blocks must be contiguous uint8"):
         ggml_dequant_rows(blocks, torch.tensor([0]), "Q4_K", k + 256, torch.float32)

@@ -30,6 +30,8 @@
 #include "ggml_blocks_q5.h"
 #include "ggml_blocks_q8.h"
 #include "ggml_blocks_run.h"
+#include "ggml_dequant_rows.h"
+#include "row_lookup.h"
 
 namespace fitserve::ggml {
 namespace {
@@ -138,10 +140,12 @@ struct TypeInfo {
   Act (*quantize)(const at::Tensor&, ActBuf&, bool);
   void (*run_blocks)(const Act&, int64_t, const uint8_t*, int64_t, int64_t, int64_t, int64_t,
                      float*);
+  void (*dequant)(const uint8_t*, float*);  // one block -> float32 (ggml_dequant_rows.h)
 };
 
 #define FS_GGML_TYPE(name, T) \
-  {name, T::kQK, T::kBytes, &run_x<T>, T::kActBlock, T::kPerm128, &quantize_x<T>, &run_blocks<T>}
+  {name, T::kQK, T::kBytes, &run_x<T>, T::kActBlock, T::kPerm128, &quantize_x<T>, &run_blocks<T>, \
+   &dequant_block<T>}
 const TypeInfo kTypes[] = {
     FS_GGML_TYPE("Q4_K", Q4K),     FS_GGML_TYPE("Q5_K", Q5K),   FS_GGML_TYPE("Q6_K", Q6K),
     FS_GGML_TYPE("Q4_0", Q4_0),    FS_GGML_TYPE("Q4_1", Q4_1),  FS_GGML_TYPE("Q8_0", Q8_0),
@@ -150,10 +154,23 @@ const TypeInfo kTypes[] = {
 };
 #undef FS_GGML_TYPE
 
-const TypeInfo& type_info(const std::string& name) {
+const TypeInfo& type_info(const std::string& name, const char* op = "ggml_matmul") {
   for (const TypeInfo& t : kTypes)
     if (name == t.name) return t;
-  TORCH_CHECK(false, "ggml_matmul: no kernel for GGML type ", name);
+  TORCH_CHECK(false, op, ": no kernel for GGML type ", name);
+}
+
+// blocks: contiguous CPU uint8 [N, K / block * bytes] of type t (n >= 0: N = n rows)
+void check_blocks(const char* op, const at::Tensor& blocks, const TypeInfo& t,
+                  const std::string& type, int64_t n, int64_t k) {
+  TORCH_CHECK(k > 0 && k % t.block == 0, op, ": K=", k, " is not a multiple of ",
+              type, "'s block size ", t.block);
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte &&
+                  blocks.is_contiguous() && blocks.dim() == 2 &&
+                  (n < 0 || blocks.size(0) == n) && blocks.size(1) == k / t.block * t.bytes,
+              op, ": blocks must be contiguous uint8 [N", n < 0 ? "" : "=" + std::to_string(n),
+              ", ", k / t.block * t.bytes, "] for ", type, " with K=", k, ", got ",
+              blocks.sizes(), " ", blocks.scalar_type());
 }
 
 void check_args(const char* op, const at::Tensor& x, const at::Tensor& blocks, const TypeInfo& t,
@@ -163,13 +180,23 @@ void check_args(const char* op, const at::Tensor& x, const at::Tensor& blocks, c
               op, ": x must be a contiguous [M, K=", k, "], got ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               op, ": x must be float32 or bfloat16, got ", x.scalar_type());
-  TORCH_CHECK(k > 0 && k % t.block == 0, op, ": K=", k, " is not a multiple of ",
-              type, "'s block size ", t.block);
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.dim() == 2 &&
-                  blocks.size(0) == n && blocks.size(1) == k / t.block * t.bytes,
-              op, ": blocks must be contiguous uint8 [N=", n, ", ", k / t.block * t.bytes,
-              "] for ", type, " with K=", k, ", got ", blocks.sizes(), " ",
-              blocks.scalar_type());
+  check_blocks(op, blocks, t, type, n, k);
+}
+
+// fitserve::ggml_dequant_rows: rows `ids` of blocks [N, K / block * bytes] dequantized,
+// [*ids.shape, K] of dtype (a GGUF token embedding's lookup; ggml_dequant_rows.h)
+at::Tensor ggml_dequant_rows(const at::Tensor& blocks, const at::Tensor& ids,
+                             const std::string& type, int64_t k, at::ScalarType dtype) {
+  const TypeInfo& t = type_info(type, "ggml_dequant_rows");
+  check_blocks("ggml_dequant_rows", blocks, t, type, -1, k);
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  const int64_t nblk = k / t.block, row_bytes = nblk * t.bytes;
+  return lookup_rows("ggml_dequant_rows", ids, blocks.size(0), k, dtype, blocks.options(),
+                     [&](int64_t id, float* row) {
+                       const uint8_t* src = bp + id * row_bytes;
+                       for (int64_t b = 0; b < nblk; ++b)
+                         t.dequant(src + b * t.bytes, row + b * t.block);
+                     });
 }
 
 at::Tensor ggml_matmul(const at::Tensor& x, const at::Tensor& blocks, const std::string& type,
@@ -283,8 +310,6 @@ bool ggml_blocks_set_amx(bool on) {
 }  // namespace
 }  // namespace fitserve::ggml
 
-#include "ggml_dequant_rows.h"
-
 TORCH_LIBRARY_FRAGMENT(fitserve, m) {
   m.def("ggml_matmul(Tensor x, Tensor blocks, str ggml_type, int n, int k) -> Tensor");
   m.def("ggml_matmul_parts(Tensor x, Tensor[] blocks, str[] ggml_types, bool out_x_dtype) "
@@ -300,5 +325,5 @@ TORCH_LIBRARY_FRAGMENT(fitserve, m) {
 TORCH_LIBRARY_IMPL(fitserve, CPU, m) {
   m.impl("ggml_matmul", &fitserve::ggml::ggml_matmul);
   m.impl("ggml_matmul_parts", &fitserve::ggml::ggml_matmul_parts);
-  m.impl("ggml_dequant_rows", &fitserve::ggml::dequant::ggml_dequant_rows);
+  m.impl("ggml_dequant_rows", &fitserve::ggml::ggml_dequant_rows);
 }

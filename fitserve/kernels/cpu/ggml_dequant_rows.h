@@ -1,88 +1,49 @@
-// fitserve::ggml_dequant_rows: rows `ids` of a weight held as ggml blocks, dequantized to
-// float32 (then rounded once to bf16 / fp16 where asked): a GGUF token embedding's lookup
-// (model/ggml_linear.py's GgmlEmbedding). The same values as fitserve/quant/ggml_blocks.py's
-// dequantize_blocks, hence gguf-py's dequantization, bit for bit: each product and sum is one
-// fp32 rounding in gguf-py's order (rounded() keeps a product from being contracted into an
-// FMA with the add after it). One token's row of a 1024-wide Q4_K embedding took ~180 us as
-// those ~20 torch ops, a few us here.
-// Included by ggml_blocks.cpp.
+// dequant_block<T>: one ggml block of type T dequantized to float32, the values of
+// fitserve/quant/ggml_blocks.py's dequantize_blocks (hence gguf-py's) bit for bit: each product
+// and sum is one fp32 rounding in gguf-py's order (rounded() keeps a product from being
+// contracted into an FMA with the add after it). ggml_blocks.cpp's TypeInfo holds it per type;
+// its ggml_dequant_rows op (a GGUF token embedding's lookup, model/ggml_linear.py's
+// GgmlEmbedding) runs it over the rows of ids: ~180 us a decode step as dequantize_blocks'
+// ~20 torch ops on a 1024-wide Q4_K embedding, ~9 us as one call.
+// Included by ggml_blocks.cpp (after the type headers).
 #pragma once
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-
 #include <cstdint>
-#include <cstring>
-#include <string>
-#include <vector>
+#include <type_traits>
 
 #include "fp_rounded.h"
+#include "ggml_blocks_iq4.h"
+#include "ggml_blocks_kquant.h"
+#include "ggml_blocks_q5.h"
+#include "ggml_blocks_q8.h"
 
-namespace fitserve::ggml::dequant {
+namespace fitserve::ggml {
 namespace {
 
-inline float f16_at(const uint8_t* p) {
-  c10::Half h;
-  std::memcpy(&h.x, p, 2);
-  return static_cast<float>(h);
-}
-
-constexpr float kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
-                                  1,    13,   25,  38,  53,  69,  89,  113};
-constexpr float kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
-
-// d * q + m as two roundings (gguf-py: (d * q) + m)
-inline float mul_add(float d, float q, float m) { return fitserve::rounded(d * q) + m; }
-// d * q - m as two roundings (gguf-py: d * q - m)
-inline float mul_sub(float d, float q, float m) { return fitserve::rounded(d * q) - m; }
-
-// Q4_K / Q5_K's 6-bit scale and min of sub-block j from the 12 packed bytes s
-inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& mn) {
-  if (j < 4) {
-    sc = s[j] & 0x3F;
-    mn = s[4 + j] & 0x3F;
-  } else {
-    sc = (s[8 + j - 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
-    mn = (s[8 + j - 4] >> 4) | ((s[4 + j - 4] >> 2) & 0x30);
-  }
-}
-
-// a block's low / high nibble order over 32 values: bytes 0..15 low nibbles, then high
+// a 32-value block's nibble order: bytes 0..15 low nibbles, then their high nibbles
 inline int nibble32(const uint8_t* qs, int j) { return j < 16 ? qs[j] & 0x0F : qs[j - 16] >> 4; }
 
-// one block b -> out[0 .. block size)
-void q4_k(const uint8_t* b, float* out) {
+// Q4_K / Q5_K: 8 sub-blocks of 32, w = d * sc * q - dmin * m (gguf-py: (d * sc) * q - dmin * m)
+template <bool kFifth>
+void dequant_k45(const uint8_t* b, float* out) {
   const float d = f16_at(b), dmin = f16_at(b + 2);
-  for (int j = 0; j < 8; ++j) {
-    int sc, mn;
-    scale_min_k4(b + 4, j, sc, mn);
-    const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(mn);
-    const uint8_t* qs = b + 16 + (j / 2) * 32;
-    for (int l = 0; l < 32; ++l) {
-      const int q = j % 2 == 0 ? qs[l] & 0x0F : qs[l] >> 4;
-      out[j * 32 + l] = mul_sub(dl, static_cast<float>(q), ml);
-    }
-  }
-}
-
-void q5_k(const uint8_t* b, float* out) {
-  const float d = f16_at(b), dmin = f16_at(b + 2);
+  uint64_t sc, mn;  // byte j: sub-block j's 6-bit scale / min
+  scale_min_k4(b + 4, sc, mn);
   const uint8_t* qh = b + 16;
   for (int j = 0; j < 8; ++j) {
-    int sc, mn;
-    scale_min_k4(b + 4, j, sc, mn);
-    const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(mn);
-    const uint8_t* qs = b + 48 + (j / 2) * 32;
+    const float dl = d * static_cast<float>((sc >> (8 * j)) & 0xFF);
+    const float ml = dmin * static_cast<float>((mn >> (8 * j)) & 0xFF);
+    const uint8_t* qs = b + (kFifth ? 48 : 16) + (j / 2) * 32;
     for (int l = 0; l < 32; ++l) {
-      const int q = (j % 2 == 0 ? qs[l] & 0x0F : qs[l] >> 4) | (((qh[l] >> j) & 1) << 4);
-      out[j * 32 + l] = mul_sub(dl, static_cast<float>(q), ml);
+      int q = j % 2 == 0 ? qs[l] & 0x0F : qs[l] >> 4;
+      if constexpr (kFifth) q |= ((qh[l] >> j) & 1) << 4;
+      out[j * 32 + l] = rounded(dl * static_cast<float>(q)) - ml;
     }
   }
 }
 
-void q6_k(const uint8_t* b, float* out) {
+// Q6_K: 16 sub-blocks of 16, w = (d * sc) * (q - 32); ql / qh in two halves of 128 values
+inline void dequant_q6k(const uint8_t* b, float* out) {
   const float d = f16_at(b + 208);
   const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
   for (int i = 0; i < 256; ++i) {
@@ -95,123 +56,58 @@ void q6_k(const uint8_t* b, float* out) {
   }
 }
 
-// Q5_0 / Q5_1's 5-bit code j: the nibble (qs after qh) and bit j of the 4 qh bytes
-inline int q5_code(const uint8_t* qh, const uint8_t* qs, int j) {
-  return nibble32(qs, j) | (((qh[j / 8] >> (j % 8)) & 1) << 4);
-}
-
-void q4_0(const uint8_t* b, float* out) {
+// Q4_0 / Q4_1 / Q5_0 / Q5_1: w = d * (q - offset), or (d * q) + m with a min
+template <bool kMin, bool kFifth>
+void dequant_nibble(const uint8_t* b, float* out) {
+  using T = NibbleBlock<kMin, kFifth>;
   const float d = f16_at(b);
-  for (int j = 0; j < 32; ++j) out[j] = d * static_cast<float>(nibble32(b + 2, j) - 8);
+  const uint8_t* qh = b + T::kQhOff;
+  for (int j = 0; j < 32; ++j) {
+    int q = nibble32(b + T::kQsOff, j);
+    if constexpr (kFifth) q |= ((qh[j / 8] >> (j % 8)) & 1) << 4;
+    if constexpr (kMin) out[j] = rounded(d * static_cast<float>(q)) + f16_at(b + 2);
+    else out[j] = d * static_cast<float>(q - (kFifth ? 16 : 8));
+  }
 }
 
-void q4_1(const uint8_t* b, float* out) {
-  const float d = f16_at(b), m = f16_at(b + 2);
-  for (int j = 0; j < 32; ++j) out[j] = mul_add(d, static_cast<float>(nibble32(b + 4, j)), m);
+// IQ4_NL / MXFP4: w = scale * table[nibble] (MXFP4's scale the e8m0 byte, halved)
+template <bool kMx>
+void dequant_table4(const uint8_t* b, float* out) {
+  const float s = kMx ? e8m0_half_at(b) : f16_at(b);
+  const int8_t* values = kMx ? kMxfp4Values : kIq4Values;
+  for (int j = 0; j < 32; ++j)
+    out[j] = s * static_cast<float>(values[nibble32(b + (kMx ? 1 : 2), j)]);
 }
 
-void q8_0(const uint8_t* b, float* out) {
-  const float d = f16_at(b);
-  const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
-  for (int j = 0; j < 32; ++j) out[j] = d * static_cast<float>(q[j]);
-}
-
-void q5_0(const uint8_t* b, float* out) {
-  const float d = f16_at(b);
-  for (int j = 0; j < 32; ++j) out[j] = d * static_cast<float>(q5_code(b + 2, b + 6, j) - 16);
-}
-
-void q5_1(const uint8_t* b, float* out) {
-  const float d = f16_at(b), m = f16_at(b + 2);
-  for (int j = 0; j < 32; ++j) out[j] = mul_add(d, static_cast<float>(q5_code(b + 4, b + 8, j)), m);
-}
-
-void iq4_nl(const uint8_t* b, float* out) {
-  const float d = f16_at(b);
-  for (int j = 0; j < 32; ++j) out[j] = d * kIq4Values[nibble32(b + 2, j)];
-}
-
-void iq4_xs(const uint8_t* b, float* out) {
+// IQ4_XS: 8 sub-blocks of 32, w = (d * (ls - 32)) * table[nibble]
+inline void dequant_iq4xs(const uint8_t* b, float* out) {
   const float d = f16_at(b);
   const int hi16 = b[2] | (b[3] << 8);
   for (int j = 0; j < 8; ++j) {
     const int lo = j % 2 == 0 ? b[4 + j / 2] & 0x0F : b[4 + j / 2] >> 4;
     const float dl = d * static_cast<float>((lo | (((hi16 >> (2 * j)) & 3) << 4)) - 32);
-    for (int l = 0; l < 32; ++l) out[j * 32 + l] = dl * kIq4Values[nibble32(b + 8 + j * 16, l)];
+    for (int l = 0; l < 32; ++l)
+      out[j * 32 + l] = dl * static_cast<float>(kIq4Values[nibble32(b + 8 + j * 16, l)]);
   }
 }
 
-void mxfp4(const uint8_t* b, float* out) {
-  // ggml_e8m0_to_fp32_half: 2^(e - 128) from its bits (e < 2: the subnormals)
-  const uint32_t e = b[0], bits = e < 2 ? 0x00200000u << e : (e - 1) << 23;
-  float s;
-  std::memcpy(&s, &bits, 4);
-  for (int j = 0; j < 32; ++j) out[j] = s * kMxfp4Values[nibble32(b + 1, j)];
-}
-
-struct Dequant {
-  const char* name;
-  int block, bytes;
-  void (*fn)(const uint8_t*, float*);
-};
-
-constexpr Dequant kDequant[] = {
-    {"Q4_K", 256, 144, q4_k}, {"Q5_K", 256, 176, q5_k},    {"Q6_K", 256, 210, q6_k},
-    {"Q4_0", 32, 18, q4_0},   {"Q4_1", 32, 20, q4_1},      {"Q8_0", 32, 34, q8_0},
-    {"Q5_0", 32, 22, q5_0},   {"Q5_1", 32, 24, q5_1},      {"IQ4_NL", 32, 18, iq4_nl},
-    {"IQ4_XS", 256, 136, iq4_xs}, {"MXFP4", 32, 17, mxfp4},
-};
-
-template <class O>
-void store(const float* v, int n, O* out) {
-  for (int i = 0; i < n; ++i) out[i] = static_cast<O>(v[i]);  // one RNE rounding, as .to()
+template <class T>
+void dequant_block(const uint8_t* b, float* out) {
+  if constexpr (std::is_same_v<T, Q4K>) dequant_k45<false>(b, out);
+  else if constexpr (std::is_same_v<T, Q5K>) dequant_k45<true>(b, out);
+  else if constexpr (std::is_same_v<T, Q6K>) dequant_q6k(b, out);
+  else if constexpr (std::is_same_v<T, Q8_0>) {
+    const float d = f16_at(b);
+    for (int j = 0; j < 32; ++j) out[j] = d * static_cast<float>(static_cast<int8_t>(b[2 + j]));
+  } else if constexpr (std::is_same_v<T, IQ4XS>) dequant_iq4xs(b, out);
+  else if constexpr (std::is_same_v<T, IQ4NL>) dequant_table4<false>(b, out);
+  else if constexpr (std::is_same_v<T, MXFP4>) dequant_table4<true>(b, out);
+  else if constexpr (std::is_same_v<T, Q4_0>) dequant_nibble<false, false>(b, out);
+  else if constexpr (std::is_same_v<T, Q4_1>) dequant_nibble<true, false>(b, out);
+  else if constexpr (std::is_same_v<T, Q5_0>) dequant_nibble<false, true>(b, out);
+  else if constexpr (std::is_same_v<T, Q5_1>) dequant_nibble<true, true>(b, out);
+  else static_assert(!sizeof(T), "dequant_block: no dequantization for this type");
 }
 
 }  // namespace
-
-// blocks uint8 [N, K / block * bytes], ids int64 (any shape) -> [*ids.shape, K] of dtype
-// (float32, bfloat16 or float16)
-at::Tensor ggml_dequant_rows(const at::Tensor& blocks, const at::Tensor& ids,
-                             const std::string& ggml_type, int64_t k, at::ScalarType dtype) {
-  const Dequant* t = nullptr;
-  for (const Dequant& d : kDequant)
-    if (ggml_type == d.name) t = &d;
-  TORCH_CHECK(t != nullptr, "ggml_dequant_rows: no dequantization for GGML type ", ggml_type);
-  TORCH_CHECK(k > 0 && k % t->block == 0, "ggml_dequant_rows: K=", k,
-              " is not a positive multiple of ", ggml_type, "'s block size ", t->block);
-  const int64_t row_bytes = k / t->block * t->bytes;
-  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte &&
-                  blocks.is_contiguous() && blocks.dim() == 2 && blocks.size(1) == row_bytes,
-              "ggml_dequant_rows: blocks must be contiguous uint8 [N, ", row_bytes, "] for ",
-              ggml_type, " with K=", k, ", got ", blocks.sizes(), " ", blocks.scalar_type());
-  TORCH_CHECK(ids.scalar_type() == at::kLong, "ggml_dequant_rows: ids must be int64, got ",
-              ids.scalar_type());
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-              "ggml_dequant_rows: dtype must be float32, bfloat16 or float16, got ", dtype);
-  const at::Tensor flat = ids.reshape({-1}).contiguous();
-  const int64_t R = flat.numel(), N = blocks.size(0);
-  const int64_t* ip = flat.data_ptr<int64_t>();
-  for (int64_t r = 0; r < R; ++r)
-    TORCH_CHECK_INDEX(ip[r] >= 0 && ip[r] < N, "ggml_dequant_rows: index ", ip[r],
-                      " is out of bounds for ", N, " rows");
-  std::vector<int64_t> out_shape(ids.sizes().begin(), ids.sizes().end());
-  out_shape.push_back(k);
-  at::Tensor out = at::empty(out_shape, blocks.options().dtype(dtype));
-  const uint8_t* bp = blocks.data_ptr<uint8_t>();
-  at::parallel_for(0, R, std::max<int64_t>(1, 16384 / k), [&](int64_t r0, int64_t r1) {
-    std::vector<float> row(k);
-    for (int64_t r = r0; r < r1; ++r) {
-      const uint8_t* src = bp + ip[r] * row_bytes;
-      for (int64_t b = 0; b < k / t->block; ++b) t->fn(src + b * t->bytes, row.data() + b * t->block);
-      if (dtype == at::kFloat)
-        std::memcpy(out.data_ptr<float>() + r * k, row.data(), k * sizeof(float));
-      else if (dtype == at::kBFloat16)
-        store(row.data(), static_cast<int>(k), out.data_ptr<c10::BFloat16>() + r * k);
-      else
-        store(row.data(), static_cast<int>(k), out.data_ptr<c10::Half>() + r * k);
-    }
-  });
-  return out;
-}
-
-}  // namespace fitserve::ggml::dequant
+}  // namespace fitserve::ggml

@@ -1,29 +1,26 @@
 // fitserve::qlinear_held_rows: rows `ids` of an int4 / int8 weight held as panels
 // (qlinear_held.h: codes [P, nd * kLanes * 4], scales / mins [P, G, kLanes] f16), dequantized
-// to float32 and rounded once to the asked dtype: a tied embedding's lookup over its lm_head's
-// panels (model/linear.py's PackedEmbedding). The values of fitserve/quant/packed.py's
+// (row_lookup.h rounds them once to the asked dtype): a tied embedding's lookup over its
+// lm_head's panels (model/linear.py's PackedEmbedding). The values of fitserve/quant/packed.py's
 // dequantize, bit for bit: int4 with mins (s * q) + m, int4 symmetric s * (q - 8), int8 q * s,
 // each op one fp32 rounding (rounded() keeps s * q from being contracted into an FMA). One
-// token's row took ~54 us as gather_held_rows' and dequantize's torch ops, a few us here.
+// token's row took ~54 us as gather_held_rows' and dequantize's torch ops, ~13 us as one call.
 // Included by qlinear.cpp.
 #pragma once
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 
 #include <optional>
-#include <vector>
 
 #include "fp_rounded.h"
+#include "row_lookup.h"
 
 namespace fitserve::qlinear {
 namespace {
 
-template <class O>
+// row li of a panel (its codes, and its group's scales / mins at [g * L + li]) -> out[0, k)
 void held_row(const uint8_t* panel, const at::Half* sc, const at::Half* mn, int64_t li, int64_t L,
-              int64_t group, bool int4, bool biased, int64_t k, O* out) {
+              int64_t group, bool int4, bool biased, int64_t k, float* out) {
   for (int64_t c = 0; c < k; ++c) {
     const int64_t g = c / group, p = c % group;
     const int64_t j = int4 ? g * (group / 2) + p % (group / 2) : c;  // byte of the row
@@ -32,11 +29,9 @@ void held_row(const uint8_t* panel, const at::Half* sc, const at::Half* mn, int6
     if (int4) q = static_cast<float>(p < group / 2 ? byte & 0x0F : byte >> 4);
     else q = static_cast<float>(static_cast<int8_t>(biased ? byte ^ 0x80 : byte));
     const float s = static_cast<float>(sc[g * L + li]);
-    float v;
-    if (mn != nullptr) v = fitserve::rounded(s * q) + static_cast<float>(mn[g * L + li]);
-    else if (int4) v = s * (q - 8.f);
-    else v = q * s;
-    out[c] = static_cast<O>(v);  // one RNE rounding, as .to()
+    if (mn != nullptr) out[c] = fitserve::rounded(s * q) + static_cast<float>(mn[g * L + li]);
+    else if (int4) out[c] = s * (q - 8.f);
+    else out[c] = q * s;
   }
 }
 
@@ -63,40 +58,17 @@ at::Tensor qlinear_held_rows(const at::Tensor& codes, const at::Tensor& scales,
                         mins->sizes() == scales.sizes()),
               "qlinear_held_rows: mins must be contiguous float16 shaped like scales (int4 only)");
   TORCH_CHECK(k > 0 && k <= kp, "qlinear_held_rows: K=", k, " must be in [1, ", kp, "]");
-  TORCH_CHECK(ids.scalar_type() == at::kLong, "qlinear_held_rows: ids must be int64, got ",
-              ids.scalar_type());
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-              "qlinear_held_rows: dtype must be float32, bfloat16 or float16, got ", dtype);
-  const at::Tensor flat = ids.reshape({-1}).contiguous();
-  const int64_t R = flat.numel(), N = P * L, G = scales.size(1);
-  const int64_t* ip = flat.data_ptr<int64_t>();
-  for (int64_t r = 0; r < R; ++r)
-    TORCH_CHECK_INDEX(ip[r] >= 0 && ip[r] < N, "qlinear_held_rows: index ", ip[r],
-                      " is out of bounds for ", N, " rows");
-  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
-  shape.push_back(k);
-  at::Tensor out = at::empty(shape, scales.options().dtype(dtype));
+  const int64_t G = scales.size(1);
   const uint8_t* cp = static_cast<const uint8_t*>(codes.const_data_ptr());
   const at::Half* sp = scales.data_ptr<at::Half>();
   const at::Half* mp = asym ? mins->data_ptr<at::Half>() : nullptr;
-  const bool biased = S::kW8Biased;
-  at::parallel_for(0, R, std::max<int64_t>(1, 16384 / k), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t pi = ip[r] / L, li = ip[r] % L;
-      const uint8_t* panel = cp + pi * row_bytes * L;
-      const at::Half* sc = sp + pi * G * L;
-      const at::Half* mn = mp == nullptr ? nullptr : mp + pi * G * L;
-      if (dtype == at::kFloat)
-        held_row(panel, sc, mn, li, L, group_size, int4, biased, k, out.data_ptr<float>() + r * k);
-      else if (dtype == at::kBFloat16)
-        held_row(panel, sc, mn, li, L, group_size, int4, biased, k,
-                 out.data_ptr<c10::BFloat16>() + r * k);
-      else
-        held_row(panel, sc, mn, li, L, group_size, int4, biased, k,
-                 out.data_ptr<c10::Half>() + r * k);
-    }
-  });
-  return out;
+  return lookup_rows("qlinear_held_rows", ids, P * L, k, dtype, scales.options(),
+                     [&](int64_t id, float* row) {
+                       const int64_t pi = id / L;
+                       held_row(cp + pi * row_bytes * L, sp + pi * G * L,
+                                mp == nullptr ? nullptr : mp + pi * G * L, id % L, L, group_size,
+                                int4, S::kW8Biased, k, row);
+                     });
 }
 
 }  // namespace fitserve::qlinear
