@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from fitserve.kernels.cpu.isa import (
     CpuIsa,
     build_tier,
     compile_flags,
+    compiler_has_amx,
     detect_isa,
     isa_from_flags,
 )
@@ -152,3 +154,35 @@ def test_amx_flags_only_with_amx_at_the_vnni_tier(monkeypatch: pytest.MonkeyPatc
     assert not {f for f in compile_flags(xeon, "avx512") if "amx" in f.lower()}
     monkeypatch.setattr(isa_mod, "compiler_has_amx", lambda: False)
     assert not {f for f in compile_flags(xeon) if "amx" in f.lower()}
+
+
+_AVX512 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}
+OTHER_CPUS = {
+    # (its /proc/cpuinfo flags, the macros whose branches only its build compiles)
+    "xeon_amx": (_AVX512 | {"avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"},
+                 (b"FITSERVE_AMX", b"__AMX")),
+    # Cascade Lake. NOTE: not Skylake-X too (AVX-512 without VNNI or BF16): its tier's own
+    # branches compile in the avx512 tier builds here, the BF16-less ones in this check.
+    "vnni_without_bf16": (_AVX512 | {"avx512_vnni"}, (b"__AVX512BF16__",)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cpu", OTHER_CPUS)
+def test_other_cpus_branches_compile(cpu: str) -> None:
+    """The kernels' branches for a CPU other than this one compile: an AMX Xeon's tiles and an
+    AVX-512 VNNI CPU without AVX512-BF16 - each extension whose sources
+    test such a macro, syntax-only with that CPU's flags (this CPU's own build compiles its own;
+    the tier-subprocess builds keep this CPU's AVX512-BF16)."""
+    flags, macros = OTHER_CPUS[cpu]
+    isa = isa_from_flags(flags)
+    if cpu == "xeon_amx" and not compiler_has_amx():
+        pytest.skip("the compiler does not know the AMX intrinsics (the build leaves them out)")
+    if build._all_flags(isa) == build._all_flags():
+        pytest.skip("this CPU's own build compiles these branches")
+    names = [n for n, src in build.EXTENSIONS.items()
+             if any(m in f.read_bytes() for f in build.source_files(build.SOURCE_DIR / src) for m in macros)]
+    assert names  # the macros are still what the sources test
+    with ThreadPoolExecutor(2) as pool:
+        errors = dict(zip(names, pool.map(lambda n: build.compile_errors(n, isa), names), strict=True))
+    assert not {n: e for n, e in errors.items() if e}, errors

@@ -173,10 +173,9 @@ void tile_amx(const Geometry& g, Scratch& w, int64_t n) {
   AmxAttnBufs& b = thread_amx_bufs(g, kAmxRowHeads);
   const int64_t nkg = (n + kLanes - 1) / kLanes, nkc = (n + 31) / 32, qrow = NC2 * 32;
   transpose_k_tile<NC2>(g, w.kraw.data(), n, b.kt.data());
-  issue_prefetches(w, (w.pf_n - w.pf_next) / 2);  // the next tile's lines, spread over the step
+  w.pf.issue(w.pf.share(2));  // half of the next tile's lines, the rest after the V transpose
   build_vt(g, w.vraw.data(), n, b.vt.data());
-  issue_prefetches(w, w.pf_n);
-  w.pf_n = w.pf_next = 0;
+  w.pf.issue(w.pf.left());
   for (int64_t h0 = 0; h0 < g.group; h0 += kAmxRowHeads) {
     const int64_t mh = std::min(kAmxRowHeads, g.group - h0);
     for (int64_t r = 0; r < mh; ++r)  // rows past mh: stale but never read back
