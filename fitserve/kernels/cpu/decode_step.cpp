@@ -31,7 +31,12 @@
 // A quantized KV cache (fitserve/quant/kv_cache.py) comes as its codes in k_caches / v_caches,
 // its scales in k_scales / v_scales and kv_codec >= 0 (kv_codes.h's ids): each layer then calls
 // rope_write_kvq_ (kvq_write.cpp) and paged_decode_attention_kvq, as the Python loop does.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/sigmoid.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 

@@ -6,7 +6,8 @@
 // has it, else bf16 -> fp32 as a 16-bit shift and FMA; 4 accumulators per row.
 // Products and sums are fp32 (bias added in fp32), rounded once to bf16 (nearest even).
 // fitserve/model/linear.py (DenseLinear) decides where it runs.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>

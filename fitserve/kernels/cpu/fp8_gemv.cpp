@@ -18,7 +18,8 @@
 // once per output (per segment of B columns for block scales), the bias added in fp32, one
 // rounding to x's dtype. Each converted weight vector is reused
 // across up to 8 rows of x; N is split over torch's threads (each output is one thread's).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>

@@ -16,7 +16,14 @@
 // Rounding follows the eager Hugging Face reference: the normalised value is rounded to the
 // activation dtype before the weight multiply; everything else is fp32 and rounded once.
 #include <torch/library.h>
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/equal.h>
+#include <ATen/ops/rms_norm.h>
+#include <ATen/ops/tensor.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>

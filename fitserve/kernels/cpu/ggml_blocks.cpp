@@ -14,7 +14,8 @@
 // from 16 rows of x on AMX tiles too (ggml_blocks_lanes_amx.h).
 // Otherwise on AVX512-VNNI those types decode each weight row once per call from 9 rows of x
 // (ggml_blocks_lanes_panel.h), every tile of x reading the decoded steps.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

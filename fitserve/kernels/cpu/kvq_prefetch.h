@@ -1,6 +1,6 @@
 // The quantized KV cache's write lines prefetched ahead of the write (decode_step.cpp).
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 

@@ -20,7 +20,8 @@
 // On AVX-512 (bf16 / fp16 activations) the rotation, the encoder, the per-channel scales and the
 // re-encode run 16 lanes at a time (kvq_rotate.h, kvq_encode.h), bit-equal to the scalar code.
 #include <torch/library.h>
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>

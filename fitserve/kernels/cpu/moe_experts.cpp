@@ -18,7 +18,8 @@
 //      (out_x_dtype: rounded once to x's dtype).
 // Only the active experts' bytes are read: at batch 1 exactly the k experts' rows. Each output
 // is one item's work in one order, so the thread count does not change the bits.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -24,7 +24,8 @@
 // then depends only on its own length, never on the batch around it or the thread count, so the
 // kernel is bitwise batch-invariant, and long contexts at batch 1 still fill every core.
 #include <torch/library.h>
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>

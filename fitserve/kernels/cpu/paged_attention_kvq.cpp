@@ -18,7 +18,8 @@
 // registers once for the G query heads of the KV head and used there (kvq_group_avx512.h);
 // elsewhere they are widened into L1-resident fp32 rows (kTile x D floats) first.
 #include <torch/library.h>
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>

@@ -11,7 +11,9 @@
 // whatever M (qlinear_rows.h states the order); act_quant=False does with batch_invariant=True
 // (register tiles for every M instead of at::mm from kMmMinRows rows on). The result is accumulated in fp32 and rounded
 // once (to nearest even) into x's dtype.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>

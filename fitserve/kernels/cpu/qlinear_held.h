@@ -14,7 +14,7 @@
 // row-major weight gives it, whatever M.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -8,7 +8,7 @@
 // Included by qlinear.cpp.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 

@@ -16,7 +16,7 @@
 // replaced or modified in place (load_state_dict) drops the entry and the call packs as before.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 
 #include <mutex>

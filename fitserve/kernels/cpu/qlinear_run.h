@@ -15,7 +15,9 @@
 // fresh allocation per call (an mmap + page faults for the larger ones) costs more than the work.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
 #include <ATen/Parallel.h>
 
 #include <vector>

@@ -4,7 +4,8 @@
 // row_fn then rounded once to the output dtype (c10's round to nearest even: the bits of .to()).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>

@@ -1,6 +1,7 @@
 // Smoke source for the build machinery: y = 2 * x with at::parallel_for (threads via OpenMP).
 #include <torch/library.h>
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 
 static at::Tensor twice(const at::Tensor& x) {
