@@ -24,10 +24,11 @@ TIER_TEST_EXTENSIONS: dict[str, tuple[str, ...]] = {
                "paged_attention_kvq", "fused_ops"),
     "avx2": ("qlinear", "ggml_blocks", "moe_experts", "fp8_gemv", "dense_gemv", "kvq_write",
              "paged_attention", "paged_attention_kvq", "fused_ops"),
-    "avx512": ("qlinear", "ggml_blocks", "moe_experts", "fp8_gemv"),
+    "avx512": ("qlinear", "ggml_blocks", "moe_experts", "fp8_gemv", "dense_gemv",
+               "paged_attention"),
 }
 """Per tier, the extensions its tier-subprocess tests load (the ``tier`` parameters of each
-``test_lower_tier*`` / ``test_avx2_build*`` in tests/kernels)."""
+``test_lower_tier*`` in tests/kernels)."""
 
 
 def tiers_to_build() -> list[str]:

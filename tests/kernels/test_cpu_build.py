@@ -94,6 +94,9 @@ def test_tier_from_flags_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FITSERVE_CPU_TIER", "bogus")
     assert build_tier(zen4) == "avx512_vnni"
     assert compile_flags(zen4, "scalar") == []
+    # AVX512-BF16 at the VNNI tier only: the avx512 tier is Skylake-X's, BF16-less paths and all
+    assert "-mavx512bf16" in compile_flags(zen4, "avx512_vnni")
+    assert "-mavx512bf16" not in compile_flags(zen4, "avx512")
     assert set(TIERS) >= {detect_isa().tier}
 
 

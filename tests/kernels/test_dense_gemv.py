@@ -108,8 +108,9 @@ def test_tier_is_the_one_asked_for() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tier", ["avx2", "scalar"])
+@pytest.mark.parametrize("tier", ["avx512", "avx2", "scalar"])
 def test_lower_tiers_match_float64(tier: str) -> None:
-    """The FMA loop (avx2 tier) and the plain loop (scalar), built with FITSERVE_CPU_TIER on a
-    CPU whose own tier runs VDPBF16PS, pass the same float64 checks."""
+    """The FMA loops (avx512 tier: no AVX512-BF16 there; avx2) and the plain loop (scalar),
+    built with FITSERVE_CPU_TIER on a CPU whose own tier runs VDPBF16PS, pass the same float64
+    checks."""
     run_tests_at_tier(__file__, tier, "tier_is or matches_float64 or nan_and_inf or thread_splits")

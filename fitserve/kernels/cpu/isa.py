@@ -119,7 +119,10 @@ def compile_flags(isa: CpuIsa, tier: str | None = None) -> list[str]:
         flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
     if tier == "avx512_vnni":
         flags.append("-mavx512vnni")
-    if isa.avx512_bf16 and tier != "avx2":
+    # NOTE: AVX512-BF16 only at the VNNI tier: every CPU with it has VNNI (Cooper Lake, Sapphire
+    # Rapids, Zen 4/5), so the avx512 tier is Skylake-X's (no BF16), and a tier-subprocess test
+    # at avx512 runs the BF16-less AVX-512 paths, which no CPU seen here runs otherwise.
+    if isa.avx512_bf16 and tier == "avx512_vnni":
         flags.append("-mavx512bf16")
     # NOTE: AMX tiles (AMX-INT8 for the held int4/int8 panels, qlinear_amx.h; AMX-BF16 for the
     # bf16 attention tile, paged_attention_amx.h), compiled only where the CPU has them and the
