@@ -87,15 +87,20 @@ def build_dir(name: str, source: str) -> Path:
     return fitserve_home() / "extensions" / f"{name}-{build_key(SOURCE_DIR / source, flags)}"
 
 
-def _all_flags(isa: CpuIsa | None = None) -> list[str]:
-    isa = detect_isa() if isa is None else isa
+def _tier_flags(isa: CpuIsa, tier: str) -> list[str]:
     # NOTE: the tier macro is part of the key too: two tiers never share a build directory.
-    return ["-DFITSERVE_TIER_" + build_tier(isa).upper(), *compile_flags(isa)]
+    return ["-DFITSERVE_TIER_" + tier.upper(), *compile_flags(isa, tier)]
+
+
+def _all_flags() -> list[str]:
+    isa = detect_isa()
+    return _tier_flags(isa, build_tier(isa))
 
 
 def compile_errors(name: str, isa: CpuIsa) -> str | None:
     """The compiler's errors for extension ``name`` built for another CPU ``isa`` (a syntax-only
-    compile with that CPU's flags and cpp_extension's include paths and standard), or None.
+    compile with the flags of that CPU's own tier, whatever FITSERVE_CPU_TIER says, and
+    cpp_extension's include paths and standard), or None.
 
     NOTE: a CPU's build compiles only its own ISA's branches (the AMX tiles, the AVX512-BF16
     paths and their fallbacks), so code for other CPUs is otherwise never compiled here: an AMX
@@ -107,7 +112,7 @@ def compile_errors(name: str, isa: CpuIsa) -> str | None:
 
     includes = [f"-I{p}" for p in [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]]
     cmd = [os.environ.get("CXX", "c++"), "-std=c++20", "-fsyntax-only", "-fopenmp", "-w",
-           *includes, *_all_flags(isa), str(SOURCE_DIR / EXTENSIONS[name])]
+           *includes, *_tier_flags(isa, isa.tier), str(SOURCE_DIR / EXTENSIONS[name])]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     return None if done.returncode == 0 else done.stderr[-4000:]
 

@@ -286,7 +286,7 @@ TORCH_LIBRARY_FRAGMENT(fitserve, m) {
         "-> Tensor[]", &fitserve::qlinear::qlinear_hold);
   m.def("qlinear_held_layout() -> int[]", &fitserve::qlinear::qlinear_held_layout);
   m.def("qlinear_held_rows(Tensor codes, Tensor scales, Tensor? mins, Tensor ids, int group_size, "
-        "int bits, int k, ScalarType dtype) -> Tensor");
+        "int k, ScalarType dtype) -> Tensor");
   m.def("qlinear_amx_active() -> bool", &fitserve::qlinear::qlinear_amx_active);
   m.def("qlinear_set_amx(bool on) -> bool", &fitserve::qlinear::qlinear_set_amx);
   m.def("qlinear_is_prepacked(Tensor qweight, Tensor scales, Tensor? mins, int group_size, "

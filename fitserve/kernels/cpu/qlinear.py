@@ -91,7 +91,7 @@ def _register_fakes() -> None:
 
 
 def _held_rows_fake(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-                    ids: torch.Tensor, group_size: int, bits: int, k: int,
+                    ids: torch.Tensor, group_size: int, k: int,
                     dtype: torch.dtype) -> torch.Tensor:
     return scales.new_empty(*ids.shape, k, dtype=dtype)
 
@@ -226,9 +226,8 @@ def held_rows(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | No
     fitserve.quant.packed's dequantize, bit for bit (a tied embedding's lookup). An id outside
     ``[0, N)`` raises IndexError."""
     _require()
-    bits = 4 if codes.dtype == torch.uint8 else 8
     out: torch.Tensor = torch.ops.fitserve.qlinear_held_rows(codes, scales, mins, ids.long(),
-                                                             group_size, bits, k, dtype)
+                                                             group_size, k, dtype)
     return out
 
 

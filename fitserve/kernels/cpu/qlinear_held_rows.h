@@ -39,14 +39,14 @@ void held_row(const uint8_t* panel, const at::Half* sc, const at::Half* mn, int6
 
 at::Tensor qlinear_held_rows(const at::Tensor& codes, const at::Tensor& scales,
                              const std::optional<at::Tensor>& mins, const at::Tensor& ids,
-                             int64_t group_size, int64_t bits, int64_t k, at::ScalarType dtype) {
+                             int64_t group_size, int64_t k, at::ScalarType dtype) {
   constexpr int64_t L = S::kLanes;
-  TORCH_CHECK(bits == 4 || bits == 8, "qlinear_held_rows: bits must be 4 or 8, got ", bits);
-  const bool int4 = bits == 4, asym = mins.has_value() && mins->defined();
+  // int4 codes are held as uint8 (two per byte), int8 codes as int8 (qlinear_hold)
+  const bool int4 = codes.scalar_type() == at::kByte, asym = mins.has_value() && mins->defined();
   TORCH_CHECK(codes.device().is_cpu() && codes.dim() == 2 && codes.is_contiguous() &&
-                  codes.scalar_type() == (int4 ? at::kByte : at::kChar) && codes.size(1) % (4 * L) == 0,
-              "qlinear_held_rows: codes must be contiguous ", int4 ? "uint8" : "int8",
-              " [P, nd * ", L, " * 4] panels, got ", codes.sizes(), " ", codes.scalar_type());
+                  (int4 || codes.scalar_type() == at::kChar) && codes.size(1) % (4 * L) == 0,
+              "qlinear_held_rows: codes must be contiguous uint8 (int4) or int8 [P, nd * ", L,
+              " * 4] panels, got ", codes.sizes(), " ", codes.scalar_type());
   const int64_t P = codes.size(0), row_bytes = codes.size(1) / L, kp = row_bytes * (int4 ? 2 : 1);
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3 &&
                   scales.size(0) == P && scales.size(2) == L && scales.size(1) > 0 &&
