@@ -18,6 +18,7 @@ split-halves RoPE); we undo that here, so the weights equal the original HF chec
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from gguf.quants import dequantize
 
 from fitserve.config import GEMMA_ARCHITECTURES, ModelSpec
 from fitserve.ledger.formats import GGML_HELD_TYPES, GGML_REPACKED, GGUF_PACKED, repacked_format
+from fitserve.ledger.weight_names import expected_weight_shapes
 from fitserve.loading.errors import ModelLoadError, UnsupportedTensorTypeError
 from fitserve.loading.fused_weights import fused_parts
 from fitserve.loading.generation_defaults import GenerationDefaults, from_gguf_metadata
@@ -132,6 +134,7 @@ def read_gguf_weights(
     """
     arch = str(reader.fields["general.architecture"].contents())
     names = gguf_to_hf_names(spec, arch, path)
+    expected = expected_weight_shapes(spec)
     out: dict[str, HeldTensor] = {}
     stored: dict[str, str] = {}
     elements: Counter[str] = Counter()
@@ -146,7 +149,8 @@ def read_gguf_weights(
         type_name = GGMLQuantizationType(t.tensor_type).name
         if type_name not in SUPPORTED_GGUF_TYPES:
             raise UnsupportedTensorTypeError(t.name, type_name, SUPPORTED_GGUF_TYPES, path)
-        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        shape = _shape_as_written(tuple(int(x) for x in reversed(t.shape.tolist())),
+                                  expected.get(hf))
         for part, rows, one, one_shape in _pieces(t, spec, hf, shape, path):
             stored[part] = type_name
             out[part], fmt = _held(one, part, rows, type_name, one_shape, spec, path, dtype,
@@ -168,6 +172,15 @@ def read_gguf_weights(
     check_weights(out, spec, path)
     dominant = elements.most_common(1)[0][0] if elements else "F32"
     return out, dominant, stored
+
+
+def _shape_as_written(shape: tuple[int, ...], want: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The tensor's shape with the size-1 dimensions its writer had. NOTE: llama.cpp's
+    quantizer writes each tensor with ggml_n_dims dimensions, which drops trailing size-1 ones:
+    Qwen2-MoE's shared-expert gate, [1, hidden] in the converter's file, comes back [hidden]."""
+    if want is None or shape == want or math.prod(shape) != math.prod(want):
+        return shape
+    return want if [d for d in shape if d != 1] == [d for d in want if d != 1] else shape
 
 
 @dataclass(frozen=True)

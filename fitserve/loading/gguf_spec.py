@@ -306,15 +306,64 @@ def llama3_factors(theta: float, head_dim: int, rs: RopeScaling) -> np.ndarray:
 
 
 def infer_llama3(factors: np.ndarray, theta: float, head_dim: int) -> RopeScaling | None:
-    """The llama3 rope-scaling parameters that give a ``rope_freqs`` tensor (exact match only)."""
+    """The llama3 rope-scaling parameters that give a ``rope_freqs`` tensor (exact match only).
+
+    The published parameter sets are tried first (so a Llama 3.x file shows its config's own
+    numbers); otherwise they are solved for. Only the two wavelength thresholds and the smooth
+    ramp between them shape the factors, so (original context, low, high) is fixed only up to
+    a common scale: the original context is taken as the low threshold's wavelength, rounded."""
+    factors = np.asarray(factors, dtype=np.float32)
     factor = float(factors.max())
     for orig in (8192, 4096, 2048, 16384, 32768, 65536, 131072):
         for low in (1.0, 2.0, 0.5, 4.0):
             for high in (4.0, 2.0, 8.0, 1.5, 3.0):
                 rs = RopeScaling("llama3", factor, low, high, orig)
-                if np.allclose(llama3_factors(theta, head_dim, rs), factors, rtol=1e-5, atol=1e-6):
+                if _factors_match(rs, factors, theta, head_dim):
                     return rs
-    return None
+    rs = _solve_llama3(factors, factor, theta, head_dim)
+    return rs if rs is not None and _factors_match(rs, factors, theta, head_dim) else None
+
+
+def _factors_match(rs: RopeScaling, factors: np.ndarray, theta: float, head_dim: int) -> bool:
+    return bool(np.allclose(llama3_factors(theta, head_dim, rs), factors, rtol=1e-5, atol=1e-6))
+
+
+def _solve_llama3(factors: np.ndarray, factor: float, theta: float,
+                  head_dim: int) -> RopeScaling | None:
+    """llama3 parameters from the factors. In x = 1 / wavelength, a frequency is divided by 1
+    above x_high, by ``factor`` below x_low, and between them by 1 / ((1 - s) / factor + s) with
+    s = (x - x_low) / (x_high - x_low). Two or more factors on that ramp fix the line; with one
+    or none, any thresholds between the plateaus' nearest frequencies that keep the ramp's
+    factor give the same tensor, and some are picked."""
+    if factor <= 1.0 or len(factors) == 0:
+        return None
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    x = (freqs.astype(np.float64) / (2 * math.pi))[: len(factors)]
+    f = factors.astype(np.float64)
+    ones, tops = np.isclose(f, 1.0, rtol=1e-6), np.isclose(f, factor, rtol=1e-6)
+    ramp = ~(ones | tops)
+    s = (1.0 / f[ramp] - 1.0 / factor) / (1.0 - 1.0 / factor)
+    below = x[tops].max() if tops.any() else 0.0  # x_low lies above every top's x
+    above = x[ones].min() if ones.any() else math.inf  # x_high lies below every one's x
+    if ramp.sum() >= 2:
+        slope, icpt = np.polyfit(x[ramp], s, 1)
+        if slope <= 0:
+            return None
+        x_low, x_high = -icpt / slope, (1.0 - icpt) / slope
+    elif ramp.sum() == 1:
+        xw, sw = float(x[ramp][0]), float(s[0])
+        room_up = (above - xw) / (1.0 / sw - 1.0) if sw < 1 else math.inf
+        d = 0.5 * min(xw - below, room_up)
+        x_low, x_high = xw - d, xw + d * (1.0 / sw - 1.0)
+    else:
+        if below >= above:
+            return None
+        top = above if math.isfinite(above) else 2 * below
+        x_low, x_high = below + (top - below) / 3, below + 2 * (top - below) / 3
+    if not 0 < x_low < x_high:
+        return None
+    orig = max(1, round(1.0 / x_low))  # an int field: low / high keep the thresholds exact
+    return RopeScaling("llama3", factor, orig * x_low, orig * x_high, orig)
 
 
 @dataclass(frozen=True)

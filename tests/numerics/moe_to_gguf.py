@@ -85,8 +85,11 @@ def _is_gpt_oss(state: dict[str, torch.Tensor]) -> bool:
     return "model.layers.0.self_attn.sinks" in state
 
 
-def write_moe_gguf(model: torch.nn.Module, path: Path, expert_type: Q = Q.F16) -> Path:
-    """Write ``model`` (a transformers MoE causal LM) to ``path``."""
+def write_moe_gguf(model: torch.nn.Module, path: Path, expert_type: Q = Q.F16,
+                   flat_gates: bool = False) -> Path:
+    """Write ``model`` (a transformers MoE causal LM) to ``path``. ``flat_gates``: Qwen2-MoE's
+    [1, hidden] shared-expert gates written 1-D, as llama.cpp's quantizer rewrites them (it
+    keeps ggml_n_dims dimensions: trailing size-1 ones dropped)."""
     cfg = model.config
     arch = _ARCH[cfg.model_type]
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
@@ -117,6 +120,8 @@ def write_moe_gguf(model: torch.nn.Module, path: Path, expert_type: Q = Q.F16) -
             data = _permute(data, heads)
         new = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
         assert new is not None, name
+        if flat_gates and name.endswith("shared_expert_gate.weight"):
+            data = data.reshape(-1)
         w.add_tensor(new, data.astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -187,11 +187,14 @@ def test_gguf_round_trip_mixtral(family: Family, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("family", ["olmoe"], indirect=True)
-def test_gguf_round_trip_qwen2_moe_shared_expert(family: Family, tmp_path: Path) -> None:
+@pytest.mark.parametrize("flat_gates", [False, True], ids=["converter", "quantizer"])
+def test_gguf_round_trip_qwen2_moe_shared_expert(family: Family, flat_gates: bool,
+                                                 tmp_path: Path) -> None:
     """Qwen2-MoE as llama.cpp writes it (every layer sparse: its graph has no dense layers):
-    ffn_{gate,up,down}_shexp and ffn_gate_inp_shexp load as the shared expert and its gate."""
+    ffn_{gate,up,down}_shexp and ffn_gate_inp_shexp load as the shared expert and its gate,
+    the gate [1, hidden] as the converter writes it or 1-D as the quantizer rewrites it."""
     ref = build_moe("qwen2_moe", tmp_path / "hf", None, mlp_only_layers=[])
-    path = write_moe_gguf(ref, tmp_path / "q2.gguf", Q.F16)
+    path = write_moe_gguf(ref, tmp_path / "q2.gguf", Q.F16, flat_gates=flat_gates)
     loaded = load_model(path, dtype=torch.float32)
     assert loaded.spec.shared_expert_intermediate_size == 80
     load_dequantized_experts(ref, path)  # the routed experts as the file holds them (F16)

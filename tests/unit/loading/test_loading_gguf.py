@@ -287,6 +287,45 @@ def test_llama3_rope_scaling_recovered_from_rope_freqs(tmp_path: Path) -> None:
     assert load_model(path).spec.rope_scaling == rs
 
 
+@pytest.mark.parametrize(("theta", "head_dim", "factor", "low", "high", "orig"), [
+    (500000.0, 16, 8.0, 1.0, 4.0, 32),  # no factor on the ramp (a tiny test model's config)
+    (10000.0, 16, 2.0, 1.0, 4.0, 100),  # one factor on the ramp
+    (500000.0, 128, 16.0, 0.7, 3.3, 3000),  # several, off the published grid
+    (1e6, 64, 32.0, 2.0, 8.0, 1 << 20),
+])
+def test_llama3_rope_scaling_solved_from_any_rope_freqs(theta: float, head_dim: int,
+                                                        factor: float, low: float, high: float,
+                                                        orig: int) -> None:
+    """llama.cpp's converter stores llama3 scaling only as the rope_freqs divisors. Parameters
+    outside the published ones are solved for: the frequencies the engine then uses equal
+    transformers' for the config the file was made from (they were refused before)."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from fitserve.loading.gguf_spec import infer_llama3
+    from fitserve.model.layers import rope_inv_freq
+
+    rs = RopeScaling("llama3", factor, low, high, orig)
+    got = infer_llama3(llama3_factors(theta, head_dim, rs), theta, head_dim)
+    assert got is not None
+    cfg = LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim,
+                      rope_parameters={"rope_type": "llama3", "rope_theta": theta,
+                                       "factor": factor, "low_freq_factor": low,
+                                       "high_freq_factor": high,
+                                       "original_max_position_embeddings": orig})
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    torch.testing.assert_close(rope_inv_freq(head_dim, theta, got), want.float(), rtol=2e-6,
+                               atol=0)
+
+
+def test_rope_freqs_not_from_llama3_is_refused(tmp_path: Path) -> None:
+    factors = np.array([1.0, 3.0, 2.0, 4.0] * (HD // 8), dtype=np.float32)  # not monotone
+    path = tmp_path / "odd.gguf"
+    write_gguf(path, meta={"theta": 500000.0, "rope_freqs": factors})
+    with pytest.raises(EngineCannotRunError, match="rope_freqs tensor does not match"):
+        load_model(path)
+
+
 def test_mistral_named_llama_file_and_sliding_window(tmp_path: Path) -> None:
     path = tmp_path / "mistral.gguf"
     write_gguf(path, meta={"name": "Mistral 7B tiny", "sliding_window": 64})
