@@ -320,8 +320,9 @@ def infer_llama3(factors: np.ndarray, theta: float, head_dim: int) -> RopeScalin
                 rs = RopeScaling("llama3", factor, low, high, orig)
                 if _factors_match(rs, factors, theta, head_dim):
                     return rs
-    rs = _solve_llama3(factors, factor, theta, head_dim)
-    return rs if rs is not None and _factors_match(rs, factors, theta, head_dim) else None
+    solved = _solve_llama3(factors, factor, theta, head_dim)
+    return solved if solved is not None and _factors_match(solved, factors, theta,
+                                                           head_dim) else None
 
 
 def _factors_match(rs: RopeScaling, factors: np.ndarray, theta: float, head_dim: int) -> bool:
