@@ -44,8 +44,6 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
@@ -126,7 +124,7 @@ def spm_tokenizer(folder: Path) -> None:
 def build(arch: str, folder: Path, tok: Any, tokdir: Path, wide: bool) -> tuple[Any, int]:
     """The tests' tiny random model of ``arch`` saved in ``folder`` with a tokenizer; it and
     the vocabulary size."""
-    from tests.numerics.test_gpt_oss_vs_transformers import gpt_oss_config
+    from tests.numerics.test_gpt_oss_vs_transformers import build_gpt_oss
     from tests.numerics.test_moe_vs_transformers import build_moe
     from tests.numerics.tiny_models import build_tiny
 
@@ -154,26 +152,7 @@ def build(arch: str, folder: Path, tok: Any, tokdir: Path, wide: bool) -> tuple[
             spm_tokenizer(folder)
         return ref, vocab
     if arch == "gpt_oss":
-        import transformers
-
-        cfg = gpt_oss_config(vocab_size=vocab, **width)
-        cfg._attn_implementation = "eager"
-        torch.manual_seed(39)
-        ref = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        with torch.no_grad():
-            for name, p in ref.named_parameters():
-                if name.endswith("sinks"):
-                    p.uniform_(-1.0, 2.0)
-                elif "bias" in name:
-                    p.normal_(0.0, 0.1)
-                elif p.dim() >= 2:
-                    p.normal_(0.0, 0.25 if "embed" in name or "lm_head" in name else 0.12)
-                else:
-                    p.uniform_(0.6, 1.4)
-        ref.save_pretrained(folder)
-        for f in tokdir.iterdir():
-            (folder / f.name).write_bytes(f.read_bytes())
-        return ref.eval(), vocab
+        return build_gpt_oss(folder, tokdir, vocab_size=vocab, **width), vocab
     moe = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256) if wide else {}
     extra = {"mlp_only_layers": []} if arch == "qwen2_moe" else {}
     return build_moe(arch, folder, tokdir, vocab_size=vocab, **moe, **extra), vocab

@@ -47,11 +47,12 @@ def gpt_oss_config(**overrides: Any) -> Any:
 
 
 @torch.no_grad()
-def build_gpt_oss(folder: Path, tokenizer_dir: Path | None, seed: int = 39) -> Any:
+def build_gpt_oss(folder: Path, tokenizer_dir: Path | None, seed: int = 39, **overrides: Any) -> Any:
     """A random tiny gpt-oss saved as an HF folder (weights scaled so logits are far from ties,
-    sinks in [-1, 2]: some heads give the sink most of the weight, some little)."""
+    sinks in [-1, 2]: some heads give the sink most of the weight, some little); ``overrides``
+    set config fields."""
     torch.manual_seed(seed)
-    config = gpt_oss_config()
+    config = gpt_oss_config(**overrides)
     config._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     for name, p in model.named_parameters():
